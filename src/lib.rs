@@ -1,0 +1,10 @@
+//! hvprobe: Linux kernel probes run from outside the guest.
+//!
+//! This crate wires the VMM (`hvprobe-vmm`) to the bundled guest and the command line.
+//! The probe engine (`hvprobe-probes`) and guest introspection
+//! (`hvprobe-introspection`) are built on top in later steps.
+
+pub mod cpio;
+pub mod guest;
+
+pub use hvprobe_vmm as vmm;

@@ -1,0 +1,53 @@
+//! Which KVM implementation is behind `/dev/kvm`.
+//!
+//! Hardware KVM (VMX/SVM) runs guest kernel code natively; kvm_pvm runs it in KVM's
+//! instruction emulator, reports a guest int3 at CPL0 as an emulation failure and cannot
+//! execute some instructions the guest would pick by CPUID. Everything that differs
+//! between the two is decided by this value, in one place each.
+
+use std::fmt;
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// VMX or SVM.
+    Hardware,
+    /// Pagetable-based VM (`kvm_pvm` module): kernel-mode guest code is emulated.
+    Pvm,
+}
+
+impl Backend {
+    /// Detects the backend from the host's loaded modules and CPU flags.
+    pub fn detect() -> Backend {
+        let pvm_loaded = Path::new("/sys/module/kvm_pvm").exists();
+        let hw_virt = std::fs::read_to_string("/proc/cpuinfo")
+            .map(|c| {
+                c.lines()
+                    .filter(|l| l.starts_with("flags"))
+                    .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
+            })
+            .unwrap_or(false);
+        let hw_module = Path::new("/sys/module/kvm_intel").exists()
+            || Path::new("/sys/module/kvm_amd").exists();
+        if pvm_loaded && !(hw_virt && hw_module) {
+            Backend::Pvm
+        } else {
+            Backend::Hardware
+        }
+    }
+
+    /// Whether a guest int3 at CPL0 reaches us as an emulation failure (and not as a
+    /// debug exit), with RIP pointing at the int3.
+    pub fn int3_is_emulation_failure(self) -> bool {
+        self == Backend::Pvm
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Backend::Hardware => write!(f, "hardware KVM (VMX/SVM)"),
+            Backend::Pvm => write!(f, "kvm_pvm (guest kernel code is emulated)"),
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! The KVM machine of hvprobe: guest memory, boot of a Linux kernel (PVH or bzImage),
+//! vCPU threads and their exit loop, the few devices a console guest needs, and pause /
+//! resume / stop of all vCPUs. It knows nothing about probes: debug exits go to a
+//! [`DebugHandler`].
+
+mod backend;
+mod boot;
+pub mod console;
+mod cpuid;
+mod devices;
+mod error;
+pub mod layout;
+mod mptable;
+pub mod regs;
+mod vcpu;
+mod vm;
+
+pub use backend::Backend;
+pub use boot::{kernel_format, KernelFormat};
+pub use console::{ConsoleLog, ConsoleOutput};
+pub use cpuid::PVM_HIDDEN_FEATURES;
+pub use devices::{GuestEvent, GUEST_EVENT_PORT, GUEST_EXIT_PORT};
+pub(crate) use error::kvm_err;
+pub use error::Error;
+pub use mptable::MAX_CPUS;
+pub use vcpu::{
+    reinject_breakpoint, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus, StopReason,
+    VcpuControl,
+};
+pub use vm::{CodeBlob, Vm, VmConfig, VmOutcome, CODE_BLOB_START, MAX_MEM_MIB, MIN_MEM_MIB};

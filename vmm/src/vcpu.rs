@@ -1,0 +1,513 @@
+//! vCPU threads: the exit loop, guest-owned breakpoints, and pausing, resuming and
+//! stopping all vCPUs.
+//!
+//! A vCPU is kicked out of `KVM_RUN` by setting its `immediate_exit` byte and sending its
+//! thread a signal: the byte catches a vCPU that is about to enter, the signal one that is
+//! inside. The vCPU clears the byte before it looks at what was requested, so a request
+//! made after that look always leaves the byte set for the next entry.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
+use std::time::{Duration, Instant};
+
+use hvprobe_arch::{Gva, INT3};
+use kvm_bindings::{kvm_regs, KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use crate::backend::Backend;
+use crate::devices::{GuestEvent, IoAction, PortDevices};
+use crate::{kvm_err, Error};
+
+/// Why the VM stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The guest reported the exit status of its workload (or of its shell).
+    GuestExit(u8),
+    /// The guest reset the machine: a reboot, or the reboot after a kernel panic.
+    Reset,
+    /// The guest powered off through KVM's system-event exit.
+    PowerOff,
+    /// A triple fault.
+    TripleFault,
+    /// KVM could not emulate a guest instruction (kvm_pvm: kernel code is emulated).
+    EmulationFailure { cpu: usize, rip: u64, insn: Vec<u8> },
+    /// A vCPU ioctl or an unexpected exit.
+    VcpuError { cpu: usize, message: String },
+    /// The user asked to quit (Ctrl-A x on the console), or the host stopped the VM.
+    Stopped,
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StopReason::GuestExit(s) => write!(f, "guest exited with status {s}"),
+            StopReason::Reset => write!(f, "guest reset the machine (reboot, or the reboot after a panic)"),
+            StopReason::PowerOff => write!(f, "guest powered off"),
+            StopReason::TripleFault => write!(f, "guest triple fault"),
+            StopReason::EmulationFailure { cpu, rip, insn } => {
+                write!(f, "KVM could not emulate the instruction at {rip:#x} on vCPU {cpu} (bytes:")?;
+                for b in insn {
+                    write!(f, " {b:02x}")?;
+                }
+                write!(f, ")")
+            }
+            StopReason::VcpuError { cpu, message } => write!(f, "vCPU {cpu}: {message}"),
+            StopReason::Stopped => write!(f, "stopped by the host"),
+        }
+    }
+}
+
+/// What a [`DebugHandler`] did with a breakpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BreakpointDisposition {
+    /// Not ours: deliver the #BP to the guest as if no hypervisor were there.
+    GuestOwned,
+    /// Ours: the handler has set the vCPU up to continue.
+    Handled,
+}
+
+/// Receives the debug events of every vCPU. The VMM knows nothing about probes: the
+/// probe engine implements this.
+pub trait DebugHandler: Send + Sync {
+    /// An int3 at `at` (guest virtual) was hit on vCPU `cpu`; RIP still points at it.
+    fn on_breakpoint(&self, cpu: usize, vcpu: &mut VcpuFd, at: Gva) -> BreakpointDisposition;
+}
+
+/// A handler that owns no breakpoint: every int3 goes back to the guest.
+pub struct NoProbes;
+
+impl DebugHandler for NoProbes {
+    fn on_breakpoint(&self, _cpu: usize, _vcpu: &mut VcpuFd, _at: Gva) -> BreakpointDisposition {
+        BreakpointDisposition::GuestOwned
+    }
+}
+
+/// Counters of the exit loop, for all vCPUs together.
+#[derive(Debug, Default)]
+pub struct ExitCounters {
+    pub exits: AtomicU64,
+    pub io_exits: AtomicU64,
+    pub breakpoints: AtomicU64,
+    pub breakpoints_reinjected: AtomicU64,
+}
+
+struct VcpuSlot {
+    /// `immediate_exit` in the vCPU's `kvm_run` page, and its thread; `None` when the vCPU
+    /// thread is not running (the page may be gone).
+    kick: Mutex<Option<(*const AtomicU8, libc::pthread_t)>>,
+}
+
+// SAFETY: the raw pointer is only dereferenced under the slot's lock, while the owning vCPU
+// thread (which clears the slot before its `kvm_run` mapping goes away) is alive.
+unsafe impl Send for VcpuSlot {}
+// SAFETY: as above.
+unsafe impl Sync for VcpuSlot {}
+
+#[derive(Default)]
+struct ControlState {
+    pause_depth: usize,
+    parked: usize,
+    exited: usize,
+    stop: Option<StopReason>,
+    parked_regs: Vec<Option<kvm_regs>>,
+}
+
+/// Shared control of all vCPUs of a VM: pause, resume, stop, and what happened.
+pub struct VcpuControl {
+    slots: Vec<VcpuSlot>,
+    state: Mutex<ControlState>,
+    changed: Condvar,
+    request_pending: AtomicBool,
+    started: OnceLock<Instant>,
+    init_reached: OnceLock<Duration>,
+    pub counters: ExitCounters,
+}
+
+thread_local! {
+    static CURRENT_VCPU: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+extern "C" fn kick_signal_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN`.
+fn kick_signal() -> libc::c_int {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+fn register_kick_signal() -> Result<(), Error> {
+    static ONCE: Once = Once::new();
+    let mut result = Ok(());
+    ONCE.call_once(|| {
+        result = vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_signal_handler).map_err(Error::Signal);
+    });
+    result
+}
+
+impl VcpuControl {
+    pub fn new(vcpu_count: usize) -> Result<Arc<Self>, Error> {
+        register_kick_signal()?;
+        Ok(Arc::new(VcpuControl {
+            slots: (0..vcpu_count).map(|_| VcpuSlot { kick: Mutex::new(None) }).collect(),
+            state: Mutex::new(ControlState { parked_regs: vec![None; vcpu_count], ..Default::default() }),
+            changed: Condvar::new(),
+            request_pending: AtomicBool::new(false),
+            started: OnceLock::new(),
+            init_reached: OnceLock::new(),
+            counters: ExitCounters::default(),
+        }))
+    }
+
+    pub fn vcpu_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ControlState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn kick_all(&self) {
+        for slot in &self.slots {
+            let kick = slot.kick.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((immediate_exit, thread)) = *kick {
+                // SAFETY: the pointer is valid while the slot holds it (see `VcpuSlot`).
+                unsafe { (*immediate_exit).store(1, Ordering::SeqCst) };
+                // SAFETY: the thread is alive while the slot holds it; the handler does nothing.
+                unsafe { libc::pthread_kill(thread, kick_signal()) };
+            }
+        }
+    }
+
+    /// Stops the VM: every vCPU leaves its loop. The first reason given is kept.
+    pub fn stop(&self, reason: StopReason) {
+        {
+            let mut st = self.lock();
+            if st.stop.is_none() {
+                st.stop = Some(reason);
+            }
+        }
+        self.request_pending.store(true, Ordering::SeqCst);
+        self.kick_all();
+        self.changed.notify_all();
+    }
+
+    /// Why the VM stopped, once it has.
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.lock().stop.clone()
+    }
+
+    /// Pauses all vCPUs (all others, when called from a vCPU thread) and returns once they
+    /// are parked. They run again when the returned guard is dropped. Pauses nest.
+    pub fn pause_all(self: &Arc<Self>) -> PausedVcpus {
+        let me = CURRENT_VCPU.with(|c| c.get());
+        let mut st = self.lock();
+        st.pause_depth += 1;
+        self.request_pending.store(true, Ordering::SeqCst);
+        drop(st);
+        self.kick_all();
+        let mut st = self.lock();
+        let others = self.slots.len() - usize::from(me.is_some());
+        while st.parked + st.exited < others && st.stop.is_none() {
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        PausedVcpus { control: Arc::clone(self) }
+    }
+
+    fn resume(&self) {
+        let mut st = self.lock();
+        st.pause_depth -= 1;
+        if st.pause_depth == 0 && st.stop.is_none() {
+            self.request_pending.store(false, Ordering::SeqCst);
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Called by a vCPU thread between runs: parks while paused. Returns false when the
+    /// vCPU must stop.
+    fn checkpoint(&self, cpu: usize, vcpu: &VcpuFd) -> bool {
+        if !self.request_pending.load(Ordering::SeqCst) {
+            return true;
+        }
+        let mut st = self.lock();
+        if st.stop.is_some() {
+            return false;
+        }
+        if st.pause_depth == 0 {
+            return true;
+        }
+        st.parked_regs[cpu] = vcpu.get_regs().ok();
+        st.parked += 1;
+        self.changed.notify_all();
+        while st.pause_depth > 0 && st.stop.is_none() {
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st.parked -= 1;
+        st.parked_regs[cpu] = None;
+        st.stop.is_none()
+    }
+
+    fn vcpu_exited(&self) {
+        self.lock().exited += 1;
+        self.changed.notify_all();
+    }
+
+    pub(crate) fn mark_started(&self) {
+        let _ = self.started.set(Instant::now());
+    }
+
+    /// Time from the start of the vCPUs to the guest's `/init` signal.
+    pub fn boot_to_init(&self) -> Option<Duration> {
+        self.init_reached.get().copied()
+    }
+
+    fn guest_event(&self, event: GuestEvent) {
+        match event {
+            GuestEvent::InitReached => {
+                if let Some(started) = self.started.get() {
+                    let t = started.elapsed();
+                    if self.init_reached.set(t).is_ok() {
+                        tracing::info!("guest reached /init after {:.2} s", t.as_secs_f64());
+                    }
+                }
+            }
+            GuestEvent::WorkloadStarted => tracing::debug!("guest workload started"),
+            GuestEvent::Other(v) => tracing::debug!("unknown guest event {v}"),
+        }
+    }
+}
+
+/// All vCPUs parked (see [`VcpuControl::pause_all`]); dropping this resumes them.
+pub struct PausedVcpus {
+    control: Arc<VcpuControl>,
+}
+
+impl PausedVcpus {
+    /// The registers of a parked vCPU (`None` for the calling vCPU or an exited one).
+    pub fn regs(&self, cpu: usize) -> Option<kvm_regs> {
+        self.control.lock().parked_regs.get(cpu).copied().flatten()
+    }
+}
+
+impl Drop for PausedVcpus {
+    fn drop(&mut self) {
+        self.control.resume();
+    }
+}
+
+/// Delivers a #BP to the guest for the int3 at `at`, as the CPU would have without a
+/// hypervisor watching. The two backends differ in who moves RIP past the int3.
+pub fn reinject_breakpoint(vcpu: &VcpuFd, backend: Backend, at: Gva) -> Result<(), Error> {
+    if backend.int3_is_emulation_failure() {
+        // kvm_pvm leaves RIP on the int3 and injects the exception as is: the guest's
+        // handler expects RIP after the int3, as a trap would leave it.
+        let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+        regs.rip = at.0 + 1;
+        vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
+    }
+    // On hardware KVM the #BP is injected as a software exception and KVM advances RIP
+    // by the instruction length itself.
+    let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+    events.exception.injected = 1;
+    events.exception.pending = 0;
+    events.exception.nr = 3;
+    events.exception.has_error_code = 0;
+    events.exception.error_code = 0;
+    events.flags = 0;
+    vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
+}
+
+/// Everything one vCPU thread needs.
+pub struct VcpuRunner {
+    pub cpu: usize,
+    pub vcpu: VcpuFd,
+    pub backend: Backend,
+    pub control: Arc<VcpuControl>,
+    pub devices: Arc<PortDevices>,
+    pub debug: Arc<dyn DebugHandler>,
+    pub mem: GuestMemoryMmap,
+}
+
+/// What the loop does after an exit.
+enum Next {
+    Continue,
+    Stop(StopReason),
+}
+
+impl VcpuRunner {
+    /// Runs the vCPU until the VM stops.
+    pub fn run(mut self) {
+        CURRENT_VCPU.with(|c| c.set(Some(self.cpu)));
+        let immediate_exit = &mut self.vcpu.get_kvm_run().immediate_exit as *mut u8 as *const AtomicU8;
+        // SAFETY: pthread_self has no preconditions.
+        let me = unsafe { libc::pthread_self() };
+        *self.control.slots[self.cpu].kick.lock().unwrap_or_else(|e| e.into_inner()) = Some((immediate_exit, me));
+
+        loop {
+            // SAFETY: `immediate_exit` points into this vCPU's kvm_run page, alive as long
+            // as `self.vcpu`.
+            unsafe { (*immediate_exit).store(0, Ordering::SeqCst) };
+            if !self.control.checkpoint(self.cpu, &self.vcpu) {
+                break;
+            }
+            let next = self.run_once();
+            if let Next::Stop(reason) = next {
+                self.control.stop(reason);
+                break;
+            }
+        }
+
+        *self.control.slots[self.cpu].kick.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.control.vcpu_exited();
+    }
+
+    fn run_once(&mut self) -> Next {
+        let cpu = self.cpu;
+        let exit = match self.vcpu.run() {
+            Ok(exit) => exit,
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => return Next::Continue,
+            Err(e) => return Next::Stop(StopReason::VcpuError { cpu, message: format!("KVM_RUN failed: {e}") }),
+        };
+        self.control.counters.exits.fetch_add(1, Ordering::Relaxed);
+        match exit {
+            VcpuExit::IoOut(port, data) => {
+                self.control.counters.io_exits.fetch_add(1, Ordering::Relaxed);
+                match self.devices.write(port, data) {
+                    IoAction::Continue => Next::Continue,
+                    IoAction::Event(e) => {
+                        self.control.guest_event(e);
+                        Next::Continue
+                    }
+                    IoAction::GuestExit(status) => Next::Stop(StopReason::GuestExit(status)),
+                    IoAction::Reset => Next::Stop(StopReason::Reset),
+                }
+            }
+            VcpuExit::IoIn(port, data) => {
+                self.control.counters.io_exits.fetch_add(1, Ordering::Relaxed);
+                self.devices.read(port, data);
+                Next::Continue
+            }
+            VcpuExit::MmioRead(addr, data) => {
+                tracing::debug!("vCPU {cpu}: read of unbacked guest-physical {addr:#x}");
+                data.fill(0xff);
+                Next::Continue
+            }
+            VcpuExit::MmioWrite(addr, _) => {
+                tracing::debug!("vCPU {cpu}: write to unbacked guest-physical {addr:#x}");
+                Next::Continue
+            }
+            VcpuExit::Hlt => Next::Continue,
+            VcpuExit::Shutdown => Next::Stop(StopReason::TripleFault),
+            VcpuExit::SystemEvent(kind, _) => match kind {
+                KVM_SYSTEM_EVENT_SHUTDOWN => Next::Stop(StopReason::PowerOff),
+                KVM_SYSTEM_EVENT_RESET => Next::Stop(StopReason::Reset),
+                other => Next::Stop(StopReason::VcpuError { cpu, message: format!("system event {other}") }),
+            },
+            VcpuExit::Debug(arch) => {
+                if arch.exception == 3 {
+                    self.breakpoint(Gva(arch.pc))
+                } else {
+                    Next::Stop(StopReason::VcpuError {
+                        cpu,
+                        message: format!("unexpected debug exit: exception {} at {:#x}", arch.exception, arch.pc),
+                    })
+                }
+            }
+            VcpuExit::InternalError => self.internal_error(),
+            VcpuExit::FailEntry(reason, hw_cpu) => Next::Stop(StopReason::VcpuError {
+                cpu,
+                message: format!("VM entry failed: hardware reason {reason:#x} on host CPU {hw_cpu}"),
+            }),
+            other => Next::Stop(StopReason::VcpuError { cpu, message: format!("unexpected exit: {other:?}") }),
+        }
+    }
+
+    /// `KVM_EXIT_INTERNAL_ERROR`: on kvm_pvm a guest int3 at CPL0 arrives this way.
+    fn internal_error(&mut self) -> Next {
+        let cpu = self.cpu;
+        // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, whose data is the union's
+        // `internal` member; `emulation_failure` overlays it for the emulation suberror.
+        let (suberror, ndata, data) = {
+            let run = self.vcpu.get_kvm_run();
+            let internal = unsafe { run.__bindgen_anon_1.internal };
+            (internal.suberror, internal.ndata, internal.data)
+        };
+        let rip = match self.vcpu.get_regs() {
+            Ok(r) => r.rip,
+            Err(e) => return Next::Stop(StopReason::VcpuError { cpu, message: format!("KVM_GET_REGS: {e}") }),
+        };
+        if suberror != KVM_INTERNAL_ERROR_EMULATION {
+            return Next::Stop(StopReason::VcpuError {
+                cpu,
+                message: format!("KVM internal error, suberror {suberror}, rip {rip:#x}, data {:x?}", &data[..(ndata as usize).min(16)]),
+            });
+        }
+        let mut insn = emulation_failure_bytes(ndata, &data);
+        if insn.is_empty() {
+            insn = self.bytes_at(rip);
+        }
+        if self.backend.int3_is_emulation_failure() && insn.first() == Some(&INT3) {
+            return self.breakpoint(Gva(rip));
+        }
+        Next::Stop(StopReason::EmulationFailure { cpu, rip, insn })
+    }
+
+    /// Up to 15 instruction bytes at a guest-virtual address, through KVM's translation
+    /// of the vCPU's current page tables (empty when unmapped).
+    fn bytes_at(&self, rip: u64) -> Vec<u8> {
+        let Ok(t) = self.vcpu.translate_gva(rip) else { return Vec::new() };
+        if t.valid == 0 {
+            return Vec::new();
+        }
+        let in_page = (0x1000 - (rip & 0xfff)).min(15) as usize;
+        let mut buf = vec![0u8; in_page];
+        match self.mem.read_slice(&mut buf, GuestAddress(t.physical_address)) {
+            Ok(()) => buf,
+            Err(_) => Vec::new(),
+        }
+    }
+
+    fn breakpoint(&mut self, at: Gva) -> Next {
+        self.control.counters.breakpoints.fetch_add(1, Ordering::Relaxed);
+        match self.debug.on_breakpoint(self.cpu, &mut self.vcpu, at) {
+            BreakpointDisposition::Handled => Next::Continue,
+            BreakpointDisposition::GuestOwned => {
+                self.control.counters.breakpoints_reinjected.fetch_add(1, Ordering::Relaxed);
+                match reinject_breakpoint(&self.vcpu, self.backend, at) {
+                    Ok(()) => Next::Continue,
+                    Err(e) => Next::Stop(StopReason::VcpuError { cpu: self.cpu, message: format!("re-injecting #BP: {e}") }),
+                }
+            }
+        }
+    }
+}
+
+/// The instruction bytes KVM reports with an emulation failure
+/// (`struct kvm_run::emulation_failure`: flags, then insn_size and insn_bytes).
+fn emulation_failure_bytes(ndata: u32, data: &[u64; 16]) -> Vec<u8> {
+    const HAS_INSN_BYTES: u64 = 1;
+    if ndata < 3 || data[0] & HAS_INSN_BYTES == 0 {
+        return Vec::new();
+    }
+    let mut raw = [0u8; 16];
+    raw[..8].copy_from_slice(&data[1].to_le_bytes());
+    raw[8..].copy_from_slice(&data[2].to_le_bytes());
+    let size = (raw[0] as usize).min(15);
+    raw[1..1 + size].to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn emulation_failure_bytes_are_decoded_from_the_exit_data() {
+        let mut data = [0u64; 16];
+        data[0] = 1;
+        data[1] = u64::from_le_bytes([2, 0xcc, 0x90, 0, 0, 0, 0, 0]);
+        assert_eq!(emulation_failure_bytes(3, &data), vec![0xcc, 0x90]);
+        data[0] = 0;
+        assert!(emulation_failure_bytes(3, &data).is_empty());
+        assert!(emulation_failure_bytes(1, &data).is_empty());
+    }
+}

@@ -1,0 +1,347 @@
+//! A whole VM: KVM objects, guest memory, devices, the loaded kernel and its vCPU threads.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hvprobe_arch::Gpa;
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_superio::Serial;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::backend::Backend;
+use crate::boot::{self, KernelFormat};
+use crate::console::{ConsoleLog, ConsoleOutput, ConsoleWriter};
+use crate::devices::{IrqLine, PortDevices, SERIAL_IRQ};
+use crate::layout::{ram_ranges, OOL_AREA_SIZE, OOL_AREA_START};
+use crate::vcpu::{DebugHandler, StopReason, VcpuControl, VcpuRunner};
+use crate::{cpuid, kvm_err, mptable, regs, Error};
+
+/// Smallest guest the VMM accepts: the kernel, its initrd and early allocations need room.
+pub const MIN_MEM_MIB: u64 = 32;
+/// Largest guest memory accepted.
+pub const MAX_MEM_MIB: u64 = 64 * 1024;
+
+/// Guest memory of a code-blob VM.
+const CODE_BLOB_MEM: u64 = 4 << 20;
+/// Where a code blob is loaded; its offsets are relative to this.
+pub const CODE_BLOB_START: u64 = 0x10_0000;
+/// Interrupt descriptor table of a code-blob VM.
+const CODE_BLOB_IDT: u64 = 0x1000;
+/// Top of vCPU 0's stack in a code-blob VM; vCPU n's is 4 KiB * n lower.
+const CODE_BLOB_STACKS: u64 = 0x8_0000;
+
+/// Raw 64-bit code to run in place of a kernel (see [`Vm::new_code_blob`]).
+#[derive(Clone, Debug)]
+pub struct CodeBlob {
+    pub code: Vec<u8>,
+    pub cpus: u8,
+    /// Offset in `code` of the guest's own #BP handler, if it has one.
+    pub breakpoint_handler: Option<u64>,
+}
+
+/// What to boot and how.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub kernel: PathBuf,
+    /// The initrd as bytes (several cpio archives may be concatenated).
+    pub initrd: Vec<u8>,
+    pub cmdline: String,
+    pub cpus: u8,
+    pub mem_mib: u64,
+    pub console_output: ConsoleOutput,
+    /// Feed the host's stdin to the guest console (raw mode on a terminal; Ctrl-A x quits).
+    pub console_input: bool,
+}
+
+impl VmConfig {
+    /// Checks the values that do not need KVM.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.cpus == 0 || self.cpus > mptable::MAX_CPUS {
+            return Err(Error::Config(format!("{} vCPUs requested: 1 to {} are supported", self.cpus, mptable::MAX_CPUS)));
+        }
+        if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
+            return Err(Error::Config(format!(
+                "{} MiB of guest memory requested: {MIN_MEM_MIB} to {MAX_MEM_MIB} MiB are supported",
+                self.mem_mib
+            )));
+        }
+        boot::kernel_format(&self.kernel)?;
+        Ok(())
+    }
+}
+
+/// How a run ended.
+#[derive(Debug)]
+pub struct VmOutcome {
+    pub reason: StopReason,
+    /// From vCPU start to the guest's `/init` signal, when it came.
+    pub boot_to_init: Option<Duration>,
+    /// From vCPU start to the end.
+    pub run_time: Duration,
+    pub exits: u64,
+    pub breakpoints_reinjected: u64,
+    /// `None` for a code blob.
+    pub kernel_format: Option<KernelFormat>,
+}
+
+pub struct Vm {
+    _kvm: Kvm,
+    vm_fd: VmFd,
+    backend: Backend,
+    mem: GuestMemoryMmap,
+    vcpus: Vec<VcpuFd>,
+    devices: Arc<PortDevices>,
+    control: Arc<VcpuControl>,
+    console_log: ConsoleLog,
+    kernel_format: Option<KernelFormat>,
+    console_input: bool,
+}
+
+impl Vm {
+    /// Creates the VM, loads the kernel and prepares every vCPU; nothing runs yet.
+    pub fn new(config: &VmConfig) -> Result<Vm, Error> {
+        config.validate()?;
+        let mem_bytes = config.mem_mib << 20;
+        let mut vm = Vm::create(config.cpus, mem_bytes, config.console_output, config.console_input)?;
+        let kernel = boot::load(&vm.mem, mem_bytes, &config.kernel, &config.cmdline, &config.initrd)?;
+        tracing::info!("kernel {} loaded as {}", config.kernel.display(), kernel.format);
+        mptable::write_mptable(&vm.mem, config.cpus)?;
+        regs::setup_boot_vcpu(&vm.vcpus[0], &vm.mem, kernel.entry, kernel.boot_info)?;
+        vm.kernel_format = Some(kernel.format);
+        Ok(vm)
+    }
+
+    /// A VM that runs raw 64-bit code at CPL0 instead of a kernel: long mode, the first
+    /// 4 GiB identity-mapped, every vCPU starting at the blob's entry with RDI = its index.
+    /// For tests and benchmarks of the exit loop itself.
+    pub fn new_code_blob(blob: &CodeBlob) -> Result<Vm, Error> {
+        let vm = Vm::create(blob.cpus, CODE_BLOB_MEM, ConsoleOutput::Discard, false)?;
+        let write = |bytes: &[u8], at: u64| {
+            vm.mem.write_slice(bytes, GuestAddress(at)).map_err(|e| Error::GuestMemory(format!("code blob: {e}")))
+        };
+        write(&blob.code, CODE_BLOB_START)?;
+        if let Some(handler) = blob.breakpoint_handler {
+            // A 64-bit interrupt gate for vector 3 (#BP), DPL 0, code selector 8.
+            let target = CODE_BLOB_START + handler;
+            let mut gate = [0u8; 16];
+            gate[0..2].copy_from_slice(&(target as u16).to_le_bytes());
+            gate[2..4].copy_from_slice(&8u16.to_le_bytes());
+            gate[5] = 0x8e;
+            gate[6..8].copy_from_slice(&((target >> 16) as u16).to_le_bytes());
+            gate[8..12].copy_from_slice(&((target >> 32) as u32).to_le_bytes());
+            write(&gate, CODE_BLOB_IDT + 3 * 16)?;
+        }
+        for (cpu, vcpu) in vm.vcpus.iter().enumerate() {
+            let entry = regs::EntryMode::Linux64 { entry: CODE_BLOB_START };
+            regs::setup_boot_vcpu(vcpu, &vm.mem, entry, 0)?;
+            let mut sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+            sregs.idt.base = CODE_BLOB_IDT;
+            sregs.idt.limit = 256 * 16 - 1;
+            vcpu.set_sregs(&sregs).map_err(kvm_err("KVM_SET_SREGS"))?;
+            let mut r = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+            r.rdi = cpu as u64;
+            r.rsp = CODE_BLOB_STACKS - cpu as u64 * 0x1000;
+            vcpu.set_regs(&r).map_err(kvm_err("KVM_SET_REGS"))?;
+            if cpu > 0 {
+                let runnable = kvm_bindings::kvm_mp_state { mp_state: kvm_bindings::KVM_MP_STATE_RUNNABLE };
+                vcpu.set_mp_state(runnable).map_err(kvm_err("KVM_SET_MP_STATE"))?;
+            }
+        }
+        Ok(vm)
+    }
+
+    /// KVM objects, memory, devices and vCPUs with CPUID, MSRs, FPU and LAPIC set.
+    fn create(cpus: u8, mem_bytes: u64, console_output: ConsoleOutput, console_input: bool) -> Result<Vm, Error> {
+        let backend = Backend::detect();
+        tracing::info!("KVM backend: {backend}");
+        let kvm = Kvm::new().map_err(Error::OpenKvm)?;
+        let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+        if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
+            tracing::debug!("KVM_SET_TSS_ADDR: {e} (ignored)");
+        }
+        vm_fd.create_irq_chip().map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+        vm_fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+        let mem = create_guest_memory(&vm_fd, mem_bytes)?;
+
+        let console_log = ConsoleLog::default();
+        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::Console(e.into()))?;
+        vm_fd.register_irqfd(&serial_irq, SERIAL_IRQ).map_err(kvm_err("KVM_IRQFD"))?;
+        let serial = Serial::new(IrqLine(serial_irq), ConsoleWriter::new(console_log.clone(), console_output));
+        let devices = Arc::new(PortDevices::new(serial));
+
+        let mut vcpus = Vec::new();
+        for i in 0..cpus {
+            let vcpu = vm_fd.create_vcpu(u64::from(i)).map_err(kvm_err("KVM_CREATE_VCPU"))?;
+            let cpuid = cpuid::guest_cpuid(&kvm, backend, i, cpus)?;
+            vcpu.set_cpuid2(&cpuid).map_err(kvm_err("KVM_SET_CPUID2"))?;
+            regs::setup_msrs(&vcpu)?;
+            regs::setup_fpu(&vcpu)?;
+            regs::setup_lapic_lint(&vcpu)?;
+            vcpus.push(vcpu);
+        }
+        let control = VcpuControl::new(vcpus.len())?;
+        Ok(Vm {
+            _kvm: kvm,
+            vm_fd,
+            backend,
+            mem,
+            vcpus,
+            devices,
+            control,
+            console_log,
+            kernel_format: None,
+            console_input,
+        })
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Guest memory (RAM and the out-of-line area).
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.mem
+    }
+
+    pub fn vm_fd(&self) -> &VmFd {
+        &self.vm_fd
+    }
+
+    /// Pause, resume and stop all vCPUs, from any thread.
+    pub fn control(&self) -> Arc<VcpuControl> {
+        Arc::clone(&self.control)
+    }
+
+    pub fn console_log(&self) -> ConsoleLog {
+        self.console_log.clone()
+    }
+
+    /// Runs every vCPU in its own thread until the VM stops.
+    pub fn run(self, debug: Arc<dyn DebugHandler>) -> Result<VmOutcome, Error> {
+        let Vm { vcpus, control, devices, backend, mem, kernel_format, console_input, .. } = self;
+        let _terminal = if console_input { Some(spawn_console_input(&devices, &control)?) } else { None };
+        control.mark_started();
+        let started = Instant::now();
+        let mut threads = Vec::new();
+        for (cpu, vcpu) in vcpus.into_iter().enumerate() {
+            let runner = VcpuRunner {
+                cpu,
+                vcpu,
+                backend,
+                control: Arc::clone(&control),
+                devices: Arc::clone(&devices),
+                debug: Arc::clone(&debug),
+                mem: mem.clone(),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("vcpu{cpu}"))
+                .spawn(move || runner.run())
+                .map_err(Error::Thread)?;
+            threads.push(thread);
+        }
+        for t in threads {
+            if t.join().is_err() {
+                control.stop(StopReason::VcpuError { cpu: usize::MAX, message: "vCPU thread panicked".into() });
+            }
+        }
+        let counters = &control.counters;
+        Ok(VmOutcome {
+            reason: control.stop_reason().unwrap_or(StopReason::Stopped),
+            boot_to_init: control.boot_to_init(),
+            run_time: started.elapsed(),
+            exits: counters.exits.load(std::sync::atomic::Ordering::Relaxed),
+            breakpoints_reinjected: counters.breakpoints_reinjected.load(std::sync::atomic::Ordering::Relaxed),
+            kernel_format,
+        })
+    }
+}
+
+fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, Error> {
+    let mut ranges: Vec<(GuestAddress, usize)> =
+        ram_ranges(mem_bytes).into_iter().map(|(Gpa(start), len)| (GuestAddress(start), len as usize)).collect();
+    ranges.push((GuestAddress(OOL_AREA_START.0), OOL_AREA_SIZE as usize));
+    let mem = GuestMemoryMmap::from_ranges(&ranges).map_err(|e| Error::GuestMemory(e.to_string()))?;
+    for (slot, region) in mem.iter().enumerate() {
+        let host = mem
+            .get_host_address(region.start_addr())
+            .map_err(|e| Error::GuestMemory(format!("host address of a region: {e}")))?;
+        let region = kvm_userspace_memory_region {
+            slot: slot as u32,
+            flags: 0,
+            guest_phys_addr: region.start_addr().0,
+            memory_size: region.len(),
+            userspace_addr: host as u64,
+        };
+        // SAFETY: the region is mapped for the lifetime of `mem`, which the VM keeps (the
+        // vCPU threads hold clones of it while they run).
+        unsafe { vm_fd.set_user_memory_region(region) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+    }
+    Ok(mem)
+}
+
+/// Restores the terminal when the run ends.
+struct TerminalGuard;
+
+impl Drop for TerminalGuard {
+    fn drop(&mut self) {
+        use vmm_sys_util::terminal::Terminal;
+        let _ = std::io::stdin().lock().set_canon_mode();
+    }
+}
+
+/// Feeds stdin to the serial console. Ctrl-A x stops the VM (as in QEMU).
+fn spawn_console_input(devices: &Arc<PortDevices>, control: &Arc<VcpuControl>) -> Result<TerminalGuard, Error> {
+    use vmm_sys_util::terminal::Terminal;
+    // SAFETY: isatty has no preconditions.
+    if unsafe { libc::isatty(libc::STDIN_FILENO) } == 1 {
+        std::io::stdin().lock().set_raw_mode().map_err(|e| Error::Console(e.into()))?;
+    }
+    let devices = Arc::clone(devices);
+    let control = Arc::clone(control);
+    std::thread::Builder::new()
+        .name("console-input".into())
+        .spawn(move || {
+            let mut stdin = std::io::stdin();
+            let mut buf = [0u8; 64];
+            let mut escape = false;
+            loop {
+                let n = match stdin.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                let mut pending = Vec::with_capacity(n);
+                for &b in &buf[..n] {
+                    if escape {
+                        escape = false;
+                        if b == b'x' {
+                            control.stop(StopReason::Stopped);
+                            return;
+                        }
+                        pending.push(0x01);
+                    } else if b == 0x01 {
+                        escape = true;
+                        continue;
+                    }
+                    pending.push(b);
+                }
+                let mut rest: &[u8] = &pending;
+                while !rest.is_empty() {
+                    let sent = devices.serial.lock().unwrap_or_else(|e| e.into_inner()).enqueue_raw_bytes(rest);
+                    match sent {
+                        Ok(k) => rest = &rest[k..],
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                    if control.stop_reason().is_some() {
+                        return;
+                    }
+                }
+            }
+        })
+        .map_err(Error::Thread)?;
+    Ok(TerminalGuard)
+}
