@@ -36,6 +36,23 @@ impl Backend {
         }
     }
 
+    /// Kernel command-line options a Linux guest needs on this backend.
+    ///
+    /// On kvm_pvm the guest's CPUID instruction does not return what KVM_SET_CPUID2 set for
+    /// the basic feature leaves (measured: leaf 1 ECX shows the host's xsave, popcnt, cx16
+    /// although we cleared them; the KVM leaves 0x4000_0000+ do follow our table). So the
+    /// features whose instructions the emulator cannot execute at CPL0 are also switched
+    /// off in the kernel by name. Names, not bit numbers: the numbering changes between
+    /// kernel versions.
+    pub fn kernel_cmdline_fixups(self) -> &'static str {
+        match self {
+            Backend::Hardware => "",
+            Backend::Pvm => {
+                "noxsave clearcpuid=xsave,avx,avx2,avx512f,popcnt,cx16,rdrand,rdseed,pcid,invpcid,fsgsbase,smap,erms,fsrm,pku,rdpid"
+            }
+        }
+    }
+
     /// Whether a guest int3 at CPL0 reaches us as an emulation failure (and not as a
     /// debug exit), with RIP pointing at the int3.
     pub fn int3_is_emulation_failure(self) -> bool {

@@ -3,7 +3,9 @@
 //! Starts from what KVM supports and adjusts: the topology per vCPU, and on kvm_pvm the
 //! features whose instructions KVM's emulator cannot execute at CPL0 (the guest kernel
 //! would pick them by CPUID and die with an emulation failure), plus the KVM
-//! paravirtual features whose hypercalls never complete there.
+//! paravirtual features whose hypercalls never complete there. On kvm_pvm the guest does
+//! not see our basic leaves (see [`crate::Backend::kernel_cmdline_fixups`], which covers
+//! them); it does see the KVM leaves.
 
 use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::Kvm;

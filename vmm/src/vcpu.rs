@@ -449,6 +449,12 @@ impl VcpuRunner {
         if self.backend.int3_is_emulation_failure() && insn.first() == Some(&INT3) {
             return self.breakpoint(Gva(rip));
         }
+        if insn.first() == Some(&FWAIT) {
+            return match complete_fwait(&self.vcpu, rip) {
+                Ok(()) => Next::Continue,
+                Err(e) => Next::Stop(StopReason::VcpuError { cpu, message: format!("completing fwait: {e}") }),
+            };
+        }
         Next::Stop(StopReason::EmulationFailure { cpu, rip, insn })
     }
 
@@ -480,6 +486,30 @@ impl VcpuRunner {
             }
         }
     }
+}
+
+/// `fwait`/`wait`: KVM's emulator has no case for it, and Linux executes one in
+/// `fpu__drop()` on every exec and exit.
+const FWAIT: u8 = 0x9b;
+const X87_FSW_ES: u16 = 1 << 7;
+const MF_VECTOR: u8 = 16;
+
+/// Completes an `fwait` the emulator refused, as the CPU would: with no unmasked x87
+/// exception pending it does nothing; with one, it raises #MF.
+fn complete_fwait(vcpu: &VcpuFd, rip: u64) -> Result<(), Error> {
+    let fpu = vcpu.get_fpu().map_err(kvm_err("KVM_GET_FPU"))?;
+    if fpu.fsw & X87_FSW_ES != 0 {
+        let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+        events.exception.injected = 1;
+        events.exception.pending = 0;
+        events.exception.nr = MF_VECTOR;
+        events.exception.has_error_code = 0;
+        events.flags = 0;
+        return vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"));
+    }
+    let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+    regs.rip = rip + 1;
+    vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))
 }
 
 /// The instruction bytes KVM reports with an emulation failure

@@ -107,7 +107,11 @@ impl Vm {
         config.validate()?;
         let mem_bytes = config.mem_mib << 20;
         let mut vm = Vm::create(config.cpus, mem_bytes, config.console_output, config.console_input)?;
-        let kernel = boot::load(&vm.mem, mem_bytes, &config.kernel, &config.cmdline, &config.initrd)?;
+        let cmdline = match vm.backend.kernel_cmdline_fixups() {
+            "" => config.cmdline.clone(),
+            fixups => format!("{} {fixups}", config.cmdline),
+        };
+        let kernel = boot::load(&vm.mem, mem_bytes, &config.kernel, &cmdline, &config.initrd)?;
         tracing::info!("kernel {} loaded as {}", config.kernel.display(), kernel.format);
         mptable::write_mptable(&vm.mem, config.cpus)?;
         regs::setup_boot_vcpu(&vm.vcpus[0], &vm.mem, kernel.entry, kernel.boot_info)?;
