@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand};
 use hvprobe::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
-use hvprobe::vmm::{ConsoleOutput, NoProbes, StopReason, Vm, VmConfig};
+use hvprobe::vmm::{kernel_format, ConsoleOutput, NoProbes, StopReason, Vm, VmConfig};
 
 #[derive(Parser)]
 #[command(name = "hvprobe", version, about = "Linux kernel probes run from outside the guest")]
@@ -87,17 +87,9 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 
 fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     // Check what needs no guest build first, so bad input fails fast.
-    let probe_config = |kernel: PathBuf| VmConfig {
-        kernel,
-        initrd: Vec::new(),
-        cmdline: String::new(),
-        cpus: args.cpus,
-        mem_mib: args.mem,
-        console_output: ConsoleOutput::Stdout,
-        console_input: args.workload.is_none(),
-    };
+    VmConfig::validate_machine(args.cpus, args.mem)?;
     if let Some(kernel) = &args.kernel {
-        probe_config(kernel.clone()).validate()?;
+        kernel_format(kernel)?;
     }
     if let Some(initrd) = &args.initrd {
         std::fs::metadata(initrd).map_err(|e| format!("cannot read initrd {}: {e}", initrd.display()))?;
@@ -119,9 +111,13 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
     };
     let config = VmConfig {
+        kernel,
         initrd: initrd_with_workload(&initrd_path, args.workload.as_deref())?,
         cmdline,
-        ..probe_config(kernel)
+        cpus: args.cpus,
+        mem_mib: args.mem,
+        console_output: ConsoleOutput::Stdout,
+        console_input: args.workload.is_none(),
     };
     let vm = Vm::new(&config)?;
     let console = vm.console_log();

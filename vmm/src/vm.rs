@@ -60,16 +60,21 @@ pub struct VmConfig {
 impl VmConfig {
     /// Checks the values that do not need KVM.
     pub fn validate(&self) -> Result<(), Error> {
-        if self.cpus == 0 || self.cpus > mptable::MAX_CPUS {
-            return Err(Error::Config(format!("{} vCPUs requested: 1 to {} are supported", self.cpus, mptable::MAX_CPUS)));
+        Self::validate_machine(self.cpus, self.mem_mib)?;
+        boot::kernel_format(&self.kernel)?;
+        Ok(())
+    }
+
+    /// Checks a vCPU count and memory size.
+    pub fn validate_machine(cpus: u8, mem_mib: u64) -> Result<(), Error> {
+        if cpus == 0 || cpus > mptable::MAX_CPUS {
+            return Err(Error::Config(format!("{cpus} vCPUs requested: 1 to {} are supported", mptable::MAX_CPUS)));
         }
-        if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
+        if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&mem_mib) {
             return Err(Error::Config(format!(
-                "{} MiB of guest memory requested: {MIN_MEM_MIB} to {MAX_MEM_MIB} MiB are supported",
-                self.mem_mib
+                "{mem_mib} MiB of guest memory requested: {MIN_MEM_MIB} to {MAX_MEM_MIB} MiB are supported"
             )));
         }
-        boot::kernel_format(&self.kernel)?;
         Ok(())
     }
 }

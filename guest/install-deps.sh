@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the bundled guest's build needs (guest/build.sh checks
+# for them and names any that are missing).
+set -euo pipefail
+PACKAGES=(linux-source-6.1 busybox-static gcc musl-tools make flex bison bc perl patch xz-utils lz4 cpio
+          util-linux libelf-dev libssl-dev libc6-dev)
+SUDO=
+[ "$(id -u)" = 0 ] || SUDO=sudo
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "hvprobe: guest build dependencies already installed" >&2
+    exit 0
+fi
+echo "hvprobe: installing ${missing[*]}" >&2
+$SUDO apt-get update -q
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -1,0 +1,65 @@
+//! Bad input to `hvprobe run` gives a clear error and a non-zero exit, never a panic.
+
+mod common;
+
+use std::time::Duration;
+
+use common::hvprobe;
+
+const QUICK: Duration = Duration::from_secs(60);
+
+fn assert_clean_error(args: &[&str], expected: &str) {
+    let run = hvprobe(args, QUICK);
+    assert_eq!(run.code, Some(1), "{args:?}\n{}", run.tail());
+    assert!(run.stderr.contains("hvprobe: error:"), "{args:?}: no error line\n{}", run.tail());
+    assert!(run.stderr.contains(expected), "{args:?}: error does not say {expected:?}\n{}", run.tail());
+    assert!(!run.stderr.contains("panicked"), "{args:?} panicked\n{}", run.tail());
+}
+
+#[test]
+fn missing_kernel_file_is_named() {
+    assert_clean_error(&["run", "--kernel", "/nonexistent/vmlinux"], "cannot read kernel /nonexistent/vmlinux");
+}
+
+#[test]
+fn a_file_that_is_not_a_kernel_is_refused_with_the_reason() {
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    assert_clean_error(&["run", "--kernel", manifest], "neither an ELF vmlinux nor a bzImage");
+}
+
+#[test]
+fn an_empty_file_is_not_a_kernel() {
+    let dir = std::env::temp_dir().join(format!("hvprobe-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("vmlinux");
+    std::fs::write(&empty, b"").unwrap();
+    assert_clean_error(&["run", "--kernel", empty.to_str().unwrap()], "the file is empty");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn zero_vcpus_is_refused() {
+    assert_clean_error(&["run", "--cpus", "0"], "0 vCPUs requested: 1 to 32 are supported");
+}
+
+#[test]
+fn too_many_vcpus_is_refused() {
+    assert_clean_error(&["run", "--cpus", "33"], "33 vCPUs requested");
+}
+
+#[test]
+fn one_mib_of_memory_is_refused() {
+    assert_clean_error(&["run", "--mem", "1"], "1 MiB of guest memory requested: 32 to 65536 MiB are supported");
+}
+
+#[test]
+fn missing_initrd_is_named() {
+    assert_clean_error(&["run", "--initrd", "/nonexistent/initrd.cpio"], "cannot read initrd /nonexistent/initrd.cpio");
+}
+
+#[test]
+fn malformed_numbers_are_usage_errors() {
+    let run = hvprobe(&["run", "--cpus", "two"], QUICK);
+    assert_eq!(run.code, Some(2), "{}", run.tail());
+    assert!(run.stderr.contains("invalid value 'two'"), "{}", run.tail());
+}
