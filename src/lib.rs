@@ -6,5 +6,6 @@
 
 pub mod cpio;
 pub mod guest;
+pub mod sampler;
 
 pub use hvprobe_vmm as vmm;

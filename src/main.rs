@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use hvprobe::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
@@ -43,6 +44,13 @@ struct RunArgs {
     /// Shell command the guest runs instead of an interactive shell; hvprobe exits with its status.
     #[arg(long)]
     workload: Option<String>,
+    /// Sample every vCPU's instruction pointer this often (ms) and print the hottest guest
+    /// functions at exit (symbols from the bundled guest's System.map, or --system-map).
+    #[arg(long, value_name = "MS")]
+    sample_ms: Option<u64>,
+    /// System.map of the kernel, for --sample-ms with your own kernel.
+    #[arg(long)]
+    system_map: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -121,18 +129,28 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let vm = Vm::new(&config)?;
     let console = vm.console_log();
+    let sampler = args.sample_ms.map(|ms| hvprobe::sampler::Sampler::start(vm.control(), Duration::from_millis(ms.max(1))));
     let outcome = vm.run(Arc::new(NoProbes))?;
+    if let Some(sampler) = sampler {
+        let samples = sampler.finish();
+        let map = args.system_map.clone().or_else(|| bundled.as_ref().filter(|_| args.kernel.is_none()).map(|g| g.system_map.clone()));
+        match map {
+            Some(map) => eprint!("{}", hvprobe::sampler::report(&samples, &map, 30)?),
+            None => eprintln!("hvprobe: {} samples taken, but no System.map to name them (--system-map)", samples.len()),
+        }
+    }
 
     let boot = match outcome.boot_to_init {
         Some(t) => format!("{:.2} s", t.as_secs_f64()),
         None => "not reached".into(),
     };
     eprintln!(
-        "hvprobe: {}; boot to /init {boot} ({}), ran {:.2} s, {} exits, {} guest int3 re-injected",
+        "hvprobe: {}; boot to /init {boot} ({}), ran {:.2} s, {} exits, {} instructions emulated, {} guest int3 re-injected",
         outcome.reason,
         outcome.kernel_format.map(|f| f.to_string()).unwrap_or_default(),
         outcome.run_time.as_secs_f64(),
         outcome.exits,
+        outcome.instructions_emulated,
         outcome.breakpoints_reinjected
     );
     let code = match &outcome.reason {

@@ -12,6 +12,7 @@ mod error;
 pub mod layout;
 mod mptable;
 pub mod regs;
+pub mod stats;
 mod vcpu;
 mod vm;
 

@@ -17,6 +17,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::backend::Backend;
 use crate::devices::{GuestEvent, IoAction, PortDevices};
+use crate::stats::VcpuStats;
 use crate::{kvm_err, Error};
 
 /// Why the VM stopped.
@@ -90,6 +91,9 @@ pub struct ExitCounters {
     pub io_exits: AtomicU64,
     pub breakpoints: AtomicU64,
     pub breakpoints_reinjected: AtomicU64,
+    /// Guest instructions KVM emulated (KVM's `insn_emulation` statistic; on kvm_pvm every
+    /// guest kernel instruction), summed over vCPUs when they stop.
+    pub instructions_emulated: AtomicU64,
 }
 
 struct VcpuSlot {
@@ -342,6 +346,9 @@ impl VcpuRunner {
         // SAFETY: pthread_self has no preconditions.
         let me = unsafe { libc::pthread_self() };
         *self.control.slots[self.cpu].kick.lock().unwrap_or_else(|e| e.into_inner()) = Some((immediate_exit, me));
+        let stats = VcpuStats::open(&self.vcpu)
+            .map_err(|e| tracing::debug!("vCPU {}: no KVM statistics: {e}", self.cpu))
+            .ok();
 
         loop {
             // SAFETY: `immediate_exit` points into this vCPU's kvm_run page, alive as long
@@ -357,6 +364,9 @@ impl VcpuRunner {
             }
         }
 
+        if let Some(emulated) = stats.and_then(|s| s.get("insn_emulation")) {
+            self.control.counters.instructions_emulated.fetch_add(emulated, Ordering::Relaxed);
+        }
         *self.control.slots[self.cpu].kick.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.control.vcpu_exited();
     }

@@ -89,6 +89,8 @@ pub struct VmOutcome {
     pub run_time: Duration,
     pub exits: u64,
     pub breakpoints_reinjected: u64,
+    /// Guest instructions KVM emulated (on kvm_pvm: all guest kernel instructions).
+    pub instructions_emulated: u64,
     /// `None` for a code blob.
     pub kernel_format: Option<KernelFormat>,
 }
@@ -265,6 +267,7 @@ impl Vm {
             run_time: started.elapsed(),
             exits: counters.exits.load(std::sync::atomic::Ordering::Relaxed),
             breakpoints_reinjected: counters.breakpoints_reinjected.load(std::sync::atomic::Ordering::Relaxed),
+            instructions_emulated: counters.instructions_emulated.load(std::sync::atomic::Ordering::Relaxed),
             kernel_format,
         })
     }
