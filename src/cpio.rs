@@ -16,14 +16,31 @@ const S_IFREG: u32 = 0o100000;
 
 impl CpioWriter {
     pub fn new() -> Self {
-        CpioWriter { out: Vec::new(), next_inode: 1 }
+        CpioWriter {
+            out: Vec::new(),
+            next_inode: 1,
+        }
     }
 
     fn entry(&mut self, name: &str, mode: u32, data: &[u8]) {
         let ino = self.next_inode;
         self.next_inode += 1;
         let nlink = if mode & S_IFDIR != 0 { 2 } else { 1 };
-        let fields = [ino, mode, 0, 0, nlink, 0, data.len() as u32, 0, 0, 0, 0, name.len() as u32 + 1, 0];
+        let fields = [
+            ino,
+            mode,
+            0,
+            0,
+            nlink,
+            0,
+            data.len() as u32,
+            0,
+            0,
+            0,
+            0,
+            name.len() as u32 + 1,
+            0,
+        ];
         self.out.extend_from_slice(b"070701");
         for f in fields {
             self.out.extend_from_slice(format!("{f:08x}").as_bytes());

@@ -61,12 +61,19 @@ impl BundledGuest {
             .stdin(Stdio::null())
             .stderr(Stdio::inherit())
             .output()
-            .map_err(|source| GuestError::Spawn { script: script.clone(), source })?;
+            .map_err(|source| GuestError::Spawn {
+                script: script.clone(),
+                source,
+            })?;
         if !out.status.success() {
             return Err(GuestError::BuildFailed { status: out.status });
         }
         let stdout = String::from_utf8_lossy(&out.stdout);
-        let dir = stdout.lines().rev().find(|l| !l.trim().is_empty()).ok_or(GuestError::NoOutput)?;
+        let dir = stdout
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .ok_or(GuestError::NoOutput)?;
         Self::from_dir(Path::new(dir.trim()))
     }
 
@@ -77,12 +84,18 @@ impl BundledGuest {
             if p.exists() {
                 Ok(p)
             } else {
-                Err(GuestError::Missing { dir: dir.into(), file: name })
+                Err(GuestError::Missing {
+                    dir: dir.into(),
+                    file: name,
+                })
             }
         };
         let cmdline_path = file("cmdline")?;
         let cmdline = std::fs::read_to_string(&cmdline_path)
-            .map_err(|source| GuestError::Read { path: cmdline_path, source })?
+            .map_err(|source| GuestError::Read {
+                path: cmdline_path,
+                source,
+            })?
             .trim()
             .to_string();
         Ok(BundledGuest {
@@ -99,7 +112,10 @@ impl BundledGuest {
 /// An initrd: `base` (a file) with, when there is a workload, an archive appended that
 /// holds it as a shell script for the bundled init to run.
 pub fn initrd_with_workload(base: &Path, workload: Option<&str>) -> Result<Vec<u8>, GuestError> {
-    let mut initrd = std::fs::read(base).map_err(|source| GuestError::Read { path: base.into(), source })?;
+    let mut initrd = std::fs::read(base).map_err(|source| GuestError::Read {
+        path: base.into(),
+        source,
+    })?;
     if let Some(command) = workload {
         let mut archive = CpioWriter::new();
         archive.dir("hvprobe");

@@ -65,10 +65,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Commands::Run(args) => run(args),
-        Commands::BuildGuest => BundledGuest::ensure_built().map(|g| {
-            println!("{}", g.dir.display());
-            ExitCode::SUCCESS
-        }).map_err(Into::into),
+        Commands::BuildGuest => BundledGuest::ensure_built()
+            .map(|g| {
+                println!("{}", g.dir.display());
+                ExitCode::SUCCESS
+            })
+            .map_err(Into::into),
     };
     match result {
         Ok(code) => code,
@@ -102,7 +104,11 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(initrd) = &args.initrd {
         std::fs::metadata(initrd).map_err(|e| format!("cannot read initrd {}: {e}", initrd.display()))?;
     }
-    let bundled = if args.kernel.is_none() || args.initrd.is_none() { Some(BundledGuest::ensure_built()?) } else { None };
+    let bundled = if args.kernel.is_none() || args.initrd.is_none() {
+        Some(BundledGuest::ensure_built()?)
+    } else {
+        None
+    };
 
     let (kernel, mut cmdline) = match (&args.kernel, &bundled) {
         (Some(k), _) => (k.clone(), BASE_CMDLINE.to_string()),
@@ -129,14 +135,24 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let vm = Vm::new(&config)?;
     let console = vm.console_log();
-    let sampler = args.sample_ms.map(|ms| hvprobe::sampler::Sampler::start(vm.control(), Duration::from_millis(ms.max(1))));
+    let sampler = args
+        .sample_ms
+        .map(|ms| hvprobe::sampler::Sampler::start(vm.control(), Duration::from_millis(ms.max(1))));
     let outcome = vm.run(Arc::new(NoProbes))?;
     if let Some(sampler) = sampler {
         let samples = sampler.finish();
-        let map = args.system_map.clone().or_else(|| bundled.as_ref().filter(|_| args.kernel.is_none()).map(|g| g.system_map.clone()));
+        let map = args.system_map.clone().or_else(|| {
+            bundled
+                .as_ref()
+                .filter(|_| args.kernel.is_none())
+                .map(|g| g.system_map.clone())
+        });
         match map {
             Some(map) => eprint!("{}", hvprobe::sampler::report(&samples, &map, 30)?),
-            None => eprintln!("hvprobe: {} samples taken, but no System.map to name them (--system-map)", samples.len()),
+            None => eprintln!(
+                "hvprobe: {} samples taken, but no System.map to name them (--system-map)",
+                samples.len()
+            ),
         }
     }
 
@@ -156,12 +172,18 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let code = match &outcome.reason {
         StopReason::GuestExit(status) => *status,
         StopReason::Reset if console.contents().contains("Kernel panic") => {
-            eprintln!("hvprobe: the guest kernel panicked; console tail:\n{}", console.tail(30));
+            eprintln!(
+                "hvprobe: the guest kernel panicked; console tail:\n{}",
+                console.tail(30)
+            );
             1
         }
         StopReason::Reset | StopReason::PowerOff | StopReason::Stopped if args.workload.is_none() => 0,
         other => {
-            eprintln!("hvprobe: the guest did not finish its workload ({other}); console tail:\n{}", console.tail(30));
+            eprintln!(
+                "hvprobe: the guest did not finish its workload ({other}); console tail:\n{}",
+                console.tail(30)
+            );
             1
         }
     };

@@ -11,14 +11,25 @@ const QUICK: Duration = Duration::from_secs(60);
 fn assert_clean_error(args: &[&str], expected: &str) {
     let run = hvprobe(args, QUICK);
     assert_eq!(run.code, Some(1), "{args:?}\n{}", run.tail());
-    assert!(run.stderr.contains("hvprobe: error:"), "{args:?}: no error line\n{}", run.tail());
-    assert!(run.stderr.contains(expected), "{args:?}: error does not say {expected:?}\n{}", run.tail());
+    assert!(
+        run.stderr.contains("hvprobe: error:"),
+        "{args:?}: no error line\n{}",
+        run.tail()
+    );
+    assert!(
+        run.stderr.contains(expected),
+        "{args:?}: error does not say {expected:?}\n{}",
+        run.tail()
+    );
     assert!(!run.stderr.contains("panicked"), "{args:?} panicked\n{}", run.tail());
 }
 
 #[test]
 fn missing_kernel_file_is_named() {
-    assert_clean_error(&["run", "--kernel", "/nonexistent/vmlinux"], "cannot read kernel /nonexistent/vmlinux");
+    assert_clean_error(
+        &["run", "--kernel", "/nonexistent/vmlinux"],
+        "cannot read kernel /nonexistent/vmlinux",
+    );
 }
 
 #[test]
@@ -49,12 +60,18 @@ fn too_many_vcpus_is_refused() {
 
 #[test]
 fn one_mib_of_memory_is_refused() {
-    assert_clean_error(&["run", "--mem", "1"], "1 MiB of guest memory requested: 32 to 65536 MiB are supported");
+    assert_clean_error(
+        &["run", "--mem", "1"],
+        "1 MiB of guest memory requested: 32 to 65536 MiB are supported",
+    );
 }
 
 #[test]
 fn missing_initrd_is_named() {
-    assert_clean_error(&["run", "--initrd", "/nonexistent/initrd.cpio"], "cannot read initrd /nonexistent/initrd.cpio");
+    assert_clean_error(
+        &["run", "--initrd", "/nonexistent/initrd.cpio"],
+        "cannot read initrd /nonexistent/initrd.cpio",
+    );
 }
 
 #[test]

@@ -67,8 +67,16 @@ pub fn hvprobe(args: &[&str], timeout: Duration) -> Run {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    let run = Run { code: status.and_then(|s| s.code()), stdout: out_reader.join().unwrap(), stderr: err_reader.join().unwrap() };
-    assert!(status.is_some(), "hvprobe {args:?} did not finish within {timeout:?}\n{}", run.tail());
+    let run = Run {
+        code: status.and_then(|s| s.code()),
+        stdout: out_reader.join().unwrap(),
+        stderr: err_reader.join().unwrap(),
+    };
+    assert!(
+        status.is_some(),
+        "hvprobe {args:?} did not finish within {timeout:?}\n{}",
+        run.tail()
+    );
     run
 }
 

@@ -27,8 +27,7 @@ impl Backend {
                     .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
             })
             .unwrap_or(false);
-        let hw_module = Path::new("/sys/module/kvm_intel").exists()
-            || Path::new("/sys/module/kvm_amd").exists();
+        let hw_module = Path::new("/sys/module/kvm_intel").exists() || Path::new("/sys/module/kvm_amd").exists();
         if pvm_loaded && !(hw_virt && hw_module) {
             Backend::Pvm
         } else {

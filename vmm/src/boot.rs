@@ -58,8 +58,14 @@ const BOOT_PROTOCOL_MIN: u16 = 0x0206;
 /// we can boot.
 pub fn kernel_format(path: &Path) -> Result<KernelFormat, Error> {
     let mut head = vec![0u8; 0x400];
-    let mut file = File::open(path).map_err(|source| Error::KernelFile { path: path.into(), source })?;
-    let n = read_up_to(&mut file, &mut head).map_err(|source| Error::KernelFile { path: path.into(), source })?;
+    let mut file = File::open(path).map_err(|source| Error::KernelFile {
+        path: path.into(),
+        source,
+    })?;
+    let n = read_up_to(&mut file, &mut head).map_err(|source| Error::KernelFile {
+        path: path.into(),
+        source,
+    })?;
     head.truncate(n);
     if head.starts_with(b"\x7fELF") {
         return Ok(KernelFormat::ElfPvh);
@@ -72,7 +78,10 @@ pub fn kernel_format(path: &Path) -> Result<KernelFormat, Error> {
     } else {
         "neither an ELF vmlinux nor a bzImage (no \"HdrS\" boot header at offset 0x202)".to_string()
     };
-    Err(Error::NotAKernel { path: path.into(), reason })
+    Err(Error::NotAKernel {
+        path: path.into(),
+        reason,
+    })
 }
 
 fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -95,13 +104,20 @@ pub fn load(
     initrd: &[u8],
 ) -> Result<LoadedKernel, Error> {
     let format = kernel_format(kernel_path)?;
-    let mut file = File::open(kernel_path).map_err(|source| Error::KernelFile { path: kernel_path.into(), source })?;
-    let load_err = |source| Error::KernelLoad { path: kernel_path.into(), source };
+    let mut file = File::open(kernel_path).map_err(|source| Error::KernelFile {
+        path: kernel_path.into(),
+        source,
+    })?;
+    let load_err = |source| Error::KernelLoad {
+        path: kernel_path.into(),
+        source,
+    };
 
     let mut kernel_cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| Error::Config(e.to_string()))?;
-    kernel_cmdline
-        .insert_str(cmdline)
-        .map_err(|_| Error::CmdlineTooLong { len: cmdline.len() + 1, max: CMDLINE_MAX_SIZE })?;
+    kernel_cmdline.insert_str(cmdline).map_err(|_| Error::CmdlineTooLong {
+        len: cmdline.len() + 1,
+        max: CMDLINE_MAX_SIZE,
+    })?;
     load_cmdline(mem, GuestAddress(CMDLINE_START), &kernel_cmdline)
         .map_err(|e| Error::BootParams(format!("command line: {e}")))?;
 
@@ -120,7 +136,11 @@ pub fn load(
             };
             let initrd_at = place_initrd(mem, mem_bytes, loaded.kernel_end, u64::from(u32::MAX), initrd)?;
             write_pvh_start_info(mem, mem_bytes, initrd_at.map(|a| (a, initrd.len() as u64)))?;
-            Ok(LoadedKernel { format, entry: EntryMode::Pvh { entry }, boot_info: PVH_INFO_START })
+            Ok(LoadedKernel {
+                format,
+                entry: EntryMode::Pvh { entry },
+                boot_info: PVH_INFO_START,
+            })
         }
         KernelFormat::BzImage => {
             let loaded = BzImage::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START))).map_err(load_err)?;
@@ -139,8 +159,17 @@ pub fn load(
                     ),
                 });
             }
-            let initrd_at = place_initrd(mem, mem_bytes, loaded.kernel_end, u64::from(hdr.initrd_addr_max), initrd)?;
-            let mut params = boot_params { hdr, ..Default::default() };
+            let initrd_at = place_initrd(
+                mem,
+                mem_bytes,
+                loaded.kernel_end,
+                u64::from(hdr.initrd_addr_max),
+                initrd,
+            )?;
+            let mut params = boot_params {
+                hdr,
+                ..Default::default()
+            };
             params.hdr.type_of_loader = KERNEL_LOADER_OTHER;
             params.hdr.cmd_line_ptr = CMDLINE_START as u32;
             params.hdr.cmdline_size = (cmdline.len() + 1) as u32;
@@ -150,7 +179,11 @@ pub fn load(
             }
             let map = memory_map(mem_bytes);
             for (i, (start, len, kind)) in map.iter().enumerate() {
-                params.e820_table[i] = boot_e820_entry { addr: start.0, size: *len, r#type: *kind as u32 };
+                params.e820_table[i] = boot_e820_entry {
+                    addr: start.0,
+                    size: *len,
+                    r#type: *kind as u32,
+                };
             }
             params.e820_entries = map.len() as u8;
             LinuxBootConfigurator::write_bootparams::<GuestMemoryMmap>(
@@ -160,7 +193,9 @@ pub fn load(
             .map_err(|e| Error::BootParams(e.to_string()))?;
             Ok(LoadedKernel {
                 format,
-                entry: EntryMode::Linux64 { entry: loaded.kernel_load.0 + 0x200 },
+                entry: EntryMode::Linux64 {
+                    entry: loaded.kernel_load.0 + 0x200,
+                },
                 boot_info: ZERO_PAGE_START,
             })
         }
@@ -181,7 +216,10 @@ fn place_initrd(
     let top = low_ram_end(mem_bytes).min(addr_max.saturating_add(1));
     let size = initrd.len() as u64;
     let at = top.checked_sub(size).map(|a| a & !0xfff).filter(|a| *a >= kernel_end);
-    let at = at.ok_or(Error::InitrdTooBig { size: initrd.len(), limit: top })?;
+    let at = at.ok_or(Error::InitrdTooBig {
+        size: initrd.len(),
+        limit: top,
+    })?;
     mem.write_slice(initrd, GuestAddress(at))
         .map_err(|e| Error::GuestMemory(format!("initrd: {e}")))?;
     Ok(Some(at))
@@ -190,7 +228,12 @@ fn place_initrd(
 fn write_pvh_start_info(mem: &GuestMemoryMmap, mem_bytes: u64, initrd: Option<(u64, u64)>) -> Result<(), Error> {
     let memmap: Vec<hvm_memmap_table_entry> = memory_map(mem_bytes)
         .into_iter()
-        .map(|(start, len, kind)| hvm_memmap_table_entry { addr: start.0, size: len, type_: kind as u32, reserved: 0 })
+        .map(|(start, len, kind)| hvm_memmap_table_entry {
+            addr: start.0,
+            size: len,
+            type_: kind as u32,
+            reserved: 0,
+        })
         .collect();
     let start_info = hvm_start_info {
         magic: XEN_HVM_START_MAGIC,
@@ -206,7 +249,12 @@ fn write_pvh_start_info(mem: &GuestMemoryMmap, mem_bytes: u64, initrd: Option<(u
     params.set_sections(&memmap, GuestAddress(PVH_MEMMAP_START));
     if let Some((paddr, size)) = initrd {
         params.set_modules(
-            &[hvm_modlist_entry { paddr, size, cmdline_paddr: 0, reserved: 0 }],
+            &[hvm_modlist_entry {
+                paddr,
+                size,
+                cmdline_paddr: 0,
+                reserved: 0,
+            }],
             GuestAddress(PVH_MODLIST_START),
         );
     }

@@ -32,7 +32,13 @@ pub enum Reg {
 }
 
 const fn bit(leaf: u32, subleaf: u32, reg: Reg, bit: u32, name: &'static str) -> FeatureBit {
-    FeatureBit { leaf, subleaf, reg, bit, name }
+    FeatureBit {
+        leaf,
+        subleaf,
+        reg,
+        bit,
+        name,
+    }
 }
 
 /// Features hidden from a guest on kvm_pvm, each because an instruction it enables fails in
@@ -74,7 +80,9 @@ const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
 
 /// Builds the CPUID for vCPU `cpu_index` of `cpu_count`.
 pub fn guest_cpuid(kvm: &Kvm, backend: Backend, cpu_index: u8, cpu_count: u8) -> Result<CpuId, Error> {
-    let mut cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
+    let mut cpuid = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
     for entry in cpuid.as_mut_slice() {
         match entry.function {
             1 => {

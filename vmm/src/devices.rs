@@ -75,14 +75,21 @@ pub struct PortDevices {
 
 impl PortDevices {
     pub fn new(serial: ConsoleSerial) -> Self {
-        PortDevices { serial: Mutex::new(serial), cmos_index: Mutex::new(0) }
+        PortDevices {
+            serial: Mutex::new(serial),
+            cmos_index: Mutex::new(0),
+        }
     }
 
     pub fn read(&self, port: u16, data: &mut [u8]) {
         data.fill(0xff);
         match port {
             p if (SERIAL_PORT_BASE..SERIAL_PORT_BASE + SERIAL_PORT_COUNT).contains(&p) => {
-                data[0] = self.serial.lock().unwrap_or_else(|e| e.into_inner()).read((p - SERIAL_PORT_BASE) as u8);
+                data[0] = self
+                    .serial
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .read((p - SERIAL_PORT_BASE) as u8);
             }
             // Status: output buffer empty, input buffer empty: the reset command goes through.
             I8042_COMMAND => data[0] = 0,
@@ -96,7 +103,9 @@ impl PortDevices {
     }
 
     pub fn write(&self, port: u16, data: &[u8]) -> IoAction {
-        let Some(&value) = data.first() else { return IoAction::Continue };
+        let Some(&value) = data.first() else {
+            return IoAction::Continue;
+        };
         match port {
             p if (SERIAL_PORT_BASE..SERIAL_PORT_BASE + SERIAL_PORT_COUNT).contains(&p) => {
                 let mut serial = self.serial.lock().unwrap_or_else(|e| e.into_inner());
@@ -181,7 +190,10 @@ mod tests {
             ConsoleWriter::new(Default::default(), crate::console::ConsoleOutput::Discard),
         );
         let dev = PortDevices::new(serial);
-        assert_eq!(dev.write(GUEST_EVENT_PORT, &[1]), IoAction::Event(GuestEvent::InitReached));
+        assert_eq!(
+            dev.write(GUEST_EVENT_PORT, &[1]),
+            IoAction::Event(GuestEvent::InitReached)
+        );
         assert_eq!(dev.write(GUEST_EXIT_PORT, &[3]), IoAction::GuestExit(3));
         assert_eq!(dev.write(I8042_COMMAND, &[0xfe]), IoAction::Reset);
         assert_eq!(dev.write(I8042_COMMAND, &[0xaa]), IoAction::Continue);

@@ -106,7 +106,10 @@ mod tests {
     fn big_guest_continues_above_4gib_and_ool_area_is_not_ram() {
         let mem = 4u64 << 30;
         let ranges = ram_ranges(mem);
-        assert_eq!(ranges, vec![(Gpa(0), LOW_RAM_MAX_END), (Gpa(HIGH_RAM_START), mem - LOW_RAM_MAX_END)]);
+        assert_eq!(
+            ranges,
+            vec![(Gpa(0), LOW_RAM_MAX_END), (Gpa(HIGH_RAM_START), mem - LOW_RAM_MAX_END)]
+        );
         let map = memory_map(mem);
         for (start, len, kind) in &map {
             if *kind == MemoryKind::Ram {

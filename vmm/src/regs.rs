@@ -61,12 +61,7 @@ fn segment_from_gdt(entry: u64, table_index: u16) -> kvm_segment {
 
 /// Sets registers, segments, control registers (and for 64-bit entry the identity page
 /// tables) of the boot vCPU.
-pub fn setup_boot_vcpu(
-    vcpu: &VcpuFd,
-    mem: &GuestMemoryMmap,
-    mode: EntryMode,
-    boot_info: u64,
-) -> Result<(), Error> {
+pub fn setup_boot_vcpu(vcpu: &VcpuFd, mem: &GuestMemoryMmap, mode: EntryMode, boot_info: u64) -> Result<(), Error> {
     let (code, gdt) = match mode {
         EntryMode::Pvh { .. } => (
             1,
@@ -105,7 +100,10 @@ pub fn setup_boot_vcpu(
     sregs.ss = data;
     sregs.tr = segment_from_gdt(gdt[3], 3);
 
-    let mut regs = kvm_regs { rflags: 0x2, ..Default::default() };
+    let mut regs = kvm_regs {
+        rflags: 0x2,
+        ..Default::default()
+    };
     match mode {
         EntryMode::Pvh { entry } => {
             sregs.cr0 = X86_CR0_PE | X86_CR0_ET;
@@ -167,7 +165,11 @@ pub const MSR_LSTAR_INDEX: u32 = MSR_LSTAR;
 /// MSRs every vCPU starts with: cleared syscall MSRs, TSC 0 (so all vCPUs' TSCs agree),
 /// fast strings, MTRRs enabled with write-back default.
 pub fn setup_msrs(vcpu: &VcpuFd) -> Result<(), Error> {
-    let entry = |index, data| kvm_msr_entry { index, data, ..Default::default() };
+    let entry = |index, data| kvm_msr_entry {
+        index,
+        data,
+        ..Default::default()
+    };
     let entries = [
         entry(MSR_IA32_SYSENTER_CS, 0),
         entry(MSR_IA32_SYSENTER_ESP, 0),
@@ -195,8 +197,11 @@ pub fn setup_msrs(vcpu: &VcpuFd) -> Result<(), Error> {
 
 /// Reads one MSR of a vCPU.
 pub fn read_msr(vcpu: &VcpuFd, index: u32) -> Result<u64, Error> {
-    let mut msrs = Msrs::from_entries(&[kvm_msr_entry { index, ..Default::default() }])
-        .map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+    let mut msrs = Msrs::from_entries(&[kvm_msr_entry {
+        index,
+        ..Default::default()
+    }])
+    .map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
     let n = vcpu.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
     if n != 1 {
         return Err(Error::Config(format!("MSR {index:#x} is not readable")));
@@ -205,7 +210,11 @@ pub fn read_msr(vcpu: &VcpuFd, index: u32) -> Result<u64, Error> {
 }
 
 pub fn setup_fpu(vcpu: &VcpuFd) -> Result<(), Error> {
-    let fpu = kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() };
+    let fpu = kvm_fpu {
+        fcw: 0x37f,
+        mxcsr: 0x1f80,
+        ..Default::default()
+    };
     vcpu.set_fpu(&fpu).map_err(kvm_err("KVM_SET_FPU"))
 }
 
@@ -219,7 +228,12 @@ pub fn setup_lapic_lint(vcpu: &VcpuFd) -> Result<(), Error> {
     let mut lapic = vcpu.get_lapic().map_err(kvm_err("KVM_GET_LAPIC"))?;
     let regs = &mut lapic.regs;
     let get = |regs: &[std::os::raw::c_char], at: usize| {
-        u32::from_le_bytes([regs[at] as u8, regs[at + 1] as u8, regs[at + 2] as u8, regs[at + 3] as u8])
+        u32::from_le_bytes([
+            regs[at] as u8,
+            regs[at + 1] as u8,
+            regs[at + 2] as u8,
+            regs[at + 3] as u8,
+        ])
     };
     let set = |regs: &mut [std::os::raw::c_char], at: usize, v: u32| {
         for (i, b) in v.to_le_bytes().iter().enumerate() {
@@ -241,7 +255,10 @@ mod tests {
     #[test]
     fn gdt_entries_decode_to_the_segments_kvm_expects() {
         let code64 = segment_from_gdt(gdt_entry(0xa09b, 0, 0xfffff), 1);
-        assert_eq!((code64.l, code64.db, code64.type_, code64.present, code64.s), (1, 0, 0xb, 1, 1));
+        assert_eq!(
+            (code64.l, code64.db, code64.type_, code64.present, code64.s),
+            (1, 0, 0xb, 1, 1)
+        );
         assert_eq!(code64.limit, 0xffff_ffff);
         assert_eq!(code64.selector, 8);
         let code32 = segment_from_gdt(gdt_entry(0xc09b, 0, 0xfffff), 1);

@@ -55,14 +55,20 @@ impl VcpuStats {
             let name = String::from_utf8_lossy(&name[..name.iter().position(|b| *b == 0).unwrap_or(name.len())]);
             fields.insert(name.into_owned(), (offset, size));
         }
-        Ok(VcpuStats { file, data_offset, fields })
+        Ok(VcpuStats {
+            file,
+            data_offset,
+            fields,
+        })
     }
 
     /// The current value of a single-valued statistic.
     pub fn get(&self, name: &str) -> Option<u64> {
         let &(offset, _) = self.fields.get(name)?;
         let mut v = [0u8; 8];
-        self.file.read_exact_at(&mut v, self.data_offset + u64::from(offset)).ok()?;
+        self.file
+            .read_exact_at(&mut v, self.data_offset + u64::from(offset))
+            .ok()?;
         Some(u64::from_le_bytes(v))
     }
 }

@@ -47,7 +47,10 @@ impl std::fmt::Display for StopReason {
             StopReason::PowerOff => write!(f, "guest powered off"),
             StopReason::TripleFault => write!(f, "guest triple fault"),
             StopReason::EmulationFailure { cpu, rip, insn } => {
-                write!(f, "KVM could not emulate the instruction at {rip:#x} on vCPU {cpu} (bytes:")?;
+                write!(
+                    f,
+                    "KVM could not emulate the instruction at {rip:#x} on vCPU {cpu} (bytes:"
+                )?;
                 for b in insn {
                     write!(f, " {b:02x}")?;
                 }
@@ -143,7 +146,8 @@ fn register_kick_signal() -> Result<(), Error> {
     static ONCE: Once = Once::new();
     let mut result = Ok(());
     ONCE.call_once(|| {
-        result = vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_signal_handler).map_err(Error::Signal);
+        result =
+            vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_signal_handler).map_err(Error::Signal);
     });
     result
 }
@@ -153,7 +157,10 @@ impl VcpuControl {
         register_kick_signal()?;
         Ok(Arc::new(VcpuControl {
             slots: (0..vcpu_count).map(|_| VcpuSlot { kick: Mutex::new(None) }).collect(),
-            state: Mutex::new(ControlState { parked_regs: vec![None; vcpu_count], ..Default::default() }),
+            state: Mutex::new(ControlState {
+                parked_regs: vec![None; vcpu_count],
+                ..Default::default()
+            }),
             changed: Condvar::new(),
             request_pending: AtomicBool::new(false),
             started: OnceLock::new(),
@@ -214,7 +221,9 @@ impl VcpuControl {
         while st.parked + st.exited < others && st.stop.is_none() {
             st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
         }
-        PausedVcpus { control: Arc::clone(self) }
+        PausedVcpus {
+            control: Arc::clone(self),
+        }
     }
 
     fn resume(&self) {
@@ -345,7 +354,10 @@ impl VcpuRunner {
         let immediate_exit = &mut self.vcpu.get_kvm_run().immediate_exit as *mut u8 as *const AtomicU8;
         // SAFETY: pthread_self has no preconditions.
         let me = unsafe { libc::pthread_self() };
-        *self.control.slots[self.cpu].kick.lock().unwrap_or_else(|e| e.into_inner()) = Some((immediate_exit, me));
+        *self.control.slots[self.cpu]
+            .kick
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((immediate_exit, me));
         let stats = VcpuStats::open(&self.vcpu)
             .map_err(|e| tracing::debug!("vCPU {}: no KVM statistics: {e}", self.cpu))
             .ok();
@@ -365,9 +377,15 @@ impl VcpuRunner {
         }
 
         if let Some(emulated) = stats.and_then(|s| s.get("insn_emulation")) {
-            self.control.counters.instructions_emulated.fetch_add(emulated, Ordering::Relaxed);
+            self.control
+                .counters
+                .instructions_emulated
+                .fetch_add(emulated, Ordering::Relaxed);
         }
-        *self.control.slots[self.cpu].kick.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.control.slots[self.cpu]
+            .kick
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
         self.control.vcpu_exited();
     }
 
@@ -376,7 +394,12 @@ impl VcpuRunner {
         let exit = match self.vcpu.run() {
             Ok(exit) => exit,
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => return Next::Continue,
-            Err(e) => return Next::Stop(StopReason::VcpuError { cpu, message: format!("KVM_RUN failed: {e}") }),
+            Err(e) => {
+                return Next::Stop(StopReason::VcpuError {
+                    cpu,
+                    message: format!("KVM_RUN failed: {e}"),
+                })
+            }
         };
         self.control.counters.exits.fetch_add(1, Ordering::Relaxed);
         match exit {
@@ -411,7 +434,10 @@ impl VcpuRunner {
             VcpuExit::SystemEvent(kind, _) => match kind {
                 KVM_SYSTEM_EVENT_SHUTDOWN => Next::Stop(StopReason::PowerOff),
                 KVM_SYSTEM_EVENT_RESET => Next::Stop(StopReason::Reset),
-                other => Next::Stop(StopReason::VcpuError { cpu, message: format!("system event {other}") }),
+                other => Next::Stop(StopReason::VcpuError {
+                    cpu,
+                    message: format!("system event {other}"),
+                }),
             },
             VcpuExit::Debug(arch) => {
                 if arch.exception == 3 {
@@ -428,7 +454,10 @@ impl VcpuRunner {
                 cpu,
                 message: format!("VM entry failed: hardware reason {reason:#x} on host CPU {hw_cpu}"),
             }),
-            other => Next::Stop(StopReason::VcpuError { cpu, message: format!("unexpected exit: {other:?}") }),
+            other => Next::Stop(StopReason::VcpuError {
+                cpu,
+                message: format!("unexpected exit: {other:?}"),
+            }),
         }
     }
 
@@ -444,12 +473,20 @@ impl VcpuRunner {
         };
         let rip = match self.vcpu.get_regs() {
             Ok(r) => r.rip,
-            Err(e) => return Next::Stop(StopReason::VcpuError { cpu, message: format!("KVM_GET_REGS: {e}") }),
+            Err(e) => {
+                return Next::Stop(StopReason::VcpuError {
+                    cpu,
+                    message: format!("KVM_GET_REGS: {e}"),
+                })
+            }
         };
         if suberror != KVM_INTERNAL_ERROR_EMULATION {
             return Next::Stop(StopReason::VcpuError {
                 cpu,
-                message: format!("KVM internal error, suberror {suberror}, rip {rip:#x}, data {:x?}", &data[..(ndata as usize).min(16)]),
+                message: format!(
+                    "KVM internal error, suberror {suberror}, rip {rip:#x}, data {:x?}",
+                    &data[..(ndata as usize).min(16)]
+                ),
             });
         }
         let mut insn = emulation_failure_bytes(ndata, &data);
@@ -462,7 +499,10 @@ impl VcpuRunner {
         if insn.first() == Some(&FWAIT) {
             return match complete_fwait(&self.vcpu, rip) {
                 Ok(()) => Next::Continue,
-                Err(e) => Next::Stop(StopReason::VcpuError { cpu, message: format!("completing fwait: {e}") }),
+                Err(e) => Next::Stop(StopReason::VcpuError {
+                    cpu,
+                    message: format!("completing fwait: {e}"),
+                }),
             };
         }
         Next::Stop(StopReason::EmulationFailure { cpu, rip, insn })
@@ -471,7 +511,9 @@ impl VcpuRunner {
     /// Up to 15 instruction bytes at a guest-virtual address, through KVM's translation
     /// of the vCPU's current page tables (empty when unmapped).
     fn bytes_at(&self, rip: u64) -> Vec<u8> {
-        let Ok(t) = self.vcpu.translate_gva(rip) else { return Vec::new() };
+        let Ok(t) = self.vcpu.translate_gva(rip) else {
+            return Vec::new();
+        };
         if t.valid == 0 {
             return Vec::new();
         }
@@ -488,10 +530,16 @@ impl VcpuRunner {
         match self.debug.on_breakpoint(self.cpu, &mut self.vcpu, at) {
             BreakpointDisposition::Handled => Next::Continue,
             BreakpointDisposition::GuestOwned => {
-                self.control.counters.breakpoints_reinjected.fetch_add(1, Ordering::Relaxed);
+                self.control
+                    .counters
+                    .breakpoints_reinjected
+                    .fetch_add(1, Ordering::Relaxed);
                 match reinject_breakpoint(&self.vcpu, self.backend, at) {
                     Ok(()) => Next::Continue,
-                    Err(e) => Next::Stop(StopReason::VcpuError { cpu: self.cpu, message: format!("re-injecting #BP: {e}") }),
+                    Err(e) => Next::Stop(StopReason::VcpuError {
+                        cpu: self.cpu,
+                        message: format!("re-injecting #BP: {e}"),
+                    }),
                 }
             }
         }

@@ -68,7 +68,10 @@ impl VmConfig {
     /// Checks a vCPU count and memory size.
     pub fn validate_machine(cpus: u8, mem_mib: u64) -> Result<(), Error> {
         if cpus == 0 || cpus > mptable::MAX_CPUS {
-            return Err(Error::Config(format!("{cpus} vCPUs requested: 1 to {} are supported", mptable::MAX_CPUS)));
+            return Err(Error::Config(format!(
+                "{cpus} vCPUs requested: 1 to {} are supported",
+                mptable::MAX_CPUS
+            )));
         }
         if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&mem_mib) {
             return Err(Error::Config(format!(
@@ -132,7 +135,9 @@ impl Vm {
     pub fn new_code_blob(blob: &CodeBlob) -> Result<Vm, Error> {
         let vm = Vm::create(blob.cpus, CODE_BLOB_MEM, ConsoleOutput::Discard, false)?;
         let write = |bytes: &[u8], at: u64| {
-            vm.mem.write_slice(bytes, GuestAddress(at)).map_err(|e| Error::GuestMemory(format!("code blob: {e}")))
+            vm.mem
+                .write_slice(bytes, GuestAddress(at))
+                .map_err(|e| Error::GuestMemory(format!("code blob: {e}")))
         };
         write(&blob.code, CODE_BLOB_START)?;
         if let Some(handler) = blob.breakpoint_handler {
@@ -158,7 +163,9 @@ impl Vm {
             r.rsp = CODE_BLOB_STACKS - cpu as u64 * 0x1000;
             vcpu.set_regs(&r).map_err(kvm_err("KVM_SET_REGS"))?;
             if cpu > 0 {
-                let runnable = kvm_bindings::kvm_mp_state { mp_state: kvm_bindings::KVM_MP_STATE_RUNNABLE };
+                let runnable = kvm_bindings::kvm_mp_state {
+                    mp_state: kvm_bindings::KVM_MP_STATE_RUNNABLE,
+                };
                 vcpu.set_mp_state(runnable).map_err(kvm_err("KVM_SET_MP_STATE"))?;
             }
         }
@@ -175,14 +182,22 @@ impl Vm {
             tracing::debug!("KVM_SET_TSS_ADDR: {e} (ignored)");
         }
         vm_fd.create_irq_chip().map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
-        let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
         vm_fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
         let mem = create_guest_memory(&vm_fd, mem_bytes)?;
 
         let console_log = ConsoleLog::default();
-        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::Console(e.into()))?;
-        vm_fd.register_irqfd(&serial_irq, SERIAL_IRQ).map_err(kvm_err("KVM_IRQFD"))?;
-        let serial = Serial::new(IrqLine(serial_irq), ConsoleWriter::new(console_log.clone(), console_output));
+        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::Console)?;
+        vm_fd
+            .register_irqfd(&serial_irq, SERIAL_IRQ)
+            .map_err(kvm_err("KVM_IRQFD"))?;
+        let serial = Serial::new(
+            IrqLine(serial_irq),
+            ConsoleWriter::new(console_log.clone(), console_output),
+        );
         let devices = Arc::new(PortDevices::new(serial));
 
         let mut vcpus = Vec::new();
@@ -234,8 +249,21 @@ impl Vm {
 
     /// Runs every vCPU in its own thread until the VM stops.
     pub fn run(self, debug: Arc<dyn DebugHandler>) -> Result<VmOutcome, Error> {
-        let Vm { vcpus, control, devices, backend, mem, kernel_format, console_input, .. } = self;
-        let _terminal = if console_input { Some(spawn_console_input(&devices, &control)?) } else { None };
+        let Vm {
+            vcpus,
+            control,
+            devices,
+            backend,
+            mem,
+            kernel_format,
+            console_input,
+            ..
+        } = self;
+        let _terminal = if console_input {
+            Some(spawn_console_input(&devices, &control)?)
+        } else {
+            None
+        };
         control.mark_started();
         let started = Instant::now();
         let mut threads = Vec::new();
@@ -257,7 +285,10 @@ impl Vm {
         }
         for t in threads {
             if t.join().is_err() {
-                control.stop(StopReason::VcpuError { cpu: usize::MAX, message: "vCPU thread panicked".into() });
+                control.stop(StopReason::VcpuError {
+                    cpu: usize::MAX,
+                    message: "vCPU thread panicked".into(),
+                });
             }
         }
         let counters = &control.counters;
@@ -266,16 +297,22 @@ impl Vm {
             boot_to_init: control.boot_to_init(),
             run_time: started.elapsed(),
             exits: counters.exits.load(std::sync::atomic::Ordering::Relaxed),
-            breakpoints_reinjected: counters.breakpoints_reinjected.load(std::sync::atomic::Ordering::Relaxed),
-            instructions_emulated: counters.instructions_emulated.load(std::sync::atomic::Ordering::Relaxed),
+            breakpoints_reinjected: counters
+                .breakpoints_reinjected
+                .load(std::sync::atomic::Ordering::Relaxed),
+            instructions_emulated: counters
+                .instructions_emulated
+                .load(std::sync::atomic::Ordering::Relaxed),
             kernel_format,
         })
     }
 }
 
 fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, Error> {
-    let mut ranges: Vec<(GuestAddress, usize)> =
-        ram_ranges(mem_bytes).into_iter().map(|(Gpa(start), len)| (GuestAddress(start), len as usize)).collect();
+    let mut ranges: Vec<(GuestAddress, usize)> = ram_ranges(mem_bytes)
+        .into_iter()
+        .map(|(Gpa(start), len)| (GuestAddress(start), len as usize))
+        .collect();
     ranges.push((GuestAddress(OOL_AREA_START.0), OOL_AREA_SIZE as usize));
     let mem = GuestMemoryMmap::from_ranges(&ranges).map_err(|e| Error::GuestMemory(e.to_string()))?;
     for (slot, region) in mem.iter().enumerate() {
@@ -311,7 +348,10 @@ fn spawn_console_input(devices: &Arc<PortDevices>, control: &Arc<VcpuControl>) -
     use vmm_sys_util::terminal::Terminal;
     // SAFETY: isatty has no preconditions.
     if unsafe { libc::isatty(libc::STDIN_FILENO) } == 1 {
-        std::io::stdin().lock().set_raw_mode().map_err(|e| Error::Console(e.into()))?;
+        std::io::stdin()
+            .lock()
+            .set_raw_mode()
+            .map_err(Error::Console)?;
     }
     let devices = Arc::clone(devices);
     let control = Arc::clone(control);
@@ -343,7 +383,11 @@ fn spawn_console_input(devices: &Arc<PortDevices>, control: &Arc<VcpuControl>) -
                 }
                 let mut rest: &[u8] = &pending;
                 while !rest.is_empty() {
-                    let sent = devices.serial.lock().unwrap_or_else(|e| e.into_inner()).enqueue_raw_bytes(rest);
+                    let sent = devices
+                        .serial
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .enqueue_raw_bytes(rest);
                     match sent {
                         Ok(k) => rest = &rest[k..],
                         Err(_) => std::thread::sleep(Duration::from_millis(5)),

@@ -8,8 +8,12 @@ use hvprobe_vmm::{Backend, CodeBlob, NoProbes, StopReason, Vm, CODE_BLOB_START};
 use vm_memory::{Bytes, GuestAddress};
 
 fn blob_vm(code: &[u8], cpus: u8, breakpoint_handler: Option<u64>) -> Vm {
-    Vm::new_code_blob(&CodeBlob { code: code.to_vec(), cpus, breakpoint_handler })
-        .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"))
+    Vm::new_code_blob(&CodeBlob {
+        code: code.to_vec(),
+        cpus,
+        breakpoint_handler,
+    })
+    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"))
 }
 
 /// `int3`, then report BL as the exit status. The guest's own #BP handler sets BL to 0x41
@@ -36,12 +40,32 @@ fn guest_owned_int3_reaches_the_guest_handler_with_the_native_return_address() {
     assert_eq!(CODE_BLOB_START + 1, 0x100001, "the blob hard-codes its load address");
     let vm = blob_vm(BREAKPOINT_BLOB, 1, Some(0x10));
     let backend = vm.backend();
-    let outcome = vm.run(Arc::new(NoProbes)).expect("run");
-    assert_eq!(outcome.reason, StopReason::GuestExit(0x41), "guest #BP handler saw the wrong return address");
+    let outcome = run_with_watchdog(vm, Duration::from_secs(20));
+    assert_eq!(
+        outcome.reason,
+        StopReason::GuestExit(0x41),
+        "guest #BP handler saw the wrong return address"
+    );
     if backend == Backend::Pvm {
         // On kvm_pvm every CPL0 int3 exits to us; we must have re-injected this one.
         assert_eq!(outcome.breakpoints_reinjected, 1);
     }
+}
+
+/// Runs a VM to its end, stopping it if it has not ended after `limit` (a re-injection
+/// bug can loop on the int3 forever).
+fn run_with_watchdog(vm: Vm, limit: Duration) -> hvprobe_vmm::VmOutcome {
+    let control = vm.control();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let runner = std::thread::spawn(move || {
+        let outcome = vm.run(Arc::new(NoProbes));
+        let _ = done_tx.send(());
+        outcome
+    });
+    if done_rx.recv_timeout(limit).is_err() {
+        control.stop(StopReason::Stopped);
+    }
+    runner.join().expect("run thread").expect("run")
 }
 
 /// Each vCPU increments its own counter at 0x3000 + 8 * index, forever.
@@ -51,7 +75,10 @@ const SPIN_BLOB: &[u8] = &[
 ];
 
 fn counters(mem: &vm_memory::GuestMemoryMmap) -> [u64; 2] {
-    [mem.read_obj(GuestAddress(0x3000)).unwrap(), mem.read_obj(GuestAddress(0x3008)).unwrap()]
+    [
+        mem.read_obj(GuestAddress(0x3000)).unwrap(),
+        mem.read_obj(GuestAddress(0x3008)).unwrap(),
+    ]
 }
 
 fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
