@@ -351,7 +351,7 @@ fn spawn_console_input(devices: &Arc<PortDevices>, control: &Arc<VcpuControl>) -
         std::io::stdin()
             .lock()
             .set_raw_mode()
-            .map_err(Error::Console)?;
+            .map_err(|e| Error::Console(e.into()))?;
     }
     let devices = Arc::clone(devices);
     let control = Arc::clone(control);
