@@ -26,6 +26,6 @@ pub use error::Error;
 pub use mptable::MAX_CPUS;
 pub use vcpu::{
     reinject_breakpoint, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus, StopReason,
-    VcpuControl,
+    VcpuControl, VcpuState,
 };
 pub use vm::{CodeBlob, Vm, VmConfig, VmOutcome, CODE_BLOB_START, MAX_MEM_MIB, MIN_MEM_MIB};

@@ -161,6 +161,8 @@ const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
 
 /// The architectural LSTAR MSR (syscall entry point): the KASLR slide is read from it.
 pub const MSR_LSTAR_INDEX: u32 = MSR_LSTAR;
+/// The GS base swapped in by `swapgs`.
+pub const MSR_KERNEL_GS_BASE_INDEX: u32 = MSR_KERNEL_GS_BASE;
 
 /// MSRs every vCPU starts with: cleared syscall MSRs, TSC 0 (so all vCPUs' TSCs agree),
 /// fast strings, MTRRs enabled with write-back default.

@@ -11,7 +11,9 @@ use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use hvprobe_arch::{Gva, INT3};
-use kvm_bindings::{kvm_regs, KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_bindings::{
+    kvm_regs, kvm_sregs, KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -117,7 +119,7 @@ struct ControlState {
     parked: usize,
     exited: usize,
     stop: Option<StopReason>,
-    parked_regs: Vec<Option<kvm_regs>>,
+    parked_state: Vec<Option<VcpuState>>,
 }
 
 /// Shared control of all vCPUs of a VM: pause, resume, stop, and what happened.
@@ -158,7 +160,7 @@ impl VcpuControl {
         Ok(Arc::new(VcpuControl {
             slots: (0..vcpu_count).map(|_| VcpuSlot { kick: Mutex::new(None) }).collect(),
             state: Mutex::new(ControlState {
-                parked_regs: vec![None; vcpu_count],
+                parked_state: vec![None; vcpu_count],
                 ..Default::default()
             }),
             changed: Condvar::new(),
@@ -249,14 +251,14 @@ impl VcpuControl {
         if st.pause_depth == 0 {
             return true;
         }
-        st.parked_regs[cpu] = vcpu.get_regs().ok();
+        st.parked_state[cpu] = VcpuState::read(vcpu).ok();
         st.parked += 1;
         self.changed.notify_all();
         while st.pause_depth > 0 && st.stop.is_none() {
             st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
         }
         st.parked -= 1;
-        st.parked_regs[cpu] = None;
+        st.parked_state[cpu] = None;
         st.stop.is_none()
     }
 
@@ -290,6 +292,48 @@ impl VcpuControl {
     }
 }
 
+/// What a parked vCPU publishes about itself.
+#[derive(Clone, Copy, Debug)]
+pub struct VcpuState {
+    pub regs: kvm_regs,
+    pub sregs: kvm_sregs,
+    /// The syscall entry point; 0 until the guest kernel has set it up.
+    pub lstar: u64,
+    /// The GS base user mode sees while the kernel runs (swapped by `swapgs`); the kernel's
+    /// own GS base is `sregs.gs.base` while the vCPU is in kernel mode.
+    pub kernel_gs_base: u64,
+}
+
+impl VcpuState {
+    fn read(vcpu: &VcpuFd) -> Result<VcpuState, Error> {
+        let regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+        let sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+        let lstar = crate::regs::read_msr(vcpu, crate::regs::MSR_LSTAR_INDEX)?;
+        let kernel_gs_base = crate::regs::read_msr(vcpu, crate::regs::MSR_KERNEL_GS_BASE_INDEX)?;
+        Ok(VcpuState {
+            regs,
+            sregs,
+            lstar,
+            kernel_gs_base,
+        })
+    }
+
+    /// Whether the vCPU was running guest kernel code (CPL 0).
+    pub fn in_kernel_mode(&self) -> bool {
+        self.sregs.cs.selector & 3 == 0
+    }
+
+    /// The base of this CPU's per-CPU area (the kernel's GS base), whichever mode the vCPU
+    /// was in.
+    pub fn kernel_per_cpu_base(&self) -> u64 {
+        if self.in_kernel_mode() {
+            self.sregs.gs.base
+        } else {
+            self.kernel_gs_base
+        }
+    }
+}
+
 /// All vCPUs parked (see [`VcpuControl::pause_all`]); dropping this resumes them.
 pub struct PausedVcpus {
     control: Arc<VcpuControl>,
@@ -298,7 +342,13 @@ pub struct PausedVcpus {
 impl PausedVcpus {
     /// The registers of a parked vCPU (`None` for the calling vCPU or an exited one).
     pub fn regs(&self, cpu: usize) -> Option<kvm_regs> {
-        self.control.lock().parked_regs.get(cpu).copied().flatten()
+        self.state(cpu).map(|s| s.regs)
+    }
+
+    /// Registers, control registers and the MSRs introspection needs, of a parked vCPU
+    /// (`None` for the calling vCPU or an exited one).
+    pub fn state(&self, cpu: usize) -> Option<VcpuState> {
+        self.control.lock().parked_state.get(cpu).copied().flatten()
     }
 }
 

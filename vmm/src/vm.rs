@@ -333,13 +333,17 @@ fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, 
     Ok(mem)
 }
 
-/// Restores the terminal when the run ends.
-struct TerminalGuard;
+/// Restores the terminal when the run ends, if it was put in raw mode.
+struct TerminalGuard {
+    raw: bool,
+}
 
 impl Drop for TerminalGuard {
     fn drop(&mut self) {
         use vmm_sys_util::terminal::Terminal;
-        let _ = std::io::stdin().lock().set_canon_mode();
+        if self.raw {
+            let _ = std::io::stdin().lock().set_canon_mode();
+        }
     }
 }
 
@@ -347,18 +351,27 @@ impl Drop for TerminalGuard {
 fn spawn_console_input(devices: &Arc<PortDevices>, control: &Arc<VcpuControl>) -> Result<TerminalGuard, Error> {
     use vmm_sys_util::terminal::Terminal;
     // SAFETY: isatty has no preconditions.
-    if unsafe { libc::isatty(libc::STDIN_FILENO) } == 1 {
+    let raw = unsafe { libc::isatty(libc::STDIN_FILENO) } == 1;
+    if raw {
         std::io::stdin()
             .lock()
             .set_raw_mode()
             .map_err(|e| Error::Console(e.into()))?;
     }
+    // The reader gets its own descriptor: reading through `std::io::stdin()` would hold the
+    // process-wide stdin lock while blocked, and restoring the terminal needs that lock.
+    // SAFETY: dup has no preconditions; the result is checked before use.
+    let fd = unsafe { libc::dup(libc::STDIN_FILENO) };
+    if fd < 0 {
+        return Err(Error::Console(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh descriptor that only this File owns.
+    let mut stdin = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     let devices = Arc::clone(devices);
     let control = Arc::clone(control);
     std::thread::Builder::new()
         .name("console-input".into())
         .spawn(move || {
-            let mut stdin = std::io::stdin();
             let mut buf = [0u8; 64];
             let mut escape = false;
             loop {
@@ -399,5 +412,5 @@ fn spawn_console_input(devices: &Arc<PortDevices>, control: &Arc<VcpuControl>) -
             }
         })
         .map_err(Error::Thread)?;
-    Ok(TerminalGuard)
+    Ok(TerminalGuard { raw })
 }
