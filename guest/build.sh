@@ -43,6 +43,8 @@ key_material() {
     echo "busybox-static $(pkgver busybox-static)"
     echo "gcc $(gcc -dumpfullversion 2>/dev/null || echo none) $(pkgver gcc)"
     echo "musl-tools $(pkgver musl-tools)"
+    # pahole turns the DWARF into the kernel's BTF: another version, other BTF.
+    echo "dwarves $(pkgver dwarves) $(pahole --version 2>/dev/null || echo none)"
 }
 
 # The warm path must be fast and need nothing but coreutils + dpkg-query.
@@ -68,6 +70,8 @@ need_cmd patch patch
 need_cmd xz xz-utils
 need_cmd lz4 lz4
 need_cmd cpio cpio
+need_cmd pahole dwarves
+need_cmd objcopy binutils
 need_cmd flock util-linux
 need_cmd dpkg-query dpkg
 need_file /usr/include/gelf.h libelf-dev
@@ -189,8 +193,15 @@ if command -v readelf >/dev/null 2>&1; then
     readelf -n "$OBJ/vmlinux" | grep -q 'Xen' || die "vmlinux has no PVH (Xen) ELF note"
 fi
 
+# CONFIG_DEBUG_INFO_BTF: the host reads struct layouts from .BTF (also loaded in guest
+# memory between __start_BTF and __stop_BTF).
+readelf -SW "$OBJ/vmlinux" | grep -F ' .BTF ' >/dev/null || die "vmlinux has no .BTF section (CONFIG_DEBUG_INFO_BTF)"
+grep -q ' __start_BTF$' "$OBJ/System.map" || die "System.map has no __start_BTF"
+
 mkdir -p "$TMP/out"
-cp "$OBJ/vmlinux" "$TMP/out/vmlinux"
+# The DWARF (needed only by pahole at link time) is ~10x the rest of vmlinux: keep it
+# out of the cache. --strip-debug keeps .BTF, the symbol table and the PVH note.
+run objcopy --strip-debug "$OBJ/vmlinux" "$TMP/out/vmlinux"
 cp "$OBJ/arch/x86/boot/bzImage" "$TMP/out/bzImage"
 cp "$OBJ/System.map" "$TMP/out/System.map"
 cp "$OBJ/.config" "$TMP/out/config"

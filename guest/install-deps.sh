@@ -3,7 +3,7 @@
 # for them and names any that are missing).
 set -euo pipefail
 PACKAGES=(linux-source-6.1 busybox-static gcc musl-tools make flex bison bc perl patch xz-utils lz4 cpio
-          util-linux libelf-dev libssl-dev libc6-dev)
+          util-linux libelf-dev libssl-dev libc6-dev dwarves binutils)
 SUDO=
 [ "$(id -u)" = 0 ] || SUDO=sudo
 missing=()

@@ -6,6 +6,7 @@
 
 pub mod cpio;
 pub mod guest;
+pub mod introspect;
 pub mod sampler;
 
 pub use hvprobe_vmm as vmm;

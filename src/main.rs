@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use hvprobe::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
-use hvprobe::vmm::{kernel_format, ConsoleOutput, NoProbes, StopReason, Vm, VmConfig};
+use hvprobe::introspect::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom};
+use hvprobe::vmm::{kernel_format, ConsoleOutput, KernelFormat, NoProbes, StopReason, VcpuControl, Vm, VmConfig};
+use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
 
 #[derive(Parser)]
 #[command(name = "hvprobe", version, about = "Linux kernel probes run from outside the guest")]
@@ -22,6 +24,8 @@ enum Commands {
     Run(RunArgs),
     /// Build the bundled guest (if its cache entry is missing) and print its directory.
     BuildGuest,
+    /// Resolve kernel symbols offline, at link-time addresses (no KASLR slide).
+    Symbols(SymbolsArgs),
 }
 
 #[derive(Args)]
@@ -44,13 +48,46 @@ struct RunArgs {
     /// Shell command the guest runs instead of an interactive shell; hvprobe exits with its status.
     #[arg(long)]
     workload: Option<String>,
-    /// Sample every vCPU's instruction pointer this often (ms) and print the hottest guest
-    /// functions at exit (symbols from the bundled guest's System.map, or --system-map).
-    #[arg(long, value_name = "MS")]
-    sample_ms: Option<u64>,
-    /// System.map of the kernel, for --sample-ms with your own kernel.
+    /// Boot the bundled guest's bzImage with KASLR on (a PVH boot is never randomized).
+    #[arg(long)]
+    kaslr: bool,
+    /// Print `SYM = 0xADDRESS (source)` for SYM[+OFFSET] once the guest kernel is up (repeatable).
+    #[arg(long, value_name = "SYM")]
+    resolve: Vec<String>,
+    /// Where kernel symbols come from (repeatable: --resolve then prints each source's answer)
+    /// [default: System.map if there is one, else the vmlinux, else the guest's kallsyms].
+    #[arg(long = "symbols", value_enum, value_name = "SOURCE")]
+    symbol_sources: Vec<SourceArg>,
+    /// System.map of the kernel [default: the bundled guest's].
     #[arg(long)]
     system_map: Option<PathBuf>,
+    /// The kernel's vmlinux ELF, for symbols [default: the bundled guest's, or --kernel if it is an ELF].
+    #[arg(long)]
+    vmlinux: Option<PathBuf>,
+    /// Sample every vCPU's instruction pointer this often (ms) and print the hottest guest
+    /// functions at exit.
+    #[arg(long, value_name = "MS")]
+    sample_ms: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum SourceArg {
+    SystemMap,
+    Vmlinux,
+    Kallsyms,
+}
+
+#[derive(Args)]
+struct SymbolsArgs {
+    /// The kernel's vmlinux ELF.
+    #[arg(long)]
+    kernel: PathBuf,
+    /// Use this System.map instead of the vmlinux's symbol table.
+    #[arg(long)]
+    system_map: Option<PathBuf>,
+    /// SYM, SYM+OFFSET, or a hex address (0x...) to describe as SYM+OFF/SIZE.
+    #[arg(required = true)]
+    names: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -65,6 +102,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Commands::Run(args) => run(args),
+        Commands::Symbols(args) => symbols(args),
         Commands::BuildGuest => BundledGuest::ensure_built()
             .map(|g| {
                 println!("{}", g.dir.display());
@@ -104,14 +142,26 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(initrd) = &args.initrd {
         std::fs::metadata(initrd).map_err(|e| format!("cannot read initrd {}: {e}", initrd.display()))?;
     }
+    for spec in &args.resolve {
+        check_symbol_spec(spec)?;
+    }
+    if args.kaslr && args.kernel.is_some() {
+        return Err(
+            "--kaslr boots the bundled guest's bzImage; for your own kernel pass a bzImage with --kernel \
+                    (KASLR is on unless its command line says nokaslr)"
+                .into(),
+        );
+    }
     let bundled = if args.kernel.is_none() || args.initrd.is_none() {
         Some(BundledGuest::ensure_built()?)
     } else {
         None
     };
+    let bundled_kernel = bundled.as_ref().filter(|_| args.kernel.is_none());
 
-    let (kernel, mut cmdline) = match (&args.kernel, &bundled) {
+    let (kernel, mut cmdline) = match (&args.kernel, bundled_kernel) {
         (Some(k), _) => (k.clone(), BASE_CMDLINE.to_string()),
+        (None, Some(g)) if args.kaslr => (g.bzimage.clone(), format!("{BASE_CMDLINE} {}", g.cmdline)),
         (None, Some(g)) => (g.vmlinux.clone(), format!("{BASE_CMDLINE} {}", g.cmdline)),
         (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
     };
@@ -124,6 +174,7 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         (None, Some(g)) => g.initramfs.clone(),
         (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
     };
+    let sources = symbol_sources(&args, bundled_kernel)?;
     let config = VmConfig {
         kernel,
         initrd: initrd_with_workload(&initrd_path, args.workload.as_deref())?,
@@ -135,26 +186,27 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let vm = Vm::new(&config)?;
     let console = vm.console_log();
+    let control = vm.control();
+    let introspection = {
+        let (control, mem, resolve) = (vm.control(), vm.memory().clone(), args.resolve.clone());
+        std::thread::spawn(move || introspect_when_up(&control, &mem, &sources, &resolve))
+    };
     let sampler = args
         .sample_ms
         .map(|ms| hvprobe::sampler::Sampler::start(vm.control(), Duration::from_millis(ms.max(1))));
     let outcome = vm.run(Arc::new(NoProbes))?;
+    let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
     if let Some(sampler) = sampler {
         let samples = sampler.finish();
-        let map = args.system_map.clone().or_else(|| {
-            bundled
-                .as_ref()
-                .filter(|_| args.kernel.is_none())
-                .map(|g| g.system_map.clone())
-        });
-        match map {
-            Some(map) => eprint!("{}", hvprobe::sampler::report(&samples, &map, 30)?),
+        match introspection.as_ref().ok().and_then(|k| k.first()) {
+            Some(kernel) => eprint!("{}", hvprobe::sampler::report(&samples, &kernel.table, 30)),
             None => eprintln!(
-                "hvprobe: {} samples taken, but no System.map to name them (--system-map)",
+                "hvprobe: {} samples taken, but no kernel symbols to name them",
                 samples.len()
             ),
         }
     }
+    drop(control);
 
     let boot = match outcome.boot_to_init {
         Some(t) => format!("{:.2} s", t.as_secs_f64()),
@@ -169,6 +221,25 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         outcome.instructions_emulated,
         outcome.breakpoints_reinjected
     );
+    let introspection_failed = match &introspection {
+        Ok(kernels) => {
+            for k in kernels {
+                eprintln!("hvprobe: kernel symbols from {}: KASLR slide {:#x}", k.from, k.slide);
+            }
+            false
+        }
+        Err(IntrospectionFailure::NotUp) => {
+            eprintln!("hvprobe: the guest kernel never came up far enough to be introspected");
+            !args.resolve.is_empty()
+        }
+        Err(IntrospectionFailure::Error(e)) => {
+            eprintln!("hvprobe: error: {e}");
+            true
+        }
+    };
+    if introspection_failed {
+        return Ok(ExitCode::FAILURE);
+    }
     let code = match &outcome.reason {
         StopReason::GuestExit(status) => *status,
         StopReason::Reset if console.contents().contains("Kernel panic") => {
@@ -188,4 +259,137 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     };
     Ok(ExitCode::from(code))
+}
+
+/// Rejects a malformed `SYM[+OFFSET]` before anything boots.
+fn check_symbol_spec(spec: &str) -> Result<(), SymbolError> {
+    match SymbolTable::from_symbols(SymbolSource::SystemMap, Vec::new()).resolve(spec) {
+        Err(SymbolError::UnknownSymbol(_)) | Ok(_) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The symbol sources of a run, in the order asked for (or the default).
+fn symbol_sources(
+    args: &RunArgs,
+    bundled: Option<&BundledGuest>,
+) -> Result<Vec<SymbolsFrom>, Box<dyn std::error::Error>> {
+    let system_map = args
+        .system_map
+        .clone()
+        .or_else(|| bundled.map(|g| g.system_map.clone()));
+    let kernel_is_elf = args.kernel.as_deref().map(kernel_format).transpose()? == Some(KernelFormat::ElfPvh);
+    let vmlinux = args
+        .vmlinux
+        .clone()
+        .or_else(|| bundled.map(|g| g.vmlinux.clone()))
+        .or_else(|| args.kernel.clone().filter(|_| kernel_is_elf));
+    for path in [&args.system_map, &args.vmlinux].into_iter().flatten() {
+        std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    }
+    let asked = if args.symbol_sources.is_empty() {
+        vec![if system_map.is_some() {
+            SourceArg::SystemMap
+        } else if vmlinux.is_some() {
+            SourceArg::Vmlinux
+        } else {
+            SourceArg::Kallsyms
+        }]
+    } else {
+        args.symbol_sources.clone()
+    };
+    asked
+        .into_iter()
+        .map(|a| match a {
+            SourceArg::SystemMap => system_map
+                .clone()
+                .map(SymbolsFrom::SystemMap)
+                .ok_or_else(|| "--symbols system-map needs --system-map FILE".into()),
+            SourceArg::Vmlinux => vmlinux
+                .clone()
+                .map(SymbolsFrom::Vmlinux)
+                .ok_or_else(|| "--symbols vmlinux needs --vmlinux FILE".into()),
+            SourceArg::Kallsyms => Ok(SymbolsFrom::Kallsyms),
+        })
+        .collect()
+}
+
+enum IntrospectionFailure {
+    /// The VM stopped before the kernel set up its syscall entry.
+    NotUp,
+    Error(String),
+}
+
+/// Once the guest kernel is up: loads symbols from every source (checking file-based ones
+/// against guest memory) and prints the `--resolve` answers. A failure stops the VM.
+fn introspect_when_up(
+    control: &Arc<VcpuControl>,
+    mem: &vm_memory::GuestMemoryMmap,
+    sources: &[SymbolsFrom],
+    resolve: &[String],
+) -> Result<Vec<KernelSymbols>, IntrospectionFailure> {
+    let (paused, state) =
+        wait_for_kernel(control, mem, Duration::from_millis(100)).ok_or(IntrospectionFailure::NotUp)?;
+    let memory = live_memory(mem, &state);
+    let mut kernels = Vec::new();
+    let mut failure = None;
+    for from in sources {
+        let started = std::time::Instant::now();
+        match load_symbols(from, &memory, state.lstar) {
+            Ok(kernel) => {
+                tracing::info!(
+                    "{} symbols from {} in {:.0} ms",
+                    kernel.table.len(),
+                    kernel.from,
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+                for spec in resolve {
+                    match kernel.table.resolve(spec) {
+                        Ok(r) => eprintln!("{spec} = {:#x} ({})", r.addr.0, from.label()),
+                        Err(e) => failure = Some(format!("{e} (in {from})")),
+                    }
+                }
+                kernels.push(kernel);
+            }
+            Err(e) => failure = Some(e.to_string()),
+        }
+    }
+    drop(paused);
+    match failure {
+        Some(message) => {
+            control.stop(StopReason::Stopped);
+            Err(IntrospectionFailure::Error(message))
+        }
+        None => Ok(kernels),
+    }
+}
+
+/// `hvprobe symbols`: resolve names and describe addresses offline.
+fn symbols(args: SymbolsArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let table = match &args.system_map {
+        Some(map) => SymbolTable::from_system_map_file(map)?,
+        None => SymbolTable::from_elf_file(&args.kernel)?,
+    };
+    let mut failed = false;
+    for name in &args.names {
+        if let Some(hex) = name.strip_prefix("0x") {
+            let addr = u64::from_str_radix(hex, 16).map_err(|e| format!("{name}: not a hex address: {e}"))?;
+            match table.describe(hvprobe_arch::Gva(addr)) {
+                Some(d) => println!("{name} = {d} ({})", table.source()),
+                None => {
+                    eprintln!("hvprobe: error: {name} is below every symbol");
+                    failed = true;
+                }
+            }
+            continue;
+        }
+        match table.resolve(name) {
+            Ok(r) => println!("{name} = {:#x} ({})", r.addr.0, table.source()),
+            Err(e) => {
+                eprintln!("hvprobe: error: {e}");
+                failed = true;
+            }
+        }
+    }
+    Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }

@@ -3,12 +3,13 @@
 //! guest; it is how the bundled guest's boot was trimmed.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use hvprobe_arch::Gva;
+use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_vmm::VcpuControl;
 
 /// A running sampler.
@@ -44,35 +45,23 @@ impl Sampler {
     }
 }
 
-/// The `top` guest functions by samples, named from a System.map.
-pub fn report(rips: &[u64], system_map: &Path, top: usize) -> std::io::Result<String> {
-    let text = std::fs::read_to_string(system_map)?;
-    let mut symbols: Vec<(u64, &str)> = text
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
-            let kind = f.next()?;
-            let name = f.next()?;
-            matches!(kind, "t" | "T" | "W" | "w").then_some((addr, name))
-        })
-        .collect();
-    symbols.sort_unstable();
-    let mut counts: HashMap<&str, usize> = HashMap::new();
+/// The `top` guest functions by samples, named from the kernel's symbols.
+pub fn report(rips: &[u64], symbols: &SymbolTable, top: usize) -> String {
+    let mut counts: HashMap<String, usize> = HashMap::new();
     for rip in rips {
-        let name = match symbols.partition_point(|(a, _)| a <= rip) {
-            0 => "[outside kernel text]",
-            i if *rip >= 0xffff_ffff_8000_0000 => symbols[i - 1].1,
-            _ => "[user space or unmapped]",
+        let name = match symbols.describe(Gva(*rip)) {
+            Some(d) if *rip >= 0xffff_8000_0000_0000 => d.symbol.name.clone(),
+            Some(_) | None if *rip < 0xffff_8000_0000_0000 => "[user space]".to_string(),
+            _ => "[unknown]".to_string(),
         };
         *counts.entry(name).or_default() += 1;
     }
     let mut ranked: Vec<_> = counts.into_iter().collect();
-    ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let total = rips.len().max(1);
     let mut out = format!("hvprobe: {} samples; hottest guest functions:\n", rips.len());
     for (name, n) in ranked.into_iter().take(top) {
         out.push_str(&format!("{:6} {:5.1}%  {name}\n", n, 100.0 * n as f64 / total as f64));
     }
-    Ok(out)
+    out
 }

@@ -1,11 +1,12 @@
 //! x86-64 facts with no KVM in them.
 //!
-//! For now this holds the typed addresses that every other crate uses, so that a guest
-//! virtual address can never be passed where a guest physical one is expected. Page-table
-//! formats, the page walk and instruction analysis come with the introspection and probe
-//! issues.
+//! The typed addresses that every other crate uses, so that a guest virtual address can
+//! never be passed where a guest physical one is expected, and the page-table formats and
+//! walk ([`paging`]). Instruction analysis comes with the probe issues.
 
 use std::fmt;
+
+pub mod paging;
 
 /// A guest physical address.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -1,5 +1,10 @@
-//! Reading a running Linux guest from the host: page walks, kernel symbols (System.map,
-//! vmlinux, kallsyms in guest memory), the KASLR slide, and kernel facts (text bounds,
-//! exception table, the guest's kprobe blacklist, the current task).
-//!
-//! Not built yet: this crate is the introspection issue's. Nothing here works so far.
+//! Reading a running Linux guest from the host: guest-virtual memory through page walks,
+//! kernel symbols (System.map, vmlinux ELF, kallsyms decoded from guest memory), the
+//! KASLR slide, kernel facts (text bounds, exception table, the guest's kprobe
+//! blacklist) and the current task (BTF-described `task_struct`).
+
+pub mod btf;
+pub mod facts;
+pub mod memory;
+pub mod symbols;
+pub mod task;

@@ -1,0 +1,532 @@
+//! Facts about the guest kernel that probe placement has to respect, read from guest
+//! memory with the help of a symbol table: where kernel text is, which instructions the
+//! exception table lists (a detour must not move them), and what the guest itself refuses
+//! to probe (its kprobe blacklist).
+//!
+//! The symbol table must match the memory: relocated by the KASLR slide for a live guest,
+//! unrelocated for a vmlinux [`ElfImage`](crate::memory::ElfImage).
+
+use std::fmt;
+use std::ops::Range;
+
+use hvprobe_arch::Gva;
+
+use crate::memory::{GuestVirtRead, MemoryError};
+use crate::symbols::{Symbol, SymbolTable};
+
+/// Why a fact could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum FactsError {
+    #[error("the symbol table has no {0}")]
+    MissingSymbol(&'static str),
+    #[error("{end_name} ({end}) lies before {start_name} ({start})")]
+    BadBounds {
+        start_name: &'static str,
+        start: Gva,
+        end_name: &'static str,
+        end: Gva,
+    },
+    #[error("{what} is {len:#x} bytes, not a whole number of {entry}-byte entries")]
+    RaggedTable { what: &'static str, len: u64, entry: u64 },
+    #[error("{what} is {len:#x} bytes, more than the {max:#x} any kernel has")]
+    TableTooLarge { what: &'static str, len: u64, max: u64 },
+    #[error("reading {what} from guest memory: {source}")]
+    Memory { what: &'static str, source: MemoryError },
+}
+
+/// No exception table or blacklist array comes near this; a larger one means the symbols
+/// do not belong to this memory.
+const MAX_TABLE_BYTES: u64 = 16 << 20;
+
+fn symbol(syms: &SymbolTable, name: &'static str) -> Result<Gva, FactsError> {
+    syms.lookup(name).map(|s| s.addr).ok_or(FactsError::MissingSymbol(name))
+}
+
+fn bounds(syms: &SymbolTable, start_name: &'static str, end_name: &'static str) -> Result<Range<Gva>, FactsError> {
+    let start = symbol(syms, start_name)?;
+    let end = symbol(syms, end_name)?;
+    if end < start {
+        return Err(FactsError::BadBounds {
+            start_name,
+            start,
+            end_name,
+            end,
+        });
+    }
+    Ok(start..end)
+}
+
+fn read_table<M: GuestVirtRead + ?Sized>(
+    mem: &M,
+    what: &'static str,
+    range: &Range<Gva>,
+    entry: u64,
+) -> Result<Vec<u8>, FactsError> {
+    let len = range.end.0 - range.start.0;
+    if len / entry * entry != len {
+        return Err(FactsError::RaggedTable { what, len, entry });
+    }
+    if len > MAX_TABLE_BYTES {
+        return Err(FactsError::TableTooLarge {
+            what,
+            len,
+            max: MAX_TABLE_BYTES,
+        });
+    }
+    let mut buf = vec![0u8; len as usize];
+    mem.read_virt(range.start, &mut buf)
+        .map_err(|source| FactsError::Memory { what, source })?;
+    Ok(buf)
+}
+
+/// Where kernel code is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TextBounds {
+    /// `_stext` .. `_etext`.
+    pub text: Range<Gva>,
+    /// `_sinittext` .. `_einittext` (freed after boot, but probes armed early land there).
+    pub init_text: Option<Range<Gva>>,
+}
+
+impl TextBounds {
+    pub fn read(syms: &SymbolTable) -> Result<Self, FactsError> {
+        let text = bounds(syms, "_stext", "_etext")?;
+        let init_text = match bounds(syms, "_sinittext", "_einittext") {
+            Ok(r) => Some(r),
+            Err(FactsError::MissingSymbol(_)) => None,
+            Err(e) => return Err(e),
+        };
+        Ok(TextBounds { text, init_text })
+    }
+
+    /// In core text or init text.
+    pub fn contains(&self, gva: Gva) -> bool {
+        self.text.contains(&gva) || self.init_text.as_ref().is_some_and(|r| r.contains(&gva))
+    }
+}
+
+/// One `struct exception_table_entry` (x86, 6.1: three `int`s relative to their own
+/// address: insn, fixup, data), with the addresses made absolute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExTableEntry {
+    /// The instruction that may fault.
+    pub insn: Gva,
+    /// Where execution continues after the fault.
+    pub fixup: Gva,
+    /// Type (bits 7:0), register (11:8), flags (15:12) and a signed immediate (31:16).
+    pub data: i32,
+}
+
+impl ExTableEntry {
+    /// `EX_TYPE_*` from `asm/extable_fixup_types.h`.
+    pub fn fixup_type(&self) -> u8 {
+        (self.data & 0xff) as u8
+    }
+
+    pub fn imm(&self) -> i16 {
+        (self.data >> 16) as i16
+    }
+}
+
+/// The kernel's exception table (`__start___ex_table` .. `__stop___ex_table`), sorted by
+/// instruction address.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExceptionTable {
+    entries: Vec<ExTableEntry>,
+}
+
+impl ExceptionTable {
+    pub fn read<M: GuestVirtRead + ?Sized>(mem: &M, syms: &SymbolTable) -> Result<Self, FactsError> {
+        let range = bounds(syms, "__start___ex_table", "__stop___ex_table")?;
+        let raw = read_table(mem, "__ex_table", &range, 12)?;
+        let field = |c: &[u8], i: usize| i32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
+        let mut entries: Vec<ExTableEntry> = raw
+            .chunks_exact(12)
+            .enumerate()
+            .map(|(i, c)| {
+                let at = range.start.0 + 12 * i as u64;
+                ExTableEntry {
+                    insn: Gva(at.wrapping_add_signed(field(c, 0).into())),
+                    fixup: Gva((at + 4).wrapping_add_signed(field(c, 4).into())),
+                    data: field(c, 8),
+                }
+            })
+            .collect();
+        // Built sorted (scripts/sorttable), but a guest that sorts at boot may not be yet.
+        entries.sort_by_key(|e| e.insn);
+        Ok(ExceptionTable { entries })
+    }
+
+    pub fn entries(&self) -> &[ExTableEntry] {
+        &self.entries
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The entry for the instruction at exactly `insn`.
+    pub fn lookup(&self, insn: Gva) -> Option<&ExTableEntry> {
+        let i = self.entries.partition_point(|e| e.insn < insn);
+        self.entries.get(i).filter(|e| e.insn == insn)
+    }
+
+    /// Entries whose instruction starts inside `range` (a region a detour would move).
+    pub fn in_range(&self, range: Range<Gva>) -> &[ExTableEntry] {
+        let from = self.entries.partition_point(|e| e.insn < range.start);
+        let to = self.entries.partition_point(|e| e.insn < range.end);
+        &self.entries[from..to.max(from)]
+    }
+}
+
+/// Why the guest would refuse a kprobe at an address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BlacklistReason {
+    /// Inside a function marked `NOKPROBE_SYMBOL()` (an entry of `_kprobe_blacklist`).
+    Symbol { name: String, range: Range<Gva> },
+    /// Inside a section the kernel blacklists wholesale.
+    Section { section: &'static str, range: Range<Gva> },
+    /// Inside a compiler-made part (`.cold`, `.isra.0`, …) of a blacklisted function.
+    Suffixed { name: String, base: String },
+}
+
+impl fmt::Display for BlacklistReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BlacklistReason::Symbol { name, range } => {
+                write!(f, "{name} ({}..{}) is marked NOKPROBE_SYMBOL", range.start, range.end)
+            }
+            BlacklistReason::Section { section, range } => {
+                write!(
+                    f,
+                    "inside {section} ({}..{}), which kprobes never probe",
+                    range.start, range.end
+                )
+            }
+            BlacklistReason::Suffixed { name, base } => write!(f, "{name} is part of blacklisted {base}"),
+        }
+    }
+}
+
+/// The sections Linux 6.1 blacklists as a whole: `populate_kprobe_blacklist()` in
+/// kernel/kprobes.c adds `__kprobes_text` and `noinstr`, x86's
+/// `arch_populate_kprobe_blacklist()` adds the entry text. (The irqentry and softirqentry
+/// sections are not blacklisted in 6.1; on x86 irqentry text lies inside the entry text.)
+pub const BLACKLISTED_SECTIONS: [(&str, &str, &str); 3] = [
+    (".kprobes.text", "__kprobes_text_start", "__kprobes_text_end"),
+    (".noinstr.text", "__noinstr_text_start", "__noinstr_text_end"),
+    (".entry.text", "__entry_text_start", "__entry_text_end"),
+];
+
+/// The guest's kprobe blacklist, as the guest builds it at boot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KprobeBlacklist {
+    /// `NOKPROBE_SYMBOL` functions, by start address.
+    symbols: Vec<(Range<Gva>, String)>,
+    sections: Vec<(&'static str, Range<Gva>)>,
+    /// Suffixed parts of blacklisted functions: (range, name, base name).
+    suffixed: Vec<(Range<Gva>, String, String)>,
+}
+
+/// The range the kernel blacklists for a symbol: from the address to the next symbol
+/// (kallsyms has no sizes), or to the ELF end if that is further.
+fn symbol_range(syms: &SymbolTable, s: &Symbol, from: Gva) -> Range<Gva> {
+    let size = s.size.unwrap_or(0).max(syms.extent(s).unwrap_or(0)).max(1);
+    from..Gva(s.addr.0.saturating_add(size).max(from.0.saturating_add(1)))
+}
+
+impl KprobeBlacklist {
+    pub fn read<M: GuestVirtRead + ?Sized>(mem: &M, syms: &SymbolTable) -> Result<Self, FactsError> {
+        let text = TextBounds::read(syms)?;
+        let array = bounds(syms, "__start_kprobe_blacklist", "__stop_kprobe_blacklist")?;
+        let raw = read_table(mem, "_kprobe_blacklist", &array, 8)?;
+        let mut symbols = Vec::new();
+        for c in raw.chunks_exact(8) {
+            let entry = Gva(u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]));
+            // populate_kprobe_blacklist() skips entries it cannot size (-EINVAL): outside
+            // kernel text or without a symbol.
+            if !text.contains(entry) {
+                continue;
+            }
+            if let Some(d) = syms.describe(entry) {
+                symbols.push((symbol_range(syms, d.symbol, entry), d.symbol.name.clone()));
+            }
+        }
+        symbols.sort_by_key(|(r, _)| r.start);
+
+        let mut sections = Vec::new();
+        for (section, start_name, end_name) in BLACKLISTED_SECTIONS {
+            let range = match bounds(syms, start_name, end_name) {
+                Ok(r) => r,
+                Err(FactsError::MissingSymbol(_)) => continue,
+                Err(e) => return Err(e),
+            };
+            if range.is_empty() {
+                continue;
+            }
+            // kprobe_add_area_blacklist() adds whole symbols, so the last one is covered
+            // to its end even where it runs past the section's end marker.
+            let end = syms
+                .describe(Gva(range.end.0 - 1))
+                .map(|d| symbol_range(syms, d.symbol, range.start).end)
+                .map_or(range.end, |e| e.max(range.end));
+            sections.push((section, range.start..end));
+        }
+
+        let mut list = KprobeBlacklist {
+            symbols,
+            sections,
+            suffixed: Vec::new(),
+        };
+        // within_kprobe_blacklist(): an address in `foo.cold` is refused when `foo` is.
+        let mut suffixed = Vec::new();
+        for s in syms.symbols().iter().filter(|s| s.is_text()) {
+            let Some((base, _)) = s.name.split_once('.') else {
+                continue;
+            };
+            let Some(b) = syms.lookup(base) else { continue };
+            if list.direct_reason(b.addr).is_some() {
+                suffixed.push((symbol_range(syms, s, s.addr), s.name.clone(), base.to_string()));
+            }
+        }
+        list.suffixed = suffixed;
+        Ok(list)
+    }
+
+    fn direct_reason(&self, gva: Gva) -> Option<BlacklistReason> {
+        if let Some((section, range)) = self.sections.iter().find(|(_, r)| r.contains(&gva)) {
+            return Some(BlacklistReason::Section {
+                section,
+                range: range.clone(),
+            });
+        }
+        self.symbols
+            .iter()
+            .find(|(r, _)| r.contains(&gva))
+            .map(|(range, name)| BlacklistReason::Symbol {
+                name: name.clone(),
+                range: range.clone(),
+            })
+    }
+
+    /// Why the guest would refuse to probe `gva`, or `None` if it would not.
+    pub fn is_blacklisted(&self, gva: Gva) -> Option<BlacklistReason> {
+        self.direct_reason(gva).or_else(|| {
+            self.suffixed
+                .iter()
+                .find(|(r, _, _)| r.contains(&gva))
+                .map(|(_, name, base)| BlacklistReason::Suffixed {
+                    name: name.clone(),
+                    base: base.clone(),
+                })
+        })
+    }
+
+    /// The `NOKPROBE_SYMBOL` functions: (range, name).
+    pub fn symbols(&self) -> &[(Range<Gva>, String)] {
+        &self.symbols
+    }
+
+    /// The wholesale-blacklisted sections present in this kernel: (name, range).
+    pub fn sections(&self) -> &[(&'static str, Range<Gva>)] {
+        &self.sections
+    }
+}
+
+/// Everything above, read once.
+#[derive(Clone, Debug)]
+pub struct KernelFacts {
+    pub text: TextBounds,
+    pub ex_table: ExceptionTable,
+    pub blacklist: KprobeBlacklist,
+}
+
+impl KernelFacts {
+    pub fn read<M: GuestVirtRead + ?Sized>(mem: &M, syms: &SymbolTable) -> Result<Self, FactsError> {
+        Ok(KernelFacts {
+            text: TextBounds::read(syms)?,
+            ex_table: ExceptionTable::read(mem, syms)?,
+            blacklist: KprobeBlacklist::read(mem, syms)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::test_support::guest_dir;
+    use crate::memory::ElfImage;
+    use crate::symbols::SymbolSource;
+    use std::sync::OnceLock;
+
+    fn guest() -> &'static (ElfImage, SymbolTable, KernelFacts) {
+        static G: OnceLock<(ElfImage, SymbolTable, KernelFacts)> = OnceLock::new();
+        G.get_or_init(|| {
+            let dir = guest_dir();
+            let img = ElfImage::open(dir.join("vmlinux")).expect("vmlinux");
+            let syms = SymbolTable::parse_elf(img.file_bytes()).expect("ELF symbols");
+            let facts = KernelFacts::read(&img, &syms).expect("facts");
+            (img, syms, facts)
+        })
+    }
+
+    #[test]
+    fn text_bounds_come_from_the_linker_symbols() {
+        let (_, syms, facts) = guest();
+        assert_eq!(facts.text.text.start, syms.lookup("_stext").expect("_stext").addr);
+        assert!(facts.text.text.end.0 - facts.text.text.start.0 > 1 << 20);
+        let init = facts.text.init_text.as_ref().expect("init text");
+        assert!(init.start >= facts.text.text.end);
+        let vfs_read = syms.lookup("vfs_read").expect("vfs_read").addr;
+        assert!(facts.text.contains(vfs_read));
+        assert!(!facts.text.contains(syms.lookup("_sdata").expect("_sdata").addr));
+    }
+
+    #[test]
+    fn exception_table_entries_point_into_text() {
+        let (_, syms, facts) = guest();
+        let ex = &facts.ex_table;
+        let fixups_in_text = ex.entries().iter().filter(|e| facts.text.contains(e.fixup)).count();
+        println!(
+            "exception table: {} entries, {fixups_in_text} fixups inside kernel text",
+            ex.len()
+        );
+        assert!(ex.len() > 100, "only {} entries", ex.len());
+        for e in ex.entries() {
+            assert!(facts.text.contains(e.insn), "{e:x?} outside text");
+            assert!(e.fixup_type() <= 20, "{e:x?}: unknown EX_TYPE");
+        }
+        assert_eq!(fixups_in_text, ex.len());
+        // Lookups find each entry and nothing in between.
+        let first = ex.entries()[0];
+        assert_eq!(ex.lookup(first.insn), Some(&first));
+        assert_eq!(ex.lookup(Gva(first.insn.0 - 1)), None);
+        assert_eq!(
+            ex.in_range(facts.text.text.clone()).len()
+                + ex.in_range(Gva(0)..facts.text.text.start).len()
+                + ex.in_range(facts.text.text.end..Gva(u64::MAX)).len(),
+            ex.len()
+        );
+        // The user-copy helpers are the classic exception-table users.
+        let copy = syms
+            .lookup("copy_user_generic_unrolled")
+            .or_else(|| syms.lookup("rep_movs_alternative"));
+        if let Some(f) = copy {
+            let size = syms.size_of(f).expect("sized");
+            assert!(
+                !ex.in_range(f.addr..Gva(f.addr.0 + size)).is_empty(),
+                "{} has no extable entries",
+                f.name
+            );
+        }
+    }
+
+    #[test]
+    fn the_guest_blacklist_matches_nokprobe_symbol() {
+        let (_, syms, facts) = guest();
+        let bl = &facts.blacklist;
+        println!(
+            "kprobe blacklist: {} NOKPROBE_SYMBOL functions, sections {:x?}",
+            bl.symbols().len(),
+            bl.sections()
+        );
+        for name in ["do_int3", "kprobe_int3_handler", "exc_int3", "dump_kprobe"] {
+            let s = syms.lookup(name).unwrap_or_else(|| panic!("{name} exists"));
+            let reason = bl
+                .is_blacklisted(s.addr)
+                .unwrap_or_else(|| panic!("{name} not blacklisted"));
+            let inside = Gva(s.addr.0 + 1);
+            assert!(bl.is_blacklisted(inside).is_some(), "{name}+1");
+            println!("{name}: {reason}");
+        }
+        for name in ["vfs_read", "do_sys_open", "schedule_timeout"] {
+            let s = syms.lookup(name).unwrap_or_else(|| panic!("{name} exists"));
+            assert_eq!(bl.is_blacklisted(s.addr), None, "{name}");
+        }
+        // Entry code is blacklisted by section.
+        let entry = syms.lookup("entry_SYSCALL_64").expect("entry_SYSCALL_64");
+        assert!(matches!(
+            bl.is_blacklisted(entry.addr),
+            Some(BlacklistReason::Section {
+                section: ".entry.text",
+                ..
+            })
+        ));
+        // noinstr functions too.
+        let noinstr = syms.lookup("__noinstr_text_start").expect("noinstr").addr;
+        assert!(matches!(
+            bl.is_blacklisted(noinstr),
+            Some(BlacklistReason::Section {
+                section: ".noinstr.text",
+                ..
+            })
+        ));
+        assert!(bl.symbols().len() > 20);
+    }
+
+    #[test]
+    fn facts_from_kallsyms_equal_facts_from_the_elf() {
+        let (img, _, facts) = guest();
+        let text = facts.text.text.start;
+        let ks = SymbolTable::from_kallsyms(img, text..Gva(text.0 + (48 << 20))).expect("kallsyms");
+        assert_eq!(ks.source(), SymbolSource::Kallsyms);
+        let from_ks = KernelFacts::read(img, &ks).expect("facts from kallsyms");
+        assert_eq!(from_ks.text, facts.text);
+        assert_eq!(from_ks.ex_table, facts.ex_table);
+        // Kallsyms has no sizes, so ranges may differ, but the same functions are listed.
+        let names = |b: &KprobeBlacklist| {
+            let mut v: Vec<String> = b.symbols().iter().map(|(_, n)| n.clone()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&from_ks.blacklist), names(&facts.blacklist));
+    }
+
+    #[test]
+    fn missing_symbols_and_bad_tables_are_errors() {
+        let (img, _, _) = guest();
+        let empty = SymbolTable::from_symbols(SymbolSource::SystemMap, vec![]);
+        assert!(matches!(
+            TextBounds::read(&empty),
+            Err(FactsError::MissingSymbol("_stext"))
+        ));
+        let s = |name: &str, addr: u64| Symbol {
+            name: name.into(),
+            addr: Gva(addr),
+            kind: 'D',
+            size: None,
+        };
+        let ragged = SymbolTable::from_symbols(
+            SymbolSource::SystemMap,
+            vec![
+                s("__start___ex_table", 0xffff_ffff_8100_0000),
+                s("__stop___ex_table", 0xffff_ffff_8100_0010),
+            ],
+        );
+        let e = ExceptionTable::read(img, &ragged).unwrap_err();
+        assert!(e.to_string().contains("not a whole number of 12-byte entries"), "{e}");
+        let backwards = SymbolTable::from_symbols(
+            SymbolSource::SystemMap,
+            vec![
+                s("__start___ex_table", 0xffff_ffff_8100_0010),
+                s("__stop___ex_table", 0xffff_ffff_8100_0000),
+            ],
+        );
+        assert!(matches!(
+            ExceptionTable::read(img, &backwards),
+            Err(FactsError::BadBounds { .. })
+        ));
+        let unmapped = SymbolTable::from_symbols(
+            SymbolSource::SystemMap,
+            vec![s("__start___ex_table", 0x1000), s("__stop___ex_table", 0x100c)],
+        );
+        assert!(matches!(
+            ExceptionTable::read(img, &unmapped),
+            Err(FactsError::Memory { .. })
+        ));
+    }
+}
