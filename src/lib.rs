@@ -8,5 +8,6 @@ pub mod cpio;
 pub mod guest;
 pub mod introspect;
 pub mod sampler;
+pub mod snapshot;
 
 pub use hvprobe_vmm as vmm;

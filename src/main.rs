@@ -2,12 +2,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use hvprobe::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
-use hvprobe::introspect::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom};
+use hvprobe::introspect::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
 use hvprobe::vmm::{kernel_format, ConsoleOutput, KernelFormat, NoProbes, StopReason, VcpuControl, Vm, VmConfig};
 use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
 
@@ -26,6 +26,16 @@ enum Commands {
     BuildGuest,
     /// Resolve kernel symbols offline, at link-time addresses (no KASLR slide).
     Symbols(SymbolsArgs),
+    /// Save a booted guest waiting for a workload, to restore it with `run --snapshot`.
+    Snapshot {
+        #[command(subcommand)]
+        command: hvprobe::snapshot::SnapshotCommand,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        command: hvprobe::snapshot::BenchCommand,
+    },
 }
 
 #[derive(Args)]
@@ -68,6 +78,10 @@ struct RunArgs {
     /// functions at exit.
     #[arg(long, value_name = "MS")]
     sample_ms: Option<u64>,
+    /// Restore the guest from a snapshot directory (`hvprobe snapshot create`) instead of
+    /// booting; needs --workload, and --cpus equal to the snapshot's.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "kaslr", "resolve", "sample_ms"])]
+    snapshot: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -103,6 +117,12 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Commands::Run(args) => run(args),
         Commands::Symbols(args) => symbols(args),
+        Commands::Snapshot {
+            command: hvprobe::snapshot::SnapshotCommand::Create(args),
+        } => hvprobe::snapshot::create(args),
+        Commands::Bench {
+            command: hvprobe::snapshot::BenchCommand::Snapshot(args),
+        } => hvprobe::snapshot::bench(args),
         Commands::BuildGuest => BundledGuest::ensure_built()
             .map(|g| {
                 println!("{}", g.dir.display());
@@ -134,6 +154,9 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if let Some(dir) = &args.snapshot {
+        return hvprobe::snapshot::run_restored(dir, args.cpus, args.workload.as_deref());
+    }
     // Check what needs no guest build first, so bad input fails fast.
     VmConfig::validate_machine(args.cpus, args.mem)?;
     if let Some(kernel) = &args.kernel {
@@ -187,19 +210,33 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let vm = Vm::new(&config)?;
     let console = vm.console_log();
     let control = vm.control();
+    let tasks = Arc::new(OnceLock::new());
     let introspection = {
-        let (control, mem, resolve) = (vm.control(), vm.memory().clone(), args.resolve.clone());
-        std::thread::spawn(move || introspect_when_up(&control, &mem, &sources, &resolve))
+        let (control, mem, resolve, tasks) = (
+            vm.control(),
+            vm.memory().clone(),
+            args.resolve.clone(),
+            Arc::clone(&tasks),
+        );
+        std::thread::spawn(move || introspect_when_up(&control, &mem, &sources, &resolve, &tasks))
     };
-    let sampler = args
-        .sample_ms
-        .map(|ms| hvprobe::sampler::Sampler::start(vm.control(), Duration::from_millis(ms.max(1))));
+    let sampler = args.sample_ms.map(|ms| {
+        hvprobe::sampler::Sampler::start(
+            vm.control(),
+            vm.memory().clone(),
+            Duration::from_millis(ms.max(1)),
+            tasks,
+        )
+    });
     let outcome = vm.run(Arc::new(NoProbes))?;
     let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
     if let Some(sampler) = sampler {
         let samples = sampler.finish();
         match introspection.as_ref().ok().and_then(|k| k.first()) {
-            Some(kernel) => eprint!("{}", hvprobe::sampler::report(&samples, &kernel.table, 30)),
+            Some(kernel) => {
+                eprint!("{}", hvprobe::sampler::report(&samples, &kernel.table, 30));
+                eprint!("{}", hvprobe::sampler::task_report(&samples, 10));
+            }
             None => eprintln!(
                 "hvprobe: {} samples taken, but no kernel symbols to name them",
                 samples.len()
@@ -327,6 +364,7 @@ fn introspect_when_up(
     mem: &vm_memory::GuestMemoryMmap,
     sources: &[SymbolsFrom],
     resolve: &[String],
+    tasks: &OnceLock<TaskContext>,
 ) -> Result<Vec<KernelSymbols>, IntrospectionFailure> {
     let (paused, state) =
         wait_for_kernel(control, mem, Duration::from_millis(100)).ok_or(IntrospectionFailure::NotUp)?;
@@ -352,6 +390,14 @@ fn introspect_when_up(
                 kernels.push(kernel);
             }
             Err(e) => failure = Some(e.to_string()),
+        }
+    }
+    if let Some(kernel) = kernels.first() {
+        match TaskContext::read(&memory, &kernel.table) {
+            Ok(ctx) => {
+                let _ = tasks.set(ctx);
+            }
+            Err(reason) => tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"),
         }
     }
     drop(paused);

@@ -3,8 +3,15 @@
  * hvprobe-init: /init of hvprobe's bundled guest.
  *
  * Guest -> VMM protocol (1-byte writes through /dev/port):
- *   port 0x0ef0  event: 1 = "/init reached", 2 = "workload started"
+ *   port 0x0ef0  event: 1 = "/init reached", 2 = "workload started",
+ *                3 = "ready for a workload" (wait mode, see below)
  *   port 0x0ef1  exit status 0..255: the VMM stops the VM with that status
+ *
+ * Wait mode (kernel command line contains `hvprobe.wait`, no workload in
+ * the initrd): after the mounts, put /dev/ttyS0 in raw mode, write event 3
+ * and read the workload from the console as `<decimal length>\n<bytes>`;
+ * it is written to /hvprobe/workload and run like a workload from the
+ * initrd.  The VMM snapshots the guest at event 3 (hvprobe snapshot).
  *
  * Every system call costs ~2.5 ms and a fork+exec ~1.4 s when the guest
  * kernel is emulated (kvm_pvm), so this does as little as possible: no
@@ -33,6 +40,10 @@
 #define PORT_EXIT 0x0ef1
 #define EV_INIT_REACHED 1
 #define EV_WORKLOAD_STARTED 2
+#define EV_READY_FOR_WORKLOAD 3
+#define WAIT_OPTION "hvprobe.wait"
+/* longest workload accepted over the console */
+#define WORKLOAD_MAX (1 << 20)
 
 #define WORKLOAD "/hvprobe/workload"
 #define SHELL "/bin/sh"
@@ -85,6 +96,105 @@ static int power_main(const char *name)
 	reboot(RB_AUTOBOOT);
 	perror(name);
 	return 1;
+}
+
+/* ---- wait mode --------------------------------------------------------- */
+
+/* Whether the kernel command line holds the word `hvprobe.wait`. */
+static int wait_mode_requested(void)
+{
+	static char cmdline[4096];
+	size_t len = strlen(WAIT_OPTION);
+	ssize_t n;
+	char *p;
+	int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+
+	if (fd < 0)
+		return 0;
+	n = read(fd, cmdline, sizeof(cmdline) - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	cmdline[n] = 0;
+	for (p = cmdline; (p = strstr(p, WAIT_OPTION)); p += len) {
+		if ((p == cmdline || p[-1] == ' ') &&
+		    (p[len] == 0 || p[len] == ' ' || p[len] == '\n'))
+			return 1;
+	}
+	return 0;
+}
+
+/*
+ * Signals "ready for a workload" and receives it on the console:
+ * `<decimal length>\n` then exactly that many bytes.  The tty is raw (no
+ * echo, no line editing, every byte as is) only while reading.  Returns 0
+ * once the workload is in WORKLOAD.
+ */
+static int receive_workload(void)
+{
+	static char buf[WORKLOAD_MAX + 32];
+	struct termios saved, raw;
+	size_t have = 0, want = 0, header = 0;
+	int tty, fd, ok;
+
+	tty = open(CONSOLE_TTY, O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (tty < 0) {
+		say("hvprobe-init: wait mode: cannot open " CONSOLE_TTY "\n");
+		return -1;
+	}
+	ok = tcgetattr(tty, &saved) == 0;
+	if (ok) {
+		raw = saved;
+		cfmakeraw(&raw);
+		raw.c_cc[VMIN] = 1;
+		raw.c_cc[VTIME] = 0;
+		tcsetattr(tty, TCSANOW, &raw);
+	}
+	port_write(PORT_EVENT, EV_READY_FOR_WORKLOAD);
+	for (;;) {
+		ssize_t n = read(tty, buf + have, sizeof(buf) - 1 - have);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			break;
+		have += n;
+		if (!header) {
+			char *nl = memchr(buf, '\n', have);
+			size_t i;
+
+			if (!nl) {
+				if (have > 16)
+					break; /* not a length */
+				continue;
+			}
+			header = nl - buf + 1;
+			for (i = 0; i + 1 < header; i++) {
+				if (buf[i] < '0' || buf[i] > '9')
+					break;
+				want = want * 10 + (buf[i] - '0');
+			}
+			if (i + 1 != header || header == 1 || want > WORKLOAD_MAX)
+				break;
+		}
+		if (header && have >= header + want)
+			break;
+	}
+	if (ok)
+		tcsetattr(tty, TCSANOW, &saved);
+	close(tty);
+	if (!header || have < header + want) {
+		say("hvprobe-init: wait mode: malformed workload message on the console\n");
+		return -1;
+	}
+	mkdir("/hvprobe", 0755);
+	fd = open(WORKLOAD, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0755);
+	if (fd < 0 || write(fd, buf + header, want) != (ssize_t)want) {
+		say("hvprobe-init: wait mode: cannot write " WORKLOAD "\n");
+		return -1;
+	}
+	close(fd);
+	return 0;
 }
 
 /* ---- pid 1 ----------------------------------------------------------------- */
@@ -158,6 +268,11 @@ int main(int argc, char **argv)
 	sigaction(SIGTERM, &sa, NULL);
 
 	interactive = stat(WORKLOAD, &st) != 0;
+	if (interactive && wait_mode_requested()) {
+		if (receive_workload() != 0)
+			vm_exit(125);
+		interactive = 0;
+	}
 	say(interactive ? "hvprobe-init: interactive shell\n"
 			: "hvprobe-init: running workload\n");
 

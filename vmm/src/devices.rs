@@ -31,6 +31,8 @@ pub enum GuestEvent {
     InitReached,
     /// The workload started.
     WorkloadStarted,
+    /// Wait mode (`hvprobe.wait`): init is ready to read a workload from the console.
+    ReadyForWorkload,
     Other(u8),
 }
 
@@ -39,6 +41,7 @@ impl From<u8> for GuestEvent {
         match v {
             1 => GuestEvent::InitReached,
             2 => GuestEvent::WorkloadStarted,
+            3 => GuestEvent::ReadyForWorkload,
             v => GuestEvent::Other(v),
         }
     }
@@ -74,11 +77,17 @@ pub struct PortDevices {
 }
 
 impl PortDevices {
-    pub fn new(serial: ConsoleSerial) -> Self {
+    /// Devices whose CMOS index register holds `cmos_index` (a restored snapshot's).
+    pub fn with_cmos_index(serial: ConsoleSerial, cmos_index: u8) -> Self {
         PortDevices {
             serial: Mutex::new(serial),
-            cmos_index: Mutex::new(0),
+            cmos_index: Mutex::new(cmos_index),
         }
+    }
+
+    /// The CMOS index register (the only CMOS state: the clock itself is the host's).
+    pub fn cmos_index(&self) -> u8 {
+        *self.cmos_index.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn read(&self, port: u16, data: &mut [u8]) {
@@ -189,12 +198,18 @@ mod tests {
             IrqLine(EventFd::new(0).unwrap()),
             ConsoleWriter::new(Default::default(), crate::console::ConsoleOutput::Discard),
         );
-        let dev = PortDevices::new(serial);
+        let dev = PortDevices::with_cmos_index(serial, 0);
         assert_eq!(
             dev.write(GUEST_EVENT_PORT, &[1]),
             IoAction::Event(GuestEvent::InitReached)
         );
+        assert_eq!(
+            dev.write(GUEST_EVENT_PORT, &[3]),
+            IoAction::Event(GuestEvent::ReadyForWorkload)
+        );
         assert_eq!(dev.write(GUEST_EXIT_PORT, &[3]), IoAction::GuestExit(3));
+        dev.write(CMOS_INDEX, &[0x8b]);
+        assert_eq!(dev.cmos_index(), 0x8b);
         assert_eq!(dev.write(I8042_COMMAND, &[0xfe]), IoAction::Reset);
         assert_eq!(dev.write(I8042_COMMAND, &[0xaa]), IoAction::Continue);
         let mut b = [0u8];

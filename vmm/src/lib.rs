@@ -12,6 +12,7 @@ mod error;
 pub mod layout;
 mod mptable;
 pub mod regs;
+pub mod snapshot;
 pub mod stats;
 mod vcpu;
 mod vm;
@@ -24,6 +25,7 @@ pub use devices::{GuestEvent, GUEST_EVENT_PORT, GUEST_EXIT_PORT};
 pub(crate) use error::kvm_err;
 pub use error::Error;
 pub use mptable::MAX_CPUS;
+pub use snapshot::{SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
 pub use vcpu::{
     reinject_breakpoint, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus, StopReason,
     VcpuControl, VcpuState,

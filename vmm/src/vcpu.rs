@@ -39,6 +39,9 @@ pub enum StopReason {
     VcpuError { cpu: usize, message: String },
     /// The user asked to quit (Ctrl-A x on the console), or the host stopped the VM.
     Stopped,
+    /// The guest's init is ready for a workload (event 3) and the VM was asked to stop
+    /// there ([`VcpuControl::stop_when_ready`]), to be snapshotted.
+    GuestReady,
 }
 
 impl std::fmt::Display for StopReason {
@@ -60,6 +63,7 @@ impl std::fmt::Display for StopReason {
             }
             StopReason::VcpuError { cpu, message } => write!(f, "vCPU {cpu}: {message}"),
             StopReason::Stopped => write!(f, "stopped by the host"),
+            StopReason::GuestReady => write!(f, "guest ready for a workload"),
         }
     }
 }
@@ -130,6 +134,12 @@ pub struct VcpuControl {
     request_pending: AtomicBool,
     started: OnceLock<Instant>,
     init_reached: OnceLock<Duration>,
+    /// When vCPU 0 first entered KVM_RUN.
+    first_entry: OnceLock<Instant>,
+    /// When the guest signalled that its workload started.
+    workload_started: OnceLock<Instant>,
+    /// Stop the VM with [`StopReason::GuestReady`] when the guest signals event 3.
+    stop_at_ready: AtomicBool,
     pub counters: ExitCounters,
 }
 
@@ -167,6 +177,9 @@ impl VcpuControl {
             request_pending: AtomicBool::new(false),
             started: OnceLock::new(),
             init_reached: OnceLock::new(),
+            first_entry: OnceLock::new(),
+            workload_started: OnceLock::new(),
+            stop_at_ready: AtomicBool::new(false),
             counters: ExitCounters::default(),
         }))
     }
@@ -271,6 +284,21 @@ impl VcpuControl {
         let _ = self.started.set(Instant::now());
     }
 
+    /// Makes the guest's "ready for a workload" event stop the VM (for a snapshot).
+    pub fn stop_when_ready(&self) {
+        self.stop_at_ready.store(true, Ordering::SeqCst);
+    }
+
+    /// When vCPU 0 first entered the guest (its first KVM_RUN).
+    pub fn first_entry(&self) -> Option<Instant> {
+        self.first_entry.get().copied()
+    }
+
+    /// When the guest signalled that its workload started (event 2).
+    pub fn workload_started(&self) -> Option<Instant> {
+        self.workload_started.get().copied()
+    }
+
     /// Time from the start of the vCPUs to the guest's `/init` signal.
     pub fn boot_to_init(&self) -> Option<Duration> {
         self.init_reached.get().copied()
@@ -286,7 +314,11 @@ impl VcpuControl {
                     }
                 }
             }
-            GuestEvent::WorkloadStarted => tracing::debug!("guest workload started"),
+            GuestEvent::WorkloadStarted => {
+                let _ = self.workload_started.set(Instant::now());
+                tracing::debug!("guest workload started")
+            }
+            GuestEvent::ReadyForWorkload => tracing::debug!("guest ready for a workload"),
             GuestEvent::Other(v) => tracing::debug!("unknown guest event {v}"),
         }
     }
@@ -398,8 +430,8 @@ enum Next {
 }
 
 impl VcpuRunner {
-    /// Runs the vCPU until the VM stops.
-    pub fn run(mut self) {
+    /// Runs the vCPU until the VM stops; gives the vCPU back (a snapshot saves its state).
+    pub fn run(mut self) -> VcpuFd {
         CURRENT_VCPU.with(|c| c.set(Some(self.cpu)));
         let immediate_exit = &mut self.vcpu.get_kvm_run().immediate_exit as *mut u8 as *const AtomicU8;
         // SAFETY: pthread_self has no preconditions.
@@ -419,6 +451,9 @@ impl VcpuRunner {
             if !self.control.checkpoint(self.cpu, &self.vcpu) {
                 break;
             }
+            if self.cpu == 0 && self.control.first_entry.get().is_none() {
+                let _ = self.control.first_entry.set(Instant::now());
+            }
             let next = self.run_once();
             if let Next::Stop(reason) = next {
                 self.control.stop(reason);
@@ -437,6 +472,7 @@ impl VcpuRunner {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = None;
         self.control.vcpu_exited();
+        self.vcpu
     }
 
     fn run_once(&mut self) -> Next {
@@ -457,6 +493,12 @@ impl VcpuRunner {
                 self.control.counters.io_exits.fetch_add(1, Ordering::Relaxed);
                 match self.devices.write(port, data) {
                     IoAction::Continue => Next::Continue,
+                    IoAction::Event(GuestEvent::ReadyForWorkload)
+                        if self.control.stop_at_ready.load(Ordering::SeqCst) =>
+                    {
+                        self.control.guest_event(GuestEvent::ReadyForWorkload);
+                        Next::Stop(StopReason::GuestReady)
+                    }
                     IoAction::Event(e) => {
                         self.control.guest_event(e);
                         Next::Continue

@@ -99,16 +99,18 @@ pub struct VmOutcome {
 }
 
 pub struct Vm {
-    _kvm: Kvm,
-    vm_fd: VmFd,
-    backend: Backend,
-    mem: GuestMemoryMmap,
-    vcpus: Vec<VcpuFd>,
-    devices: Arc<PortDevices>,
-    control: Arc<VcpuControl>,
-    console_log: ConsoleLog,
-    kernel_format: Option<KernelFormat>,
-    console_input: bool,
+    pub(crate) kvm: Kvm,
+    pub(crate) vm_fd: VmFd,
+    pub(crate) backend: Backend,
+    pub(crate) mem: GuestMemoryMmap,
+    pub(crate) vcpus: Vec<VcpuFd>,
+    pub(crate) devices: Arc<PortDevices>,
+    pub(crate) control: Arc<VcpuControl>,
+    pub(crate) console_log: ConsoleLog,
+    pub(crate) kernel_format: Option<KernelFormat>,
+    pub(crate) console_input: bool,
+    /// Bytes to put on the console's input when the vCPUs start (see [`Vm::send_console_input`]).
+    pub(crate) console_feed: Option<Vec<u8>>,
 }
 
 impl Vm {
@@ -174,31 +176,10 @@ impl Vm {
 
     /// KVM objects, memory, devices and vCPUs with CPUID, MSRs, FPU and LAPIC set.
     fn create(cpus: u8, mem_bytes: u64, console_output: ConsoleOutput, console_input: bool) -> Result<Vm, Error> {
-        let backend = Backend::detect();
-        tracing::info!("KVM backend: {backend}");
-        let kvm = Kvm::new().map_err(Error::OpenKvm)?;
-        let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
-        if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
-            tracing::debug!("KVM_SET_TSS_ADDR: {e} (ignored)");
-        }
-        vm_fd.create_irq_chip().map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        vm_fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+        let (kvm, vm_fd, backend) = create_machine(None)?;
         let mem = create_guest_memory(&vm_fd, mem_bytes)?;
-
         let console_log = ConsoleLog::default();
-        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::Console)?;
-        vm_fd
-            .register_irqfd(&serial_irq, SERIAL_IRQ)
-            .map_err(kvm_err("KVM_IRQFD"))?;
-        let serial = Serial::new(
-            IrqLine(serial_irq),
-            ConsoleWriter::new(console_log.clone(), console_output),
-        );
-        let devices = Arc::new(PortDevices::new(serial));
+        let devices = create_devices(&vm_fd, &console_log, console_output, None, 0)?;
 
         let mut vcpus = Vec::new();
         for i in 0..cpus {
@@ -212,7 +193,7 @@ impl Vm {
         }
         let control = VcpuControl::new(vcpus.len())?;
         Ok(Vm {
-            _kvm: kvm,
+            kvm,
             vm_fd,
             backend,
             mem,
@@ -222,6 +203,7 @@ impl Vm {
             console_log,
             kernel_format: None,
             console_input,
+            console_feed: None,
         })
     }
 
@@ -247,48 +229,79 @@ impl Vm {
         self.console_log.clone()
     }
 
+    /// Puts `bytes` on the serial console's input once the vCPUs start (as much as the
+    /// UART's FIFO holds before the first guest instruction, the rest as the guest reads).
+    pub fn send_console_input(&mut self, bytes: Vec<u8>) {
+        self.console_feed = Some(bytes);
+    }
+
     /// Runs every vCPU in its own thread until the VM stops.
-    pub fn run(self, debug: Arc<dyn DebugHandler>) -> Result<VmOutcome, Error> {
-        let Vm {
-            vcpus,
-            control,
-            devices,
-            backend,
-            mem,
-            kernel_format,
-            console_input,
-            ..
-        } = self;
-        let _terminal = if console_input {
-            Some(spawn_console_input(&devices, &control)?)
+    pub fn run(mut self, debug: Arc<dyn DebugHandler>) -> Result<VmOutcome, Error> {
+        self.run_vcpus(debug)
+    }
+
+    /// Runs the VM until the guest's init is ready for a workload (event 3 of the wait
+    /// mode), then stops it with every vCPU out of KVM_RUN and no exit half-done. The VM
+    /// keeps its vCPUs, so its state can be saved.
+    pub fn run_until_ready(&mut self) -> Result<VmOutcome, Error> {
+        self.control.stop_when_ready();
+        let outcome = self.run_vcpus(Arc::new(crate::vcpu::NoProbes))?;
+        if outcome.reason == StopReason::GuestReady {
+            if self.vcpus.len() != self.control.vcpu_count() {
+                return Err(Error::Config("a vCPU thread panicked; its state is lost".into()));
+            }
+            for (cpu, vcpu) in self.vcpus.iter_mut().enumerate() {
+                complete_pending_exit(cpu, vcpu, &self.devices)?;
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Runs the vCPU threads until the VM stops; the vCPUs come back into `self.vcpus`.
+    fn run_vcpus(&mut self, debug: Arc<dyn DebugHandler>) -> Result<VmOutcome, Error> {
+        let control = Arc::clone(&self.control);
+        let _terminal = if self.console_input {
+            Some(spawn_console_input(&self.devices, &control)?)
         } else {
             None
         };
+        if let Some(bytes) = self.console_feed.take() {
+            feed_console(&self.devices, &control, bytes)?;
+        }
         control.mark_started();
         let started = Instant::now();
         let mut threads = Vec::new();
-        for (cpu, vcpu) in vcpus.into_iter().enumerate() {
+        for (cpu, vcpu) in std::mem::take(&mut self.vcpus).into_iter().enumerate() {
             let runner = VcpuRunner {
                 cpu,
                 vcpu,
-                backend,
+                backend: self.backend,
                 control: Arc::clone(&control),
-                devices: Arc::clone(&devices),
+                devices: Arc::clone(&self.devices),
                 debug: Arc::clone(&debug),
-                mem: mem.clone(),
+                mem: self.mem.clone(),
             };
             let thread = std::thread::Builder::new()
                 .name(format!("vcpu{cpu}"))
-                .spawn(move || runner.run())
-                .map_err(Error::Thread)?;
-            threads.push(thread);
+                .spawn(move || runner.run());
+            match thread {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    control.stop(StopReason::Stopped);
+                    for t in threads {
+                        let _ = t.join();
+                    }
+                    return Err(Error::Thread(e));
+                }
+            }
         }
         for t in threads {
-            if t.join().is_err() {
-                control.stop(StopReason::VcpuError {
+            match t.join() {
+                Ok(vcpu) => self.vcpus.push(vcpu),
+                Err(_) => control.stop(StopReason::VcpuError {
                     cpu: usize::MAX,
                     message: "vCPU thread panicked".into(),
-                });
+                }),
             }
         }
         let counters = &control.counters;
@@ -303,18 +316,148 @@ impl Vm {
             instructions_emulated: counters
                 .instructions_emulated
                 .load(std::sync::atomic::Ordering::Relaxed),
-            kernel_format,
+            kernel_format: self.kernel_format,
         })
     }
 }
 
-fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, Error> {
+/// Finishes the exit a stopped vCPU was in (an `out` to the event port, typically) the
+/// way firecracker does before a snapshot: KVM_RUN with `immediate_exit` set completes the
+/// pending I/O in the kernel (RIP moves past the instruction) and returns at once with
+/// EINTR, without running guest code. Saved registers then need no exit to be replayed.
+fn complete_pending_exit(cpu: usize, vcpu: &mut VcpuFd, devices: &PortDevices) -> Result<(), Error> {
+    // A string I/O instruction may need more than one round; it cannot need many.
+    for _ in 0..64 {
+        vcpu.set_kvm_immediate_exit(1);
+        let result = match vcpu.run() {
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Ok(true),
+            Err(e) => Err(Error::Kvm {
+                op: "KVM_RUN (completing a pending exit)",
+                source: e,
+            }),
+            Ok(kvm_ioctls::VcpuExit::IoOut(port, data)) => {
+                devices.write(port, data);
+                Ok(false)
+            }
+            Ok(kvm_ioctls::VcpuExit::IoIn(port, data)) => {
+                devices.read(port, data);
+                Ok(false)
+            }
+            Ok(other) => Err(Error::Config(format!(
+                "vCPU {cpu} exited with {other:?} while its pending exit was completed"
+            ))),
+        };
+        vcpu.set_kvm_immediate_exit(0);
+        if result? {
+            return Ok(());
+        }
+    }
+    Err(Error::Config(format!(
+        "vCPU {cpu} kept exiting while its pending exit was completed"
+    )))
+}
+
+/// The KVM objects of a VM with the in-kernel irqchip and PIT, no memory and no vCPUs
+/// (on `kvm`, an open /dev/kvm, when given).
+pub(crate) fn create_machine(kvm: Option<Kvm>) -> Result<(Kvm, VmFd, Backend), Error> {
+    let backend = Backend::detect();
+    tracing::info!("KVM backend: {backend}");
+    let kvm = match kvm {
+        Some(kvm) => kvm,
+        None => Kvm::new().map_err(Error::OpenKvm)?,
+    };
+    let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+    if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
+        tracing::debug!("KVM_SET_TSS_ADDR: {e} (ignored)");
+    }
+    vm_fd.create_irq_chip().map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm_fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+    Ok((kvm, vm_fd, backend))
+}
+
+/// The port devices, with the serial console's interrupt wired to the in-kernel irqchip;
+/// from a snapshot's serial state and CMOS index when given.
+pub(crate) fn create_devices(
+    vm_fd: &VmFd,
+    console_log: &ConsoleLog,
+    console_output: ConsoleOutput,
+    serial_state: Option<&vm_superio::serial::SerialState>,
+    cmos_index: u8,
+) -> Result<Arc<PortDevices>, Error> {
+    let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::Console)?;
+    vm_fd
+        .register_irqfd(&serial_irq, SERIAL_IRQ)
+        .map_err(kvm_err("KVM_IRQFD"))?;
+    let writer = ConsoleWriter::new(console_log.clone(), console_output);
+    let serial = match serial_state {
+        None => Serial::new(IrqLine(serial_irq), writer),
+        Some(state) => Serial::from_state(state, IrqLine(serial_irq), vm_superio::serial::NoEvents, writer)
+            .map_err(|e| Error::Config(format!("serial state: {e:?}")))?,
+    };
+    Ok(Arc::new(PortDevices::with_cmos_index(serial, cmos_index)))
+}
+
+/// Feeds `bytes` to the serial console: what fits in the UART's FIFO now, before any vCPU
+/// runs, the rest from a thread as the guest drains the FIFO.
+fn feed_console(devices: &Arc<PortDevices>, control: &Arc<VcpuControl>, bytes: Vec<u8>) -> Result<(), Error> {
+    let enqueue = |rest: &[u8]| -> usize {
+        devices
+            .serial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .enqueue_raw_bytes(rest)
+            .unwrap_or(0)
+    };
+    let sent = enqueue(&bytes);
+    if sent == bytes.len() {
+        return Ok(());
+    }
+    let devices = Arc::clone(devices);
+    let control = Arc::clone(control);
+    std::thread::Builder::new()
+        .name("console-feed".into())
+        .spawn(move || {
+            let mut rest = &bytes[sent..];
+            while !rest.is_empty() && control.stop_reason().is_none() {
+                let n = devices
+                    .serial
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .enqueue_raw_bytes(rest)
+                    .unwrap_or(0);
+                rest = &rest[n..];
+                if n == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        })
+        .map_err(Error::Thread)?;
+    Ok(())
+}
+
+/// Guest memory ranges (start, length): RAM and the out-of-line area, in address order.
+pub(crate) fn memory_ranges(mem_bytes: u64) -> Vec<(GuestAddress, usize)> {
     let mut ranges: Vec<(GuestAddress, usize)> = ram_ranges(mem_bytes)
         .into_iter()
         .map(|(Gpa(start), len)| (GuestAddress(start), len as usize))
         .collect();
     ranges.push((GuestAddress(OOL_AREA_START.0), OOL_AREA_SIZE as usize));
-    let mem = GuestMemoryMmap::from_ranges(&ranges).map_err(|e| Error::GuestMemory(e.to_string()))?;
+    ranges.sort_by_key(|r| r.0);
+    ranges
+}
+
+fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, Error> {
+    let mem = GuestMemoryMmap::from_ranges(&memory_ranges(mem_bytes)).map_err(|e| Error::GuestMemory(e.to_string()))?;
+    register_guest_memory(vm_fd, &mem)?;
+    Ok(mem)
+}
+
+/// Gives KVM every region of `mem` as a memory slot.
+pub(crate) fn register_guest_memory(vm_fd: &VmFd, mem: &GuestMemoryMmap) -> Result<(), Error> {
     for (slot, region) in mem.iter().enumerate() {
         let host = mem
             .get_host_address(region.start_addr())
@@ -330,7 +473,7 @@ fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, 
         // vCPU threads hold clones of it while they run).
         unsafe { vm_fd.set_user_memory_region(region) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
     }
-    Ok(mem)
+    Ok(())
 }
 
 /// Restores the terminal when the run ends, if it was put in raw mode.

@@ -1,0 +1,312 @@
+//! `hvprobe snapshot create`, `hvprobe run --snapshot` and `hvprobe bench snapshot`: boot
+//! the guest once to the point where its init waits for a workload, save it, and restore
+//! it in milliseconds as often as wanted.
+//!
+//! The guest side is the bundled init's wait mode (`hvprobe.wait` on the kernel command
+//! line, see `guest/README.md`): init mounts what it always mounts, signals "ready for a
+//! workload" (event 3) and reads the workload from the serial console as
+//! `<decimal length>\n<bytes>`. `snapshot create` stops the VM at that event and saves it;
+//! a restore puts the message into the UART and lets the guest go on.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Subcommand};
+use hvprobe_vmm::{ConsoleLog, ConsoleOutput, NoProbes, StopReason, Vm, VmConfig, VmOutcome};
+
+use crate::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
+
+/// The kernel command-line option that puts the bundled init in wait mode.
+pub const WAIT_OPTION: &str = "hvprobe.wait";
+
+type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
+
+#[derive(Subcommand)]
+pub enum SnapshotCommand {
+    /// Boot the guest until its init waits for a workload, then save it to a directory.
+    Create(CreateArgs),
+}
+
+#[derive(Args)]
+pub struct CreateArgs {
+    /// Directory to write the snapshot to (created if needed; `state` and `memory` in it).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Kernel to boot: an ELF vmlinux with a PVH note, or a bzImage [default: the bundled guest's vmlinux].
+    #[arg(long)]
+    pub kernel: Option<PathBuf>,
+    /// Initrd (cpio) whose /init has the bundled init's wait mode [default: the bundled guest's initramfs].
+    #[arg(long)]
+    pub initrd: Option<PathBuf>,
+    /// Extra kernel command-line options, appended to the ones hvprobe sets.
+    #[arg(long, default_value = "")]
+    pub cmdline: String,
+    /// Number of vCPUs (a restore must ask for the same number).
+    #[arg(long, default_value_t = 1)]
+    pub cpus: u8,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 128)]
+    pub mem: u64,
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Cold boot of the bundled guest against restores of its snapshot.
+    Snapshot(BenchArgs),
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Number of restores.
+    #[arg(long, default_value_t = 10)]
+    pub runs: u32,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    pub cpus: u8,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotCliError {
+    #[error(
+        "the guest stopped before its init was ready for a workload ({reason}); does its /init have \
+         hvprobe's wait mode? Console tail:\n{tail}"
+    )]
+    NeverReady { reason: StopReason, tail: String },
+    #[error("a restored guest needs a workload: pass --workload CMD (the snapshotted init waits for one)")]
+    NoWorkload,
+    #[error("the restored guest did not finish its workload ({reason}); console tail:\n{tail}")]
+    WorkloadFailed { reason: StopReason, tail: String },
+}
+
+/// The message the waiting init reads from its console: `<length>\n<script>`. The script is
+/// the command and a newline, as the initrd workload file holds it.
+pub fn workload_message(command: &str) -> Vec<u8> {
+    let script = format!("{command}\n");
+    let mut msg = format!("{}\n", script.len()).into_bytes();
+    msg.extend_from_slice(script.as_bytes());
+    msg
+}
+
+/// The machine `snapshot create` boots.
+fn wait_mode_config(args: &CreateArgs, console_output: ConsoleOutput) -> Result<VmConfig, Box<dyn std::error::Error>> {
+    VmConfig::validate_machine(args.cpus, args.mem)?;
+    if let Some(kernel) = &args.kernel {
+        hvprobe_vmm::kernel_format(kernel)?;
+    }
+    let bundled = if args.kernel.is_none() || args.initrd.is_none() {
+        Some(BundledGuest::ensure_built()?)
+    } else {
+        None
+    };
+    let (kernel, mut cmdline) = match (&args.kernel, &bundled) {
+        (Some(k), _) => (k.clone(), BASE_CMDLINE.to_string()),
+        (None, Some(g)) => (g.vmlinux.clone(), format!("{BASE_CMDLINE} {}", g.cmdline)),
+        (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
+    };
+    if !args.cmdline.is_empty() {
+        cmdline.push(' ');
+        cmdline.push_str(&args.cmdline);
+    }
+    cmdline.push(' ');
+    cmdline.push_str(WAIT_OPTION);
+    let initrd_path = match (&args.initrd, &bundled) {
+        (Some(i), _) => i.clone(),
+        (None, Some(g)) => g.initramfs.clone(),
+        (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
+    };
+    Ok(VmConfig {
+        kernel,
+        initrd: initrd_with_workload(&initrd_path, None)?,
+        cmdline,
+        cpus: args.cpus,
+        mem_mib: args.mem,
+        console_output,
+        console_input: false,
+    })
+}
+
+/// Boots until the guest is ready and saves it; returns the boot's outcome.
+fn boot_and_save(
+    config: &VmConfig,
+    out: &Path,
+) -> Result<(VmOutcome, hvprobe_vmm::SnapshotInfo), Box<dyn std::error::Error>> {
+    let mut vm = Vm::new(config)?;
+    let console = vm.console_log();
+    let outcome = vm.run_until_ready()?;
+    if outcome.reason != StopReason::GuestReady {
+        return Err(SnapshotCliError::NeverReady {
+            reason: outcome.reason,
+            tail: console.tail(30),
+        }
+        .into());
+    }
+    let info = vm.save_snapshot(out)?;
+    Ok((outcome, info))
+}
+
+/// `hvprobe snapshot create`.
+pub fn create(args: CreateArgs) -> CliResult {
+    let config = wait_mode_config(&args, ConsoleOutput::Discard)?;
+    eprintln!("hvprobe: booting the guest until its init waits for a workload");
+    let started = Instant::now();
+    let (outcome, info) = boot_and_save(&config, &args.out)?;
+    eprintln!(
+        "hvprobe: snapshot of {} vCPU(s), {} MiB in {}: guest ready after {:.2} s (boot to /init {}), \
+         {} MiB of non-zero memory saved, {:.2} s in all",
+        info.vcpus,
+        info.mem_bytes >> 20,
+        info.dir.display(),
+        outcome.run_time.as_secs_f64(),
+        outcome
+            .boot_to_init
+            .map(|t| format!("{:.2} s", t.as_secs_f64()))
+            .unwrap_or_else(|| "not seen".into()),
+        info.memory_written >> 20,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What one restore did, with its timings.
+struct Restored {
+    outcome: VmOutcome,
+    console: ConsoleLog,
+    /// From the start of the restore to vCPU 0's first KVM_RUN.
+    to_first_entry: Option<Duration>,
+    /// From the start of the restore to the guest's "workload started" event.
+    to_workload_started: Option<Duration>,
+    total: Duration,
+}
+
+fn restore_and_run(
+    dir: &Path,
+    cpus: u8,
+    workload: &str,
+    console_output: ConsoleOutput,
+) -> Result<Restored, Box<dyn std::error::Error>> {
+    let started = Instant::now();
+    let mut vm = Vm::restore(dir, Some(cpus), console_output)?;
+    vm.send_console_input(workload_message(workload));
+    let console = vm.console_log();
+    let control = vm.control();
+    let outcome = vm.run(Arc::new(NoProbes))?;
+    Ok(Restored {
+        outcome,
+        console,
+        to_first_entry: control.first_entry().map(|t| t - started),
+        to_workload_started: control.workload_started().map(|t| t - started),
+        total: started.elapsed(),
+    })
+}
+
+/// `hvprobe run --snapshot DIR`: restore, run the workload, exit with its status.
+pub fn run_restored(dir: &Path, cpus: u8, workload: Option<&str>) -> CliResult {
+    let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
+    let r = restore_and_run(dir, cpus, workload, ConsoleOutput::Stdout)?;
+    eprintln!(
+        "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits, {} instructions emulated",
+        r.outcome.reason,
+        r.to_first_entry
+            .map(|t| format!("{:.1} ms", t.as_secs_f64() * 1e3))
+            .unwrap_or_else(|| "never".into()),
+        r.outcome.run_time.as_secs_f64(),
+        r.outcome.exits,
+        r.outcome.instructions_emulated,
+    );
+    match r.outcome.reason {
+        StopReason::GuestExit(status) => Ok(ExitCode::from(status)),
+        reason => Err(SnapshotCliError::WorkloadFailed {
+            reason,
+            tail: r.console.tail(30),
+        }
+        .into()),
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// `hvprobe bench snapshot`.
+pub fn bench(args: BenchArgs) -> CliResult {
+    if args.runs == 0 {
+        return Err("--runs must be at least 1".into());
+    }
+    let create = CreateArgs {
+        out: std::env::temp_dir().join(format!("hvprobe-bench-snapshot-{}", std::process::id())),
+        kernel: None,
+        initrd: None,
+        cmdline: String::new(),
+        cpus: args.cpus,
+        mem: 128,
+    };
+    let config = wait_mode_config(&create, ConsoleOutput::Discard)?;
+    eprintln!(
+        "hvprobe: cold boot of the bundled guest ({} vCPU(s)) to its ready point",
+        args.cpus
+    );
+    let result = bench_with(&config, &create.out, &args);
+    let _ = std::fs::remove_dir_all(&create.out);
+    result
+}
+
+fn bench_with(config: &VmConfig, dir: &Path, args: &BenchArgs) -> CliResult {
+    let (boot, _) = boot_and_save(config, dir)?;
+    let cold = boot.boot_to_init.ok_or("the cold boot never signalled /init")?;
+    let mut first = Vec::new();
+    let mut started = Vec::new();
+    for i in 0..args.runs {
+        let r = restore_and_run(dir, args.cpus, "exit 0", ConsoleOutput::Discard)?;
+        if r.outcome.reason != StopReason::GuestExit(0) {
+            return Err(SnapshotCliError::WorkloadFailed {
+                reason: r.outcome.reason,
+                tail: r.console.tail(30),
+            }
+            .into());
+        }
+        let t = r.to_first_entry.ok_or("vCPU 0 never entered the guest")?;
+        eprintln!(
+            "hvprobe: restore {}: {:.2} ms to the first guest instruction, {:.0} ms to workload start, {:.0} ms to its exit",
+            i + 1,
+            ms(t),
+            r.to_workload_started.map(ms).unwrap_or(f64::NAN),
+            ms(r.total)
+        );
+        first.push(t);
+        if let Some(w) = r.to_workload_started {
+            started.push(w);
+        }
+    }
+    first.sort();
+    started.sort();
+    let median = |v: &[Duration]| v[v.len() / 2];
+    println!("snapshot benchmark, bundled guest, {} vCPU(s), 128 MiB", args.cpus);
+    println!(
+        "restore = host time from the start of Vm::restore (reading the snapshot's state file) until vCPU 0 \
+         first enters KVM_RUN with the workload message already in the UART's receive FIFO: KVM VM and vCPUs \
+         created, guest memory mapped copy-on-write, all vCPU/VM/device state set, workload delivered. The \
+         guest's first instruction follows immediately. Snapshot files in the page cache (after the first run)."
+    );
+    println!("cold boot to /init (1 boot):   {:9.1} ms", ms(cold));
+    println!(
+        "restore, {} runs:              median {:.2} ms, min {:.2} ms, max {:.2} ms",
+        first.len(),
+        ms(median(&first)),
+        ms(first[0]),
+        ms(first[first.len() - 1])
+    );
+    println!(
+        "cold boot / median restore:    {:9.0}x",
+        cold.as_secs_f64() / median(&first).as_secs_f64()
+    );
+    if !started.is_empty() {
+        println!(
+            "for reference, restore to the guest's \"workload started\" event (init reads the message, writes \
+             the script, vfork+exec of /bin/sh; emulated guest code on kvm_pvm): median {:.0} ms",
+            ms(median(&started))
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
