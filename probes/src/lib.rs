@@ -2,4 +2,7 @@
 //! kernel's text by the host, the probe-spec parser (kprobe_events syntax), fetch-args,
 //! counters, the listing, and the sync and async handler APIs.
 //!
-//! Not built yet: this crate is the kprobes issue's. Nothing here works so far.
+//! Not built yet: this crate is the kprobes issue's. Only the probe-spec parser ([`spec`])
+//! exists so far.
+
+pub mod spec;

@@ -1,0 +1,1238 @@
+//! The probe-spec parser: the kernel's `kprobe_events` syntax, one probe a line.
+//!
+//! Users paste what they already write into `/sys/kernel/tracing/kprobe_events`, so the
+//! rules follow the Linux 6.1 parser (`kernel/trace/trace_kprobe.c`, `trace_probe.c`) for
+//! x86-64: the same names, limits and defaults, and the same combinations rejected. Where
+//! the kernel silently ignores junk (text after a deref's `)`, letters after `p`), this
+//! parser reports it instead, because a typo in a file should not change what is probed.
+//!
+//! Parsing is purely syntactic: symbols are not resolved and `+0` is not checked to be a
+//! real function entry; that needs the guest's symbol table and comes later.
+//!
+//! ```text
+//! p[:[GRP/][EVENT]] SYM[+offs]|MEMADDR [FETCHARGS]
+//! p[:[GRP/][EVENT]] SYM[+0]%return [FETCHARGS]
+//! r[MAXACTIVE][:[GRP/][EVENT]] SYM[+0]|MEMADDR [FETCHARGS]
+//! -:[GRP/]EVENT
+//! ```
+
+use std::fmt;
+
+use hvprobe_arch::Gva;
+
+/// The group of a probe whose spec names none, as in the kernel.
+pub const DEFAULT_GROUP: &str = "kprobes";
+/// Most fetch-args one probe may have (`MAX_TRACE_ARGS`).
+pub const MAX_ARGS: usize = 128;
+/// Longest event or group name, in bytes (`MAX_EVENT_NAME_LEN` - 1 for the NUL).
+pub const MAX_EVENT_NAME_LEN: usize = 63;
+/// Longest argument name, in bytes (`MAX_ARG_NAME_LEN`).
+pub const MAX_ARG_NAME_LEN: usize = 32;
+/// Longest fetch-arg text after `NAME=`, type included (`MAX_ARGSTR_LEN`).
+pub const MAX_ARG_BODY_LEN: usize = 63;
+/// Most elements of an array type (`MAX_ARRAY_LEN`).
+pub const MAX_ARRAY_LEN: u32 = 64;
+/// Largest MAXACTIVE of a return probe (`KRETPROBE_MAXACTIVE_MAX`).
+pub const MAX_MAXACTIVE: u32 = 4096;
+/// Largest N of `$stackN` and `$argN`: the words in a 16 KiB x86-64 kernel stack
+/// (`PARAM_MAX_STACK` = THREAD_SIZE / sizeof(long)).
+pub const MAX_STACK_INDEX: u32 = 2048;
+const MAX_STACK_INDEX_U64: u64 = MAX_STACK_INDEX as u64;
+/// Most bytes of recorded data one event may carry (`MAX_PROBE_EVENT_SIZE`).
+pub const MAX_EVENT_DATA_SIZE: u32 = 3072;
+/// Fetch operations one argument may compile to (`FETCH_INSN_MAX` minus the end marker).
+/// Checked here so that a spec the kernel would refuse is refused here too.
+pub const MAX_FETCH_OPS: usize = 15;
+
+/// Field names every trace event already has, which an argument may not take.
+const RESERVED_ARG_NAMES: [&str; 8] = [
+    "common_type",
+    "common_flags",
+    "common_preempt_count",
+    "common_pid",
+    "common_tgid",
+    "__probe_ip",
+    "__probe_ret_ip",
+    "__probe_func",
+];
+
+/// One line of a spec file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProbeSpec {
+    /// `p`: a probe on an instruction.
+    Kprobe {
+        group: String,
+        event: String,
+        target: Target,
+        args: Vec<FetchArg>,
+    },
+    /// `r`, or `p` with `%return`: a probe on a function's return.
+    Kretprobe {
+        group: String,
+        event: String,
+        target: Target,
+        /// How many calls may be in flight at once; `None` is the kernel's default.
+        maxactive: Option<u32>,
+        args: Vec<FetchArg>,
+    },
+    /// `-:`: remove an event; with no group, the event of that name in whatever group.
+    Remove { group: Option<String>, event: String },
+}
+
+/// Where a probe goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// A kernel symbol plus a byte offset (0 ..= u32::MAX, as the kernel allows).
+    Symbol { name: String, offset: u64 },
+    /// A kernel virtual address.
+    Address(Gva),
+}
+
+/// One fetch-arg: what to record each time the probe hits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FetchArg {
+    /// The field name; `argN` (1-based position) when the spec gives none.
+    pub name: String,
+    /// Where the value comes from.
+    pub expr: FetchExpr,
+    /// How to read and show it; already defaulted (`x64`, or `string` for `$comm`).
+    pub ty: ArgType,
+    /// `TYPE[N]`: N consecutive elements in memory (1 ..= 64).
+    pub array_len: Option<u32>,
+}
+
+/// Where a fetch-arg's value comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FetchExpr {
+    /// `%REG`: a register at the probe hit.
+    Register(Register),
+    /// `@ADDR`: the memory at a kernel address.
+    Memory(Gva),
+    /// `@SYM[+|-offs]`: the memory at a (data) symbol plus an offset.
+    SymbolMemory { name: String, offset: i64 },
+    /// `$stackN`: the Nth word on the stack, from 0.
+    StackEntry(u32),
+    /// `$stack`: the stack pointer itself.
+    StackPointer,
+    /// `$argN`: the Nth function argument, from 1, by the calling convention.
+    Arg(u32),
+    /// `$retval`: the return value (return probes only).
+    Retval,
+    /// `$comm`: the current task's name.
+    Comm,
+    /// `\IMM`: a constant.
+    Immediate(u64),
+    /// `+|-[u]OFFS(FETCHARG)`: the memory at the inner value plus `offset`; `user` when the
+    /// address is a user-space one (`u`).
+    Deref {
+        offset: i64,
+        user: bool,
+        base: Box<FetchExpr>,
+    },
+}
+
+/// A fetch-arg's type, the element type when it is an array.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgType {
+    U8,
+    U16,
+    U32,
+    U64,
+    S8,
+    S16,
+    S32,
+    S64,
+    X8,
+    X16,
+    X32,
+    X64,
+    /// A NUL-terminated kernel string.
+    String,
+    /// A NUL-terminated user-space string.
+    UString,
+    /// An address shown as `symbol+offset`.
+    Symbol,
+    /// An address turned into the string `symbol+offset/size`.
+    SymStr,
+    /// `b<width>@<offset>/<container bits>`: `width` bits from bit `offset` of a
+    /// `container_bits`-wide (8, 16, 32 or 64) unsigned value.
+    Bitfield {
+        width: u8,
+        offset: u8,
+        container_bits: u8,
+    },
+}
+
+/// The registers `%REG` may name on x86-64: exactly the `struct pt_regs` fields the
+/// kernel's `regs_query_register_offset` knows, spelled as it spells them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Register {
+    R15,
+    R14,
+    R13,
+    R12,
+    Bp,
+    Bx,
+    R11,
+    R10,
+    R9,
+    R8,
+    Ax,
+    Cx,
+    Dx,
+    Si,
+    Di,
+    OrigAx,
+    Ip,
+    Cs,
+    Flags,
+    Sp,
+    Ss,
+}
+
+impl Register {
+    /// Every register, in `struct pt_regs` order.
+    pub const ALL: [Register; 21] = [
+        Register::R15,
+        Register::R14,
+        Register::R13,
+        Register::R12,
+        Register::Bp,
+        Register::Bx,
+        Register::R11,
+        Register::R10,
+        Register::R9,
+        Register::R8,
+        Register::Ax,
+        Register::Cx,
+        Register::Dx,
+        Register::Si,
+        Register::Di,
+        Register::OrigAx,
+        Register::Ip,
+        Register::Cs,
+        Register::Flags,
+        Register::Sp,
+        Register::Ss,
+    ];
+
+    /// The name after `%`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Register::R15 => "r15",
+            Register::R14 => "r14",
+            Register::R13 => "r13",
+            Register::R12 => "r12",
+            Register::Bp => "bp",
+            Register::Bx => "bx",
+            Register::R11 => "r11",
+            Register::R10 => "r10",
+            Register::R9 => "r9",
+            Register::R8 => "r8",
+            Register::Ax => "ax",
+            Register::Cx => "cx",
+            Register::Dx => "dx",
+            Register::Si => "si",
+            Register::Di => "di",
+            Register::OrigAx => "orig_ax",
+            Register::Ip => "ip",
+            Register::Cs => "cs",
+            Register::Flags => "flags",
+            Register::Sp => "sp",
+            Register::Ss => "ss",
+        }
+    }
+
+    /// The byte offset of this register in the x86-64 `struct pt_regs`.
+    pub const fn pt_regs_offset(self) -> usize {
+        8 * self as usize
+    }
+
+    /// The register named `name` (without `%`), as the kernel matches it (case-sensitive).
+    pub fn from_name(name: &str) -> Option<Register> {
+        Register::ALL.into_iter().find(|r| r.name() == name)
+    }
+}
+
+impl ArgType {
+    /// The type named `name`, bitfields and arrays aside.
+    fn from_plain_name(name: &str) -> Option<ArgType> {
+        Some(match name {
+            "u8" => ArgType::U8,
+            "u16" => ArgType::U16,
+            "u32" => ArgType::U32,
+            "u64" => ArgType::U64,
+            "s8" => ArgType::S8,
+            "s16" => ArgType::S16,
+            "s32" => ArgType::S32,
+            "s64" => ArgType::S64,
+            "x8" => ArgType::X8,
+            "x16" => ArgType::X16,
+            "x32" => ArgType::X32,
+            "x64" => ArgType::X64,
+            "string" => ArgType::String,
+            "ustring" => ArgType::UString,
+            "symbol" => ArgType::Symbol,
+            "symstr" => ArgType::SymStr,
+            _ => return None,
+        })
+    }
+
+    /// Bytes one value takes in the event record (strings are a 4-byte `__data_loc`).
+    pub const fn record_size(self) -> u32 {
+        match self {
+            ArgType::U8 | ArgType::S8 | ArgType::X8 => 1,
+            ArgType::U16 | ArgType::S16 | ArgType::X16 => 2,
+            ArgType::U32 | ArgType::S32 | ArgType::X32 => 4,
+            ArgType::U64 | ArgType::S64 | ArgType::X64 | ArgType::Symbol => 8,
+            ArgType::String | ArgType::UString | ArgType::SymStr => 4,
+            ArgType::Bitfield { container_bits, .. } => container_bits as u32 / 8,
+        }
+    }
+
+    /// Whether the value is a string read through a pointer (not `symstr`).
+    const fn is_memory_string(self) -> bool {
+        matches!(self, ArgType::String | ArgType::UString)
+    }
+}
+
+/// What is wrong with a spec line.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SpecErrorKind {
+    #[error("unknown probe type `{0}` (expected `p`, `r` or `-:`)")]
+    UnknownProbeType(String),
+    #[error("unexpected `{0}` after the probe type (expected `:GROUP/EVENT` or a space)")]
+    JunkAfterProbeType(String),
+    #[error("MAXACTIVE is only for return probes (`r`)")]
+    MaxactiveOnKprobe,
+    #[error("bad MAXACTIVE `{0}`: expected a number from 1 to {MAX_MAXACTIVE}")]
+    BadMaxactive(String),
+    #[error("empty group name before `/`")]
+    NoGroupName,
+    #[error("bad group name `{0}`: expected [A-Za-z_][A-Za-z0-9_-]*")]
+    BadGroupName(String),
+    #[error("group name longer than {MAX_EVENT_NAME_LEN} characters")]
+    GroupNameTooLong,
+    #[error("empty event name")]
+    NoEventName,
+    #[error("bad event name `{0}`: expected [A-Za-z_][A-Za-z0-9_]*")]
+    BadEventName(String),
+    #[error("event name longer than {MAX_EVENT_NAME_LEN} characters")]
+    EventNameTooLong,
+    #[error("missing probe target (a symbol or an address)")]
+    MissingTarget,
+    #[error("bad probe target `{0}`: expected SYMBOL[+OFFSET] or an address")]
+    BadTarget(String),
+    #[error("bad offset `{0}` after the symbol: expected +N, 0 <= N <= 4294967295")]
+    BadTargetOffset(String),
+    #[error("module targets (`{0}`) are not supported yet")]
+    ModuleTargetNotSupported(String),
+    #[error("`{0}` looks like a uprobe target; only kernel probes are supported")]
+    UprobeNotSupported(String),
+    #[error("unknown target suffix `{0}` (only `%return` is allowed)")]
+    BadTargetSuffix(String),
+    #[error("a return probe must be on a function entry (`+0`), not `+{0}`")]
+    RetprobeNotOnEntry(u64),
+    #[error("a remove (`-:`) takes no other arguments")]
+    ArgsOnRemove,
+    #[error("more than {MAX_ARGS} fetch-args")]
+    TooManyArgs,
+    #[error("empty argument name before `=`")]
+    NoArgName,
+    #[error("argument name longer than {MAX_ARG_NAME_LEN} characters")]
+    ArgNameTooLong,
+    #[error("bad argument name `{0}`: expected [A-Za-z_][A-Za-z0-9_]*")]
+    BadArgName(String),
+    #[error("argument name `{0}` is already used")]
+    DuplicateArgName(String),
+    #[error("argument name `{0}` is reserved")]
+    ReservedArgName(String),
+    #[error("empty fetch-arg")]
+    NoArgBody,
+    #[error("fetch-arg longer than {MAX_ARG_BODY_LEN} characters")]
+    ArgTooLong,
+    #[error("unknown register %{name}{}", .hint.map(|h| format!(" (the kernel calls it %{h})")).unwrap_or_default())]
+    UnknownRegister { name: String, hint: Option<&'static str> },
+    #[error("bad memory address `{0}`")]
+    BadMemoryAddress(String),
+    #[error("file offsets (`@+OFFS`) are for uprobes, not kernel probes")]
+    FileOffsetOnKprobe,
+    #[error("bad symbol `{0}` in `@SYM[+|-OFFS]`")]
+    BadMemorySymbol(String),
+    #[error("unknown variable `${0}` (expected $stack, $stackN, $argN, $retval or $comm)")]
+    UnknownVariable(String),
+    #[error("bad stack index `{0}`: expected 0 to {MAX_STACK_INDEX}")]
+    BadStackIndex(String),
+    #[error("bad argument number `{0}`: expected 1 to {MAX_STACK_INDEX}")]
+    BadArgNumber(String),
+    #[error("$argN only works on a kprobe at a function entry (SYMBOL or SYMBOL+0)")]
+    ArgNotOnEntry,
+    #[error("$retval only works on a return probe")]
+    RetvalOnKprobe,
+    #[error("dereference needs `(`: expected +|-[u]OFFS(FETCHARG)")]
+    DerefNeedsParen,
+    #[error("bad dereference offset `{0}`")]
+    BadDerefOffset(String),
+    #[error("missing `)` to close the dereference")]
+    DerefNotClosed,
+    #[error("unexpected `{0}` after the dereference's `)`")]
+    JunkAfterDeref(String),
+    #[error("$comm can not be dereferenced")]
+    CommDeref,
+    #[error("bad immediate value `{0}`")]
+    BadImmediate(String),
+    #[error("immediate strings (`\\\"...\"`) are not supported yet")]
+    ImmediateStringNotSupported,
+    #[error("unknown fetch-arg `{0}` (expected %REG, @ADDR, @SYM, $VAR, \\IMM or +|-OFFS(FETCHARG))")]
+    BadFetchArg(String),
+    #[error("fetch-arg too complex: needs {0} fetch operations, the kernel allows {MAX_FETCH_OPS}")]
+    TooManyFetchOps(usize),
+    #[error("unknown type `{0}`")]
+    UnknownType(String),
+    #[error("bad bitfield `{0}`: expected b<width>@<offset>/<8|16|32|64>, width >= 1, width + offset <= size")]
+    BadBitfield(String),
+    #[error("missing `]` to close the array length")]
+    ArrayNotClosed,
+    #[error("unexpected `{0}` after the array's `]`")]
+    JunkAfterArray(String),
+    #[error("bad array length `{0}`: expected 1 to {MAX_ARRAY_LEN}")]
+    BadArrayLen(String),
+    #[error("arrays are only for memory fetch-args (@ADDR, @SYM, +|-OFFS(...)) of non-symstr types")]
+    ArrayNotOnMemory,
+    #[error("`{0}` is only for memory fetch-args (@ADDR, @SYM, +|-OFFS(...), \\IMM) and $comm")]
+    StringNotOnMemory(&'static str),
+    #[error("symstr is only for %REG, $stackN, $argN, $retval, @ADDR, @SYM and kernel dereferences")]
+    SymstrBadFetch,
+    #[error("the type of $comm can only be `string`")]
+    CommNotString,
+    #[error("event data too big: {0} bytes, at most {MAX_EVENT_DATA_SIZE}")]
+    EventTooBig(u32),
+}
+
+/// A spec error, with where it is (1-based line and column, in characters).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}{line}:{column}: {kind}", .file.as_deref().map(|f| format!("{f}:")).unwrap_or_default())]
+pub struct SpecError {
+    /// The file name given to [`parse_file`]; `None` from [`parse_line`].
+    pub file: Option<String>,
+    pub line: usize,
+    pub column: usize,
+    pub kind: SpecErrorKind,
+}
+
+/// Parses one line. `Ok(None)` for a blank or comment-only line.
+pub fn parse_line(line: &str) -> Result<Option<ProbeSpec>, SpecError> {
+    parse_numbered_line(line, 1, None)
+}
+
+/// Parses a whole spec file: every probe in order, or the first error.
+pub fn parse_file(text: &str, file_name: &str) -> Result<Vec<ProbeSpec>, SpecError> {
+    let mut specs = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        if let Some(spec) = parse_numbered_line(line, index + 1, Some(file_name))? {
+            specs.push(spec);
+        }
+    }
+    Ok(specs)
+}
+
+fn parse_numbered_line(line: &str, number: usize, file: Option<&str>) -> Result<Option<ProbeSpec>, SpecError> {
+    LineParser { line }
+        .parse()
+        .map_err(|LocatedError { byte, kind }| SpecError {
+            file: file.map(str::to_owned),
+            line: number,
+            // Columns count characters, not bytes, so that an editor lands on the spot.
+            column: line.char_indices().take_while(|&(at, _)| at < byte).count() + 1,
+            kind,
+        })
+}
+
+/// An error at a byte offset into the line.
+struct LocatedError {
+    byte: usize,
+    kind: SpecErrorKind,
+}
+
+type Parsed<T> = Result<T, LocatedError>;
+
+/// What the fetch-args of a probe may use, from its kind and target.
+#[derive(Clone, Copy)]
+struct ProbeContext {
+    is_return: bool,
+    at_function_entry: bool,
+}
+
+/// Parses one line; every `&str` handled is a slice of `line`, so an error's position is
+/// the slice's place in it.
+struct LineParser<'a> {
+    line: &'a str,
+}
+
+impl<'a> LineParser<'a> {
+    /// An error pointing at the start of `at`, which must be a slice of the line.
+    fn err(&self, at: &str, kind: SpecErrorKind) -> LocatedError {
+        let byte = (at.as_ptr() as usize).saturating_sub(self.line.as_ptr() as usize);
+        LocatedError {
+            byte: byte.min(self.line.len()),
+            kind,
+        }
+    }
+
+    fn parse(&self) -> Parsed<Option<ProbeSpec>> {
+        // The kernel cuts a line at its first `#`, wherever it is.
+        let code = match self.line.find('#') {
+            Some(hash) => &self.line[..hash],
+            None => self.line,
+        };
+        // The kernel's isspace(), which unlike char::is_ascii_whitespace includes \v.
+        let mut tokens = code
+            .split([' ', '\t', '\n', '\x0b', '\x0c', '\r'])
+            .filter(|t| !t.is_empty());
+        let Some(head) = tokens.next() else {
+            return Ok(None);
+        };
+        let rest: Vec<&'a str> = tokens.collect();
+        match head.as_bytes()[0] {
+            b'p' => self.parse_probe(head, false, &rest).map(Some),
+            b'r' => self.parse_probe(head, true, &rest).map(Some),
+            b'-' => self.parse_remove(head, &rest).map(Some),
+            _ => Err(self.err(head, SpecErrorKind::UnknownProbeType(head.to_owned()))),
+        }
+    }
+
+    fn parse_remove(&self, head: &'a str, rest: &[&'a str]) -> Parsed<ProbeSpec> {
+        let Some(name) = head.strip_prefix("-:") else {
+            return Err(self.err(head, SpecErrorKind::UnknownProbeType(head.to_owned())));
+        };
+        if let Some(extra) = rest.first() {
+            return Err(self.err(extra, SpecErrorKind::ArgsOnRemove));
+        }
+        let (group, event) = self.parse_group_event(name)?;
+        let Some(event) = event else {
+            return Err(self.err(self.end_of(name), SpecErrorKind::NoEventName));
+        };
+        Ok(ProbeSpec::Remove { group, event })
+    }
+
+    /// The empty slice just past `s`.
+    fn end_of(&self, s: &'a str) -> &'a str {
+        &s[s.len()..]
+    }
+
+    fn parse_probe(&self, head: &'a str, is_r: bool, rest: &[&'a str]) -> Parsed<ProbeSpec> {
+        let after_kind = &head[1..];
+        let digits_len = after_kind.find(':').unwrap_or(after_kind.len());
+        let (maxactive_text, name_part) = after_kind.split_at(digits_len);
+        let maxactive = if maxactive_text.is_empty() {
+            None
+        } else if !maxactive_text.as_bytes()[0].is_ascii_digit() {
+            return Err(self.err(
+                maxactive_text,
+                SpecErrorKind::JunkAfterProbeType(maxactive_text.to_owned()),
+            ));
+        } else if !is_r {
+            return Err(self.err(maxactive_text, SpecErrorKind::MaxactiveOnKprobe));
+        } else {
+            match parse_unsigned(maxactive_text) {
+                Some(n) if (1..=u64::from(MAX_MAXACTIVE)).contains(&n) => Some(n as u32),
+                _ => return Err(self.err(maxactive_text, SpecErrorKind::BadMaxactive(maxactive_text.to_owned()))),
+            }
+        };
+        let (group, event) = match name_part.strip_prefix(':') {
+            Some(name) => self.parse_group_event(name)?,
+            None => (None, None),
+        };
+
+        let Some((&target_text, arg_texts)) = rest.split_first() else {
+            return Err(self.err(self.end_of(head), SpecErrorKind::MissingTarget));
+        };
+        let (target, return_suffix) = self.parse_target(target_text)?;
+        let is_return = is_r || return_suffix;
+        if let (true, Target::Symbol { offset, .. }) = (is_return, &target) {
+            if *offset != 0 {
+                return Err(self.err(target_text, SpecErrorKind::RetprobeNotOnEntry(*offset)));
+            }
+        }
+        let context = ProbeContext {
+            is_return,
+            // Only a symbol+0 counts: the kernel decides "function entry" from the symbol.
+            at_function_entry: matches!(target, Target::Symbol { offset: 0, .. }),
+        };
+
+        let group = group.unwrap_or_else(|| DEFAULT_GROUP.to_owned());
+        let event = event.unwrap_or_else(|| default_event_name(is_return, &target));
+        let args = self.parse_args(arg_texts, context)?;
+        Ok(if is_return {
+            ProbeSpec::Kretprobe {
+                group,
+                event,
+                target,
+                maxactive,
+                args,
+            }
+        } else {
+            ProbeSpec::Kprobe {
+                group,
+                event,
+                target,
+                args,
+            }
+        })
+    }
+
+    /// `[GRP/][EVENT]` (or `GRP.EVENT`, which the kernel also takes); `None` for what is
+    /// left out.
+    fn parse_group_event(&self, text: &'a str) -> Parsed<(Option<String>, Option<String>)> {
+        // `/` wins over `.`, as in the kernel, so `a.b/c` is the (bad) group `a.b`.
+        let (group, event_text) = match text.find('/').or_else(|| text.find('.')) {
+            Some(slash) => {
+                let group = &text[..slash];
+                if group.is_empty() {
+                    return Err(self.err(text, SpecErrorKind::NoGroupName));
+                }
+                if group.len() > MAX_EVENT_NAME_LEN {
+                    return Err(self.err(group, SpecErrorKind::GroupNameTooLong));
+                }
+                if !is_good_name(group, true) {
+                    return Err(self.err(group, SpecErrorKind::BadGroupName(group.to_owned())));
+                }
+                (Some(group.to_owned()), &text[slash + 1..])
+            }
+            None => (None, text),
+        };
+        if event_text.is_empty() {
+            // `GRP/` alone keeps the generated event name, as in the kernel.
+            return if group.is_some() {
+                Ok((group, None))
+            } else {
+                Err(self.err(event_text, SpecErrorKind::NoEventName))
+            };
+        }
+        if event_text.len() > MAX_EVENT_NAME_LEN {
+            return Err(self.err(event_text, SpecErrorKind::EventNameTooLong));
+        }
+        if !is_good_name(event_text, false) {
+            return Err(self.err(event_text, SpecErrorKind::BadEventName(event_text.to_owned())));
+        }
+        Ok((group, Some(event_text.to_owned())))
+    }
+
+    /// The target, and whether it ended in `%return`.
+    fn parse_target(&self, text: &'a str) -> Parsed<(Target, bool)> {
+        // As in the kernel, anything that reads as a number is an address.
+        if let Some(address) = parse_unsigned(text) {
+            return Ok((Target::Address(Gva(address)), false));
+        }
+        if text.contains('/') && text.contains(':') {
+            return Err(self.err(text, SpecErrorKind::UprobeNotSupported(text.to_owned())));
+        }
+        let (symbol_part, is_return) = match text.find('%') {
+            Some(percent) if &text[percent..] == "%return" => (&text[..percent], true),
+            Some(percent) => {
+                let suffix = &text[percent..];
+                return Err(self.err(suffix, SpecErrorKind::BadTargetSuffix(suffix.to_owned())));
+            }
+            None => (text, false),
+        };
+        if symbol_part.contains(':') {
+            return Err(self.err(text, SpecErrorKind::ModuleTargetNotSupported(symbol_part.to_owned())));
+        }
+        let (name, offset) = match symbol_part.find(['+', '-']) {
+            Some(sign) => {
+                let offset_text = &symbol_part[sign..];
+                match parse_signed(offset_text) {
+                    Some(offset) if (0..=i64::from(u32::MAX)).contains(&offset) => {
+                        (&symbol_part[..sign], offset as u64)
+                    }
+                    _ => return Err(self.err(offset_text, SpecErrorKind::BadTargetOffset(offset_text.to_owned()))),
+                }
+            }
+            None => (symbol_part, 0),
+        };
+        if !is_symbol_name(name) {
+            return Err(self.err(text, SpecErrorKind::BadTarget(text.to_owned())));
+        }
+        Ok((
+            Target::Symbol {
+                name: name.to_owned(),
+                offset,
+            },
+            is_return,
+        ))
+    }
+
+    fn parse_args(&self, texts: &[&'a str], context: ProbeContext) -> Parsed<Vec<FetchArg>> {
+        if let Some(first_extra) = texts.get(MAX_ARGS) {
+            return Err(self.err(first_extra, SpecErrorKind::TooManyArgs));
+        }
+        let mut args: Vec<FetchArg> = Vec::with_capacity(texts.len());
+        let mut data_size = 0u32;
+        for (index, &text) in texts.iter().enumerate() {
+            let arg = self.parse_arg(text, index, context)?;
+            if RESERVED_ARG_NAMES.contains(&arg.name.as_str()) {
+                return Err(self.err(text, SpecErrorKind::ReservedArgName(arg.name)));
+            }
+            if args.iter().any(|a| a.name == arg.name) {
+                return Err(self.err(text, SpecErrorKind::DuplicateArgName(arg.name)));
+            }
+            data_size += arg.ty.record_size() * arg.array_len.unwrap_or(1);
+            if data_size > MAX_EVENT_DATA_SIZE {
+                return Err(self.err(text, SpecErrorKind::EventTooBig(data_size)));
+            }
+            args.push(arg);
+        }
+        Ok(args)
+    }
+
+    /// `[NAME=]FETCHARG[:TYPE[[N]]]`, the `index`th (from 0) argument.
+    fn parse_arg(&self, text: &'a str, index: usize, context: ProbeContext) -> Parsed<FetchArg> {
+        let (name, body) = match text.find('=') {
+            Some(equals) => {
+                let name = &text[..equals];
+                if name.is_empty() {
+                    return Err(self.err(text, SpecErrorKind::NoArgName));
+                }
+                if name.len() > MAX_ARG_NAME_LEN {
+                    return Err(self.err(text, SpecErrorKind::ArgNameTooLong));
+                }
+                if !is_good_name(name, false) {
+                    return Err(self.err(text, SpecErrorKind::BadArgName(name.to_owned())));
+                }
+                (name.to_owned(), &text[equals + 1..])
+            }
+            None => (format!("arg{}", index + 1), text),
+        };
+        if body.is_empty() {
+            return Err(self.err(body, SpecErrorKind::NoArgBody));
+        }
+        // Checked before the recursive descent, which this bounds.
+        if body.len() > MAX_ARG_BODY_LEN {
+            return Err(self.err(body, SpecErrorKind::ArgTooLong));
+        }
+        let (expr_text, type_text) = match body.find(':') {
+            Some(colon) => (&body[..colon], Some(&body[colon + 1..])),
+            None => (body, None),
+        };
+        let (type_name, array_len) = match type_text {
+            Some(t) => {
+                let (name, len) = self.parse_array_suffix(t)?;
+                (Some(name), len)
+            }
+            None => (None, None),
+        };
+        let is_comm = expr_text == "$comm" || expr_text == "$COMM";
+        if is_comm && (array_len.is_some() || type_name.is_some_and(|t| t != "string")) {
+            return Err(self.err(type_name.unwrap_or(body), SpecErrorKind::CommNotString));
+        }
+        let ty = match type_name {
+            Some(t) => self.parse_type(t)?,
+            None if is_comm => ArgType::String,
+            None => ArgType::X64,
+        };
+        let expr = self.parse_expr(expr_text, context)?;
+        let type_at = type_name.unwrap_or(body);
+        self.check_type_fits(&expr, ty, array_len, type_at, body)?;
+        Ok(FetchArg {
+            name,
+            expr,
+            ty,
+            array_len,
+        })
+    }
+
+    /// Splits `TYPE[N]` into `TYPE` and N.
+    fn parse_array_suffix(&self, text: &'a str) -> Parsed<(&'a str, Option<u32>)> {
+        let Some(open) = text.find('[') else {
+            return Ok((text, None));
+        };
+        let inside_and_rest = &text[open + 1..];
+        let Some(close) = inside_and_rest.find(']') else {
+            return Err(self.err(self.end_of(text), SpecErrorKind::ArrayNotClosed));
+        };
+        let after = &inside_and_rest[close + 1..];
+        if !after.is_empty() {
+            return Err(self.err(after, SpecErrorKind::JunkAfterArray(after.to_owned())));
+        }
+        let len_text = &inside_and_rest[..close];
+        match parse_unsigned(len_text) {
+            Some(n) if (1..=u64::from(MAX_ARRAY_LEN)).contains(&n) => Ok((&text[..open], Some(n as u32))),
+            _ => Err(self.err(len_text, SpecErrorKind::BadArrayLen(len_text.to_owned()))),
+        }
+    }
+
+    fn parse_type(&self, text: &'a str) -> Parsed<ArgType> {
+        if let Some(ty) = ArgType::from_plain_name(text) {
+            return Ok(ty);
+        }
+        if let Some(spec) = text.strip_prefix('b') {
+            return parse_bitfield(spec).ok_or_else(|| self.err(text, SpecErrorKind::BadBitfield(text.to_owned())));
+        }
+        Err(self.err(text, SpecErrorKind::UnknownType(text.to_owned())))
+    }
+
+    /// The kernel's rules on which fetch-args may take which types, and its op budget.
+    fn check_type_fits(
+        &self,
+        expr: &FetchExpr,
+        ty: ArgType,
+        array_len: Option<u32>,
+        type_at: &'a str,
+        body: &'a str,
+    ) -> Parsed<()> {
+        let reads_memory = matches!(
+            expr,
+            FetchExpr::Deref { .. } | FetchExpr::Memory(_) | FetchExpr::SymbolMemory { .. }
+        );
+        if ty.is_memory_string() && !(reads_memory || matches!(expr, FetchExpr::Immediate(_) | FetchExpr::Comm)) {
+            let name = if ty == ArgType::String { "string" } else { "ustring" };
+            return Err(self.err(type_at, SpecErrorKind::StringNotOnMemory(name)));
+        }
+        if ty == ArgType::SymStr {
+            let fits = match expr {
+                FetchExpr::Deref { user, .. } => !user,
+                FetchExpr::Register(_)
+                | FetchExpr::StackEntry(_)
+                | FetchExpr::Arg(_)
+                | FetchExpr::Retval
+                | FetchExpr::Memory(_)
+                | FetchExpr::SymbolMemory { .. } => true,
+                _ => false,
+            };
+            if !fits {
+                return Err(self.err(type_at, SpecErrorKind::SymstrBadFetch));
+            }
+        }
+        if array_len.is_some() && (ty == ArgType::SymStr || !(reads_memory || ty.is_memory_string())) {
+            return Err(self.err(type_at, SpecErrorKind::ArrayNotOnMemory));
+        }
+        // Count the kernel's fetch instructions: the fetch itself, then a store op unless the
+        // last deref becomes the store, then one each for a bitfield and an array loop.
+        let store_needs_slot = if ty.is_memory_string() || ty == ArgType::SymStr {
+            ty == ArgType::SymStr || matches!(expr, FetchExpr::Immediate(_) | FetchExpr::Comm) || array_len.is_some()
+        } else {
+            !reads_memory
+        };
+        let ops = expr.fetch_op_count()
+            + usize::from(store_needs_slot)
+            + usize::from(matches!(ty, ArgType::Bitfield { .. }))
+            + usize::from(array_len.is_some());
+        if ops > MAX_FETCH_OPS {
+            return Err(self.err(body, SpecErrorKind::TooManyFetchOps(ops)));
+        }
+        Ok(())
+    }
+
+    fn parse_expr(&self, text: &'a str, context: ProbeContext) -> Parsed<FetchExpr> {
+        let Some(&first) = text.as_bytes().first() else {
+            return Err(self.err(text, SpecErrorKind::NoArgBody));
+        };
+        match first {
+            b'%' => {
+                let name = &text[1..];
+                Register::from_name(name).map(FetchExpr::Register).ok_or_else(|| {
+                    self.err(
+                        text,
+                        SpecErrorKind::UnknownRegister {
+                            name: name.to_owned(),
+                            hint: register_hint(name),
+                        },
+                    )
+                })
+            }
+            b'@' => self.parse_memory(text),
+            b'$' => self.parse_variable(text, context),
+            b'+' | b'-' => self.parse_deref(text, context),
+            b'\\' => self.parse_immediate(text),
+            _ => Err(self.err(text, SpecErrorKind::BadFetchArg(text.to_owned()))),
+        }
+    }
+
+    /// `@ADDR` or `@SYM[+|-OFFS]`.
+    fn parse_memory(&self, text: &'a str) -> Parsed<FetchExpr> {
+        let spec = &text[1..];
+        match spec.as_bytes().first() {
+            Some(b) if b.is_ascii_digit() => parse_unsigned(spec)
+                .map(|a| FetchExpr::Memory(Gva(a)))
+                .ok_or_else(|| self.err(spec, SpecErrorKind::BadMemoryAddress(spec.to_owned()))),
+            Some(b'+') => Err(self.err(text, SpecErrorKind::FileOffsetOnKprobe)),
+            _ => {
+                let (name, offset) = match spec.find(['+', '-']) {
+                    Some(sign) => {
+                        let offset_text = &spec[sign..];
+                        let offset = parse_signed(offset_text).ok_or_else(|| {
+                            self.err(offset_text, SpecErrorKind::BadDerefOffset(offset_text.to_owned()))
+                        })?;
+                        (&spec[..sign], offset)
+                    }
+                    None => (spec, 0),
+                };
+                if !is_symbol_name(name) {
+                    return Err(self.err(spec, SpecErrorKind::BadMemorySymbol(name.to_owned())));
+                }
+                Ok(FetchExpr::SymbolMemory {
+                    name: name.to_owned(),
+                    offset,
+                })
+            }
+        }
+    }
+
+    /// `$stack`, `$stackN`, `$argN`, `$retval`, `$comm`.
+    fn parse_variable(&self, text: &'a str, context: ProbeContext) -> Parsed<FetchExpr> {
+        let name = &text[1..];
+        match name {
+            "retval" if context.is_return => return Ok(FetchExpr::Retval),
+            "retval" => return Err(self.err(text, SpecErrorKind::RetvalOnKprobe)),
+            "stack" => return Ok(FetchExpr::StackPointer),
+            "comm" | "COMM" => return Ok(FetchExpr::Comm),
+            _ => {}
+        }
+        if let Some(index_text) = name
+            .strip_prefix("stack")
+            .filter(|n| n.starts_with(|c: char| c.is_ascii_digit()))
+        {
+            return match parse_decimal(index_text) {
+                Some(n) if n <= u64::from(MAX_STACK_INDEX) => Ok(FetchExpr::StackEntry(n as u32)),
+                _ => Err(self.err(index_text, SpecErrorKind::BadStackIndex(index_text.to_owned()))),
+            };
+        }
+        if let Some(number_text) = name.strip_prefix("arg").filter(|n| !n.is_empty()) {
+            let number = parse_decimal(number_text)
+                .ok_or_else(|| self.err(text, SpecErrorKind::UnknownVariable(name.to_owned())))?;
+            // The kernel only knows $argN where a function is being entered.
+            if context.is_return || !context.at_function_entry {
+                return Err(self.err(text, SpecErrorKind::ArgNotOnEntry));
+            }
+            return match number {
+                1..=MAX_STACK_INDEX_U64 => Ok(FetchExpr::Arg(number as u32)),
+                _ => Err(self.err(number_text, SpecErrorKind::BadArgNumber(number_text.to_owned()))),
+            };
+        }
+        Err(self.err(text, SpecErrorKind::UnknownVariable(name.to_owned())))
+    }
+
+    /// `+|-[u]OFFS(FETCHARG)`.
+    fn parse_deref(&self, text: &'a str, context: ProbeContext) -> Parsed<FetchExpr> {
+        let negative = text.starts_with('-');
+        let after_sign = &text[1..];
+        let (user, number_start) = match after_sign.strip_prefix('u') {
+            Some(rest) => (true, rest),
+            None => (false, after_sign),
+        };
+        let Some(open) = number_start.find('(') else {
+            return Err(self.err(text, SpecErrorKind::DerefNeedsParen));
+        };
+        let offset_text = &number_start[..open];
+        let magnitude = parse_unsigned(offset_text)
+            .filter(|_| !offset_text.starts_with('+'))
+            .and_then(|m| {
+                if negative {
+                    0i64.checked_sub_unsigned(m)
+                } else {
+                    i64::try_from(m).ok()
+                }
+            });
+        let Some(offset) = magnitude else {
+            return Err(self.err(offset_text, SpecErrorKind::BadDerefOffset(offset_text.to_owned())));
+        };
+        let inner_and_rest = &number_start[open + 1..];
+        // The innermost `(` pairs with the last `)`, as in the kernel (strrchr).
+        let Some(close) = inner_and_rest.rfind(')') else {
+            return Err(self.err(self.end_of(inner_and_rest), SpecErrorKind::DerefNotClosed));
+        };
+        let after = &inner_and_rest[close + 1..];
+        if !after.is_empty() {
+            return Err(self.err(after, SpecErrorKind::JunkAfterDeref(after.to_owned())));
+        }
+        let inner = &inner_and_rest[..close];
+        let base = self.parse_expr(inner, context)?;
+        if base == FetchExpr::Comm {
+            return Err(self.err(inner, SpecErrorKind::CommDeref));
+        }
+        Ok(FetchExpr::Deref {
+            offset,
+            user,
+            base: Box::new(base),
+        })
+    }
+
+    /// `\IMM`: a number, with an optional sign as the kernel's `str_to_immediate` takes.
+    fn parse_immediate(&self, text: &'a str) -> Parsed<FetchExpr> {
+        let value_text = &text[1..];
+        if value_text.starts_with('"') {
+            return Err(self.err(text, SpecErrorKind::ImmediateStringNotSupported));
+        }
+        let value = match value_text.as_bytes().first() {
+            Some(b) if b.is_ascii_digit() => parse_unsigned(value_text),
+            Some(b'-' | b'+') => parse_signed(value_text).map(|v| v as u64),
+            _ => None,
+        };
+        value
+            .map(FetchExpr::Immediate)
+            .ok_or_else(|| self.err(value_text, SpecErrorKind::BadImmediate(value_text.to_owned())))
+    }
+}
+
+impl FetchExpr {
+    /// How many kernel fetch instructions this compiles to (before the store).
+    fn fetch_op_count(&self) -> usize {
+        match self {
+            // Symbol lookup, immediate address, load.
+            FetchExpr::SymbolMemory { .. } => 3,
+            // Immediate address, load.
+            FetchExpr::Memory(_) => 2,
+            FetchExpr::Deref { base, .. } => base.fetch_op_count() + 1,
+            _ => 1,
+        }
+    }
+}
+
+/// The name the kernel gives an event the spec does not name: `p_SYM_OFFS`, `r_0xADDR`.
+fn default_event_name(is_return: bool, target: &Target) -> String {
+    let kind = if is_return { 'r' } else { 'p' };
+    let mut name = match target {
+        Target::Symbol { name, offset } => format!("{kind}_{name}_{offset}"),
+        // The kernel prints a hashed %p here; the real address is more useful and stable.
+        Target::Address(address) => format!("{kind}_{:#x}", address.raw()),
+    }
+    .replace(['.', ':'], "_");
+    // The kernel truncates to its buffer; names are ASCII, so this is on a char boundary.
+    name.truncate(MAX_EVENT_NAME_LEN);
+    name
+}
+
+/// The kernel's `is_good_name` (`[A-Za-z_][A-Za-z0-9_]*`); `dash_ok` adds `-` for groups.
+fn is_good_name(name: &str, dash_ok: bool) -> bool {
+    let ok = |c: u8| c.is_ascii_alphabetic() || c == b'_' || (dash_ok && c == b'-');
+    match name.as_bytes().split_first() {
+        Some((&first, rest)) => ok(first) && rest.iter().all(|&c| ok(c) || c.is_ascii_digit()),
+        None => false,
+    }
+}
+
+/// A kernel symbol name: `[A-Za-z_.][A-Za-z0-9_.]*` (`.` for `foo.isra.0`, `foo.cold`).
+fn is_symbol_name(name: &str) -> bool {
+    let ok = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'.';
+    match name.as_bytes().split_first() {
+        Some((&first, rest)) => !first.is_ascii_digit() && ok(first) && rest.iter().all(|&c| ok(c)),
+        None => false,
+    }
+}
+
+/// The kernel name of a register spelled the usual assembler way (`rax`, `eip`, `rflags`).
+fn register_hint(name: &str) -> Option<&'static str> {
+    let stripped = name.strip_prefix(['r', 'e'])?;
+    Register::from_name(stripped).map(Register::name)
+}
+
+/// `b<width>@<offset>/<container bits>` after the `b`.
+fn parse_bitfield(spec: &str) -> Option<ArgType> {
+    let (width_text, rest) = spec.split_once('@')?;
+    let (offset_text, container_text) = rest.split_once('/')?;
+    let width = parse_unsigned(width_text)?;
+    let offset = parse_unsigned(offset_text)?;
+    let container_bits = parse_unsigned(container_text)?;
+    if !matches!(container_bits, 8 | 16 | 32 | 64) || width == 0 || width.checked_add(offset)? > container_bits {
+        return None;
+    }
+    // All three are at most 64 now.
+    Some(ArgType::Bitfield {
+        width: width as u8,
+        offset: offset as u8,
+        container_bits: container_bits as u8,
+    })
+}
+
+/// A number as the kernel's `kstrtoul(s, 0)` reads it: `0x` hex, leading-`0` octal, else
+/// decimal, an optional leading `+`, and nothing else.
+fn parse_unsigned(text: &str) -> Option<u64> {
+    let digits = text.strip_prefix('+').unwrap_or(text);
+    let (radix, digits) = match digits.strip_prefix("0x").or_else(|| digits.strip_prefix("0X")) {
+        Some(hex) if hex.starts_with(|c: char| c.is_ascii_hexdigit()) => (16, hex),
+        _ if digits.starts_with('0') => (8, digits),
+        _ => (10, digits),
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    u64::from_str_radix(digits, radix).ok()
+}
+
+/// A number as `kstrtol(s, 0)` reads it: [`parse_unsigned`] with an optional `-`.
+fn parse_signed(text: &str) -> Option<i64> {
+    match text.strip_prefix('-') {
+        Some(magnitude) if !magnitude.starts_with('+') => 0i64.checked_sub_unsigned(parse_unsigned(magnitude)?),
+        Some(_) => None,
+        None => i64::try_from(parse_unsigned(text)?).ok(),
+    }
+}
+
+/// Plain decimal digits (the kernel reads `$stackN` and `$argN` in base 10).
+fn parse_decimal(text: &str) -> Option<u64> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
+impl fmt::Display for ProbeSpec {
+    /// The canonical `kprobe_events` line: group, event and argument names always spelled
+    /// out, as the kernel lists them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let args = match self {
+            ProbeSpec::Kprobe {
+                group,
+                event,
+                target,
+                args,
+            } => {
+                write!(f, "p:{group}/{event} {target}")?;
+                args
+            }
+            ProbeSpec::Kretprobe {
+                group,
+                event,
+                target,
+                maxactive,
+                args,
+            } => {
+                f.write_str("r")?;
+                if let Some(n) = maxactive {
+                    write!(f, "{n}")?;
+                }
+                write!(f, ":{group}/{event} {target}")?;
+                args
+            }
+            ProbeSpec::Remove { group, event } => {
+                f.write_str("-:")?;
+                if let Some(group) = group {
+                    write!(f, "{group}/")?;
+                }
+                return f.write_str(event);
+            }
+        };
+        for arg in args {
+            write!(f, " {arg}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Symbol { name, offset: 0 } => f.write_str(name),
+            Target::Symbol { name, offset } => write!(f, "{name}+{}", Number(*offset)),
+            Target::Address(address) => write!(f, "{}", Number(address.raw())),
+        }
+    }
+}
+
+impl fmt::Display for FetchArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}={}", self.name, self.expr)?;
+        // The default type is left out so that the text never outgrows the kernel's
+        // 63-character limit when the input fit in it.
+        let default_type = if self.expr == FetchExpr::Comm {
+            ArgType::String
+        } else {
+            ArgType::X64
+        };
+        if self.ty != default_type || self.array_len.is_some() {
+            write!(f, ":{}", self.ty)?;
+        }
+        if let Some(n) = self.array_len {
+            write!(f, "[{n}]")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for FetchExpr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FetchExpr::Register(r) => write!(f, "%{r}"),
+            FetchExpr::Memory(address) => write!(f, "@{}", Number(address.raw())),
+            FetchExpr::SymbolMemory { name, offset: 0 } => write!(f, "@{name}"),
+            FetchExpr::SymbolMemory { name, offset } => write!(f, "@{name}{}", SignedNumber(*offset)),
+            FetchExpr::StackEntry(n) => write!(f, "$stack{n}"),
+            FetchExpr::StackPointer => f.write_str("$stack"),
+            FetchExpr::Arg(n) => write!(f, "$arg{n}"),
+            FetchExpr::Retval => f.write_str("$retval"),
+            FetchExpr::Comm => f.write_str("$comm"),
+            // Shown signed, as it was most likely written (`\\-1`), and shorter that way.
+            FetchExpr::Immediate(value) => match *value as i64 {
+                v if v < 0 => write!(f, "\\{}", SignedNumber(v)),
+                _ => write!(f, "\\{}", Number(*value)),
+            },
+            FetchExpr::Deref { offset, user, base } => {
+                let sign = if *offset < 0 { '-' } else { '+' };
+                let user = if *user { "u" } else { "" };
+                write!(f, "{sign}{user}{}({base})", Number(offset.unsigned_abs()))
+            }
+        }
+    }
+}
+
+/// A number in its shorter spelling, decimal or `0x` hex: never longer than any spelling
+/// the parser accepts, so displayed fetch-args stay within the kernel's length limit.
+struct Number(u64);
+
+impl fmt::Display for Number {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let decimal = self.0.to_string();
+        let hex = format!("{:#x}", self.0);
+        f.write_str(if hex.len() < decimal.len() { &hex } else { &decimal })
+    }
+}
+
+/// A signed [`Number`], always with its sign (`+8`, `-0x10`).
+struct SignedNumber(i64);
+
+impl fmt::Display for SignedNumber {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let sign = if self.0 < 0 { '-' } else { '+' };
+        write!(f, "{sign}{}", Number(self.0.unsigned_abs()))
+    }
+}
+
+impl fmt::Display for Register {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl fmt::Display for ArgType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self {
+            ArgType::U8 => "u8",
+            ArgType::U16 => "u16",
+            ArgType::U32 => "u32",
+            ArgType::U64 => "u64",
+            ArgType::S8 => "s8",
+            ArgType::S16 => "s16",
+            ArgType::S32 => "s32",
+            ArgType::S64 => "s64",
+            ArgType::X8 => "x8",
+            ArgType::X16 => "x16",
+            ArgType::X32 => "x32",
+            ArgType::X64 => "x64",
+            ArgType::String => "string",
+            ArgType::UString => "ustring",
+            ArgType::Symbol => "symbol",
+            ArgType::SymStr => "symstr",
+            ArgType::Bitfield {
+                width,
+                offset,
+                container_bits,
+            } => {
+                return write!(f, "b{width}@{offset}/{container_bits}");
+            }
+        };
+        f.write_str(name)
+    }
+}
+
+#[cfg(test)]
+mod tests;
