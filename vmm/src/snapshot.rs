@@ -33,7 +33,6 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use kvm_bindings::{
     kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_fpu, kvm_irqchip, kvm_lapic_state, kvm_mp_state,
@@ -49,7 +48,7 @@ use vm_superio::serial::SerialState;
 
 use crate::backend::Backend;
 use crate::console::{ConsoleLog, ConsoleOutput};
-use crate::vcpu::{StopReason, VcpuControl};
+use crate::vcpu::StopReason;
 use crate::vm::{create_devices, create_machine, memory_ranges, register_guest_memory};
 use crate::{kvm_err, Error, Vm};
 
@@ -911,20 +910,16 @@ impl Vm {
             restore_vcpu(cpu, &vcpu, record)?;
             vcpus.push(vcpu);
         }
-        let control: Arc<VcpuControl> = VcpuControl::new(vcpus.len())?;
-        Ok(Vm {
+        Ok(Vm::from_parts(
             kvm,
             vm_fd,
             backend,
             mem,
             vcpus,
             devices,
-            control,
             console_log,
-            kernel_format: None,
-            console_input: false,
-            console_feed: None,
-        })
+            false,
+        )?)
     }
 }
 

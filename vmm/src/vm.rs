@@ -191,6 +191,21 @@ impl Vm {
             regs::setup_lapic_lint(&vcpu)?;
             vcpus.push(vcpu);
         }
+        Vm::from_parts(kvm, vm_fd, backend, mem, vcpus, devices, console_log, console_input)
+    }
+
+    /// A machine from its parts, with its vCPU control; nothing runs yet.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn from_parts(
+        kvm: Kvm,
+        vm_fd: VmFd,
+        backend: Backend,
+        mem: GuestMemoryMmap,
+        vcpus: Vec<VcpuFd>,
+        devices: Arc<PortDevices>,
+        console_log: ConsoleLog,
+        console_input: bool,
+    ) -> Result<Vm, Error> {
         let control = VcpuControl::new(vcpus.len())?;
         Ok(Vm {
             kvm,
