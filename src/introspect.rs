@@ -144,8 +144,14 @@ pub fn load_symbols(
     let (table, expected_banner) = match from {
         SymbolsFrom::SystemMap(path) => (SymbolTable::from_system_map_file(path)?, None),
         SymbolsFrom::Vmlinux(path) => {
-            let table = SymbolTable::from_elf_file(path)?;
-            let banner = hvprobe_introspection::memory::ElfImage::open(path)
+            // One read of the (tens of MiB) file serves both the symbol table and the
+            // banner the running kernel must match.
+            let bytes = std::fs::read(path).map_err(|source| SymbolError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+            let table = SymbolTable::parse_elf(&bytes)?;
+            let banner = hvprobe_introspection::memory::ElfImage::from_bytes(bytes)
                 .ok()
                 .and_then(|image| table.lookup("linux_banner").map(|s| read_c_string(&image, s.addr)));
             (table, banner.and_then(Result::ok))

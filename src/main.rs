@@ -209,7 +209,6 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let vm = Vm::new(&config)?;
     let console = vm.console_log();
-    let control = vm.control();
     let tasks = Arc::new(OnceLock::new());
     let introspection = {
         let (control, mem, resolve, tasks) = (
@@ -243,7 +242,6 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             ),
         }
     }
-    drop(control);
 
     let boot = match outcome.boot_to_init {
         Some(t) => format!("{:.2} s", t.as_secs_f64()),

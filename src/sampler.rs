@@ -100,9 +100,8 @@ pub fn task_report(samples: &[Sample], top: usize) -> String {
 
 /// The `top` guest functions by samples, named from the kernel's symbols.
 pub fn report(samples: &[Sample], symbols: &SymbolTable, top: usize) -> String {
-    let rips: Vec<u64> = samples.iter().map(|s| s.rip).collect();
     let mut counts: HashMap<String, usize> = HashMap::new();
-    for rip in &rips {
+    for rip in samples.iter().map(|s| &s.rip) {
         let name = match symbols.describe(Gva(*rip)) {
             Some(d) if *rip >= 0xffff_8000_0000_0000 => d.symbol.name.clone(),
             Some(_) | None if *rip < 0xffff_8000_0000_0000 => "[user space]".to_string(),
@@ -112,8 +111,8 @@ pub fn report(samples: &[Sample], symbols: &SymbolTable, top: usize) -> String {
     }
     let mut ranked: Vec<_> = counts.into_iter().collect();
     ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let total = rips.len().max(1);
-    let mut out = format!("hvprobe: {} samples; hottest guest functions:\n", rips.len());
+    let total = samples.len().max(1);
+    let mut out = format!("hvprobe: {} samples; hottest guest functions:\n", samples.len());
     for (name, n) in ranked.into_iter().take(top) {
         out.push_str(&format!("{:6} {:5.1}%  {name}\n", n, 100.0 * n as f64 / total as f64));
     }
