@@ -176,12 +176,9 @@ fn a_two_vcpu_snapshot_restores_with_two_cpus() {
     assert_clean(&run);
 }
 
-// Known problem: a workload message longer than ~130 bytes (this one is 252) never
-// reaches the waiting init and the run hangs. It is the console wait mode, not the
-// restore: a fresh boot with `--cmdline hvprobe.wait` hangs the same way on a 260-byte
-// message, while the same bytes typed at the interactive shell arrive. Not fixed yet.
+// The 252-byte workload message is longer than what Linux's 8250 driver reads per interrupt
+// (the FIFO refills meanwhile): it hung until the UART kept reporting pending data.
 #[test]
-#[ignore = "workloads longer than ~130 bytes never reach the waiting init, see the comment above"]
 fn a_two_vcpu_snapshot_restores_with_both_cpus_running() {
     let dir = snapshot(2);
     // Shell builtins only around the spinners: every exec costs ~1.4 s emulated on kvm_pvm.

@@ -71,6 +71,33 @@ impl Trigger for IrqLine {
 
 pub type ConsoleSerial = Serial<IrqLine, vm_superio::serial::NoEvents, ConsoleWriter>;
 
+const UART_IER: u8 = 1;
+const UART_IIR: u8 = 2;
+const UART_LCR: u8 = 3;
+const UART_LSR: u8 = 5;
+const UART_IER_RDI: u8 = 0x01;
+const UART_LSR_DR: u8 = 0x01;
+const UART_LCR_DLAB: u8 = 0x80;
+
+/// vm-superio drops the "received data" identification on every read of the data register
+/// and on every IIR read, even with bytes left in the FIFO. A real 16550 keeps reporting
+/// them, and Linux's 8250 driver relies on it: it stops after 256 bytes per interrupt and
+/// only reads more when IIR says so, so a long burst of input (more than the driver takes
+/// in one go while the host refills the FIFO) stalled for good. Rewriting IER with its own
+/// value is vm-superio's public way to re-raise the pending condition.
+fn reassert_pending_rx(serial: &mut ConsoleSerial) {
+    let fifo_has_data = serial.read(UART_LSR) & UART_LSR_DR != 0;
+    if !fifo_has_data || serial.read(UART_LCR) & UART_LCR_DLAB != 0 {
+        return;
+    }
+    let ier = serial.read(UART_IER);
+    if ier & UART_IER_RDI != 0 {
+        if let Err(e) = serial.write(UART_IER, ier) {
+            tracing::warn!("serial console interrupt failed: {e}");
+        }
+    }
+}
+
 pub struct PortDevices {
     pub serial: Mutex<ConsoleSerial>,
     cmos_index: Mutex<u8>,
@@ -94,11 +121,12 @@ impl PortDevices {
         data.fill(0xff);
         match port {
             p if (SERIAL_PORT_BASE..SERIAL_PORT_BASE + SERIAL_PORT_COUNT).contains(&p) => {
-                data[0] = self
-                    .serial
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .read((p - SERIAL_PORT_BASE) as u8);
+                let offset = (p - SERIAL_PORT_BASE) as u8;
+                let mut serial = self.serial.lock().unwrap_or_else(|e| e.into_inner());
+                if offset == UART_IIR {
+                    reassert_pending_rx(&mut serial);
+                }
+                data[0] = serial.read(offset);
             }
             // Status: output buffer empty, input buffer empty: the reset command goes through.
             I8042_COMMAND => data[0] = 0,
@@ -190,6 +218,38 @@ mod tests {
         assert_eq!(cmos_register(0x32, t), 0x20);
         assert_eq!(cmos_register(0x06, t), 7);
         assert_eq!(cmos_register(0x0a, t) & 0x80, 0);
+    }
+
+    #[test]
+    fn serial_keeps_reporting_received_data_until_the_fifo_is_drained() {
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let serial = Serial::new(
+            IrqLine(irq.try_clone().unwrap()),
+            ConsoleWriter::new(Default::default(), crate::console::ConsoleOutput::Discard),
+        );
+        let dev = PortDevices::with_cmos_index(serial, 0);
+        let base = SERIAL_PORT_BASE;
+        dev.write(base + u16::from(UART_IER), &[UART_IER_RDI]);
+        dev.serial.lock().unwrap().enqueue_raw_bytes(b"abc").unwrap();
+        let mut b = [0u8];
+        let iir = |dev: &PortDevices| {
+            let mut b = [0u8];
+            dev.read(base + u16::from(UART_IIR), &mut b);
+            b[0] & 0x0f
+        };
+        const IIR_RDA: u8 = 0x04;
+        const IIR_NONE: u8 = 0x01;
+        assert_eq!(iir(&dev), IIR_RDA);
+        dev.read(base, &mut b);
+        assert_eq!(b[0], b'a');
+        // Two bytes remain: the driver's next look at IIR must still find them.
+        assert_eq!(iir(&dev), IIR_RDA);
+        assert_eq!(iir(&dev), IIR_RDA);
+        dev.read(base, &mut b);
+        dev.read(base, &mut b);
+        assert_eq!(b[0], b'c');
+        assert_eq!(iir(&dev), IIR_NONE);
+        assert!(irq.read().unwrap() > 0, "the pending data raised the interrupt again");
     }
 
     #[test]
