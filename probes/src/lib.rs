@@ -5,4 +5,5 @@
 //! Not built yet: this crate is the kprobes issue's. Only the probe-spec parser ([`spec`])
 //! exists so far.
 
+pub mod regs;
 pub mod spec;
