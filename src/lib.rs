@@ -7,7 +7,9 @@
 pub mod cpio;
 pub mod guest;
 pub mod introspect;
+pub mod probing;
 pub mod sampler;
 pub mod snapshot;
+pub mod trace;
 
 pub use hvprobe_vmm as vmm;

@@ -2,8 +2,12 @@
 //! kernel's text by the host, the probe-spec parser (kprobe_events syntax), fetch-args,
 //! counters, the listing, and the sync and async handler APIs.
 //!
-//! Not built yet: this crate is the kprobes issue's. Only the probe-spec parser ([`spec`])
-//! exists so far.
+//! Kretprobes and jump optimization are not built yet.
 
+pub mod engine;
+pub mod fetch;
+pub mod insn;
+pub mod machine;
+pub mod output;
 pub mod regs;
 pub mod spec;

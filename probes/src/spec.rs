@@ -427,10 +427,19 @@ pub fn parse_line(line: &str) -> Result<Option<ProbeSpec>, SpecError> {
 
 /// Parses a whole spec file: every probe in order, or the first error.
 pub fn parse_file(text: &str, file_name: &str) -> Result<Vec<ProbeSpec>, SpecError> {
+    Ok(parse_file_numbered(text, file_name)?
+        .into_iter()
+        .map(|(_, spec)| spec)
+        .collect())
+}
+
+/// Like [`parse_file`], with each spec's 1-based line number (for later errors that are
+/// not about syntax, such as an unknown symbol).
+pub fn parse_file_numbered(text: &str, file_name: &str) -> Result<Vec<(usize, ProbeSpec)>, SpecError> {
     let mut specs = Vec::new();
     for (index, line) in text.lines().enumerate() {
         if let Some(spec) = parse_numbered_line(line, index + 1, Some(file_name))? {
-            specs.push(spec);
+            specs.push((index + 1, spec));
         }
     }
     Ok(specs)

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use hvprobe_arch::{Gva, INT3};
 use kvm_bindings::{
-    kvm_regs, kvm_sregs, KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+    kvm_guest_debug, kvm_regs, kvm_sregs, KVM_GUESTDBG_BLOCKIRQ, KVM_GUESTDBG_ENABLE, KVM_GUESTDBG_SINGLESTEP,
+    KVM_GUESTDBG_USE_SW_BP, KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
 };
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -82,6 +83,22 @@ pub enum BreakpointDisposition {
 pub trait DebugHandler: Send + Sync {
     /// An int3 at `at` (guest virtual) was hit on vCPU `cpu`; RIP still points at it.
     fn on_breakpoint(&self, cpu: usize, vcpu: &mut VcpuFd, at: Gva) -> BreakpointDisposition;
+
+    /// A single-step trap on vCPU `cpu` (one the handler asked for with
+    /// [`set_guest_debug`]); false when it was not expecting one.
+    fn on_single_step(&self, _cpu: usize, _vcpu: &mut VcpuFd) -> bool {
+        false
+    }
+
+    /// The guest signalled `event`; the vCPU continues when this returns, so a handler
+    /// can make the guest wait (e.g. arm probes before `/init` runs).
+    fn on_guest_event(&self, _cpu: usize, _event: GuestEvent) {}
+
+    /// Whether int3 exits are wanted at all. On hardware KVM they cost an exit per guest
+    /// int3 (KVM_GUESTDBG_USE_SW_BP); kvm_pvm reports them regardless.
+    fn wants_breakpoints(&self) -> bool {
+        true
+    }
 }
 
 /// A handler that owns no breakpoint: every int3 goes back to the guest.
@@ -91,6 +108,29 @@ impl DebugHandler for NoProbes {
     fn on_breakpoint(&self, _cpu: usize, _vcpu: &mut VcpuFd, _at: Gva) -> BreakpointDisposition {
         BreakpointDisposition::GuestOwned
     }
+
+    fn wants_breakpoints(&self) -> bool {
+        false
+    }
+}
+
+/// Sets what KVM reports of a vCPU's debug events: its int3s (on hardware KVM they are the
+/// guest's business unless we ask) and, while `single_step`, a trap after each instruction
+/// with interrupts blocked, so that the step lands on the next instruction and not in an
+/// interrupt handler.
+pub fn set_guest_debug(vcpu: &VcpuFd, backend: Backend, single_step: bool) -> Result<(), Error> {
+    let mut control = 0;
+    if !backend.int3_is_emulation_failure() {
+        control |= KVM_GUESTDBG_ENABLE | KVM_GUESTDBG_USE_SW_BP;
+    }
+    if single_step {
+        control |= KVM_GUESTDBG_ENABLE | KVM_GUESTDBG_SINGLESTEP | KVM_GUESTDBG_BLOCKIRQ;
+    }
+    let debug = kvm_guest_debug {
+        control,
+        ..Default::default()
+    };
+    vcpu.set_guest_debug(&debug).map_err(kvm_err("KVM_SET_GUEST_DEBUG"))
 }
 
 /// Counters of the exit loop, for all vCPUs together.
@@ -233,7 +273,9 @@ impl VcpuControl {
         self.kick_all();
         let mut st = self.lock();
         let others = self.slots.len() - usize::from(me.is_some());
-        while st.parked + st.exited < others && st.stop.is_none() {
+        // Before the vCPU threads start nothing runs; they park at their first checkpoint.
+        let running = self.started.get().is_some();
+        while running && st.parked + st.exited < others && st.stop.is_none() {
             st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
         }
         PausedVcpus {
@@ -337,7 +379,7 @@ pub struct VcpuState {
 }
 
 impl VcpuState {
-    fn read(vcpu: &VcpuFd) -> Result<VcpuState, Error> {
+    pub fn read(vcpu: &VcpuFd) -> Result<VcpuState, Error> {
         let regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
         let sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
         let lstar = crate::regs::read_msr(vcpu, crate::regs::MSR_LSTAR_INDEX)?;
@@ -440,6 +482,11 @@ impl VcpuRunner {
             .kick
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some((immediate_exit, me));
+        if self.debug.wants_breakpoints() && !self.backend.int3_is_emulation_failure() {
+            if let Err(e) = set_guest_debug(&self.vcpu, self.backend, false) {
+                tracing::error!("vCPU {}: int3 exits unavailable: {e}", self.cpu);
+            }
+        }
         let stats = VcpuStats::open(&self.vcpu)
             .map_err(|e| tracing::debug!("vCPU {}: no KVM statistics: {e}", self.cpu))
             .ok();
@@ -501,6 +548,7 @@ impl VcpuRunner {
                     }
                     IoAction::Event(e) => {
                         self.control.guest_event(e);
+                        self.debug.on_guest_event(cpu, e);
                         Next::Continue
                     }
                     IoAction::GuestExit(status) => Next::Stop(StopReason::GuestExit(status)),
@@ -534,6 +582,8 @@ impl VcpuRunner {
             VcpuExit::Debug(arch) => {
                 if arch.exception == 3 {
                     self.breakpoint(Gva(arch.pc))
+                } else if arch.exception == 1 && self.debug.on_single_step(cpu, &mut self.vcpu) {
+                    Next::Continue
                 } else {
                     Next::Stop(StopReason::VcpuError {
                         cpu,

@@ -240,6 +240,16 @@ impl Vm {
         Arc::clone(&self.control)
     }
 
+    /// The registers, control registers and introspection MSRs of a vCPU that is not
+    /// running (before [`run`](Self::run), e.g. after a restore).
+    pub fn vcpu_state(&self, cpu: usize) -> Result<crate::VcpuState, Error> {
+        let vcpu = self
+            .vcpus
+            .get(cpu)
+            .ok_or_else(|| Error::Config(format!("no vCPU {cpu} (or it is running)")))?;
+        crate::VcpuState::read(vcpu)
+    }
+
     pub fn console_log(&self) -> ConsoleLog {
         self.console_log.clone()
     }

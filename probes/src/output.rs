@@ -1,0 +1,183 @@
+//! Text forms of probe hits and of the probe listing.
+//!
+//! - [`ftrace_line`]: the `trace` file's line for a kprobe event, as Linux 6.x prints it
+//!   (`trace_print_context` in `kernel/trace/trace_output.c`, `print_kprobe_event` /
+//!   `print_kretprobe_event` in `kernel/trace/trace_kprobe.c`, `trace_probe_print_args`
+//!   in `trace_probe.c`) with the `irq-info` and `record-tgid` options off, since the host
+//!   does not know the guest's irq and preemption state at a hit.
+//! - [`json_line`]: one JSON object per hit.
+//! - [`listing_line`]: the debugfs `kprobes/list` line (`report_probe` in
+//!   `kernel/kprobes.c`) plus the hit and miss counters.
+
+use std::fmt::Write as _;
+
+use hvprobe_arch::Gva;
+
+use crate::fetch::ArgValue;
+
+/// One probe hit, ready to print.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HitRecord {
+    /// The current task's name.
+    pub comm: String,
+    pub pid: i32,
+    /// The vCPU that hit.
+    pub cpu: usize,
+    /// Guest trace-clock time of the hit, in nanoseconds.
+    pub timestamp_ns: u64,
+    pub group: String,
+    pub event: String,
+    /// Where the probe is, as `%pS` prints it: `do_sys_open+0x0/0xd6`. For a return probe,
+    /// the probed function (only its name is printed, as the kernel does).
+    pub location: String,
+    /// For a return probe, the return address in the caller, as `%pS` prints it
+    /// (`ksys_read+0x6b/0xf0`); `None` for a kprobe.
+    pub retprobe_caller: Option<String>,
+    /// The fetch-args, in the spec's order.
+    pub args: Vec<(String, ArgValue)>,
+}
+
+/// The hit as a line of ftrace's `trace` file, without the newline:
+///
+/// ```text
+///             bash-1447    [001]   1073.249432: myprobe: (do_sys_open+0x0/0xd6) dfd=0x3
+/// ```
+///
+/// `%16s-%-7d [%03d]  %5lu.%06lu: ` (timestamp rounded to the nearest microsecond, as
+/// `ns2usecs` does), then `EVENT: (LOCATION)` and ` NAME=VALUE` per argument. A return
+/// probe shows `(CALLER_RETURN_SITE <- FUNCTION)`: the kernel prints the return address
+/// with its offset and the probed function by name only, so `location` is cut at its `+`.
+pub fn ftrace_line(hit: &HitRecord) -> String {
+    let micros = (u128::from(hit.timestamp_ns) + 500) / 1000;
+    let (secs, usecs) = (micros / 1_000_000, micros % 1_000_000);
+    let mut line = format!(
+        "{:>16}-{:<7} [{:03}]  {:>5}.{:06}: {}: (",
+        hit.comm, hit.pid, hit.cpu, secs, usecs, hit.event
+    );
+    match &hit.retprobe_caller {
+        Some(caller) => {
+            let function = hit.location.split('+').next().unwrap_or(&hit.location);
+            let _ = write!(line, "{caller} <- {function})");
+        }
+        None => {
+            let _ = write!(line, "{})", hit.location);
+        }
+    }
+    for (name, value) in &hit.args {
+        let _ = write!(line, " {name}={value}");
+    }
+    line
+}
+
+/// The hit as one JSON object, without the newline. Fields, in this order: `comm`, `pid`,
+/// `cpu`, `timestamp_ns`, `group`, `event`, `location`, `retprobe_caller` (`null` for a
+/// kprobe), `args` (an object in the spec's order; values as [`ArgValue::to_json`]).
+pub fn json_line(hit: &HitRecord) -> String {
+    // Written by hand so that the args keep their order whatever serde_json's map is.
+    let s = |v: &str| serde_json::Value::from(v).to_string();
+    let mut line = format!(
+        "{{\"comm\":{},\"pid\":{},\"cpu\":{},\"timestamp_ns\":{},\"group\":{},\"event\":{},\"location\":{},\
+         \"retprobe_caller\":{},\"args\":{{",
+        s(&hit.comm),
+        hit.pid,
+        hit.cpu,
+        hit.timestamp_ns,
+        s(&hit.group),
+        s(&hit.event),
+        s(&hit.location),
+        hit.retprobe_caller.as_deref().map_or_else(|| "null".to_owned(), s),
+    );
+    for (i, (name, value)) in hit.args.iter().enumerate() {
+        if i > 0 {
+            line.push(',');
+        }
+        let _ = write!(line, "{}:{}", s(name), value.to_json());
+    }
+    line.push_str("}}");
+    line
+}
+
+/// The kind column of the listing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ListKind {
+    /// `k`
+    Kprobe,
+    /// `r`
+    Kretprobe,
+}
+
+impl ListKind {
+    /// The letter the kernel prints.
+    pub const fn letter(self) -> char {
+        match self {
+            ListKind::Kprobe => 'k',
+            ListKind::Kretprobe => 'r',
+        }
+    }
+}
+
+/// One registered probe, for the listing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListEntry {
+    pub address: Gva,
+    pub kind: ListKind,
+    /// `sym+0xoff`, as the kernel prints it (`%s+0x%x`).
+    pub location: String,
+    pub disabled: bool,
+    /// On an address that is no longer valid.
+    pub gone: bool,
+    pub ftrace: bool,
+    pub optimized: bool,
+    pub hits: u64,
+    pub nmissed: u64,
+}
+
+/// The debugfs `kprobes/list` line, without the newline, exactly as `report_probe` prints
+/// it for a probe outside modules: `%px  %s  %s+0x%x  %s ` (the module column is a blank)
+/// then the flags, unseparated, in the kernel's order `[GONE]`, `[DISABLED]` (not shown
+/// when gone), `[OPTIMIZED]`, `[FTRACE]`:
+///
+/// ```text
+/// ffffffff81234560  k  do_sys_open+0x0    [DISABLED]
+/// ```
+pub fn kernel_listing_line(entry: &ListEntry) -> String {
+    let mut line = format!(
+        "{:016x}  {}  {}    ",
+        entry.address.0,
+        entry.kind.letter(),
+        entry.location
+    );
+    if entry.gone {
+        line.push_str("[GONE]");
+    }
+    if entry.disabled && !entry.gone {
+        line.push_str("[DISABLED]");
+    }
+    if entry.optimized {
+        line.push_str("[OPTIMIZED]");
+    }
+    if entry.ftrace {
+        line.push_str("[FTRACE]");
+    }
+    line
+}
+
+/// [`kernel_listing_line`] with two columns the kernel does not have appended (its
+/// counters are in `kprobe_profile` instead): `hits=N nmissed=M`, separated from the flags
+/// by a space (the kernel's line already ends in spaces when there are no flags):
+///
+/// ```text
+/// ffffffff81234560  k  do_sys_open+0x0    [DISABLED] hits=3 nmissed=0
+/// ffffffff81234560  r  do_sys_open+0x0    hits=3 nmissed=0
+/// ```
+pub fn listing_line(entry: &ListEntry) -> String {
+    let mut line = kernel_listing_line(entry);
+    if !line.ends_with(' ') {
+        line.push(' ');
+    }
+    let _ = write!(line, "hits={} nmissed={}", entry.hits, entry.nmissed);
+    line
+}
+
+#[cfg(test)]
+mod tests;

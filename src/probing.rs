@@ -1,0 +1,291 @@
+//! The glue between the probe engine (`hvprobe-probes`) and the VMM: the engine's view of a
+//! live guest (memory, pausing, the vCPU at a hit) and the VMM's debug handler that hands
+//! int3 and single-step exits to the engine.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use hvprobe_arch::paging::{translate, PagingMode, WalkError};
+use hvprobe_arch::{Gpa, Gva};
+use hvprobe_introspection::memory::{GuestVirtRead, MemoryError, PagedGuestMemory};
+use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_introspection::task::TaskInfo;
+use hvprobe_probes::engine::{BreakpointOutcome, OutOfLineArea, StepOutcome, Tracer};
+use hvprobe_probes::machine::{KernelMemory, Machine, Vcpu};
+use hvprobe_probes::regs::Regs;
+use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
+use hvprobe_vmm::{
+    set_guest_debug, Backend, BreakpointDisposition, DebugHandler, GuestEvent, VcpuControl, VcpuState,
+};
+use kvm_ioctls::VcpuFd;
+use vm_memory::GuestMemoryMmap;
+
+use crate::introspect::{live_memory, GuestPhys, TaskContext};
+
+/// Guest kernel memory through one set of page tables (the kernel half is the same in
+/// all of them).
+pub struct LiveKernel(pub PagedGuestMemory<GuestPhys>);
+
+impl GuestVirtRead for LiveKernel {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
+        self.0.read_virt(gva, buf)
+    }
+}
+
+impl KernelMemory for LiveKernel {
+    fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
+        self.0.write_virt(gva, bytes)
+    }
+}
+
+/// A VM as the probe engine changes it.
+pub struct VmMachine {
+    control: Arc<VcpuControl>,
+    kernel: LiveKernel,
+}
+
+impl VmMachine {
+    /// `state` is any vCPU's state with the guest kernel's paging set up (its CR3 and
+    /// paging mode are used for kernel addresses).
+    pub fn new(control: Arc<VcpuControl>, mem: &GuestMemoryMmap, state: &VcpuState) -> Self {
+        VmMachine {
+            control,
+            kernel: LiveKernel(live_memory(mem, state)),
+        }
+    }
+}
+
+impl Machine for VmMachine {
+    fn kernel(&self) -> &dyn KernelMemory {
+        &self.kernel
+    }
+
+    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn KernelMemory)) {
+        let _paused = self.control.pause_all();
+        edit(&self.kernel);
+    }
+}
+
+/// The highest address of the kernel image mapping (`level2_kernel_pgt` covers 1 GiB from
+/// `__START_KERNEL_map`); the module area starts here when KASLR is configured.
+const KERNEL_IMAGE_MAP_END: u64 = 0xffff_ffff_c000_0000;
+/// Where modules start without `CONFIG_RANDOMIZE_BASE` (a 512 MiB kernel image).
+const MODULES_START_WITHOUT_KASLR: u64 = 0xffff_ffff_a000_0000;
+const TWO_MIB: u64 = 2 << 20;
+/// A 2 MiB kernel page: present, writable, accessed, dirty, large, global; executable and
+/// supervisor-only.
+const OOL_PMD_FLAGS: u64 = 0x1 | 0x2 | 0x20 | 0x40 | 0x80 | 0x100;
+
+/// Maps the VMM's out-of-line area into the guest kernel's page tables, in a free 2 MiB
+/// slot of the kernel image mapping after the kernel's end (within ±2 GiB of all kernel
+/// text, below the module area). Returns the area's guest-virtual address. Idempotent: an
+/// area already mapped (a restored snapshot of a traced guest) is found again.
+pub fn map_out_of_line_area(
+    phys: &GuestPhys,
+    cr3: u64,
+    mode: PagingMode,
+    symbols: &SymbolTable,
+) -> Result<OutOfLineArea, String> {
+    let end = symbols
+        .lookup("_end")
+        .ok_or("the kernel has no _end symbol: cannot place the out-of-line area")?
+        .addr
+        .0;
+    let limit = if end < MODULES_START_WITHOUT_KASLR {
+        MODULES_START_WITHOUT_KASLR
+    } else {
+        KERNEL_IMAGE_MAP_END
+    };
+    // One free 2 MiB page between the kernel and us, so that nothing the kernel maps just
+    // past its end is mistaken for free.
+    let mut va = (end + TWO_MIB - 1) / TWO_MIB * TWO_MIB + TWO_MIB;
+    while va + TWO_MIB <= limit {
+        match translate(phys, cr3, mode, Gva(va)) {
+            Ok(t) if t.gpa == OOL_AREA_START => {
+                return Ok(OutOfLineArea {
+                    start: Gva(va),
+                    size: OOL_AREA_SIZE,
+                })
+            }
+            Ok(_) => {}
+            Err(WalkError::NotPresent {
+                level: 2, entry_gpa, ..
+            }) => {
+                let entry = OOL_AREA_START.0 | OOL_PMD_FLAGS;
+                hvprobe_arch::paging::PhysWrite::write_phys(phys, entry_gpa, &entry.to_le_bytes())?;
+                return Ok(OutOfLineArea {
+                    start: Gva(va),
+                    size: OOL_AREA_SIZE,
+                });
+            }
+            Err(_) => {}
+        }
+        va += TWO_MIB;
+    }
+    Err(format!(
+        "no free 2 MiB slot in the kernel image mapping between {:#x} and {limit:#x}",
+        end
+    ))
+}
+
+/// The out-of-line area's guest-physical start (for tests and diagnostics).
+pub const fn out_of_line_gpa() -> Gpa {
+    OOL_AREA_START
+}
+
+/// The vCPU at a hit.
+struct HitVcpu<'a> {
+    vcpu: &'a mut VcpuFd,
+    backend: Backend,
+    mem: &'a GuestMemoryMmap,
+    tasks: Option<&'a TaskContext>,
+}
+
+impl HitVcpu<'_> {
+    fn state(&self) -> Option<VcpuState> {
+        VcpuState::read(self.vcpu).ok()
+    }
+}
+
+impl Vcpu for HitVcpu<'_> {
+    fn regs(&mut self) -> Result<Regs, String> {
+        let r = self.vcpu.get_regs().map_err(|e| format!("KVM_GET_REGS: {e}"))?;
+        Ok(Regs {
+            r15: r.r15,
+            r14: r.r14,
+            r13: r.r13,
+            r12: r.r12,
+            rbp: r.rbp,
+            rbx: r.rbx,
+            r11: r.r11,
+            r10: r.r10,
+            r9: r.r9,
+            r8: r.r8,
+            rax: r.rax,
+            rcx: r.rcx,
+            rdx: r.rdx,
+            rsi: r.rsi,
+            rdi: r.rdi,
+            rip: r.rip,
+            // A probe hit is in kernel mode: the kernel's flat segments (__KERNEL_CS,
+            // __KERNEL_DS), without a second ioctl per hit for the segment registers.
+            cs: 0x10,
+            rflags: r.rflags,
+            rsp: r.rsp,
+            ss: 0x18,
+        })
+    }
+
+    fn set_regs(&mut self, regs: &Regs) -> Result<(), String> {
+        let mut r = self.vcpu.get_regs().map_err(|e| format!("KVM_GET_REGS: {e}"))?;
+        r.r15 = regs.r15;
+        r.r14 = regs.r14;
+        r.r13 = regs.r13;
+        r.r12 = regs.r12;
+        r.rbp = regs.rbp;
+        r.rbx = regs.rbx;
+        r.r11 = regs.r11;
+        r.r10 = regs.r10;
+        r.r9 = regs.r9;
+        r.r8 = regs.r8;
+        r.rax = regs.rax;
+        r.rcx = regs.rcx;
+        r.rdx = regs.rdx;
+        r.rsi = regs.rsi;
+        r.rdi = regs.rdi;
+        r.rip = regs.rip;
+        r.rflags = regs.rflags;
+        r.rsp = regs.rsp;
+        self.vcpu.set_regs(&r).map_err(|e| format!("KVM_SET_REGS: {e}"))
+    }
+
+    fn set_single_step(&mut self, on: bool) -> Result<(), String> {
+        set_guest_debug(self.vcpu, self.backend, on).map_err(|e| e.to_string())
+    }
+
+    fn current_task(&mut self) -> Option<TaskInfo> {
+        let tasks = self.tasks?;
+        let state = self.state()?;
+        tasks.current(&live_memory(self.mem, &state), &state).ok()
+    }
+
+    fn user_memory(&mut self) -> Option<Box<dyn GuestVirtRead + '_>> {
+        let state = self.state()?;
+        Some(Box::new(live_memory(self.mem, &state)))
+    }
+}
+
+/// Hands the VMM's debug exits to a [`Tracer`] once there is one (before, every int3 is
+/// the guest's), and runs a hook when the guest reaches `/init`.
+pub struct ProbeHandler {
+    backend: Backend,
+    mem: GuestMemoryMmap,
+    tracer: OnceLock<Arc<Tracer>>,
+    tasks: OnceLock<TaskContext>,
+    on_init: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl ProbeHandler {
+    pub fn new(backend: Backend, mem: GuestMemoryMmap) -> Arc<Self> {
+        Arc::new(ProbeHandler {
+            backend,
+            mem,
+            tracer: OnceLock::new(),
+            tasks: OnceLock::new(),
+            on_init: Mutex::new(None),
+        })
+    }
+
+    /// Starts handing hits to `tracer` (once; later calls are ignored).
+    pub fn attach(&self, tracer: Arc<Tracer>, tasks: Option<TaskContext>) {
+        if let Some(t) = tasks {
+            let _ = self.tasks.set(t);
+        }
+        let _ = self.tracer.set(tracer);
+    }
+
+    pub fn tracer(&self) -> Option<&Arc<Tracer>> {
+        self.tracer.get()
+    }
+
+    /// Runs `hook` on the vCPU thread that reports `/init`, before the guest goes on.
+    pub fn on_init(&self, hook: Box<dyn FnOnce() + Send>) {
+        *self.on_init.lock().unwrap_or_else(|e| e.into_inner()) = Some(hook);
+    }
+
+    fn hit_vcpu<'a>(&'a self, vcpu: &'a mut VcpuFd) -> HitVcpu<'a> {
+        HitVcpu {
+            vcpu,
+            backend: self.backend,
+            mem: &self.mem,
+            tasks: self.tasks.get(),
+        }
+    }
+}
+
+impl DebugHandler for ProbeHandler {
+    fn on_breakpoint(&self, cpu: usize, vcpu: &mut VcpuFd, at: Gva) -> BreakpointDisposition {
+        let Some(tracer) = self.tracer.get() else {
+            return BreakpointDisposition::GuestOwned;
+        };
+        match tracer.on_breakpoint(cpu, &mut self.hit_vcpu(vcpu), at) {
+            BreakpointOutcome::Handled => BreakpointDisposition::Handled,
+            BreakpointOutcome::NotOurs | BreakpointOutcome::HandledThenGuest => BreakpointDisposition::GuestOwned,
+        }
+    }
+
+    fn on_single_step(&self, cpu: usize, vcpu: &mut VcpuFd) -> bool {
+        let Some(tracer) = self.tracer.get() else {
+            return false;
+        };
+        tracer.on_single_step(cpu, &mut self.hit_vcpu(vcpu)) == StepOutcome::Handled
+    }
+
+    fn on_guest_event(&self, _cpu: usize, event: GuestEvent) {
+        if event == GuestEvent::InitReached {
+            let hook = self.on_init.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
+    }
+}

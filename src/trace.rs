@@ -1,0 +1,324 @@
+//! `hvprobe run --probes FILE`: the probes of a spec file, armed in a running guest, their
+//! hits printed as they happen and the listing printed at the end (and on SIGUSR1).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use hvprobe_arch::paging::PagingMode;
+use hvprobe_arch::Gva;
+use hvprobe_introspection::facts::{ExceptionTable, KprobeBlacklist};
+use hvprobe_introspection::memory::GuestVirtRead;
+use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_probes::engine::{
+    EventSink, HitEvent, KernelView, KprobeRequest, PatchSites, ProbePoint, Tracer,
+};
+use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
+use hvprobe_probes::spec::{parse_file_numbered, ProbeSpec, Target};
+use hvprobe_vmm::{Backend, VcpuControl, VcpuState};
+use sha2::{Digest, Sha256};
+use vm_memory::GuestMemoryMmap;
+
+use crate::introspect::{live_memory, GuestPhys, TaskContext};
+use crate::probing::{map_out_of_line_area, ProbeHandler, VmMachine};
+
+/// How hits are printed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    /// ftrace's `trace` layout.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Events a slow printer has not taken yet; beyond this, hits count as missed.
+const EVENT_QUEUE: usize = 1 << 16;
+
+/// A probe from the spec file, with its line for error messages.
+struct SpecProbe {
+    line: usize,
+    request: KprobeRequest,
+}
+
+/// The probes of one run and where their output goes.
+pub struct TraceSession {
+    file: PathBuf,
+    probes: Vec<SpecProbe>,
+    pub handler: Arc<ProbeHandler>,
+    sink: Arc<ChannelSink>,
+    printer: Option<JoinHandle<()>>,
+    /// Why arming failed (it happens on a vCPU thread).
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+struct ChannelSink {
+    tx: Mutex<Option<SyncSender<HitEvent>>>,
+}
+
+impl EventSink for ChannelSink {
+    fn try_send(&self, event: HitEvent) -> bool {
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        match tx.as_ref().map(|tx| tx.try_send(event)) {
+            Some(Ok(())) => true,
+            Some(Err(TrySendError::Full(_) | TrySendError::Disconnected(_))) | None => false,
+        }
+    }
+}
+
+/// Reads and checks a spec file: syntax, and what this version supports.
+fn read_spec_file(path: &Path) -> Result<Vec<SpecProbe>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read probe file {}: {e}", path.display()))?;
+    let specs = parse_file_numbered(&text, &path.display().to_string()).map_err(|e| e.to_string())?;
+    let mut probes: Vec<SpecProbe> = Vec::new();
+    for (line, spec) in specs {
+        match spec {
+            ProbeSpec::Kprobe {
+                group,
+                event,
+                target,
+                args,
+            } => {
+                if let Some(other) = probes
+                    .iter()
+                    .find(|p| p.request.group == group && p.request.event == event)
+                {
+                    return Err(format!(
+                        "{}:{line}: event {group}/{event} is already defined on line {}",
+                        path.display(),
+                        other.line
+                    ));
+                }
+                let point = match target {
+                    Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
+                    Target::Address(a) => ProbePoint::Address(a),
+                };
+                probes.push(SpecProbe {
+                    line,
+                    request: KprobeRequest::event(point, &group, &event, args),
+                });
+            }
+            ProbeSpec::Kretprobe { group, event, .. } => {
+                return Err(format!(
+                    "{}:{line}: {group}/{event}: return probes (r) are not supported yet; only kprobes (p) are",
+                    path.display()
+                ))
+            }
+            ProbeSpec::Remove { group, event } => {
+                let before = probes.len();
+                probes.retain(|p| !(p.request.event == event && group.as_ref().is_none_or(|g| *g == p.request.group)));
+                if probes.len() == before {
+                    return Err(format!(
+                        "{}:{line}: -:{}{event}: no such event defined above",
+                        path.display(),
+                        group.map(|g| format!("{g}/")).unwrap_or_default()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(probes)
+}
+
+impl TraceSession {
+    /// Parses the probe file and starts the printer. Nothing touches the guest yet.
+    pub fn new(
+        probes_file: &Path,
+        format: OutputFormat,
+        backend: Backend,
+        mem: GuestMemoryMmap,
+    ) -> Result<TraceSession, String> {
+        let probes = read_spec_file(probes_file)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
+        let printer = std::thread::Builder::new()
+            .name("trace-printer".into())
+            .spawn(move || print_events(rx, format))
+            .map_err(|e| format!("cannot start the trace printer: {e}"))?;
+        Ok(TraceSession {
+            file: probes_file.to_path_buf(),
+            probes,
+            handler: ProbeHandler::new(backend, mem),
+            sink: Arc::new(ChannelSink {
+                tx: Mutex::new(Some(tx)),
+            }),
+            printer: Some(printer),
+            failure: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// Once the kernel is up (vCPUs paused, `state` one of theirs): reads the kernel facts
+    /// the engine checks probes against, maps the out-of-line area and attaches a tracer.
+    /// Checks that every probe's symbol exists, so a typo fails before the guest goes on.
+    pub fn prepare(
+        &self,
+        control: Arc<VcpuControl>,
+        mem: &GuestMemoryMmap,
+        state: &VcpuState,
+        symbols: &SymbolTable,
+        tasks: Option<TaskContext>,
+    ) -> Result<(), String> {
+        for p in &self.probes {
+            if let ProbePoint::Symbol { name, .. } = &p.request.point {
+                if symbols.lookup(name).is_none() {
+                    return Err(format!(
+                        "{}:{}: unknown symbol {name:?} in the running kernel",
+                        self.file.display(),
+                        p.line
+                    ));
+                }
+            }
+        }
+        let memory = live_memory(mem, state);
+        let blacklist = KprobeBlacklist::read(&memory, symbols).map_err(|e| e.to_string())?;
+        let ex_table = ExceptionTable::read(&memory, symbols).map_err(|e| e.to_string())?;
+        let patch_sites = PatchSites::read(&memory, symbols).map_err(|e| e.to_string())?;
+        let ool = map_out_of_line_area(
+            &GuestPhys(mem.clone()),
+            state.sregs.cr3,
+            PagingMode::from_cr4(state.sregs.cr4),
+            symbols,
+        )?;
+        tracing::info!(
+            "probe engine: {} blacklisted functions, {} exception-table entries, {} patch sites, out-of-line area at {}",
+            blacklist.symbols().len(),
+            ex_table.len(),
+            patch_sites.len(),
+            ool.start
+        );
+        let view = KernelView {
+            symbols: Arc::new(symbols.clone()),
+            blacklist,
+            ex_table,
+            patch_sites,
+        };
+        let machine = Arc::new(VmMachine::new(control, mem, state));
+        let sink: Arc<dyn EventSink> = self.sink.clone();
+        let tracer = Arc::new(Tracer::new(machine, view, Some(ool), Some(sink)));
+        self.handler.attach(tracer, tasks);
+        Ok(())
+    }
+
+    /// Registers and arms every probe (all or none). Call with the guest where probes
+    /// should start counting (at `/init`, or before a restored guest runs).
+    pub fn arm(&self) -> Result<(), String> {
+        let tracer = self.handler.tracer().ok_or("the probe engine is not attached")?;
+        let requests = self.probes.iter().map(|p| p.request.clone()).collect();
+        tracer.register_all(requests).map_err(|(i, e)| {
+            let p = &self.probes[i];
+            format!("{}:{}: {}/{}: {e}", self.file.display(), p.line, p.request.group, p.request.event)
+        })?;
+        tracing::info!("{} probe(s) armed", self.probes.len());
+        Ok(())
+    }
+
+    /// Arms the probes on the vCPU thread that reports `/init`; a failure stops the VM.
+    pub fn arm_at_init(self: &Arc<Self>, control: Arc<VcpuControl>) {
+        let session = Arc::clone(self);
+        self.handler.on_init(Box::new(move || {
+            if let Err(e) = session.arm() {
+                *session.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                control.stop(hvprobe_vmm::StopReason::Stopped);
+            }
+        }));
+    }
+
+    /// Why arming failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The listing: one line per probe, the debugfs `list` layout plus hits and nmissed.
+    pub fn listing(&self) -> String {
+        let Some(tracer) = self.handler.tracer() else {
+            return String::new();
+        };
+        tracer.check_gone();
+        tracer
+            .listing()
+            .iter()
+            .map(|e| format!("{}\n", listing_line(e)))
+            .collect()
+    }
+
+    /// After the run: waits for the printer, prints the listing and removes every probe
+    /// (the guest's text is as before). Returns the engine's counters as a summary line.
+    pub fn finish(&mut self) -> Option<String> {
+        let tracer = self.handler.tracer()?.clone();
+        *self.sink.tx.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        if let Some(printer) = self.printer.take() {
+            let _ = printer.join();
+        }
+        eprint!("{}", self.listing());
+        tracer.unregister_all();
+        let s = &tracer.stats;
+        use std::sync::atomic::Ordering::Relaxed;
+        Some(format!(
+            "probe hits {} (emulated {}, stepped out of line {}, skipped by a handler {}, shared with a guest int3 {})",
+            s.hits.load(Relaxed),
+            s.emulated.load(Relaxed),
+            s.stepped.load(Relaxed),
+            s.skipped.load(Relaxed),
+            s.shared_with_guest.load(Relaxed)
+        ))
+    }
+
+    /// Prints the listing on SIGUSR1 while the run lasts.
+    pub fn listing_on_sigusr1(self: &Arc<Self>) -> Result<(), String> {
+        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR1])
+            .map_err(|e| format!("cannot watch SIGUSR1: {e}"))?;
+        let session = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("listing-on-sigusr1".into())
+            .spawn(move || {
+                for _ in signals.forever() {
+                    match session.upgrade() {
+                        Some(s) => eprint!("{}", s.listing()),
+                        None => return,
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot watch SIGUSR1: {e}"))?;
+        Ok(())
+    }
+}
+
+fn print_events(rx: Receiver<HitEvent>, format: OutputFormat) {
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        while let Some(event) = next {
+            let line = match format {
+                OutputFormat::Text => ftrace_line(&event.record),
+                OutputFormat::Json => json_line(&event.record),
+            };
+            if writeln!(out, "{line}").is_err() {
+                return;
+            }
+            next = rx.try_recv().ok();
+        }
+        let _ = out.flush();
+    }
+    let _ = out.flush();
+}
+
+/// SHA-256 of the kernel's text (`_stext`..`_etext`) in guest memory.
+pub fn kernel_text_hash(mem: &(impl GuestVirtRead + ?Sized), symbols: &SymbolTable) -> Result<String, String> {
+    let range = hvprobe_probes::engine::text_range(symbols).ok_or("the kernel has no _stext/_etext symbols")?;
+    let mut hasher = Sha256::new();
+    let mut page = vec![0u8; 4096];
+    let mut at = range.start.0;
+    while at < range.end.0 {
+        let n = (range.end.0 - at).min(4096) as usize;
+        mem.read_virt(Gva(at), &mut page[..n]).map_err(|e| e.to_string())?;
+        hasher.update(&page[..n]);
+        at += n as u64;
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
