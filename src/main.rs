@@ -8,7 +8,10 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use hvprobe::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
 use hvprobe::introspect::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
-use hvprobe::vmm::{kernel_format, ConsoleOutput, KernelFormat, NoProbes, StopReason, VcpuControl, Vm, VmConfig};
+use hvprobe::trace::{OutputFormat, TraceSession};
+use hvprobe::vmm::{
+    kernel_format, ConsoleOutput, DebugHandler, KernelFormat, NoProbes, StopReason, VcpuControl, VcpuState, Vm, VmConfig,
+};
 use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
 
 #[derive(Parser)]
@@ -78,9 +81,21 @@ struct RunArgs {
     /// functions at exit.
     #[arg(long, value_name = "MS")]
     sample_ms: Option<u64>,
+    /// Probes to arm, in the kernel's kprobe_events syntax (one per line: `p[:[GRP/]EVENT]
+    /// SYM[+OFFS]|ADDR [FETCHARGS]`, `-:[GRP/]EVENT`, `#` comments). A booted guest gets
+    /// them when it reaches /init; a restored one before it runs. Hits are printed on stdout,
+    /// the listing (debugfs `list` layout, plus hits and nmissed) on stderr at exit and on SIGUSR1.
+    #[arg(long, value_name = "FILE")]
+    probes: Option<PathBuf>,
+    /// How hits are printed.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text, requires = "probes")]
+    output: OutputFormat,
+    /// At exit (after every probe is removed), print the SHA-256 of the guest kernel's text.
+    #[arg(long)]
+    text_hash: bool,
     /// Restore the guest from a snapshot directory (`hvprobe snapshot create`) instead of
     /// booting; needs --workload, and --cpus equal to the snapshot's.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "kaslr", "resolve", "sample_ms"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "kaslr", "resolve", "sample_ms", "symbol_sources"])]
     snapshot: Option<PathBuf>,
 }
 
@@ -155,7 +170,12 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 
 fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(dir) = &args.snapshot {
-        return hvprobe::snapshot::run_restored(dir, args.cpus, args.workload.as_deref());
+        let trace = hvprobe::snapshot::RestoreTrace {
+            probes: args.probes.clone(),
+            output: args.output,
+            text_hash: args.text_hash,
+        };
+        return hvprobe::snapshot::run_restored(dir, args.cpus, args.workload.as_deref(), &trace);
     }
     // Check what needs no guest build first, so bad input fails fast.
     VmConfig::validate_machine(args.cpus, args.mem)?;
@@ -209,15 +229,36 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let vm = Vm::new(&config)?;
     let console = vm.console_log();
+    let session = match &args.probes {
+        Some(file) => Some(Arc::new(TraceSession::new(
+            file,
+            args.output,
+            vm.backend(),
+            vm.memory().clone(),
+        )?)),
+        None => None,
+    };
+    if let Some(s) = &session {
+        s.listing_on_sigusr1()?;
+    }
     let tasks = Arc::new(OnceLock::new());
+    let kernel_state = Arc::new(OnceLock::new());
     let introspection = {
-        let (control, mem, resolve, tasks) = (
+        let (control, mem, resolve, tasks, session, kernel_state) = (
             vm.control(),
             vm.memory().clone(),
             args.resolve.clone(),
             Arc::clone(&tasks),
+            session.clone(),
+            Arc::clone(&kernel_state),
         );
-        std::thread::spawn(move || introspect_when_up(&control, &mem, &sources, &resolve, &tasks))
+        std::thread::spawn(move || {
+            let found = Introspected {
+                tasks: &tasks,
+                kernel_state: &kernel_state,
+            };
+            introspect_when_up(&control, &mem, &sources, &resolve, session.as_ref(), found)
+        })
     };
     let sampler = args.sample_ms.map(|ms| {
         hvprobe::sampler::Sampler::start(
@@ -227,8 +268,33 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             tasks,
         )
     });
-    let outcome = vm.run(Arc::new(NoProbes))?;
+    let mem = vm.memory().clone();
+    let handler: Arc<dyn DebugHandler> = match &session {
+        Some(s) => s.handler.clone(),
+        None => Arc::new(NoProbes),
+    };
+    let outcome = vm.run(handler)?;
     let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
+    let mut session = session.map(|s| Arc::try_unwrap(s).map_err(|_| "the trace session is still in use"));
+    if let Some(Ok(s)) = session.as_mut() {
+        if let Some(summary) = s.finish() {
+            eprintln!("hvprobe: {summary}");
+        }
+    }
+    if let (true, Ok(kernels), Some(state)) = (args.text_hash, &introspection, kernel_state.get()) {
+        if let Some(kernel) = kernels.first() {
+            let memory = hvprobe::probing::kernel_memory(&mem, state, &kernel.table);
+            match hvprobe::trace::kernel_text_hash(&memory, &kernel.table) {
+                Ok(hash) => eprintln!("hvprobe: kernel text sha256 {hash}"),
+                Err(e) => eprintln!("hvprobe: error: cannot hash the kernel text: {e}"),
+            }
+        }
+    }
+    let arming_failed = match session {
+        Some(Ok(s)) => s.failure(),
+        Some(Err(e)) => Some(e.to_string()),
+        None => None,
+    };
     if let Some(sampler) = sampler {
         let samples = sampler.finish();
         match introspection.as_ref().ok().and_then(|k| k.first()) {
@@ -272,6 +338,10 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             true
         }
     };
+    if let Some(e) = arming_failed {
+        eprintln!("hvprobe: error: {e}");
+        return Ok(ExitCode::FAILURE);
+    }
     if introspection_failed {
         return Ok(ExitCode::FAILURE);
     }
@@ -357,16 +427,25 @@ enum IntrospectionFailure {
 
 /// Once the guest kernel is up: loads symbols from every source (checking file-based ones
 /// against guest memory) and prints the `--resolve` answers. A failure stops the VM.
+/// What the introspection thread found, for the rest of the run.
+struct Introspected<'a> {
+    tasks: &'a OnceLock<TaskContext>,
+    /// vCPU 0's state once the kernel was up (its paging reaches the kernel's own tables).
+    kernel_state: &'a OnceLock<VcpuState>,
+}
+
 fn introspect_when_up(
     control: &Arc<VcpuControl>,
     mem: &vm_memory::GuestMemoryMmap,
     sources: &[SymbolsFrom],
     resolve: &[String],
-    tasks: &OnceLock<TaskContext>,
+    session: Option<&Arc<TraceSession>>,
+    found: Introspected,
 ) -> Result<Vec<KernelSymbols>, IntrospectionFailure> {
     let (paused, state) =
         wait_for_kernel(control, mem, Duration::from_millis(100)).ok_or(IntrospectionFailure::NotUp)?;
     let memory = live_memory(mem, &state);
+    let _ = found.kernel_state.set(state);
     let mut kernels = Vec::new();
     let mut failure = None;
     for from in sources {
@@ -393,10 +472,31 @@ fn introspect_when_up(
     if let Some(kernel) = kernels.first() {
         match TaskContext::read(&memory, &kernel.table) {
             Ok(ctx) => {
-                let _ = tasks.set(ctx);
+                let _ = found.tasks.set(ctx);
             }
             Err(reason) => tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"),
         }
+    }
+    if let (Some(session), Some(kernel), None) = (session, kernels.first(), &failure) {
+        let prepared = session.prepare(
+            Arc::clone(control),
+            mem,
+            &state,
+            &kernel.table,
+            found.tasks.get().copied(),
+        );
+        match prepared {
+            // Probes go in when the guest's boot-time text patching is over.
+            Ok(()) if control.boot_to_init().is_some() => {
+                if let Err(e) = session.arm() {
+                    failure = Some(e);
+                }
+            }
+            Ok(()) => session.arm_at_init(Arc::clone(control)),
+            Err(e) => failure = Some(e),
+        }
+    } else if session.is_some() && kernels.is_empty() && failure.is_none() {
+        failure = Some("no kernel symbols: the probes cannot be placed".into());
     }
     drop(paused);
     match failure {

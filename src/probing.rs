@@ -44,14 +44,22 @@ pub struct VmMachine {
 }
 
 impl VmMachine {
-    /// `state` is any vCPU's state with the guest kernel's paging set up (its CR3 and
-    /// paging mode are used for kernel addresses).
-    pub fn new(control: Arc<VcpuControl>, mem: &GuestMemoryMmap, state: &VcpuState) -> Self {
-        VmMachine {
-            control,
-            kernel: LiveKernel(live_memory(mem, state)),
-        }
+    pub fn new(control: Arc<VcpuControl>, kernel: LiveKernel) -> Self {
+        VmMachine { control, kernel }
     }
+}
+
+/// Guest kernel memory through the kernel's own top-level page table (`init_top_pgt`),
+/// found through `state`'s (any vCPU's, with the kernel's paging set up). Unlike the page
+/// tables of the process a vCPU happened to run, the kernel's live as long as the kernel.
+pub fn kernel_memory(mem: &GuestMemoryMmap, state: &VcpuState, symbols: &SymbolTable) -> LiveKernel {
+    let current = live_memory(mem, state);
+    let mode = PagingMode::from_cr4(state.sregs.cr4);
+    let own = symbols
+        .lookup("init_top_pgt")
+        .and_then(|s| current.translate(s.addr).ok())
+        .map(|t| PagedGuestMemory::new(GuestPhys(mem.clone()), t.gpa.0, mode));
+    LiveKernel(own.unwrap_or(current))
 }
 
 impl Machine for VmMachine {

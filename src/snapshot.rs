@@ -14,9 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
-use hvprobe_vmm::{ConsoleLog, ConsoleOutput, NoProbes, StopReason, Vm, VmConfig, VmOutcome};
+use hvprobe_vmm::{ConsoleLog, ConsoleOutput, DebugHandler, NoProbes, StopReason, Vm, VmConfig, VmOutcome};
 
 use crate::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
+use crate::introspect::{live_memory, load_symbols, SymbolsFrom, TaskContext};
+use crate::probing::kernel_memory;
+use crate::trace::{kernel_text_hash, OutputFormat, TraceSession};
 
 /// The kernel command-line option that puts the bundled init in wait mode.
 pub const WAIT_OPTION: &str = "hvprobe.wait";
@@ -180,18 +183,64 @@ struct Restored {
     total: Duration,
 }
 
+/// Probes and checks for a restored guest.
+#[derive(Clone, Debug, Default)]
+pub struct RestoreTrace {
+    pub probes: Option<PathBuf>,
+    pub output: OutputFormat,
+    /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
+    pub text_hash: bool,
+}
+
 fn restore_and_run(
     dir: &Path,
     cpus: u8,
     workload: &str,
     console_output: ConsoleOutput,
+    trace: &RestoreTrace,
 ) -> Result<Restored, Box<dyn std::error::Error>> {
     let started = Instant::now();
     let mut vm = Vm::restore(dir, Some(cpus), console_output)?;
+    // The restored guest's own kallsyms name its symbols: no file has to match it.
+    let kernel = if trace.probes.is_some() || trace.text_hash {
+        let state = vm.vcpu_state(0)?;
+        let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?;
+        Some((state, symbols.table))
+    } else {
+        None
+    };
+    let session = match (&trace.probes, &kernel) {
+        (Some(file), Some((state, symbols))) => {
+            let session = Arc::new(TraceSession::new(file, trace.output, vm.backend(), vm.memory().clone())?);
+            let tasks = TaskContext::read(&live_memory(vm.memory(), state), symbols)
+                .map_err(|reason| tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"))
+                .ok();
+            session.prepare(vm.control(), vm.memory(), state, symbols, tasks)?;
+            session.arm()?;
+            session.listing_on_sigusr1()?;
+            Some(session)
+        }
+        _ => None,
+    };
     vm.send_console_input(workload_message(workload));
     let console = vm.console_log();
     let control = vm.control();
-    let outcome = vm.run(Arc::new(NoProbes))?;
+    let mem = vm.memory().clone();
+    let handler: Arc<dyn DebugHandler> = match &session {
+        Some(s) => s.handler.clone(),
+        None => Arc::new(NoProbes),
+    };
+    let outcome = vm.run(handler)?;
+    if let Some(session) = session {
+        let mut session = Arc::try_unwrap(session).map_err(|_| "the trace session is still in use")?;
+        if let Some(summary) = session.finish() {
+            eprintln!("hvprobe: {summary}");
+        }
+    }
+    if let (true, Some((state, symbols))) = (trace.text_hash, &kernel) {
+        let hash = kernel_text_hash(&kernel_memory(&mem, state, symbols), symbols)?;
+        eprintln!("hvprobe: kernel text sha256 {hash}");
+    }
     Ok(Restored {
         outcome,
         console,
@@ -202,9 +251,9 @@ fn restore_and_run(
 }
 
 /// `hvprobe run --snapshot DIR`: restore, run the workload, exit with its status.
-pub fn run_restored(dir: &Path, cpus: u8, workload: Option<&str>) -> CliResult {
+pub fn run_restored(dir: &Path, cpus: u8, workload: Option<&str>, trace: &RestoreTrace) -> CliResult {
     let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
-    let r = restore_and_run(dir, cpus, workload, ConsoleOutput::Stdout)?;
+    let r = restore_and_run(dir, cpus, workload, ConsoleOutput::Stdout, trace)?;
     eprintln!(
         "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits, {} instructions emulated",
         r.outcome.reason,
@@ -258,7 +307,7 @@ fn bench_with(config: &VmConfig, dir: &Path, args: &BenchArgs) -> CliResult {
     let mut first = Vec::new();
     let mut started = Vec::new();
     for i in 0..args.runs {
-        let r = restore_and_run(dir, args.cpus, "exit 0", ConsoleOutput::Discard)?;
+        let r = restore_and_run(dir, args.cpus, "exit 0", ConsoleOutput::Discard, &RestoreTrace::default())?;
         if r.outcome.reason != StopReason::GuestExit(0) {
             return Err(SnapshotCliError::WorkloadFailed {
                 reason: r.outcome.reason,

@@ -21,8 +21,8 @@ use hvprobe_vmm::{Backend, VcpuControl, VcpuState};
 use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
-use crate::introspect::{live_memory, GuestPhys, TaskContext};
-use crate::probing::{map_out_of_line_area, ProbeHandler, VmMachine};
+use crate::introspect::{GuestPhys, TaskContext};
+use crate::probing::{kernel_memory, map_out_of_line_area, ProbeHandler, VmMachine};
 
 /// How hits are printed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -170,8 +170,8 @@ impl TraceSession {
                 }
             }
         }
-        let memory = live_memory(mem, state);
-        let blacklist = KprobeBlacklist::read(&memory, symbols).map_err(|e| e.to_string())?;
+        let memory = kernel_memory(mem, state, symbols);
+        let blacklist = KprobeBlacklist::read_live(&memory, symbols).map_err(|e| e.to_string())?;
         let ex_table = ExceptionTable::read(&memory, symbols).map_err(|e| e.to_string())?;
         let patch_sites = PatchSites::read(&memory, symbols).map_err(|e| e.to_string())?;
         let ool = map_out_of_line_area(
@@ -193,7 +193,7 @@ impl TraceSession {
             ex_table,
             patch_sites,
         };
-        let machine = Arc::new(VmMachine::new(control, mem, state));
+        let machine = Arc::new(VmMachine::new(control, memory));
         let sink: Arc<dyn EventSink> = self.sink.clone();
         let tracer = Arc::new(Tracer::new(machine, view, Some(ool), Some(sink)));
         self.handler.attach(tracer, tasks);
@@ -284,24 +284,26 @@ impl TraceSession {
     }
 }
 
+/// Prints events as they come, a batch of lines at a time: stdout is shared with the guest's
+/// console, so it is only locked while a batch is written, and lines never interleave.
 fn print_events(rx: Receiver<HitEvent>, format: OutputFormat) {
-    let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut batch = String::new();
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
         while let Some(event) = next {
-            let line = match format {
+            batch.push_str(&match format {
                 OutputFormat::Text => ftrace_line(&event.record),
                 OutputFormat::Json => json_line(&event.record),
-            };
-            if writeln!(out, "{line}").is_err() {
-                return;
-            }
-            next = rx.try_recv().ok();
+            });
+            batch.push('\n');
+            next = if batch.len() < 1 << 16 { rx.try_recv().ok() } else { None };
         }
-        let _ = out.flush();
+        let mut out = std::io::stdout().lock();
+        if out.write_all(batch.as_bytes()).and_then(|()| out.flush()).is_err() {
+            return;
+        }
+        batch.clear();
     }
-    let _ = out.flush();
 }
 
 /// SHA-256 of the kernel's text (`_stext`..`_etext`) in guest memory.

@@ -32,6 +32,8 @@ pub enum FactsError {
     TableTooLarge { what: &'static str, len: u64, max: u64 },
     #[error("reading {what} from guest memory: {source}")]
     Memory { what: &'static str, source: MemoryError },
+    #[error("{0}")]
+    Corrupt(String),
 }
 
 /// No exception table or blacklist array comes near this; a larger one means the symbols
@@ -282,19 +284,62 @@ impl KprobeBlacklist {
             sections,
             suffixed: Vec::new(),
         };
-        // within_kprobe_blacklist(): an address in `foo.cold` is refused when `foo` is.
+        list.suffixed = list.suffixed_parts(syms);
+        Ok(list)
+    }
+
+    /// The blacklist of a running kernel: the `kprobe_blacklist` list it built at boot
+    /// (`struct kprobe_blacklist_entry { list_head; start_addr; end_addr }`). After boot
+    /// this is the only copy: the `_kprobe_blacklist` array that [`read`](Self::read) uses
+    /// lives in init data, which the kernel frees. An empty list (a kernel that has not
+    /// built it yet) falls back to [`read`](Self::read).
+    pub fn read_live<M: GuestVirtRead + ?Sized>(mem: &M, syms: &SymbolTable) -> Result<Self, FactsError> {
+        /// More entries than any kernel has: a corrupt list is not followed forever.
+        const MAX_ENTRIES: usize = 1 << 20;
+        let head = symbol(syms, "kprobe_blacklist")?;
+        let memory = |what: &'static str| move |source| FactsError::Memory { what, source };
+        let mut next = Gva(mem.read_u64(head).map_err(memory("kprobe_blacklist"))?);
+        if next == head || next.0 == 0 {
+            return Self::read(mem, syms);
+        }
+        let mut symbols = Vec::new();
+        while next != head {
+            if symbols.len() == MAX_ENTRIES {
+                return Err(FactsError::Corrupt("the kprobe_blacklist list does not end".into()));
+            }
+            let start = Gva(mem.read_u64(Gva(next.0 + 16)).map_err(memory("kprobe_blacklist entry"))?);
+            let end = Gva(mem.read_u64(Gva(next.0 + 24)).map_err(memory("kprobe_blacklist entry"))?);
+            let name = syms
+                .describe(start)
+                .map(|d| d.symbol.name.clone())
+                .unwrap_or_else(|| start.to_string());
+            symbols.push((start..end, name));
+            next = Gva(mem.read_u64(next).map_err(memory("kprobe_blacklist entry"))?);
+        }
+        symbols.sort_by_key(|(r, _)| r.start);
+        let mut list = KprobeBlacklist {
+            symbols,
+            sections: Vec::new(),
+            suffixed: Vec::new(),
+        };
+        list.suffixed = list.suffixed_parts(syms);
+        Ok(list)
+    }
+
+    /// Compiler-made parts (`foo.cold`, ...) of blacklisted functions: the kernel's
+    /// `within_kprobe_blacklist()` refuses them by their base name.
+    fn suffixed_parts(&self, syms: &SymbolTable) -> Vec<(Range<Gva>, String, String)> {
         let mut suffixed = Vec::new();
         for s in syms.symbols().iter().filter(|s| s.is_text()) {
             let Some((base, _)) = s.name.split_once('.') else {
                 continue;
             };
             let Some(b) = syms.lookup(base) else { continue };
-            if list.direct_reason(b.addr).is_some() {
+            if self.direct_reason(b.addr).is_some() {
                 suffixed.push((symbol_range(syms, s, s.addr), s.name.clone(), base.to_string()));
             }
         }
-        list.suffixed = suffixed;
-        Ok(list)
+        suffixed
     }
 
     fn direct_reason(&self, gva: Gva) -> Option<BlacklistReason> {
