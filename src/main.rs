@@ -314,11 +314,13 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None => "not reached".into(),
     };
     eprintln!(
-        "hvprobe: {}; boot to /init {boot} ({}), ran {:.2} s, {} exits, {} instructions emulated, {} guest int3 re-injected",
+        "hvprobe: {}; boot to /init {boot} ({}), ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
         outcome.reason,
         outcome.kernel_format.map(|f| f.to_string()).unwrap_or_default(),
         outcome.run_time.as_secs_f64(),
         outcome.exits,
+        outcome.breakpoints,
+        outcome.single_steps,
         outcome.instructions_emulated,
         outcome.breakpoints_reinjected
     );

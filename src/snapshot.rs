@@ -255,14 +255,17 @@ pub fn run_restored(dir: &Path, cpus: u8, workload: Option<&str>, trace: &Restor
     let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
     let r = restore_and_run(dir, cpus, workload, ConsoleOutput::Stdout, trace)?;
     eprintln!(
-        "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits, {} instructions emulated",
+        "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
         r.outcome.reason,
         r.to_first_entry
             .map(|t| format!("{:.1} ms", t.as_secs_f64() * 1e3))
             .unwrap_or_else(|| "never".into()),
         r.outcome.run_time.as_secs_f64(),
         r.outcome.exits,
+        r.outcome.breakpoints,
+        r.outcome.single_steps,
         r.outcome.instructions_emulated,
+        r.outcome.breakpoints_reinjected,
     );
     match r.outcome.reason {
         StopReason::GuestExit(status) => Ok(ExitCode::from(status)),

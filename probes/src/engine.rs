@@ -776,6 +776,12 @@ impl Tracer {
                 continue;
             };
             probe.counters.hits.fetch_add(1, Ordering::Relaxed);
+            // A probe moved past an ftrace NOP shows the registers of its own address
+            // (the NOP changes nothing but RIP), as the guest's ftrace-based kprobe would.
+            let moved = probe.address != at;
+            if moved {
+                regs.rip = probe.address.0;
+            }
             if probe.emit_events {
                 let task = task.get_or_insert_with(|| vcpu.current_task());
                 let event = self.hit_event(*id, probe, cpu, &regs, task.as_ref(), vcpu);
@@ -793,6 +799,9 @@ impl Tracer {
                     kernel: kernel as &dyn GuestVirtRead,
                 };
                 action = pre(&mut ctx);
+            }
+            if moved && regs.rip == probe.address.0 {
+                regs.rip = at.0;
             }
             if let Some(post) = &probe.post {
                 posts.push((*id, Arc::clone(post), probe.address));

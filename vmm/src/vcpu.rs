@@ -140,6 +140,8 @@ pub struct ExitCounters {
     pub io_exits: AtomicU64,
     pub breakpoints: AtomicU64,
     pub breakpoints_reinjected: AtomicU64,
+    /// Single-step traps a debug handler took (out-of-line steps of probed instructions).
+    pub single_steps: AtomicU64,
     /// Guest instructions KVM emulated (KVM's `insn_emulation` statistic; on kvm_pvm every
     /// guest kernel instruction), summed over vCPUs when they stop.
     pub instructions_emulated: AtomicU64,
@@ -583,6 +585,7 @@ impl VcpuRunner {
                 if arch.exception == 3 {
                     self.breakpoint(Gva(arch.pc))
                 } else if arch.exception == 1 && self.debug.on_single_step(cpu, &mut self.vcpu) {
+                    self.control.counters.single_steps.fetch_add(1, Ordering::Relaxed);
                     Next::Continue
                 } else {
                     Next::Stop(StopReason::VcpuError {

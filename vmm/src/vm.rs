@@ -92,6 +92,10 @@ pub struct VmOutcome {
     pub run_time: Duration,
     pub exits: u64,
     pub breakpoints_reinjected: u64,
+    /// int3 exits, the guest's and ours.
+    pub breakpoints: u64,
+    /// Single-step exits a debug handler took.
+    pub single_steps: u64,
     /// Guest instructions KVM emulated (on kvm_pvm: all guest kernel instructions).
     pub instructions_emulated: u64,
     /// `None` for a code blob.
@@ -338,6 +342,8 @@ impl Vm {
             breakpoints_reinjected: counters
                 .breakpoints_reinjected
                 .load(std::sync::atomic::Ordering::Relaxed),
+            breakpoints: counters.breakpoints.load(std::sync::atomic::Ordering::Relaxed),
+            single_steps: counters.single_steps.load(std::sync::atomic::Ordering::Relaxed),
             instructions_emulated: counters
                 .instructions_emulated
                 .load(std::sync::atomic::Ordering::Relaxed),
