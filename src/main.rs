@@ -10,7 +10,8 @@ use hvprobe::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
 use hvprobe::introspect::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
 use hvprobe::trace::{OutputFormat, TraceSession};
 use hvprobe::vmm::{
-    kernel_format, ConsoleOutput, DebugHandler, KernelFormat, NoProbes, StopReason, VcpuControl, VcpuState, Vm, VmConfig,
+    kernel_format, ConsoleOutput, DebugHandler, KernelFormat, NoProbes, StopReason, VcpuControl, VcpuState, Vm,
+    VmConfig,
 };
 use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
 

@@ -6,16 +6,17 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use hvprobe_arch::paging::{translate, PagingMode, WalkError};
 use hvprobe_arch::{Gpa, Gva};
+use hvprobe_introspection::facts::{ExceptionTable, KprobeBlacklist};
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError, PagedGuestMemory};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_introspection::task::TaskInfo;
-use hvprobe_probes::engine::{BreakpointOutcome, OutOfLineArea, StepOutcome, Tracer};
+use hvprobe_probes::engine::{
+    BreakpointOutcome, EventSink, KernelView, OutOfLineArea, PatchSites, StepOutcome, Tracer,
+};
 use hvprobe_probes::machine::{KernelMemory, Machine, Vcpu};
 use hvprobe_probes::regs::Regs;
 use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
-use hvprobe_vmm::{
-    set_guest_debug, Backend, BreakpointDisposition, DebugHandler, GuestEvent, VcpuControl, VcpuState,
-};
+use hvprobe_vmm::{set_guest_debug, Backend, BreakpointDisposition, DebugHandler, GuestEvent, VcpuControl, VcpuState};
 use kvm_ioctls::VcpuFd;
 use vm_memory::GuestMemoryMmap;
 
@@ -296,4 +297,41 @@ impl DebugHandler for ProbeHandler {
             }
         }
     }
+}
+
+/// A [`Tracer`] for a guest whose kernel is up: reads the facts probes are checked against
+/// (the live kprobe blacklist, the exception table, jump-label and static-call sites) and
+/// maps the out-of-line area. `state` is any vCPU's (paused, or not yet running).
+pub fn build_tracer(
+    control: Arc<VcpuControl>,
+    mem: &GuestMemoryMmap,
+    state: &VcpuState,
+    symbols: &SymbolTable,
+    sink: Option<Arc<dyn EventSink>>,
+) -> Result<Arc<Tracer>, String> {
+    let memory = kernel_memory(mem, state, symbols);
+    let blacklist = KprobeBlacklist::read_live(&memory, symbols).map_err(|e| e.to_string())?;
+    let ex_table = ExceptionTable::read(&memory, symbols).map_err(|e| e.to_string())?;
+    let patch_sites = PatchSites::read(&memory, symbols).map_err(|e| e.to_string())?;
+    let ool = map_out_of_line_area(
+        &GuestPhys(mem.clone()),
+        state.sregs.cr3,
+        PagingMode::from_cr4(state.sregs.cr4),
+        symbols,
+    )?;
+    tracing::info!(
+        "probe engine: {} blacklisted functions, {} exception-table entries, {} patch sites, out-of-line area at {}",
+        blacklist.symbols().len(),
+        ex_table.len(),
+        patch_sites.len(),
+        ool.start
+    );
+    let view = KernelView {
+        symbols: Arc::new(symbols.clone()),
+        blacklist,
+        ex_table,
+        patch_sites,
+    };
+    let machine = Arc::new(VmMachine::new(control, memory));
+    Ok(Arc::new(Tracer::new(machine, view, Some(ool), sink)))
 }

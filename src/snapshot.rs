@@ -211,7 +211,12 @@ fn restore_and_run(
     };
     let session = match (&trace.probes, &kernel) {
         (Some(file), Some((state, symbols))) => {
-            let session = Arc::new(TraceSession::new(file, trace.output, vm.backend(), vm.memory().clone())?);
+            let session = Arc::new(TraceSession::new(
+                file,
+                trace.output,
+                vm.backend(),
+                vm.memory().clone(),
+            )?);
             let tasks = TaskContext::read(&live_memory(vm.memory(), state), symbols)
                 .map_err(|reason| tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"))
                 .ok();
@@ -310,7 +315,13 @@ fn bench_with(config: &VmConfig, dir: &Path, args: &BenchArgs) -> CliResult {
     let mut first = Vec::new();
     let mut started = Vec::new();
     for i in 0..args.runs {
-        let r = restore_and_run(dir, args.cpus, "exit 0", ConsoleOutput::Discard, &RestoreTrace::default())?;
+        let r = restore_and_run(
+            dir,
+            args.cpus,
+            "exit 0",
+            ConsoleOutput::Discard,
+            &RestoreTrace::default(),
+        )?;
         if r.outcome.reason != StopReason::GuestExit(0) {
             return Err(SnapshotCliError::WorkloadFailed {
                 reason: r.outcome.reason,

@@ -7,22 +7,18 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use hvprobe_arch::paging::PagingMode;
 use hvprobe_arch::Gva;
-use hvprobe_introspection::facts::{ExceptionTable, KprobeBlacklist};
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::SymbolTable;
-use hvprobe_probes::engine::{
-    EventSink, HitEvent, KernelView, KprobeRequest, PatchSites, ProbePoint, Tracer,
-};
+use hvprobe_probes::engine::{EventSink, HitEvent, KprobeRequest, ProbePoint};
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
 use hvprobe_probes::spec::{parse_file_numbered, ProbeSpec, Target};
 use hvprobe_vmm::{Backend, VcpuControl, VcpuState};
 use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
-use crate::introspect::{GuestPhys, TaskContext};
-use crate::probing::{kernel_memory, map_out_of_line_area, ProbeHandler, VmMachine};
+use crate::introspect::TaskContext;
+use crate::probing::{build_tracer, ProbeHandler};
 
 /// How hits are printed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -170,32 +166,8 @@ impl TraceSession {
                 }
             }
         }
-        let memory = kernel_memory(mem, state, symbols);
-        let blacklist = KprobeBlacklist::read_live(&memory, symbols).map_err(|e| e.to_string())?;
-        let ex_table = ExceptionTable::read(&memory, symbols).map_err(|e| e.to_string())?;
-        let patch_sites = PatchSites::read(&memory, symbols).map_err(|e| e.to_string())?;
-        let ool = map_out_of_line_area(
-            &GuestPhys(mem.clone()),
-            state.sregs.cr3,
-            PagingMode::from_cr4(state.sregs.cr4),
-            symbols,
-        )?;
-        tracing::info!(
-            "probe engine: {} blacklisted functions, {} exception-table entries, {} patch sites, out-of-line area at {}",
-            blacklist.symbols().len(),
-            ex_table.len(),
-            patch_sites.len(),
-            ool.start
-        );
-        let view = KernelView {
-            symbols: Arc::new(symbols.clone()),
-            blacklist,
-            ex_table,
-            patch_sites,
-        };
-        let machine = Arc::new(VmMachine::new(control, memory));
         let sink: Arc<dyn EventSink> = self.sink.clone();
-        let tracer = Arc::new(Tracer::new(machine, view, Some(ool), Some(sink)));
+        let tracer = build_tracer(control, mem, state, symbols, Some(sink))?;
         self.handler.attach(tracer, tasks);
         Ok(())
     }
@@ -207,7 +179,13 @@ impl TraceSession {
         let requests = self.probes.iter().map(|p| p.request.clone()).collect();
         tracer.register_all(requests).map_err(|(i, e)| {
             let p = &self.probes[i];
-            format!("{}:{}: {}/{}: {e}", self.file.display(), p.line, p.request.group, p.request.event)
+            format!(
+                "{}:{}: {}/{}: {e}",
+                self.file.display(),
+                p.line,
+                p.request.group,
+                p.request.event
+            )
         })?;
         tracing::info!("{} probe(s) armed", self.probes.len());
         Ok(())
@@ -296,7 +274,11 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat) {
                 OutputFormat::Json => json_line(&event.record),
             });
             batch.push('\n');
-            next = if batch.len() < 1 << 16 { rx.try_recv().ok() } else { None };
+            next = if batch.len() < 1 << 16 {
+                rx.try_recv().ok()
+            } else {
+                None
+            };
         }
         let mut out = std::io::stdout().lock();
         if out.write_all(batch.as_bytes()).and_then(|()| out.flush()).is_err() {
@@ -318,9 +300,5 @@ pub fn kernel_text_hash(mem: &(impl GuestVirtRead + ?Sized), symbols: &SymbolTab
         hasher.update(&page[..n]);
         at += n as u64;
     }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }

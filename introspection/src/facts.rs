@@ -307,8 +307,12 @@ impl KprobeBlacklist {
             if symbols.len() == MAX_ENTRIES {
                 return Err(FactsError::Corrupt("the kprobe_blacklist list does not end".into()));
             }
-            let start = Gva(mem.read_u64(Gva(next.0 + 16)).map_err(memory("kprobe_blacklist entry"))?);
-            let end = Gva(mem.read_u64(Gva(next.0 + 24)).map_err(memory("kprobe_blacklist entry"))?);
+            let start = Gva(mem
+                .read_u64(Gva(next.0 + 16))
+                .map_err(memory("kprobe_blacklist entry"))?);
+            let end = Gva(mem
+                .read_u64(Gva(next.0 + 24))
+                .map_err(memory("kprobe_blacklist entry"))?);
             let name = syms
                 .describe(start)
                 .map(|d| d.symbol.name.clone())

@@ -545,10 +545,12 @@ impl Tracer {
         }
         let mut code = vec![0u8; func_size as usize];
         let kernel = self.machine.kernel();
-        kernel.read_virt(func_start, &mut code).map_err(|source| ProbeError::Memory {
-            what: what.clone(),
-            source,
-        })?;
+        kernel
+            .read_virt(func_start, &mut code)
+            .map_err(|source| ProbeError::Memory {
+                what: what.clone(),
+                source,
+            })?;
         // Our own int3s would decode as one-byte instructions: see through them.
         {
             let reg = self.read_registry();
@@ -1070,7 +1072,10 @@ fn disarm(text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
             }
         }
         Ok(()) => {
-            tracing::warn!("the guest rewrote our int3 at {addr} (now {:#04x}): left as it is", b[0]);
+            tracing::warn!(
+                "the guest rewrote our int3 at {addr} (now {:#04x}): left as it is",
+                b[0]
+            );
             site.gone = true;
         }
         Err(e) => tracing::error!("disarming the probe at {addr}: {e}"),

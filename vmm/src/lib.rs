@@ -28,7 +28,6 @@ pub use mptable::MAX_CPUS;
 pub use snapshot::{SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
 pub use vcpu::{
     reinject_breakpoint, set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus,
-    StopReason,
-    VcpuControl, VcpuState,
+    StopReason, VcpuControl, VcpuState,
 };
 pub use vm::{CodeBlob, Vm, VmConfig, VmOutcome, CODE_BLOB_START, MAX_MEM_MIB, MIN_MEM_MIB};
