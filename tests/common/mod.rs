@@ -2,7 +2,10 @@
 
 #![allow(dead_code)]
 
+use std::fs::File;
 use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -85,4 +88,50 @@ pub fn require_kvm() {
     if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
         panic!("this test boots a guest and needs /dev/kvm, which cannot be opened: {e}");
     }
+}
+
+/// Creating a snapshot boots the guest once (about a minute on kvm_pvm).
+pub const SNAPSHOT_BOOT_TIMEOUT: Duration = Duration::from_secs(420);
+
+pub fn cache_dir() -> PathBuf {
+    match std::env::var_os("HVPROBE_CACHE") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/hvprobe"),
+    }
+}
+
+/// The snapshot of the bundled guest with `cpus` vCPUs, created if the cache lacks it.
+pub fn snapshot(cpus: u8) -> PathBuf {
+    require_kvm();
+    let built = hvprobe(&["build-guest"], SNAPSHOT_BOOT_TIMEOUT);
+    assert_eq!(built.code, Some(0), "build-guest failed\n{}", built.tail());
+    let guest_dir = built.stdout.lines().last().expect("build-guest prints its directory");
+    let key = Path::new(guest_dir.trim())
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let name = format!("{key}-{cpus}cpu-v{}", hvprobe::vmm::SNAPSHOT_FORMAT_VERSION);
+    let root = cache_dir().join("snapshots");
+    std::fs::create_dir_all(&root).unwrap();
+    let dir = root.join(&name);
+
+    let lock = File::create(root.join(format!(".lock-{name}"))).unwrap();
+    // SAFETY: flock on a descriptor we own; the lock is released when `lock` is closed.
+    let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+    assert_eq!(rc, 0, "flock: {}", std::io::Error::last_os_error());
+    if !dir.join("state").exists() {
+        let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let cpus = cpus.to_string();
+        let run = hvprobe(
+            &["snapshot", "create", "--out", tmp.to_str().unwrap(), "--cpus", &cpus],
+            SNAPSHOT_BOOT_TIMEOUT,
+        );
+        assert_eq!(run.code, Some(0), "snapshot create failed\n{}", run.tail());
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&tmp, &dir).unwrap();
+    }
+    drop(lock);
+    dir
 }

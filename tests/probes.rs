@@ -1,0 +1,347 @@
+//! Host-side kprobes on the bundled guest, checked against the guest's own kprobe events
+//! (the oracle): the same hits, the same fetched values, no ftrace complaint, the kernel's
+//! text intact afterwards. Most tests restore a cached snapshot; one boots with KASLR.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{hvprobe, snapshot, Run};
+
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(300);
+const KASLR_BOOT_TIMEOUT: Duration = Duration::from_secs(600);
+const LOOP_CALLS: usize = 30;
+
+/// The host's probes: `__x64_sys_getppid` at +0 (an ftrace NOP, so the int3 goes on the
+/// next instruction, `mov %gs:...,%rax`, which is stepped out of line) with the fetch-args
+/// the guest's probe has, and `__task_pid_nr_ns` at +0 (next instruction `push %rbp`,
+/// emulated on the host).
+const HOST_PROBES: &str = "\
+# the oracle pair: the guest puts its own kprobe event on the same function
+p:host/getppid __x64_sys_getppid di=%di s0=$stack0 comm=$comm
+p:host/pidns __task_pid_nr_ns type=%si
+";
+
+/// The guest's own kprobe event on `__x64_sys_getppid` (ftrace-based at +0), enabled only
+/// around the loops; then its hit count and its trace, marked for the test.
+fn oracle_workload(loops: usize) -> String {
+    let run = (0..loops)
+        .map(|_| format!("hvprobe-loop {LOOP_CALLS} &"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!(
+        "T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid di=%di s0=$stack0' > $T/kprobe_events; \
+         echo 1 > $T/events/kprobes/gk/enable; {run} wait; echo 0 > $T/events/kprobes/gk/enable; \
+         while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; \
+         while read l; do case $l in *' gk: '*) echo \"GUEST $l\";; esac; done < $T/trace"
+    )
+}
+
+fn probe_file(name: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn restore_with(dir: &Path, cpus: u8, workload: &str, extra: &[&str]) -> Run {
+    let cpus = cpus.to_string();
+    let mut args = vec![
+        "run",
+        "--snapshot",
+        dir.to_str().unwrap(),
+        "--cpus",
+        &cpus,
+        "--workload",
+        workload,
+    ];
+    args.extend_from_slice(extra);
+    hvprobe(&args, RESTORE_TIMEOUT)
+}
+
+/// `name=value` pairs after the `(location)` of a trace line, and its task and event.
+struct TraceLine {
+    task: String,
+    event: String,
+    location: String,
+    args: BTreeMap<String, String>,
+}
+
+fn parse_trace_line(line: &str) -> Option<TraceLine> {
+    let line = line.trim_start_matches("GUEST ").trim();
+    let (task, rest) = line.split_once(' ')?;
+    let (_, rest) = rest.split_once("]")?;
+    let (_, rest) = rest.split_once(": ")?;
+    let (event, rest) = rest.split_once(": (")?;
+    let (location, args) = rest.split_once(')')?;
+    let args = args
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    Some(TraceLine {
+        task: task.to_string(),
+        event: event.to_string(),
+        location: location.to_string(),
+        args,
+    })
+}
+
+/// The oracle's checks on one run: the guest's hit count equals the host's hits in the
+/// loop tasks, every hit's fetched values are equal in order, and the guest's ftrace did
+/// not complain. Returns the host's hits of `getppid`.
+fn check_oracle(run: &Run, loops: usize) -> usize {
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let expected = loops * LOOP_CALLS;
+    let profile = run
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("PROFILE "))
+        .unwrap_or_else(|| panic!("no kprobe_profile line\n{}", run.tail()));
+    let fields: Vec<&str> = profile.split_whitespace().collect();
+    assert_eq!(fields[0], "gk", "{profile}");
+    let guest_hits: usize = fields[1].parse().unwrap();
+    let guest_missed: usize = fields[2].parse().unwrap();
+    assert_eq!(guest_hits, expected, "the guest's own probe saw {guest_hits} hits");
+    assert_eq!(guest_missed, 0);
+
+    let by_task = |lines: Vec<TraceLine>| {
+        let mut m: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+        for l in lines {
+            m.entry(l.task)
+                .or_default()
+                .push((l.args["di"].clone(), l.args["s0"].clone()));
+        }
+        m
+    };
+    let guest: Vec<TraceLine> = run
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("GUEST "))
+        .filter_map(parse_trace_line)
+        .collect();
+    let host: Vec<TraceLine> = run
+        .stdout
+        .lines()
+        .filter(|l| !l.starts_with("GUEST "))
+        .filter_map(parse_trace_line)
+        .filter(|l| l.event == "getppid" && l.task.starts_with("hvprobe-loop-"))
+        .collect();
+    assert_eq!(
+        host.len(),
+        expected,
+        "host hits in the loop tasks != the guest's count\n{}",
+        run.tail()
+    );
+    assert!(host.iter().all(|l| l.location.ends_with("+0x0/0x24")), "host location");
+    assert!(host.iter().all(|l| l.args["comm"] == "\"hvprobe-loop\""), "host $comm");
+    // The guest's trace buffer keeps every hit (a few hundred bytes each, far below its
+    // size); per task, the sequences of fetched values must be equal.
+    assert_eq!(guest.len(), expected, "guest trace lines");
+    assert_eq!(by_task(host), by_task(guest), "fetched values differ");
+
+    for bad in ["ftrace bug", "ftrace faulted", "WARNING:", "BUG:", "Oops"] {
+        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
+    }
+    expected
+}
+
+/// `hvprobe: probe hits N (emulated E, stepped out of line S, ...)` and the run line's
+/// `(I int3, T single-step)`.
+fn exit_counts(run: &Run) -> (u64, u64, u64, u64, u64) {
+    let number_after = |text: &str, key: &str| -> u64 {
+        let at = text.find(key).unwrap_or_else(|| panic!("no {key:?} in\n{text}")) + key.len();
+        text[at..]
+            .trim_start()
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let summary = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("probe hits"))
+        .unwrap_or_else(|| panic!("no probe summary\n{}", run.tail()));
+    let exits = run
+        .stderr
+        .lines()
+        .find(|l| l.contains(" int3, "))
+        .unwrap_or_else(|| panic!("no exit counts\n{}", run.tail()));
+    let int3 = exits.split(" int3").next().unwrap().rsplit('(').next().unwrap();
+    let steps = exits.split(" single-step").next().unwrap().rsplit(", ").next().unwrap();
+    (
+        number_after(summary, "probe hits"),
+        number_after(summary, "emulated"),
+        number_after(summary, "stepped out of line"),
+        int3.parse().unwrap(),
+        steps.parse().unwrap(),
+    )
+}
+
+/// `ADDRESS  k  sym+off    [FLAGS] hits=N nmissed=M` lines of the listing.
+fn listing(run: &Run) -> Vec<(String, u64, u64)> {
+    run.stderr
+        .lines()
+        .filter(|l| l.contains("  k  ") && l.contains(" hits="))
+        .map(|l| {
+            let location = l.split("  k  ").nth(1).unwrap().split_whitespace().next().unwrap();
+            let get = |k: &str| {
+                l.split(k)
+                    .nth(1)
+                    .unwrap()
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            };
+            (location.to_string(), get("hits="), get("nmissed="))
+        })
+        .collect()
+}
+
+#[test]
+fn host_and_guest_kprobes_see_the_same_hits_and_values_on_one_vcpu() {
+    let dir = snapshot(1);
+    let probes = probe_file("oracle1", HOST_PROBES);
+    let run = restore_with(&dir, 1, &oracle_workload(1), &["--probes", probes.to_str().unwrap()]);
+    let loop_hits = check_oracle(&run, 1) as u64;
+
+    let (hits, emulated, stepped, int3, steps) = exit_counts(&run);
+    // getppid's probe is stepped (two exits per hit), __task_pid_nr_ns's emulated (one).
+    assert!(stepped >= loop_hits && emulated >= loop_hits, "{}", run.tail());
+    assert_eq!(hits, emulated + stepped);
+    assert_eq!(int3, hits, "one int3 exit per hit, none re-injected to the guest");
+    assert_eq!(steps, stepped, "one single-step exit per stepped hit");
+
+    let list = listing(&run);
+    assert_eq!(list.len(), 2, "{}", run.tail());
+    assert!(list[0].0.ends_with("getppid+0x0") && list[0].1 == stepped && list[0].2 == 0);
+    assert!(list[1].0 == "__task_pid_nr_ns+0x0" && list[1].1 == emulated && list[1].2 == 0);
+    let _ = std::fs::remove_file(probes);
+}
+
+#[test]
+fn host_and_guest_kprobes_see_the_same_hits_on_two_vcpus() {
+    let dir = snapshot(2);
+    let probes = probe_file("oracle2", HOST_PROBES);
+    let run = restore_with(&dir, 2, &oracle_workload(2), &["--probes", probes.to_str().unwrap()]);
+    check_oracle(&run, 2);
+    let cpus: std::collections::BTreeSet<&str> = run
+        .stdout
+        .lines()
+        .filter(|l| l.contains(" getppid: "))
+        .filter_map(|l| l.split('[').nth(1)?.split(']').next())
+        .collect();
+    assert_eq!(cpus.len(), 2, "hits came from CPUs {cpus:?}");
+    let _ = std::fs::remove_file(probes);
+}
+
+#[test]
+fn host_and_guest_kprobes_agree_under_kaslr() {
+    common::require_kvm();
+    let probes = probe_file("kaslr", HOST_PROBES);
+    let run = hvprobe(
+        &[
+            "run",
+            "--kaslr",
+            "--workload",
+            &oracle_workload(1),
+            "--probes",
+            probes.to_str().unwrap(),
+        ],
+        KASLR_BOOT_TIMEOUT,
+    );
+    check_oracle(&run, 1);
+    let slide = run
+        .stderr
+        .lines()
+        .find_map(|l| l.split("KASLR slide ").nth(1))
+        .unwrap_or_else(|| panic!("no slide reported\n{}", run.tail()));
+    assert_ne!(slide.trim(), "0x0", "the kernel was not randomized");
+    let _ = std::fs::remove_file(probes);
+}
+
+#[test]
+fn the_kernel_text_after_probes_hashes_like_a_run_without_them() {
+    let dir = snapshot(1);
+    let probes = probe_file("hash", HOST_PROBES);
+    let workload = "hvprobe-loop 5";
+    let hash = |run: &Run| {
+        assert_eq!(run.code, Some(0), "{}", run.tail());
+        run.stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("hvprobe: kernel text sha256 "))
+            .unwrap_or_else(|| panic!("no text hash\n{}", run.tail()))
+            .to_string()
+    };
+    let with = restore_with(
+        &dir,
+        1,
+        workload,
+        &["--probes", probes.to_str().unwrap(), "--text-hash"],
+    );
+    let without = restore_with(&dir, 1, workload, &["--text-hash"]);
+    assert!(listing(&with).iter().all(|(_, hits, _)| *hits >= 5), "{}", with.tail());
+    assert_eq!(hash(&with), hash(&without));
+    let _ = std::fs::remove_file(probes);
+}
+
+#[test]
+fn json_output_has_one_object_per_hit() {
+    let dir = snapshot(1);
+    let probes = probe_file("json", "p:getppid __x64_sys_getppid di=%di comm=$comm\n");
+    let run = restore_with(
+        &dir,
+        1,
+        "hvprobe-loop 3",
+        &["--probes", probes.to_str().unwrap(), "--output", "json"],
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let hits: Vec<serde_json::Value> = run
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .filter(|v: &serde_json::Value| v["comm"] == "hvprobe-loop")
+        .collect();
+    assert_eq!(hits.len(), 3, "{}", run.tail());
+    for hit in &hits {
+        assert_eq!(hit["event"], "getppid");
+        assert_eq!(hit["group"], "kprobes");
+        assert!(hit["args"]["di"].as_str().unwrap().starts_with("0xffff"), "{hit}");
+        assert_eq!(hit["args"]["comm"], "hvprobe-loop");
+        assert!(hit["pid"].as_i64().unwrap() > 1);
+    }
+    let _ = std::fs::remove_file(probes);
+}
+
+#[test]
+fn bad_probes_are_refused_with_the_reason_and_the_line() {
+    let dir = snapshot(1);
+    let cases = [
+        ("p:a no_such_function_xyz\n", "unknown symbol \"no_such_function_xyz\""),
+        (
+            "# ok\np:a __task_pid_nr_ns+0x7\n",
+            ":2: kprobes/a: __task_pid_nr_ns+0x7 is not an instruction boundary",
+        ),
+        ("p:a do_int3\n", "is marked NOKPROBE_SYMBOL"),
+        ("p:a __x64_sys_getppid+0x400\n", "is outside"),
+        ("p:a __x64_sys_getppid %zz\n", ":1:"),
+        ("r:a __x64_sys_getppid\n", "return probes (r) are not supported yet"),
+    ];
+    for (i, (text, expected)) in cases.iter().enumerate() {
+        let probes = probe_file(&format!("bad{i}"), text);
+        let run = restore_with(&dir, 1, "exit 0", &["--probes", probes.to_str().unwrap()]);
+        assert_eq!(run.code, Some(1), "{text:?}\n{}", run.tail());
+        assert!(
+            run.stderr.contains(expected) && run.stderr.contains(probes.to_str().unwrap()),
+            "{text:?}: expected {expected:?}\n{}",
+            run.tail()
+        );
+        let _ = std::fs::remove_file(probes);
+    }
+}
