@@ -1,1 +1,443 @@
+//! The engine against a fake machine: plain memory for the kernel, a register file for the
+//! vCPU. Every hit is driven by hand, as the exit loop would.
 
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicUsize;
+
+use super::*;
+use crate::insn::HexBytes;
+
+const FUNC: u64 = 0xffff_ffff_8100_0000;
+const OOL: u64 = 0xffff_ffff_8240_0000;
+const STACK_TOP: u64 = 0xffff_8880_0010_0000;
+
+/// `func`: ftrace NOP; push %rbp; mov %rsp,%rbp; mov 0x10(%rip),%rax; pop %rbp; ret.
+const FUNC_CODE: &[u8] = &[
+    0x0f, 0x1f, 0x44, 0x00, 0x00, // +0x0 nopl 0x0(%rax,%rax,1)
+    0x55, // +0x5 push %rbp
+    0x48, 0x89, 0xe5, // +0x6 mov %rsp,%rbp
+    0x48, 0x8b, 0x05, 0x10, 0x00, 0x00, 0x00, // +0x9 mov 0x10(%rip),%rax
+    0x5d, // +0x10 pop %rbp
+    0xc3, // +0x11 ret
+];
+const PUSH: u64 = FUNC + 5;
+const MOV_RIP: u64 = FUNC + 9;
+const POP: u64 = FUNC + 0x10;
+
+#[derive(Default)]
+struct FakeMachine {
+    pages: Mutex<BTreeMap<u64, Vec<u8>>>,
+    pauses: AtomicUsize,
+}
+
+impl FakeMachine {
+    fn with_code() -> Arc<Self> {
+        let m = FakeMachine::default();
+        m.write_virt(Gva(FUNC), FUNC_CODE).unwrap();
+        m.write_virt(Gva(FUNC + 0x40), &[0xc3]).unwrap();
+        m.write_virt(Gva(STACK_TOP - 0x1000), &[0u8; 0x1000]).unwrap();
+        m.write_virt(Gva(OOL), &[0u8; 0x1000]).unwrap();
+        Arc::new(m)
+    }
+
+    fn bytes(&self, at: u64, len: usize) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        self.read_virt(Gva(at), &mut b).unwrap();
+        b
+    }
+}
+
+impl GuestVirtRead for FakeMachine {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
+        let pages = self.pages.lock().unwrap();
+        for (i, b) in buf.iter_mut().enumerate() {
+            let a = gva.0 + i as u64;
+            let page = pages.get(&(a & !0xfff)).ok_or(MemoryError::Wraps { gva, len: 0 })?;
+            *b = page[(a & 0xfff) as usize];
+        }
+        Ok(())
+    }
+}
+
+impl KernelMemory for FakeMachine {
+    fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
+        let mut pages = self.pages.lock().unwrap();
+        for (i, b) in bytes.iter().enumerate() {
+            let a = gva.0 + i as u64;
+            pages.entry(a & !0xfff).or_insert_with(|| vec![0; 4096])[(a & 0xfff) as usize] = *b;
+        }
+        Ok(())
+    }
+}
+
+impl Machine for FakeMachine {
+    fn kernel(&self) -> &dyn KernelMemory {
+        self
+    }
+
+    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn KernelMemory)) {
+        self.pauses.fetch_add(1, Ordering::Relaxed);
+        edit(self)
+    }
+}
+
+struct FakeVcpu {
+    regs: Regs,
+    stepping: bool,
+}
+
+impl FakeVcpu {
+    fn at(rip: u64) -> Self {
+        FakeVcpu {
+            regs: Regs {
+                rip,
+                rsp: STACK_TOP - 0x100,
+                rbp: 0x1234_5678,
+                rdi: 7,
+                ..Default::default()
+            },
+            stepping: false,
+        }
+    }
+}
+
+impl Vcpu for FakeVcpu {
+    fn regs(&mut self) -> Result<Regs, String> {
+        Ok(self.regs)
+    }
+    fn set_regs(&mut self, regs: &Regs) -> Result<(), String> {
+        self.regs = *regs;
+        Ok(())
+    }
+    fn set_single_step(&mut self, on: bool) -> Result<(), String> {
+        self.stepping = on;
+        Ok(())
+    }
+    fn current_task(&mut self) -> Option<hvprobe_introspection::task::TaskInfo> {
+        None
+    }
+    fn user_memory(&mut self) -> Option<Box<dyn GuestVirtRead + '_>> {
+        None
+    }
+}
+
+/// Collects events up to a capacity, refusing the rest (a slow consumer).
+struct Events {
+    capacity: usize,
+    got: Mutex<Vec<HitEvent>>,
+}
+
+impl EventSink for Events {
+    fn try_send(&self, event: HitEvent) -> bool {
+        let mut got = self.got.lock().unwrap();
+        if got.len() >= self.capacity {
+            return false;
+        }
+        got.push(event);
+        true
+    }
+}
+
+fn symbols() -> SymbolTable {
+    SymbolTable::parse_system_map(&format!(
+        "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{:016x} T other\n{:016x} T _etext\n",
+        FUNC + 0x40,
+        FUNC + 0x41
+    ))
+    .unwrap()
+}
+
+fn tracer_with(machine: &Arc<FakeMachine>, patch_sites: PatchSites, sink: Option<Arc<dyn EventSink>>) -> Tracer {
+    let view = KernelView {
+        symbols: Arc::new(symbols()),
+        blacklist: KprobeBlacklist::default(),
+        ex_table: ExceptionTable::default(),
+        patch_sites,
+    };
+    let ool = OutOfLineArea {
+        start: Gva(OOL),
+        size: 0x1000,
+    };
+    Tracer::new(machine.clone(), view, Some(ool), sink)
+}
+
+fn tracer(machine: &Arc<FakeMachine>) -> Tracer {
+    tracer_with(machine, PatchSites::default(), None)
+}
+
+fn at(name: &str, offset: u64) -> ProbePoint {
+    ProbePoint::Symbol {
+        name: name.into(),
+        offset,
+    }
+}
+
+fn plain(point: ProbePoint, event: &str) -> KprobeRequest {
+    KprobeRequest {
+        emit_events: false,
+        ..KprobeRequest::event(point, "test", event, Vec::new())
+    }
+}
+
+#[test]
+fn a_probe_on_the_ftrace_nop_goes_on_the_next_instruction_and_reports_plus_zero() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.register(plain(at("func", 0), "entry")).unwrap();
+    assert_eq!(
+        m.bytes(FUNC, 6),
+        [0x0f, 0x1f, 0x44, 0x00, 0x00, INT3],
+        "the NOP stays untouched"
+    );
+    let list = t.listing();
+    assert_eq!(list[0].address, Gva(FUNC));
+    assert_eq!(list[0].location, "func+0x0");
+}
+
+#[test]
+fn an_emulated_hit_runs_the_handlers_and_the_push_in_one_exit() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (pre_seen, post_seen) = (seen.clone(), seen.clone());
+    let mut req = plain(at("func", 0), "entry");
+    req.pre = Some(Arc::new(move |ctx: &mut HitContext| {
+        pre_seen.lock().unwrap().push(("pre", ctx.regs.rip, ctx.regs.rsp));
+        PreAction::Continue
+    }));
+    req.post = Some(Arc::new(move |ctx: &mut HitContext| {
+        post_seen.lock().unwrap().push(("post", ctx.regs.rip, ctx.regs.rsp));
+    }));
+    t.register(req).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    let sp = cpu.regs.rsp;
+    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    assert_eq!(cpu.regs.rip, PUSH + 1);
+    assert_eq!(cpu.regs.rsp, sp - 8);
+    assert_eq!(m.read_u64(Gva(sp - 8)).unwrap(), 0x1234_5678, "rbp pushed");
+    assert!(!cpu.stepping);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [("pre", FUNC, sp), ("post", PUSH + 1, sp - 8)],
+        "the pre-handler sees the probe's own address (+0), the post-handler the state after"
+    );
+    assert_eq!(t.listing()[0].hits, 1);
+    assert_eq!(t.stats.emulated.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn a_rip_relative_instruction_is_stepped_in_a_fixed_up_copy() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let posts = Arc::new(AtomicU64::new(0));
+    let p = posts.clone();
+    let mut req = plain(at("func", 9), "mid");
+    req.post = Some(Arc::new(move |ctx: &mut HitContext| {
+        assert_eq!(ctx.regs.rip, MOV_RIP + 7);
+        p.fetch_add(1, Ordering::Relaxed);
+    }));
+    t.register(req).unwrap();
+    let copy = m.bytes(OOL, 7);
+    let decoded = insn::analyze(&copy, Gva(OOL)).unwrap();
+    assert_eq!(
+        decoded.disassembly(),
+        format!("mov rax,[0{:X}h]", MOV_RIP + 7 + 0x10),
+        "copy {}",
+        HexBytes(copy.clone())
+    );
+
+    let mut cpu = FakeVcpu::at(MOV_RIP);
+    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)), BreakpointOutcome::Handled);
+    assert_eq!(cpu.regs.rip, OOL);
+    assert!(cpu.stepping);
+    assert_eq!(posts.load(Ordering::Relaxed), 0, "post-handlers wait for the step");
+    // The CPU executes the copy...
+    cpu.regs.rip = OOL + 7;
+    assert_eq!(t.on_single_step(0, &mut cpu), StepOutcome::Handled);
+    assert_eq!(cpu.regs.rip, MOV_RIP + 7);
+    assert!(!cpu.stepping);
+    assert_eq!(posts.load(Ordering::Relaxed), 1);
+    // A step nobody asked for is not ours.
+    assert_eq!(t.on_single_step(0, &mut cpu), StepOutcome::NotOurs);
+}
+
+#[test]
+fn bad_addresses_are_refused_with_the_reason() {
+    let m = FakeMachine::with_code();
+    let sites = PatchSites::from_sites(vec![PatchSite {
+        range: Gva(POP)..Gva(POP + 2),
+        kind: PatchSiteKind::JumpLabel,
+    }]);
+    let t = tracer_with(&m, sites, None);
+    let err = |p: ProbePoint| t.register(plain(p, "x")).unwrap_err().to_string();
+    assert_eq!(
+        err(at("func", 7)),
+        "func+0x7 is not an instruction boundary in func (instructions start at func+0x6 and func+0x9)"
+    );
+    assert_eq!(err(at("nope", 0)), "unknown symbol \"nope\"");
+    assert!(err(at("func", 0x40)).contains("is outside func"));
+    assert!(err(at("func", 0x10)).contains("jump label patch site"));
+    assert!(err(ProbePoint::Address(Gva(0x1000))).contains("not in any kernel function"));
+    assert!(t.listing().is_empty());
+    assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE, "nothing written");
+}
+
+#[test]
+fn unregistering_restores_the_text_byte_for_byte() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let a = t.register(plain(at("func", 0), "a")).unwrap();
+    let b = t.register(plain(at("func", 9), "b")).unwrap();
+    let c = t.register(plain(at("func", 5), "c")).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [INT3]);
+    t.unregister(a).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [INT3], "c still needs the int3 at +5");
+    t.unregister(c).unwrap();
+    t.unregister(b).unwrap();
+    assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE);
+    assert!(matches!(t.unregister(a), Err(ProbeError::NoSuchProbe(_))));
+}
+
+#[test]
+fn probes_at_one_address_run_in_order_and_a_skip_stops_the_rest() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mk = |name: &'static str, action: PreAction| {
+        let order = order.clone();
+        let mut req = plain(at("func", 5), name);
+        req.pre = Some(Arc::new(move |ctx: &mut HitContext| {
+            order.lock().unwrap().push(name);
+            if action == PreAction::Skip {
+                // Return to the caller with -EPERM, as fault injection does.
+                ctx.regs.rax = (-1i64) as u64;
+                ctx.regs.rip = 0xffff_ffff_8100_1234;
+            }
+            action
+        }));
+        req
+    };
+    t.register(mk("first", PreAction::Continue)).unwrap();
+    t.register(mk("second", PreAction::Skip)).unwrap();
+    t.register(mk("third", PreAction::Continue)).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    let sp = cpu.regs.rsp;
+    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    assert_eq!(*order.lock().unwrap(), ["first", "second"]);
+    assert_eq!(cpu.regs.rip, 0xffff_ffff_8100_1234);
+    assert_eq!(cpu.regs.rax, u64::MAX);
+    assert_eq!(cpu.regs.rsp, sp, "the skipped push did not happen");
+}
+
+#[test]
+fn disabling_and_the_global_switch_keep_each_probes_state() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let a = t.register(plain(at("func", 5), "a")).unwrap();
+    let mut disabled = plain(at("func", 9), "b");
+    disabled.disabled = true;
+    let b = t.register(disabled).unwrap();
+    assert_eq!(m.bytes(MOV_RIP, 1), [0x48], "a disabled probe writes nothing");
+    assert!(t.listing()[1].disabled);
+    t.set_armed(false);
+    assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE);
+    assert!(!t.listing()[0].disabled, "the global switch is not a per-probe disable");
+    t.set_armed(true);
+    assert_eq!(m.bytes(PUSH, 1), [INT3]);
+    assert_eq!(m.bytes(MOV_RIP, 1), [0x48], "b stays disabled");
+    t.set_enabled(b, true).unwrap();
+    assert_eq!(m.bytes(MOV_RIP, 1), [INT3]);
+    t.set_enabled(a, false).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [0x55]);
+    // A hit racing with the disarm: the original instruction runs again.
+    let mut cpu = FakeVcpu::at(PUSH);
+    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    assert_eq!(cpu.regs.rip, PUSH);
+    assert_eq!(t.listing()[0].hits, 0);
+}
+
+#[test]
+fn a_byte_the_guest_rewrote_is_reported_gone_and_never_written_back() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let a = t.register(plain(at("func", 5), "a")).unwrap();
+    m.write_virt(Gva(PUSH), &[0x90]).unwrap();
+    t.check_gone();
+    assert!(t.listing()[0].gone);
+    t.unregister(a).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [0x90], "the guest's byte stays");
+}
+
+#[test]
+fn a_failing_batch_leaves_nothing_registered() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let err = t
+        .register_all(vec![plain(at("func", 5), "a"), plain(at("func", 7), "b")])
+        .unwrap_err();
+    assert_eq!(err.0, 1);
+    assert!(t.listing().is_empty());
+    assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE);
+    assert!(matches!(
+        t.register_all(vec![plain(at("func", 5), "a"), plain(at("func", 9), "a")]),
+        Err((1, ProbeError::DuplicateEvent { .. }))
+    ));
+}
+
+#[test]
+fn the_guests_own_int3_gets_its_breakpoint_after_our_handlers() {
+    let m = FakeMachine::with_code();
+    m.write_virt(Gva(PUSH), &[INT3]).unwrap();
+    let t = tracer(&m);
+    let hits = Arc::new(AtomicU64::new(0));
+    let h = hits.clone();
+    let mut req = plain(at("func", 5), "shared");
+    req.pre = Some(Arc::new(move |_: &mut HitContext| {
+        h.fetch_add(1, Ordering::Relaxed);
+        PreAction::Continue
+    }));
+    let id = t.register(req).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    assert_eq!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::HandledThenGuest
+    );
+    assert_eq!(cpu.regs.rip, PUSH, "the guest's handler finds RIP on its int3");
+    assert_eq!(hits.load(Ordering::Relaxed), 1);
+    t.unregister(id).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [INT3], "the guest's int3 is the guest's");
+    // Nobody's int3 at all: the guest's.
+    assert_eq!(
+        t.on_breakpoint(0, &mut cpu, Gva(FUNC + 0x40)),
+        BreakpointOutcome::NotOurs
+    );
+}
+
+#[test]
+fn events_beyond_a_full_consumer_count_as_missed() {
+    let m = FakeMachine::with_code();
+    let events = Arc::new(Events {
+        capacity: 2,
+        got: Mutex::new(Vec::new()),
+    });
+    let t = tracer_with(&m, PatchSites::default(), Some(events.clone()));
+    let args = crate::spec::parse_line("p:g/e func di=%di")
+        .unwrap()
+        .map(|s| match s {
+            crate::spec::ProbeSpec::Kprobe { args, .. } => args,
+            _ => unreachable!(),
+        })
+        .unwrap();
+    t.register(KprobeRequest::event(at("func", 0), "g", "e", args)).unwrap();
+    for _ in 0..3 {
+        let mut cpu = FakeVcpu::at(PUSH);
+        assert_eq!(t.on_breakpoint(1, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    }
+    let entry = &t.listing()[0];
+    assert_eq!((entry.hits, entry.nmissed), (3, 1));
+    let got = events.got.lock().unwrap();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].record.cpu, 1);
+    assert_eq!(got[0].record.location, "func+0x0/0x40");
+    assert_eq!(got[0].record.args[0].1.to_string(), "0x7");
+}
