@@ -560,10 +560,11 @@ impl Tracer {
                 }
             }
         }
-        let starts = insn::instruction_starts(&code, func_start).map_err(|source| ProbeError::Decode {
-            what: what.clone(),
-            source,
-        })?;
+        let starts =
+            insn::instruction_starts_through(&code, func_start, address).map_err(|source| ProbeError::Decode {
+                what: what.clone(),
+                source,
+            })?;
         if starts.binary_search(&address).is_err() {
             let i = starts.partition_point(|a| *a < address);
             let show = |a: Option<&Gva>| match a {

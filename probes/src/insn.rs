@@ -143,10 +143,16 @@ fn decode_error(decoder: &Decoder<'_>, bytes: &[u8], addr: Gva) -> InsnError {
 /// symbol's start, as long as the symbol's size) linearly from `start`. A probe address not
 /// in this list would split an instruction, which in-kernel kprobes cannot check but we can.
 pub fn instruction_starts(code: &[u8], start: Gva) -> Result<Vec<Gva>, InsnError> {
+    instruction_starts_through(code, start, Gva(u64::MAX))
+}
+
+/// Like [`instruction_starts`], but stops after the instruction that covers `last`: what
+/// follows (padding, data the compiler put after the code) need not decode.
+pub fn instruction_starts_through(code: &[u8], start: Gva, last: Gva) -> Result<Vec<Gva>, InsnError> {
     let mut decoder = decoder_at(code, start);
     let mut starts = Vec::new();
     let mut instruction = Instruction::default();
-    while decoder.can_decode() {
+    while decoder.can_decode() && decoder.ip() <= last.0 {
         let offset = decoder.position();
         decoder.decode_out(&mut instruction);
         if instruction.is_invalid() {

@@ -1,0 +1,259 @@
+//! The library API on real KVM: handlers that change the guest's execution path, probes
+//! removed while two vCPUs hit them, and the two ways of executing a probed instruction
+//! checked exactly on a code blob.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hvprobe::introspect::{live_memory, load_symbols, GuestPhys, SymbolsFrom};
+use hvprobe::probing::{build_tracer, LiveKernel, ProbeHandler, VmMachine};
+use hvprobe::snapshot::workload_message;
+use hvprobe_arch::paging::PagingMode;
+use hvprobe_arch::Gva;
+use hvprobe_introspection::facts::{ExceptionTable, KprobeBlacklist};
+use hvprobe_introspection::memory::{GuestVirtRead, PagedGuestMemory};
+use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_probes::engine::{
+    HitContext, KernelView, KprobeRequest, OutOfLineArea, PatchSites, PreAction, ProbePoint, Tracer,
+};
+use hvprobe_vmm::{CodeBlob, ConsoleOutput, StopReason, Vm, VmOutcome, CODE_BLOB_START};
+use vm_memory::{Bytes, GuestAddress};
+
+/// A restored snapshot of the bundled guest with a tracer attached (nothing registered).
+fn restored(cpus: u8) -> (Vm, Arc<Tracer>, Arc<ProbeHandler>, SymbolTable) {
+    let dir = common::snapshot(cpus);
+    let vm = Vm::restore(&dir, Some(cpus), ConsoleOutput::Discard).expect("restore");
+    let state = vm.vcpu_state(0).unwrap();
+    let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)
+        .expect("kallsyms")
+        .table;
+    let tracer = build_tracer(vm.control(), vm.memory(), &state, &symbols, None).expect("tracer");
+    let handler = ProbeHandler::new(vm.backend(), vm.memory().clone());
+    handler.attach(tracer.clone(), None);
+    (vm, tracer, handler, symbols)
+}
+
+fn point(name: &str) -> ProbePoint {
+    ProbePoint::Symbol {
+        name: name.into(),
+        offset: 0,
+    }
+}
+
+fn request(name: &str, event: &str) -> KprobeRequest {
+    KprobeRequest {
+        emit_events: false,
+        ..KprobeRequest::event(point(name), "api", event, Vec::new())
+    }
+}
+
+fn text(vm_mem: &vm_memory::GuestMemoryMmap, state: &hvprobe_vmm::VcpuState, at: Gva, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    live_memory(vm_mem, state).read_virt(at, &mut b).unwrap();
+    b
+}
+
+#[test]
+fn a_pre_handler_makes_getppid_return_a_chosen_value() {
+    let (mut vm, tracer, handler, _) = restored(1);
+    let mut req = request("__x64_sys_getppid", "inject");
+    // Fault injection as a kprobe does it: set the return value, return to the caller,
+    // skip the function.
+    req.pre = Some(Arc::new(|ctx: &mut HitContext| {
+        let Ok(ret) = ctx.kernel.read_u64(Gva(ctx.regs.rsp)) else {
+            return PreAction::Continue;
+        };
+        ctx.regs.rax = 4242;
+        ctx.regs.rip = ret;
+        ctx.regs.rsp += 8;
+        PreAction::Skip
+    }));
+    tracer.register(req).unwrap();
+    vm.send_console_input(workload_message("echo PPID=$PPID; hvprobe-loop 3"));
+    let console = vm.console_log();
+    let outcome = vm.run(handler).unwrap();
+    assert_eq!(outcome.reason, StopReason::GuestExit(0), "{}", console.tail(20));
+    assert!(
+        console.contents().contains("PPID=4242"),
+        "the shell's getppid() was not redirected\n{}",
+        console.tail(20)
+    );
+    assert!(console.contents().contains("hvprobe-loop: 3 getppid calls"));
+    assert!(tracer.stats.skipped.load(Ordering::Relaxed) >= 4);
+}
+
+#[test]
+fn probes_removed_while_two_vcpus_hit_them_leave_a_working_guest_and_intact_text() {
+    let (mut vm, tracer, handler, symbols) = restored(2);
+    let state = vm.vcpu_state(0).unwrap();
+    let mem = vm.memory().clone();
+    let functions = ["__x64_sys_getppid", "__task_pid_nr_ns"];
+    let before: Vec<Vec<u8>> = functions
+        .iter()
+        .map(|f| text(&mem, &state, symbols.lookup(f).unwrap().addr, 0x30))
+        .collect();
+    let hits = Arc::new(AtomicU64::new(0));
+    for f in functions {
+        let mut req = request(f, f);
+        let h = hits.clone();
+        req.pre = Some(Arc::new(move |_: &mut HitContext| {
+            h.fetch_add(1, Ordering::Relaxed);
+            PreAction::Continue
+        }));
+        tracer.register(req).unwrap();
+    }
+    vm.send_console_input(workload_message(
+        "hvprobe-loop 300 & hvprobe-loop 300 & wait; echo LOOPS-DONE",
+    ));
+    let console = vm.console_log();
+    let control = vm.control();
+    let runner = std::thread::spawn(move || vm.run(handler));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while hits.load(Ordering::Relaxed) < 100 {
+        assert!(
+            Instant::now() < deadline,
+            "the probes were not hit\n{}",
+            console.tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for id in tracer.probe_ids() {
+        tracer.unregister(id).unwrap();
+    }
+    let at_removal = hits.load(Ordering::Relaxed);
+    let outcome: VmOutcome = runner.join().unwrap().unwrap();
+    assert_eq!(outcome.reason, StopReason::GuestExit(0), "{}", console.tail(20));
+    let log = console.contents();
+    assert_eq!(
+        log.matches("hvprobe-loop: 300 getppid calls").count(),
+        2,
+        "{}",
+        console.tail(20)
+    );
+    assert!(log.contains("LOOPS-DONE"));
+    assert_eq!(
+        hits.load(Ordering::Relaxed),
+        at_removal,
+        "a handler ran after its probe was removed"
+    );
+    assert!(at_removal < 4 * 300, "the probes were removed before the loops ended");
+    for (f, b) in functions.iter().zip(before) {
+        assert_eq!(
+            text(&mem, &state, symbols.lookup(f).unwrap().addr, 0x30),
+            b,
+            "{f} not restored"
+        );
+    }
+    drop(control);
+}
+
+/// Loads a value through a RIP-relative operand (stepped out of line), pushes and moves
+/// (emulated), stores what it got at 0x3000.., and exits with status 0.
+const BLOB: &[u8] = &[
+    0x48, 0x8b, 0x05, 0xf9, 0x0f, 0x00, 0x00, // 0x00: mov 0xff9(%rip),%rax   (= [0x101000])
+    0x55, // 0x07: push %rbp
+    0x48, 0x89, 0xe3, // 0x08: mov %rsp,%rbx
+    0x48, 0x89, 0x04, 0x25, 0x00, 0x30, 0x00, 0x00, // 0x0b: mov %rax,0x3000
+    0x48, 0x89, 0x1c, 0x25, 0x08, 0x30, 0x00, 0x00, // 0x13: mov %rbx,0x3008
+    0x66, 0xba, 0xf1, 0x0e, // 0x1b: mov $0xef1,%dx
+    0x30, 0xc0, // 0x1f: xor %al,%al
+    0xee, // 0x21: out %al,(%dx)
+    0xf4, // 0x22: hlt
+];
+const BLOB_DATA: u64 = 0x1122_3344_5566_7788;
+
+#[test]
+fn on_a_code_blob_emulated_probes_take_one_exit_and_stepped_ones_two() {
+    common::require_kvm();
+    let mut code = BLOB.to_vec();
+    code.resize(0x1000, 0);
+    code.extend_from_slice(&BLOB_DATA.to_le_bytes());
+    let vm = Vm::new_code_blob(&CodeBlob {
+        code,
+        cpus: 1,
+        breakpoint_handler: None,
+    })
+    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let state = vm.vcpu_state(0).unwrap();
+    let mem = vm.memory().clone();
+    let kernel = LiveKernel(PagedGuestMemory::new(
+        GuestPhys(mem.clone()),
+        state.sregs.cr3,
+        PagingMode::from_cr4(state.sregs.cr4),
+    ));
+    let symbols = SymbolTable::parse_system_map(&format!(
+        "{CODE_BLOB_START:016x} T blob\n{:016x} T blob_data\n",
+        CODE_BLOB_START + 0x1000
+    ))
+    .unwrap();
+    let view = KernelView {
+        symbols: Arc::new(symbols),
+        blacklist: KprobeBlacklist::default(),
+        ex_table: ExceptionTable::default(),
+        patch_sites: PatchSites::default(),
+    };
+    // The blob's page tables identity-map the first 4 GiB with 2 MiB pages; the
+    // out-of-line area (at 3.25 GiB) is out of a rel32's reach from the blob, so map it
+    // again at 1 GiB, as the VMM maps it next to a kernel.
+    const OOL_VA: u64 = 1 << 30;
+    let second_page_directory = hvprobe_vmm::layout::PDE_START + 0x1000;
+    let entry = hvprobe::probing::out_of_line_gpa().0 | 0x83;
+    mem.write_obj(entry, GuestAddress(second_page_directory)).unwrap();
+    let ool = OutOfLineArea {
+        start: Gva(OOL_VA),
+        size: 0x1000,
+    };
+    let tracer = Arc::new(Tracer::new(
+        Arc::new(VmMachine::new(vm.control(), kernel)),
+        view,
+        Some(ool),
+        None,
+    ));
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    for offset in [0x0, 0x7, 0x8] {
+        let s = seen.clone();
+        let mut req = KprobeRequest {
+            emit_events: false,
+            ..KprobeRequest::event(
+                ProbePoint::Symbol {
+                    name: "blob".into(),
+                    offset,
+                },
+                "blob",
+                &format!("at{offset:x}"),
+                Vec::new(),
+            )
+        };
+        req.post = Some(Arc::new(move |ctx: &mut HitContext| {
+            s.lock().unwrap().push((offset, ctx.regs.rip, ctx.regs.rax));
+        }));
+        tracer.register(req).unwrap();
+    }
+    let handler = ProbeHandler::new(vm.backend(), mem.clone());
+    handler.attach(tracer.clone(), None);
+    let outcome = vm.run(handler).unwrap();
+    assert_eq!(outcome.reason, StopReason::GuestExit(0));
+    let got: u64 = mem.read_obj(GuestAddress(0x3000)).unwrap();
+    assert_eq!(got, BLOB_DATA, "the stepped copy read the wrong address");
+    let rsp: u64 = mem.read_obj(GuestAddress(0x3008)).unwrap();
+    let pushed: u64 = mem.read_obj(GuestAddress(rsp)).unwrap();
+    assert_eq!(pushed, state.regs.rbp, "the emulated push");
+    assert_eq!(rsp, state.regs.rsp - 8);
+    let start = CODE_BLOB_START;
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            (0x0, start + 7, BLOB_DATA),
+            (0x7, start + 8, BLOB_DATA),
+            (0x8, start + 0xb, BLOB_DATA)
+        ],
+        "post-handlers see the state after each instruction"
+    );
+    assert_eq!(outcome.breakpoints, 3, "one int3 exit per hit");
+    assert_eq!(outcome.single_steps, 1, "only the RIP-relative load is stepped");
+    assert_eq!(tracer.stats.emulated.load(Ordering::Relaxed), 2);
+    assert_eq!(tracer.stats.stepped.load(Ordering::Relaxed), 1);
+}
