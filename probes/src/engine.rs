@@ -90,6 +90,14 @@ pub trait EventSink: Send + Sync {
     fn try_send(&self, event: HitEvent) -> bool;
 }
 
+/// For async consumers: a bounded tokio channel. A full channel (the consumer is behind)
+/// counts the hit as missed instead of stalling the vCPU.
+impl EventSink for tokio::sync::mpsc::Sender<HitEvent> {
+    fn try_send(&self, event: HitEvent) -> bool {
+        tokio::sync::mpsc::Sender::try_send(self, event).is_ok()
+    }
+}
+
 /// A kprobe to register.
 #[derive(Clone)]
 pub struct KprobeRequest {

@@ -441,3 +441,18 @@ fn events_beyond_a_full_consumer_count_as_missed() {
     assert_eq!(got[0].record.location, "func+0x0/0x40");
     assert_eq!(got[0].record.args[0].1.to_string(), "0x7");
 }
+
+#[test]
+fn a_tokio_channel_takes_events_and_a_full_one_counts_misses() {
+    let m = FakeMachine::with_code();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+    let t = tracer_with(&m, PatchSites::default(), Some(Arc::new(tx)));
+    t.register(KprobeRequest::event(at("func", 0), "g", "e", Vec::new())).unwrap();
+    for _ in 0..2 {
+        let mut cpu = FakeVcpu::at(PUSH);
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH));
+    }
+    assert_eq!(rx.try_recv().unwrap().record.event, "e");
+    assert!(rx.try_recv().is_err());
+    assert_eq!(t.listing()[0].nmissed, 1);
+}
