@@ -4,6 +4,7 @@
 //! The probe engine (`hvprobe-probes`) and guest introspection
 //! (`hvprobe-introspection`) are built on top in later steps.
 
+pub mod bench;
 pub mod cpio;
 pub mod guest;
 pub mod introspect;

@@ -139,6 +139,9 @@ fn main() -> ExitCode {
         Commands::Bench {
             command: hvprobe::snapshot::BenchCommand::Snapshot(args),
         } => hvprobe::snapshot::bench(args),
+        Commands::Bench {
+            command: hvprobe::snapshot::BenchCommand::Probes(args),
+        } => hvprobe::bench::bench_probes(args),
         Commands::BuildGuest => BundledGuest::ensure_built()
             .map(|g| {
                 println!("{}", g.dir.display());

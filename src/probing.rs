@@ -106,7 +106,7 @@ pub fn map_out_of_line_area(
     };
     // One free 2 MiB page between the kernel and us, so that nothing the kernel maps just
     // past its end is mistaken for free.
-    let mut va = (end + TWO_MIB - 1) / TWO_MIB * TWO_MIB + TWO_MIB;
+    let mut va = end.div_ceil(TWO_MIB) * TWO_MIB + TWO_MIB;
     while va + TWO_MIB <= limit {
         match translate(phys, cr3, mode, Gva(va)) {
             Ok(t) if t.gpa == OOL_AREA_START => {

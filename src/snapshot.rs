@@ -58,6 +58,9 @@ pub struct CreateArgs {
 pub enum BenchCommand {
     /// Cold boot of the bundled guest against restores of its snapshot.
     Snapshot(BenchArgs),
+    /// What a probe hit costs: the int3 floor, emulated and stepped hits, against the
+    /// guest's own kprobe event.
+    Probes(crate::bench::ProbeBenchArgs),
 }
 
 #[derive(Args)]

@@ -3,7 +3,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -57,10 +57,7 @@ struct ChannelSink {
 impl EventSink for ChannelSink {
     fn try_send(&self, event: HitEvent) -> bool {
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        match tx.as_ref().map(|tx| tx.try_send(event)) {
-            Some(Ok(())) => true,
-            Some(Err(TrySendError::Full(_) | TrySendError::Disconnected(_))) | None => false,
-        }
+        tx.as_ref().is_some_and(|tx| tx.try_send(event).is_ok())
     }
 }
 

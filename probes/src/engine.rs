@@ -258,6 +258,9 @@ pub struct EngineStats {
     pub shared_with_guest: AtomicU64,
     /// int3 exits at an address we had just disarmed (the instruction re-executes).
     pub stale: AtomicU64,
+    /// Host time spent handling hits and steps (registers in and out, handlers, events,
+    /// emulation), not counting the exits themselves.
+    pub handling_ns: AtomicU64,
 }
 
 /// The probe engine for one guest.
@@ -657,9 +660,8 @@ impl Tracer {
                 event: request.event.clone(),
             });
         }
-        if !reg.sites.contains_key(&placement.site) {
-            let site = self.new_site(text, placement)?;
-            reg.sites.insert(placement.site, site);
+        if let std::collections::hash_map::Entry::Vacant(slot) = reg.sites.entry(placement.site) {
+            slot.insert(self.new_site(text, placement)?);
         }
         let id = ProbeId(reg.next_id);
         reg.next_id += 1;
@@ -760,6 +762,25 @@ impl Tracer {
 
     /// An int3 exit at `at` on vCPU `cpu`.
     pub fn on_breakpoint(&self, cpu: usize, vcpu: &mut dyn Vcpu, at: Gva) -> BreakpointOutcome {
+        let started = Instant::now();
+        let outcome = self.handle_breakpoint(cpu, vcpu, at);
+        self.stats
+            .handling_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        outcome
+    }
+
+    /// A single-step exit on vCPU `cpu`: the end of an out-of-line step.
+    pub fn on_single_step(&self, cpu: usize, vcpu: &mut dyn Vcpu) -> StepOutcome {
+        let started = Instant::now();
+        let outcome = self.handle_single_step(cpu, vcpu);
+        self.stats
+            .handling_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        outcome
+    }
+
+    fn handle_breakpoint(&self, cpu: usize, vcpu: &mut dyn Vcpu, at: Gva) -> BreakpointOutcome {
         let reg = self.read_registry();
         let Some(site) = reg.sites.get(&at) else {
             return BreakpointOutcome::NotOurs;
@@ -893,8 +914,7 @@ impl Tracer {
         }
     }
 
-    /// A single-step exit on vCPU `cpu`: the end of an out-of-line step.
-    pub fn on_single_step(&self, cpu: usize, vcpu: &mut dyn Vcpu) -> StepOutcome {
+    fn handle_single_step(&self, cpu: usize, vcpu: &mut dyn Vcpu) -> StepOutcome {
         let mut stepping = self.stepping.lock().unwrap_or_else(|e| e.into_inner());
         let Some(pending) = stepping.remove(&cpu) else {
             return StepOutcome::NotOurs;

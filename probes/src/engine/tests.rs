@@ -447,7 +447,8 @@ fn a_tokio_channel_takes_events_and_a_full_one_counts_misses() {
     let m = FakeMachine::with_code();
     let (tx, mut rx) = tokio::sync::mpsc::channel(1);
     let t = tracer_with(&m, PatchSites::default(), Some(Arc::new(tx)));
-    t.register(KprobeRequest::event(at("func", 0), "g", "e", Vec::new())).unwrap();
+    t.register(KprobeRequest::event(at("func", 0), "g", "e", Vec::new()))
+        .unwrap();
     for _ in 0..2 {
         let mut cpu = FakeVcpu::at(PUSH);
         t.on_breakpoint(0, &mut cpu, Gva(PUSH));
