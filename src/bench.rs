@@ -308,50 +308,66 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
             out
         }
     };
+    // Two loop lengths per variant: the difference is the per-call cost, free of what
+    // does not scale with the calls (exec, and the guest enabling its event: ftrace
+    // patching its text costs it millions of instructions once).
+    let short = (args.calls / 5).max(1);
     println!(
-        "bundled guest, getppid() x {} per run, median of {} runs, extra per call against the run without probes:",
-        args.calls, args.runs
+        "bundled guest, getppid() loop of {} and of {short} calls, median of {} runs each; per call = \
+         (long - short) / {} calls, minus the same without probes:",
+        args.calls,
+        args.runs,
+        args.calls - short
     );
-    let mut results = Vec::new();
+    let measure =
+        |variant: &GuestVariant, calls: u32| -> Result<(f64, f64, f64, Duration, u64), Box<dyn std::error::Error>> {
+            let runs = (0..args.runs)
+                .map(|_| run_guest(&dir, calls, variant))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((
+                median(runs.iter().map(|r| r.workload_time).collect()).as_secs_f64() * 1e6,
+                median(runs.iter().map(|r| r.instructions).collect()) as f64,
+                median(runs.iter().map(|r| r.exits).collect()) as f64,
+                median(runs.iter().map(|r| r.handling).collect()),
+                median(runs.iter().map(|r| r.hits).collect()),
+            ))
+        };
+    let span = f64::from(args.calls - short);
+    let mut slopes = Vec::new();
     for variant in &GUEST_VARIANTS {
-        let runs = (0..args.runs)
-            .map(|_| run_guest(&dir, args.calls, variant))
-            .collect::<Result<Vec<_>, _>>()?;
-        results.push((
+        let long = measure(variant, args.calls)?;
+        let small = measure(variant, short)?;
+        slopes.push((
             variant.label,
-            median(runs.iter().map(|r| r.workload_time).collect()),
-            median(runs.iter().map(|r| r.instructions).collect()),
-            median(runs.iter().map(|r| r.exits).collect()),
-            median(runs.iter().map(|r| (r.handling, r.hits)).collect()),
+            (long.0 - small.0) / span,
+            (long.1 - small.1) / span,
+            (long.2 - small.2) / span,
+            long.3.as_secs_f64() * 1e6 / long.4.max(1) as f64,
         ));
     }
     if args.snapshot.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    let calls = f64::from(args.calls);
-    let (_, base_time, base_instr, base_exits, _) = results[0];
+    let (_, base_us, base_instr, base_exits, _) = slopes[0];
+    println!("  no probe: {base_us:.1} µs, {base_instr:.0} guest kernel instructions, {base_exits:.2} exits per call");
     let mut guest_kprobe_us = f64::NAN;
-    for (i, (label, time, instr, exits, (handling, hits))) in results.iter().enumerate().skip(1) {
-        let us = (time.as_secs_f64() - base_time.as_secs_f64()) / calls * 1e6;
-        let extra_instr = (*instr as f64 - base_instr as f64) / calls;
-        let extra_exits = (*exits as f64 - base_exits as f64) / calls;
+    for (i, (label, us, instr, exits, handling_us)) in slopes.iter().enumerate().skip(1) {
+        let (us, instr, exits) = (us - base_us, instr - base_instr, exits - base_exits);
         println!("  {label}");
         if i == 1 {
             guest_kprobe_us = us;
-            println!(
-                "      {us:+.1} µs wall time, {extra_instr:+.0} guest kernel instructions, {extra_exits:+.2} exits"
-            );
+            println!("      {us:+.1} µs, {instr:+.0} guest kernel instructions, {exits:+.2} exits per hit");
         } else {
             println!(
-                "      +{extra_exits:.2} exits, {:.1} µs of host handling per hit ({} hits), {extra_instr:+.0} guest \
-                 instructions (noise: a host probe adds none, or the one it steps)",
-                handling.as_secs_f64() * 1e6 / (*hits).max(1) as f64,
-                hits
+                "      {us:+.1} µs, {instr:+.0} guest kernel instructions, {exits:+.2} exits per hit; \
+                 {handling_us:.1} µs of it host handling"
             );
         }
     }
     println!();
-    println!("ratios per hit (the guest's own kprobe event / a host probe, host probe cost from the blob):");
+    println!(
+        "ratios per hit, the guest's own kprobe event / a host probe (the host probe's cost measured on the blob):"
+    );
     println!(
         "  guest kprobe event / stepped host probe:  {:8.1}x",
         guest_kprobe_us / stepped.0

@@ -257,3 +257,108 @@ fn on_a_code_blob_emulated_probes_take_one_exit_and_stepped_ones_two() {
     assert_eq!(tracer.stats.emulated.load(Ordering::Relaxed), 2);
     assert_eq!(tracer.stats.stepped.load(Ordering::Relaxed), 1);
 }
+
+/// Collects hit events.
+#[derive(Default)]
+struct Collect(std::sync::Mutex<Vec<hvprobe_probes::engine::HitEvent>>);
+
+impl hvprobe_probes::engine::EventSink for Collect {
+    fn try_send(&self, event: hvprobe_probes::engine::HitEvent) -> bool {
+        self.0.lock().unwrap().push(event);
+        true
+    }
+}
+
+#[test]
+fn a_probe_on_the_guests_own_int3_runs_and_the_guests_kprobe_still_counts_every_hit() {
+    let dir = common::snapshot(1);
+    let mut vm = Vm::restore(&dir, Some(1), ConsoleOutput::Discard).expect("restore");
+    let state = vm.vcpu_state(0).unwrap();
+    let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)
+        .expect("kallsyms")
+        .table;
+    let tasks = hvprobe::introspect::TaskContext::read(&live_memory(vm.memory(), &state), &symbols).ok();
+    let events = Arc::new(Collect::default());
+    let sink: Arc<dyn hvprobe_probes::engine::EventSink> = events.clone();
+    let tracer = build_tracer(vm.control(), vm.memory(), &state, &symbols, Some(sink)).expect("tracer");
+    let handler = ProbeHandler::new(vm.backend(), vm.memory().clone());
+    handler.attach(tracer.clone(), tasks);
+
+    // +5 is past the ftrace NOP: the guest's kprobe there is an int3 of its own (kept an
+    // int3: with jump optimization on, the guest would soon turn it into a jmp, and our
+    // probe would be gone).
+    let site = Gva(symbols.lookup("__x64_sys_getppid").unwrap().addr.0 + 5);
+    let original = text(vm.memory(), &state, site, 1)[0];
+    assert_ne!(original, 0xcc);
+    vm.send_console_input(workload_message(
+        "echo 0 > /proc/sys/debug/kprobes-optimization; \
+         T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid+5' > $T/kprobe_events; \
+         echo 1 > $T/events/kprobes/gk/enable; echo GUEST-ARMED; read -t 20 go < /dev/console; \
+         hvprobe-loop 20; echo 0 > $T/events/kprobes/gk/enable; \
+         while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile",
+    ));
+    let console = vm.console_log();
+    let mem = vm.memory().clone();
+    let input = vm.console_input();
+    let runner = std::thread::spawn(move || vm.run(handler));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !console.contents().contains("GUEST-ARMED") {
+        assert!(
+            Instant::now() < deadline,
+            "the guest never armed its probe\n{}",
+            console.tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(text(&mem, &state, site, 1)[0], 0xcc, "the guest's int3");
+    tracer
+        .register(KprobeRequest::event(
+            ProbePoint::Address(site),
+            "api",
+            "shared",
+            Vec::new(),
+        ))
+        .unwrap();
+    input.send(b"go\n".to_vec()).unwrap();
+    let outcome = runner.join().unwrap().unwrap();
+    assert_eq!(outcome.reason, StopReason::GuestExit(0), "{}", console.tail(20));
+    let log = console.contents();
+    let profile = log
+        .lines()
+        .find_map(|l| l.strip_prefix("PROFILE "))
+        .unwrap_or_else(|| panic!("no profile\n{}", console.tail(20)));
+    let guest_hits: u64 = profile.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let ours = events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.record.comm == "hvprobe-loop")
+        .count();
+    assert_eq!(guest_hits, 20, "the guest's kprobe missed hits\n{}", console.tail(20));
+    let all: Vec<(String, i32)> = events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| (e.record.comm.clone(), e.record.pid))
+        .collect();
+    assert_eq!(
+        ours,
+        20,
+        "our probe on the shared int3: {all:?} {:?} {}",
+        tracer.stats,
+        console.tail(30)
+    );
+    assert!(tracer.stats.shared_with_guest.load(Ordering::Relaxed) >= 20);
+    assert_eq!(
+        outcome.breakpoints_reinjected, outcome.breakpoints,
+        "every shared hit went back to the guest"
+    );
+    tracer.unregister_all();
+    assert_eq!(
+        text(&mem, &state, site, 1)[0],
+        original,
+        "the guest removed its int3; we wrote nothing"
+    );
+}

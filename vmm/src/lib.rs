@@ -30,4 +30,4 @@ pub use vcpu::{
     reinject_breakpoint, set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus,
     StopReason, VcpuControl, VcpuState,
 };
-pub use vm::{CodeBlob, Vm, VmConfig, VmOutcome, CODE_BLOB_START, MAX_MEM_MIB, MIN_MEM_MIB};
+pub use vm::{CodeBlob, ConsoleInput, Vm, VmConfig, VmOutcome, CODE_BLOB_START, MAX_MEM_MIB, MIN_MEM_MIB};

@@ -254,6 +254,15 @@ impl Vm {
         crate::VcpuState::read(vcpu)
     }
 
+    /// A handle that types on the guest's serial console while the VM runs (a host tool
+    /// driving an interactive guest, a test telling a waiting workload to go on).
+    pub fn console_input(&self) -> ConsoleInput {
+        ConsoleInput {
+            devices: Arc::clone(&self.devices),
+            control: Arc::clone(&self.control),
+        }
+    }
+
     pub fn console_log(&self) -> ConsoleLog {
         self.console_log.clone()
     }
@@ -430,6 +439,21 @@ pub(crate) fn create_devices(
             .map_err(|e| Error::Config(format!("serial state: {e:?}")))?,
     };
     Ok(Arc::new(PortDevices::with_cmos_index(serial, cmos_index)))
+}
+
+/// Types on the guest's serial console (see [`Vm::console_input`]).
+#[derive(Clone)]
+pub struct ConsoleInput {
+    devices: Arc<PortDevices>,
+    control: Arc<VcpuControl>,
+}
+
+impl ConsoleInput {
+    /// Queues `bytes` for the guest; returns at once (a thread refills the UART's FIFO as
+    /// the guest drains it).
+    pub fn send(&self, bytes: Vec<u8>) -> Result<(), Error> {
+        feed_console(&self.devices, &self.control, bytes)
+    }
 }
 
 /// Feeds `bytes` to the serial console: what fits in the UART's FIFO now, before any vCPU
