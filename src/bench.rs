@@ -39,8 +39,8 @@ pub struct ProbeBenchArgs {
     /// getppid() calls per guest run.
     #[arg(long, default_value_t = 1000)]
     pub calls: u32,
-    /// Runs per guest variant (the median is reported).
-    #[arg(long, default_value_t = 3)]
+    /// Runs per variant (the median is reported, with the range for the guest part).
+    #[arg(long, default_value_t = 5)]
     pub runs: u32,
     /// A snapshot of the bundled guest (`hvprobe snapshot create`); without it the
     /// benchmark boots the guest once to make one.
@@ -253,11 +253,6 @@ fn run_guest(
     })
 }
 
-fn median<T: Copy + Ord>(mut v: Vec<T>) -> T {
-    v.sort();
-    v[v.len() / 2]
-}
-
 pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     if args.iterations == 0 || args.calls == 0 || args.runs == 0 {
         return Err("--iterations, --calls and --runs must be at least 1".into());
@@ -265,20 +260,40 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     let n = f64::from(args.iterations);
     println!("probe benchmark (backend: {})", hvprobe_vmm::Backend::detect());
     println!();
-    println!("code blob, {} loop iterations, one hit per iteration:", args.iterations);
-    let (base, base_time) = run_blob(args.iterations, &BlobVariant::Baseline)?;
-    let blob = |variant: BlobVariant| -> Result<(f64, f64), Box<dyn std::error::Error>> {
-        let (outcome, time) = run_blob(args.iterations, &variant)?;
-        let per_hit_us = (time.as_secs_f64() - base_time.as_secs_f64()) / n * 1e6;
-        let exits_per_hit = (outcome.exits as f64 - base.exits as f64) / n;
-        Ok((per_hit_us, exits_per_hit))
+    println!(
+        "code blob, {} loop iterations, one hit per iteration, median of {} runs (variants interleaved):",
+        args.iterations, args.runs
+    );
+    let variants = [
+        BlobVariant::Baseline,
+        BlobVariant::Floor,
+        BlobVariant::Probe(PUSH_OFFSET),
+        BlobVariant::Probe(LOAD_OFFSET),
+    ];
+    // Per variant: (time per iteration, exits per iteration) of every run.
+    let mut per_iteration: Vec<Vec<(f64, f64)>> = vec![Vec::new(); variants.len()];
+    for _ in 0..args.runs {
+        for (i, variant) in variants.iter().enumerate() {
+            let (outcome, time) = run_blob(args.iterations, variant)?;
+            per_iteration[i].push((time.as_secs_f64() / n * 1e6, outcome.exits as f64 / n));
+        }
+    }
+    // Each run's cost over the baseline run of the same round, then the median.
+    let over_baseline = |i: usize| -> (f64, f64) {
+        let mut us: Vec<f64> = (0..per_iteration[i].len())
+            .map(|r| per_iteration[i][r].0 - per_iteration[0][r].0)
+            .collect();
+        us.sort_by(f64::total_cmp);
+        (us[us.len() / 2], per_iteration[i][0].1 - per_iteration[0][0].1)
     };
-    let floor = blob(BlobVariant::Floor)?;
-    let emulated = blob(BlobVariant::Probe(PUSH_OFFSET))?;
-    let stepped = blob(BlobVariant::Probe(LOAD_OFFSET))?;
+    let floor = over_baseline(1);
+    let emulated = over_baseline(2);
+    let stepped = over_baseline(3);
+    let mut base: Vec<f64> = per_iteration[0].iter().map(|p| p.0).collect();
+    base.sort_by(f64::total_cmp);
     println!(
         "  no probe:                                  {:8.2} µs per iteration",
-        base_time.as_secs_f64() / n * 1e6
+        base[base.len() / 2]
     );
     for (label, (us, exits)) in [
         ("int3 exit + resume floor (get/set regs)", floor),
@@ -319,50 +334,59 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
         args.runs,
         args.calls - short
     );
-    let measure =
-        |variant: &GuestVariant, calls: u32| -> Result<(f64, f64, f64, Duration, u64), Box<dyn std::error::Error>> {
-            let runs = (0..args.runs)
-                .map(|_| run_guest(&dir, calls, variant))
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok((
-                median(runs.iter().map(|r| r.workload_time).collect()).as_secs_f64() * 1e6,
-                median(runs.iter().map(|r| r.instructions).collect()) as f64,
-                median(runs.iter().map(|r| r.exits).collect()) as f64,
-                median(runs.iter().map(|r| r.handling).collect()),
-                median(runs.iter().map(|r| r.hits).collect()),
-            ))
-        };
     let span = f64::from(args.calls - short);
-    let mut slopes = Vec::new();
-    for variant in &GUEST_VARIANTS {
-        let long = measure(variant, args.calls)?;
-        let small = measure(variant, short)?;
-        slopes.push((
-            variant.label,
-            (long.0 - small.0) / span,
-            (long.1 - small.1) / span,
-            (long.2 - small.2) / span,
-            long.3.as_secs_f64() * 1e6 / long.4.max(1) as f64,
-        ));
+    // Per variant and run: (µs, guest instructions, exits) per call from a long and a short
+    // run back to back, and the host handling per hit.
+    let mut slopes: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); GUEST_VARIANTS.len()];
+    for _ in 0..args.runs {
+        for (i, variant) in GUEST_VARIANTS.iter().enumerate() {
+            let long = run_guest(&dir, args.calls, variant)?;
+            let small = run_guest(&dir, short, variant)?;
+            slopes[i].push((
+                (long.workload_time.as_secs_f64() - small.workload_time.as_secs_f64()) * 1e6 / span,
+                (long.instructions as f64 - small.instructions as f64) / span,
+                (long.exits as f64 - small.exits as f64) / span,
+                long.handling.as_secs_f64() * 1e6 / long.hits.max(1) as f64,
+            ));
+        }
     }
     if args.snapshot.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    let (_, base_us, base_instr, base_exits, _) = slopes[0];
-    println!("  no probe: {base_us:.1} µs, {base_instr:.0} guest kernel instructions, {base_exits:.2} exits per call");
+    // Median and range over the runs of one quantity, relative to the same run's no-probe
+    // value.
+    let stat = |i: usize, pick: fn(&(f64, f64, f64, f64)) -> f64, relative: bool| -> (f64, f64, f64) {
+        let mut v: Vec<f64> = (0..slopes[i].len())
+            .map(|r| pick(&slopes[i][r]) - if relative { pick(&slopes[0][r]) } else { 0.0 })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[0], v[v.len() - 1])
+    };
+    let (base_us, lo, hi) = stat(0, |s| s.0, false);
+    let (base_instr, ilo, ihi) = stat(0, |s| s.1, false);
+    println!(
+        "  no probe: {base_us:.0} µs ({lo:.0}..{hi:.0}) and {base_instr:.0} ({ilo:.0}..{ihi:.0}) guest kernel \
+         instructions per call: the spread is the noise (host load, guest timer ticks)"
+    );
     let mut guest_kprobe_us = f64::NAN;
-    for (i, (label, us, instr, exits, handling_us)) in slopes.iter().enumerate().skip(1) {
-        let (us, instr, exits) = (us - base_us, instr - base_instr, exits - base_exits);
-        println!("  {label}");
+    for (i, variant) in GUEST_VARIANTS.iter().enumerate().skip(1) {
+        let (us, ulo, uhi) = stat(i, |s| s.0, true);
+        let (instr, ilo, ihi) = stat(i, |s| s.1, true);
+        let (exits, _, _) = stat(i, |s| s.2, true);
+        let (handling, _, _) = stat(i, |s| s.3, false);
         if i == 1 {
             guest_kprobe_us = us;
-            println!("      {us:+.1} µs, {instr:+.0} guest kernel instructions, {exits:+.2} exits per hit");
-        } else {
-            println!(
-                "      {us:+.1} µs, {instr:+.0} guest kernel instructions, {exits:+.2} exits per hit; \
-                 {handling_us:.1} µs of it host handling"
-            );
         }
+        println!("  {}", variant.label);
+        let host = if variant.host_probes.is_empty() {
+            String::new()
+        } else {
+            format!(", {handling:.1} µs of host handling per hit")
+        };
+        println!(
+            "      {us:+.0} µs ({ulo:+.0}..{uhi:+.0}), {instr:+.0} ({ilo:+.0}..{ihi:+.0}) guest instructions, \
+             {exits:+.2} exits per hit{host}"
+        );
     }
     println!();
     println!(

@@ -239,6 +239,7 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             args.output,
             vm.backend(),
             vm.memory().clone(),
+            usize::from(args.cpus),
         )?)),
         None => None,
     };

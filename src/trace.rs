@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::SymbolTable;
-use hvprobe_probes::engine::{EventSink, HitEvent, KprobeRequest, ProbePoint};
+use hvprobe_probes::engine::{default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeKind, ProbePoint};
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
 use hvprobe_probes::spec::{parse_file_numbered, ProbeSpec, Target};
 use hvprobe_vmm::{Backend, VcpuControl, VcpuState};
@@ -62,42 +62,27 @@ impl EventSink for ChannelSink {
 }
 
 /// Reads and checks a spec file: syntax, and what this version supports.
-fn read_spec_file(path: &Path) -> Result<Vec<SpecProbe>, String> {
+fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read probe file {}: {e}", path.display()))?;
     let specs = parse_file_numbered(&text, &path.display().to_string()).map_err(|e| e.to_string())?;
     let mut probes: Vec<SpecProbe> = Vec::new();
     for (line, spec) in specs {
-        match spec {
+        let (group, event, target, args, kind) = match spec {
             ProbeSpec::Kprobe {
                 group,
                 event,
                 target,
                 args,
+            } => (group, event, target, args, ProbeKind::Kprobe),
+            ProbeSpec::Kretprobe {
+                group,
+                event,
+                target,
+                maxactive,
+                args,
             } => {
-                if let Some(other) = probes
-                    .iter()
-                    .find(|p| p.request.group == group && p.request.event == event)
-                {
-                    return Err(format!(
-                        "{}:{line}: event {group}/{event} is already defined on line {}",
-                        path.display(),
-                        other.line
-                    ));
-                }
-                let point = match target {
-                    Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
-                    Target::Address(a) => ProbePoint::Address(a),
-                };
-                probes.push(SpecProbe {
-                    line,
-                    request: KprobeRequest::event(point, &group, &event, args),
-                });
-            }
-            ProbeSpec::Kretprobe { group, event, .. } => {
-                return Err(format!(
-                    "{}:{line}: {group}/{event}: return probes (r) are not supported yet; only kprobes (p) are",
-                    path.display()
-                ))
+                let maxactive = maxactive.unwrap_or_else(|| default_maxactive(cpus));
+                (group, event, target, args, ProbeKind::Kretprobe { maxactive })
             }
             ProbeSpec::Remove { group, event } => {
                 let before = probes.len();
@@ -109,8 +94,30 @@ fn read_spec_file(path: &Path) -> Result<Vec<SpecProbe>, String> {
                         group.map(|g| format!("{g}/")).unwrap_or_default()
                     ));
                 }
+                continue;
             }
+        };
+        if let Some(other) = probes
+            .iter()
+            .find(|p| p.request.group == group && p.request.event == event)
+        {
+            return Err(format!(
+                "{}:{line}: event {group}/{event} is already defined on line {}",
+                path.display(),
+                other.line
+            ));
         }
+        let point = match target {
+            Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
+            Target::Address(a) => ProbePoint::Address(a),
+        };
+        probes.push(SpecProbe {
+            line,
+            request: KprobeRequest {
+                kind,
+                ..KprobeRequest::event(point, &group, &event, args)
+            },
+        });
     }
     Ok(probes)
 }
@@ -122,8 +129,9 @@ impl TraceSession {
         format: OutputFormat,
         backend: Backend,
         mem: GuestMemoryMmap,
+        cpus: usize,
     ) -> Result<TraceSession, String> {
-        let probes = read_spec_file(probes_file)?;
+        let probes = read_spec_file(probes_file, cpus)?;
         let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
         let printer = std::thread::Builder::new()
             .name("trace-printer".into())

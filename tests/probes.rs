@@ -331,7 +331,10 @@ fn bad_probes_are_refused_with_the_reason_and_the_line() {
         ("p:a do_int3\n", "is marked NOKPROBE_SYMBOL"),
         ("p:a __x64_sys_getppid+0x400\n", "is outside"),
         ("p:a __x64_sys_getppid %zz\n", ":1:"),
-        ("r:a __x64_sys_getppid\n", "return probes (r) are not supported yet"),
+        (
+            "r:a __x64_sys_getppid+0x5\n",
+            "a return probe goes on a function's entry (offset 0)",
+        ),
     ];
     for (i, (text, expected)) in cases.iter().enumerate() {
         let probes = probe_file(&format!("bad{i}"), text);
@@ -344,4 +347,40 @@ fn bad_probes_are_refused_with_the_reason_and_the_line() {
         );
         let _ = std::fs::remove_file(probes);
     }
+}
+
+#[test]
+fn host_and_guest_return_probes_see_the_same_returns_and_values() {
+    let dir = snapshot(1);
+    let probes = probe_file("kretprobe", "r:host/getppid_ret __x64_sys_getppid ret=$retval\n");
+    let workload = format!(
+        "T=/sys/kernel/tracing; echo 'r:gr __x64_sys_getppid ret=$retval' > $T/kprobe_events; \
+         echo 1 > $T/events/kprobes/gr/enable; hvprobe-loop {LOOP_CALLS}; echo 0 > $T/events/kprobes/gr/enable; \
+         while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; \
+         while read l; do case $l in *' gr: '*) echo \"GUEST $l\";; esac; done < $T/trace"
+    );
+    let run = restore_with(&dir, 1, &workload, &["--probes", probes.to_str().unwrap()]);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let profile = run.stdout.lines().find_map(|l| l.strip_prefix("PROFILE ")).unwrap();
+    assert_eq!(profile.split_whitespace().nth(1), Some(LOOP_CALLS.to_string().as_str()));
+    let values = |guest: bool| -> Vec<String> {
+        run.stdout
+            .lines()
+            .filter(|l| l.starts_with("GUEST ") == guest)
+            .filter_map(parse_trace_line)
+            .filter(|l| l.task.starts_with("hvprobe-loop-") && l.event.starts_with("g"))
+            .map(|l| {
+                assert!(l.location.ends_with("<- __do_sys_getppid"), "{}", l.location);
+                l.args["ret"].clone()
+            })
+            .collect()
+    };
+    let guest = values(true);
+    let host = values(false);
+    assert_eq!(guest.len(), LOOP_CALLS, "{}", run.tail());
+    assert_eq!(host, guest, "return values differ");
+    let list = listing(&run);
+    assert!(run.stderr.contains("  r  "), "{}", run.tail());
+    assert_eq!(list.len(), 0, "the kretprobe is listed with r, not k");
+    let _ = std::fs::remove_file(probes);
 }

@@ -98,16 +98,38 @@ impl EventSink for tokio::sync::mpsc::Sender<HitEvent> {
     }
 }
 
+/// What a probe does at its address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeKind {
+    /// A kprobe: handlers at the instruction.
+    Kprobe,
+    /// A return probe (kretprobe): at the function's entry the return address is swapped
+    /// for the trampoline's; when the function returns, the return handler (`post`) runs
+    /// with the return value in RAX, and the caller gets control back. At most `maxactive`
+    /// calls are followed at once; further entries count as missed.
+    Kretprobe { maxactive: u32 },
+}
+
+/// The kernel's default `maxactive` for a preemptible kernel, `max(10, 2 * CPUs)`: the
+/// instances live on the host, so the larger of its two defaults costs nothing.
+pub fn default_maxactive(cpus: usize) -> u32 {
+    (2 * cpus).max(10) as u32
+}
+
 /// A kprobe to register.
 #[derive(Clone)]
 pub struct KprobeRequest {
+    pub kind: ProbeKind,
     pub point: ProbePoint,
     pub group: String,
     pub event: String,
     pub args: Vec<FetchArg>,
     /// Send a [`HitEvent`] per hit (always when there are fetch-args).
     pub emit_events: bool,
+    /// The pre-handler; for a return probe, its entry handler (`PreAction::Skip` then
+    /// means "do not follow this call", as a non-zero `entry_handler` return does).
     pub pre: Option<PreHandler>,
+    /// The post-handler; for a return probe, its return handler.
     pub post: Option<PostHandler>,
     /// Registered but disabled (`KPROBE_FLAG_DISABLED`).
     pub disabled: bool,
@@ -117,6 +139,7 @@ impl KprobeRequest {
     /// A probe without handlers that emits an event per hit.
     pub fn event(point: ProbePoint, group: &str, event: &str, args: Vec<FetchArg>) -> Self {
         KprobeRequest {
+            kind: ProbeKind::Kprobe,
             point,
             group: group.to_string(),
             event: event.to_string(),
@@ -165,6 +188,8 @@ pub enum ProbeError {
     OutOfLineFull(u64),
     #[error("no probe with id {0:?}")]
     NoSuchProbe(ProbeId),
+    #[error("{what}: a return probe goes on a function's entry (offset 0)")]
+    ReturnProbeNotAtEntry { what: String },
     #[error("event {group}/{event} already exists")]
     DuplicateEvent { group: String, event: String },
 }
@@ -186,6 +211,7 @@ struct Counters {
 }
 
 struct Probe {
+    kind: ProbeKind,
     group: String,
     event: String,
     /// The address the user asked for.
@@ -200,6 +226,8 @@ struct Probe {
     post: Option<PostHandler>,
     enabled: bool,
     counters: Arc<Counters>,
+    /// The function's start, for a return probe's event.
+    function: Gva,
 }
 
 struct Site {
@@ -240,6 +268,13 @@ struct PendingStep {
     address: Gva,
 }
 
+/// A call a return probe follows: the return address it replaced, keyed by the stack slot
+/// that held it.
+struct ReturnInstance {
+    probe: ProbeId,
+    return_address: u64,
+}
+
 /// The out-of-line area: guest-virtual memory mapped executable in the kernel's page tables
 /// and never used by the guest.
 #[derive(Clone, Copy, Debug)]
@@ -271,6 +306,11 @@ pub struct Tracer {
     ool_used: AtomicU64,
     registry: RwLock<Registry>,
     stepping: Mutex<HashMap<usize, PendingStep>>,
+    /// The return probes' trampoline: an int3 in the out-of-line area, made with the first
+    /// return probe and kept for as long as the tracer lives (calls in flight return
+    /// through it even after their probe is gone).
+    trampoline: std::sync::OnceLock<Gva>,
+    returns: Mutex<HashMap<u64, ReturnInstance>>,
     sink: Option<Arc<dyn EventSink>>,
     started: Instant,
     pub stats: EngineStats,
@@ -327,6 +367,8 @@ impl Tracer {
                 ..Default::default()
             }),
             stepping: Mutex::new(HashMap::new()),
+            trampoline: std::sync::OnceLock::new(),
+            returns: Mutex::new(HashMap::new()),
             sink,
             started: Instant::now(),
             stats: EngineStats::default(),
@@ -348,11 +390,47 @@ impl Tracer {
     /// Registers a kprobe and arms it (unless disabled or globally disarmed).
     pub fn register(&self, request: KprobeRequest) -> Result<ProbeId, ProbeError> {
         let placement = self.place(&request.point)?;
+        if let ProbeKind::Kretprobe { .. } = request.kind {
+            if !placement.at_function_entry {
+                return Err(ProbeError::ReturnProbeNotAtEntry {
+                    what: placement.what.clone(),
+                });
+            }
+            self.make_trampoline()?;
+        }
         let mut result = Ok(ProbeId(0));
         self.machine.with_vcpus_paused(&mut |text| {
             result = self.register_paused(text, &request, &placement);
         });
         result
+    }
+
+    /// The return trampoline's address, writing it on first use.
+    fn make_trampoline(&self) -> Result<Gva, ProbeError> {
+        if let Some(t) = self.trampoline.get() {
+            return Ok(*t);
+        }
+        let slot = self.allocate_slot("the return trampoline")?;
+        self.machine
+            .kernel()
+            .write_virt(slot, &[INT3])
+            .map_err(|source| ProbeError::Memory {
+                what: "the return trampoline".into(),
+                source,
+            })?;
+        Ok(*self.trampoline.get_or_init(|| slot))
+    }
+
+    fn allocate_slot(&self, what: &str) -> Result<Gva, ProbeError> {
+        let ool = self.ool.ok_or_else(|| ProbeError::Unprobeable {
+            what: what.to_string(),
+            reason: "it needs the out-of-line area and there is none".into(),
+        })?;
+        let index = self.ool_used.fetch_add(1, Ordering::Relaxed);
+        if (index + 1) * SLOT_SIZE > ool.size {
+            return Err(ProbeError::OutOfLineFull(ool.size / SLOT_SIZE));
+        }
+        Ok(Gva(ool.start.0 + index * SLOT_SIZE))
     }
 
     /// Registers all or none: when one fails, the ones already registered are unregistered
@@ -451,7 +529,10 @@ impl Tracer {
                 let site = reg.sites.get(&p.site);
                 ListEntry {
                     address: p.address,
-                    kind: ListKind::Kprobe,
+                    kind: match p.kind {
+                        ProbeKind::Kprobe => ListKind::Kprobe,
+                        ProbeKind::Kretprobe { .. } => ListKind::Kretprobe,
+                    },
                     location: p.location.clone(),
                     disabled: !p.enabled,
                     gone: site.is_some_and(|s| s.gone),
@@ -617,6 +698,8 @@ impl Tracer {
             address,
             location,
             site,
+            at_function_entry: address == func_start,
+            function: func_start,
             what,
             bytes: bytes.to_vec(),
             may_fault: self.view.ex_table.lookup(site).is_some(),
@@ -668,6 +751,7 @@ impl Tracer {
         reg.probes.insert(
             id,
             Probe {
+                kind: request.kind,
                 group: request.group.clone(),
                 event: request.event.clone(),
                 address: placement.address,
@@ -679,6 +763,7 @@ impl Tracer {
                 post: request.post.clone(),
                 enabled: !request.disabled,
                 counters: Arc::default(),
+                function: placement.function,
             },
         );
         if let Some(site) = reg.sites.get_mut(&placement.site) {
@@ -729,16 +814,7 @@ impl Tracer {
                             .into(),
                     });
                 }
-                let ool = self.ool.ok_or_else(|| ProbeError::Unprobeable {
-                    what: what.clone(),
-                    reason: "the instruction must be single-stepped out of line and there is no out-of-line area"
-                        .into(),
-                })?;
-                let index = self.ool_used.fetch_add(1, Ordering::Relaxed);
-                if (index + 1) * SLOT_SIZE > ool.size {
-                    return Err(ProbeError::OutOfLineFull(ool.size / SLOT_SIZE));
-                }
-                let slot = Gva(ool.start.0 + index * SLOT_SIZE);
+                let slot = self.allocate_slot(what)?;
                 let copy = step.copy_for(&insn, slot).map_err(|source| ProbeError::Decode {
                     what: what.clone(),
                     source,
@@ -781,6 +857,9 @@ impl Tracer {
     }
 
     fn handle_breakpoint(&self, cpu: usize, vcpu: &mut dyn Vcpu, at: Gva) -> BreakpointOutcome {
+        if self.trampoline.get() == Some(&at) {
+            return self.handle_return(cpu, vcpu);
+        }
         let reg = self.read_registry();
         let Some(site) = reg.sites.get(&at) else {
             return BreakpointOutcome::NotOurs;
@@ -807,6 +886,10 @@ impl Tracer {
             let Some(probe) = reg.probes.get(id).filter(|p| p.enabled) else {
                 continue;
             };
+            if let ProbeKind::Kretprobe { maxactive } = probe.kind {
+                self.enter_return_probe(*id, probe, maxactive, cpu, &mut regs, kernel);
+                continue;
+            }
             probe.counters.hits.fetch_add(1, Ordering::Relaxed);
             // A probe moved past an ftrace NOP shows the registers of its own address
             // (the NOP changes nothing but RIP), as the guest's ftrace-based kprobe would.
@@ -966,6 +1049,139 @@ impl Tracer {
         StepOutcome::Handled
     }
 
+    /// A return probe's entry: follow this call (swap its return address for the
+    /// trampoline) unless `maxactive` calls are in flight or the entry handler declines.
+    fn enter_return_probe(
+        &self,
+        id: ProbeId,
+        probe: &Probe,
+        maxactive: u32,
+        cpu: usize,
+        regs: &mut Regs,
+        kernel: &dyn KernelMemory,
+    ) {
+        let Some(&trampoline) = self.trampoline.get() else {
+            return;
+        };
+        let slot = regs.rsp;
+        let mut returns = self.returns.lock().unwrap_or_else(|e| e.into_inner());
+        // A call that never returned (its task died, or it left by longjmp-like means)
+        // leaves an instance behind; a new call using the same stack slot replaces it.
+        returns.remove(&slot);
+        let in_flight = returns.values().filter(|r| r.probe == id).count();
+        if in_flight >= maxactive as usize {
+            probe.counters.nmissed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if let Some(entry) = &probe.pre {
+            let shown_rip = regs.rip;
+            regs.rip = probe.address.0;
+            let mut ctx = HitContext {
+                probe: id,
+                cpu,
+                address: probe.address,
+                regs,
+                kernel: kernel as &dyn GuestVirtRead,
+            };
+            let declined = entry(&mut ctx) == PreAction::Skip;
+            regs.rip = shown_rip;
+            if declined {
+                return;
+            }
+        }
+        let return_address = match kernel.read_u64(Gva(slot)) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(
+                    "vCPU {cpu}: return probe at {}: reading the return address: {e}",
+                    probe.address
+                );
+                probe.counters.nmissed.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        if let Err(e) = kernel.write_virt(Gva(slot), &trampoline.0.to_le_bytes()) {
+            tracing::error!("vCPU {cpu}: return probe at {}: {e}", probe.address);
+            probe.counters.nmissed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        returns.insert(
+            slot,
+            ReturnInstance {
+                probe: id,
+                return_address,
+            },
+        );
+    }
+
+    /// The trampoline's int3: a followed call returned. Back to its caller, and the return
+    /// probe's handler and event.
+    fn handle_return(&self, cpu: usize, vcpu: &mut dyn Vcpu) -> BreakpointOutcome {
+        let mut regs = match vcpu.regs() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("vCPU {cpu}: return trampoline: cannot read registers: {e}");
+                return BreakpointOutcome::Handled;
+            }
+        };
+        // `ret` popped the slot that held the trampoline's address.
+        let slot = regs.rsp.wrapping_sub(8);
+        let instance = self.returns.lock().unwrap_or_else(|e| e.into_inner()).remove(&slot);
+        let Some(instance) = instance else {
+            // Nowhere to return to: the guest's own #BP handler will report it.
+            tracing::error!(
+                "vCPU {cpu}: a return through the trampoline with no call on record (stack slot {slot:#x})"
+            );
+            return BreakpointOutcome::NotOurs;
+        };
+        regs.rip = instance.return_address;
+        self.stats.hits.fetch_add(1, Ordering::Relaxed);
+        let reg = self.read_registry();
+        if let Some(probe) = reg.probes.get(&instance.probe).filter(|p| p.enabled) {
+            probe.counters.hits.fetch_add(1, Ordering::Relaxed);
+            let kernel = self.machine.kernel();
+            if probe.emit_events {
+                let task = vcpu.current_task();
+                let mut event = self.hit_event(instance.probe, probe, cpu, &regs, task.as_ref(), vcpu);
+                event.record.location = self
+                    .view
+                    .symbols
+                    .describe(probe.function)
+                    .map(|d| d.to_string())
+                    .unwrap_or_else(|| format!("{:#x}", probe.function.0));
+                event.record.retprobe_caller = Some(
+                    self.view
+                        .symbols
+                        .describe(Gva(instance.return_address))
+                        .map(|d| d.to_string())
+                        .unwrap_or_else(|| format!("{:#x}", instance.return_address)),
+                );
+                if !self.sink.as_ref().is_some_and(|s| s.try_send(event)) {
+                    probe.counters.nmissed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            if let Some(ret) = &probe.post {
+                let mut ctx = HitContext {
+                    probe: instance.probe,
+                    cpu,
+                    address: probe.address,
+                    regs: &mut regs,
+                    kernel: kernel as &dyn GuestVirtRead,
+                };
+                ret(&mut ctx);
+            }
+        }
+        if let Err(e) = vcpu.set_regs(&regs) {
+            tracing::error!("vCPU {cpu}: cannot write registers: {e}");
+        }
+        BreakpointOutcome::Handled
+    }
+
+    /// Calls return probes follow right now.
+    pub fn returns_in_flight(&self) -> usize {
+        self.returns.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
     /// When a hit cannot be handled: leave it to the guest if the int3 was its own.
     fn fallback(&self, site: &Site) -> BreakpointOutcome {
         if site.shared_with_guest() {
@@ -1004,7 +1220,7 @@ impl Tracer {
             user: user.as_deref(),
             symbols: &self.view.symbols,
             comm: comm.as_deref(),
-            retval: None,
+            retval: matches!(probe.kind, ProbeKind::Kretprobe { .. }).then_some(regs.rax),
         };
         let args: Vec<(String, ArgValue)> = probe
             .args
@@ -1050,6 +1266,9 @@ fn needs_user_memory(arg: &FetchArg) -> bool {
 /// Everything [`Tracer::place`] found out about a probe point.
 struct Placement {
     address: Gva,
+    /// The probe is at its function's first byte (a return probe must be).
+    at_function_entry: bool,
+    function: Gva,
     location: String,
     site: Gva,
     what: String,

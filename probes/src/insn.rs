@@ -161,6 +161,11 @@ pub fn instruction_starts_through(code: &[u8], start: Gva, last: Gva) -> Result<
         }
         starts.push(Gva(instruction.ip()));
     }
+    // The next instruction starts where the last decoded one ends: a boundary, even if
+    // it is not decoded.
+    if decoder.can_decode() {
+        starts.push(Gva(decoder.ip()));
+    }
     Ok(starts)
 }
 

@@ -457,3 +457,77 @@ fn a_tokio_channel_takes_events_and_a_full_one_counts_misses() {
     assert!(rx.try_recv().is_err());
     assert_eq!(t.listing()[0].nmissed, 1);
 }
+
+fn return_probe(event: &str, maxactive: u32) -> KprobeRequest {
+    KprobeRequest {
+        kind: ProbeKind::Kretprobe { maxactive },
+        ..plain(at("func", 0), event)
+    }
+}
+
+#[test]
+fn a_return_probe_swaps_the_return_address_and_runs_its_handler_at_the_return() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let returned = Arc::new(Mutex::new(Vec::new()));
+    let r = returned.clone();
+    let mut req = return_probe("ret", 4);
+    req.post = Some(Arc::new(move |ctx: &mut HitContext| {
+        r.lock().unwrap().push((ctx.regs.rax, ctx.regs.rip));
+    }));
+    t.register(req).unwrap();
+    let trampoline = Gva(OOL);
+    assert_eq!(
+        m.bytes(OOL, 1),
+        [INT3],
+        "the trampoline is an int3 in the out-of-line area"
+    );
+
+    // The call: the return address on the stack, the int3 past the ftrace NOP.
+    let caller = 0xffff_ffff_8100_0abc_u64;
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = cpu.regs.rsp;
+    m.write_virt(Gva(slot), &caller.to_le_bytes()).unwrap();
+    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    assert_eq!(m.read_u64(Gva(slot)).unwrap(), trampoline.0, "return address swapped");
+    assert_eq!(t.returns_in_flight(), 1);
+    assert!(returned.lock().unwrap().is_empty());
+
+    // ... the function runs and returns into the trampoline.
+    cpu.regs = Regs {
+        rip: trampoline.0,
+        rsp: slot + 8,
+        rax: 42,
+        ..cpu.regs
+    };
+    assert_eq!(t.on_breakpoint(0, &mut cpu, trampoline), BreakpointOutcome::Handled);
+    assert_eq!(cpu.regs.rip, caller);
+    assert_eq!(*returned.lock().unwrap(), [(42, caller)]);
+    assert_eq!(t.returns_in_flight(), 0);
+    let entry = &t.listing()[0];
+    assert_eq!((entry.kind, entry.hits, entry.nmissed), (ListKind::Kretprobe, 1, 0));
+}
+
+#[test]
+fn calls_beyond_maxactive_are_missed_and_return_probes_need_a_function_entry() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.register(return_probe("ret", 2)).unwrap();
+    for depth in 0..3u64 {
+        let mut cpu = FakeVcpu::at(PUSH);
+        cpu.regs.rsp -= 0x10 * depth;
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH));
+    }
+    assert_eq!(t.returns_in_flight(), 2);
+    assert_eq!(t.listing()[0].nmissed, 1);
+    let err = t
+        .register(KprobeRequest {
+            kind: ProbeKind::Kretprobe { maxactive: 1 },
+            ..plain(at("func", 9), "mid")
+        })
+        .unwrap_err();
+    assert!(matches!(err, ProbeError::ReturnProbeNotAtEntry { .. }), "{err}");
+    // A return through the trampoline nobody recorded is the guest's problem to report.
+    let mut cpu = FakeVcpu::at(OOL);
+    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(OOL)), BreakpointOutcome::NotOurs);
+}
