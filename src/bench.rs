@@ -183,8 +183,9 @@ const GUEST_VARIANTS: [GuestVariant; 4] = [
 ];
 
 struct GuestRun {
-    /// From the guest's "workload started" to its exit.
-    workload_time: Duration,
+    /// The getppid() loop alone, as the guest's `hvprobe-loop` timed it (CLOCK_MONOTONIC:
+    /// no exec, no shell).
+    loop_time: Duration,
     instructions: u64,
     exits: u64,
     /// Host probes' hits and the host time spent handling them.
@@ -223,20 +224,15 @@ fn run_guest(
     // Every variant defines the guest's event; only one enables it.
     let workload = format!(
         "T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid' > $T/kprobe_events; \
-         echo {} > $T/events/kprobes/gk/enable; hvprobe-loop {calls} > /dev/null",
+         echo {} > $T/events/kprobes/gk/enable; hvprobe-loop {calls}",
         u8::from(variant.guest_kprobe)
     );
     vm.send_console_input(workload_message(&workload));
     let console = vm.console_log();
-    let control = vm.control();
     let outcome = vm.run(handler)?;
-    let end = Instant::now();
     if outcome.reason != StopReason::GuestExit(0) {
         return Err(format!("the guest run ended with {}\n{}", outcome.reason, console.tail(20)).into());
     }
-    let started = control
-        .workload_started()
-        .ok_or("the guest never started its workload")?;
     let (hits, handling) = tracer_used.map_or((0, Duration::ZERO), |t| {
         use std::sync::atomic::Ordering::Relaxed;
         (
@@ -244,8 +240,20 @@ fn run_guest(
             Duration::from_nanos(t.stats.handling_ns.load(Relaxed)),
         )
     });
+    let loop_us: u64 = console
+        .contents()
+        .lines()
+        .find_map(|l| {
+            l.split(" getppid calls in ")
+                .nth(1)?
+                .strip_suffix(" us")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .ok_or_else(|| format!("hvprobe-loop printed no loop time\n{}", console.tail(10)))?;
     Ok(GuestRun {
-        workload_time: end - started,
+        loop_time: Duration::from_micros(loop_us),
         instructions: outcome.instructions_emulated,
         exits: outcome.exits,
         hits,
@@ -323,51 +331,39 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
             out
         }
     };
-    // Two loop lengths per variant: the difference is the per-call cost, free of what
-    // does not scale with the calls (exec, and the guest enabling its event: ftrace
-    // patching its text costs it millions of instructions once).
-    let short = (args.calls / 5).max(1);
     println!(
-        "bundled guest, getppid() loop of {} and of {short} calls, median of {} runs each; per call = \
-         (long - short) / {} calls, minus the same without probes:",
-        args.calls,
-        args.runs,
-        args.calls - short
+        "bundled guest, a getppid() loop of {} calls timed by the guest itself, median of {} runs (variants \
+         interleaved); per hit = (variant - no probe in the same round) / calls:",
+        args.calls, args.runs
     );
-    let span = f64::from(args.calls - short);
-    // Per variant and run: (µs, guest instructions, exits) per call from a long and a short
-    // run back to back, and the host handling per hit.
-    let mut slopes: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); GUEST_VARIANTS.len()];
+    let calls = f64::from(args.calls);
+    // Per variant and round: (loop µs per call, guest instructions per call, exits per
+    // call, host handling µs per hit).
+    let mut rounds: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); GUEST_VARIANTS.len()];
     for _ in 0..args.runs {
         for (i, variant) in GUEST_VARIANTS.iter().enumerate() {
-            let long = run_guest(&dir, args.calls, variant)?;
-            let small = run_guest(&dir, short, variant)?;
-            slopes[i].push((
-                (long.workload_time.as_secs_f64() - small.workload_time.as_secs_f64()) * 1e6 / span,
-                (long.instructions as f64 - small.instructions as f64) / span,
-                (long.exits as f64 - small.exits as f64) / span,
-                long.handling.as_secs_f64() * 1e6 / long.hits.max(1) as f64,
+            let r = run_guest(&dir, args.calls, variant)?;
+            rounds[i].push((
+                r.loop_time.as_secs_f64() * 1e6 / calls,
+                r.instructions as f64 / calls,
+                r.exits as f64 / calls,
+                r.handling.as_secs_f64() * 1e6 / r.hits.max(1) as f64,
             ));
         }
     }
     if args.snapshot.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    // Median and range over the runs of one quantity, relative to the same run's no-probe
-    // value.
+    // Median and range over the rounds, relative to the same round's run without probes.
     let stat = |i: usize, pick: fn(&(f64, f64, f64, f64)) -> f64, relative: bool| -> (f64, f64, f64) {
-        let mut v: Vec<f64> = (0..slopes[i].len())
-            .map(|r| pick(&slopes[i][r]) - if relative { pick(&slopes[0][r]) } else { 0.0 })
+        let mut v: Vec<f64> = (0..rounds[i].len())
+            .map(|r| pick(&rounds[i][r]) - if relative { pick(&rounds[0][r]) } else { 0.0 })
             .collect();
         v.sort_by(f64::total_cmp);
         (v[v.len() / 2], v[0], v[v.len() - 1])
     };
     let (base_us, lo, hi) = stat(0, |s| s.0, false);
-    let (base_instr, ilo, ihi) = stat(0, |s| s.1, false);
-    println!(
-        "  no probe: {base_us:.0} µs ({lo:.0}..{hi:.0}) and {base_instr:.0} ({ilo:.0}..{ihi:.0}) guest kernel \
-         instructions per call: the spread is the noise (host load, guest timer ticks)"
-    );
+    println!("  no probe: {base_us:.0} µs per getppid() call ({lo:.0}..{hi:.0})");
     let mut guest_kprobe_us = f64::NAN;
     for (i, variant) in GUEST_VARIANTS.iter().enumerate().skip(1) {
         let (us, ulo, uhi) = stat(i, |s| s.0, true);
@@ -384,8 +380,8 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
             format!(", {handling:.1} µs of host handling per hit")
         };
         println!(
-            "      {us:+.0} µs ({ulo:+.0}..{uhi:+.0}), {instr:+.0} ({ilo:+.0}..{ihi:+.0}) guest instructions, \
-             {exits:+.2} exits per hit{host}"
+            "      {us:+.1} µs ({ulo:+.1}..{uhi:+.1}) per hit, {exits:+.2} exits per hit{host}; \
+             {instr:+.0} ({ilo:+.0}..{ihi:+.0}) guest instructions per call over the whole run"
         );
     }
     println!();

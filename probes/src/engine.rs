@@ -262,6 +262,8 @@ struct Registry {
 
 /// An out-of-line step in progress on one vCPU.
 struct PendingStep {
+    /// The guest's IF before the step (cleared while stepping, put back after).
+    saved_if: u64,
     insn: ProbedInsn,
     slot: Gva,
     posts: Vec<(ProbeId, PostHandler)>,
@@ -976,12 +978,18 @@ impl Tracer {
                     return BreakpointOutcome::NotOurs;
                 };
                 self.stats.stepped.fetch_add(1, Ordering::Relaxed);
+                // Interrupts stay out of the step the way Linux keeps them out of its own:
+                // IF cleared for one instruction. (KVM_GUESTDBG_BLOCKIRQ would do it too,
+                // but toggling it flips a VM-wide APICv inhibit at every step.)
+                let saved_if = regs.rflags & insn::RFLAGS_IF;
+                regs.rflags &= !insn::RFLAGS_IF;
                 regs.rip = slot.0;
                 if let Err(e) = vcpu.set_regs(&regs).and_then(|()| vcpu.set_single_step(true)) {
                     tracing::error!("vCPU {cpu}: cannot start the out-of-line step at {at}: {e}");
                     return BreakpointOutcome::Handled;
                 }
                 let pending = PendingStep {
+                    saved_if,
                     insn: insn.clone(),
                     slot,
                     posts: posts.into_iter().map(|(id, post, _)| (id, post)).collect(),
@@ -1031,6 +1039,17 @@ impl Tracer {
             }
             Ok(StepFixup::Done) => {}
             Err(e) => tracing::error!("vCPU {cpu}: fixing up the step of {}: {e}", pending.address),
+        }
+        regs.rflags = (regs.rflags & !insn::RFLAGS_IF) | pending.saved_if;
+        if step.kind == insn::StepKind::PushFlags {
+            let mut stack = KernelStack(kernel);
+            let pushed = stack
+                .read_u64(Gva(regs.rsp))
+                .map(|w| (w & !insn::RFLAGS_IF) | pending.saved_if)
+                .and_then(|w| stack.write_u64(Gva(regs.rsp), w));
+            if let Err(e) = pushed {
+                tracing::error!("vCPU {cpu}: fixing the flags pushed at {}: {e}", pending.address);
+            }
         }
         finish(vcpu);
         for (id, post) in &pending.posts {

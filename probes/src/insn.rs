@@ -8,8 +8,8 @@
 //! The classification follows Linux's `arch/x86/kernel/kprobes/core.c`
 //! (`can_probe`, `prepare_emulation`, `resume_singlestep`) with two differences that come
 //! from running on the host: we emulate more of the common prologue instructions (every
-//! emulated instruction saves a single-step exit), and `cli`/`pushf` are stepped rather than
-//! emulated because `KVM_GUESTDBG_BLOCKIRQ` already keeps interrupts out while we step.
+//! emulated instruction saves a single-step exit), and `pushf` is stepped (the engine
+//! clears IF for the step, as Linux does, and puts the guest's IF back in the pushed word).
 
 use std::fmt;
 
@@ -26,6 +26,8 @@ pub const MAX_INSN_LEN: usize = 15;
 
 /// The trap flag in RFLAGS.
 pub const RFLAGS_TF: u64 = 1 << 8;
+/// The interrupt flag in RFLAGS.
+pub const RFLAGS_IF: u64 = 1 << 9;
 
 const RFLAGS_CF: u64 = 1 << 0;
 const RFLAGS_PF: u64 = 1 << 2;
@@ -439,6 +441,9 @@ pub enum Emulation {
     /// `ret` and `ret imm16` (which releases `release` more bytes of arguments). A `bnd`
     /// prefix changes nothing: the kernel does not use MPX.
     Return { release: u16 },
+    /// `cli`: emulated, because a stepped instruction runs with IF cleared by the engine
+    /// and IF is put back after the step.
+    DisableInterrupts,
 }
 
 impl Emulation {
@@ -524,6 +529,7 @@ impl Emulation {
                 new.rip = stack.read_u64(Gva(at)).map_err(|m| stack_error(at, m))?;
                 new.rsp = at.wrapping_add(8).wrapping_add(u64::from(release));
             }
+            Emulation::DisableInterrupts => new.rflags &= !RFLAGS_IF,
         }
         *regs = new;
         Ok(())
@@ -915,6 +921,7 @@ fn emulation(instruction: &Instruction) -> Option<Emulation> {
             target: target(),
         },
         Code::Retnq => Emulation::Return { release: 0 },
+        Code::Cli => Emulation::DisableInterrupts,
         Code::Retnq_imm16 => Emulation::Return {
             release: instruction.immediate16(),
         },

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use hvprobe_arch::{Gva, INT3};
 use kvm_bindings::{
-    kvm_guest_debug, kvm_regs, kvm_sregs, KVM_GUESTDBG_BLOCKIRQ, KVM_GUESTDBG_ENABLE, KVM_GUESTDBG_SINGLESTEP,
-    KVM_GUESTDBG_USE_SW_BP, KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+    kvm_guest_debug, kvm_regs, kvm_sregs, KVM_GUESTDBG_ENABLE, KVM_GUESTDBG_SINGLESTEP, KVM_GUESTDBG_USE_SW_BP,
+    KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
 };
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -115,16 +115,18 @@ impl DebugHandler for NoProbes {
 }
 
 /// Sets what KVM reports of a vCPU's debug events: its int3s (on hardware KVM they are the
-/// guest's business unless we ask) and, while `single_step`, a trap after each instruction
-/// with interrupts blocked, so that the step lands on the next instruction and not in an
-/// interrupt handler.
+/// guest's business unless we ask) and, while `single_step`, a trap after each instruction.
+/// Keeping interrupts out of a step is the caller's job (clear IF in the guest's flags, as
+/// the probe engine does): `KVM_GUESTDBG_BLOCKIRQ` would do it, but setting or clearing it
+/// flips a VM-wide APICv inhibit, which on kvm_pvm made every stepped probe hit several
+/// times slower.
 pub fn set_guest_debug(vcpu: &VcpuFd, backend: Backend, single_step: bool) -> Result<(), Error> {
     let mut control = 0;
     if !backend.int3_is_emulation_failure() {
         control |= KVM_GUESTDBG_ENABLE | KVM_GUESTDBG_USE_SW_BP;
     }
     if single_step {
-        control |= KVM_GUESTDBG_ENABLE | KVM_GUESTDBG_SINGLESTEP | KVM_GUESTDBG_BLOCKIRQ;
+        control |= KVM_GUESTDBG_ENABLE | KVM_GUESTDBG_SINGLESTEP;
     }
     let debug = kvm_guest_debug {
         control,

@@ -702,7 +702,6 @@ fn rip_relative_copy_out_of_reach_is_an_error() {
 fn non_rip_relative_copies_are_byte_identical() {
     let insns: &[&[u8]] = &[
         &[0x48, 0x8b, 0x47, 0x08],
-        &[0xfa],
         &[0xff, 0xd0],
         &[0xf3, 0xa4],
         &[0x0f, 0x0d, 0x08],
@@ -719,7 +718,6 @@ fn step_kinds() {
     let cases: &[(&[u8], StepKind)] = &[
         (&[0x48, 0x8b, 0x47, 0x08], StepKind::Plain),        // mov rax,[rdi+8]
         (&[0x85, 0xc0], StepKind::Plain),                    // test eax,eax
-        (&[0xfa], StepKind::Plain),                          // cli: BLOCKIRQ makes stepping it harmless
         (&[0x9c], StepKind::PushFlags),                      // pushfq
         (&[0xff, 0xd0], StepKind::IndirectCall),             // call rax
         (&[0x41, 0xff, 0xd3], StepKind::IndirectCall),       // call r11
@@ -967,4 +965,20 @@ fn instruction_starts_of_garbage() {
     // A symbol size that cuts the last instruction.
     let error = instruction_starts(&[0x55, 0xe8, 0x00, 0x00], FUNC).unwrap_err();
     assert!(matches!(error, InsnError::Truncated { addr: Gva(a), available: 3, .. } if a == FUNC.0 + 1));
+}
+
+#[test]
+fn cli_is_emulated_because_a_step_runs_with_if_cleared() {
+    let insn = analyze(&[0xfa], FUNC).unwrap();
+    let Execution::Emulate(emulation) = &insn.execution else {
+        panic!("cli is {:?}", insn.execution)
+    };
+    let mut regs = Regs {
+        rip: FUNC.0,
+        rflags: 0x246,
+        ..Default::default()
+    };
+    emulation.execute(&insn, &mut regs, &mut FakeStack::default()).unwrap();
+    assert_eq!(regs.rflags, 0x46);
+    assert_eq!(regs.rip, FUNC.0 + 1);
 }
