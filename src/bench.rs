@@ -13,20 +13,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use hvprobe_arch::paging::PagingMode;
 use hvprobe_arch::Gva;
-use hvprobe_introspection::facts::{ExceptionTable, KprobeBlacklist};
-use hvprobe_introspection::memory::PagedGuestMemory;
-use hvprobe_introspection::symbols::SymbolTable;
-use hvprobe_probes::engine::{KernelView, KprobeRequest, OutOfLineArea, PatchSites, ProbePoint, Tracer};
-use hvprobe_vmm::{
-    BreakpointDisposition, CodeBlob, ConsoleOutput, DebugHandler, NoProbes, StopReason, Vm, VmOutcome, CODE_BLOB_START,
-};
+use hvprobe_probes::engine::{KprobeRequest, ProbePoint};
+use hvprobe_vmm::{BreakpointDisposition, CodeBlob, ConsoleOutput, DebugHandler, NoProbes, StopReason, Vm, VmOutcome};
 use kvm_ioctls::VcpuFd;
-use vm_memory::{Bytes, GuestAddress};
 
-use crate::introspect::{live_memory, load_symbols, GuestPhys, SymbolsFrom};
-use crate::probing::{build_tracer, out_of_line_gpa, LiveKernel, ProbeHandler, VmMachine};
+use crate::introspect::{live_memory, load_symbols, SymbolsFrom};
+use crate::probing::{build_tracer, code_blob_tracer, ProbeHandler};
 use crate::snapshot::workload_message;
 
 type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
@@ -96,39 +89,7 @@ fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Durati
         BlobVariant::Baseline => Arc::new(NoProbes),
         BlobVariant::Floor => Arc::new(SkipInt3),
         BlobVariant::Probe(offset) => {
-            let state = vm.vcpu_state(0)?;
-            let mem = vm.memory().clone();
-            // Map the out-of-line area within rel32 reach of the blob (see the tests).
-            const OOL_VA: u64 = 1 << 30;
-            mem.write_obj(
-                out_of_line_gpa().0 | 0x83,
-                GuestAddress(hvprobe_vmm::layout::PDE_START + 0x1000),
-            )?;
-            let kernel = LiveKernel(PagedGuestMemory::new(
-                GuestPhys(mem.clone()),
-                state.sregs.cr3,
-                PagingMode::from_cr4(state.sregs.cr4),
-            ));
-            let symbols = SymbolTable::parse_system_map(&format!(
-                "{CODE_BLOB_START:016x} T blob\n{:016x} T blob_data\n",
-                CODE_BLOB_START + 0x1000
-            ))?;
-            let view = KernelView {
-                symbols: Arc::new(symbols),
-                blacklist: KprobeBlacklist::default(),
-                ex_table: ExceptionTable::default(),
-                patch_sites: PatchSites::default(),
-            };
-            let ool = OutOfLineArea {
-                start: Gva(OOL_VA),
-                size: 0x1000,
-            };
-            let tracer = Arc::new(Tracer::new(
-                Arc::new(VmMachine::new(vm.control(), kernel)),
-                view,
-                Some(ool),
-                None,
-            ));
+            let tracer = code_blob_tracer(&vm, 0x1000)?;
             let point = ProbePoint::Symbol {
                 name: "blob".into(),
                 offset: *offset,
@@ -137,7 +98,7 @@ fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Durati
                 emit_events: false,
                 ..KprobeRequest::event(point, "bench", "blob", Vec::new())
             })?;
-            let handler = ProbeHandler::new(vm.backend(), mem);
+            let handler = ProbeHandler::new(vm.backend(), vm.memory().clone());
             handler.attach(tracer, None);
             handler
         }

@@ -74,8 +74,9 @@ impl Machine for VmMachine {
     }
 }
 
-/// The highest address of the kernel image mapping (`level2_kernel_pgt` covers 1 GiB from
-/// `__START_KERNEL_map`); the module area starts here when KASLR is configured.
+/// The kernel image mapping: `level2_kernel_pgt` covers 1 GiB from `__START_KERNEL_map`;
+/// the module area starts at its end when KASLR is configured.
+const KERNEL_IMAGE_MAP_START: u64 = 0xffff_ffff_8000_0000;
 const KERNEL_IMAGE_MAP_END: u64 = 0xffff_ffff_c000_0000;
 /// Where modules start without `CONFIG_RANDOMIZE_BASE` (a 512 MiB kernel image).
 const MODULES_START_WITHOUT_KASLR: u64 = 0xffff_ffff_a000_0000;
@@ -85,8 +86,8 @@ const TWO_MIB: u64 = 2 << 20;
 const OOL_PMD_FLAGS: u64 = 0x1 | 0x2 | 0x20 | 0x40 | 0x80 | 0x100;
 
 /// Maps the VMM's out-of-line area into the guest kernel's page tables, in a free 2 MiB
-/// slot of the kernel image mapping after the kernel's end (within ±2 GiB of all kernel
-/// text, below the module area). Returns the area's guest-virtual address. Idempotent: an
+/// slot of the kernel image mapping outside the kernel (within ±2 GiB of all kernel text,
+/// below the module area). Returns the area's guest-virtual address. Idempotent: an
 /// area already mapped (a restored snapshot of a traced guest) is found again.
 pub fn map_out_of_line_area(
     phys: &GuestPhys,
@@ -94,20 +95,27 @@ pub fn map_out_of_line_area(
     mode: PagingMode,
     symbols: &SymbolTable,
 ) -> Result<OutOfLineArea, String> {
-    let end = symbols
-        .lookup("_end")
-        .ok_or("the kernel has no _end symbol: cannot place the out-of-line area")?
-        .addr
-        .0;
+    let bound = |name: &str| {
+        symbols
+            .lookup(name)
+            .map(|s| s.addr.0)
+            .ok_or_else(|| format!("the kernel has no {name} symbol: cannot place the out-of-line area"))
+    };
+    let (text, end) = (bound("_text")?, bound("_end")?);
     let limit = if end < MODULES_START_WITHOUT_KASLR {
         MODULES_START_WITHOUT_KASLR
     } else {
         KERNEL_IMAGE_MAP_END
     };
     // One free 2 MiB page between the kernel and us, so that nothing the kernel maps just
-    // past its end is mistaken for free.
-    let mut va = end.div_ceil(TWO_MIB) * TWO_MIB + TWO_MIB;
-    while va + TWO_MIB <= limit {
+    // past its end (or before its start) is mistaken for free. Above the kernel first; a
+    // randomized kernel near the top of its 1 GiB leaves room only below it.
+    let above = (end.div_ceil(TWO_MIB) + 1) * TWO_MIB;
+    let below = (text / TWO_MIB).saturating_sub(2) * TWO_MIB;
+    let candidates = (above..limit.saturating_sub(TWO_MIB - 1))
+        .step_by(TWO_MIB as usize)
+        .chain((KERNEL_IMAGE_MAP_START..=below).rev().step_by(TWO_MIB as usize));
+    for va in candidates {
         match translate(phys, cr3, mode, Gva(va)) {
             Ok(t) if t.gpa == OOL_AREA_START => {
                 return Ok(OutOfLineArea {
@@ -128,11 +136,10 @@ pub fn map_out_of_line_area(
             }
             Err(_) => {}
         }
-        va += TWO_MIB;
     }
     Err(format!(
-        "no free 2 MiB slot in the kernel image mapping between {:#x} and {limit:#x}",
-        end
+        "no free 2 MiB slot in the kernel image mapping ({KERNEL_IMAGE_MAP_START:#x}..{limit:#x}) outside the \
+         kernel ({text:#x}..{end:#x})"
     ))
 }
 
@@ -334,4 +341,115 @@ pub fn build_tracer(
     };
     let machine = Arc::new(VmMachine::new(control, memory));
     Ok(Arc::new(Tracer::new(machine, view, Some(ool), sink)))
+}
+
+/// Where [`code_blob_tracer`] maps the out-of-line area: a code blob's page tables
+/// identity-map the first 4 GiB, and the area's own address (3.25 GiB) is beyond a rel32's
+/// reach from the blob at 1 MiB.
+pub const CODE_BLOB_OOL_VA: u64 = 1 << 30;
+
+/// A tracer for a code-blob VM ([`hvprobe_vmm::Vm::new_code_blob`]): the blob is the text
+/// symbol `blob` (`len` bytes), and the out-of-line area is mapped again at
+/// [`CODE_BLOB_OOL_VA`] with a 2 MiB page, as the VMM maps it next to a kernel.
+pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, String> {
+    use vm_memory::{Bytes, GuestAddress};
+    let state = vm.vcpu_state(0).map_err(|e| e.to_string())?;
+    let mem = vm.memory();
+    let second_page_directory = hvprobe_vmm::layout::PDE_START + 0x1000;
+    let large_page = OOL_AREA_START.0 | 0x83;
+    mem.write_obj(large_page, GuestAddress(second_page_directory))
+        .map_err(|e| e.to_string())?;
+    let kernel = LiveKernel(PagedGuestMemory::new(
+        GuestPhys(mem.clone()),
+        state.sregs.cr3,
+        PagingMode::from_cr4(state.sregs.cr4),
+    ));
+    let start = hvprobe_vmm::CODE_BLOB_START;
+    let symbols = SymbolTable::parse_system_map(&format!("{start:016x} T blob\n{:016x} T blob_end\n", start + len))
+        .map_err(|e| e.to_string())?;
+    let view = KernelView {
+        symbols: Arc::new(symbols),
+        blacklist: KprobeBlacklist::default(),
+        ex_table: ExceptionTable::default(),
+        patch_sites: PatchSites::default(),
+    };
+    let ool = OutOfLineArea {
+        start: Gva(CODE_BLOB_OOL_VA),
+        size: OOL_AREA_SIZE,
+    };
+    Ok(Arc::new(Tracer::new(
+        Arc::new(VmMachine::new(vm.control(), kernel)),
+        view,
+        Some(ool),
+        None,
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{Bytes, GuestAddress};
+
+    const PML4: u64 = 0x1000;
+    const PDPT: u64 = 0x2000;
+    const PD: u64 = 0x3000;
+
+    /// Page tables for the top 1 GiB (`level2_kernel_pgt` at PD) with the kernel mapped by
+    /// 2 MiB pages from `text` to `end`, as `cleanup_highmap` leaves them.
+    fn kernel_tables(text: u64, end: u64) -> GuestPhys {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+        mem.write_obj(PDPT | 3, GuestAddress(PML4 + 511 * 8)).unwrap();
+        mem.write_obj(PD | 3, GuestAddress(PDPT + 510 * 8)).unwrap();
+        let mut va = text;
+        while va < end {
+            let index = (va - KERNEL_IMAGE_MAP_START) / TWO_MIB;
+            mem.write_obj(0x100_0000 + index * TWO_MIB | 0x83, GuestAddress(PD + index * 8))
+                .unwrap();
+            va += TWO_MIB;
+        }
+        GuestPhys(mem)
+    }
+
+    fn symbols(text: u64, end: u64) -> SymbolTable {
+        SymbolTable::parse_system_map(&format!("{text:016x} T _text\n{end:016x} B _end\n")).unwrap()
+    }
+
+    #[test]
+    fn the_out_of_line_area_goes_after_the_kernel_and_is_found_again() {
+        let (text, end) = (0xffff_ffff_8100_0000, 0xffff_ffff_8230_0000);
+        let phys = kernel_tables(text, end);
+        let area = map_out_of_line_area(&phys, PML4, PagingMode::Level4, &symbols(text, end)).unwrap();
+        assert_eq!(
+            area.start,
+            Gva(0xffff_ffff_8260_0000),
+            "after _end and one free 2 MiB page"
+        );
+        let t = translate(&phys, PML4, PagingMode::Level4, area.start).unwrap();
+        assert_eq!(t.gpa, OOL_AREA_START);
+        assert!(t.permissions.executable && t.permissions.writable && !t.permissions.user);
+        let again = map_out_of_line_area(&phys, PML4, PagingMode::Level4, &symbols(text, end)).unwrap();
+        assert_eq!(again.start, area.start);
+    }
+
+    #[test]
+    fn a_kernel_randomized_to_the_top_gets_the_area_below_it() {
+        let (text, end) = (0xffff_ffff_be00_0000, 0xffff_ffff_bfe1_c000);
+        let phys = kernel_tables(text, end);
+        let area = map_out_of_line_area(&phys, PML4, PagingMode::Level4, &symbols(text, end)).unwrap();
+        assert_eq!(
+            area.start,
+            Gva(0xffff_ffff_bdc0_0000),
+            "below _text and one free 2 MiB page"
+        );
+        // Everything is taken: a clear error, nothing written.
+        let full = kernel_tables(KERNEL_IMAGE_MAP_START, KERNEL_IMAGE_MAP_END);
+        let err = map_out_of_line_area(
+            &full,
+            PML4,
+            PagingMode::Level4,
+            &symbols(KERNEL_IMAGE_MAP_START + TWO_MIB, KERNEL_IMAGE_MAP_END - TWO_MIB),
+        )
+        .unwrap_err();
+        assert!(err.contains("no free 2 MiB slot"), "{err}");
+    }
 }

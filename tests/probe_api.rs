@@ -8,17 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hvprobe::introspect::{live_memory, load_symbols, GuestPhys, SymbolsFrom};
-use hvprobe::probing::{build_tracer, LiveKernel, ProbeHandler, VmMachine};
+use hvprobe::introspect::{live_memory, load_symbols, SymbolsFrom};
+use hvprobe::probing::{build_tracer, code_blob_tracer, ProbeHandler};
 use hvprobe::snapshot::workload_message;
-use hvprobe_arch::paging::PagingMode;
 use hvprobe_arch::Gva;
-use hvprobe_introspection::facts::{ExceptionTable, KprobeBlacklist};
-use hvprobe_introspection::memory::{GuestVirtRead, PagedGuestMemory};
+use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::SymbolTable;
-use hvprobe_probes::engine::{
-    HitContext, KernelView, KprobeRequest, OutOfLineArea, PatchSites, PreAction, ProbePoint, Tracer,
-};
+use hvprobe_probes::engine::{HitContext, KprobeRequest, PreAction, ProbePoint, Tracer};
 use hvprobe_vmm::{CodeBlob, ConsoleOutput, StopReason, Vm, VmOutcome, CODE_BLOB_START};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -179,39 +175,7 @@ fn on_a_code_blob_emulated_probes_take_one_exit_and_stepped_ones_two() {
     .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
     let state = vm.vcpu_state(0).unwrap();
     let mem = vm.memory().clone();
-    let kernel = LiveKernel(PagedGuestMemory::new(
-        GuestPhys(mem.clone()),
-        state.sregs.cr3,
-        PagingMode::from_cr4(state.sregs.cr4),
-    ));
-    let symbols = SymbolTable::parse_system_map(&format!(
-        "{CODE_BLOB_START:016x} T blob\n{:016x} T blob_data\n",
-        CODE_BLOB_START + 0x1000
-    ))
-    .unwrap();
-    let view = KernelView {
-        symbols: Arc::new(symbols),
-        blacklist: KprobeBlacklist::default(),
-        ex_table: ExceptionTable::default(),
-        patch_sites: PatchSites::default(),
-    };
-    // The blob's page tables identity-map the first 4 GiB with 2 MiB pages; the
-    // out-of-line area (at 3.25 GiB) is out of a rel32's reach from the blob, so map it
-    // again at 1 GiB, as the VMM maps it next to a kernel.
-    const OOL_VA: u64 = 1 << 30;
-    let second_page_directory = hvprobe_vmm::layout::PDE_START + 0x1000;
-    let entry = hvprobe::probing::out_of_line_gpa().0 | 0x83;
-    mem.write_obj(entry, GuestAddress(second_page_directory)).unwrap();
-    let ool = OutOfLineArea {
-        start: Gva(OOL_VA),
-        size: 0x1000,
-    };
-    let tracer = Arc::new(Tracer::new(
-        Arc::new(VmMachine::new(vm.control(), kernel)),
-        view,
-        Some(ool),
-        None,
-    ));
+    let tracer = code_blob_tracer(&vm, 0x1000).unwrap();
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     for offset in [0x0, 0x7, 0x8] {
         let s = seen.clone();

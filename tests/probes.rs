@@ -47,18 +47,7 @@ fn probe_file(name: &str, text: &str) -> PathBuf {
 }
 
 fn restore_with(dir: &Path, cpus: u8, workload: &str, extra: &[&str]) -> Run {
-    let cpus = cpus.to_string();
-    let mut args = vec![
-        "run",
-        "--snapshot",
-        dir.to_str().unwrap(),
-        "--cpus",
-        &cpus,
-        "--workload",
-        workload,
-    ];
-    args.extend_from_slice(extra);
-    hvprobe(&args, RESTORE_TIMEOUT)
+    common::restore_with(dir, cpus, workload, extra, RESTORE_TIMEOUT)
 }
 
 /// `name=value` pairs after the `(location)` of a trace line, and its task and event.

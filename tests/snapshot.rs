@@ -19,19 +19,7 @@ const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
 const QUICK: Duration = Duration::from_secs(30);
 
 fn restore(dir: &Path, cpus: u8, workload: &str) -> Run {
-    let cpus = cpus.to_string();
-    hvprobe(
-        &[
-            "run",
-            "--snapshot",
-            dir.to_str().unwrap(),
-            "--cpus",
-            &cpus,
-            "--workload",
-            workload,
-        ],
-        RESTORE_TIMEOUT,
-    )
+    common::restore_with(dir, cpus, workload, &[], RESTORE_TIMEOUT)
 }
 
 fn assert_clean(run: &Run) {

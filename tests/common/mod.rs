@@ -135,3 +135,19 @@ pub fn snapshot(cpus: u8) -> PathBuf {
     drop(lock);
     dir
 }
+
+/// `hvprobe run --snapshot DIR --cpus N --workload W EXTRA...`.
+pub fn restore_with(dir: &Path, cpus: u8, workload: &str, extra: &[&str], timeout: Duration) -> Run {
+    let cpus = cpus.to_string();
+    let mut args = vec![
+        "run",
+        "--snapshot",
+        dir.to_str().unwrap(),
+        "--cpus",
+        &cpus,
+        "--workload",
+        workload,
+    ];
+    args.extend_from_slice(extra);
+    hvprobe(&args, timeout)
+}
