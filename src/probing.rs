@@ -403,7 +403,7 @@ mod tests {
         let mut va = text;
         while va < end {
             let index = (va - KERNEL_IMAGE_MAP_START) / TWO_MIB;
-            mem.write_obj(0x100_0000 + index * TWO_MIB | 0x83, GuestAddress(PD + index * 8))
+            mem.write_obj((0x100_0000 + index * TWO_MIB) | 0x83, GuestAddress(PD + index * 8))
                 .unwrap();
             va += TWO_MIB;
         }
