@@ -880,6 +880,7 @@ impl Tracer {
                 return self.fallback(site);
             }
         };
+        let at_hit = regs;
         let kernel = self.machine.kernel();
         let mut posts = Vec::new();
         let mut action = PreAction::Continue;
@@ -931,13 +932,17 @@ impl Tracer {
             // The guest's int3 handler expects RIP where it was; it executes the original
             // instruction itself.
             self.stats.shared_with_guest.fetch_add(1, Ordering::Relaxed);
-            if regs.rip != at.0 {
+            if regs != at_hit {
                 if let Err(e) = vcpu.set_regs(&regs) {
                     tracing::error!("vCPU {cpu}: cannot write registers: {e}");
                 }
-                return BreakpointOutcome::Handled;
             }
-            return BreakpointOutcome::HandledThenGuest;
+            // A handler that moved RIP took the guest elsewhere: its int3 was not reached.
+            return if regs.rip != at.0 {
+                BreakpointOutcome::Handled
+            } else {
+                BreakpointOutcome::HandledThenGuest
+            };
         }
         if action == PreAction::Skip {
             self.stats.skipped.fetch_add(1, Ordering::Relaxed);

@@ -531,3 +531,22 @@ fn calls_beyond_maxactive_are_missed_and_return_probes_need_a_function_entry() {
     let mut cpu = FakeVcpu::at(OOL);
     assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(OOL)), BreakpointOutcome::NotOurs);
 }
+
+#[test]
+fn register_changes_at_a_shared_int3_reach_the_guest_with_its_breakpoint() {
+    let m = FakeMachine::with_code();
+    m.write_virt(Gva(PUSH), &[INT3]).unwrap();
+    let t = tracer(&m);
+    let mut req = plain(at("func", 5), "shared");
+    req.pre = Some(Arc::new(|ctx: &mut HitContext| {
+        ctx.regs.rax = 0xdead;
+        PreAction::Continue
+    }));
+    t.register(req).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    assert_eq!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::HandledThenGuest
+    );
+    assert_eq!((cpu.regs.rax, cpu.regs.rip), (0xdead, PUSH));
+}
