@@ -61,6 +61,37 @@ fn a_restored_guest_runs_the_workload_like_a_fresh_boot() {
     assert_clean(&restored);
 }
 
+#[test]
+fn a_restored_guests_clock_goes_on_from_the_snapshot_not_from_the_host() {
+    let dir = snapshot(1);
+    let age = SystemTime::now()
+        .duration_since(std::fs::metadata(dir.join("state")).unwrap().modified().unwrap())
+        .unwrap();
+    let run = restore(
+        &dir,
+        1,
+        "read c < /sys/devices/system/clocksource/clocksource0/current_clocksource; echo CLOCK=$c; \
+         read u i < /proc/uptime; echo UPTIME=${u%.*}",
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let value = |key: &str| -> String {
+        run.stdout
+            .lines()
+            .find_map(|l| l.trim_end_matches('\r').strip_prefix(key).map(str::to_string))
+            .unwrap_or_else(|| panic!("no {key}\n{}", run.tail()))
+    };
+    // kvm_pvm runs guests on the host's TSC; only kvm-clock is restored to where it was.
+    assert_eq!(value("CLOCK="), "kvm-clock");
+    let uptime: u64 = value("UPTIME=").parse().unwrap();
+    // The guest booted in well under 10 minutes; a clock that jumped by the snapshot's
+    // age shows more whenever the snapshot is older than that.
+    assert!(
+        uptime < 600 || age.as_secs() < 600,
+        "the guest's clock jumped: uptime {uptime} s, snapshot {} s old",
+        age.as_secs()
+    );
+}
+
 /// (modification time, content hash) of a file.
 fn fingerprint(path: &Path) -> (SystemTime, u64) {
     use std::hash::Hasher;
