@@ -72,6 +72,9 @@ pub struct HitContext<'a> {
     pub kernel: &'a dyn GuestVirtRead,
 }
 
+/// Handlers run on the hitting vCPU's thread while the registry is read-locked: they must
+/// not register, unregister, enable or disable probes (that pauses every vCPU, including
+/// the one the handler is running on).
 pub type PreHandler = Arc<dyn Fn(&mut HitContext) -> PreAction + Send + Sync>;
 pub type PostHandler = Arc<dyn Fn(&mut HitContext) + Send + Sync>;
 
