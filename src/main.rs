@@ -280,26 +280,17 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let outcome = vm.run(handler)?;
     let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
-    let mut session = session.map(|s| Arc::try_unwrap(s).map_err(|_| "the trace session is still in use"));
-    if let Some(Ok(s)) = session.as_mut() {
-        if let Some(summary) = s.finish() {
-            eprintln!("hvprobe: {summary}");
-        }
+    if let Some(s) = &session {
+        s.finish();
     }
     if let (true, Ok(kernels), Some(state)) = (args.text_hash, &introspection, kernel_state.get()) {
         if let Some(kernel) = kernels.first() {
-            let memory = hvprobe::probing::kernel_memory(&mem, state, &kernel.table);
-            match hvprobe::trace::kernel_text_hash(&memory, &kernel.table) {
-                Ok(hash) => eprintln!("hvprobe: kernel text sha256 {hash}"),
-                Err(e) => eprintln!("hvprobe: error: cannot hash the kernel text: {e}"),
+            if let Err(e) = hvprobe::trace::print_kernel_text_hash(&mem, state, &kernel.table) {
+                eprintln!("hvprobe: error: cannot hash the kernel text: {e}");
             }
         }
     }
-    let arming_failed = match session {
-        Some(Ok(s)) => s.failure(),
-        Some(Err(e)) => Some(e.to_string()),
-        None => None,
-    };
+    let arming_failed = session.as_ref().and_then(|s| s.failure());
     if let Some(sampler) = sampler {
         let samples = sampler.finish();
         match introspection.as_ref().ok().and_then(|k| k.first()) {

@@ -154,11 +154,17 @@ struct HitVcpu<'a> {
     backend: Backend,
     mem: &'a GuestMemoryMmap,
     tasks: Option<&'a TaskContext>,
+    /// Control registers and MSRs, read once per exit when `$comm`, the pid or a user
+    /// address needs them (four ioctls).
+    state: Option<VcpuState>,
 }
 
 impl HitVcpu<'_> {
-    fn state(&self) -> Option<VcpuState> {
-        VcpuState::read(self.vcpu).ok()
+    fn state(&mut self) -> Option<VcpuState> {
+        if self.state.is_none() {
+            self.state = VcpuState::read(self.vcpu).ok();
+        }
+        self.state
     }
 }
 
@@ -274,6 +280,7 @@ impl ProbeHandler {
             backend: self.backend,
             mem: &self.mem,
             tasks: self.tasks.get(),
+            state: None,
         }
     }
 }

@@ -18,8 +18,7 @@ use hvprobe_vmm::{ConsoleLog, ConsoleOutput, DebugHandler, NoProbes, StopReason,
 
 use crate::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
 use crate::introspect::{live_memory, load_symbols, SymbolsFrom, TaskContext};
-use crate::probing::kernel_memory;
-use crate::trace::{kernel_text_hash, OutputFormat, TraceSession};
+use crate::trace::{print_kernel_text_hash, OutputFormat, TraceSession};
 
 /// The kernel command-line option that puts the bundled init in wait mode.
 pub const WAIT_OPTION: &str = "hvprobe.wait";
@@ -240,15 +239,11 @@ fn restore_and_run(
         None => Arc::new(NoProbes),
     };
     let outcome = vm.run(handler)?;
-    if let Some(session) = session {
-        let mut session = Arc::try_unwrap(session).map_err(|_| "the trace session is still in use")?;
-        if let Some(summary) = session.finish() {
-            eprintln!("hvprobe: {summary}");
-        }
+    if let Some(session) = &session {
+        session.finish();
     }
     if let (true, Some((state, symbols))) = (trace.text_hash, &kernel) {
-        let hash = kernel_text_hash(&kernel_memory(&mem, state, symbols), symbols)?;
-        eprintln!("hvprobe: kernel text sha256 {hash}");
+        print_kernel_text_hash(&mem, state, symbols)?;
     }
     Ok(Restored {
         outcome,

@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
 use crate::introspect::TaskContext;
-use crate::probing::{build_tracer, ProbeHandler};
+use crate::probing::{build_tracer, kernel_memory, ProbeHandler};
 
 /// How hits are printed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -45,7 +45,7 @@ pub struct TraceSession {
     probes: Vec<SpecProbe>,
     pub handler: Arc<ProbeHandler>,
     sink: Arc<ChannelSink>,
-    printer: Option<JoinHandle<()>>,
+    printer: Mutex<Option<JoinHandle<()>>>,
     /// Why arming failed (it happens on a vCPU thread).
     failure: Arc<Mutex<Option<String>>>,
 }
@@ -144,7 +144,7 @@ impl TraceSession {
             sink: Arc::new(ChannelSink {
                 tx: Mutex::new(Some(tx)),
             }),
-            printer: Some(printer),
+            printer: Mutex::new(Some(printer)),
             failure: Arc::new(Mutex::new(None)),
         })
     }
@@ -225,26 +225,29 @@ impl TraceSession {
             .collect()
     }
 
-    /// After the run: waits for the printer, prints the listing and removes every probe
-    /// (the guest's text is as before). Returns the engine's counters as a summary line.
-    pub fn finish(&mut self) -> Option<String> {
-        let tracer = self.handler.tracer()?.clone();
+    /// After the run: waits for the printer, prints the listing and the engine's counters,
+    /// and removes every probe (the guest's text is as before).
+    pub fn finish(&self) {
+        let Some(tracer) = self.handler.tracer() else {
+            return;
+        };
         *self.sink.tx.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        if let Some(printer) = self.printer.take() {
+        let printer = self.printer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(printer) = printer {
             let _ = printer.join();
         }
         eprint!("{}", self.listing());
         tracer.unregister_all();
         let s = &tracer.stats;
         use std::sync::atomic::Ordering::Relaxed;
-        Some(format!(
-            "probe hits {} (emulated {}, stepped out of line {}, skipped by a handler {}, shared with a guest int3 {})",
+        eprintln!(
+            "hvprobe: probe hits {} (emulated {}, stepped out of line {}, skipped by a handler {}, shared with a guest int3 {})",
             s.hits.load(Relaxed),
             s.emulated.load(Relaxed),
             s.stepped.load(Relaxed),
             s.skipped.load(Relaxed),
             s.shared_with_guest.load(Relaxed)
-        ))
+        );
     }
 
     /// Prints the listing on SIGUSR1 while the run lasts.
@@ -291,6 +294,14 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat) {
         }
         batch.clear();
     }
+}
+
+/// Prints the SHA-256 of the kernel's text (`--text-hash`), read through the kernel's own
+/// page tables (found through `state`, any vCPU's).
+pub fn print_kernel_text_hash(mem: &GuestMemoryMmap, state: &VcpuState, symbols: &SymbolTable) -> Result<(), String> {
+    let hash = kernel_text_hash(&kernel_memory(mem, state, symbols), symbols)?;
+    eprintln!("hvprobe: kernel text sha256 {hash}");
+    Ok(())
 }
 
 /// SHA-256 of the kernel's text (`_stext`..`_etext`) in guest memory.

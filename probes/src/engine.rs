@@ -229,8 +229,8 @@ struct Probe {
     post: Option<PostHandler>,
     enabled: bool,
     counters: Arc<Counters>,
-    /// The function's start, for a return probe's event.
-    function: Gva,
+    /// `sym+0xoff/0xsize` of `address`, as hit events show it (`%pS`).
+    trace_location: String,
 }
 
 struct Site {
@@ -704,7 +704,7 @@ impl Tracer {
             location,
             site,
             at_function_entry: address == func_start,
-            function: func_start,
+            trace_location: description.to_string(),
             what,
             bytes: bytes.to_vec(),
             may_fault: self.view.ex_table.lookup(site).is_some(),
@@ -768,7 +768,7 @@ impl Tracer {
                 post: request.post.clone(),
                 enabled: !request.disabled,
                 counters: Arc::default(),
-                function: placement.function,
+                trace_location: placement.trace_location.clone(),
             },
         );
         if let Some(site) = reg.sites.get_mut(&placement.site) {
@@ -1170,12 +1170,6 @@ impl Tracer {
             if probe.emit_events {
                 let task = vcpu.current_task();
                 let mut event = self.hit_event(instance.probe, probe, cpu, &regs, task.as_ref(), vcpu);
-                event.record.location = self
-                    .view
-                    .symbols
-                    .describe(probe.function)
-                    .map(|d| d.to_string())
-                    .unwrap_or_else(|| format!("{:#x}", probe.function.0));
                 event.record.retprobe_caller = Some(
                     self.view
                         .symbols
@@ -1254,12 +1248,6 @@ impl Tracer {
             .iter()
             .map(|arg| (arg.name.clone(), evaluate(arg, &ctx)))
             .collect();
-        let location = self
-            .view
-            .symbols
-            .describe(probe.address)
-            .map(|d| d.to_string())
-            .unwrap_or_else(|| format!("{:#x}", probe.address.0));
         HitEvent {
             probe: id,
             address: probe.address,
@@ -1271,7 +1259,7 @@ impl Tracer {
                 timestamp_ns: self.started.elapsed().as_nanos() as u64,
                 group: probe.group.clone(),
                 event: probe.event.clone(),
-                location,
+                location: probe.trace_location.clone(),
                 retprobe_caller: None,
                 args,
             },
@@ -1295,8 +1283,10 @@ struct Placement {
     address: Gva,
     /// The probe is at its function's first byte (a return probe must be).
     at_function_entry: bool,
-    function: Gva,
+    /// `sym+0xoff` of `address`, for the listing.
     location: String,
+    /// `sym+0xoff/0xsize` of `address`, for hit events.
+    trace_location: String,
     site: Gva,
     what: String,
     /// The original bytes at `site` (up to 15, within the function).
