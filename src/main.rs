@@ -240,6 +240,7 @@ fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             vm.backend(),
             vm.memory().clone(),
             usize::from(args.cpus),
+            vm.console_log(),
         )?)),
         None => None,
     };

@@ -219,6 +219,7 @@ fn restore_and_run(
                 vm.backend(),
                 vm.memory().clone(),
                 usize::from(cpus),
+                vm.console_log(),
             )?);
             let tasks = TaskContext::read(&live_memory(vm.memory(), state), symbols)
                 .map_err(|reason| tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"))

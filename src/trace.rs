@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::GuestVirtRead;
@@ -13,7 +14,7 @@ use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_probes::engine::{default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeKind, ProbePoint};
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
 use hvprobe_probes::spec::{parse_file_numbered, ProbeSpec, Target};
-use hvprobe_vmm::{Backend, VcpuControl, VcpuState};
+use hvprobe_vmm::{Backend, ConsoleLog, VcpuControl, VcpuState};
 use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
@@ -130,12 +131,13 @@ impl TraceSession {
         backend: Backend,
         mem: GuestMemoryMmap,
         cpus: usize,
+        console: ConsoleLog,
     ) -> Result<TraceSession, String> {
         let probes = read_spec_file(probes_file, cpus)?;
         let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
         let printer = std::thread::Builder::new()
             .name("trace-printer".into())
-            .spawn(move || print_events(rx, format))
+            .spawn(move || print_events(rx, format, console))
             .map_err(|e| format!("cannot start the trace printer: {e}"))?;
         Ok(TraceSession {
             file: probes_file.to_path_buf(),
@@ -270,10 +272,18 @@ impl TraceSession {
     }
 }
 
-/// Prints events as they come, a batch of lines at a time: stdout is shared with the guest's
-/// console, so it is only locked while a batch is written, and lines never interleave.
-fn print_events(rx: Receiver<HitEvent>, format: OutputFormat) {
+/// How long a batch of hit lines waits for the guest's console to finish its line (a
+/// shell prompt never does) before it starts on a new line of its own.
+const CONSOLE_LINE_WAIT: Duration = Duration::from_millis(100);
+
+/// Prints events as they come, a batch of lines at a time. stdout is shared with the
+/// guest's console, which prints a byte at a time: a batch goes out under stdout's lock,
+/// only when the console is at the start of a line, so neither splits the other's lines.
+fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, console: ConsoleLog) {
     let mut batch = String::new();
+    // The console's byte count when a batch of ours last broke one of its lines: as long
+    // as it has printed nothing since, stdout is at the start of a line (ours).
+    let mut broke_line_at = None;
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
         while let Some(event) = next {
@@ -288,7 +298,18 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat) {
                 None
             };
         }
+        let at_line_start = || console.at_line_start() || broke_line_at == Some(console.written());
+        let waiting = Instant::now();
         let mut out = std::io::stdout().lock();
+        while !at_line_start() && waiting.elapsed() < CONSOLE_LINE_WAIT {
+            drop(out);
+            std::thread::sleep(Duration::from_millis(1));
+            out = std::io::stdout().lock();
+        }
+        if !at_line_start() {
+            batch.insert(0, '\n');
+            broke_line_at = Some(console.written());
+        }
         if out.write_all(batch.as_bytes()).and_then(|()| out.flush()).is_err() {
             return;
         }
