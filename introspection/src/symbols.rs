@@ -368,7 +368,9 @@ impl SymbolTable {
     }
 
     /// Describes an address as `symbol+offset/size`. Among aliases at one address the
-    /// kernel's preference is followed: not weak, sized, fewest leading underscores.
+    /// kernel's preference is followed (not weak, sized, fewest leading underscores), and a
+    /// function is preferred over a section marker (`__schedule`, not
+    /// `__sched_text_start`).
     /// `None` below the first symbol or past the end of the last one.
     pub fn describe(&self, gva: Gva) -> Option<Description<'_>> {
         let end = self.located.partition_point(|&i| self.symbols[i as usize].addr <= gva);
@@ -381,6 +383,7 @@ impl SymbolTable {
             .min_by_key(|s| {
                 (
                     matches!(s.kind, 'W' | 'w' | 'V' | 'v'),
+                    is_section_marker(&s.name),
                     s.size.is_none(),
                     s.name.bytes().take_while(|&b| b == b'_').count(),
                     !s.is_text(),
@@ -455,6 +458,16 @@ fn parse_spec(spec: &str) -> Result<(&str, u64), SymbolError> {
     parsed
         .map(|o| (name, o))
         .map_err(|_| bad(format!("offset {off:?} does not fit in 64 bits")))
+}
+
+/// Linker-script symbols that mark where a section starts or ends (`_stext`,
+/// `__sched_text_start`, `__start___jump_table`): they share an address with the first
+/// function of the section but name no code of their own.
+fn is_section_marker(name: &str) -> bool {
+    name.starts_with("__start_")
+        || name.starts_with("__stop_")
+        || (name.starts_with('_') && (name.ends_with("_start") || name.ends_with("_end")))
+        || matches!(name, "_text" | "_stext" | "_etext" | "_sinittext" | "_einittext" | "_sdata" | "_edata")
 }
 
 #[cfg(test)]
@@ -582,6 +595,17 @@ mod tests {
             "_etext has no size and nothing follows"
         );
         assert_eq!(t.extent(t.lookup("dup").expect("dup")), Some(0x800));
+    }
+
+    #[test]
+    fn describe_prefers_a_function_over_a_section_marker_at_its_address() {
+        // As kallsyms gives them: no sizes, the marker first.
+        let t = SymbolTable::parse_system_map(
+            "ffffffff81a00000 T __sched_text_start\nffffffff81a00000 T __schedule\nffffffff81a00400 T schedule\n",
+        )
+        .unwrap();
+        let d = t.describe(Gva(0xffff_ffff_81a0_0000)).unwrap();
+        assert_eq!(d.symbol.name, "__schedule");
     }
 
     #[test]

@@ -14,6 +14,7 @@
 use std::fmt;
 
 use hvprobe_arch::Gva;
+use hvprobe_introspection::memory::MemoryError;
 use iced_x86::{
     Code, ConditionCode, Decoder, DecoderError, DecoderOptions, FlowControl, Formatter, Instruction, IntelFormatter,
     Mnemonic, OpKind, Register,
@@ -83,12 +84,12 @@ pub enum InsnError {
     },
     #[error("{addr}: instruction {bytes} is not stepped out of line")]
     NotStepped { addr: Gva, bytes: HexBytes },
-    #[error("{addr}: instruction {bytes}: stack access at {at} failed: {message}")]
+    #[error("{addr}: instruction {bytes}: stack access at {at} failed: {source}")]
     Stack {
         addr: Gva,
         bytes: HexBytes,
         at: Gva,
-        message: String,
+        source: MemoryError,
     },
     #[error("{addr}: single-step of the copy of {bytes} at {slot} left RIP at {rip:#x}")]
     UnexpectedStepRip {
@@ -111,8 +112,8 @@ pub enum InsnError {
 /// The guest stack as emulation and step fix-ups need it: 8-byte reads and writes at guest
 /// virtual addresses. The engine implements it over a page walk; tests over a map.
 pub trait StackAccess {
-    fn read_u64(&mut self, at: Gva) -> Result<u64, String>;
-    fn write_u64(&mut self, at: Gva, value: u64) -> Result<(), String>;
+    fn read_u64(&mut self, at: Gva) -> Result<u64, MemoryError>;
+    fn write_u64(&mut self, at: Gva, value: u64) -> Result<(), MemoryError>;
 }
 
 fn decoder_at(bytes: &[u8], addr: Gva) -> Decoder<'_> {
@@ -169,6 +170,46 @@ pub fn instruction_starts_through(code: &[u8], start: Gva, last: Gva) -> Result<
         starts.push(Gva(decoder.ip()));
     }
     Ok(starts)
+}
+
+/// A direct near branch (`jmp`, `jcc`, `call`, `loop*`, `jrcxz`) of a function whose
+/// target lies inside the function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InternalBranch {
+    pub from: Gva,
+    pub target: Gva,
+}
+
+/// Every direct near branch of the function `code` (from `start`) that lands inside it,
+/// decoding the whole function; an undecodable byte is an error (then nothing can be said
+/// about what jumps where).
+pub fn internal_branches(code: &[u8], start: Gva) -> Result<Vec<InternalBranch>, InsnError> {
+    let end = start.0.wrapping_add(code.len() as u64);
+    let mut decoder = decoder_at(code, start);
+    let mut branches = Vec::new();
+    let mut instruction = Instruction::default();
+    while decoder.can_decode() {
+        let offset = decoder.position();
+        decoder.decode_out(&mut instruction);
+        if instruction.is_invalid() {
+            let addr = Gva(start.0.wrapping_add(offset as u64));
+            return Err(decode_error(&decoder, &code[offset..], addr));
+        }
+        let direct = matches!(
+            instruction.op0_kind(),
+            OpKind::NearBranch16 | OpKind::NearBranch32 | OpKind::NearBranch64
+        );
+        if direct && instruction.op_count() == 1 {
+            let target = instruction.near_branch_target();
+            if (start.0..end).contains(&target) {
+                branches.push(InternalBranch {
+                    from: Gva(instruction.ip()),
+                    target: Gva(target),
+                });
+            }
+        }
+    }
+    Ok(branches)
 }
 
 /// Whether `addr` is the start of an instruction of the function whose bytes are `code`,
@@ -447,6 +488,26 @@ pub enum Emulation {
 }
 
 impl Emulation {
+    /// How to run this instruction as a single-stepped copy instead, for when the host
+    /// cannot complete it (its stack access failed: a page not present, a guard page):
+    /// stepping lets the CPU raise the real fault. `None` for instructions that touch no
+    /// memory, which the host always completes.
+    pub fn fallback_step(&self, insn: &ProbedInsn) -> Option<OutOfLine> {
+        let kind = match self {
+            Emulation::Push { .. } | Emulation::Pop { .. } => StepKind::Plain,
+            // RIP after the step is the popped return address.
+            Emulation::Return { .. } => StepKind::IndirectJump,
+            // The copy's rel32 is re-targeted at the slot; the pushed return address is
+            // then the copy's, fixed up as for `call r/m64`.
+            Emulation::Call { .. } if insn.bytes.len() == 5 && insn.bytes[0] == CALL_REL32 => StepKind::IndirectCall,
+            _ => return None,
+        };
+        Some(OutOfLine {
+            kind,
+            rip_relative: false,
+        })
+    }
+
     /// Perform the instruction `insn` (whose analysis gave `self`): registers, RIP (the
     /// next instruction or the branch target) and the stack. On an error nothing in `regs`
     /// has changed, though a failed `call` may have written nothing or the return address.
@@ -454,11 +515,11 @@ impl Emulation {
         let mut new = *regs;
         let next = insn.next_addr().0;
         new.rip = next;
-        let stack_error = |at: u64, message: String| InsnError::Stack {
+        let stack_error = |at: u64, source: MemoryError| InsnError::Stack {
             addr: insn.addr,
             bytes: insn.hex(),
             at: Gva(at),
-            message,
+            source,
         };
         match *self {
             Emulation::Nop => {}
@@ -574,6 +635,9 @@ fn arith_flags(op: ArithOp, a: u64, b: u64) -> (u64, u64) {
     (result, flags)
 }
 
+/// `call rel32`.
+const CALL_REL32: u8 = 0xe8;
+
 /// What the host must do after one single-step of an out-of-line copy, as Linux's
 /// `resume_singlestep` decides it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -613,6 +677,20 @@ impl OutOfLine {
     /// addresses the same absolute location from the slot.
     pub fn copy_for(&self, insn: &ProbedInsn, slot: Gva) -> Result<Vec<u8>, InsnError> {
         let mut copy = insn.bytes.clone();
+        if insn.bytes.len() == 5 && insn.bytes[0] == CALL_REL32 {
+            // A `call rel32` stepped as the fallback of its emulation: same target.
+            let rel = i32::from_le_bytes([insn.bytes[1], insn.bytes[2], insn.bytes[3], insn.bytes[4]]);
+            let target = insn.next_addr().0.wrapping_add_signed(i64::from(rel));
+            let from_slot = target.wrapping_sub(slot.0.wrapping_add(5)) as i64;
+            let rel = i32::try_from(from_slot).map_err(|_| InsnError::RipRelativeOutOfReach {
+                addr: insn.addr,
+                bytes: insn.hex(),
+                target,
+                slot,
+            })?;
+            copy[1..5].copy_from_slice(&rel.to_le_bytes());
+            return Ok(copy);
+        }
         if !self.rip_relative {
             return Ok(copy);
         }
@@ -655,11 +733,11 @@ impl OutOfLine {
             slot,
             rip,
         };
-        let stack_error = |at: u64, message: String| InsnError::Stack {
+        let stack_error = |at: u64, source: MemoryError| InsnError::Stack {
             addr: insn.addr,
             bytes: insn.hex(),
             at: Gva(at),
-            message,
+            source,
         };
         match self.kind {
             StepKind::Plain | StepKind::PushFlags | StepKind::RepString => {

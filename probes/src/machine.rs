@@ -13,21 +13,58 @@ pub trait KernelMemory: GuestVirtRead + Send + Sync {
     fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError>;
 }
 
+/// What the engine sees of the vCPUs while they are paused.
+pub trait PausedView {
+    /// The kernel's memory, to change text in.
+    fn text(&self) -> &dyn KernelMemory;
+    /// RIP of every other vCPU (the caller's own vCPU, when called from a vCPU thread, is
+    /// not included: it is in the engine's hands already).
+    fn parked_rips(&self) -> Vec<u64>;
+}
+
 /// The whole machine, as the engine changes it.
 pub trait Machine: Send + Sync {
     fn kernel(&self) -> &dyn KernelMemory;
 
     /// Runs `edit` with every vCPU out of guest mode (all others when called from a vCPU
     /// thread), so that no vCPU executes text while it changes.
-    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn KernelMemory));
+    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView));
+}
+
+/// A failed operation on the vCPU at a hit: which KVM call, and the error it returned.
+#[derive(Debug, thiserror::Error)]
+#[error("{ioctl} failed: {source}")]
+pub struct VcpuError {
+    pub ioctl: &'static str,
+    pub source: std::io::Error,
+}
+
+impl VcpuError {
+    pub fn new(ioctl: &'static str, errno: i32) -> Self {
+        VcpuError {
+            ioctl,
+            source: std::io::Error::from_raw_os_error(errno),
+        }
+    }
+}
+
+/// The segment selectors of the vCPU at a hit (`%cs`, `%ss`): in 64-bit kernel mode CS is
+/// the kernel's, but SS is 0 after an interrupt or exception and `__KERNEL_DS` after a
+/// system call, so they are read, never assumed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentSelectors {
+    pub cs: u16,
+    pub ss: u16,
 }
 
 /// The vCPU that hit a probe, for the duration of the hit.
 pub trait Vcpu {
-    fn regs(&mut self) -> Result<Regs, String>;
-    fn set_regs(&mut self, regs: &Regs) -> Result<(), String>;
-    /// Turns single-stepping (with interrupts blocked) on or off for this vCPU.
-    fn set_single_step(&mut self, on: bool) -> Result<(), String>;
+    fn regs(&mut self) -> Result<Regs, VcpuError>;
+    fn set_regs(&mut self, regs: &Regs) -> Result<(), VcpuError>;
+    /// The segment selectors (one more KVM call on a live vCPU: read only when needed).
+    fn segment_selectors(&mut self) -> Result<SegmentSelectors, VcpuError>;
+    /// Turns single-stepping on or off for this vCPU.
+    fn set_single_step(&mut self, on: bool) -> Result<(), VcpuError>;
     /// The task running on this vCPU (`$comm`, pid), when the guest's layout is known.
     fn current_task(&mut self) -> Option<TaskInfo>;
     /// The vCPU's whole address space (user half included), for `+u0(...)` and `ustring`.

@@ -6,6 +6,14 @@ use std::sync::atomic::AtomicUsize;
 
 use super::*;
 use crate::insn::HexBytes;
+use crate::machine::{KernelMemory, Machine, PausedView, Vcpu, VcpuError};
+use crate::output::ListKind;
+use hvprobe_arch::INT3;
+use hvprobe_introspection::memory::MemoryError;
+
+fn libc_einval() -> i32 {
+    22
+}
 
 const FUNC: u64 = 0xffff_ffff_8100_0000;
 const OOL: u64 = 0xffff_ffff_8240_0000;
@@ -28,6 +36,8 @@ const POP: u64 = FUNC + 0x10;
 struct FakeMachine {
     pages: Mutex<BTreeMap<u64, Vec<u8>>>,
     pauses: AtomicUsize,
+    /// RIPs of the other vCPUs while paused.
+    parked: Mutex<Vec<u64>>,
 }
 
 impl FakeMachine {
@@ -75,15 +85,27 @@ impl Machine for FakeMachine {
         self
     }
 
-    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn KernelMemory)) {
+    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {
         self.pauses.fetch_add(1, Ordering::Relaxed);
         edit(self)
+    }
+}
+
+impl PausedView for FakeMachine {
+    fn text(&self) -> &dyn KernelMemory {
+        self
+    }
+
+    fn parked_rips(&self) -> Vec<u64> {
+        self.parked.lock().unwrap().clone()
     }
 }
 
 struct FakeVcpu {
     regs: Regs,
     stepping: bool,
+    /// Make `set_single_step(true)` fail, as a KVM_SET_GUEST_DEBUG that fails would.
+    step_fails: bool,
 }
 
 impl FakeVcpu {
@@ -97,19 +119,26 @@ impl FakeVcpu {
                 ..Default::default()
             },
             stepping: false,
+            step_fails: false,
         }
     }
 }
 
 impl Vcpu for FakeVcpu {
-    fn regs(&mut self) -> Result<Regs, String> {
+    fn regs(&mut self) -> Result<Regs, VcpuError> {
         Ok(self.regs)
     }
-    fn set_regs(&mut self, regs: &Regs) -> Result<(), String> {
+    fn set_regs(&mut self, regs: &Regs) -> Result<(), VcpuError> {
         self.regs = *regs;
         Ok(())
     }
-    fn set_single_step(&mut self, on: bool) -> Result<(), String> {
+    fn segment_selectors(&mut self) -> Result<crate::machine::SegmentSelectors, VcpuError> {
+        Ok(crate::machine::SegmentSelectors { cs: 0x10, ss: 0 })
+    }
+    fn set_single_step(&mut self, on: bool) -> Result<(), VcpuError> {
+        if on && self.step_fails {
+            return Err(VcpuError::new("KVM_SET_GUEST_DEBUG", libc_einval()));
+        }
         self.stepping = on;
         Ok(())
     }
@@ -211,7 +240,10 @@ fn an_emulated_hit_runs_the_handlers_and_the_push_in_one_exit() {
     t.register(req).unwrap();
     let mut cpu = FakeVcpu::at(PUSH);
     let sp = cpu.regs.rsp;
-    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
     assert_eq!(cpu.regs.rip, PUSH + 1);
     assert_eq!(cpu.regs.rsp, sp - 8);
     assert_eq!(m.read_u64(Gva(sp - 8)).unwrap(), 0x1234_5678, "rbp pushed");
@@ -247,18 +279,21 @@ fn a_rip_relative_instruction_is_stepped_in_a_fixed_up_copy() {
     );
 
     let mut cpu = FakeVcpu::at(MOV_RIP);
-    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)), BreakpointOutcome::Handled);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+        BreakpointOutcome::Handled
+    ));
     assert_eq!(cpu.regs.rip, OOL);
     assert!(cpu.stepping);
     assert_eq!(posts.load(Ordering::Relaxed), 0, "post-handlers wait for the step");
     // The CPU executes the copy...
     cpu.regs.rip = OOL + 7;
-    assert_eq!(t.on_single_step(0, &mut cpu), StepOutcome::Handled);
+    assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
     assert_eq!(cpu.regs.rip, MOV_RIP + 7);
     assert!(!cpu.stepping);
     assert_eq!(posts.load(Ordering::Relaxed), 1);
     // A step nobody asked for is not ours.
-    assert_eq!(t.on_single_step(0, &mut cpu), StepOutcome::NotOurs);
+    assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::NotOurs));
 }
 
 #[test]
@@ -322,7 +357,10 @@ fn probes_at_one_address_run_in_order_and_a_skip_stops_the_rest() {
     t.register(mk("third", PreAction::Continue)).unwrap();
     let mut cpu = FakeVcpu::at(PUSH);
     let sp = cpu.regs.rsp;
-    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
     assert_eq!(*order.lock().unwrap(), ["first", "second"]);
     assert_eq!(cpu.regs.rip, 0xffff_ffff_8100_1234);
     assert_eq!(cpu.regs.rax, u64::MAX);
@@ -351,7 +389,10 @@ fn disabling_and_the_global_switch_keep_each_probes_state() {
     assert_eq!(m.bytes(PUSH, 1), [0x55]);
     // A hit racing with the disarm: the original instruction runs again.
     let mut cpu = FakeVcpu::at(PUSH);
-    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
     assert_eq!(cpu.regs.rip, PUSH);
     assert_eq!(t.listing()[0].hits, 0);
 }
@@ -398,19 +439,19 @@ fn the_guests_own_int3_gets_its_breakpoint_after_our_handlers() {
     }));
     let id = t.register(req).unwrap();
     let mut cpu = FakeVcpu::at(PUSH);
-    assert_eq!(
+    assert!(matches!(
         t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
         BreakpointOutcome::HandledThenGuest
-    );
+    ));
     assert_eq!(cpu.regs.rip, PUSH, "the guest's handler finds RIP on its int3");
     assert_eq!(hits.load(Ordering::Relaxed), 1);
     t.unregister(id).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [INT3], "the guest's int3 is the guest's");
     // Nobody's int3 at all: the guest's.
-    assert_eq!(
+    assert!(matches!(
         t.on_breakpoint(0, &mut cpu, Gva(FUNC + 0x40)),
         BreakpointOutcome::NotOurs
-    );
+    ));
 }
 
 #[test]
@@ -431,7 +472,10 @@ fn events_beyond_a_full_consumer_count_as_missed() {
     t.register(KprobeRequest::event(at("func", 0), "g", "e", args)).unwrap();
     for _ in 0..3 {
         let mut cpu = FakeVcpu::at(PUSH);
-        assert_eq!(t.on_breakpoint(1, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+        assert!(matches!(
+            t.on_breakpoint(1, &mut cpu, Gva(PUSH)),
+            BreakpointOutcome::Handled
+        ));
     }
     let entry = &t.listing()[0];
     assert_eq!((entry.hits, entry.nmissed), (3, 1));
@@ -488,7 +532,10 @@ fn a_return_probe_swaps_the_return_address_and_runs_its_handler_at_the_return() 
     let mut cpu = FakeVcpu::at(PUSH);
     let slot = cpu.regs.rsp;
     m.write_virt(Gva(slot), &caller.to_le_bytes()).unwrap();
-    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(PUSH)), BreakpointOutcome::Handled);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
     assert_eq!(m.read_u64(Gva(slot)).unwrap(), trampoline.0, "return address swapped");
     assert_eq!(t.returns_in_flight(), 1);
     assert!(returned.lock().unwrap().is_empty());
@@ -500,7 +547,10 @@ fn a_return_probe_swaps_the_return_address_and_runs_its_handler_at_the_return() 
         rax: 42,
         ..cpu.regs
     };
-    assert_eq!(t.on_breakpoint(0, &mut cpu, trampoline), BreakpointOutcome::Handled);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, trampoline),
+        BreakpointOutcome::Handled
+    ));
     assert_eq!(cpu.regs.rip, caller);
     assert_eq!(*returned.lock().unwrap(), [(42, caller)]);
     assert_eq!(t.returns_in_flight(), 0);
@@ -527,9 +577,14 @@ fn calls_beyond_maxactive_are_missed_and_return_probes_need_a_function_entry() {
         })
         .unwrap_err();
     assert!(matches!(err, ProbeError::ReturnProbeNotAtEntry { .. }), "{err}");
-    // A return through the trampoline nobody recorded is the guest's problem to report.
+    // A return through the trampoline nobody recorded is our bug: reported, and never a
+    // #BP injected in the out-of-line area (the guest would die in its int3 handler).
     let mut cpu = FakeVcpu::at(OOL);
-    assert_eq!(t.on_breakpoint(0, &mut cpu, Gva(OOL)), BreakpointOutcome::NotOurs);
+    let outcome = t.on_breakpoint(0, &mut cpu, Gva(OOL));
+    assert!(
+        matches!(outcome, BreakpointOutcome::Fatal(EngineFault::UnknownReturn { .. })),
+        "{outcome:?}"
+    );
 }
 
 #[test]
@@ -544,9 +599,9 @@ fn register_changes_at_a_shared_int3_reach_the_guest_with_its_breakpoint() {
     }));
     t.register(req).unwrap();
     let mut cpu = FakeVcpu::at(PUSH);
-    assert_eq!(
+    assert!(matches!(
         t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
         BreakpointOutcome::HandledThenGuest
-    );
+    ));
     assert_eq!((cpu.regs.rax, cpu.regs.rip), (0xdead, PUSH));
 }

@@ -23,16 +23,16 @@ struct FakeStack {
 }
 
 impl StackAccess for FakeStack {
-    fn read_u64(&mut self, at: Gva) -> Result<u64, String> {
+    fn read_u64(&mut self, at: Gva) -> Result<u64, MemoryError> {
         if self.broken == Some(at.0) {
-            return Err("page not present".into());
+            return Err(MemoryError::Unmapped(at));
         }
-        self.cells.get(&at.0).copied().ok_or_else(|| format!("nothing at {at}"))
+        self.cells.get(&at.0).copied().ok_or(MemoryError::Unmapped(at))
     }
 
-    fn write_u64(&mut self, at: Gva, value: u64) -> Result<(), String> {
+    fn write_u64(&mut self, at: Gva, value: u64) -> Result<(), MemoryError> {
         if self.broken == Some(at.0) {
-            return Err("page not present".into());
+            return Err(MemoryError::Unmapped(at));
         }
         self.cells.insert(at.0, value);
         Ok(())

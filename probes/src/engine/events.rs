@@ -1,0 +1,104 @@
+//! What a hit records. Invariant: every hit of a probe that emits events either reaches
+//! the consumer or is counted in the probe's `nmissed` — never dropped silently, and never
+//! waited for (a vCPU does not stall on a slow consumer).
+
+use hvprobe_introspection::task::TaskInfo;
+
+use super::registry::{Probe, Registry, Site};
+use super::{HitEvent, ProbeId, ProbeKind, Tracer, COUNT};
+use crate::fetch::{evaluate, ArgValue, FetchContext};
+use crate::machine::Vcpu;
+use crate::output::HitRecord;
+use crate::regs::Regs;
+use crate::spec::{ArgType, FetchArg, FetchExpr, Register};
+
+impl Tracer {
+    pub(super) fn send_event(&self, probe: &Probe, event: HitEvent) {
+        if !self.sink.as_ref().is_some_and(|s| s.try_send(event)) {
+            probe.counters.nmissed.fetch_add(1, COUNT);
+        }
+    }
+
+    pub(super) fn count_missed(&self, reg: &Registry, site: &Site) {
+        for id in &site.probes {
+            if let Some(p) = reg.probes.get(id).filter(|p| p.enabled) {
+                p.counters.nmissed.fetch_add(1, COUNT);
+            }
+        }
+    }
+
+    pub(super) fn hit_event(
+        &self,
+        id: ProbeId,
+        probe: &Probe,
+        cpu: usize,
+        regs: &Regs,
+        task: Option<&TaskInfo>,
+        vcpu: &mut dyn Vcpu,
+    ) -> HitEvent {
+        let comm = task.map(|t| t.comm.clone());
+        let mut fetch_regs = *regs;
+        if probe.args.iter().any(names_a_segment) {
+            match vcpu.segment_selectors() {
+                Ok(s) => {
+                    fetch_regs.cs = u64::from(s.cs);
+                    fetch_regs.ss = u64::from(s.ss);
+                }
+                Err(e) => tracing::warn!("vCPU {cpu}: {e}: %cs/%ss read as 0"),
+            }
+        }
+        let user = if probe.args.iter().any(needs_user_memory) {
+            vcpu.user_memory()
+        } else {
+            None
+        };
+        let ctx = FetchContext {
+            regs: &fetch_regs,
+            kernel: self.machine.kernel(),
+            user: user.as_deref(),
+            symbols: &self.view.symbols,
+            comm: comm.as_deref(),
+            retval: matches!(probe.kind, ProbeKind::Kretprobe { .. }).then_some(regs.rax),
+        };
+        let args: Vec<(String, ArgValue)> = probe
+            .args
+            .iter()
+            .map(|arg| (arg.name.clone(), evaluate(arg, &ctx)))
+            .collect();
+        HitEvent {
+            probe: id,
+            address: probe.address,
+            regs: *regs,
+            record: HitRecord {
+                comm: comm.unwrap_or_else(|| "<...>".into()),
+                pid: task.map(|t| t.pid).unwrap_or(-1),
+                cpu,
+                timestamp_ns: self.started.elapsed().as_nanos() as u64,
+                group: probe.group.clone(),
+                event: probe.event.clone(),
+                location: probe.trace_location.clone(),
+                retprobe_caller: None,
+                args,
+            },
+        }
+    }
+}
+
+fn expr_any(e: &FetchExpr, pred: &dyn Fn(&FetchExpr) -> bool) -> bool {
+    pred(e)
+        || match e {
+            FetchExpr::Deref { base, .. } => expr_any(base, pred),
+            _ => false,
+        }
+}
+
+fn needs_user_memory(arg: &FetchArg) -> bool {
+    arg.ty == ArgType::UString || expr_any(&arg.expr, &|e| matches!(e, FetchExpr::Deref { user: true, .. }))
+}
+
+/// `%cs` or `%ss` anywhere in the fetch-arg.
+fn names_a_segment(arg: &FetchArg) -> bool {
+    expr_any(&arg.expr, &|e| {
+        matches!(e, FetchExpr::Register(Register::Cs | Register::Ss))
+    })
+}

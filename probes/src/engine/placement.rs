@@ -1,0 +1,184 @@
+//! Where a probe goes: only on an instruction boundary of one function, off the
+//! blacklist and the guest's own patch sites. A probe on a function's ftrace NOP moves to
+//! the next instruction (the NOP does nothing, and the guest rewrites those bytes), unless
+//! that instruction is also reached by a jump inside the function: then the moved probe
+//! would fire on every such jump, so it is refused.
+
+use hvprobe_arch::Gva;
+
+use super::{ProbeError, ProbePoint, Tracer, ENDBR64, FTRACE_NOP, MAX_FUNCTION_BYTES};
+use crate::insn;
+
+/// Everything [`Tracer::place`] found out about a probe point.
+pub(super) struct Placement {
+    pub address: Gva,
+    /// The probe is at its function's first byte (a return probe must be).
+    pub at_function_entry: bool,
+    /// `sym+0xoff` for the listing: the symbol the user named, or the function that
+    /// contains an address.
+    pub location: String,
+    /// `sym+0xoff/0xsize` of `address`, for hit events.
+    pub trace_location: String,
+    pub site: Gva,
+    pub what: String,
+    /// The original bytes at `site` (up to 15, within the function).
+    pub bytes: Vec<u8>,
+    pub may_fault: bool,
+}
+
+impl Tracer {
+    /// Resolves a probe point to where its int3 goes, with every check that needs no
+    /// paused vCPU.
+    pub(super) fn place(&self, point: &ProbePoint) -> Result<Placement, ProbeError> {
+        let symbols = &self.view.symbols;
+        let (address, what, named) = match point {
+            ProbePoint::Symbol { name, offset } => {
+                let matches: Vec<_> = symbols.lookup_all(name).filter(|s| s.is_text()).collect();
+                let symbol = match matches.as_slice() {
+                    [] => return Err(ProbeError::UnknownSymbol(name.clone())),
+                    [one] => *one,
+                    many => {
+                        return Err(ProbeError::AmbiguousSymbol {
+                            name: name.clone(),
+                            count: many.len(),
+                        })
+                    }
+                };
+                let size = symbols.size_of(symbol).unwrap_or(0);
+                if *offset >= size.max(1) {
+                    return Err(ProbeError::OffsetBeyondFunction {
+                        what: format!("{name}+{offset:#x}"),
+                        function: name.clone(),
+                        size,
+                    });
+                }
+                let what = format!("{name}+{offset:#x}");
+                (Gva(symbol.addr.0 + offset), what.clone(), Some(what))
+            }
+            ProbePoint::Address(a) => (*a, format!("{a}"), None),
+        };
+        let description = symbols
+            .describe(address)
+            .filter(|d| d.symbol.is_text())
+            .ok_or(ProbeError::NotInFunction(address))?;
+        let function = description.symbol.name.clone();
+        let func_start = Gva(address.0 - description.offset);
+        let func_size = description.size.min(MAX_FUNCTION_BYTES);
+        let location = named.unwrap_or_else(|| format!("{function}+{:#x}", description.offset));
+        let what = if matches!(point, ProbePoint::Address(_)) {
+            format!("{what} ({location})")
+        } else {
+            what
+        };
+        if let Some(reason) = self.view.blacklist.is_blacklisted(address) {
+            return Err(ProbeError::Blacklisted { what, reason });
+        }
+        let code = self.function_code(func_start, func_size, &what)?;
+        let starts =
+            insn::instruction_starts_through(&code, func_start, address).map_err(|source| ProbeError::Decode {
+                what: what.clone(),
+                source,
+            })?;
+        let function_name = function.clone();
+        let show = move |a: Gva| format!("{function_name}+{:#x}", a.0 - func_start.0);
+        if starts.binary_search(&address).is_err() {
+            let i = starts.partition_point(|a| *a < address);
+            let before = i
+                .checked_sub(1)
+                .and_then(|j| starts.get(j))
+                .map_or_else(|| "the start".to_string(), |a| show(*a));
+            let after = starts.get(i).map_or_else(|| "the end".to_string(), |a| show(*a));
+            return Err(ProbeError::NotInstructionBoundary {
+                what,
+                function,
+                before,
+                after,
+            });
+        }
+        // A probe on the ftrace NOP goes on the next instruction: the NOP does nothing,
+        // and the guest rewrites those five bytes whenever it traces the function.
+        let site = match self.ftrace_site(&code, func_start) {
+            Some(f) if f == address => {
+                let next = Gva(f.0 + FTRACE_NOP.len() as u64);
+                let branches = insn::internal_branches(&code, func_start).map_err(|source| ProbeError::Decode {
+                    what: what.clone(),
+                    source,
+                })?;
+                if let Some(b) = branches.iter().find(|b| b.target == next) {
+                    return Err(ProbeError::MovedOntoBranchTarget {
+                        what,
+                        function,
+                        from: show(b.from),
+                    });
+                }
+                next
+            }
+            _ => address,
+        };
+        if let Some(p) = self.view.patch_sites.containing(site) {
+            return Err(ProbeError::PatchSite {
+                what,
+                kind: p.kind,
+                site: p.range.start,
+            });
+        }
+        let offset_in_code = (site.0 - func_start.0) as usize;
+        if offset_in_code >= code.len() {
+            return Err(ProbeError::Unprobeable {
+                what,
+                reason: "the function ends with its ftrace NOP".into(),
+            });
+        }
+        let bytes = &code[offset_in_code..(offset_in_code + 15).min(code.len())];
+        Ok(Placement {
+            address,
+            location,
+            site,
+            at_function_entry: address == func_start,
+            trace_location: description.to_string(),
+            what,
+            bytes: bytes.to_vec(),
+            may_fault: self.view.ex_table.lookup(site).is_some(),
+        })
+    }
+
+    /// The function's bytes as the guest's compiler left them: our own int3s would decode
+    /// as one-byte instructions, so their original bytes are put back in the copy.
+    fn function_code(&self, func_start: Gva, func_size: u64, what: &str) -> Result<Vec<u8>, ProbeError> {
+        let mut code = vec![0u8; func_size as usize];
+        self.machine
+            .kernel()
+            .read_virt(func_start, &mut code)
+            .map_err(|source| ProbeError::Memory {
+                what: what.to_string(),
+                source,
+            })?;
+        let reg = self.read_registry();
+        for (addr, site) in &reg.sites {
+            if site.armed && (func_start.0..func_start.0 + func_size).contains(&addr.0) {
+                code[(addr.0 - func_start.0) as usize] = site.original;
+            }
+        }
+        Ok(code)
+    }
+
+    /// The address of a function's ftrace NOP (at its entry, after an `endbr64`), or of
+    /// the call the guest patched in its place while it traces the function.
+    fn ftrace_site(&self, code: &[u8], func_start: Gva) -> Option<Gva> {
+        let skip = if code.starts_with(&ENDBR64) { ENDBR64.len() } else { 0 };
+        let entry = code.get(skip..skip + 5)?;
+        let at = Gva(func_start.0 + skip as u64);
+        if entry == FTRACE_NOP {
+            return Some(at);
+        }
+        if entry[0] == 0xe8 {
+            let rel = i32::from_le_bytes([entry[1], entry[2], entry[3], entry[4]]);
+            let target = Gva((at.0 + 5).wrapping_add_signed(i64::from(rel)));
+            let name = self.view.symbols.describe(target).map(|d| d.symbol.name.as_str())?;
+            if name.starts_with("ftrace_") || name == "__fentry__" {
+                return Some(at);
+            }
+        }
+        None
+    }
+}

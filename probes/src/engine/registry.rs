@@ -1,0 +1,577 @@
+//! Which probes exist, and the text: our int3 is in the guest's text exactly at the sites
+//! of enabled probes while the global switch is on, it is only written or removed with
+//! every vCPU paused, and a byte the guest rewrote under it is never overwritten with our
+//! stale copy of the original.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use hvprobe_arch::{Gva, INT3};
+
+use super::placement::Placement;
+use super::{hex, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT};
+use crate::insn::{self, Execution, ProbedInsn};
+use crate::machine::{KernelMemory, PausedView};
+use crate::output::{ListEntry, ListKind};
+use crate::spec::FetchArg;
+
+/// Counters a listing shows.
+#[derive(Default, Debug)]
+pub(super) struct Counters {
+    pub hits: AtomicU64,
+    pub nmissed: AtomicU64,
+}
+
+/// What a registered probe is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Role {
+    /// Asked for by the user.
+    User,
+    /// The engine's own, hidden from the listing: on the guest's `do_exit`, where a task's
+    /// followed calls that will never return are freed (the host's equivalent of Linux
+    /// freeing a task's kretprobe instances when the task goes).
+    TaskExit,
+}
+
+pub(super) struct Probe {
+    pub role: Role,
+    pub kind: ProbeKind,
+    pub group: String,
+    pub event: String,
+    /// The address the user asked for.
+    pub address: Gva,
+    /// `sym+0xoff`: the symbol the user gave, or the function containing an address.
+    pub location: String,
+    /// Where the int3 goes (past an ftrace NOP when `address` is one).
+    pub site: Gva,
+    pub args: Vec<FetchArg>,
+    pub emit_events: bool,
+    pub pre: Option<PreHandler>,
+    pub post: Option<PostHandler>,
+    pub data_size: usize,
+    pub enabled: bool,
+    pub counters: Arc<Counters>,
+    /// `sym+0xoff/0xsize` of `address`, as hit events show it (`%pS`).
+    pub trace_location: String,
+}
+
+pub(super) struct Site {
+    /// The original first byte, written back on disarm.
+    pub original: u8,
+    /// The decoded original instruction; `None` when the guest had its own int3 there.
+    pub insn: Option<ProbedInsn>,
+    /// The out-of-line copy: the instruction's own for one that is stepped, or a fallback
+    /// for an emulated one that can fault (a push or a call whose stack page is not
+    /// present), so that the CPU raises the real fault.
+    pub slot: Option<(Gva, insn::OutOfLine)>,
+    /// Probes here, in registration order.
+    pub probes: Vec<ProbeId>,
+    /// Our int3 is in the text.
+    pub armed: bool,
+    /// The guest rewrote the byte under our int3: we no longer own it.
+    pub gone: bool,
+}
+
+impl Site {
+    pub fn shared_with_guest(&self) -> bool {
+        self.original == INT3
+    }
+}
+
+pub(super) struct Registry {
+    pub probes: BTreeMap<ProbeId, Probe>,
+    pub sites: HashMap<Gva, Site>,
+    next_id: u32,
+    /// The global switch (debugfs `enabled`).
+    pub armed: bool,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Registry {
+            probes: BTreeMap::new(),
+            sites: HashMap::new(),
+            next_id: 0,
+            armed: true,
+        }
+    }
+
+    fn user_probes(&self) -> impl Iterator<Item = (&ProbeId, &Probe)> {
+        self.probes.iter().filter(|(_, p)| p.role == Role::User)
+    }
+}
+
+impl Tracer {
+    /// Registers a kprobe and arms it (unless disabled or globally disarmed).
+    pub fn register(&self, request: KprobeRequest) -> Result<ProbeId, ProbeError> {
+        self.register_all(vec![request]).map(|ids| ids[0]).map_err(|(_, e)| e)
+    }
+
+    /// Registers all or none, in one pause of the vCPUs: no vCPU runs a probe of the batch
+    /// before the whole batch is in. When one fails nothing of the batch stays, and the
+    /// error says which request failed (0-based).
+    pub fn register_all(&self, requests: Vec<KprobeRequest>) -> Result<Vec<ProbeId>, (usize, ProbeError)> {
+        let mut placed = Vec::with_capacity(requests.len());
+        for (i, request) in requests.iter().enumerate() {
+            let placement = self.place(&request.point).map_err(|e| (i, e))?;
+            if let ProbeKind::Kretprobe { .. } = request.kind {
+                if !placement.at_function_entry {
+                    return Err((
+                        i,
+                        ProbeError::ReturnProbeNotAtEntry {
+                            what: placement.what.clone(),
+                        },
+                    ));
+                }
+                self.make_trampoline().map_err(|e| (i, e))?;
+            }
+            placed.push(placement);
+        }
+        let wants_exit_hook = requests.iter().any(|r| matches!(r.kind, ProbeKind::Kretprobe { .. }));
+        let exit_hook = if wants_exit_hook {
+            self.task_exit_placement()
+        } else {
+            None
+        };
+        let mut result = Ok(Vec::new());
+        self.paused(&mut |view| {
+            let mut reg = self.write_registry();
+            let mut done = Vec::with_capacity(requests.len());
+            for (i, (request, placement)) in requests.iter().zip(&placed).enumerate() {
+                match self.register_paused(view.text(), &mut reg, request, placement, Role::User) {
+                    Ok(id) => done.push(id),
+                    Err(e) => {
+                        for id in done.drain(..).rev() {
+                            self.remove_paused(view, &mut reg, id);
+                        }
+                        result = Err((i, e));
+                        return;
+                    }
+                }
+            }
+            if let Some(hook) = &exit_hook {
+                self.ensure_task_exit_hook(view.text(), &mut reg, hook);
+            }
+            result = Ok(done);
+        });
+        result
+    }
+
+    /// Unregisters a probe; its int3 goes when it was the last probe at its site. No
+    /// handler of the probe runs once this returns (Linux's guarantee): hits in progress
+    /// finished before the pause, and a step in flight looks its probes up when it ends.
+    pub fn unregister(&self, id: ProbeId) -> Result<(), ProbeError> {
+        let mut result = Ok(());
+        self.paused(&mut |view| {
+            let mut reg = self.write_registry();
+            if !reg.probes.get(&id).is_some_and(|p| p.role == Role::User) {
+                result = Err(ProbeError::NoSuchProbe(id));
+                return;
+            }
+            self.remove_paused(view, &mut reg, id);
+            self.drop_task_exit_hook_if_unused(view, &mut reg);
+        });
+        result
+    }
+
+    /// Unregisters every probe, the engine's own included (at exit: the text is as it was
+    /// before).
+    pub fn unregister_all(&self) {
+        self.paused(&mut |view| {
+            let mut reg = self.write_registry();
+            let ids: Vec<ProbeId> = reg.probes.keys().copied().collect();
+            for id in ids {
+                self.remove_paused(view, &mut reg, id);
+            }
+        });
+    }
+
+    /// Enables or disables one probe (`enable_kprobe` / `disable_kprobe`).
+    pub fn set_enabled(&self, id: ProbeId, enabled: bool) -> Result<(), ProbeError> {
+        let mut result = Ok(());
+        self.paused(&mut |view| {
+            let mut reg = self.write_registry();
+            let Some(probe) = reg.probes.get_mut(&id).filter(|p| p.role == Role::User) else {
+                result = Err(ProbeError::NoSuchProbe(id));
+                return;
+            };
+            probe.enabled = enabled;
+            let site = probe.site;
+            sync_site(view.text(), &mut reg, site);
+        });
+        result
+    }
+
+    /// The global switch: disarms every site (or arms them again) without changing each
+    /// probe's own enabled state.
+    pub fn set_armed(&self, armed: bool) {
+        self.paused(&mut |view| {
+            let mut reg = self.write_registry();
+            reg.armed = armed;
+            let sites: Vec<Gva> = reg.sites.keys().copied().collect();
+            for site in sites {
+                sync_site(view.text(), &mut reg, site);
+            }
+        });
+    }
+
+    pub fn is_armed(&self) -> bool {
+        self.read_registry().armed
+    }
+
+    /// The probes, in registration order, in the debugfs `list` layout's terms.
+    pub fn listing(&self) -> Vec<ListEntry> {
+        let reg = self.read_registry();
+        reg.user_probes()
+            .map(|(_, p)| {
+                let site = reg.sites.get(&p.site);
+                ListEntry {
+                    address: p.address,
+                    kind: match p.kind {
+                        ProbeKind::Kprobe => ListKind::Kprobe,
+                        ProbeKind::Kretprobe { .. } => ListKind::Kretprobe,
+                    },
+                    location: p.location.clone(),
+                    disabled: !p.enabled,
+                    gone: site.is_some_and(|s| s.gone),
+                    ftrace: false,
+                    optimized: false,
+                    hits: p.counters.hits.load(COUNT),
+                    nmissed: p.counters.nmissed.load(COUNT),
+                }
+            })
+            .collect()
+    }
+
+    /// Re-reads every armed site and marks those whose int3 the guest overwrote as gone
+    /// (they are never written back). The engine does this itself at every pause and
+    /// whenever an int3 exit finds a site not as it left it.
+    pub fn check_gone(&self) {
+        self.find_gone(self.machine.kernel());
+    }
+
+    pub(super) fn find_gone(&self, text: &dyn KernelMemory) {
+        let mut reg = self.write_registry();
+        for (addr, site) in reg.sites.iter_mut() {
+            if site.armed && !site.gone {
+                let mut b = [0u8];
+                if text.read_virt(*addr, &mut b).is_ok() && b[0] != INT3 {
+                    self.mark_gone(*addr, site, b[0]);
+                }
+            }
+        }
+    }
+
+    pub(super) fn mark_gone(&self, addr: Gva, site: &mut Site, now: u8) {
+        tracing::warn!(
+            "the guest rewrote the probed byte at {addr} (our int3 is now {now:#04x}; originally {:#04x}): \
+             its probes are [GONE] and the byte stays as the guest wrote it",
+            site.original
+        );
+        site.gone = true;
+        site.armed = false;
+        self.stats.gone.fetch_add(1, COUNT);
+    }
+
+    /// The user's probe ids, in registration order.
+    pub fn probe_ids(&self) -> Vec<ProbeId> {
+        self.read_registry().user_probes().map(|(id, _)| *id).collect()
+    }
+
+    /// `group/event` of a probe.
+    pub fn event_name(&self, id: ProbeId) -> Option<(String, String)> {
+        self.read_registry()
+            .user_probes()
+            .find(|(i, _)| **i == id)
+            .map(|(_, p)| (p.group.clone(), p.event.clone()))
+    }
+
+    fn register_paused(
+        &self,
+        text: &dyn KernelMemory,
+        reg: &mut Registry,
+        request: &KprobeRequest,
+        placement: &Placement,
+        role: Role,
+    ) -> Result<ProbeId, ProbeError> {
+        if reg
+            .user_probes()
+            .any(|(_, p)| p.group == request.group && p.event == request.event)
+        {
+            return Err(ProbeError::DuplicateEvent {
+                group: request.group.clone(),
+                event: request.event.clone(),
+            });
+        }
+        if let std::collections::hash_map::Entry::Vacant(slot) = reg.sites.entry(placement.site) {
+            slot.insert(self.new_site(text, placement)?);
+        }
+        let id = ProbeId(reg.next_id);
+        reg.next_id += 1;
+        reg.probes.insert(
+            id,
+            Probe {
+                role,
+                kind: request.kind,
+                group: request.group.clone(),
+                event: request.event.clone(),
+                address: placement.address,
+                location: placement.location.clone(),
+                site: placement.site,
+                args: request.args.clone(),
+                emit_events: request.emit_events || !request.args.is_empty(),
+                pre: request.pre.clone(),
+                post: request.post.clone(),
+                data_size: request.data_size,
+                enabled: !request.disabled,
+                counters: Arc::default(),
+                trace_location: placement.trace_location.clone(),
+            },
+        );
+        if let Some(site) = reg.sites.get_mut(&placement.site) {
+            site.probes.push(id);
+        }
+        sync_site(text, reg, placement.site);
+        Ok(id)
+    }
+
+    /// Removes a probe with the vCPUs paused; its site goes with its last probe, and the
+    /// site's out-of-line copy is freed once no vCPU can be in it.
+    fn remove_paused(&self, view: &dyn PausedView, reg: &mut Registry, id: ProbeId) {
+        let Some(probe) = reg.probes.remove(&id) else {
+            return;
+        };
+        let site_addr = probe.site;
+        let now_empty = match reg.sites.get_mut(&site_addr) {
+            Some(site) => {
+                site.probes.retain(|p| *p != id);
+                site.probes.is_empty()
+            }
+            None => false,
+        };
+        if now_empty {
+            if let Some(mut site) = reg.sites.remove(&site_addr) {
+                disarm(self, view.text(), site_addr, &mut site);
+                if let Some((slot, _)) = site.slot {
+                    self.retire_slot(view, slot);
+                }
+            }
+        } else {
+            sync_site(view.text(), reg, site_addr);
+        }
+    }
+
+    /// Where the task-exit hook goes, if the guest has a `do_exit` we can probe.
+    fn task_exit_placement(&self) -> Option<Placement> {
+        let point = ProbePoint::Symbol {
+            name: "do_exit".into(),
+            offset: 0,
+        };
+        match self.place(&point) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                tracing::debug!("no task-exit hook ({e}): calls of exiting tasks are freed when their stack is reused");
+                None
+            }
+        }
+    }
+
+    fn ensure_task_exit_hook(&self, text: &dyn KernelMemory, reg: &mut Registry, placement: &Placement) {
+        if reg.probes.values().any(|p| p.role == Role::TaskExit) {
+            return;
+        }
+        let request = KprobeRequest {
+            emit_events: false,
+            ..KprobeRequest::event(
+                ProbePoint::Address(placement.address),
+                "hvprobe",
+                "task_exit",
+                Vec::new(),
+            )
+        };
+        if let Err(e) = self.register_paused(text, reg, &request, placement, Role::TaskExit) {
+            tracing::warn!("cannot hook the guest's do_exit ({e}): calls of exiting tasks are freed later");
+        }
+    }
+
+    fn drop_task_exit_hook_if_unused(&self, view: &dyn PausedView, reg: &mut Registry) {
+        let returns_left = reg
+            .probes
+            .values()
+            .any(|p| matches!(p.kind, ProbeKind::Kretprobe { .. }));
+        if returns_left {
+            return;
+        }
+        let hooks: Vec<ProbeId> = reg
+            .probes
+            .iter()
+            .filter(|(_, p)| p.role == Role::TaskExit)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in hooks {
+            self.remove_paused(view, reg, id);
+        }
+    }
+
+    fn new_site(&self, text: &dyn KernelMemory, placement: &Placement) -> Result<Site, ProbeError> {
+        let what = &placement.what;
+        let mut current = [0u8];
+        text.read_virt(placement.site, &mut current)
+            .map_err(|source| ProbeError::Memory {
+                what: what.clone(),
+                source,
+            })?;
+        if current[0] == INT3 {
+            // The guest's own int3 (its kprobe, or text_poke in progress): ours runs
+            // first, then the guest gets its #BP, so its handlers still see every hit.
+            return Ok(Site {
+                original: INT3,
+                insn: None,
+                slot: None,
+                probes: Vec::new(),
+                armed: false,
+                gone: false,
+            });
+        }
+        let insn = insn::analyze(&placement.bytes, placement.site).map_err(|source| ProbeError::Decode {
+            what: what.clone(),
+            source,
+        })?;
+        let step = match &insn.execution {
+            Execution::Emulate(emulation) => emulation.fallback_step(&insn),
+            Execution::Refuse(reason) => {
+                return Err(ProbeError::Unprobeable {
+                    what: what.clone(),
+                    reason: format!("{} ({})", reason, hex(&insn.bytes)),
+                })
+            }
+            Execution::Step(step) => {
+                if placement.may_fault {
+                    return Err(ProbeError::Unprobeable {
+                        what: what.clone(),
+                        reason: "the instruction is in the guest's exception table (it may fault, and a fault \
+                                 in an out-of-line copy has no fixup)"
+                            .into(),
+                    });
+                }
+                Some(*step)
+            }
+        };
+        let slot = match step {
+            // No out-of-line area is needed for instructions the host always completes.
+            Some(step) if matches!(insn.execution, Execution::Emulate(_)) && !self.has_out_of_line_area() => {
+                tracing::debug!(
+                    "{what}: no out-of-line area for the fallback step of {}",
+                    step_name(&step)
+                );
+                None
+            }
+            Some(step) => {
+                let slot = self.allocate_slot(what)?;
+                let copy = step.copy_for(&insn, slot).map_err(|source| ProbeError::Decode {
+                    what: what.clone(),
+                    source,
+                })?;
+                text.write_virt(slot, &copy).map_err(|source| ProbeError::Memory {
+                    what: what.clone(),
+                    source,
+                })?;
+                Some((slot, step))
+            }
+            None => None,
+        };
+        Ok(Site {
+            original: current[0],
+            insn: Some(insn),
+            slot,
+            probes: Vec::new(),
+            armed: false,
+            gone: false,
+        })
+    }
+}
+
+fn step_name(step: &insn::OutOfLine) -> String {
+    format!("{:?}", step.kind)
+}
+
+/// Writes or removes the int3 of the site at `addr` to match its probes and the global
+/// switch.
+fn sync_site(text: &dyn KernelMemory, reg: &mut Registry, addr: Gva) {
+    let want = reg.armed
+        && reg
+            .sites
+            .get(&addr)
+            .is_some_and(|s| s.probes.iter().any(|id| reg.probes.get(id).is_some_and(|p| p.enabled)));
+    let Some(site) = reg.sites.get_mut(&addr) else { return };
+    if want && !site.armed && !site.gone {
+        arm(text, addr, site);
+    } else if !want && site.armed {
+        site.armed = false;
+        if !site.shared_with_guest() {
+            restore_original(text, addr, site);
+        }
+    }
+}
+
+/// Writes the int3, unless the guest changed the byte since we read it.
+fn arm(text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
+    if site.shared_with_guest() {
+        // The guest's int3 is already there: nothing to write.
+        site.armed = true;
+        return;
+    }
+    let mut b = [0u8];
+    match text.read_virt(addr, &mut b) {
+        Ok(()) if b[0] == site.original => match text.write_virt(addr, &[INT3]) {
+            Ok(()) => site.armed = true,
+            Err(e) => tracing::error!("arming the probe at {addr}: {e}"),
+        },
+        Ok(()) => {
+            tracing::warn!(
+                "the guest rewrote {addr} ({:#04x}, was {:#04x}): probe gone",
+                b[0],
+                site.original
+            );
+            site.gone = true;
+        }
+        Err(e) => tracing::error!("arming the probe at {addr}: {e}"),
+    }
+}
+
+/// Puts the original byte back, unless the guest has overwritten our int3 (then writing
+/// our stale copy would corrupt its text).
+fn restore_original(text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
+    let mut b = [0u8];
+    match text.read_virt(addr, &mut b) {
+        Ok(()) if b[0] == INT3 => {
+            if let Err(e) = text.write_virt(addr, &[site.original]) {
+                tracing::error!("disarming the probe at {addr}: {e}");
+            }
+        }
+        Ok(()) => {
+            tracing::warn!(
+                "the guest rewrote our int3 at {addr} (now {:#04x}): left as it is",
+                b[0]
+            );
+            site.gone = true;
+        }
+        Err(e) => tracing::error!("disarming the probe at {addr}: {e}"),
+    }
+}
+
+fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
+    if !site.armed {
+        return;
+    }
+    site.armed = false;
+    if site.shared_with_guest() {
+        return;
+    }
+    let was_gone = site.gone;
+    restore_original(text, addr, site);
+    if site.gone && !was_gone {
+        tracer.stats.gone.fetch_add(1, COUNT);
+    }
+}

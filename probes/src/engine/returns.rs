@@ -1,0 +1,291 @@
+//! Return probes. Invariant: every followed call returns to its own caller, and each
+//! return probe's handler runs once per call with that call's private data.
+//!
+//! Calls in flight are kept in chains, one per kernel stack — the host's equivalent of
+//! Linux's per-task `kretprobe_instance` list: a task runs on its own kernel stack (and
+//! interrupts on the per-CPU stacks), so one chain per stack orders the calls of one task,
+//! last in first out. A stack is named by its 16 KiB-aligned region (`THREAD_SIZE` on
+//! x86-64; a larger stack only splits into several chains, each still in order).
+//!
+//! - The trampoline is never recorded as a return address. When a call's return address
+//!   already is the trampoline (a function tail-called by a followed function, or a second
+//!   return probe on the same function), the new instance takes the real address from the
+//!   instance already on that stack slot, and the return runs both handlers, latest first
+//!   (what Linux's trampoline handler does when it walks past instances whose saved
+//!   address is the trampoline).
+//! - An instance on a slot below a new call's slot on the same stack is dead: its frame
+//!   was left without a return (the task exited or the stack was reused). Such instances,
+//!   those of a task that enters `do_exit`, and (when a probe reaches `maxactive`) those
+//!   whose slot no longer holds the trampoline are freed and counted, so calls that never
+//!   return do not use up `maxactive`.
+
+use std::collections::HashMap;
+
+use hvprobe_arch::Gva;
+
+use super::registry::Probe;
+use super::{BreakpointOutcome, EngineFault, HitContext, PreAction, ProbeId, Tracer, COUNT};
+use crate::machine::Vcpu;
+use crate::regs::Regs;
+
+/// The alignment and size of an x86-64 kernel stack (`THREAD_SIZE`, without KASAN).
+const STACK_REGION: u64 = 16 << 10;
+
+/// A call a return probe follows.
+struct Instance {
+    probe: ProbeId,
+    /// The stack slot that held the return address (RSP at the function's entry).
+    slot: u64,
+    /// Where the call returns to: never the trampoline.
+    return_address: u64,
+    /// The probe's private data for this call.
+    data: Vec<u8>,
+}
+
+#[derive(Default)]
+pub(super) struct ReturnChains {
+    /// Per stack region, in the order the calls were entered.
+    chains: HashMap<u64, Vec<Instance>>,
+    in_flight: HashMap<ProbeId, usize>,
+}
+
+fn region(slot: u64) -> u64 {
+    slot & !(STACK_REGION - 1)
+}
+
+impl ReturnChains {
+    pub fn len(&self) -> usize {
+        self.in_flight.values().sum()
+    }
+
+    fn forget(&mut self, removed: &[Instance]) {
+        for i in removed {
+            if let Some(n) = self.in_flight.get_mut(&i.probe) {
+                *n -= 1;
+            }
+        }
+    }
+
+    /// Frees the instances on `slot`'s stack below `slot`: frames left without a return.
+    fn prune_below(&mut self, slot: u64) -> usize {
+        let Some(chain) = self.chains.get_mut(&region(slot)) else {
+            return 0;
+        };
+        let (dead, live): (Vec<Instance>, Vec<Instance>) = chain.drain(..).partition(|i| i.slot < slot);
+        *chain = live;
+        self.forget(&dead);
+        dead.len()
+    }
+
+    /// The latest instance on `slot`.
+    fn top_at(&self, slot: u64) -> Option<&Instance> {
+        self.chains.get(&region(slot))?.iter().rev().find(|i| i.slot == slot)
+    }
+
+    fn push(&mut self, instance: Instance) {
+        *self.in_flight.entry(instance.probe).or_default() += 1;
+        self.chains.entry(region(instance.slot)).or_default().push(instance);
+    }
+
+    /// Takes every instance on `slot`, latest first.
+    fn pop_at(&mut self, slot: u64) -> Vec<Instance> {
+        let key = region(slot);
+        let Some(chain) = self.chains.get_mut(&key) else {
+            return Vec::new();
+        };
+        let (mut returning, rest): (Vec<Instance>, Vec<Instance>) = chain.drain(..).partition(|i| i.slot == slot);
+        *chain = rest;
+        if chain.is_empty() {
+            self.chains.remove(&key);
+        }
+        self.forget(&returning);
+        returning.reverse();
+        returning
+    }
+
+    /// Frees every instance on the stack `rsp` is on.
+    fn drop_stack(&mut self, rsp: u64) -> usize {
+        let dead = self.chains.remove(&region(rsp)).unwrap_or_default();
+        self.forget(&dead);
+        dead.len()
+    }
+
+    /// Frees the instances of `probe` for which `alive` is false.
+    fn reclaim(&mut self, probe: ProbeId, alive: impl Fn(&Instance) -> bool) -> usize {
+        let mut dead = Vec::new();
+        for chain in self.chains.values_mut() {
+            let (gone, keep): (Vec<Instance>, Vec<Instance>) =
+                chain.drain(..).partition(|i| i.probe == probe && !alive(i));
+            *chain = keep;
+            dead.extend(gone);
+        }
+        self.chains.retain(|_, c| !c.is_empty());
+        self.forget(&dead);
+        dead.len()
+    }
+}
+
+impl Tracer {
+    fn lock_returns(&self) -> std::sync::MutexGuard<'_, ReturnChains> {
+        self.returns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A return probe's entry: follow this call (swap its return address for the
+    /// trampoline) unless `maxactive` calls are in flight or the entry handler declines.
+    pub(super) fn enter_return_probe(&self, id: ProbeId, probe: &Probe, maxactive: u32, cpu: usize, regs: &mut Regs) {
+        let Some(&trampoline) = self.trampoline.get() else {
+            return;
+        };
+        let kernel = self.machine.kernel();
+        let slot = regs.rsp;
+        let missed = || {
+            probe.counters.nmissed.fetch_add(1, COUNT);
+        };
+        let found = match kernel.read_u64(Gva(slot)) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(
+                    "vCPU {cpu}: return probe at {}: reading the return address: {e}",
+                    probe.address
+                );
+                return missed();
+            }
+        };
+        let mut returns = self.lock_returns();
+        let abandoned = returns.prune_below(slot);
+        self.stats.returns_abandoned.fetch_add(abandoned as u64, COUNT);
+        let swapped_already = found == trampoline.0;
+        let return_address = if swapped_already {
+            if returns
+                .chains
+                .get(&region(slot))
+                .is_some_and(|c| c.iter().any(|i| i.slot == slot && i.probe == id))
+            {
+                // This probe follows this call already: the entry ran again (its
+                // instruction was re-executed after a fault), not a new call.
+                return;
+            }
+            match returns.top_at(slot) {
+                Some(outer) => outer.return_address,
+                None => {
+                    tracing::error!(
+                        "vCPU {cpu}: return probe at {}: the return address at {slot:#x} is the trampoline, \
+                         but no call is on record there: not followed",
+                        probe.address
+                    );
+                    return missed();
+                }
+            }
+        } else {
+            found
+        };
+        if returns.in_flight.get(&id).copied().unwrap_or(0) >= maxactive as usize {
+            let freed = returns.reclaim(id, |i| kernel.read_u64(Gva(i.slot)) == Ok(trampoline.0));
+            self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
+            if returns.in_flight.get(&id).copied().unwrap_or(0) >= maxactive as usize {
+                return missed();
+            }
+        }
+        drop(returns);
+        let mut data = vec![0u8; probe.data_size];
+        if let Some(entry) = &probe.pre {
+            let shown_rip = regs.rip;
+            regs.rip = probe.address.0;
+            let mut ctx = HitContext {
+                probe: id,
+                cpu,
+                address: probe.address,
+                regs,
+                kernel,
+                data: &mut data,
+            };
+            let declined = entry(&mut ctx) == PreAction::Skip;
+            regs.rip = shown_rip;
+            if declined {
+                return;
+            }
+        }
+        if !swapped_already {
+            if let Err(e) = kernel.write_virt(Gva(slot), &trampoline.0.to_le_bytes()) {
+                tracing::error!("vCPU {cpu}: return probe at {}: {e}", probe.address);
+                return missed();
+            }
+        }
+        self.lock_returns().push(Instance {
+            probe: id,
+            slot,
+            return_address,
+            data,
+        });
+    }
+
+    /// A task entered `do_exit`: nothing on its stack will return.
+    pub(super) fn task_exits(&self, rsp: u64) {
+        let freed = self.lock_returns().drop_stack(rsp);
+        self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
+    }
+
+    /// The trampoline's int3: followed calls returned. Their return handlers and events,
+    /// latest first, then back to the caller.
+    pub(super) fn handle_return(&self, cpu: usize, vcpu: &mut dyn Vcpu) -> BreakpointOutcome {
+        let at = *self.trampoline.get().expect("a return implies a trampoline");
+        let mut regs = match vcpu.regs() {
+            Ok(r) => r,
+            Err(source) => return BreakpointOutcome::Fatal(EngineFault::Vcpu { cpu, at, source }),
+        };
+        // `ret` popped the slot that held the trampoline's address.
+        let slot = regs.rsp.wrapping_sub(8);
+        let returning = {
+            let mut returns = self.lock_returns();
+            let abandoned = returns.prune_below(slot);
+            self.stats.returns_abandoned.fetch_add(abandoned as u64, COUNT);
+            returns.pop_at(slot)
+        };
+        let Some(return_address) = returning.first().map(|i| i.return_address) else {
+            return BreakpointOutcome::Fatal(EngineFault::UnknownReturn { cpu, slot });
+        };
+        regs.rip = return_address;
+        let reg = self.read_registry();
+        let kernel = self.machine.kernel();
+        let mut caller = None;
+        let mut task = None;
+        for mut instance in returning {
+            self.stats.hits.fetch_add(1, COUNT);
+            let Some(probe) = reg.probes.get(&instance.probe).filter(|p| p.enabled) else {
+                continue;
+            };
+            probe.counters.hits.fetch_add(1, COUNT);
+            if probe.emit_events {
+                let task = task.get_or_insert_with(|| vcpu.current_task());
+                let mut event = self.hit_event(instance.probe, probe, cpu, &regs, task.as_ref(), vcpu);
+                event.record.retprobe_caller = Some(
+                    caller
+                        .get_or_insert_with(|| {
+                            self.view
+                                .symbols
+                                .describe(Gva(return_address))
+                                .map(|d| d.to_string())
+                                .unwrap_or_else(|| format!("{return_address:#x}"))
+                        })
+                        .clone(),
+                );
+                self.send_event(probe, event);
+            }
+            if let Some(ret) = &probe.post {
+                let mut ctx = HitContext {
+                    probe: instance.probe,
+                    cpu,
+                    address: probe.address,
+                    regs: &mut regs,
+                    kernel,
+                    data: &mut instance.data,
+                };
+                ret(&mut ctx);
+            }
+        }
+        match vcpu.set_regs(&regs) {
+            Ok(()) => BreakpointOutcome::Handled,
+            Err(source) => BreakpointOutcome::Fatal(EngineFault::Vcpu { cpu, at, source }),
+        }
+    }
+}
