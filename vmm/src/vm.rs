@@ -333,11 +333,13 @@ impl Vm {
                 }
             }
         }
-        for t in threads {
+        for (cpu, t) in threads.into_iter().enumerate() {
             match t.join() {
                 Ok(vcpu) => self.vcpus.push(vcpu),
+                // A panic outside the exit loop (which catches its own); the thread's
+                // registration already stopped the VM, and its vCPU is lost.
                 Err(_) => control.stop(StopReason::VcpuError {
-                    cpu: usize::MAX,
+                    cpu,
                     message: "vCPU thread panicked".into(),
                 }),
             }

@@ -1,0 +1,77 @@
+//! A debug handler that panics in a vCPU thread stops the VM with that panic as the reason:
+//! the other vCPUs stop, and nothing touches the dead thread's `kvm_run` or signals it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hvprobe_arch::Gva;
+use hvprobe_vmm::{BreakpointDisposition, CodeBlob, DebugHandler, StopReason, Vm, VmOutcome};
+use kvm_ioctls::VcpuFd;
+
+/// vCPU 0 hits an int3; every other vCPU spins (a vCPU the panic must stop).
+const INT3_ON_VCPU0_BLOB: &[u8] = &[
+    0x48, 0x85, 0xff, // test %rdi,%rdi
+    0x75, 0x01, // jnz spin
+    0xcc, // int3
+    0xeb, 0xfe, // spin: jmp spin
+];
+
+struct PanickingHandler;
+
+impl DebugHandler for PanickingHandler {
+    fn on_breakpoint(&self, cpu: usize, _vcpu: &mut VcpuFd, at: Gva) -> BreakpointDisposition {
+        panic!("handler bug at {:#x} on vCPU {cpu}", at.0);
+    }
+}
+
+/// Runs the VM in a thread; a run that has not ended after `limit` is stopped, and one
+/// that does not end even then (its vCPU threads hang) fails the test.
+fn run_with_limit(vm: Vm, limit: Duration) -> (VmOutcome, Duration) {
+    let control = vm.control();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let _ = done_tx.send(vm.run(Arc::new(PanickingHandler)));
+    });
+    let outcome = match done_rx.recv_timeout(limit) {
+        Ok(outcome) => outcome,
+        Err(_) => {
+            control.stop(StopReason::Stopped);
+            done_rx
+                .recv_timeout(Duration::from_secs(5))
+                .unwrap_or_else(|_| panic!("the VM did not stop within {limit:?}, nor after a stop"))
+        }
+    };
+    (outcome.expect("run"), started.elapsed())
+}
+
+fn panicking_handler_stops_the_vm(cpus: u8) {
+    let vm = Vm::new_code_blob(&CodeBlob {
+        code: INT3_ON_VCPU0_BLOB.to_vec(),
+        cpus,
+        breakpoint_handler: None,
+    })
+    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let (outcome, took) = run_with_limit(vm, Duration::from_secs(10));
+    let expected = "handler bug at 0x100005 on vCPU 0";
+    match &outcome.reason {
+        StopReason::HandlerPanicked { cpu: 0, message } if message == expected => {}
+        other => panic!("{cpus} vCPUs: the run ended with {other:?}, not the handler's panic"),
+    }
+    assert!(
+        outcome.reason.to_string().contains(expected),
+        "the reason does not show the panic: {}",
+        outcome.reason
+    );
+    assert!(took < Duration::from_secs(5), "{cpus} vCPUs: stopping took {took:?}");
+}
+
+#[test]
+fn a_panicking_breakpoint_handler_stops_a_one_vcpu_vm_with_its_message() {
+    panicking_handler_stops_the_vm(1);
+}
+
+#[test]
+fn a_panicking_breakpoint_handler_stops_the_other_vcpu_too() {
+    panicking_handler_stops_the_vm(2);
+}
