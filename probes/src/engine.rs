@@ -302,7 +302,7 @@ pub enum EngineFault {
     Insn {
         cpu: usize,
         at: Gva,
-        source: insn::InsnError,
+        source: Box<insn::InsnError>,
     },
     #[error(
         "vCPU {cpu}: probe at {at}: the host cannot emulate {insn} ({source}) and has no out-of-line copy to step"
@@ -311,7 +311,7 @@ pub enum EngineFault {
         cpu: usize,
         at: Gva,
         insn: String,
-        source: insn::InsnError,
+        source: Box<insn::InsnError>,
     },
 }
 

@@ -151,7 +151,7 @@ impl Tracer {
                                 cpu,
                                 at,
                                 insn: insn.disassembly(),
-                                source,
+                                source: Box::new(source),
                             });
                         };
                         self.stats.emulation_fallbacks.fetch_add(1, COUNT);
@@ -161,7 +161,13 @@ impl Tracer {
                             Err(fault) => BreakpointOutcome::Fatal(fault),
                         };
                     }
-                    Err(source) => return BreakpointOutcome::Fatal(EngineFault::Insn { cpu, at, source }),
+                    Err(source) => {
+                        return BreakpointOutcome::Fatal(EngineFault::Insn {
+                            cpu,
+                            at,
+                            source: Box::new(source),
+                        })
+                    }
                 }
                 self.stats.emulated.fetch_add(1, COUNT);
                 drop(reg);
@@ -177,10 +183,10 @@ impl Tracer {
                         cpu,
                         at,
                         insn: insn.disassembly(),
-                        source: InsnError::NotStepped {
+                        source: Box::new(InsnError::NotStepped {
                             addr: at,
                             bytes: crate::insn::HexBytes(insn.bytes.clone()),
-                        },
+                        }),
                     });
                 };
                 match self.start_step(cpu, vcpu, &mut regs, insn, slot, at, posts) {

@@ -222,7 +222,7 @@ impl Tracer {
                 return StepOutcome::Fatal(EngineFault::Insn {
                     cpu,
                     at: pending.site,
-                    source,
+                    source: Box::new(source),
                 });
             }
         }
@@ -237,12 +237,12 @@ impl Tracer {
                 return StepOutcome::Fatal(EngineFault::Insn {
                     cpu,
                     at: pending.site,
-                    source: insn::InsnError::Stack {
+                    source: Box::new(insn::InsnError::Stack {
                         addr: pending.insn.addr,
                         bytes: insn::HexBytes(pending.insn.bytes.clone()),
                         at: Gva(regs.rsp),
                         source,
-                    },
+                    }),
                 });
             }
         }

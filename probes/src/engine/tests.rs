@@ -29,6 +29,21 @@ const FUNC_CODE: &[u8] = &[
     0xc3, // +0x11 ret
 ];
 const PUSH: u64 = FUNC + 5;
+/// `other`: a lone `ret` (what `func` tail-calls in the return-probe tests).
+const OTHER: u64 = FUNC + 0x40;
+/// `do_exit`: ftrace NOP; push %rbp; ret.
+const DO_EXIT: u64 = FUNC + 0x80;
+const DO_EXIT_CODE: &[u8] = &[0x0f, 0x1f, 0x44, 0x00, 0x00, 0x55, 0xc3];
+/// `looping`: ftrace NOP; push %rbp; pop %rbp; dec %edi; jne +5 (the push); ret.
+const LOOPING: u64 = FUNC + 0xa0;
+const LOOPING_CODE: &[u8] = &[
+    0x0f, 0x1f, 0x44, 0x00, 0x00, // +0x0 nopl
+    0x55, // +0x5 push %rbp
+    0x5d, // +0x6 pop %rbp
+    0xff, 0xcf, // +0x7 dec %edi
+    0x75, 0xfa, // +0x9 jne +0x5
+    0xc3, // +0xb ret
+];
 const MOV_RIP: u64 = FUNC + 9;
 const POP: u64 = FUNC + 0x10;
 
@@ -38,13 +53,19 @@ struct FakeMachine {
     pauses: AtomicUsize,
     /// RIPs of the other vCPUs while paused.
     parked: Mutex<Vec<u64>>,
+    /// Pages that are not mapped: reads and writes there fail.
+    unmapped: Mutex<Vec<u64>>,
 }
 
 impl FakeMachine {
     fn with_code() -> Arc<Self> {
         let m = FakeMachine::default();
+        // int3 padding between functions, as the kernel's linker leaves it.
+        m.write_virt(Gva(FUNC), &[INT3; 0x100]).unwrap();
         m.write_virt(Gva(FUNC), FUNC_CODE).unwrap();
-        m.write_virt(Gva(FUNC + 0x40), &[0xc3]).unwrap();
+        m.write_virt(Gva(OTHER), &[0xc3]).unwrap();
+        m.write_virt(Gva(DO_EXIT), DO_EXIT_CODE).unwrap();
+        m.write_virt(Gva(LOOPING), LOOPING_CODE).unwrap();
         m.write_virt(Gva(STACK_TOP - 0x1000), &[0u8; 0x1000]).unwrap();
         m.write_virt(Gva(OOL), &[0u8; 0x1000]).unwrap();
         Arc::new(m)
@@ -71,6 +92,9 @@ impl GuestVirtRead for FakeMachine {
 
 impl KernelMemory for FakeMachine {
     fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
+        if self.unmapped.lock().unwrap().contains(&(gva.0 & !0xfff)) {
+            return Err(MemoryError::Unmapped(gva));
+        }
         let mut pages = self.pages.lock().unwrap();
         for (i, b) in bytes.iter().enumerate() {
             let a = gva.0 + i as u64;
@@ -169,9 +193,9 @@ impl EventSink for Events {
 
 fn symbols() -> SymbolTable {
     SymbolTable::parse_system_map(&format!(
-        "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{:016x} T other\n{:016x} T _etext\n",
-        FUNC + 0x40,
-        FUNC + 0x41
+        "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{OTHER:016x} T other\n{DO_EXIT:016x} T do_exit\n\
+         {LOOPING:016x} T looping\n{:016x} T _etext\n",
+        LOOPING + LOOPING_CODE.len() as u64
     ))
     .unwrap()
 }
@@ -604,4 +628,482 @@ fn register_changes_at_a_shared_int3_reach_the_guest_with_its_breakpoint() {
         BreakpointOutcome::HandledThenGuest
     ));
     assert_eq!((cpu.regs.rax, cpu.regs.rip), (0xdead, PUSH));
+}
+
+// ---- Return probes: per-stack chains ----
+
+/// A return probe on `name+0` whose entry handler stores `%rdi` in its per-call data and
+/// whose return handler reports (probe event, stored rdi, rax, rip).
+type Returned = Arc<Mutex<Vec<(&'static str, u64, u64, u64)>>>;
+
+fn recording_return_probe(name: &str, event: &'static str, maxactive: u32, log: &Returned) -> KprobeRequest {
+    let log = log.clone();
+    KprobeRequest {
+        kind: ProbeKind::Kretprobe { maxactive },
+        data_size: 8,
+        pre: Some(Arc::new(|ctx: &mut HitContext| {
+            ctx.data.copy_from_slice(&ctx.regs.rdi.to_le_bytes());
+            PreAction::Continue
+        })),
+        post: Some(Arc::new(move |ctx: &mut HitContext| {
+            let stored = u64::from_le_bytes(ctx.data[..8].try_into().unwrap());
+            log.lock().unwrap().push((event, stored, ctx.regs.rax, ctx.regs.rip));
+        })),
+        ..plain(at(name, 0), event)
+    }
+}
+
+/// The vCPU enters `func` (its int3 is past the ftrace NOP) with `rsp` holding `caller`.
+fn call_func(t: &Tracer, m: &FakeMachine, cpu: &mut FakeVcpu, rsp: u64, caller: u64, rdi: u64) {
+    m.write_virt(Gva(rsp), &caller.to_le_bytes()).unwrap();
+    cpu.regs.rip = PUSH;
+    cpu.regs.rsp = rsp;
+    cpu.regs.rdi = rdi;
+    assert!(matches!(t.on_breakpoint(0, cpu, Gva(PUSH)), BreakpointOutcome::Handled));
+}
+
+/// The function whose frame is at `rsp` returns `rax` through whatever is on its stack slot.
+fn return_from(t: &Tracer, m: &FakeMachine, cpu: &mut FakeVcpu, rsp: u64, rax: u64) -> BreakpointOutcome {
+    let to = m.read_u64(Gva(rsp)).unwrap();
+    assert_eq!(to, OOL, "the return address was swapped for the trampoline");
+    cpu.regs.rip = to;
+    cpu.regs.rsp = rsp + 8;
+    cpu.regs.rax = rax;
+    t.on_breakpoint(0, cpu, Gva(to))
+}
+
+#[test]
+fn a_tail_call_between_two_return_probes_returns_to_the_real_caller_and_fires_both() {
+    // `__x64_sys_openat` tail-calls (`jmp`) `do_sys_open`: both return probes share one
+    // stack slot. Before per-stack chains, the second entry recorded the trampoline as the
+    // caller and the return went back into the trampoline (a guest panic).
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "outer", 4, &log)).unwrap();
+    t.register(recording_return_probe("other", "inner", 4, &log)).unwrap();
+    let caller = 0xffff_ffff_8100_0abc_u64;
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = STACK_TOP - 0x100;
+    call_func(&t, &m, &mut cpu, slot, caller, 1);
+    // func ... jmp other: `other`'s int3 with the same RSP; its `ret` is emulated.
+    cpu.regs.rip = OTHER;
+    cpu.regs.rsp = slot;
+    cpu.regs.rdi = 2;
+    cpu.regs.rax = 7;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OTHER)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, OOL, "other's ret went to the trampoline");
+    assert_eq!(t.returns_in_flight(), 2);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OOL)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, caller);
+    assert_eq!(cpu.regs.rsp, slot + 8);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [("inner", 2, 7, caller), ("outer", 1, 7, caller)],
+        "each probe once, latest first, same return value, each with its own data"
+    );
+    assert_eq!(t.returns_in_flight(), 0);
+}
+
+#[test]
+fn two_return_probes_on_one_function_each_fire_once_per_call() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "a", 4, &log)).unwrap();
+    t.register(recording_return_probe("func", "b", 4, &log)).unwrap();
+    let caller = 0xffff_ffff_8100_0def_u64;
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = STACK_TOP - 0x100;
+    call_func(&t, &m, &mut cpu, slot, caller, 9);
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, slot, 5),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, caller);
+    assert_eq!(*log.lock().unwrap(), [("b", 9, 5, caller), ("a", 9, 5, caller)]);
+    let list = t.listing();
+    assert_eq!((list[0].hits, list[1].hits), (1, 1));
+}
+
+#[test]
+fn recursive_calls_return_in_order_with_their_own_private_data() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "r", 8, &log)).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    let (outer, inner) = (STACK_TOP - 0x100, STACK_TOP - 0x180);
+    call_func(&t, &m, &mut cpu, outer, 0xffff_ffff_8100_1111, 1);
+    call_func(&t, &m, &mut cpu, inner, PUSH + 0x20, 2);
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, inner, 20),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, PUSH + 0x20);
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, outer, 10),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, 0xffff_ffff_8100_1111);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [("r", 2, 20, PUSH + 0x20), ("r", 1, 10, 0xffff_ffff_8100_1111)]
+    );
+}
+
+#[test]
+fn an_entry_hit_that_runs_again_follows_the_call_once() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "r", 4, &log)).unwrap();
+    let caller = 0xffff_ffff_8100_0abc_u64;
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = STACK_TOP - 0x100;
+    call_func(&t, &m, &mut cpu, slot, caller, 3);
+    // The entry's instruction faulted and the guest's handler sent it back to the probe.
+    cpu.regs.rip = PUSH;
+    cpu.regs.rsp = slot;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(t.returns_in_flight(), 1);
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, slot, 0),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, caller);
+    assert_eq!(log.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn calls_that_never_return_are_freed_at_do_exit_and_never_use_up_maxactive() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    let id = t.register(recording_return_probe("func", "r", 2, &log)).unwrap();
+    assert_eq!(m.bytes(DO_EXIT + 5, 1), [INT3], "the engine hooks do_exit");
+    assert_eq!(t.probe_ids(), [id], "its hook is not the user's");
+    assert_eq!(t.listing().len(), 1);
+    // Ten tasks, each on its own kernel stack, enter func and exit inside it.
+    for task in 0..10u64 {
+        let stack_top = STACK_TOP + (task + 1) * 0x4000;
+        m.write_virt(Gva(stack_top - 0x1000), &[0u8; 0x1000]).unwrap();
+        let mut cpu = FakeVcpu::at(PUSH);
+        call_func(&t, &m, &mut cpu, stack_top - 0x100, 0xffff_ffff_8100_0abc, task);
+        cpu.regs.rip = DO_EXIT + 5;
+        cpu.regs.rsp = stack_top - 0x400;
+        assert!(matches!(
+            t.on_breakpoint(0, &mut cpu, Gva(DO_EXIT + 5)),
+            BreakpointOutcome::Handled
+        ));
+        assert_eq!(t.returns_in_flight(), 0, "task {task}'s call is freed at do_exit");
+    }
+    assert_eq!(t.listing()[0].nmissed, 0);
+    assert_eq!(t.stats.returns_abandoned.load(Ordering::Relaxed), 10);
+    t.unregister(id).unwrap();
+    assert_eq!(
+        m.bytes(DO_EXIT, DO_EXIT_CODE.len()),
+        DO_EXIT_CODE,
+        "the hook goes with the last return probe"
+    );
+}
+
+#[test]
+fn abandoned_frames_on_a_reused_stack_and_overwritten_slots_are_reclaimed() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "r", 2, &log)).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    // A deep call that never returns (its stack frame was left), then a shallower call on
+    // the same stack: the deep one is dead.
+    call_func(&t, &m, &mut cpu, STACK_TOP - 0x800, 1, 0);
+    call_func(&t, &m, &mut cpu, STACK_TOP - 0x100, 2, 0);
+    assert_eq!(t.returns_in_flight(), 1);
+    // A call on another stack whose slot the guest then overwrote (its frame is gone).
+    let other_stack = STACK_TOP + 0x4000;
+    m.write_virt(Gva(other_stack - 0x1000), &[0u8; 0x1000]).unwrap();
+    call_func(&t, &m, &mut cpu, other_stack - 0x100, 3, 0);
+    m.write_virt(Gva(other_stack - 0x100), &0u64.to_le_bytes()).unwrap();
+    // maxactive (2) reached: the overwritten one is reclaimed instead of a miss.
+    let third_stack = STACK_TOP + 0x8000;
+    m.write_virt(Gva(third_stack - 0x1000), &[0u8; 0x1000]).unwrap();
+    call_func(&t, &m, &mut cpu, third_stack - 0x100, 4, 0);
+    assert_eq!(t.listing()[0].nmissed, 0);
+    assert_eq!(t.returns_in_flight(), 2);
+    assert_eq!(t.stats.returns_abandoned.load(Ordering::Relaxed), 2);
+}
+
+// ---- The guest's int3s ----
+
+#[test]
+fn the_guests_int3_at_a_disabled_or_disarmed_site_is_the_guests() {
+    let m = FakeMachine::with_code();
+    m.write_virt(Gva(PUSH), &[INT3]).unwrap();
+    let t = tracer(&m);
+    let id = t.register(plain(at("func", 5), "shared")).unwrap();
+    t.set_enabled(id, false).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::NotOurs
+    ));
+    t.set_enabled(id, true).unwrap();
+    t.set_armed(false);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::NotOurs
+    ));
+    // Our own site, disarmed, where the guest then put an int3 (its own kprobe).
+    t.register(plain(at("func", 9), "ours")).unwrap();
+    m.write_virt(Gva(MOV_RIP), &[INT3]).unwrap();
+    let mut cpu = FakeVcpu::at(MOV_RIP);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+        BreakpointOutcome::NotOurs
+    ));
+}
+
+#[test]
+fn a_gone_site_is_found_at_the_next_pause_and_its_int3_exits_go_to_the_guest() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.register(plain(at("func", 5), "a")).unwrap();
+    // The guest rewrites the byte with an int3 of its own (text_poke_bp's first step).
+    m.write_virt(Gva(PUSH), &[0x90]).unwrap();
+    t.register(plain(at("func", 9), "b")).unwrap();
+    assert!(t.listing()[0].gone, "found at the pause of the next registration");
+    assert_eq!(t.stats.gone.load(Ordering::Relaxed), 1);
+    m.write_virt(Gva(PUSH), &[INT3]).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::NotOurs
+    ));
+}
+
+#[test]
+fn an_int3_in_the_out_of_line_area_that_is_not_ours_stops_the_vm() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.register(plain(at("func", 9), "stepped")).unwrap();
+    let mut cpu = FakeVcpu::at(OOL + 0x100);
+    let outcome = t.on_breakpoint(0, &mut cpu, Gva(OOL + 0x100));
+    assert!(
+        matches!(
+            outcome,
+            BreakpointOutcome::Fatal(EngineFault::UnknownOutOfLineBreakpoint { .. })
+        ),
+        "{outcome:?}"
+    );
+}
+
+// ---- Error paths and the out-of-line step ----
+
+#[test]
+fn a_step_that_cannot_start_stops_the_vm_with_the_vcpu_untouched() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.register(plain(at("func", 9), "stepped")).unwrap();
+    let mut cpu = FakeVcpu::at(MOV_RIP);
+    cpu.regs.rflags = 0x202;
+    cpu.step_fails = true;
+    let before = cpu.regs;
+    let outcome = t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP));
+    assert!(
+        matches!(outcome, BreakpointOutcome::Fatal(EngineFault::Vcpu { .. })),
+        "{outcome:?}"
+    );
+    assert_eq!(cpu.regs, before, "never left in the copy with IF cleared and no trap");
+    assert!(!cpu.stepping);
+}
+
+#[test]
+fn a_push_the_host_cannot_emulate_is_stepped_so_the_cpu_raises_the_fault() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let pres = Arc::new(AtomicU64::new(0));
+    let p = pres.clone();
+    let mut req = plain(at("func", 5), "push");
+    req.pre = Some(Arc::new(move |_: &mut HitContext| {
+        p.fetch_add(1, Ordering::Relaxed);
+        PreAction::Continue
+    }));
+    t.register(req).unwrap();
+    // RSP on a page that is not there: the emulated push cannot write.
+    let mut cpu = FakeVcpu::at(PUSH);
+    cpu.regs.rsp = 0xffff_c900_0000_0000;
+    m.unmapped.lock().unwrap().push(cpu.regs.rsp - 0x1000);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
+    assert!(cpu.stepping, "stepped instead");
+    let slot = cpu.regs.rip;
+    assert!((OOL..OOL + 0x1000).contains(&slot));
+    assert_eq!(m.bytes(slot, 1), [0x55], "a copy of the push");
+    assert_eq!(t.stats.emulation_fallbacks.load(Ordering::Relaxed), 1);
+    assert_eq!(pres.load(Ordering::Relaxed), 1, "the handlers ran once");
+}
+
+/// Lays an exception frame (RIP, CS, RFLAGS, RSP, SS; `error_code` first if given) at
+/// `at`, as the CPU pushes it.
+fn push_frame(m: &FakeMachine, at: u64, error_code: Option<u64>, rip: u64, rflags: u64) -> u64 {
+    let mut words = Vec::new();
+    words.extend(error_code);
+    words.extend([rip, 0x10, rflags, STACK_TOP - 0x100, 0]);
+    for (i, w) in words.iter().enumerate() {
+        m.write_virt(Gva(at + 8 * i as u64), &w.to_le_bytes()).unwrap();
+    }
+    at + 8 * u64::from(error_code.is_some())
+}
+
+#[test]
+fn an_exception_or_nmi_during_a_step_returns_to_the_probe_with_the_guests_flags() {
+    for error_code in [None, Some(2)] {
+        let m = FakeMachine::with_code();
+        let t = tracer(&m);
+        let posts = Arc::new(AtomicU64::new(0));
+        let p = posts.clone();
+        let mut req = plain(at("func", 9), "stepped");
+        req.post = Some(Arc::new(move |_: &mut HitContext| {
+            p.fetch_add(1, Ordering::Relaxed);
+        }));
+        t.register(req).unwrap();
+        let mut cpu = FakeVcpu::at(MOV_RIP);
+        cpu.regs.rflags = 0x202;
+        assert!(matches!(
+            t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+            BreakpointOutcome::Handled
+        ));
+        assert_eq!(cpu.regs.rflags & insn::RFLAGS_IF, 0, "IF cleared for the step");
+        // The copy faulted (or an NMI came): the CPU pushed a frame on the handler's stack
+        // and the step trap reports the handler's first instruction.
+        let frame_at = STACK_TOP - 0x800;
+        let frame = push_frame(&m, frame_at, error_code, OOL, cpu.regs.rflags);
+        cpu.regs.rip = 0xffff_ffff_8180_0000;
+        cpu.regs.rsp = frame_at;
+        assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
+        assert!(!cpu.stepping);
+        assert_eq!(cpu.regs.rip, 0xffff_ffff_8180_0000, "the handler runs on");
+        assert_eq!(m.read_u64(Gva(frame)).unwrap(), MOV_RIP, "it returns to the probe");
+        assert_eq!(
+            m.read_u64(Gva(frame + 16)).unwrap() & insn::RFLAGS_IF,
+            insn::RFLAGS_IF,
+            "with IF"
+        );
+        assert_eq!(posts.load(Ordering::Relaxed), 0, "the instruction did not complete");
+        assert_eq!(t.stats.steps_interrupted.load(Ordering::Relaxed), 1);
+    }
+}
+
+#[test]
+fn no_post_handler_runs_after_unregister_returns_even_mid_step() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let posts = Arc::new(AtomicU64::new(0));
+    let p = posts.clone();
+    let mut req = plain(at("func", 9), "stepped");
+    req.post = Some(Arc::new(move |_: &mut HitContext| {
+        p.fetch_add(1, Ordering::Relaxed);
+    }));
+    let id = t.register(req).unwrap();
+    let mut cpu = FakeVcpu::at(MOV_RIP);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+        BreakpointOutcome::Handled
+    ));
+    // Parked between its int3 and its step trap while the probe goes.
+    *m.parked.lock().unwrap() = vec![cpu.regs.rip];
+    t.unregister(id).unwrap();
+    cpu.regs.rip = OOL + 7;
+    assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
+    assert_eq!(cpu.regs.rip, MOV_RIP + 7, "the step still ends in the function");
+    assert_eq!(posts.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn out_of_line_slots_are_reused_but_never_while_a_vcpu_steps_in_one() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    // 0x1000 bytes of area: 256 slots; 1000 register/unregister cycles.
+    for _ in 0..1000 {
+        let id = t.register(plain(at("func", 9), "stepped")).unwrap();
+        t.unregister(id).unwrap();
+    }
+    let id = t.register(plain(at("func", 9), "stepped")).unwrap();
+    let mut cpu = FakeVcpu::at(MOV_RIP);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+        BreakpointOutcome::Handled
+    ));
+    let busy = cpu.regs.rip;
+    t.unregister(id).unwrap();
+    t.register(plain(at("func", 9), "again")).unwrap();
+    let mut other = FakeVcpu::at(MOV_RIP);
+    assert!(matches!(
+        t.on_breakpoint(1, &mut other, Gva(MOV_RIP)),
+        BreakpointOutcome::Handled
+    ));
+    assert_ne!(other.regs.rip, busy, "vCPU 0 is still in its slot");
+    assert_eq!(m.bytes(busy, 7)[..3], [0x48, 0x8b, 0x05], "vCPU 0's copy is intact");
+}
+
+// ---- Placement, listing, fetch-args, batches ----
+
+#[test]
+fn a_probe_is_not_moved_off_the_ftrace_nop_onto_a_branch_target() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let err = t.register(plain(at("looping", 0), "entry")).unwrap_err();
+    assert!(matches!(err, ProbeError::MovedOntoBranchTarget { .. }), "{err}");
+    assert!(err.to_string().contains("looping+0x9"), "{err}");
+    assert_eq!(m.bytes(LOOPING, LOOPING_CODE.len()), LOOPING_CODE);
+    // Elsewhere in it, and at func's entry (no jump to its +5), probes go in.
+    t.register(plain(at("looping", 5), "loop")).unwrap();
+    t.register(plain(at("func", 0), "entry")).unwrap();
+}
+
+#[test]
+fn segment_fetch_args_read_the_vcpus_selectors() {
+    let m = FakeMachine::with_code();
+    let events = Arc::new(Events {
+        capacity: 8,
+        got: Mutex::new(Vec::new()),
+    });
+    let t = tracer_with(&m, PatchSites::default(), Some(events.clone()));
+    let args = match crate::spec::parse_line("p:g/e func cs=%cs ss=%ss").unwrap().unwrap() {
+        crate::spec::ProbeSpec::Kprobe { args, .. } => args,
+        _ => unreachable!(),
+    };
+    t.register(KprobeRequest::event(at("func", 0), "g", "e", args)).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    t.on_breakpoint(0, &mut cpu, Gva(PUSH));
+    let got = events.got.lock().unwrap();
+    let shown: Vec<String> = got[0].record.args.iter().map(|(_, v)| v.to_string()).collect();
+    assert_eq!(shown, ["0x10", "0x0"]);
+}
+
+#[test]
+fn a_batch_is_armed_in_one_pause() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let before = m.pauses.load(Ordering::Relaxed);
+    t.register_all(vec![
+        plain(at("func", 0), "a"),
+        plain(at("func", 9), "b"),
+        plain(at("func", 0x10), "c"),
+    ])
+    .unwrap();
+    assert_eq!(m.pauses.load(Ordering::Relaxed) - before, 1);
+    assert_eq!(t.listing().len(), 3);
 }
