@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The storm: host probes and return probes with fetch-args on twenty of the bundled
+# guest's hottest functions (scheduler, allocator, locks, timers, page faults, VFS), on two
+# vCPUs, while the guest forks, reads and sleeps for a while. Passes when the guest logs no
+# oops, warning, BUG or stall, the host's count of a probe equals the guest's own kprobe
+# event over the same window (taken half-way, under load), and the kernel text hashes the
+# same after the probes are removed as after a run without them.
+#
+#   bench/storm.sh [SECONDS]     (default 600; CI runs a short one)
+#
+# Prints a summary (duration, hits, oopses, window counts, text hashes) and exits 0/1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-600}
+cpus=2
+hvprobe=${HVPROBE:-./target/release/hvprobe}
+[ -x "$hvprobe" ] || cargo build --release --locked -q
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# The snapshot the tests use (created once, cached under ~/.cache/hvprobe).
+guest_dir=$("$hvprobe" build-guest | tail -n 1)
+cache=${HVPROBE_CACHE:-$HOME/.cache/hvprobe}
+version=$(grep -oE 'SNAPSHOT_FORMAT_VERSION: u32 = [0-9]+' vmm/src/snapshot.rs | grep -oE '[0-9]+$')
+snap="$cache/snapshots/$(basename "$guest_dir")-${cpus}cpu-v$version"
+if [ ! -f "$snap/state" ]; then
+    mkdir -p "$cache/snapshots"
+    "$hvprobe" snapshot create --out "$snap.tmp.$$" --cpus "$cpus" >/dev/null
+    mv "$snap.tmp.$$" "$snap"
+fi
+
+cat > "$work/storm.probes" <<'PROBES'
+# scheduler
+p:storm/schedule schedule comm=$comm
+p:storm/ttwu try_to_wake_up p=%di state=%si:u32
+p:storm/wake_new wake_up_new_task p=%di
+# allocator
+r:storm/cache_alloc kmem_cache_alloc ret=$retval
+p:storm/cache_free kmem_cache_free s=%di obj=%si
+p:storm/kmalloc __kmalloc size=%di:u64 flags=%si:x32
+p:storm/kfree kfree obj=%di
+r:storm/alloc_pages __alloc_pages ret=$retval
+# locks
+p:storm/mutex_lock mutex_lock lock=%di
+p:storm/mutex_unlock mutex_unlock lock=%di
+# timers
+p:storm/hrtimer_start hrtimer_start_range_ns timer=%di mode=%cx:u32
+p:storm/tick tick_sched_timer
+# page faults
+r:storm/mm_fault handle_mm_fault ret=$retval
+p:storm/user_fault do_user_addr_fault addr=%dx
+# VFS
+p:storm/vfs_read vfs_read file=%di count=%dx:u64
+r:storm/vfs_read_ret vfs_read ret=$retval
+p:storm/openat2 do_sys_openat2 dfd=%di:s32 name=+0(%si):ustring
+p:storm/filp_close filp_close file=%di
+# processes
+r:storm/copy_process copy_process ret=$retval
+p:storm/exit do_exit code=%di
+# the window's oracle: the guest puts its own kprobe event here too
+p:storm/getppid __x64_sys_getppid di=%di
+PROBES
+
+# Forks, reads and sleeps until the guest's uptime passes the end; half-way, on vCPU 1,
+# the guest's own kprobe event on getppid counts a loop that the host's probe counts too.
+workload="T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid' > \$T/kprobe_events
+read -r up rest < /proc/uptime; start=\${up%.*}; end=\$((start + $seconds)); mid=\$((start + $seconds / 2))
+i=0; window=
+while :; do
+  read -r up rest < /proc/uptime; up=\${up%.*}; [ \$up -ge \$end ] && break
+  /bin/true &
+  for j in 1 2 3 4 5 6 7 8; do read -r l < /proc/version; done
+  sleep 1
+  wait
+  i=\$((i + 1))
+  if [ -z \"\$window\" ] && [ \$up -ge \$mid ]; then
+    window=1
+    echo 1 > \$T/events/kprobes/gk/enable; taskset -c 1 hvprobe-loop 200; echo 0 > \$T/events/kprobes/gk/enable
+    while read -r l; do echo \"PROFILE \$l\"; done < \$T/kprobe_profile
+  fi
+done
+echo \"STORM iterations=\$i\"
+dmesg > /tmp/dmesg; n=0; while read -r l; do case \$l in *Oops*|*WARNING*|*BUG:*|*'rcu: INFO'*|*stall*|*'soft lockup'*|*'general protection'*) echo \"GUEST-LOG \$l\"; n=\$((n + 1));; esac; done < /tmp/dmesg
+echo \"STORM guest-problems=\$n\""
+
+started=$(date +%s)
+set +e
+"$hvprobe" run --snapshot "$snap" --cpus "$cpus" --workload "$workload" --probes "$work/storm.probes" --text-hash \
+    > "$work/out" 2> "$work/err"
+status=$?
+set -e
+elapsed=$(( $(date +%s) - started ))
+"$hvprobe" run --snapshot "$snap" --cpus "$cpus" --workload 'true' --text-hash > /dev/null 2> "$work/err-plain" || true
+
+hash_probes=$(grep -oE 'kernel text sha256 [0-9a-f]+' "$work/err" | awk '{print $4}' || true)
+hash_plain=$(grep -oE 'kernel text sha256 [0-9a-f]+' "$work/err-plain" | awk '{print $4}' || true)
+guest_window=$(grep -E '^PROFILE +gk ' "$work/out" | awk '{print $3}' || true)
+host_getppid=$(grep -cE 'hvprobe-loop-[0-9]+ .* getppid: ' "$work/out" || true)
+problems=$(grep -oE 'STORM guest-problems=[0-9]+' "$work/out" | cut -d= -f2 || true)
+iterations=$(grep -oE 'STORM iterations=[0-9]+' "$work/out" | cut -d= -f2 || true)
+summary=$(grep -E '^hvprobe: probe hits' "$work/err" || true)
+
+echo "storm: ${seconds} s of guest time asked, ${elapsed} s wall, exit status $status, ${iterations:-?} workload iterations"
+echo "storm: ${summary:-no summary line}"
+echo "storm: guest problems logged: ${problems:-?}"
+grep -E '^GUEST-LOG' "$work/out" || true
+echo "storm: window on getppid: guest's own kprobe event ${guest_window:-?} hits, host probe ${host_getppid:-?} hits"
+echo "storm: kernel text sha256 after the probes ${hash_probes:-?}, without probes ${hash_plain:-?}"
+grep -E '^[0-9a-f]{16}  [kr]  ' "$work/err" | sed 's/^/storm:   /'
+
+fail=0
+[ "$status" = 0 ] || { echo "storm: FAIL: hvprobe exited $status"; tail -n 30 "$work/out" "$work/err"; fail=1; }
+[ "${problems:-x}" = 0 ] || { echo "storm: FAIL: the guest logged problems"; fail=1; }
+[ -n "$guest_window" ] && [ "$guest_window" = "$host_getppid" ] || { echo "storm: FAIL: window counts differ"; fail=1; }
+[ -n "$hash_probes" ] && [ "$hash_probes" = "$hash_plain" ] || { echo "storm: FAIL: kernel text differs"; fail=1; }
+[ "$fail" = 0 ] && echo "storm: PASS"
+exit "$fail"

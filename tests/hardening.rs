@@ -1,0 +1,111 @@
+//! A probe never hurts the guest: return probes that share a stack slot (a tail call),
+//! calls that never return, on the bundled guest restored from a cached snapshot.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::{restore_with, snapshot, Run};
+
+const TIMEOUT: Duration = Duration::from_secs(300);
+
+fn probe_file(name: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("hvprobe-hardening-{}-{name}.probes", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `(event, ret)` of every hit line with a `ret=` on the console, in order (ftrace's
+/// layout names the event alone: `cat-30 [000] 1.23: oa: (do_sys_open <- ...) ret=0x3`).
+fn returns(run: &Run) -> Vec<(String, String)> {
+    run.stdout
+        .lines()
+        .filter_map(|l| {
+            let head = &l[..l.find(": (")?];
+            let event = &head[head.rfind(' ')? + 1..];
+            let ret = l.split_whitespace().find_map(|w| w.strip_prefix("ret="))?;
+            Some((event.to_string(), ret.to_string()))
+        })
+        .collect()
+}
+
+fn assert_guest_unhurt(run: &Run) {
+    for bad in ["Oops", "Kernel panic", "BUG:", "WARNING:", "general protection", "int3"] {
+        assert!(!run.stdout.contains(bad), "the guest logged {bad:?}\n{}", run.tail());
+    }
+}
+
+#[test]
+fn return_probes_on_a_function_and_the_one_it_tail_calls_both_fire_with_one_return_value() {
+    let dir = snapshot(1);
+    // `__x64_sys_openat` ends in `jmp do_sys_open`: both return probes want the same slot.
+    let probes = probe_file(
+        "tailcall",
+        "r:a/oa __x64_sys_openat ret=$retval\nr:a/os do_sys_open ret=$retval\n",
+    );
+    let run = restore_with(
+        &dir,
+        1,
+        "cat /proc/version; for i in 1 2 3 4 5; do read -r l < /proc/version; done; read -r l < /nonexistent; true",
+        &["--probes", probes.to_str().unwrap()],
+        TIMEOUT,
+    );
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert!(run.stdout.contains("Linux version"), "{}", run.tail());
+    assert_guest_unhurt(&run);
+    let hits = returns(&run);
+    // Every openat fires both, the tail-called one first, with one return value (do_sys_open
+    // is also called without openat, by open(2)).
+    let mut openats = 0;
+    for (i, (event, ret)) in hits.iter().enumerate() {
+        if event != "oa" {
+            continue;
+        }
+        openats += 1;
+        assert!(i > 0, "{hits:?}");
+        assert_eq!((hits[i - 1].0.as_str(), &hits[i - 1].1), ("os", ret), "{hits:?}");
+    }
+    assert!(openats >= 7, "{hits:?}\n{}", run.tail());
+    assert!(
+        hits.iter().any(|(e, ret)| e == "oa" && ret == "0xfffffffffffffffe"),
+        "the failed open's -ENOENT is among them: {hits:?}"
+    );
+}
+
+#[test]
+fn calls_of_exiting_tasks_never_use_up_maxactive() {
+    let dir = snapshot(1);
+    // `do_group_exit` never returns: each exiting process leaves its call behind.
+    let probes = probe_file("exits", "r3:x/ge do_group_exit\np:x/pe do_group_exit\n");
+    let run = restore_with(
+        &dir,
+        1,
+        "for i in 1 2 3 4 5 6 7; do /bin/true; done; echo done",
+        &["--probes", probes.to_str().unwrap()],
+        TIMEOUT,
+    );
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert_guest_unhurt(&run);
+    // The listing: `ADDRESS  k|r  do_group_exit+0x0  hits=N nmissed=M`.
+    let listed = |kind: &str| -> (u64, u64) {
+        let line = run
+            .stderr
+            .lines()
+            .find(|l| l.contains("do_group_exit+0x0") && l.contains(kind))
+            .unwrap_or_else(|| panic!("no {kind:?} listing line\n{}", run.tail()));
+        let field = |name: &str| -> u64 {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(name))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{name} in {line:?}"))
+        };
+        (field("hits="), field("nmissed="))
+    };
+    let (entries, _) = listed("  k  ");
+    assert!(entries >= 7, "seven processes exited: {entries}\n{}", run.tail());
+    let (returned, missed) = listed("  r  ");
+    assert_eq!((returned, missed), (0, 0), "never returns, and never runs out of maxactive");
+}
