@@ -9,9 +9,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use hvprobe::introspect::{live_memory, load_symbols, SymbolsFrom, TaskContext};
-use hvprobe::probing::{build_tracer, ProbeHandler};
-use hvprobe::snapshot::workload_message;
+use hvprobe::guest::workload_message;
+use hvprobe_live::{build_tracer, live_memory, load_symbols, ProbeHandler, SymbolsFrom, TaskContext};
 use hvprobe_probes::engine::{EventSink, HitEvent, KprobeRequest, ProbePoint};
 use hvprobe_vmm::{ConsoleOutput, Vm};
 
@@ -36,7 +35,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         offset: 0,
     };
     tracer.register(KprobeRequest::event(point, "example", "hit", Vec::new()))?;
-    let handler = ProbeHandler::new(vm.backend(), vm.memory().clone());
+    let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), tasks);
     vm.send_console_input(workload_message(workload));
 

@@ -7,39 +7,20 @@
 //! own kprobe event, and with host probes on the same function: host time and guest
 //! instructions per call.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Args;
 use hvprobe_arch::Gva;
+use hvprobe_live::{build_tracer, code_blob_tracer, live_memory, load_symbols, ProbeHandler, SymbolsFrom};
 use hvprobe_probes::engine::{KprobeRequest, ProbePoint};
 use hvprobe_vmm::{BreakpointDisposition, CodeBlob, ConsoleOutput, DebugHandler, NoProbes, StopReason, Vm, VmOutcome};
 use kvm_ioctls::VcpuFd;
 
-use crate::introspect::{live_memory, load_symbols, SymbolsFrom};
-use crate::probing::{build_tracer, code_blob_tracer, ProbeHandler};
-use crate::snapshot::workload_message;
+use crate::cli::{CreateArgs, ProbeBenchArgs};
+use crate::guest::workload_message;
 
 type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
-
-#[derive(Args)]
-pub struct ProbeBenchArgs {
-    /// Loop iterations of the code-blob part.
-    #[arg(long, default_value_t = 20_000)]
-    pub iterations: u32,
-    /// getppid() calls per guest run.
-    #[arg(long, default_value_t = 1000)]
-    pub calls: u32,
-    /// Runs per variant (the median is reported, with the range for the guest part).
-    #[arg(long, default_value_t = 5)]
-    pub runs: u32,
-    /// A snapshot of the bundled guest (`hvprobe snapshot create`); without it the
-    /// benchmark boots the guest once to make one.
-    #[arg(long, value_name = "DIR")]
-    pub snapshot: Option<PathBuf>,
-}
 
 /// The blob's loop: `mov $N,%ecx`, then per iteration `nop` (an `int3` for the floor),
 /// `push %rbp` (emulated), `mov disp(%rip),%rax` (stepped), `pop %rbp`, `dec %ecx`, `jnz`.
@@ -98,7 +79,7 @@ fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Durati
                 emit_events: false,
                 ..KprobeRequest::event(point, "bench", "blob", Vec::new())
             })?;
-            let handler = ProbeHandler::new(vm.backend(), vm.memory().clone());
+            let handler = ProbeHandler::new(&vm);
             handler.attach(tracer, None);
             handler
         }
@@ -177,7 +158,7 @@ fn run_guest(
                 ..KprobeRequest::event(point, "bench", name, Vec::new())
             })?;
         }
-        let handler = ProbeHandler::new(vm.backend(), vm.memory().clone());
+        let handler = ProbeHandler::new(&vm);
         handler.attach(tracer.clone(), None);
         tracer_used = Some(tracer);
         handler
@@ -281,7 +262,7 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
         None => {
             let out = std::env::temp_dir().join(format!("hvprobe-bench-probes-{}", std::process::id()));
             eprintln!("hvprobe: booting the bundled guest once for a snapshot (use --snapshot DIR to skip)");
-            crate::snapshot::create(crate::snapshot::CreateArgs {
+            crate::snapshot::create(CreateArgs {
                 out: out.clone(),
                 kernel: None,
                 initrd: None,

@@ -1,5 +1,8 @@
-//! The bundled default guest: a small Linux kernel and a busybox initramfs built from
-//! `guest/` by `guest/build.sh`, cached under `~/.cache/hvprobe` keyed by their inputs.
+//! The bundled default guest and how hvprobe talks to a guest's init: a small Linux kernel
+//! and a busybox initramfs built from `guest/` by `guest/build.sh`, cached under
+//! `~/.cache/hvprobe` keyed by their inputs; the kernel command line hvprobe boots with; the
+//! workload, as a file in the initrd or (wait mode, for snapshots) as a console message.
+//! `guest/README.md` is the guest side of this protocol.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -11,6 +14,34 @@ pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1";
 
 /// Where the guest's init finds the workload (see `guest/README.md`).
 pub const WORKLOAD_PATH: &str = "hvprobe/workload";
+
+/// The kernel command-line option that puts the bundled init in wait mode: init mounts what
+/// it always mounts, signals "ready for a workload" (event 3) and reads the workload from
+/// the serial console as a [`workload_message`].
+pub const WAIT_OPTION: &str = "hvprobe.wait";
+
+/// The kernel command line of a run: the options the VMM's devices need, the bundled
+/// kernel's own (when `bundled_kernel` is the kernel that boots), then the user's `extra`.
+pub fn kernel_cmdline(bundled_kernel: Option<&BundledGuest>, extra: &str) -> String {
+    let mut cmdline = match bundled_kernel {
+        Some(g) => format!("{BASE_CMDLINE} {}", g.cmdline),
+        None => BASE_CMDLINE.to_string(),
+    };
+    if !extra.is_empty() {
+        cmdline.push(' ');
+        cmdline.push_str(extra);
+    }
+    cmdline
+}
+
+/// The message the waiting init reads from its console: `<length>\n<script>`. The script is
+/// the command and a newline, as the initrd workload file holds it.
+pub fn workload_message(command: &str) -> Vec<u8> {
+    let script = format!("{command}\n");
+    let mut msg = format!("{}\n", script.len()).into_bytes();
+    msg.extend_from_slice(script.as_bytes());
+    msg
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuestError {

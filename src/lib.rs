@@ -1,15 +1,17 @@
 //! hvprobe: Linux kernel probes run from outside the guest.
 //!
-//! This crate wires the VMM (`hvprobe-vmm`) to the bundled guest and the command line.
-//! The probe engine (`hvprobe-probes`) and guest introspection
-//! (`hvprobe-introspection`) are built on top in later steps.
+//! This crate is the `hvprobe` command: its flags ([`cli`]), the bundled guest and how
+//! hvprobe talks to it ([`guest`]), and the subcommands. The probe engine
+//! (`hvprobe-probes`) runs on a VM (`hvprobe-vmm`) through `hvprobe-live`, which host tools
+//! use directly.
 
 pub mod bench;
+pub mod cli;
 pub mod cpio;
 pub mod guest;
-pub mod introspect;
-pub mod probing;
+pub mod run;
 pub mod sampler;
+pub mod session;
 pub mod snapshot;
 pub mod trace;
 

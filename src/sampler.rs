@@ -14,7 +14,7 @@ use hvprobe_introspection::task::TaskInfo;
 use hvprobe_vmm::VcpuControl;
 use vm_memory::GuestMemoryMmap;
 
-use crate::introspect::{live_memory, TaskContext};
+use hvprobe_live::{live_memory, TaskContext};
 
 /// Where one vCPU was when it was sampled.
 #[derive(Clone, Debug)]

@@ -2,75 +2,23 @@
 //! the guest once to the point where its init waits for a workload, save it, and restore
 //! it in milliseconds as often as wanted.
 //!
-//! The guest side is the bundled init's wait mode (`hvprobe.wait` on the kernel command
-//! line, see `guest/README.md`): init mounts what it always mounts, signals "ready for a
-//! workload" (event 3) and reads the workload from the serial console as
-//! `<decimal length>\n<bytes>`. `snapshot create` stops the VM at that event and saves it;
-//! a restore puts the message into the UART and lets the guest go on.
+//! The guest side is the bundled init's wait mode ([`WAIT_OPTION`] on the kernel command
+//! line, see `guest/README.md`): init signals "ready for a workload" and reads it from the
+//! serial console ([`workload_message`]). `snapshot create` stops the VM at that event and
+//! saves it; a restore puts the message into the UART and lets the guest go on.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Subcommand};
-use hvprobe_vmm::{ConsoleLog, ConsoleOutput, DebugHandler, NoProbes, StopReason, Vm, VmConfig, VmOutcome};
+use hvprobe_live::{live_memory, load_symbols, SymbolsFrom, TaskContext};
+use hvprobe_vmm::{ConsoleLog, ConsoleOutput, StopReason, Vm, VmConfig, VmOutcome};
 
-use crate::guest::{initrd_with_workload, BundledGuest, BASE_CMDLINE};
-use crate::introspect::{live_memory, load_symbols, SymbolsFrom, TaskContext};
-use crate::trace::{print_kernel_text_hash, OutputFormat, TraceSession};
-
-/// The kernel command-line option that puts the bundled init in wait mode.
-pub const WAIT_OPTION: &str = "hvprobe.wait";
+use crate::cli::{CreateArgs, SnapshotBenchArgs};
+use crate::guest::{initrd_with_workload, kernel_cmdline, workload_message, BundledGuest, WAIT_OPTION};
+use crate::session::{RunSession, TraceOptions};
 
 type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
-
-#[derive(Subcommand)]
-pub enum SnapshotCommand {
-    /// Boot the guest until its init waits for a workload, then save it to a directory.
-    Create(CreateArgs),
-}
-
-#[derive(Args)]
-pub struct CreateArgs {
-    /// Directory to write the snapshot to (created if needed; `state` and `memory` in it).
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Kernel to boot: an ELF vmlinux with a PVH note, or a bzImage [default: the bundled guest's vmlinux].
-    #[arg(long)]
-    pub kernel: Option<PathBuf>,
-    /// Initrd (cpio) whose /init has the bundled init's wait mode [default: the bundled guest's initramfs].
-    #[arg(long)]
-    pub initrd: Option<PathBuf>,
-    /// Extra kernel command-line options, appended to the ones hvprobe sets.
-    #[arg(long, default_value = "")]
-    pub cmdline: String,
-    /// Number of vCPUs (a restore must ask for the same number).
-    #[arg(long, default_value_t = 1)]
-    pub cpus: u8,
-    /// Guest memory in MiB.
-    #[arg(long, default_value_t = 128)]
-    pub mem: u64,
-}
-
-#[derive(Subcommand)]
-pub enum BenchCommand {
-    /// Cold boot of the bundled guest against restores of its snapshot.
-    Snapshot(BenchArgs),
-    /// What a probe hit costs: the int3 floor, emulated and stepped hits, against the
-    /// guest's own kprobe event.
-    Probes(crate::bench::ProbeBenchArgs),
-}
-
-#[derive(Args)]
-pub struct BenchArgs {
-    /// Number of restores.
-    #[arg(long, default_value_t = 10)]
-    pub runs: u32,
-    /// Number of vCPUs.
-    #[arg(long, default_value_t = 1)]
-    pub cpus: u8,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotCliError {
@@ -85,15 +33,6 @@ pub enum SnapshotCliError {
     WorkloadFailed { reason: StopReason, tail: String },
 }
 
-/// The message the waiting init reads from its console: `<length>\n<script>`. The script is
-/// the command and a newline, as the initrd workload file holds it.
-pub fn workload_message(command: &str) -> Vec<u8> {
-    let script = format!("{command}\n");
-    let mut msg = format!("{}\n", script.len()).into_bytes();
-    msg.extend_from_slice(script.as_bytes());
-    msg
-}
-
 /// The machine `snapshot create` boots.
 fn wait_mode_config(args: &CreateArgs, console_output: ConsoleOutput) -> Result<VmConfig, Box<dyn std::error::Error>> {
     VmConfig::validate_machine(args.cpus, args.mem)?;
@@ -105,15 +44,13 @@ fn wait_mode_config(args: &CreateArgs, console_output: ConsoleOutput) -> Result<
     } else {
         None
     };
-    let (kernel, mut cmdline) = match (&args.kernel, &bundled) {
-        (Some(k), _) => (k.clone(), BASE_CMDLINE.to_string()),
-        (None, Some(g)) => (g.vmlinux.clone(), format!("{BASE_CMDLINE} {}", g.cmdline)),
+    let bundled_kernel = bundled.as_ref().filter(|_| args.kernel.is_none());
+    let kernel = match (&args.kernel, bundled_kernel) {
+        (Some(k), _) => k.clone(),
+        (None, Some(g)) => g.vmlinux.clone(),
         (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
     };
-    if !args.cmdline.is_empty() {
-        cmdline.push(' ');
-        cmdline.push_str(&args.cmdline);
-    }
+    let mut cmdline = kernel_cmdline(bundled_kernel, &args.cmdline);
     cmdline.push(' ');
     cmdline.push_str(WAIT_OPTION);
     let initrd_path = match (&args.initrd, &bundled) {
@@ -185,67 +122,35 @@ struct Restored {
     total: Duration,
 }
 
-/// Probes and checks for a restored guest.
-#[derive(Clone, Debug, Default)]
-pub struct RestoreTrace {
-    pub probes: Option<PathBuf>,
-    pub output: OutputFormat,
-    /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
-    pub text_hash: bool,
-}
-
 fn restore_and_run(
     dir: &Path,
     cpus: u8,
     workload: &str,
     console_output: ConsoleOutput,
-    trace: &RestoreTrace,
+    trace: &TraceOptions,
 ) -> Result<Restored, Box<dyn std::error::Error>> {
     let started = Instant::now();
     let mut vm = Vm::restore(dir, Some(cpus), console_output)?;
-    // The restored guest's own kallsyms name its symbols: no file has to match it.
-    let kernel = if trace.probes.is_some() || trace.text_hash {
+    let session = RunSession::start(trace, &vm)?;
+    if session.needs_kernel() {
+        // The restored guest's own kallsyms name its symbols: no file has to match it.
         let state = vm.vcpu_state(0)?;
-        let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?;
-        Some((state, symbols.table))
-    } else {
-        None
-    };
-    let session = match (&trace.probes, &kernel) {
-        (Some(file), Some((state, symbols))) => {
-            let session = Arc::new(TraceSession::new(
-                file,
-                trace.output,
-                vm.backend(),
-                vm.memory().clone(),
-                usize::from(cpus),
-                vm.console_log(),
-            )?);
-            let tasks = TaskContext::read(&live_memory(vm.memory(), state), symbols)
+        let memory = live_memory(vm.memory(), &state);
+        let symbols = load_symbols(&SymbolsFrom::Kallsyms, &memory, state.lstar)?.table;
+        let tasks = match session.has_probes() {
+            true => TaskContext::read(&memory, &symbols)
                 .map_err(|reason| tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"))
-                .ok();
-            session.prepare(vm.control(), vm.memory(), state, symbols, tasks)?;
-            session.arm()?;
-            session.listing_on_sigusr1()?;
-            Some(session)
-        }
-        _ => None,
-    };
+                .ok(),
+            false => None,
+        };
+        session.kernel_up(vm.control(), &state, &symbols, tasks)?;
+        session.arm()?;
+    }
     vm.send_console_input(workload_message(workload));
     let console = vm.console_log();
     let control = vm.control();
-    let mem = vm.memory().clone();
-    let handler: Arc<dyn DebugHandler> = match &session {
-        Some(s) => s.handler.clone(),
-        None => Arc::new(NoProbes),
-    };
-    let outcome = vm.run(handler)?;
-    if let Some(session) = &session {
-        session.finish();
-    }
-    if let (true, Some((state, symbols))) = (trace.text_hash, &kernel) {
-        print_kernel_text_hash(&mem, state, symbols)?;
-    }
+    let outcome = vm.run(session.handler())?;
+    session.finish()?;
     Ok(Restored {
         outcome,
         console,
@@ -256,7 +161,7 @@ fn restore_and_run(
 }
 
 /// `hvprobe run --snapshot DIR`: restore, run the workload, exit with its status.
-pub fn run_restored(dir: &Path, cpus: u8, workload: Option<&str>, trace: &RestoreTrace) -> CliResult {
+pub fn run_restored(dir: &Path, cpus: u8, workload: Option<&str>, trace: &TraceOptions) -> CliResult {
     let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
     let r = restore_and_run(dir, cpus, workload, ConsoleOutput::Stdout, trace)?;
     eprintln!(
@@ -287,7 +192,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// `hvprobe bench snapshot`.
-pub fn bench(args: BenchArgs) -> CliResult {
+pub fn bench(args: SnapshotBenchArgs) -> CliResult {
     if args.runs == 0 {
         return Err("--runs must be at least 1".into());
     }
@@ -309,7 +214,7 @@ pub fn bench(args: BenchArgs) -> CliResult {
     result
 }
 
-fn bench_with(config: &VmConfig, dir: &Path, args: &BenchArgs) -> CliResult {
+fn bench_with(config: &VmConfig, dir: &Path, args: &SnapshotBenchArgs) -> CliResult {
     let (boot, _) = boot_and_save(config, dir)?;
     let cold = boot.boot_to_init.ok_or("the cold boot never signalled /init")?;
     let mut first = Vec::new();
@@ -320,7 +225,7 @@ fn bench_with(config: &VmConfig, dir: &Path, args: &BenchArgs) -> CliResult {
             args.cpus,
             "exit 0",
             ConsoleOutput::Discard,
-            &RestoreTrace::default(),
+            &TraceOptions::default(),
         )?;
         if r.outcome.reason != StopReason::GuestExit(0) {
             return Err(SnapshotCliError::WorkloadFailed {

@@ -8,28 +8,15 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use hvprobe_arch::Gva;
-use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
 use hvprobe_probes::engine::{default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeKind, ProbePoint};
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
 use hvprobe_probes::spec::{parse_file_numbered, ProbeSpec, Target};
-use hvprobe_vmm::{Backend, ConsoleLog, VcpuControl, VcpuState};
-use sha2::{Digest, Sha256};
+use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
-use crate::introspect::TaskContext;
-use crate::probing::{build_tracer, kernel_memory, ProbeHandler};
-
-/// How hits are printed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum OutputFormat {
-    /// ftrace's `trace` layout.
-    #[default]
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+use crate::cli::OutputFormat;
 
 /// Events a slow printer has not taken yet; beyond this, hits count as missed.
 const EVENT_QUEUE: usize = 1 << 16;
@@ -125,15 +112,9 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
 
 impl TraceSession {
     /// Parses the probe file and starts the printer. Nothing touches the guest yet.
-    pub fn new(
-        probes_file: &Path,
-        format: OutputFormat,
-        backend: Backend,
-        mem: GuestMemoryMmap,
-        cpus: usize,
-        console: ConsoleLog,
-    ) -> Result<TraceSession, String> {
-        let probes = read_spec_file(probes_file, cpus)?;
+    pub fn new(probes_file: &Path, format: OutputFormat, vm: &Vm) -> Result<TraceSession, String> {
+        let probes = read_spec_file(probes_file, vm.control().vcpu_count())?;
+        let console = vm.console_log();
         let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
         let printer = std::thread::Builder::new()
             .name("trace-printer".into())
@@ -142,7 +123,7 @@ impl TraceSession {
         Ok(TraceSession {
             file: probes_file.to_path_buf(),
             probes,
-            handler: ProbeHandler::new(backend, mem),
+            handler: ProbeHandler::new(vm),
             sink: Arc::new(ChannelSink {
                 tx: Mutex::new(Some(tx)),
             }),
@@ -174,7 +155,7 @@ impl TraceSession {
             }
         }
         let sink: Arc<dyn EventSink> = self.sink.clone();
-        let tracer = build_tracer(control, mem, state, symbols, Some(sink))?;
+        let tracer = build_tracer(control, mem, state, symbols, Some(sink)).map_err(|e| e.to_string())?;
         self.handler.attach(tracer, tasks);
         Ok(())
     }
@@ -315,27 +296,4 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, console: ConsoleLo
         }
         batch.clear();
     }
-}
-
-/// Prints the SHA-256 of the kernel's text (`--text-hash`), read through the kernel's own
-/// page tables (found through `state`, any vCPU's).
-pub fn print_kernel_text_hash(mem: &GuestMemoryMmap, state: &VcpuState, symbols: &SymbolTable) -> Result<(), String> {
-    let hash = kernel_text_hash(&kernel_memory(mem, state, symbols), symbols)?;
-    eprintln!("hvprobe: kernel text sha256 {hash}");
-    Ok(())
-}
-
-/// SHA-256 of the kernel's text (`_stext`..`_etext`) in guest memory.
-pub fn kernel_text_hash(mem: &(impl GuestVirtRead + ?Sized), symbols: &SymbolTable) -> Result<String, String> {
-    let range = hvprobe_probes::engine::text_range(symbols).ok_or("the kernel has no _stext/_etext symbols")?;
-    let mut hasher = Sha256::new();
-    let mut page = vec![0u8; 4096];
-    let mut at = range.start.0;
-    while at < range.end.0 {
-        let n = (range.end.0 - at).min(4096) as usize;
-        mem.read_virt(Gva(at), &mut page[..n]).map_err(|e| e.to_string())?;
-        hasher.update(&page[..n]);
-        at += n as u64;
-    }
-    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -8,12 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hvprobe::introspect::{live_memory, load_symbols, SymbolsFrom};
-use hvprobe::probing::{build_tracer, code_blob_tracer, ProbeHandler};
-use hvprobe::snapshot::workload_message;
+use hvprobe::guest::workload_message;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_live::{build_tracer, code_blob_tracer, live_memory, load_symbols, ProbeHandler, SymbolsFrom};
 use hvprobe_probes::engine::{HitContext, KprobeRequest, PreAction, ProbePoint, Tracer};
 use hvprobe_vmm::{CodeBlob, ConsoleOutput, StopReason, Vm, VmOutcome, CODE_BLOB_START};
 use vm_memory::{Bytes, GuestAddress};
@@ -27,7 +26,7 @@ fn restored(cpus: u8) -> (Vm, Arc<Tracer>, Arc<ProbeHandler>, SymbolTable) {
         .expect("kallsyms")
         .table;
     let tracer = build_tracer(vm.control(), vm.memory(), &state, &symbols, None).expect("tracer");
-    let handler = ProbeHandler::new(vm.backend(), vm.memory().clone());
+    let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), None);
     (vm, tracer, handler, symbols)
 }
@@ -196,7 +195,7 @@ fn on_a_code_blob_emulated_probes_take_one_exit_and_stepped_ones_two() {
         }));
         tracer.register(req).unwrap();
     }
-    let handler = ProbeHandler::new(vm.backend(), mem.clone());
+    let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), None);
     let outcome = vm.run(handler).unwrap();
     assert_eq!(outcome.reason, StopReason::GuestExit(0));
@@ -241,11 +240,11 @@ fn a_probe_on_the_guests_own_int3_runs_and_the_guests_kprobe_still_counts_every_
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)
         .expect("kallsyms")
         .table;
-    let tasks = hvprobe::introspect::TaskContext::read(&live_memory(vm.memory(), &state), &symbols).ok();
+    let tasks = hvprobe_live::TaskContext::read(&live_memory(vm.memory(), &state), &symbols).ok();
     let events = Arc::new(Collect::default());
     let sink: Arc<dyn hvprobe_probes::engine::EventSink> = events.clone();
     let tracer = build_tracer(vm.control(), vm.memory(), &state, &symbols, Some(sink)).expect("tracer");
-    let handler = ProbeHandler::new(vm.backend(), vm.memory().clone());
+    let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), tasks);
 
     // +5 is past the ftrace NOP: the guest's kprobe there is an int3 of its own (kept an

@@ -1,66 +1,11 @@
-//! Introspection of a live guest: the glue between the VMM (paused vCPUs, guest memory)
-//! and `hvprobe-introspection` (page walks, symbol tables, kernel facts).
+//! The running kernel's symbols: from a System.map or vmlinux file (checked against guest
+//! memory and relocated by the KASLR slide) or from the kallsyms tables in guest memory.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
 
-use hvprobe_arch::paging::{PagingMode, PhysRead, PhysWrite};
-use hvprobe_arch::{Gpa, Gva};
-use hvprobe_introspection::memory::{GuestVirtRead, MemoryError, PagedGuestMemory};
+use hvprobe_arch::Gva;
+use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::symbols::{SymbolError, SymbolTable};
-use hvprobe_introspection::task::{current_task, select_per_cpu_base, task_info, TaskError, TaskInfo, TaskLayout};
-use hvprobe_vmm::{PausedVcpus, VcpuControl, VcpuState};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
-
-/// Guest-physical memory as the page walker reads and writes it.
-#[derive(Clone)]
-pub struct GuestPhys(pub GuestMemoryMmap);
-
-impl PhysRead for GuestPhys {
-    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String> {
-        self.0.read_slice(buf, GuestAddress(gpa.0)).map_err(|e| e.to_string())
-    }
-}
-
-impl PhysWrite for GuestPhys {
-    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), String> {
-        self.0.write_slice(data, GuestAddress(gpa.0)).map_err(|e| e.to_string())
-    }
-}
-
-/// Guest-virtual memory as a paused vCPU sees it (its CR3 and paging mode).
-pub fn live_memory(mem: &GuestMemoryMmap, state: &VcpuState) -> PagedGuestMemory<GuestPhys> {
-    PagedGuestMemory::new(
-        GuestPhys(mem.clone()),
-        state.sregs.cr3,
-        PagingMode::from_cr4(state.sregs.cr4),
-    )
-}
-
-/// Waits until the guest kernel's paging is final — it has set up its syscall entry point
-/// (LSTAR) and that address translates — and returns with all vCPUs paused. `None` if the
-/// VM stops first.
-pub fn wait_for_kernel(
-    control: &Arc<VcpuControl>,
-    mem: &GuestMemoryMmap,
-    poll: Duration,
-) -> Option<(PausedVcpus, VcpuState)> {
-    loop {
-        if control.stop_reason().is_some() {
-            return None;
-        }
-        {
-            let paused = control.pause_all();
-            if let Some(state) = paused.state(0) {
-                if state.lstar != 0 && live_memory(mem, &state).translate(Gva(state.lstar)).is_ok() {
-                    return Some((paused, state));
-                }
-            }
-        }
-        std::thread::sleep(poll);
-    }
-}
 
 /// Where kernel symbols come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,8 +37,9 @@ impl SymbolsFrom {
     }
 }
 
+/// Why the running kernel's symbols could not be loaded.
 #[derive(Debug, thiserror::Error)]
-pub enum IntrospectError {
+pub enum KernelSymbolsError {
     #[error(transparent)]
     Symbols(#[from] SymbolError),
     #[error("{from} has no entry_SYSCALL_64, so the KASLR slide cannot be computed from MSR_LSTAR")]
@@ -140,7 +86,7 @@ pub fn load_symbols(
     from: &SymbolsFrom,
     mem: &(impl GuestVirtRead + ?Sized),
     lstar: u64,
-) -> Result<KernelSymbols, IntrospectError> {
+) -> Result<KernelSymbols, KernelSymbolsError> {
     let (table, expected_banner) = match from {
         SymbolsFrom::SystemMap(path) => (SymbolTable::from_system_map_file(path)?, None),
         SymbolsFrom::Vmlinux(path) => {
@@ -172,7 +118,7 @@ pub fn load_symbols(
     };
     let entry = table
         .lookup("entry_SYSCALL_64")
-        .ok_or_else(|| IntrospectError::NoSyscallEntry { from: from.to_string() })?
+        .ok_or_else(|| KernelSymbolsError::NoSyscallEntry { from: from.to_string() })?
         .addr;
     let slide = lstar.wrapping_sub(entry.0) as i64;
     let table = table.relocated(slide);
@@ -183,7 +129,7 @@ pub fn load_symbols(
             None => found.starts_with("Linux version "),
         };
         if !matches {
-            return Err(IntrospectError::Mismatch {
+            return Err(KernelSymbolsError::Mismatch {
                 from: from.to_string(),
                 addr: banner.addr,
                 found: found.chars().take(60).collect(),
@@ -199,42 +145,6 @@ pub fn load_symbols(
         from: from.clone(),
         slide,
     })
-}
-
-/// What it takes to name the task running on a vCPU: the `task_struct` layout (from the
-/// guest kernel's BTF) and where the per-CPU `current_task` pointer is.
-#[derive(Clone, Copy, Debug)]
-pub struct TaskContext {
-    pub layout: TaskLayout,
-    /// `current_task`'s offset in a CPU's per-CPU area.
-    pub current_task_offset: u64,
-}
-
-impl TaskContext {
-    /// From the guest's BTF (`__start_BTF`..`__stop_BTF`) and per-CPU `current_task`.
-    /// Fails with the reason `$comm` is unavailable (no BTF in the guest kernel, ...).
-    pub fn read(mem: &(impl GuestVirtRead + ?Sized), symbols: &SymbolTable) -> Result<TaskContext, String> {
-        let current = symbols
-            .lookup("current_task")
-            .ok_or("the kernel has no per-CPU current_task symbol (only Linux 6.1-style layouts are known)")?;
-        let btf = match (symbols.lookup("__start_BTF"), symbols.lookup("__stop_BTF")) {
-            (Some(start), Some(stop)) => Some((start.addr, stop.addr)),
-            _ => None,
-        };
-        let layout = TaskLayout::from_guest(&mem, btf).map_err(|e| e.to_string())?;
-        Ok(TaskContext {
-            layout,
-            current_task_offset: current.addr.0,
-        })
-    }
-
-    /// The task running on a paused vCPU.
-    pub fn current(&self, mem: &(impl GuestVirtRead + ?Sized), state: &VcpuState) -> Result<TaskInfo, TaskError> {
-        let cpl = (state.sregs.cs.selector & 3) as u8;
-        let base = select_per_cpu_base(cpl, state.sregs.gs.base, state.kernel_gs_base)?;
-        let task = current_task(&mem, base, self.current_task_offset)?;
-        task_info(&mem, &self.layout, task)
-    }
 }
 
 /// A NUL-terminated string of at most 256 bytes.

@@ -1,0 +1,193 @@
+//! The probe engine's view of a running VM: the [`Machine`] whose kernel text it changes
+//! (with every vCPU parked when it must be) and the [`Vcpu`] at a hit.
+
+use std::sync::Arc;
+
+use hvprobe_introspection::memory::GuestVirtRead;
+use hvprobe_introspection::task::TaskInfo;
+use hvprobe_probes::machine::{KernelMemory, Machine, PausedView, SegmentSelectors, Vcpu, VcpuError};
+use hvprobe_probes::regs::Regs;
+use hvprobe_vmm::{set_guest_debug, Backend, VcpuControl, VcpuState};
+use kvm_ioctls::VcpuFd;
+use vm_memory::GuestMemoryMmap;
+
+use crate::memory::{live_memory, LiveKernel};
+use crate::task::TaskContext;
+
+/// A VM as the probe engine changes it.
+pub struct VmMachine {
+    control: Arc<VcpuControl>,
+    kernel: LiveKernel,
+}
+
+impl VmMachine {
+    pub fn new(control: Arc<VcpuControl>, kernel: LiveKernel) -> Self {
+        VmMachine { control, kernel }
+    }
+}
+
+impl Machine for VmMachine {
+    fn kernel(&self) -> &dyn KernelMemory {
+        &self.kernel
+    }
+
+    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {
+        let paused = self.control.pause_all();
+        edit(&PausedMachine {
+            kernel: &self.kernel,
+            paused: &paused,
+            vcpus: self.control.vcpu_count(),
+        });
+    }
+}
+
+/// The machine while every (other) vCPU is parked.
+struct PausedMachine<'a> {
+    kernel: &'a LiveKernel,
+    paused: &'a hvprobe_vmm::PausedVcpus,
+    vcpus: usize,
+}
+
+impl PausedView for PausedMachine<'_> {
+    fn text(&self) -> &dyn KernelMemory {
+        self.kernel
+    }
+
+    fn parked_rips(&self) -> Vec<u64> {
+        (0..self.vcpus)
+            .filter_map(|cpu| self.paused.regs(cpu))
+            .map(|r| r.rip)
+            .collect()
+    }
+}
+
+/// The vCPU at a hit.
+pub(crate) struct HitVcpu<'a> {
+    vcpu: &'a mut VcpuFd,
+    backend: Backend,
+    mem: &'a GuestMemoryMmap,
+    tasks: Option<&'a TaskContext>,
+    /// Control registers and MSRs, read once per exit when `$comm`, the pid or a user
+    /// address needs them (four ioctls).
+    state: Option<VcpuState>,
+}
+
+impl<'a> HitVcpu<'a> {
+    pub(crate) fn new(
+        vcpu: &'a mut VcpuFd,
+        backend: Backend,
+        mem: &'a GuestMemoryMmap,
+        tasks: Option<&'a TaskContext>,
+    ) -> Self {
+        HitVcpu {
+            vcpu,
+            backend,
+            mem,
+            tasks,
+            state: None,
+        }
+    }
+
+    fn state(&mut self) -> Option<VcpuState> {
+        if self.state.is_none() {
+            self.state = VcpuState::read(self.vcpu).ok();
+        }
+        self.state
+    }
+}
+
+impl Vcpu for HitVcpu<'_> {
+    fn regs(&mut self) -> Result<Regs, VcpuError> {
+        let r = self
+            .vcpu
+            .get_regs()
+            .map_err(|e| VcpuError::new("KVM_GET_REGS", e.errno()))?;
+        Ok(Regs {
+            r15: r.r15,
+            r14: r.r14,
+            r13: r.r13,
+            r12: r.r12,
+            rbp: r.rbp,
+            rbx: r.rbx,
+            r11: r.r11,
+            r10: r.r10,
+            r9: r.r9,
+            r8: r.r8,
+            rax: r.rax,
+            rcx: r.rcx,
+            rdx: r.rdx,
+            rsi: r.rsi,
+            rdi: r.rdi,
+            rip: r.rip,
+            // Read only when a fetch-arg names them (`segment_selectors`): a second
+            // ioctl per hit otherwise.
+            cs: 0,
+            rflags: r.rflags,
+            rsp: r.rsp,
+            ss: 0,
+        })
+    }
+
+    fn set_regs(&mut self, regs: &Regs) -> Result<(), VcpuError> {
+        let mut r = self
+            .vcpu
+            .get_regs()
+            .map_err(|e| VcpuError::new("KVM_GET_REGS", e.errno()))?;
+        r.r15 = regs.r15;
+        r.r14 = regs.r14;
+        r.r13 = regs.r13;
+        r.r12 = regs.r12;
+        r.rbp = regs.rbp;
+        r.rbx = regs.rbx;
+        r.r11 = regs.r11;
+        r.r10 = regs.r10;
+        r.r9 = regs.r9;
+        r.r8 = regs.r8;
+        r.rax = regs.rax;
+        r.rcx = regs.rcx;
+        r.rdx = regs.rdx;
+        r.rsi = regs.rsi;
+        r.rdi = regs.rdi;
+        r.rip = regs.rip;
+        r.rflags = regs.rflags;
+        r.rsp = regs.rsp;
+        self.vcpu
+            .set_regs(&r)
+            .map_err(|e| VcpuError::new("KVM_SET_REGS", e.errno()))
+    }
+
+    fn segment_selectors(&mut self) -> Result<SegmentSelectors, VcpuError> {
+        if let Some(state) = self.state {
+            return Ok(SegmentSelectors {
+                cs: state.sregs.cs.selector,
+                ss: state.sregs.ss.selector,
+            });
+        }
+        let s = self
+            .vcpu
+            .get_sregs()
+            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))?;
+        Ok(SegmentSelectors {
+            cs: s.cs.selector,
+            ss: s.ss.selector,
+        })
+    }
+
+    fn set_single_step(&mut self, on: bool) -> Result<(), VcpuError> {
+        set_guest_debug(self.vcpu, self.backend, on).map_err(|e| VcpuError {
+            ioctl: "KVM_SET_GUEST_DEBUG",
+            source: std::io::Error::other(e.to_string()),
+        })
+    }
+
+    fn current_task(&mut self) -> Option<TaskInfo> {
+        let tasks = self.tasks?;
+        let state = self.state()?;
+        tasks.current(&live_memory(self.mem, &state), &state).ok()
+    }
+
+    fn user_memory(&mut self) -> Option<Box<dyn GuestVirtRead + '_>> {
+        let state = self.state()?;
+        Some(Box::new(live_memory(self.mem, &state)))
+    }
+}

@@ -1,0 +1,259 @@
+//! Guest memory of a running VM as the page walker and the probe engine see it: through
+//! the page tables a vCPU has loaded, or through the kernel's own (`init_top_pgt`), which
+//! map all of the kernel for as long as the kernel lives.
+
+use hvprobe_arch::paging::{translate, PagingMode, PhysRead, PhysWrite, WalkError};
+use hvprobe_arch::{Gpa, Gva};
+use hvprobe_introspection::memory::{GuestVirtRead, MemoryError, PagedGuestMemory};
+use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_probes::machine::KernelMemory;
+use hvprobe_vmm::VcpuState;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+/// Guest-physical memory as the page walker reads and writes it.
+#[derive(Clone)]
+pub struct GuestPhys(pub GuestMemoryMmap);
+
+impl PhysRead for GuestPhys {
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String> {
+        self.0.read_slice(buf, GuestAddress(gpa.0)).map_err(|e| e.to_string())
+    }
+}
+
+impl PhysWrite for GuestPhys {
+    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), String> {
+        self.0.write_slice(data, GuestAddress(gpa.0)).map_err(|e| e.to_string())
+    }
+}
+
+/// Guest-virtual memory as a paused vCPU sees it (its CR3 and paging mode): the process it
+/// was running, user half included.
+pub fn live_memory(mem: &GuestMemoryMmap, state: &VcpuState) -> PagedGuestMemory<GuestPhys> {
+    PagedGuestMemory::new(
+        GuestPhys(mem.clone()),
+        state.sregs.cr3,
+        PagingMode::from_cr4(state.sregs.cr4),
+    )
+}
+
+/// Why the kernel's own page tables were not found.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelTablesError {
+    #[error("the kernel's symbols have no init_top_pgt: its own page tables cannot be found")]
+    NoSymbol,
+    #[error("init_top_pgt ({symbol}) does not translate through the vCPU's page tables (CR3 {cr3:#x})")]
+    Unmapped {
+        symbol: Gva,
+        cr3: u64,
+        #[source]
+        source: WalkError,
+    },
+}
+
+/// Under page-table isolation a process's user-mode top-level table is the page after its
+/// kernel-mode one (Linux's `PTI_USER_PGTABLE_BIT`, CR3 bit 12) and maps little more than
+/// the entry code: the kernel's data is found through the kernel-mode table.
+const PTI_USER_PGTABLE_BIT: u64 = 1 << 12;
+
+/// The kernel's own top-level page table, `init_top_pgt`. Everything that changes the
+/// kernel's mappings or text goes through it: a vCPU's CR3 may be a user process's, whose
+/// kernel half is a copy the kernel may not keep in step and which under PTI does not even
+/// map the whole kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelPageTables {
+    root: Gpa,
+    mode: PagingMode,
+}
+
+impl KernelPageTables {
+    /// Finds `init_top_pgt` by translating the symbol through `state`'s page tables (any
+    /// vCPU's, with the kernel's paging set up; under PTI a user-mode CR3 is turned into its
+    /// kernel-mode twin first if the symbol does not translate).
+    pub fn find(
+        mem: &GuestMemoryMmap,
+        state: &VcpuState,
+        symbols: &SymbolTable,
+    ) -> Result<KernelPageTables, KernelTablesError> {
+        Self::find_through(
+            &GuestPhys(mem.clone()),
+            state.sregs.cr3,
+            PagingMode::from_cr4(state.sregs.cr4),
+            symbols,
+        )
+    }
+
+    fn find_through(
+        phys: &GuestPhys,
+        cr3: u64,
+        mode: PagingMode,
+        symbols: &SymbolTable,
+    ) -> Result<KernelPageTables, KernelTablesError> {
+        let symbol = symbols.lookup("init_top_pgt").ok_or(KernelTablesError::NoSymbol)?.addr;
+        let found = translate(phys, cr3, mode, symbol).or_else(|first| match cr3 & PTI_USER_PGTABLE_BIT {
+            0 => Err(first),
+            _ => translate(phys, cr3 & !PTI_USER_PGTABLE_BIT, mode, symbol).map_err(|_| first),
+        });
+        match found {
+            Ok(t) => Ok(KernelPageTables { root: t.gpa, mode }),
+            Err(source) => Err(KernelTablesError::Unmapped { symbol, cr3, source }),
+        }
+    }
+
+    /// Tables at `root`, taken on trust (unit tests of code that is given the tables).
+    #[cfg(test)]
+    pub(crate) fn for_tests(root: Gpa, mode: PagingMode) -> KernelPageTables {
+        KernelPageTables { root, mode }
+    }
+
+    /// The guest-physical address of `init_top_pgt` (the CR3 value of the kernel's tables).
+    pub fn root(&self) -> Gpa {
+        self.root
+    }
+
+    pub fn mode(&self) -> PagingMode {
+        self.mode
+    }
+
+    /// Guest kernel memory through these tables.
+    pub fn memory(&self, mem: &GuestMemoryMmap) -> LiveKernel {
+        LiveKernel(PagedGuestMemory::new(GuestPhys(mem.clone()), self.root.0, self.mode))
+    }
+}
+
+/// Guest kernel memory through one set of page tables that maps all of the kernel: the
+/// kernel's own ([`kernel_memory`]), or a code blob's.
+pub struct LiveKernel(pub PagedGuestMemory<GuestPhys>);
+
+impl GuestVirtRead for LiveKernel {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
+        self.0.read_virt(gva, buf)
+    }
+}
+
+impl KernelMemory for LiveKernel {
+    fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
+        self.0.write_virt(gva, bytes)
+    }
+}
+
+/// Guest kernel memory through the kernel's own page tables, found through `state`'s (see
+/// [`KernelPageTables::find`]).
+pub fn kernel_memory(
+    mem: &GuestMemoryMmap,
+    state: &VcpuState,
+    symbols: &SymbolTable,
+) -> Result<LiveKernel, KernelTablesError> {
+    Ok(KernelPageTables::find(mem, state, symbols)?.memory(mem))
+}
+
+/// Small 4-level page tables in a [`GuestMemoryMmap`], for the unit tests of this crate.
+#[cfg(test)]
+pub(crate) mod test_tables {
+    use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+    /// Present and writable (a table entry); with `LARGE`, a 2 MiB page.
+    pub const TABLE: u64 = 0x3;
+    pub const LARGE: u64 = 0x80;
+    pub const TWO_MIB: u64 = 2 << 20;
+
+    /// 32 MiB of guest memory, all zero (no page mapped).
+    pub fn memory() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 32 << 20)]).unwrap()
+    }
+
+    /// Writes `value` into the entry for `va` of the table at `table`, which is at `level`
+    /// (4 = PML4, 3 = PDPT, 2 = PD).
+    pub fn set_entry(mem: &GuestMemoryMmap, table: u64, level: u32, va: u64, value: u64) {
+        let index = (va >> (12 + 9 * (level - 1))) & 0x1ff;
+        mem.write_obj(value, GuestAddress(table + index * 8)).unwrap();
+    }
+
+    /// The entry for `va` of the table at `table` (at `level`).
+    pub fn entry(mem: &GuestMemoryMmap, table: u64, level: u32, va: u64) -> u64 {
+        let index = (va >> (12 + 9 * (level - 1))) & 0x1ff;
+        mem.read_obj(GuestAddress(table + index * 8)).unwrap()
+    }
+
+    /// The tables of one address space: top-level table, and the PDPT and page directory
+    /// of the kernel image mapping.
+    #[derive(Clone, Copy)]
+    pub struct Tables {
+        pub pml4: u64,
+        pub pdpt: u64,
+        pub pd: u64,
+    }
+
+    /// Maps `start..end` (inside one 1 GiB of the top 2 GiB) with 2 MiB pages at `phys(va)`.
+    pub fn map_kernel(mem: &GuestMemoryMmap, t: Tables, start: u64, end: u64, phys: impl Fn(u64) -> u64) {
+        let Tables { pml4, pdpt, pd } = t;
+        set_entry(mem, pml4, 4, start, pdpt | TABLE);
+        set_entry(mem, pdpt, 3, start, pd | TABLE);
+        let mut va = start;
+        while va < end {
+            set_entry(mem, pd, 2, va, phys(va) | TABLE | LARGE);
+            va += TWO_MIB;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_tables::*;
+    use super::*;
+
+    const TEXT: u64 = 0xffff_ffff_8100_0000;
+    const END: u64 = 0xffff_ffff_8230_0000;
+    /// Where `init_top_pgt` is: in the kernel's .data, loaded at physical 0.
+    const INIT_TOP_PGT: u64 = TEXT + 0x120_0000;
+    const KERNEL_PML4: u64 = INIT_TOP_PGT - TEXT;
+
+    fn symbols() -> SymbolTable {
+        SymbolTable::parse_system_map(&format!(
+            "{TEXT:016x} T _text\n{INIT_TOP_PGT:016x} D init_top_pgt\n{END:016x} B _end\n"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pti_user_cr3_leads_to_its_kernel_twin_and_from_there_to_init_top_pgt() {
+        let mem = memory();
+        // A process's kernel-mode table (8 KiB aligned) maps the kernel; its user-mode
+        // twin, the next page, maps nothing of it.
+        let process_pgd = 0x10_0000;
+        let process = Tables {
+            pml4: process_pgd,
+            pdpt: process_pgd + 0x2000,
+            pd: process_pgd + 0x3000,
+        };
+        map_kernel(&mem, process, TEXT, END, |va| va - TEXT);
+        let kernel = Tables {
+            pml4: KERNEL_PML4,
+            pdpt: KERNEL_PML4 + 0x1000,
+            pd: KERNEL_PML4 + 0x2000,
+        };
+        map_kernel(&mem, kernel, TEXT, END, |va| va - TEXT);
+        let user_cr3 = process_pgd | PTI_USER_PGTABLE_BIT;
+        let phys = GuestPhys(mem);
+        let tables = KernelPageTables::find_through(&phys, user_cr3, PagingMode::Level4, &symbols()).unwrap();
+        assert_eq!(tables.root(), Gpa(KERNEL_PML4));
+
+        // Without the symbol, or with tables that do not map it, a clear error.
+        let none = SymbolTable::parse_system_map(&format!("{TEXT:016x} T _text\n")).unwrap();
+        assert!(matches!(
+            KernelPageTables::find_through(&phys, user_cr3, PagingMode::Level4, &none),
+            Err(KernelTablesError::NoSymbol)
+        ));
+        let empty = 0x18_0000;
+        let err = KernelPageTables::find_through(&phys, empty, PagingMode::Level4, &symbols()).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KernelTablesError::Unmapped {
+                    symbol: Gva(INIT_TOP_PGT),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,242 @@
+//! The out-of-line area (instruction copies, the return-probe trampoline): guest-physical
+//! memory the VMM withholds from the guest, mapped by the host into the kernel's own page
+//! tables in a free 2 MiB slot of the kernel image mapping, within ±2 GiB of all kernel text.
+
+use hvprobe_arch::paging::{translate, WalkError};
+use hvprobe_arch::{Gpa, Gva};
+use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_probes::engine::OutOfLineArea;
+use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
+use hvprobe_vmm::VcpuState;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
+
+use crate::memory::{GuestPhys, KernelPageTables, KernelTablesError};
+
+/// The kernel image mapping: `level2_kernel_pgt` covers 1 GiB from `__START_KERNEL_map`;
+/// the module area starts at its end when KASLR is configured.
+const KERNEL_IMAGE_MAP_START: u64 = 0xffff_ffff_8000_0000;
+const KERNEL_IMAGE_MAP_END: u64 = 0xffff_ffff_c000_0000;
+/// Where modules start without `CONFIG_RANDOMIZE_BASE` (a 512 MiB kernel image).
+const MODULES_START_WITHOUT_KASLR: u64 = 0xffff_ffff_a000_0000;
+const TWO_MIB: u64 = 2 << 20;
+/// A 2 MiB kernel page: present, writable, accessed, dirty, large, global; executable and
+/// supervisor-only.
+const OOL_PMD_FLAGS: u64 = 0x1 | 0x2 | 0x20 | 0x40 | 0x80 | 0x100;
+
+/// Why the out-of-line area could not be mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum OutOfLineError {
+    #[error("the kernel has no {0} symbol: cannot place the out-of-line area")]
+    MissingSymbol(&'static str),
+    #[error("cannot place the out-of-line area: {0}")]
+    KernelTables(#[from] KernelTablesError),
+    #[error(
+        "no free 2 MiB slot in the kernel image mapping ({KERNEL_IMAGE_MAP_START:#x}..{limit:#x}) outside the \
+         kernel ({text:#x}..{end:#x})"
+    )]
+    NoFreeSlot { limit: u64, text: u64, end: u64 },
+    #[error("writing the out-of-line area's page-directory entry at {entry_gpa}")]
+    WriteEntry {
+        entry_gpa: Gpa,
+        #[source]
+        source: GuestMemoryError,
+    },
+}
+
+/// Maps the VMM's out-of-line area into the kernel's own page tables (`init_top_pgt`, found
+/// through `state`'s, any vCPU's: see [`KernelPageTables::find`]). Never through the
+/// vCPU's own tables: they may be a user process's.
+pub fn place_out_of_line_area(
+    mem: &GuestMemoryMmap,
+    state: &VcpuState,
+    symbols: &SymbolTable,
+) -> Result<OutOfLineArea, OutOfLineError> {
+    let tables = KernelPageTables::find(mem, state, symbols)?;
+    map_out_of_line_area(&GuestPhys(mem.clone()), tables, symbols)
+}
+
+/// Maps the VMM's out-of-line area into `tables`, in a free 2 MiB slot of the kernel image
+/// mapping outside the kernel (within ±2 GiB of all kernel text, below the module area).
+/// Returns the area's guest-virtual address. Idempotent: an area already mapped (a restored
+/// snapshot of a traced guest) is found again.
+pub fn map_out_of_line_area(
+    phys: &GuestPhys,
+    tables: KernelPageTables,
+    symbols: &SymbolTable,
+) -> Result<OutOfLineArea, OutOfLineError> {
+    let bound = |name: &'static str| {
+        symbols
+            .lookup(name)
+            .map(|s| s.addr.0)
+            .ok_or(OutOfLineError::MissingSymbol(name))
+    };
+    let (text, end) = (bound("_text")?, bound("_end")?);
+    let limit = if end < MODULES_START_WITHOUT_KASLR {
+        MODULES_START_WITHOUT_KASLR
+    } else {
+        KERNEL_IMAGE_MAP_END
+    };
+    // One free 2 MiB page between the kernel and us, so that nothing the kernel maps just
+    // past its end (or before its start) is mistaken for free. Above the kernel first; a
+    // randomized kernel near the top of its 1 GiB leaves room only below it.
+    let above = (end.div_ceil(TWO_MIB) + 1) * TWO_MIB;
+    let below = (text / TWO_MIB).saturating_sub(2) * TWO_MIB;
+    let candidates = (above..limit.saturating_sub(TWO_MIB - 1))
+        .step_by(TWO_MIB as usize)
+        .chain((KERNEL_IMAGE_MAP_START..=below).rev().step_by(TWO_MIB as usize));
+    let area = |va| OutOfLineArea {
+        start: Gva(va),
+        size: OOL_AREA_SIZE,
+    };
+    for va in candidates {
+        match translate(phys, tables.root().0, tables.mode(), Gva(va)) {
+            Ok(t) if t.gpa == OOL_AREA_START => return Ok(area(va)),
+            Ok(_) => {}
+            Err(WalkError::NotPresent {
+                level: 2, entry_gpa, ..
+            }) => {
+                let entry = OOL_AREA_START.0 | OOL_PMD_FLAGS;
+                phys.0
+                    .write_obj(entry, GuestAddress(entry_gpa.0))
+                    .map_err(|source| OutOfLineError::WriteEntry { entry_gpa, source })?;
+                return Ok(area(va));
+            }
+            Err(_) => {}
+        }
+    }
+    Err(OutOfLineError::NoFreeSlot { limit, text, end })
+}
+
+/// The out-of-line area's guest-physical start (for tests and diagnostics).
+pub const fn out_of_line_gpa() -> Gpa {
+    OOL_AREA_START
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::test_tables::{entry, map_kernel, memory, set_entry, Tables, TABLE};
+    use hvprobe_arch::paging::PagingMode;
+
+    const PML4: u64 = 0x1000;
+    const KERNEL: Tables = Tables {
+        pml4: PML4,
+        pdpt: 0x2000,
+        pd: 0x3000,
+    };
+
+    /// The kernel's tables at [`KERNEL`], with the kernel mapped by 2 MiB pages from
+    /// `text` to `end`, as `cleanup_highmap` leaves them.
+    fn kernel_tables(text: u64, end: u64) -> (GuestPhys, KernelPageTables) {
+        let mem = memory();
+        map_kernel(&mem, KERNEL, text, end, |va| 0x100_0000 + (va - KERNEL_IMAGE_MAP_START));
+        let tables = KernelPageTables::for_tests(Gpa(PML4), PagingMode::Level4);
+        (GuestPhys(mem), tables)
+    }
+
+    fn symbols(text: u64, end: u64) -> SymbolTable {
+        SymbolTable::parse_system_map(&format!("{text:016x} T _text\n{end:016x} B _end\n")).unwrap()
+    }
+
+    #[test]
+    fn the_out_of_line_area_goes_after_the_kernel_and_is_found_again() {
+        let (text, end) = (0xffff_ffff_8100_0000, 0xffff_ffff_8230_0000);
+        let (phys, tables) = kernel_tables(text, end);
+        let area = map_out_of_line_area(&phys, tables, &symbols(text, end)).unwrap();
+        assert_eq!(
+            area.start,
+            Gva(0xffff_ffff_8260_0000),
+            "after _end and one free 2 MiB page"
+        );
+        let t = translate(&phys, PML4, PagingMode::Level4, area.start).unwrap();
+        assert_eq!(t.gpa, OOL_AREA_START);
+        assert!(t.permissions.executable && t.permissions.writable && !t.permissions.user);
+        let again = map_out_of_line_area(&phys, tables, &symbols(text, end)).unwrap();
+        assert_eq!(again.start, area.start);
+    }
+
+    #[test]
+    fn a_kernel_randomized_to_the_top_gets_the_area_below_it() {
+        let (text, end) = (0xffff_ffff_be00_0000, 0xffff_ffff_bfe1_c000);
+        let (phys, tables) = kernel_tables(text, end);
+        let area = map_out_of_line_area(&phys, tables, &symbols(text, end)).unwrap();
+        assert_eq!(
+            area.start,
+            Gva(0xffff_ffff_bdc0_0000),
+            "below _text and one free 2 MiB page"
+        );
+        // Everything is taken: a clear error, nothing written.
+        let (full, tables) = kernel_tables(KERNEL_IMAGE_MAP_START, KERNEL_IMAGE_MAP_END);
+        let err = map_out_of_line_area(
+            &full,
+            tables,
+            &symbols(KERNEL_IMAGE_MAP_START + TWO_MIB, KERNEL_IMAGE_MAP_END - TWO_MIB),
+        )
+        .unwrap_err();
+        assert!(matches!(err, OutOfLineError::NoFreeSlot { .. }), "{err}");
+        assert!(err.to_string().contains("no free 2 MiB slot"), "{err}");
+    }
+
+    /// A vCPU parked in a user process: its CR3 is the process's, whose kernel half is a
+    /// copy of the kernel's in tables of its own. The area must land in `init_top_pgt`'s
+    /// tables (which every process's kernel half is copied from, and which the guest's
+    /// later processes inherit), not in the copy.
+    #[test]
+    fn the_area_is_mapped_in_init_top_pgt_not_in_the_parked_vcpus_process_tables() {
+        let (text, end) = (0xffff_ffff_8100_0000u64, 0xffff_ffff_8230_0000u64);
+        // The kernel is loaded at physical 0 and init_top_pgt is in its .data.
+        let init_top_pgt = text + 0x120_0000;
+        let kernel = Tables {
+            pml4: init_top_pgt - text,
+            pdpt: init_top_pgt - text + 0x1000,
+            pd: init_top_pgt - text + 0x2000,
+        };
+        let process = Tables {
+            pml4: 0x10_0000,
+            pdpt: 0x10_1000,
+            pd: 0x10_2000,
+        };
+        let mem = memory();
+        for tables in [kernel, process] {
+            map_kernel(&mem, tables, text, end, |va| va - text);
+        }
+        // The process also has a user half.
+        set_entry(&mem, process.pml4, 4, 0x40_0000, 0x10_3000 | TABLE);
+        let symbols = SymbolTable::parse_system_map(&format!(
+            "{text:016x} T _text\n{init_top_pgt:016x} D init_top_pgt\n{end:016x} B _end\n"
+        ))
+        .unwrap();
+        let mut state = VcpuState {
+            regs: Default::default(),
+            sregs: Default::default(),
+            lstar: 0,
+            kernel_gs_base: 0,
+        };
+        state.sregs.cr3 = process.pml4;
+        state.sregs.cr4 = 0x20; // PAE, no LA57: 4-level paging
+
+        let area = place_out_of_line_area(&mem, &state, &symbols).unwrap();
+        let phys = GuestPhys(mem.clone());
+        let through = |pml4| translate(&phys, pml4, PagingMode::Level4, area.start);
+        assert_eq!(
+            through(kernel.pml4).map(|t| t.gpa),
+            Ok(OOL_AREA_START),
+            "the area is not mapped in init_top_pgt's tables"
+        );
+        assert_eq!(
+            entry(&mem, process.pd, 2, area.start.0),
+            0,
+            "the area was mapped in the process's copy of the kernel's tables"
+        );
+        // Found again, from either vCPU state, without a second mapping.
+        assert_eq!(
+            place_out_of_line_area(&mem, &state, &symbols).unwrap().start,
+            area.start
+        );
+        state.sregs.cr3 = kernel.pml4;
+        assert_eq!(
+            place_out_of_line_area(&mem, &state, &symbols).unwrap().start,
+            area.start
+        );
+    }
+}

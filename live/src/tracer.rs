@@ -1,0 +1,116 @@
+//! A [`Tracer`] on a running VM: for a booted guest kernel, with the facts probes are
+//! checked against read from guest memory, or for a code blob.
+
+use std::sync::Arc;
+
+use hvprobe_arch::paging::PagingMode;
+use hvprobe_arch::Gva;
+use hvprobe_introspection::facts::{ExceptionTable, FactsError, KprobeBlacklist};
+use hvprobe_introspection::memory::{MemoryError, PagedGuestMemory};
+use hvprobe_introspection::symbols::{SymbolError, SymbolTable};
+use hvprobe_probes::engine::{EventSink, KernelView, OutOfLineArea, PatchSites, Tracer};
+use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
+use hvprobe_vmm::{VcpuControl, VcpuState};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
+
+use crate::machine::VmMachine;
+use crate::memory::{GuestPhys, KernelPageTables, KernelTablesError, LiveKernel};
+use crate::ool::{map_out_of_line_area, OutOfLineError};
+
+/// Why a tracer could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum TracerError {
+    #[error("cannot reach the kernel's memory: {0}")]
+    KernelTables(#[from] KernelTablesError),
+    #[error("reading the guest's kprobe blacklist: {0}")]
+    Blacklist(#[source] FactsError),
+    #[error("reading the guest's exception table: {0}")]
+    ExceptionTable(#[source] FactsError),
+    #[error("reading the guest's text patch sites: {0}")]
+    PatchSites(#[source] MemoryError),
+    #[error(transparent)]
+    OutOfLine(#[from] OutOfLineError),
+    #[error("reading the code blob's vCPU state: {0}")]
+    VcpuState(#[source] hvprobe_vmm::Error),
+    #[error("mapping the code blob's out-of-line area: {0}")]
+    CodeBlobMapping(#[source] GuestMemoryError),
+    #[error("the code blob's symbols: {0}")]
+    CodeBlobSymbols(#[source] SymbolError),
+}
+
+/// A [`Tracer`] for a guest whose kernel is up: reads the facts probes are checked against
+/// (the live kprobe blacklist, the exception table, jump-label and static-call sites)
+/// through the kernel's own page tables and maps the out-of-line area into them. `state` is
+/// any vCPU's (paused, or not yet running).
+pub fn build_tracer(
+    control: Arc<VcpuControl>,
+    mem: &GuestMemoryMmap,
+    state: &VcpuState,
+    symbols: &SymbolTable,
+    sink: Option<Arc<dyn EventSink>>,
+) -> Result<Arc<Tracer>, TracerError> {
+    let tables = KernelPageTables::find(mem, state, symbols)?;
+    let memory = tables.memory(mem);
+    let blacklist = KprobeBlacklist::read_live(&memory, symbols).map_err(TracerError::Blacklist)?;
+    let ex_table = ExceptionTable::read(&memory, symbols).map_err(TracerError::ExceptionTable)?;
+    let patch_sites = PatchSites::read(&memory, symbols).map_err(TracerError::PatchSites)?;
+    let ool = map_out_of_line_area(&GuestPhys(mem.clone()), tables, symbols)?;
+    tracing::info!(
+        "probe engine: {} blacklisted functions, {} exception-table entries, {} patch sites, out-of-line area at {}",
+        blacklist.symbols().len(),
+        ex_table.len(),
+        patch_sites.len(),
+        ool.start
+    );
+    let view = KernelView {
+        symbols: Arc::new(symbols.clone()),
+        blacklist,
+        ex_table,
+        patch_sites,
+    };
+    let machine = Arc::new(VmMachine::new(control, memory));
+    Ok(Arc::new(Tracer::new(machine, view, Some(ool), sink)))
+}
+
+/// Where [`code_blob_tracer`] maps the out-of-line area: a code blob's page tables
+/// identity-map the first 4 GiB, and the area's own address (3.25 GiB) is beyond a rel32's
+/// reach from the blob at 1 MiB.
+pub const CODE_BLOB_OOL_VA: u64 = 1 << 30;
+
+/// A tracer for a code-blob VM ([`hvprobe_vmm::Vm::new_code_blob`]): the blob is the text
+/// symbol `blob` (`len` bytes), and the out-of-line area is mapped again at
+/// [`CODE_BLOB_OOL_VA`] with a 2 MiB page, as the VMM maps it next to a kernel.
+pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, TracerError> {
+    let state = vm.vcpu_state(0).map_err(TracerError::VcpuState)?;
+    let mem = vm.memory();
+    // The blob's one set of page tables is its "kernel's": the second page directory
+    // covers 1..2 GiB.
+    let second_page_directory = hvprobe_vmm::layout::PDE_START + 0x1000;
+    let large_page = OOL_AREA_START.0 | 0x83;
+    mem.write_obj(large_page, GuestAddress(second_page_directory))
+        .map_err(TracerError::CodeBlobMapping)?;
+    let kernel = LiveKernel(PagedGuestMemory::new(
+        GuestPhys(mem.clone()),
+        state.sregs.cr3,
+        PagingMode::from_cr4(state.sregs.cr4),
+    ));
+    let start = hvprobe_vmm::CODE_BLOB_START;
+    let symbols = SymbolTable::parse_system_map(&format!("{start:016x} T blob\n{:016x} T blob_end\n", start + len))
+        .map_err(TracerError::CodeBlobSymbols)?;
+    let view = KernelView {
+        symbols: Arc::new(symbols),
+        blacklist: KprobeBlacklist::default(),
+        ex_table: ExceptionTable::default(),
+        patch_sites: PatchSites::default(),
+    };
+    let ool = OutOfLineArea {
+        start: Gva(CODE_BLOB_OOL_VA),
+        size: OOL_AREA_SIZE,
+    };
+    Ok(Arc::new(Tracer::new(
+        Arc::new(VmMachine::new(vm.control(), kernel)),
+        view,
+        Some(ool),
+        None,
+    )))
+}

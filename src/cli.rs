@@ -1,0 +1,185 @@
+//! The command line: every clap argument type of `hvprobe` (and nothing else, so that the
+//! modules that act on them depend on this one and never on each other for their flags).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "hvprobe", version, about = "Linux kernel probes run from outside the guest")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Commands,
+}
+
+#[derive(Subcommand)]
+pub enum Commands {
+    /// Boot a guest (the bundled one by default) and run it to the end.
+    Run(RunArgs),
+    /// Build the bundled guest (if its cache entry is missing) and print its directory.
+    BuildGuest,
+    /// Resolve kernel symbols offline, at link-time addresses (no KASLR slide).
+    Symbols(SymbolsArgs),
+    /// Save a booted guest waiting for a workload, to restore it with `run --snapshot`.
+    Snapshot {
+        #[command(subcommand)]
+        command: SnapshotCommand,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// Kernel to boot: an ELF vmlinux with a PVH note, or a bzImage [default: the bundled guest's vmlinux].
+    #[arg(long)]
+    pub kernel: Option<PathBuf>,
+    /// Initrd (cpio) [default: the bundled guest's initramfs].
+    #[arg(long)]
+    pub initrd: Option<PathBuf>,
+    /// Extra kernel command-line options, appended to the ones hvprobe sets.
+    #[arg(long, default_value = "")]
+    pub cmdline: String,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    pub cpus: u8,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 128)]
+    pub mem: u64,
+    /// Shell command the guest runs instead of an interactive shell; hvprobe exits with its status.
+    #[arg(long)]
+    pub workload: Option<String>,
+    /// Boot the bundled guest's bzImage with KASLR on (a PVH boot is never randomized).
+    #[arg(long)]
+    pub kaslr: bool,
+    /// Print `SYM = 0xADDRESS (source)` for SYM[+OFFSET] once the guest kernel is up (repeatable).
+    #[arg(long, value_name = "SYM")]
+    pub resolve: Vec<String>,
+    /// Where kernel symbols come from (repeatable: --resolve then prints each source's answer)
+    /// [default: System.map if there is one, else the vmlinux, else the guest's kallsyms].
+    #[arg(long = "symbols", value_enum, value_name = "SOURCE")]
+    pub symbol_sources: Vec<SourceArg>,
+    /// System.map of the kernel [default: the bundled guest's].
+    #[arg(long)]
+    pub system_map: Option<PathBuf>,
+    /// The kernel's vmlinux ELF, for symbols [default: the bundled guest's, or --kernel if it is an ELF].
+    #[arg(long)]
+    pub vmlinux: Option<PathBuf>,
+    /// Sample every vCPU's instruction pointer this often (ms) and print the hottest guest
+    /// functions at exit.
+    #[arg(long, value_name = "MS")]
+    pub sample_ms: Option<u64>,
+    /// Probes to arm, in the kernel's kprobe_events syntax (one per line: `p[:[GRP/]EVENT]
+    /// SYM[+OFFS]|ADDR [FETCHARGS]`, `-:[GRP/]EVENT`, `#` comments). A booted guest gets
+    /// them when it reaches /init; a restored one before it runs. Hits are printed on stdout,
+    /// the listing (debugfs `list` layout, plus hits and nmissed) on stderr at exit and on SIGUSR1.
+    #[arg(long, value_name = "FILE")]
+    pub probes: Option<PathBuf>,
+    /// How hits are printed.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text, requires = "probes")]
+    pub output: OutputFormat,
+    /// At exit (after every probe is removed), print the SHA-256 of the guest kernel's text.
+    #[arg(long)]
+    pub text_hash: bool,
+    /// Restore the guest from a snapshot directory (`hvprobe snapshot create`) instead of
+    /// booting; needs --workload, and --cpus equal to the snapshot's.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "kaslr", "resolve", "sample_ms", "symbol_sources"])]
+    pub snapshot: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SourceArg {
+    SystemMap,
+    Vmlinux,
+    Kallsyms,
+}
+
+#[derive(Args)]
+pub struct SymbolsArgs {
+    /// The kernel's vmlinux ELF.
+    #[arg(long)]
+    pub kernel: PathBuf,
+    /// Use this System.map instead of the vmlinux's symbol table.
+    #[arg(long)]
+    pub system_map: Option<PathBuf>,
+    /// SYM, SYM+OFFSET, or a hex address (0x...) to describe as SYM+OFF/SIZE.
+    #[arg(required = true)]
+    pub names: Vec<String>,
+}
+
+#[derive(Subcommand)]
+pub enum SnapshotCommand {
+    /// Boot the guest until its init waits for a workload, then save it to a directory.
+    Create(CreateArgs),
+}
+
+#[derive(Args)]
+pub struct CreateArgs {
+    /// Directory to write the snapshot to (created if needed; `state` and `memory` in it).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Kernel to boot: an ELF vmlinux with a PVH note, or a bzImage [default: the bundled guest's vmlinux].
+    #[arg(long)]
+    pub kernel: Option<PathBuf>,
+    /// Initrd (cpio) whose /init has the bundled init's wait mode [default: the bundled guest's initramfs].
+    #[arg(long)]
+    pub initrd: Option<PathBuf>,
+    /// Extra kernel command-line options, appended to the ones hvprobe sets.
+    #[arg(long, default_value = "")]
+    pub cmdline: String,
+    /// Number of vCPUs (a restore must ask for the same number).
+    #[arg(long, default_value_t = 1)]
+    pub cpus: u8,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 128)]
+    pub mem: u64,
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Cold boot of the bundled guest against restores of its snapshot.
+    Snapshot(SnapshotBenchArgs),
+    /// What a probe hit costs: the int3 floor, emulated and stepped hits, against the
+    /// guest's own kprobe event.
+    Probes(ProbeBenchArgs),
+}
+
+#[derive(Args)]
+pub struct SnapshotBenchArgs {
+    /// Number of restores.
+    #[arg(long, default_value_t = 10)]
+    pub runs: u32,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    pub cpus: u8,
+}
+
+#[derive(Args)]
+pub struct ProbeBenchArgs {
+    /// Loop iterations of the code-blob part.
+    #[arg(long, default_value_t = 20_000)]
+    pub iterations: u32,
+    /// getppid() calls per guest run.
+    #[arg(long, default_value_t = 1000)]
+    pub calls: u32,
+    /// Runs per variant (the median is reported, with the range for the guest part).
+    #[arg(long, default_value_t = 5)]
+    pub runs: u32,
+    /// A snapshot of the bundled guest (`hvprobe snapshot create`); without it the
+    /// benchmark boots the guest once to make one.
+    #[arg(long, value_name = "DIR")]
+    pub snapshot: Option<PathBuf>,
+}
+
+/// How hits are printed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    /// ftrace's `trace` layout.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}

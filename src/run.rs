@@ -1,0 +1,302 @@
+//! `hvprobe run`: boot a guest (or restore one, see [`crate::snapshot`]), introspect its
+//! kernel once it is up, trace it, and exit with the workload's status.
+
+use std::process::ExitCode;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
+use hvprobe_live::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
+use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuControl, Vm, VmConfig};
+
+use crate::cli::{RunArgs, SourceArg};
+use crate::guest::{initrd_with_workload, kernel_cmdline, BundledGuest};
+use crate::session::{RunSession, TraceOptions};
+
+/// `hvprobe run`: boots the guest, or restores it with `--snapshot`.
+pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let trace = TraceOptions {
+        probes: args.probes.clone(),
+        output: args.output,
+        text_hash: args.text_hash,
+    };
+    if let Some(dir) = &args.snapshot {
+        return crate::snapshot::run_restored(dir, args.cpus, args.workload.as_deref(), &trace);
+    }
+    // Check what needs no guest build first, so bad input fails fast.
+    VmConfig::validate_machine(args.cpus, args.mem)?;
+    if let Some(kernel) = &args.kernel {
+        kernel_format(kernel)?;
+    }
+    if let Some(initrd) = &args.initrd {
+        std::fs::metadata(initrd).map_err(|e| format!("cannot read initrd {}: {e}", initrd.display()))?;
+    }
+    for spec in &args.resolve {
+        check_symbol_spec(spec)?;
+    }
+    if args.kaslr && args.kernel.is_some() {
+        return Err(
+            "--kaslr boots the bundled guest's bzImage; for your own kernel pass a bzImage with --kernel \
+                    (KASLR is on unless its command line says nokaslr)"
+                .into(),
+        );
+    }
+    let bundled = if args.kernel.is_none() || args.initrd.is_none() {
+        Some(BundledGuest::ensure_built()?)
+    } else {
+        None
+    };
+    let bundled_kernel = bundled.as_ref().filter(|_| args.kernel.is_none());
+
+    let kernel = match (&args.kernel, bundled_kernel) {
+        (Some(k), _) => k.clone(),
+        (None, Some(g)) if args.kaslr => g.bzimage.clone(),
+        (None, Some(g)) => g.vmlinux.clone(),
+        (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
+    };
+    let cmdline = kernel_cmdline(bundled_kernel, &args.cmdline);
+    let initrd_path = match (&args.initrd, &bundled) {
+        (Some(i), _) => i.clone(),
+        (None, Some(g)) => g.initramfs.clone(),
+        (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
+    };
+    let sources = symbol_sources(&args, bundled_kernel)?;
+    let config = VmConfig {
+        kernel,
+        initrd: initrd_with_workload(&initrd_path, args.workload.as_deref())?,
+        cmdline,
+        cpus: args.cpus,
+        mem_mib: args.mem,
+        console_output: ConsoleOutput::Stdout,
+        console_input: args.workload.is_none(),
+    };
+    let vm = Vm::new(&config)?;
+    let console = vm.console_log();
+    let session = RunSession::start(&trace, &vm)?;
+    let tasks = Arc::new(OnceLock::new());
+    let introspection = {
+        let (control, mem, resolve, tasks, session) = (
+            vm.control(),
+            vm.memory().clone(),
+            args.resolve.clone(),
+            Arc::clone(&tasks),
+            Arc::clone(&session),
+        );
+        std::thread::spawn(move || introspect_when_up(&control, &mem, &sources, &resolve, &session, &tasks))
+    };
+    let sampler = args.sample_ms.map(|ms| {
+        crate::sampler::Sampler::start(
+            vm.control(),
+            vm.memory().clone(),
+            Duration::from_millis(ms.max(1)),
+            tasks,
+        )
+    });
+    let outcome = vm.run(session.handler())?;
+    let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
+    let finish_failed = session.finish().err();
+    if let Some(e) = &finish_failed {
+        eprintln!("hvprobe: error: {e}");
+    }
+    let arming_failed = session.failure();
+    if let Some(sampler) = sampler {
+        let samples = sampler.finish();
+        match introspection.as_ref().ok().and_then(|k| k.first()) {
+            Some(kernel) => {
+                eprint!("{}", crate::sampler::report(&samples, &kernel.table, 30));
+                eprint!("{}", crate::sampler::task_report(&samples, 10));
+            }
+            None => eprintln!(
+                "hvprobe: {} samples taken, but no kernel symbols to name them",
+                samples.len()
+            ),
+        }
+    }
+
+    let boot = match outcome.boot_to_init {
+        Some(t) => format!("{:.2} s", t.as_secs_f64()),
+        None => "not reached".into(),
+    };
+    eprintln!(
+        "hvprobe: {}; boot to /init {boot} ({}), ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
+        outcome.reason,
+        outcome.kernel_format.map(|f| f.to_string()).unwrap_or_default(),
+        outcome.run_time.as_secs_f64(),
+        outcome.exits,
+        outcome.breakpoints,
+        outcome.single_steps,
+        outcome.instructions_emulated,
+        outcome.breakpoints_reinjected
+    );
+    let introspection_failed = match &introspection {
+        Ok(kernels) => {
+            for k in kernels {
+                eprintln!("hvprobe: kernel symbols from {}: KASLR slide {:#x}", k.from, k.slide);
+            }
+            false
+        }
+        Err(IntrospectionFailure::NotUp) => {
+            eprintln!("hvprobe: the guest kernel never came up far enough to be introspected");
+            !args.resolve.is_empty()
+        }
+        Err(IntrospectionFailure::Error(e)) => {
+            eprintln!("hvprobe: error: {e}");
+            true
+        }
+    };
+    if let Some(e) = arming_failed {
+        eprintln!("hvprobe: error: {e}");
+        return Ok(ExitCode::FAILURE);
+    }
+    if introspection_failed || finish_failed.is_some() {
+        return Ok(ExitCode::FAILURE);
+    }
+    let code = match &outcome.reason {
+        StopReason::GuestExit(status) => *status,
+        StopReason::Reset if console.contents().contains("Kernel panic") => {
+            eprintln!(
+                "hvprobe: the guest kernel panicked; console tail:\n{}",
+                console.tail(30)
+            );
+            1
+        }
+        StopReason::Reset | StopReason::PowerOff | StopReason::Stopped if args.workload.is_none() => 0,
+        other => {
+            eprintln!(
+                "hvprobe: the guest did not finish its workload ({other}); console tail:\n{}",
+                console.tail(30)
+            );
+            1
+        }
+    };
+    Ok(ExitCode::from(code))
+}
+
+/// Rejects a malformed `SYM[+OFFSET]` before anything boots.
+fn check_symbol_spec(spec: &str) -> Result<(), SymbolError> {
+    match SymbolTable::from_symbols(SymbolSource::SystemMap, Vec::new()).resolve(spec) {
+        Err(SymbolError::UnknownSymbol(_)) | Ok(_) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The symbol sources of a run, in the order asked for (or the default).
+fn symbol_sources(
+    args: &RunArgs,
+    bundled: Option<&BundledGuest>,
+) -> Result<Vec<SymbolsFrom>, Box<dyn std::error::Error>> {
+    let system_map = args
+        .system_map
+        .clone()
+        .or_else(|| bundled.map(|g| g.system_map.clone()));
+    let kernel_is_elf = args.kernel.as_deref().map(kernel_format).transpose()? == Some(KernelFormat::ElfPvh);
+    let vmlinux = args
+        .vmlinux
+        .clone()
+        .or_else(|| bundled.map(|g| g.vmlinux.clone()))
+        .or_else(|| args.kernel.clone().filter(|_| kernel_is_elf));
+    for path in [&args.system_map, &args.vmlinux].into_iter().flatten() {
+        std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    }
+    let asked = if args.symbol_sources.is_empty() {
+        vec![if system_map.is_some() {
+            SourceArg::SystemMap
+        } else if vmlinux.is_some() {
+            SourceArg::Vmlinux
+        } else {
+            SourceArg::Kallsyms
+        }]
+    } else {
+        args.symbol_sources.clone()
+    };
+    asked
+        .into_iter()
+        .map(|a| match a {
+            SourceArg::SystemMap => system_map
+                .clone()
+                .map(SymbolsFrom::SystemMap)
+                .ok_or_else(|| "--symbols system-map needs --system-map FILE".into()),
+            SourceArg::Vmlinux => vmlinux
+                .clone()
+                .map(SymbolsFrom::Vmlinux)
+                .ok_or_else(|| "--symbols vmlinux needs --vmlinux FILE".into()),
+            SourceArg::Kallsyms => Ok(SymbolsFrom::Kallsyms),
+        })
+        .collect()
+}
+
+enum IntrospectionFailure {
+    /// The VM stopped before the kernel set up its syscall entry.
+    NotUp,
+    Error(String),
+}
+
+/// Once the guest kernel is up: loads symbols from every source (checking file-based ones
+/// against guest memory), prints the `--resolve` answers, names guest tasks (into `tasks`)
+/// and hands the kernel to the run's session, which arms the probes at `/init` (or at once
+/// if the guest is past it). A failure stops the VM.
+fn introspect_when_up(
+    control: &Arc<VcpuControl>,
+    mem: &vm_memory::GuestMemoryMmap,
+    sources: &[SymbolsFrom],
+    resolve: &[String],
+    session: &RunSession,
+    tasks: &OnceLock<TaskContext>,
+) -> Result<Vec<KernelSymbols>, IntrospectionFailure> {
+    let (paused, state) =
+        wait_for_kernel(control, mem, Duration::from_millis(100)).ok_or(IntrospectionFailure::NotUp)?;
+    let memory = live_memory(mem, &state);
+    let mut kernels = Vec::new();
+    let mut failure = None;
+    for from in sources {
+        let started = std::time::Instant::now();
+        match load_symbols(from, &memory, state.lstar) {
+            Ok(kernel) => {
+                tracing::info!(
+                    "{} symbols from {} in {:.0} ms",
+                    kernel.table.len(),
+                    kernel.from,
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+                for spec in resolve {
+                    match kernel.table.resolve(spec) {
+                        Ok(r) => eprintln!("{spec} = {:#x} ({})", r.addr.0, from.label()),
+                        Err(e) => failure = Some(format!("{e} (in {from})")),
+                    }
+                }
+                kernels.push(kernel);
+            }
+            Err(e) => failure = Some(e.to_string()),
+        }
+    }
+    if let Some(kernel) = kernels.first() {
+        match TaskContext::read(&memory, &kernel.table) {
+            Ok(ctx) => {
+                let _ = tasks.set(ctx);
+            }
+            Err(reason) => tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"),
+        }
+    }
+    if let (true, Some(kernel), None) = (session.needs_kernel(), kernels.first(), &failure) {
+        match session.kernel_up(Arc::clone(control), &state, &kernel.table, tasks.get().copied()) {
+            // Probes go in when the guest's boot-time text patching is over.
+            Ok(()) if control.boot_to_init().is_some() => {
+                if let Err(e) = session.arm() {
+                    failure = Some(e);
+                }
+            }
+            Ok(()) => session.arm_at_init(Arc::clone(control)),
+            Err(e) => failure = Some(e),
+        }
+    } else if session.has_probes() && kernels.is_empty() && failure.is_none() {
+        failure = Some("no kernel symbols: the probes cannot be placed".into());
+    }
+    drop(paused);
+    match failure {
+        Some(message) => {
+            control.stop(StopReason::Stopped);
+            Err(IntrospectionFailure::Error(message))
+        }
+        None => Ok(kernels),
+    }
+}

@@ -1,0 +1,149 @@
+//! What `hvprobe run` does around the guest, built once and the same for a booted and a
+//! restored guest: the probes of `--probes` (the hit printer, the listing on SIGUSR1 and at
+//! exit) and the kernel text hash of `--text-hash`. The two paths differ only in when the
+//! kernel is up (a booted guest: found by the introspection thread; a restored one: before
+//! it runs) and when the probes are armed (at `/init`, or at once).
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use hvprobe_arch::Gva;
+use hvprobe_introspection::memory::GuestVirtRead;
+use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_live::{kernel_memory, TaskContext};
+use hvprobe_vmm::{DebugHandler, NoProbes, VcpuControl, VcpuState, Vm};
+use sha2::{Digest, Sha256};
+use vm_memory::GuestMemoryMmap;
+
+use crate::cli::OutputFormat;
+use crate::trace::TraceSession;
+
+/// What a run traces and checks (`--probes`, `--output`, `--text-hash`).
+#[derive(Clone, Debug, Default)]
+pub struct TraceOptions {
+    pub probes: Option<PathBuf>,
+    pub output: OutputFormat,
+    /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
+    pub text_hash: bool,
+}
+
+/// The tracing side of one run.
+pub struct RunSession {
+    probes: Option<Arc<TraceSession>>,
+    text_hash: bool,
+    mem: GuestMemoryMmap,
+    /// Where the kernel is, once it is up (for the text hash): a vCPU's state then and the
+    /// kernel's symbols.
+    kernel: OnceLock<(VcpuState, SymbolTable)>,
+}
+
+impl RunSession {
+    /// Reads the probe file (a bad one fails here, before the guest runs), starts the hit
+    /// printer and the listing on SIGUSR1. Nothing touches the guest yet.
+    pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, String> {
+        let probes = match &options.probes {
+            Some(file) => {
+                let session = Arc::new(TraceSession::new(file, options.output, vm)?);
+                session.listing_on_sigusr1()?;
+                Some(session)
+            }
+            None => None,
+        };
+        Ok(Arc::new(RunSession {
+            probes,
+            text_hash: options.text_hash,
+            mem: vm.memory().clone(),
+            kernel: OnceLock::new(),
+        }))
+    }
+
+    /// Whether there are probes to place.
+    pub fn has_probes(&self) -> bool {
+        self.probes.is_some()
+    }
+
+    /// Whether the run needs the kernel's symbols: probes to place, or a text to hash.
+    pub fn needs_kernel(&self) -> bool {
+        self.has_probes() || self.text_hash
+    }
+
+    /// The debug handler to run the VM with.
+    pub fn handler(&self) -> Arc<dyn DebugHandler> {
+        match &self.probes {
+            Some(s) => s.handler.clone(),
+            None => Arc::new(NoProbes),
+        }
+    }
+
+    /// Once the kernel is up (vCPUs paused, `state` one of theirs): remembers where its text
+    /// is, checks that every probe's symbol exists, reads the kernel facts the engine checks
+    /// probes against, maps the out-of-line area and attaches the engine. Arms nothing.
+    pub fn kernel_up(
+        &self,
+        control: Arc<VcpuControl>,
+        state: &VcpuState,
+        symbols: &SymbolTable,
+        tasks: Option<TaskContext>,
+    ) -> Result<(), String> {
+        if let Some(probes) = &self.probes {
+            probes.prepare(control, &self.mem, state, symbols, tasks)?;
+        }
+        if self.text_hash {
+            let _ = self.kernel.set((*state, symbols.clone()));
+        }
+        Ok(())
+    }
+
+    /// Registers and arms every probe (all or none), now.
+    pub fn arm(&self) -> Result<(), String> {
+        match &self.probes {
+            Some(probes) => probes.arm(),
+            None => Ok(()),
+        }
+    }
+
+    /// Arms the probes on the vCPU thread that reports `/init`; a failure stops the VM and
+    /// is told by [`RunSession::failure`].
+    pub fn arm_at_init(&self, control: Arc<VcpuControl>) {
+        if let Some(probes) = &self.probes {
+            probes.arm_at_init(control);
+        }
+    }
+
+    /// Why arming at `/init` failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.probes.as_ref().and_then(|p| p.failure())
+    }
+
+    /// After the run: the last hits, the listing and the engine's counters, every probe
+    /// removed; then the SHA-256 of the kernel's text, when asked for and the kernel was
+    /// ever up.
+    pub fn finish(&self) -> Result<(), String> {
+        if let Some(probes) = &self.probes {
+            probes.finish();
+        }
+        if let Some((state, symbols)) = self.kernel.get() {
+            let hash = kernel_memory(&self.mem, state, symbols)
+                .map_err(|e| e.to_string())
+                .and_then(|memory| kernel_text_hash(&memory, symbols))
+                .map_err(|e| format!("cannot hash the kernel text: {e}"))?;
+            eprintln!("hvprobe: kernel text sha256 {hash}");
+        }
+        Ok(())
+    }
+}
+
+/// SHA-256 of the kernel's text (`_stext`..`_etext`) in guest memory.
+fn kernel_text_hash(mem: &(impl GuestVirtRead + ?Sized), symbols: &SymbolTable) -> Result<String, String> {
+    let range = hvprobe_probes::engine::text_range(symbols).ok_or("the kernel has no _stext/_etext symbols")?;
+    let mut hasher = Sha256::new();
+    let mut page = vec![0u8; 4096];
+    let mut at = range.start.0;
+    while at < range.end.0 {
+        let n = (range.end.0 - at).min(4096) as usize;
+        mem.read_virt(Gva(at), &mut page[..n]).map_err(|e| e.to_string())?;
+        hasher.update(&page[..n]);
+        at += n as u64;
+    }
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
