@@ -406,149 +406,80 @@ impl KernelFacts {
 
 #[cfg(test)]
 mod tests {
+    //! On small synthetic tables; `tests/bundled_guest.rs` reads the bundled guest's.
+
     use super::*;
-    use crate::memory::test_support::guest_dir;
-    use crate::memory::ElfImage;
     use crate::symbols::SymbolSource;
-    use std::sync::OnceLock;
 
-    fn guest() -> &'static (ElfImage, SymbolTable, KernelFacts) {
-        static G: OnceLock<(ElfImage, SymbolTable, KernelFacts)> = OnceLock::new();
-        G.get_or_init(|| {
-            let dir = guest_dir();
-            let img = ElfImage::open(dir.join("vmlinux")).expect("vmlinux");
-            let syms = SymbolTable::parse_elf(img.file_bytes()).expect("ELF symbols");
-            let facts = KernelFacts::read(&img, &syms).expect("facts");
-            (img, syms, facts)
-        })
+    /// Guest memory with bytes at one address; reads elsewhere fail.
+    struct FakeMem {
+        base: u64,
+        bytes: Vec<u8>,
     }
 
-    #[test]
-    fn text_bounds_come_from_the_linker_symbols() {
-        let (_, syms, facts) = guest();
-        assert_eq!(facts.text.text.start, syms.lookup("_stext").expect("_stext").addr);
-        assert!(facts.text.text.end.0 - facts.text.text.start.0 > 1 << 20);
-        let init = facts.text.init_text.as_ref().expect("init text");
-        assert!(init.start >= facts.text.text.end);
-        let vfs_read = syms.lookup("vfs_read").expect("vfs_read").addr;
-        assert!(facts.text.contains(vfs_read));
-        assert!(!facts.text.contains(syms.lookup("_sdata").expect("_sdata").addr));
-    }
-
-    #[test]
-    fn exception_table_entries_point_into_text() {
-        let (_, syms, facts) = guest();
-        let ex = &facts.ex_table;
-        let fixups_in_text = ex.entries().iter().filter(|e| facts.text.contains(e.fixup)).count();
-        println!(
-            "exception table: {} entries, {fixups_in_text} fixups inside kernel text",
-            ex.len()
-        );
-        assert!(ex.len() > 100, "only {} entries", ex.len());
-        for e in ex.entries() {
-            assert!(facts.text.contains(e.insn), "{e:x?} outside text");
-            assert!(e.fixup_type() <= 20, "{e:x?}: unknown EX_TYPE");
+    impl GuestVirtRead for FakeMem {
+        fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
+            let off = gva.0.checked_sub(self.base).ok_or(MemoryError::Unmapped(gva))? as usize;
+            let src = self.bytes.get(off..off + buf.len()).ok_or(MemoryError::Unmapped(gva))?;
+            buf.copy_from_slice(src);
+            Ok(())
         }
-        assert_eq!(fixups_in_text, ex.len());
-        // Lookups find each entry and nothing in between.
-        let first = ex.entries()[0];
-        assert_eq!(ex.lookup(first.insn), Some(&first));
-        assert_eq!(ex.lookup(Gva(first.insn.0 - 1)), None);
-        assert_eq!(
-            ex.in_range(facts.text.text.clone()).len()
-                + ex.in_range(Gva(0)..facts.text.text.start).len()
-                + ex.in_range(facts.text.text.end..Gva(u64::MAX)).len(),
-            ex.len()
-        );
-        // The user-copy helpers are the classic exception-table users.
-        let copy = syms
-            .lookup("copy_user_generic_unrolled")
-            .or_else(|| syms.lookup("rep_movs_alternative"));
-        if let Some(f) = copy {
-            let size = syms.size_of(f).expect("sized");
-            assert!(
-                !ex.in_range(f.addr..Gva(f.addr.0 + size)).is_empty(),
-                "{} has no extable entries",
-                f.name
-            );
+    }
+
+    fn data_symbol(name: &str, addr: u64) -> Symbol {
+        Symbol {
+            name: name.into(),
+            addr: Gva(addr),
+            kind: 'D',
+            size: None,
         }
     }
 
     #[test]
-    fn the_guest_blacklist_matches_nokprobe_symbol() {
-        let (_, syms, facts) = guest();
-        let bl = &facts.blacklist;
-        println!(
-            "kprobe blacklist: {} NOKPROBE_SYMBOL functions, sections {:x?}",
-            bl.symbols().len(),
-            bl.sections()
-        );
-        for name in ["do_int3", "kprobe_int3_handler", "exc_int3", "dump_kprobe"] {
-            let s = syms.lookup(name).unwrap_or_else(|| panic!("{name} exists"));
-            let reason = bl
-                .is_blacklisted(s.addr)
-                .unwrap_or_else(|| panic!("{name} not blacklisted"));
-            let inside = Gva(s.addr.0 + 1);
-            assert!(bl.is_blacklisted(inside).is_some(), "{name}+1");
-            println!("{name}: {reason}");
-        }
-        for name in ["vfs_read", "do_sys_open", "schedule_timeout"] {
-            let s = syms.lookup(name).unwrap_or_else(|| panic!("{name} exists"));
-            assert_eq!(bl.is_blacklisted(s.addr), None, "{name}");
-        }
-        // Entry code is blacklisted by section.
-        let entry = syms.lookup("entry_SYSCALL_64").expect("entry_SYSCALL_64");
-        assert!(matches!(
-            bl.is_blacklisted(entry.addr),
-            Some(BlacklistReason::Section {
-                section: ".entry.text",
-                ..
-            })
-        ));
-        // noinstr functions too.
-        let noinstr = syms.lookup("__noinstr_text_start").expect("noinstr").addr;
-        assert!(matches!(
-            bl.is_blacklisted(noinstr),
-            Some(BlacklistReason::Section {
-                section: ".noinstr.text",
-                ..
-            })
-        ));
-        assert!(bl.symbols().len() > 20);
-    }
-
-    #[test]
-    fn facts_from_kallsyms_equal_facts_from_the_elf() {
-        let (img, _, facts) = guest();
-        let text = facts.text.text.start;
-        let ks = SymbolTable::from_kallsyms(img, text..Gva(text.0 + (48 << 20))).expect("kallsyms");
-        assert_eq!(ks.source(), SymbolSource::Kallsyms);
-        let from_ks = KernelFacts::read(img, &ks).expect("facts from kallsyms");
-        assert_eq!(from_ks.text, facts.text);
-        assert_eq!(from_ks.ex_table, facts.ex_table);
-        // Kallsyms has no sizes, so ranges may differ, but the same functions are listed.
-        let names = |b: &KprobeBlacklist| {
-            let mut v: Vec<String> = b.symbols().iter().map(|(_, n)| n.clone()).collect();
-            v.sort();
-            v
+    fn exception_table_entries_are_relative_sorted_and_looked_up() {
+        // Two entries, out of order: each field is relative to its own address.
+        let table = 0xffff_ffff_8200_0000u64;
+        let entry = |at: u64, insn: u64, fixup: u64, data: i32| {
+            let mut e = Vec::new();
+            e.extend_from_slice(&((insn.wrapping_sub(at)) as i32).to_le_bytes());
+            e.extend_from_slice(&((fixup.wrapping_sub(at + 4)) as i32).to_le_bytes());
+            e.extend_from_slice(&data.to_le_bytes());
+            e
         };
-        assert_eq!(names(&from_ks.blacklist), names(&facts.blacklist));
+        let mut bytes = entry(table, 0xffff_ffff_8100_2000, 0xffff_ffff_8100_2100, 3);
+        bytes.extend(entry(table + 12, 0xffff_ffff_8100_1000, 0xffff_ffff_8100_1100, 1));
+        let mem = FakeMem { base: table, bytes };
+        let syms = SymbolTable::from_symbols(
+            SymbolSource::SystemMap,
+            vec![
+                data_symbol("__start___ex_table", table),
+                data_symbol("__stop___ex_table", table + 24),
+            ],
+        );
+        let ex = ExceptionTable::read(&mem, &syms).unwrap();
+        let insns: Vec<Gva> = ex.entries().iter().map(|e| e.insn).collect();
+        assert_eq!(insns, [Gva(0xffff_ffff_8100_1000), Gva(0xffff_ffff_8100_2000)]);
+        assert_eq!(ex.entries()[0].fixup, Gva(0xffff_ffff_8100_1100));
+        assert_eq!(
+            ex.lookup(Gva(0xffff_ffff_8100_2000)).map(|e| e.fixup),
+            Some(Gva(0xffff_ffff_8100_2100))
+        );
+        assert_eq!(ex.lookup(Gva(0xffff_ffff_8100_2001)), None);
+        assert_eq!(ex.in_range(Gva(0xffff_ffff_8100_1800)..Gva(u64::MAX)).len(), 1);
     }
 
     #[test]
     fn missing_symbols_and_bad_tables_are_errors() {
-        let (img, _, _) = guest();
+        let img = &FakeMem {
+            base: 0xffff_ffff_8100_0000,
+            bytes: vec![0; 16],
+        };
         let empty = SymbolTable::from_symbols(SymbolSource::SystemMap, vec![]);
         assert!(matches!(
             TextBounds::read(&empty),
             Err(FactsError::MissingSymbol("_stext"))
         ));
-        let s = |name: &str, addr: u64| Symbol {
-            name: name.into(),
-            addr: Gva(addr),
-            kind: 'D',
-            size: None,
-        };
+        let s = data_symbol;
         let ragged = SymbolTable::from_symbols(
             SymbolSource::SystemMap,
             vec![

@@ -225,7 +225,6 @@ pub fn task_info(reader: &impl GuestVirtRead, layout: &TaskLayout, task: Gva) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::btf::test_guest::*;
 
     /// A few bytes of guest memory at one address.
     struct FakeMem {
@@ -240,59 +239,6 @@ mod tests {
             buf.copy_from_slice(src);
             Ok(())
         }
-    }
-
-    fn bundled_layout() -> TaskLayout {
-        let btf = Btf::parse(vmlinux_section(".BTF")).expect("bundled guest .BTF");
-        TaskLayout::from_btf(&btf).expect("task layout")
-    }
-
-    #[test]
-    fn bundled_guest_layout_is_plausible() {
-        let l = bundled_layout();
-        eprintln!("bundled guest task layout: {l:?}");
-        assert_eq!(l.comm_len, 16);
-        assert_eq!(l.tgid_offset, l.pid_offset + 4);
-        assert!(l.comm_offset > l.pid_offset);
-        assert!(l.comm_offset + l.comm_len <= l.task_struct_size);
-    }
-
-    /// init_task is a static task_struct in .data (INIT_TASK_COMM "swapper", pid 0), and the
-    /// boot CPU's initial per-CPU copy (at __per_cpu_load) has current_task = &init_task:
-    /// the same reads as on a live guest, against the vmlinux file.
-    #[test]
-    fn init_task_from_vmlinux_file() {
-        let reader = crate::memory::ElfImage::from_bytes(vmlinux_bytes().to_vec()).expect("bundled vmlinux");
-        let layout = bundled_layout();
-        let init_task = Gva(system_map_symbol("init_task"));
-        let info = task_info(&reader, &layout, init_task).unwrap();
-        assert_eq!(
-            info,
-            TaskInfo {
-                comm: "swapper".into(),
-                pid: 0,
-                tgid: 0
-            }
-        );
-
-        let per_cpu_load = system_map_symbol("__per_cpu_load");
-        let current_task_offset = system_map_symbol("current_task");
-        assert!(current_task_offset < 0x10_0000, "current_task is a per-CPU offset");
-        assert_eq!(
-            current_task(&reader, per_cpu_load, current_task_offset).unwrap(),
-            init_task
-        );
-
-        // The loaded copy of .BTF gives the same layout as the section in the file.
-        let bounds = (
-            Gva(system_map_symbol("__start_BTF")),
-            Gva(system_map_symbol("__stop_BTF")),
-        );
-        assert_eq!(TaskLayout::from_guest(&reader, Some(bounds)).unwrap(), layout);
-        assert_eq!(
-            TaskLayout::from_guest(&reader, None).unwrap_err(),
-            TaskError::CommUnavailable
-        );
     }
 
     #[test]
