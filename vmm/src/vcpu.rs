@@ -172,6 +172,8 @@ pub struct ExitCounters {
     /// Guest instructions KVM emulated (KVM's `insn_emulation` statistic; on kvm_pvm every
     /// guest kernel instruction), summed over vCPUs when they stop.
     pub instructions_emulated: AtomicU64,
+    /// Pauses a kvm-clock guest was told about (`KVM_KVMCLOCK_CTRL` on a parking vCPU).
+    pub kvmclock_pauses: AtomicU64,
 }
 
 /// How to kick a vCPU out of `KVM_RUN`: `immediate_exit` in its `kvm_run` page, and its
@@ -678,8 +680,19 @@ impl VcpuRunner {
         }
     }
 
-    /// The state a vCPU publishes while it is parked for a pause.
+    /// What a vCPU does as it parks for a pause: tells a kvm-clock guest that it is paused
+    /// (the guest's RCU stall and soft-lockup detectors then forgive the time jump a long
+    /// pause makes, as they do for a paused QEMU or firecracker guest), and returns the
+    /// state it publishes while parked.
     fn park(&self) -> Option<VcpuState> {
+        match self.vcpu.kvmclock_ctrl() {
+            Ok(()) => {
+                self.control.counters.kvmclock_pauses.fetch_add(1, Ordering::Relaxed);
+            }
+            // EINVAL: the guest has not enabled kvm-clock on this vCPU (a code blob, or
+            // a kernel still booting).
+            Err(e) => tracing::debug!("vCPU {}: KVM_KVMCLOCK_CTRL: {e}", self.cpu),
+        }
         VcpuState::read(&self.vcpu).ok()
     }
 
