@@ -231,6 +231,14 @@ impl TraceSession {
             s.skipped.load(Relaxed),
             s.shared_with_guest.load(Relaxed)
         );
+        eprintln!(
+            "hvprobe: probes gone {}, steps an exception or NMI interrupted {}, emulations stepped instead {}, \
+             return-probe calls that never returned {}",
+            s.gone.load(Relaxed),
+            s.steps_interrupted.load(Relaxed),
+            s.emulation_fallbacks.load(Relaxed),
+            s.returns_abandoned.load(Relaxed)
+        );
     }
 
     /// Prints the listing on SIGUSR1 while the run lasts.

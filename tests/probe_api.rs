@@ -325,3 +325,105 @@ fn a_probe_on_the_guests_own_int3_runs_and_the_guests_kprobe_still_counts_every_
         "the guest removed its int3; we wrote nothing"
     );
 }
+
+/// Loads through RBX, which first holds a non-canonical address (#GP); the guest's #GP
+/// handler points RBX at the data and returns. The load is stepped out of line, so the
+/// #GP is raised in the copy.
+const FAULTING_BLOB: &[u8] = &[
+    0xfb, // 0x00: sti (interrupts on, as in a kernel; nothing raises one here)
+    0x48, 0xbb, 0, 0, 0, 0, 0, 0, 0, 0x80, // 0x01: movabs $0x8000000000000000,%rbx
+    0x48, 0x8b, 0x03, // 0x0b: mov (%rbx),%rax   <- the probe
+    0x48, 0x89, 0x04, 0x25, 0x00, 0x30, 0x00, 0x00, // 0x0e: mov %rax,0x3000
+    0x9c, // 0x16: pushf
+    0x8f, 0x04, 0x25, 0x08, 0x30, 0x00, 0x00, // 0x17: pop 0x3008
+    0x66, 0xba, 0xf1, 0x0e, // 0x1e: mov $0xef1,%dx
+    0x30, 0xc0, // 0x22: xor %al,%al
+    0xee, // 0x24: out %al,(%dx)
+    0xf4, // 0x25: hlt
+];
+/// The #GP handler, at 0x40: RBX = the data at blob+0x1000; records the frame's RIP and
+/// RFLAGS at 0x3010 and 0x3018; drops the error code; iretq.
+const GP_HANDLER: &[u8] = &[
+    0x48, 0xbb, 0x00, 0x10, 0x10, 0, 0, 0, 0, 0, // movabs $0x101000,%rbx
+    0x48, 0x8b, 0x44, 0x24, 0x08, // mov 0x8(%rsp),%rax       (frame RIP)
+    0x48, 0x89, 0x04, 0x25, 0x10, 0x30, 0x00, 0x00, // mov %rax,0x3010
+    0x48, 0x8b, 0x44, 0x24, 0x18, // mov 0x18(%rsp),%rax      (frame RFLAGS)
+    0x48, 0x89, 0x04, 0x25, 0x18, 0x30, 0x00, 0x00, // mov %rax,0x3018
+    0x48, 0x83, 0xc4, 0x08, // add $8,%rsp                    (the error code)
+    0x48, 0xcf, // iretq
+];
+
+#[test]
+fn a_fault_in_a_stepped_copy_returns_to_the_probe_with_the_guests_flags() {
+    common::require_kvm();
+    let mut code = FAULTING_BLOB.to_vec();
+    code.resize(0x40, 0xcc);
+    code.extend_from_slice(GP_HANDLER);
+    code.resize(0x1000, 0xcc);
+    code.extend_from_slice(&BLOB_DATA.to_le_bytes());
+    let vm = Vm::new_code_blob(&CodeBlob {
+        code,
+        cpus: 1,
+        breakpoint_handler: None,
+    })
+    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let state = vm.vcpu_state(0).unwrap();
+    let mem = vm.memory().clone();
+    // A 64-bit interrupt gate for #GP (13), DPL 0, code selector 8.
+    let handler_at = CODE_BLOB_START + 0x40;
+    let mut gate = [0u8; 16];
+    gate[0..2].copy_from_slice(&(handler_at as u16).to_le_bytes());
+    gate[2..4].copy_from_slice(&8u16.to_le_bytes());
+    gate[5] = 0x8e;
+    gate[6..8].copy_from_slice(&((handler_at >> 16) as u16).to_le_bytes());
+    gate[8..12].copy_from_slice(&((handler_at >> 32) as u32).to_le_bytes());
+    mem.write_slice(&gate, GuestAddress(state.sregs.idt.base + 13 * 16))
+        .unwrap();
+    let tracer = code_blob_tracer(&vm, 0x40).unwrap();
+    let (pres, posts) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (p, q) = (pres.clone(), posts.clone());
+    let mut req = request("blob", "load");
+    req.point = ProbePoint::Symbol {
+        name: "blob".into(),
+        offset: 0xb,
+    };
+    req.pre = Some(Arc::new(move |_: &mut HitContext| {
+        p.fetch_add(1, Ordering::Relaxed);
+        PreAction::Continue
+    }));
+    req.post = Some(Arc::new(move |_: &mut HitContext| {
+        q.fetch_add(1, Ordering::Relaxed);
+    }));
+    tracer.register(req).unwrap();
+    let handler = ProbeHandler::new(&vm);
+    handler.attach(tracer.clone(), None);
+    let outcome = vm.run(handler).unwrap();
+    assert_eq!(outcome.reason, StopReason::GuestExit(0), "{outcome:?}");
+    let loaded: u64 = mem.read_obj(GuestAddress(0x3000)).unwrap();
+    assert_eq!(
+        loaded, BLOB_DATA,
+        "the load ran again after the fault, with the handler's RBX"
+    );
+    let frame_rip: u64 = mem.read_obj(GuestAddress(0x3010)).unwrap();
+    assert_eq!(
+        frame_rip,
+        CODE_BLOB_START + 0xb,
+        "the handler returns to the probe, not into the copy"
+    );
+    let frame_flags: u64 = mem.read_obj(GuestAddress(0x3018)).unwrap();
+    assert_eq!(
+        frame_flags & 0x200,
+        0x200,
+        "the guest's own IF in the frame, not the step's IF=0"
+    );
+    assert_eq!(frame_flags & 0x100, 0, "no TF in the frame");
+    let flags_after: u64 = mem.read_obj(GuestAddress(0x3008)).unwrap();
+    assert_eq!(flags_after & 0x200, 0x200, "IF as before the probe");
+    assert_eq!(
+        pres.load(Ordering::Relaxed),
+        2,
+        "the probe hit again when the handler returned"
+    );
+    assert_eq!(posts.load(Ordering::Relaxed), 1, "the instruction completed once");
+    assert_eq!(tracer.stats.steps_interrupted.load(Ordering::Relaxed), 1);
+}
