@@ -107,5 +107,9 @@ fn calls_of_exiting_tasks_never_use_up_maxactive() {
     let (entries, _) = listed("  k  ");
     assert!(entries >= 7, "seven processes exited: {entries}\n{}", run.tail());
     let (returned, missed) = listed("  r  ");
-    assert_eq!((returned, missed), (0, 0), "never returns, and never runs out of maxactive");
+    assert_eq!(
+        (returned, missed),
+        (0, 0),
+        "never returns, and never runs out of maxactive"
+    );
 }

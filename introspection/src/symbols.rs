@@ -467,7 +467,10 @@ fn is_section_marker(name: &str) -> bool {
     name.starts_with("__start_")
         || name.starts_with("__stop_")
         || (name.starts_with('_') && (name.ends_with("_start") || name.ends_with("_end")))
-        || matches!(name, "_text" | "_stext" | "_etext" | "_sinittext" | "_einittext" | "_sdata" | "_edata")
+        || matches!(
+            name,
+            "_text" | "_stext" | "_etext" | "_sinittext" | "_einittext" | "_sdata" | "_edata"
+        )
 }
 
 #[cfg(test)]
