@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hvprobe_arch::Gva;
-use hvprobe_vmm::{BreakpointDisposition, CodeBlob, DebugHandler, StopReason, Vm, VmOutcome};
+use hvprobe_vmm::{BreakpointDisposition, CodeBlob, DebugHandler, GuestEvent, StopReason, Vm, VmOutcome};
 use kvm_ioctls::VcpuFd;
 
 /// vCPU 0 hits an int3; every other vCPU spins (a vCPU the panic must stop).
@@ -16,11 +16,23 @@ const INT3_ON_VCPU0_BLOB: &[u8] = &[
     0xeb, 0xfe, // spin: jmp spin
 ];
 
+/// Signals guest event 1 ("/init reached") on the event port, then spins.
+const GUEST_EVENT_BLOB: &[u8] = &[
+    0x66, 0xba, 0xf0, 0x0e, // mov $0xef0,%dx   (guest event port)
+    0xb0, 0x01, // mov $1,%al
+    0xee, // out %al,(%dx)
+    0xeb, 0xfe, // spin: jmp spin
+];
+
 struct PanickingHandler;
 
 impl DebugHandler for PanickingHandler {
     fn on_breakpoint(&self, cpu: usize, _vcpu: &mut VcpuFd, at: Gva) -> BreakpointDisposition {
         panic!("handler bug at {:#x} on vCPU {cpu}", at.0);
+    }
+
+    fn on_guest_event(&self, cpu: usize, event: GuestEvent) {
+        panic!("handler bug at {event:?} on vCPU {cpu}");
     }
 }
 
@@ -45,15 +57,14 @@ fn run_with_limit(vm: Vm, limit: Duration) -> (VmOutcome, Duration) {
     (outcome.expect("run"), started.elapsed())
 }
 
-fn panicking_handler_stops_the_vm(cpus: u8) {
+fn panicking_handler_stops_the_vm(blob: &[u8], cpus: u8, expected: &str) {
     let vm = Vm::new_code_blob(&CodeBlob {
-        code: INT3_ON_VCPU0_BLOB.to_vec(),
+        code: blob.to_vec(),
         cpus,
         breakpoint_handler: None,
     })
     .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
     let (outcome, took) = run_with_limit(vm, Duration::from_secs(10));
-    let expected = "handler bug at 0x100005 on vCPU 0";
     match &outcome.reason {
         StopReason::HandlerPanicked { cpu: 0, message } if message == expected => {}
         other => panic!("{cpus} vCPUs: the run ended with {other:?}, not the handler's panic"),
@@ -68,10 +79,15 @@ fn panicking_handler_stops_the_vm(cpus: u8) {
 
 #[test]
 fn a_panicking_breakpoint_handler_stops_a_one_vcpu_vm_with_its_message() {
-    panicking_handler_stops_the_vm(1);
+    panicking_handler_stops_the_vm(INT3_ON_VCPU0_BLOB, 1, "handler bug at 0x100005 on vCPU 0");
 }
 
 #[test]
 fn a_panicking_breakpoint_handler_stops_the_other_vcpu_too() {
-    panicking_handler_stops_the_vm(2);
+    panicking_handler_stops_the_vm(INT3_ON_VCPU0_BLOB, 2, "handler bug at 0x100005 on vCPU 0");
+}
+
+#[test]
+fn a_panicking_guest_event_handler_stops_the_vm_with_its_message() {
+    panicking_handler_stops_the_vm(GUEST_EVENT_BLOB, 1, "handler bug at InitReached on vCPU 0");
 }
