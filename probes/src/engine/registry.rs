@@ -220,8 +220,10 @@ impl Tracer {
         self.read_registry().armed
     }
 
-    /// The probes, in registration order, in the debugfs `list` layout's terms.
+    /// The probes, in registration order, in the debugfs `list` layout's terms (after a
+    /// look for probes the guest overwrote).
     pub fn listing(&self) -> Vec<ListEntry> {
+        self.check_gone();
         let reg = self.read_registry();
         reg.user_probes()
             .map(|(_, p)| {
