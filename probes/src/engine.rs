@@ -342,6 +342,8 @@ pub enum StepOutcome {
 pub struct Tracer {
     machine: Arc<dyn Machine>,
     view: KernelView,
+    /// Where the copies and the trampoline live (fixed for the tracer's life).
+    ool: Option<OutOfLineArea>,
     registry: RwLock<registry::Registry>,
     slots: Mutex<step::Slots>,
     stepping: Mutex<step::PendingSteps>,
@@ -367,6 +369,7 @@ impl Tracer {
         Tracer {
             machine,
             view,
+            ool,
             registry: RwLock::new(registry::Registry::new()),
             slots: Mutex::new(step::Slots::new(ool)),
             stepping: Mutex::default(),

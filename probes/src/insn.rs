@@ -804,7 +804,7 @@ pub fn analyze(bytes: &[u8], addr: Gva) -> Result<ProbedInsn, InsnError> {
             Some(emulation) => Execution::Emulate(emulation),
             None if has_relative_branch(&instruction) => {
                 // A relative branch run elsewhere would branch relative to the elsewhere.
-                Execution::Refuse("relative branch that is not emulated (16-bit or ECX forms, xbegin)")
+                Execution::Refuse("relative branch that is not emulated (16-bit or ECX forms, rep-prefixed loops, xbegin)")
             }
             None => Execution::Step(OutOfLine {
                 kind: step_kind(&instruction),
@@ -820,14 +820,16 @@ pub fn analyze(bytes: &[u8], addr: Gva) -> Result<ProbedInsn, InsnError> {
     })
 }
 
-/// Whether the legacy prefixes before the opcode include 0x66.
+/// Whether the legacy prefixes before the opcode include 0x66. A REX byte that a legacy
+/// prefix follows is ignored by the CPU (`48 66 eb 00` is a 66-prefixed jmp), so the scan
+/// goes on past REX bytes too.
 fn has_operand_size_prefix(bytes: &[u8]) -> bool {
     bytes
         .iter()
         .take_while(|b| {
             matches!(
                 b,
-                0x26 | 0x2e | 0x36 | 0x3e | 0x64 | 0x65 | 0x66 | 0x67 | 0xf0 | 0xf2 | 0xf3
+                0x26 | 0x2e | 0x36 | 0x3e | 0x64 | 0x65 | 0x66 | 0x67 | 0xf0 | 0xf2 | 0xf3 | 0x40..=0x4f
             )
         })
         .any(|&b| b == 0x66)
@@ -981,6 +983,13 @@ fn emulation(instruction: &Instruction) -> Option<Emulation> {
                 condition: Condition::from_iced(instruction.condition_code())?,
                 target: target(),
             }
+        }
+        // A REP/REPNE prefix changes which ZF the CPU tests (on AMD `f3 loopne` runs as
+        // loope, `f2 loope` as loopne): compilers never emit it, and no one emulation fits.
+        Code::Loop_rel8_64_RCX | Code::Loope_rel8_64_RCX | Code::Loopne_rel8_64_RCX | Code::Jrcxz_rel8_64
+            if instruction.has_rep_prefix() || instruction.has_repne_prefix() =>
+        {
+            return None
         }
         Code::Loop_rel8_64_RCX => Emulation::Counted {
             kind: CountedBranch::Loop,

@@ -200,11 +200,7 @@ impl Tracer {
     }
 
     fn in_out_of_line_area(&self, at: Gva) -> bool {
-        self.slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .area()
-            .is_some_and(|a| a.contains(at))
+        self.ool.is_some_and(|a| a.contains(at))
     }
 
     /// An int3 exit at a site whose int3 we do not have in the text right now (disabled,

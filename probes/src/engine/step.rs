@@ -37,10 +37,6 @@ impl Slots {
             retired: Vec::new(),
         }
     }
-
-    pub fn area(&self) -> Option<OutOfLineArea> {
-        self.area
-    }
 }
 
 /// An out-of-line step in progress on one vCPU.
@@ -67,7 +63,7 @@ const FRAME_RFLAGS: u64 = 16;
 
 impl Tracer {
     pub(super) fn has_out_of_line_area(&self) -> bool {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner()).area.is_some()
+        self.ool.is_some()
     }
 
     /// A free slot of the out-of-line area.
