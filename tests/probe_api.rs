@@ -160,18 +160,23 @@ const BLOB: &[u8] = &[
 ];
 const BLOB_DATA: u64 = 0x1122_3344_5566_7788;
 
-#[test]
-fn on_a_code_blob_emulated_probes_take_one_exit_and_stepped_ones_two() {
+/// A one-vCPU code-blob VM running `code` (padded with int3s to 0x1000 bytes) with
+/// [`BLOB_DATA`] right after it.
+fn blob_vm(mut code: Vec<u8>) -> Vm {
     common::require_kvm();
-    let mut code = BLOB.to_vec();
-    code.resize(0x1000, 0);
+    code.resize(0x1000, 0xcc);
     code.extend_from_slice(&BLOB_DATA.to_le_bytes());
-    let vm = Vm::new_code_blob(&CodeBlob {
+    Vm::new_code_blob(&CodeBlob {
         code,
         cpus: 1,
         breakpoint_handler: None,
     })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"))
+}
+
+#[test]
+fn on_a_code_blob_emulated_probes_take_one_exit_and_stepped_ones_two() {
+    let vm = blob_vm(BLOB.to_vec());
     let state = vm.vcpu_state(0).unwrap();
     let mem = vm.memory().clone();
     let tracer = code_blob_tracer(&vm, 0x1000).unwrap();
@@ -355,18 +360,10 @@ const GP_HANDLER: &[u8] = &[
 
 #[test]
 fn a_fault_in_a_stepped_copy_returns_to_the_probe_with_the_guests_flags() {
-    common::require_kvm();
     let mut code = FAULTING_BLOB.to_vec();
     code.resize(0x40, 0xcc);
     code.extend_from_slice(GP_HANDLER);
-    code.resize(0x1000, 0xcc);
-    code.extend_from_slice(&BLOB_DATA.to_le_bytes());
-    let vm = Vm::new_code_blob(&CodeBlob {
-        code,
-        cpus: 1,
-        breakpoint_handler: None,
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let vm = blob_vm(code);
     let state = vm.vcpu_state(0).unwrap();
     let mem = vm.memory().clone();
     // A 64-bit interrupt gate for #GP (13), DPL 0, code selector 8.
