@@ -132,8 +132,10 @@ impl Tracer {
         Ok(*self.trampoline.get_or_init(|| slot))
     }
 
-    /// Sends the vCPU into the copy at `slot` for one step. Single-stepping is switched on
-    /// before RIP moves into the copy, so that the copy never runs untrapped.
+    /// Sends the vCPU into the copy at `slot` for one step. If single-stepping cannot be
+    /// switched on, the vCPU's registers are put back (it stays on the int3) and the VM
+    /// stops: the copy never runs untrapped. (RIP moves into the copy before the step is
+    /// switched on because hardware KVM arms its trap flag for the RIP it finds then.)
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start_step(
         &self,
@@ -153,10 +155,11 @@ impl Tracer {
         let mut stepping = *regs;
         stepping.rflags &= !insn::RFLAGS_IF;
         stepping.rip = slot.0;
-        vcpu.set_single_step(true).map_err(fault)?;
-        if let Err(e) = vcpu.set_regs(&stepping) {
-            // The vCPU is still on the int3 with its registers as they were.
-            let _ = vcpu.set_single_step(false);
+        vcpu.set_regs(&stepping).map_err(fault)?;
+        if let Err(e) = vcpu.set_single_step(true) {
+            if let Err(back) = vcpu.set_regs(regs) {
+                tracing::error!("vCPU {cpu}: putting the registers back after a failed step: {back}");
+            }
             return Err(fault(e));
         }
         self.stats.stepped.fetch_add(1, COUNT);
