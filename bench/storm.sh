@@ -104,10 +104,10 @@ guest_window=$(grep -E '^PROFILE +gk ' "$work/out" | awk '{print $3}' || true)
 host_getppid=$(grep -cE 'hvprobe-loop-[0-9]+ .* getppid: ' "$work/out" || true)
 problems=$(grep -oE 'STORM guest-problems=[0-9]+' "$work/out" | cut -d= -f2 || true)
 iterations=$(grep -oE 'STORM iterations=[0-9]+' "$work/out" | cut -d= -f2 || true)
-summary=$(grep -E '^hvprobe: probe hits' "$work/err" || true)
+summary=$(grep -E '^hvprobe: (probe hits|probes gone)' "$work/err" || true)
 
 echo "storm: ${seconds} s of guest time asked, ${elapsed} s wall, exit status $status, ${iterations:-?} workload iterations"
-echo "storm: ${summary:-no summary line}"
+echo "${summary:-storm: no summary line}" | sed "s/^/storm: /"
 echo "storm: guest problems logged: ${problems:-?}"
 grep -E '^GUEST-LOG' "$work/out" || true
 echo "storm: window on getppid: guest's own kprobe event ${guest_window:-?} hits, host probe ${host_getppid:-?} hits"
