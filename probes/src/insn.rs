@@ -804,7 +804,9 @@ pub fn analyze(bytes: &[u8], addr: Gva) -> Result<ProbedInsn, InsnError> {
             Some(emulation) => Execution::Emulate(emulation),
             None if has_relative_branch(&instruction) => {
                 // A relative branch run elsewhere would branch relative to the elsewhere.
-                Execution::Refuse("relative branch that is not emulated (16-bit or ECX forms, rep-prefixed loops, xbegin)")
+                Execution::Refuse(
+                    "relative branch that is not emulated (16-bit or ECX forms, rep-prefixed loops, xbegin)",
+                )
             }
             None => Execution::Step(OutOfLine {
                 kind: step_kind(&instruction),

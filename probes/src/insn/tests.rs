@@ -864,16 +864,16 @@ fn refused_instructions() {
         &[0x66, 0xff, 0xd0],       // call ax on AMD
         // A REX before a legacy prefix is ignored, the 66 still counts (found by fuzzing:
         // the jmp was emulated, and AMD truncates RIP to 16 bits).
-        &[0x40, 0x66, 0x2e, 0xeb, 0xfa],       // jmp rel8 on AMD
-        &[0x48, 0x66, 0xe8, 0, 0, 0, 0],       // call rel16 on AMD
-        &[0x66, 0x41, 0x66, 0x74, 0x10],       // jz rel8 on AMD
-        &[0x48, 0x66, 0x41, 0xc3],             // 16-bit ret on AMD
+        &[0x40, 0x66, 0x2e, 0xeb, 0xfa], // jmp rel8 on AMD
+        &[0x48, 0x66, 0xe8, 0, 0, 0, 0], // call rel16 on AMD
+        &[0x66, 0x41, 0x66, 0x74, 0x10], // jz rel8 on AMD
+        &[0x48, 0x66, 0x41, 0xc3],       // 16-bit ret on AMD
         // REP/REPNE on loop*/jrcxz: AMD tests ZF the prefix's way (found by fuzzing).
-        &[0xf3, 0xe0, 0x10],                   // rep loopne: loope on AMD
-        &[0xf2, 0xe1, 0x10],                   // repne loope: loopne on AMD
-        &[0xf3, 0x2e, 0xe0, 0x10],             // rep cs loopne
-        &[0xf2, 0xe2, 0x10],                   // repne loop
-        &[0xf3, 0xe3, 0x10],                   // rep jrcxz
+        &[0xf3, 0xe0, 0x10],       // rep loopne: loope on AMD
+        &[0xf2, 0xe1, 0x10],       // repne loope: loopne on AMD
+        &[0xf3, 0x2e, 0xe0, 0x10], // rep cs loopne
+        &[0xf2, 0xe2, 0x10],       // repne loop
+        &[0xf3, 0xe3, 0x10],       // rep jrcxz
     ];
     for bytes in refused {
         let insn = analyze(bytes, FUNC).unwrap();
