@@ -315,47 +315,6 @@ impl GuestVirtRead for ElfImage {
 }
 
 #[cfg(test)]
-pub(crate) mod test_support {
-    //! Locating the bundled guest kernel for tests, with the same logic as production.
-    //! Only `symbols.rs`'s tests still use it; the rest of this crate's tests that read the
-    //! bundled guest's files are integration tests (`tests/bundled_guest.rs`), so that
-    //! unit tests never build a kernel.
-
-    use std::path::PathBuf;
-    use std::process::Command;
-    use std::sync::OnceLock;
-
-    /// The guest artefact directory printed (last stdout line) by `guest/build.sh`.
-    pub fn guest_dir() -> PathBuf {
-        static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-        let dir = DIR.get_or_init(|| {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../guest/build.sh");
-            let out = Command::new("bash")
-                .arg(script)
-                .output()
-                .map_err(|e| format!("running {script}: {e}"))?;
-            if !out.status.success() {
-                return Err(format!(
-                    "{script} failed ({}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr)
-                ));
-            }
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            let last = stdout
-                .lines()
-                .last()
-                .ok_or_else(|| format!("{script} printed nothing on stdout"))?;
-            Ok(PathBuf::from(last.trim()))
-        });
-        match dir {
-            Ok(d) => d.clone(),
-            Err(e) => panic!("cannot locate the guest kernel: {e}"),
-        }
-    }
-}
-
-#[cfg(test)]
 mod tests {
     use super::*;
     use std::cell::RefCell;

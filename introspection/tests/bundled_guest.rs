@@ -1,21 +1,24 @@
 //! Introspection against the bundled guest's kernel files (vmlinux, System.map): the BTF
 //! layout of `task_struct`, `init_task` read from the vmlinux as from guest memory, the ELF
-//! image reader, and the kernel facts (text bounds, exception table, kprobe blacklist).
+//! image reader, the kernel facts (text bounds, exception table, kprobe blacklist), and the
+//! symbol sources (System.map, ELF symbols, kallsyms decoded offline and through page walks).
 //!
 //! These need the bundled guest: `guest/build.sh` prints its directory, building it first
 //! (minutes) when its cache entry is missing. A missing guest, or a missing `pahole` (which
 //! the guest's build needs as well), fails the test with the reason; nothing is skipped.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
+use std::time::Instant;
 
 use goblin::elf::Elf;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::btf::Btf;
 use hvprobe_introspection::facts::{BlacklistReason, KernelFacts, KprobeBlacklist};
-use hvprobe_introspection::memory::{ElfImage, GuestVirtRead};
-use hvprobe_introspection::symbols::{SymbolSource, SymbolTable};
+use hvprobe_introspection::memory::{ElfImage, GuestVirtRead, MemoryError, PagedGuestMemory};
+use hvprobe_introspection::symbols::{KallsymsLayout, Symbol, SymbolError, SymbolSource, SymbolTable};
 use hvprobe_introspection::task::{current_task, task_info, TaskError, TaskInfo, TaskLayout};
 
 /// The bundled guest's artefact directory (`guest/build.sh`, last stdout line).
@@ -364,4 +367,259 @@ fn facts_from_kallsyms_equal_facts_from_the_elf() {
         v
     };
     assert_eq!(names(&from_ks.blacklist), names(&facts.blacklist));
+}
+
+// --- symbols and kallsyms ---
+
+/// A memory image with some bytes replaced.
+struct Patched<'a> {
+    inner: &'a ElfImage,
+    at: Gva,
+    bytes: Vec<u8>,
+}
+
+impl GuestVirtRead for Patched<'_> {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
+        self.inner.read_virt(gva, buf)?;
+        for (i, b) in self.bytes.iter().enumerate() {
+            if let Some(o) = (self.at.0 + i as u64)
+                .checked_sub(gva.0)
+                .filter(|&o| o < buf.len() as u64)
+            {
+                buf[o as usize] = *b;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn guest_tables() -> (SymbolTable, SymbolTable) {
+    let dir = bundled_guest_dir();
+    let map = SymbolTable::from_system_map_file(dir.join("System.map")).expect("System.map parses");
+    let elf = SymbolTable::from_elf_file(dir.join("vmlinux")).expect("vmlinux symbols parse");
+    (map, elf)
+}
+
+#[test]
+fn system_map_and_elf_agree_on_functions() {
+    let (map, elf) = guest_tables();
+    assert_eq!(map.source(), SymbolSource::SystemMap);
+    let mut checked = 0;
+    for s in map.symbols().iter().filter(|s| s.is_text()) {
+        assert!(
+            elf.lookup_all(&s.name)
+                .any(|e| e.addr == s.addr && e.kind.eq_ignore_ascii_case(&s.kind)),
+            "{} {} {} from System.map is not in the ELF symbols",
+            s.addr,
+            s.kind,
+            s.name
+        );
+        checked += 1;
+    }
+    assert!(checked > 10_000, "only {checked} text symbols");
+    let vfs_read = elf.resolve("vfs_read").expect("vfs_read");
+    assert_eq!(vfs_read.addr, map.resolve("vfs_read").expect("vfs_read").addr);
+    let size = vfs_read.symbol.size.expect("functions have st_size");
+    let mid = vfs_read.addr.checked_add(size / 2).expect("no overflow");
+    assert_eq!(
+        elf.describe(mid).expect("inside vfs_read").to_string(),
+        format!("vfs_read+{:#x}/{size:#x}", size / 2)
+    );
+    println!(
+        "checked {checked} text symbols; System.map has {}, ELF {}",
+        map.len(),
+        elf.len()
+    );
+}
+
+#[test]
+fn kallsyms_decoded_offline_matches_system_map() {
+    let dir = bundled_guest_dir();
+    let img = ElfImage::open(dir.join("vmlinux")).expect("vmlinux");
+    let map = SymbolTable::from_system_map_file(dir.join("System.map")).expect("System.map");
+    let text = map.resolve("_text").expect("_text").addr;
+    let search = text..Gva(text.0 + 48 * 1024 * 1024);
+
+    let started = Instant::now();
+    let layout = KallsymsLayout::locate(&img, search.clone()).expect("kallsyms located");
+    let located = started.elapsed();
+    let ks = SymbolTable::from_kallsyms_layout(&img, &layout).expect("kallsyms decodes");
+    let total = started.elapsed();
+    println!(
+        "kallsyms: located (with a validating decode) in {located:?}, decoded again in {:?}: {} symbols \
+         (System.map {}) {layout:x?}",
+        total - located,
+        ks.len(),
+        map.len()
+    );
+    assert_eq!(ks.source(), SymbolSource::Kallsyms);
+
+    // The tables are where the linker put them.
+    for (name, at) in [
+        ("kallsyms_token_table", layout.token_table),
+        ("kallsyms_token_index", layout.token_index),
+        ("kallsyms_names", layout.names),
+        ("kallsyms_markers", layout.markers),
+        ("kallsyms_num_syms", layout.num_syms_addr),
+        ("kallsyms_relative_base", layout.relative_base_addr),
+        ("kallsyms_offsets", layout.offsets),
+    ] {
+        assert_eq!(map.resolve(name).expect(name).addr, at, "{name}");
+    }
+    assert_eq!(
+        layout.seqs_of_names,
+        map.lookup("kallsyms_seqs_of_names").map(|s| s.addr)
+    );
+
+    // Every kallsyms symbol is in System.map at the same address, with the same type
+    // (per-CPU symbols are typed 'A' by kallsyms and 'D'/'d' by System.map).
+    let mut percpu = 0;
+    for s in ks.symbols() {
+        let m = map.lookup_all(&s.name).find(|m| m.addr == s.addr).unwrap_or_else(|| {
+            panic!("kallsyms {} {} {} not in System.map", s.addr, s.kind, s.name);
+        });
+        if s.kind == 'A' && m.kind != 'A' {
+            percpu += 1;
+            // Below the kernel half of the address space (0xffff_8000_0000_0000).
+            assert!(s.addr.0 < 0xffff_8000_0000_0000, "{s:?}");
+        } else {
+            assert_eq!(s.kind, m.kind, "{s:?} vs {m:?}");
+        }
+    }
+    let ks_names: HashSet<&str> = ks.symbols().iter().map(|s| s.name.as_str()).collect();
+    let missing: Vec<&Symbol> = map
+        .symbols()
+        .iter()
+        .filter(|s| !ks_names.contains(s.name.as_str()))
+        .collect();
+    println!(
+        "kallsyms {} symbols ({percpu} per-CPU typed 'A'); System.map {}; {} System.map names not in kallsyms: {:?}",
+        ks.len(),
+        map.len(),
+        missing.len(),
+        missing
+            .iter()
+            .map(|s| format!("{} {}", s.kind, s.name))
+            .collect::<Vec<_>>()
+    );
+    assert!(ks.len() > 10_000 && ks.len() < map.len());
+    assert!(percpu > 0);
+    // What kallsyms leaves out is its own tables (they are added after its symbol
+    // list is made) and absolute symbols; every function is there.
+    let unexpected: Vec<_> = missing
+        .iter()
+        .filter(|s| s.is_text() && !s.name.starts_with("kallsyms_"))
+        .map(|s| format!("{} {} {}", s.addr, s.kind, s.name))
+        .collect();
+    assert!(
+        unexpected.is_empty(),
+        "text symbols missing from kallsyms: {unexpected:?}"
+    );
+}
+
+/// Guest RAM as one byte vector.
+struct Ram(Vec<u8>);
+
+impl hvprobe_arch::paging::PhysRead for Ram {
+    fn read_phys(&self, gpa: hvprobe_arch::Gpa, buf: &mut [u8]) -> Result<(), String> {
+        let src = usize::try_from(gpa.0)
+            .ok()
+            .and_then(|start| self.0.get(start..start.checked_add(buf.len())?))
+            .ok_or_else(|| {
+                format!(
+                    "{gpa} + {:#x} is beyond the {:#x} bytes of RAM",
+                    buf.len(),
+                    self.0.len()
+                )
+            })?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+#[test]
+fn kallsyms_decodes_through_guest_page_tables() {
+    use goblin::elf::program_header::PT_LOAD;
+    use hvprobe_arch::paging::PagingMode;
+
+    // Load vmlinux the way a boot loader does (segments at their physical addresses)
+    // and map the kernel image the way head_64.S does, with 2 MiB pages, except the
+    // first 2 MiB through a 4 KiB page table; then find kallsyms through the walk.
+    let dir = bundled_guest_dir();
+    let bytes = std::fs::read(dir.join("vmlinux")).expect("vmlinux");
+    let elf = goblin::elf::Elf::parse(&bytes).expect("ELF");
+    let map = SymbolTable::from_system_map_file(dir.join("System.map")).expect("System.map");
+    let image_end = elf
+        .program_headers
+        .iter()
+        .filter(|p| p.p_type == PT_LOAD)
+        .map(|p| p.p_paddr + p.p_memsz)
+        .max()
+        .expect("segments");
+    let ram_len = (image_end + (4 << 20)) & !0x1f_ffff;
+    let mut ram = vec![0u8; ram_len as usize];
+    for p in elf.program_headers.iter().filter(|p| p.p_type == PT_LOAD) {
+        let (dst, src) = (p.p_paddr as usize, p.p_offset as usize);
+        ram[dst..dst + p.p_filesz as usize].copy_from_slice(&bytes[src..src + p.p_filesz as usize]);
+    }
+    let text = map.resolve("_text").expect("_text").addr;
+    let phys_base = 0x100_0000u64;
+    let (pml4, pdpt, pd, pt) = (0x10_0000u64, 0x10_1000u64, 0x10_2000u64, 0x10_3000u64);
+    let mut put = |at: u64, v: u64| ram[at as usize..at as usize + 8].copy_from_slice(&v.to_le_bytes());
+    put(pml4 + ((text.0 >> 39) & 0x1ff) * 8, pdpt | 0x3);
+    put(pdpt + ((text.0 >> 30) & 0x1ff) * 8, pd | 0x3);
+    let pd_first = (text.0 >> 21) & 0x1ff;
+    put(pd + pd_first * 8, pt | 0x3);
+    for i in 0..512 {
+        put(pt + i * 8, (phys_base + i * 0x1000) | 0x1); // read-only 4 KiB pages
+    }
+    let big_pages = (image_end - phys_base).div_ceil(0x20_0000);
+    for i in 1..big_pages {
+        put(pd + (pd_first + i) * 8, (phys_base + i * 0x20_0000) | 0x83);
+    }
+    let mem = PagedGuestMemory::new(Ram(ram), pml4, PagingMode::Level4);
+    let t = mem.translate(text).expect("text mapped");
+    assert_eq!(
+        (t.gpa.0, t.page_size),
+        (phys_base, hvprobe_arch::paging::PageSize::Size4K)
+    );
+
+    let started = Instant::now();
+    let ks = SymbolTable::from_kallsyms(&mem, text..Gva(text.0 + (48 << 20))).expect("kallsyms via page walk");
+    println!(
+        "kallsyms through 4-level page walks: {} symbols in {:?}",
+        ks.len(),
+        started.elapsed()
+    );
+    let img = ElfImage::open(dir.join("vmlinux")).expect("vmlinux");
+    let offline = SymbolTable::from_kallsyms(&img, text..Gva(text.0 + (48 << 20))).expect("kallsyms offline");
+    assert_eq!(ks.symbols(), offline.symbols());
+}
+
+#[test]
+fn kallsyms_search_fails_cleanly_where_there_is_none() {
+    let dir = bundled_guest_dir();
+    let img = ElfImage::open(dir.join("vmlinux")).expect("vmlinux");
+    let map = SymbolTable::from_system_map_file(dir.join("System.map")).expect("System.map");
+    let text = map.resolve("_stext").expect("_stext").addr;
+    // Kernel text alone holds no token table.
+    let etext = map.resolve("_etext").expect("_etext").addr;
+    match SymbolTable::from_kallsyms(&img, text..etext) {
+        Err(SymbolError::KallsymsNotFound { start, end, .. }) => assert_eq!((start, end), (text, etext)),
+        other => panic!("expected KallsymsNotFound, got {:?}", other.map(|t| t.len())),
+    }
+    // An unmapped range.
+    assert!(matches!(
+        SymbolTable::from_kallsyms(&img, Gva(0x1000)..Gva(0x10_0000)),
+        Err(SymbolError::KallsymsNotFound { .. })
+    ));
+    // A corrupted marker table is caught by validation, not decoded into garbage.
+    let layout = KallsymsLayout::locate(&img, text..Gva(text.0 + 48 * 1024 * 1024)).expect("located");
+    // The second marker claims symbol 256 starts at byte 1 of the names.
+    let bad = Patched {
+        inner: &img,
+        at: Gva(layout.markers.0 + 4),
+        bytes: 1u32.to_le_bytes().to_vec(),
+    };
+    assert!(matches!(layout.decode(&bad), Err(SymbolError::KallsymsInvalid { .. })));
 }
