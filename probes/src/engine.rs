@@ -434,7 +434,3 @@ impl insn::StackAccess for KernelStack<'_> {
         self.0.write_virt(at, &value.to_le_bytes())
     }
 }
-
-/// Not read: keeps `GuestVirtRead` and `HitRecord` imported for the submodules' docs.
-#[allow(dead_code)]
-type _Imports = (Box<dyn GuestVirtRead>, HitRecord);
