@@ -2,7 +2,7 @@
 //! kernel's text by the host, the probe-spec parser (kprobe_events syntax), fetch-args,
 //! counters, the listing, and the sync and async handler APIs.
 //!
-//! Kretprobes and jump optimization are not built yet.
+//! Jump-optimized probes are not built yet.
 
 pub mod engine;
 pub mod fetch;
