@@ -96,8 +96,10 @@ pub struct HitContext<'a> {
 }
 
 /// Handlers run on the hitting vCPU's thread while the registry is read-locked: they must
-/// not register, unregister, enable or disable probes (that pauses every vCPU, including
-/// the one the handler is running on).
+/// not call the [`Tracer`] at all (registering, unregistering, enabling or disabling
+/// pauses every vCPU, including the one the handler is running on; the listing and the
+/// other queries take the registry's lock again and can wait on a writer forever). Send
+/// what you need to another thread instead.
 pub type PreHandler = Arc<dyn Fn(&mut HitContext) -> PreAction + Send + Sync>;
 pub type PostHandler = Arc<dyn Fn(&mut HitContext) + Send + Sync>;
 
@@ -298,6 +300,11 @@ pub enum EngineFault {
         "vCPU {cpu}: a return through the trampoline with no call on record for stack slot {slot:#x} (an engine bug)"
     )]
     UnknownReturn { cpu: usize, slot: u64 },
+    #[error(
+        "vCPU {cpu}: a pre-handler of the probe at {at} asked to skip the instruction but left RIP on the probe \
+         (it would hit again forever): a skipping handler must set RIP"
+    )]
+    SkipWithoutRip { cpu: usize, at: Gva },
     #[error("vCPU {cpu}: probe at {at}: {source}")]
     Insn {
         cpu: usize,
@@ -352,6 +359,9 @@ pub struct Tracer {
     /// through it even after their probe is gone).
     trampoline: OnceLock<Gva>,
     returns: Mutex<returns::ReturnChains>,
+    /// The guest's own return trampoline (`arch_rethook_trampoline`), which its kretprobes
+    /// swap in: a slot holding it may hold a call we follow too.
+    guest_return_trampoline: Option<Gva>,
     sink: Option<Arc<dyn EventSink>>,
     started: Instant,
     pub stats: EngineStats,
@@ -366,6 +376,13 @@ impl Tracer {
         ool: Option<OutOfLineArea>,
         sink: Option<Arc<dyn EventSink>>,
     ) -> Tracer {
+        let guest_return_trampoline = [
+            "arch_rethook_trampoline",
+            "__kretprobe_trampoline",
+            "kretprobe_trampoline",
+        ]
+        .iter()
+        .find_map(|name| view.symbols.lookup(name).map(|s| s.addr));
         Tracer {
             machine,
             view,
@@ -375,6 +392,7 @@ impl Tracer {
             stepping: Mutex::default(),
             trampoline: OnceLock::new(),
             returns: Mutex::default(),
+            guest_return_trampoline,
             sink,
             started: Instant::now(),
             stats: EngineStats::default(),

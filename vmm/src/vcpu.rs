@@ -1094,7 +1094,7 @@ mod tests {
                 barrier.wait();
                 let paused = control.pause_all();
                 for _ in 0..10 {
-                    for (other, in_guest) in flags.get().unwrap().iter().enumerate() {
+                    for (other, in_guest) in flags.wait().iter().enumerate() {
                         assert!(
                             other == cpu || !in_guest.load(Ordering::SeqCst),
                             "vCPU {other} ran during vCPU {cpu}'s pause"
@@ -1175,7 +1175,7 @@ mod tests {
         let flags: Arc<OnceLock<Vec<Arc<AtomicBool>>>> = Arc::new(OnceLock::new());
         let check = |held: &AtomicBool, flags: &OnceLock<Vec<Arc<AtomicBool>>>, me: Option<usize>| {
             assert!(!held.swap(true, Ordering::SeqCst), "two pauses held at once");
-            for (cpu, in_guest) in flags.get().unwrap().iter().enumerate() {
+            for (cpu, in_guest) in flags.wait().iter().enumerate() {
                 assert!(
                     Some(cpu) == me || !in_guest.load(Ordering::SeqCst),
                     "vCPU {cpu} ran during a pause"

@@ -130,6 +130,9 @@ impl Tracer {
             };
         }
         if action == PreAction::Skip {
+            if regs.rip == at.0 {
+                return BreakpointOutcome::Fatal(EngineFault::SkipWithoutRip { cpu, at });
+            }
             self.stats.skipped.fetch_add(1, COUNT);
             return match vcpu.set_regs(&regs) {
                 Ok(()) => BreakpointOutcome::Handled,

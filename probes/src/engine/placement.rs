@@ -174,10 +174,13 @@ impl Tracer {
         if entry[0] == 0xe8 {
             let rel = i32::from_le_bytes([entry[1], entry[2], entry[3], entry[4]]);
             let target = Gva((at.0 + 5).wrapping_add_signed(i64::from(rel)));
-            let name = self.view.symbols.describe(target).map(|d| d.symbol.name.as_str())?;
-            if name.starts_with("ftrace_") || name == "__fentry__" {
-                return Some(at);
-            }
+            // ftrace's own callers, or a trampoline the guest allocated for an ftrace_ops
+            // or a BPF program (no kernel text symbol covers those).
+            return match self.view.symbols.describe(target).filter(|d| d.symbol.is_text()) {
+                Some(d) if d.symbol.name.starts_with("ftrace_") || d.symbol.name == "__fentry__" => Some(at),
+                Some(_) => None,
+                None => Some(at),
+            };
         }
         None
     }

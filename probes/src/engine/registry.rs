@@ -353,8 +353,15 @@ impl Tracer {
             None => false,
         };
         if now_empty {
-            if let Some(mut site) = reg.sites.remove(&site_addr) {
-                disarm(self, view.text(), site_addr, &mut site);
+            if let Some(site) = reg.sites.get_mut(&site_addr) {
+                disarm(self, view.text(), site_addr, site);
+                if site.armed {
+                    // Our int3 could not be taken out: the site stays, with no probes, so
+                    // that its hits still run the original instruction.
+                    return;
+                }
+            }
+            if let Some(site) = reg.sites.remove(&site_addr) {
                 if let Some((slot, _)) = site.slot {
                     self.retire_slot(view, slot);
                 }
@@ -440,6 +447,24 @@ impl Tracer {
             what: what.clone(),
             source,
         })?;
+        // The bytes were read and decoded while the guest ran: the copy we step or the
+        // instruction we emulate must be what the text holds now.
+        let mut now = vec![0u8; insn.len];
+        text.read_virt(placement.site, &mut now)
+            .map_err(|source| ProbeError::Memory {
+                what: what.clone(),
+                source,
+            })?;
+        if now != insn.bytes {
+            return Err(ProbeError::Unprobeable {
+                what: what.clone(),
+                reason: format!(
+                    "the guest rewrote the instruction while it was being checked (was {}, now {})",
+                    hex(&insn.bytes),
+                    hex(&now)
+                ),
+            });
+        }
         let step = match &insn.execution {
             Execution::Emulate(emulation) => emulation.fallback_step(&insn),
             Execution::Refuse(reason) => {
@@ -471,14 +496,22 @@ impl Tracer {
             }
             Some(step) => {
                 let slot = self.allocate_slot(what)?;
-                let copy = step.copy_for(&insn, slot).map_err(|source| ProbeError::Decode {
-                    what: what.clone(),
-                    source,
-                })?;
-                text.write_virt(slot, &copy).map_err(|source| ProbeError::Memory {
-                    what: what.clone(),
-                    source,
-                })?;
+                let written = step
+                    .copy_for(&insn, slot)
+                    .map_err(|source| ProbeError::Decode {
+                        what: what.clone(),
+                        source,
+                    })
+                    .and_then(|copy| {
+                        text.write_virt(slot, &copy).map_err(|source| ProbeError::Memory {
+                            what: what.clone(),
+                            source,
+                        })
+                    });
+                if let Err(e) = written {
+                    self.free_slot(slot);
+                    return Err(e);
+                }
                 Some((slot, step))
             }
             None => None,
@@ -510,10 +543,7 @@ fn sync_site(text: &dyn KernelMemory, reg: &mut Registry, addr: Gva) {
     if want && !site.armed && !site.gone {
         arm(text, addr, site);
     } else if !want && site.armed {
-        site.armed = false;
-        if !site.shared_with_guest() {
-            restore_original(text, addr, site);
-        }
+        site.armed = !site.shared_with_guest() && !restore_original(text, addr, site);
     }
 }
 
@@ -543,23 +573,29 @@ fn arm(text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
 }
 
 /// Puts the original byte back, unless the guest has overwritten our int3 (then writing
-/// our stale copy would corrupt its text).
-fn restore_original(text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
+/// our stale copy would corrupt its text). False when our int3 may still be there.
+fn restore_original(text: &dyn KernelMemory, addr: Gva, site: &mut Site) -> bool {
     let mut b = [0u8];
     match text.read_virt(addr, &mut b) {
-        Ok(()) if b[0] == INT3 => {
-            if let Err(e) = text.write_virt(addr, &[site.original]) {
-                tracing::error!("disarming the probe at {addr}: {e}");
+        Ok(()) if b[0] == INT3 => match text.write_virt(addr, &[site.original]) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!("disarming the probe at {addr}: {e}: our int3 stays, and its hits still run");
+                false
             }
-        }
+        },
         Ok(()) => {
             tracing::warn!(
                 "the guest rewrote our int3 at {addr} (now {:#04x}): left as it is",
                 b[0]
             );
             site.gone = true;
+            true
         }
-        Err(e) => tracing::error!("disarming the probe at {addr}: {e}"),
+        Err(e) => {
+            tracing::error!("disarming the probe at {addr}: {e}: our int3 stays, and its hits still run");
+            false
+        }
     }
 }
 
@@ -567,12 +603,12 @@ fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site) 
     if !site.armed {
         return;
     }
-    site.armed = false;
     if site.shared_with_guest() {
+        site.armed = false;
         return;
     }
     let was_gone = site.gone;
-    restore_original(text, addr, site);
+    site.armed = !restore_original(text, addr, site);
     if site.gone && !was_gone {
         tracer.stats.gone.fetch_add(1, COUNT);
     }

@@ -13,11 +13,15 @@
 //!   instance already on that stack slot, and the return runs both handlers, latest first
 //!   (what Linux's trampoline handler does when it walks past instances whose saved
 //!   address is the trampoline).
-//! - An instance on a slot below a new call's slot on the same stack is dead: its frame
-//!   was left without a return (the task exited or the stack was reused). Such instances,
-//!   those of a task that enters `do_exit`, and (when a probe reaches `maxactive`) those
-//!   whose slot no longer holds the trampoline are freed and counted, so calls that never
-//!   return do not use up `maxactive`.
+//! - A call whose slot no longer holds the trampoline (nor the guest's own rethook
+//!   trampoline, when its kretprobe swapped ours in turn) can no longer return through it:
+//!   its frame was left (the task exited, the stack was reused). A new call on a slot
+//!   overwrites it for sure (`call` wrote the return address there); instances below a new
+//!   call on the same stack region are checked, and so are a probe's instances when it
+//!   reaches `maxactive`. Those, and every call of a task that enters `do_exit`, are freed
+//!   and counted, so calls that never return do not use up `maxactive`. A region may hold
+//!   parts of two stacks (IRQ stacks are only page-aligned): the slot check keeps another
+//!   stack's live calls, whose slots still hold the trampoline.
 
 use std::collections::HashMap;
 
@@ -66,12 +70,24 @@ impl ReturnChains {
         }
     }
 
-    /// Frees the instances on `slot`'s stack below `slot`: frames left without a return.
-    fn prune_below(&mut self, slot: u64) -> usize {
+    /// Frees the instances in `slot`'s stack region below `slot` that `alive` says can no
+    /// longer return: frames left without a return.
+    fn prune_below(&mut self, slot: u64, alive: impl Fn(&Instance) -> bool) -> usize {
         let Some(chain) = self.chains.get_mut(&region(slot)) else {
             return 0;
         };
-        let (dead, live): (Vec<Instance>, Vec<Instance>) = chain.drain(..).partition(|i| i.slot < slot);
+        let (dead, live): (Vec<Instance>, Vec<Instance>) = chain.drain(..).partition(|i| i.slot < slot && !alive(i));
+        *chain = live;
+        self.forget(&dead);
+        dead.len()
+    }
+
+    /// Frees every instance on `slot`: a new call just wrote its return address there.
+    fn drop_at(&mut self, slot: u64) -> usize {
+        let Some(chain) = self.chains.get_mut(&region(slot)) else {
+            return 0;
+        };
+        let (dead, live): (Vec<Instance>, Vec<Instance>) = chain.drain(..).partition(|i| i.slot == slot);
         *chain = live;
         self.forget(&dead);
         dead.len()
@@ -82,8 +98,25 @@ impl ReturnChains {
         self.chains.get(&region(slot))?.iter().rev().find(|i| i.slot == slot)
     }
 
-    fn push(&mut self, instance: Instance) {
-        *self.in_flight.entry(instance.probe).or_default() += 1;
+    /// Takes one of `probe`'s `maxactive` places, if one is free.
+    fn reserve(&mut self, probe: ProbeId, maxactive: u32) -> bool {
+        let n = self.in_flight.entry(probe).or_default();
+        if *n >= maxactive as usize {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    /// Gives back a place [`reserve`](Self::reserve) took for a call not followed after all.
+    fn unreserve(&mut self, probe: ProbeId) {
+        if let Some(n) = self.in_flight.get_mut(&probe) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    /// Records a call in the place reserved for it.
+    fn push_reserved(&mut self, instance: Instance) {
         self.chains.entry(region(instance.slot)).or_default().push(instance);
     }
 
@@ -130,6 +163,16 @@ impl Tracer {
         self.returns.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether the call `i` can still return through the trampoline: its slot holds ours,
+    /// or the guest's own rethook trampoline (the guest's kretprobe on the same function
+    /// swapped ours after us, and returns to ours when it is done).
+    fn still_swapped(&self, trampoline: Gva, i: &Instance) -> bool {
+        match self.machine.kernel().read_u64(Gva(i.slot)) {
+            Ok(v) => v == trampoline.0 || self.guest_return_trampoline.is_some_and(|g| g.0 == v),
+            Err(_) => false,
+        }
+    }
+
     /// A return probe's entry: follow this call (swap its return address for the
     /// trampoline) unless `maxactive` calls are in flight or the entry handler declines.
     pub(super) fn enter_return_probe(&self, id: ProbeId, probe: &Probe, maxactive: u32, cpu: usize, regs: &mut Regs) {
@@ -152,9 +195,8 @@ impl Tracer {
             }
         };
         let mut returns = self.lock_returns();
-        let abandoned = returns.prune_below(slot);
-        self.stats.returns_abandoned.fetch_add(abandoned as u64, COUNT);
         let swapped_already = found == trampoline.0;
+        let mut abandoned = returns.prune_below(slot, |i| self.still_swapped(trampoline, i));
         let return_address = if swapped_already {
             if returns
                 .chains
@@ -177,16 +219,21 @@ impl Tracer {
                 }
             }
         } else {
+            // `call` just wrote a real return address here: whatever was followed on this
+            // slot before can no longer return through it.
+            abandoned += returns.drop_at(slot);
             found
         };
-        if returns.in_flight.get(&id).copied().unwrap_or(0) >= maxactive as usize {
-            let freed = returns.reclaim(id, |i| kernel.read_u64(Gva(i.slot)) == Ok(trampoline.0));
-            self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
-            if returns.in_flight.get(&id).copied().unwrap_or(0) >= maxactive as usize {
-                return missed();
-            }
+        let mut reserved = returns.reserve(id, maxactive);
+        if !reserved {
+            abandoned += returns.reclaim(id, |i| self.still_swapped(trampoline, i));
+            reserved = returns.reserve(id, maxactive);
         }
         drop(returns);
+        self.stats.returns_abandoned.fetch_add(abandoned as u64, COUNT);
+        if !reserved {
+            return missed();
+        }
         let mut data = vec![0u8; probe.data_size];
         if let Some(entry) = &probe.pre {
             let shown_rip = regs.rip;
@@ -202,16 +249,18 @@ impl Tracer {
             let declined = entry(&mut ctx) == PreAction::Skip;
             regs.rip = shown_rip;
             if declined {
+                self.lock_returns().unreserve(id);
                 return;
             }
         }
         if !swapped_already {
             if let Err(e) = kernel.write_virt(Gva(slot), &trampoline.0.to_le_bytes()) {
                 tracing::error!("vCPU {cpu}: return probe at {}: {e}", probe.address);
+                self.lock_returns().unreserve(id);
                 return missed();
             }
         }
-        self.lock_returns().push(Instance {
+        self.lock_returns().push_reserved(Instance {
             probe: id,
             slot,
             return_address,
@@ -237,7 +286,7 @@ impl Tracer {
         let slot = regs.rsp.wrapping_sub(8);
         let returning = {
             let mut returns = self.lock_returns();
-            let abandoned = returns.prune_below(slot);
+            let abandoned = returns.prune_below(slot, |i| self.still_swapped(at, i));
             self.stats.returns_abandoned.fetch_add(abandoned as u64, COUNT);
             returns.pop_at(slot)
         };

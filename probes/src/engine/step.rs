@@ -106,6 +106,11 @@ impl Tracer {
         }
     }
 
+    /// Gives back a slot no copy was written to.
+    pub(super) fn free_slot(&self, slot: Gva) {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).free.push(slot);
+    }
+
     /// Slots a vCPU is stepping in right now.
     fn pending_slots(&self) -> Vec<Gva> {
         self.stepping

@@ -34,6 +34,14 @@ const OTHER: u64 = FUNC + 0x40;
 /// `do_exit`: ftrace NOP; push %rbp; ret.
 const DO_EXIT: u64 = FUNC + 0x80;
 const DO_EXIT_CODE: &[u8] = &[0x0f, 0x1f, 0x44, 0x00, 0x00, 0x55, 0xc3];
+/// `traced`: the call the guest's ftrace put in place of the NOP, into a trampoline it
+/// allocated (no kernel symbol there); push %rbp; ret.
+const TRACED: u64 = FUNC + 0xc0;
+const FTRACE_TRAMPOLINE: u64 = 0xffff_ffff_a000_1000;
+const TRACED_CODE: [u8; 7] = {
+    let rel = (FTRACE_TRAMPOLINE.wrapping_sub(TRACED + 5) as u32).to_le_bytes();
+    [0xe8, rel[0], rel[1], rel[2], rel[3], 0x55, 0xc3]
+};
 /// `looping`: ftrace NOP; push %rbp; pop %rbp; dec %edi; jne +5 (the push); ret.
 const LOOPING: u64 = FUNC + 0xa0;
 const LOOPING_CODE: &[u8] = &[
@@ -55,7 +63,12 @@ struct FakeMachine {
     parked: Mutex<Vec<u64>>,
     /// Pages that are not mapped: reads and writes there fail.
     unmapped: Mutex<Vec<u64>>,
+    /// Runs once at the next pause, before the edit: the guest's last act before it stops.
+    before_pause: Mutex<Option<GuestAct>>,
 }
+
+/// Something the guest does to its memory.
+type GuestAct = Box<dyn FnOnce(&FakeMachine) + Send>;
 
 impl FakeMachine {
     fn with_code() -> Arc<Self> {
@@ -66,6 +79,7 @@ impl FakeMachine {
         m.write_virt(Gva(OTHER), &[0xc3]).unwrap();
         m.write_virt(Gva(DO_EXIT), DO_EXIT_CODE).unwrap();
         m.write_virt(Gva(LOOPING), LOOPING_CODE).unwrap();
+        m.write_virt(Gva(TRACED), &TRACED_CODE).unwrap();
         m.write_virt(Gva(STACK_TOP - 0x1000), &[0u8; 0x1000]).unwrap();
         m.write_virt(Gva(OOL), &[0u8; 0x1000]).unwrap();
         Arc::new(m)
@@ -111,6 +125,10 @@ impl Machine for FakeMachine {
 
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {
         self.pauses.fetch_add(1, Ordering::Relaxed);
+        let before = self.before_pause.lock().unwrap().take();
+        if let Some(before) = before {
+            before(self);
+        }
         edit(self)
     }
 }
@@ -194,8 +212,8 @@ impl EventSink for Events {
 fn symbols() -> SymbolTable {
     SymbolTable::parse_system_map(&format!(
         "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{OTHER:016x} T other\n{DO_EXIT:016x} T do_exit\n\
-         {LOOPING:016x} T looping\n{:016x} T _etext\n",
-        LOOPING + LOOPING_CODE.len() as u64
+         {LOOPING:016x} T looping\n{TRACED:016x} T traced\n{:016x} T _etext\n",
+        TRACED + TRACED_CODE.len() as u64
     ))
     .unwrap()
 }
@@ -824,9 +842,10 @@ fn abandoned_frames_on_a_reused_stack_and_overwritten_slots_are_reclaimed() {
     let log = Returned::default();
     t.register(recording_return_probe("func", "r", 2, &log)).unwrap();
     let mut cpu = FakeVcpu::at(PUSH);
-    // A deep call that never returns (its stack frame was left), then a shallower call on
-    // the same stack: the deep one is dead.
+    // A deep call that never returns (its stack frame was left and the stack used again,
+    // overwriting its slot), then a shallower call on the same stack: the deep one is dead.
     call_func(&t, &m, &mut cpu, STACK_TOP - 0x800, 1, 0);
+    m.write_virt(Gva(STACK_TOP - 0x800), &0x1234u64.to_le_bytes()).unwrap();
     call_func(&t, &m, &mut cpu, STACK_TOP - 0x100, 2, 0);
     assert_eq!(t.returns_in_flight(), 1);
     // A call on another stack whose slot the guest then overwrote (its frame is gone).
@@ -1106,4 +1125,118 @@ fn a_batch_is_armed_in_one_pause() {
     .unwrap();
     assert_eq!(m.pauses.load(Ordering::Relaxed) - before, 1);
     assert_eq!(t.listing().len(), 3);
+}
+
+#[test]
+fn a_live_call_below_on_another_stack_in_the_same_region_is_kept() {
+    // IRQ stacks are only page-aligned: one 16 KiB region can hold the top of one stack
+    // and the bottom of another. A live call deeper in the region still has the trampoline
+    // in its slot and must survive a call higher up.
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "r", 4, &log)).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    let (low, high) = (STACK_TOP - 0x800, STACK_TOP - 0x100);
+    call_func(&t, &m, &mut cpu, low, 0xffff_ffff_8100_1111, 1);
+    call_func(&t, &m, &mut cpu, high, 0xffff_ffff_8100_2222, 2);
+    assert_eq!(t.returns_in_flight(), 2);
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, low, 0),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, 0xffff_ffff_8100_1111);
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, high, 0),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, 0xffff_ffff_8100_2222);
+}
+
+#[test]
+fn a_new_call_on_the_slot_of_a_call_that_never_returned_replaces_it() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "r", 4, &log)).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = STACK_TOP - 0x100;
+    // A call followed, then abandoned (no do_exit hook saw its task go) ...
+    call_func(&t, &m, &mut cpu, slot, 0xffff_ffff_8100_1111, 1);
+    // ... and a new task's call at the same depth: `call` wrote a real return address.
+    call_func(&t, &m, &mut cpu, slot, 0xffff_ffff_8100_2222, 2);
+    assert_eq!(t.returns_in_flight(), 1);
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, slot, 5),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, 0xffff_ffff_8100_2222);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [("r", 2, 5, 0xffff_ffff_8100_2222)],
+        "no stale handler or data"
+    );
+}
+
+#[test]
+fn a_skip_that_leaves_rip_on_the_probe_stops_the_vm_instead_of_looping() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let mut req = plain(at("func", 5), "skip");
+    req.pre = Some(Arc::new(|_: &mut HitContext| PreAction::Skip));
+    t.register(req).unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    let outcome = t.on_breakpoint(0, &mut cpu, Gva(PUSH));
+    assert!(
+        matches!(outcome, BreakpointOutcome::Fatal(EngineFault::SkipWithoutRip { .. })),
+        "{outcome:?}"
+    );
+}
+
+#[test]
+fn the_entry_call_into_an_ftrace_trampoline_without_a_symbol_is_an_ftrace_site() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.register(plain(at("traced", 0), "entry")).unwrap();
+    assert_eq!(
+        m.bytes(TRACED, 5),
+        TRACED_CODE[..5],
+        "the guest's ftrace call is untouched"
+    );
+    assert_eq!(m.bytes(TRACED + 5, 1), [INT3]);
+}
+
+#[test]
+fn an_instruction_the_guest_rewrites_while_it_is_checked_is_refused() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    // The guest patches `mov 0x10(%rip),%rax` into a 7-byte NOP between our read and the
+    // pause: the copy we would step is no longer the instruction.
+    *m.before_pause.lock().unwrap() = Some(Box::new(|m: &FakeMachine| {
+        m.write_virt(Gva(MOV_RIP), &[0x0f, 0x1f, 0x80, 0, 0, 0, 0]).unwrap();
+    }));
+    let err = t.register(plain(at("func", 9), "mid")).unwrap_err();
+    assert!(err.to_string().contains("rewrote the instruction"), "{err}");
+    assert_eq!(m.bytes(MOV_RIP, 1), [0x0f], "nothing written");
+}
+
+#[test]
+fn an_int3_that_cannot_be_taken_out_keeps_running_the_original_instruction() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let id = t.register(plain(at("func", 5), "a")).unwrap();
+    m.unmapped.lock().unwrap().push(FUNC & !0xfff);
+    t.unregister(id).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [INT3], "the write failed");
+    let mut cpu = FakeVcpu::at(PUSH);
+    let sp = cpu.regs.rsp;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(
+        (cpu.regs.rip, cpu.regs.rsp),
+        (PUSH + 1, sp - 8),
+        "the push ran, nothing looped"
+    );
 }
