@@ -11,7 +11,7 @@ use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuCo
 
 use crate::cli::{RunArgs, SourceArg};
 use crate::guest::{initrd_with_workload, kernel_cmdline, BundledGuest};
-use crate::session::{RunSession, TraceOptions};
+use crate::session::{exit_status_for_signal, RunSession, TraceOptions};
 
 /// `hvprobe run`: boots the guest, or restores it with `--snapshot`.
 pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -161,6 +161,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             1
         }
         StopReason::Reset | StopReason::PowerOff | StopReason::Stopped if args.workload.is_none() => 0,
+        StopReason::Signal(sig) => exit_status_for_signal(*sig),
         other => {
             eprintln!(
                 "hvprobe: the guest did not finish its workload ({other}); console tail:\n{}",

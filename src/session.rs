@@ -11,7 +11,7 @@ use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{kernel_memory, TaskContext};
-use hvprobe_vmm::{DebugHandler, NoProbes, VcpuControl, VcpuState, Vm};
+use hvprobe_vmm::{DebugHandler, NoProbes, StopReason, VcpuControl, VcpuState, Vm};
 use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
@@ -41,6 +41,7 @@ impl RunSession {
     /// Reads the probe file (a bad one fails here, before the guest runs), starts the hit
     /// printer and the listing on SIGUSR1. Nothing touches the guest yet.
     pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, String> {
+        stop_on_signals(vm.control())?;
         let probes = match &options.probes {
             Some(file) => {
                 let session = Arc::new(TraceSession::new(file, options.output, vm)?);
@@ -131,6 +132,33 @@ impl RunSession {
         }
         Ok(())
     }
+}
+
+/// SIGINT, SIGTERM and SIGHUP stop the VM the way the guest's own end does: the vCPUs
+/// leave the guest, then the run finishes as usual (every probe removed, the hits already
+/// taken printed, the listing and the summary), and hvprobe exits with
+/// [`exit_status_for_signal`]. (With the console attached to a terminal in raw mode,
+/// Ctrl-C is a byte for the guest, not a SIGINT.)
+fn stop_on_signals(control: Arc<VcpuControl>) -> Result<(), String> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]).map_err(|e| format!("signal handlers: {e}"))?;
+    std::thread::Builder::new()
+        .name("hvprobe-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                eprintln!("hvprobe: stopping the VM on signal {sig}");
+                control.stop(StopReason::Signal(sig));
+            }
+        })
+        .map_err(|e| format!("signal thread: {e}"))?;
+    Ok(())
+}
+
+/// The exit status after a stop by `sig`: 128 + its number, as a shell reports a command
+/// the signal ended (130 for SIGINT, 143 for SIGTERM).
+pub fn exit_status_for_signal(sig: i32) -> u8 {
+    (128 + sig).clamp(0, 255) as u8
 }
 
 /// SHA-256 of the kernel's text (`_stext`..`_etext`) in guest memory.

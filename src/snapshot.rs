@@ -179,6 +179,7 @@ pub fn run_restored(dir: &Path, cpus: u8, workload: Option<&str>, trace: &TraceO
     );
     match r.outcome.reason {
         StopReason::GuestExit(status) => Ok(ExitCode::from(status)),
+        StopReason::Signal(sig) => Ok(ExitCode::from(crate::session::exit_status_for_signal(sig))),
         reason => Err(SnapshotCliError::WorkloadFailed {
             reason,
             tail: r.console.tail(30),

@@ -48,6 +48,8 @@ pub enum StopReason {
     VcpuError { cpu: usize, message: String },
     /// The user asked to quit (Ctrl-A x on the console), or the host stopped the VM.
     Stopped,
+    /// The host process got this signal (SIGINT, SIGTERM) and stopped the VM cleanly.
+    Signal(i32),
     /// The guest's init is ready for a workload (event 3) and the VM was asked to stop
     /// there ([`VcpuControl::stop_when_ready`]), to be snapshotted.
     GuestReady,
@@ -75,6 +77,7 @@ impl std::fmt::Display for StopReason {
             }
             StopReason::VcpuError { cpu, message } => write!(f, "vCPU {cpu}: {message}"),
             StopReason::Stopped => write!(f, "stopped by the host"),
+            StopReason::Signal(sig) => write!(f, "stopped by signal {}", signal_name(*sig)),
             StopReason::GuestReady => write!(f, "guest ready for a workload"),
             StopReason::HandlerPanicked { cpu, message } => {
                 write!(f, "the debug handler panicked on vCPU {cpu}: {message}")
@@ -91,6 +94,16 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "(a panic payload that is not text)".to_owned()
+    }
+}
+
+/// `SIGINT` for 2, as `kill -l` names them (the number for others).
+fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGHUP => "SIGHUP".into(),
+        other => other.to_string(),
     }
 }
 
