@@ -12,7 +12,7 @@ use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
 use hvprobe_probes::engine::{default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeKind, ProbePoint};
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
-use hvprobe_probes::spec::{parse_file_numbered, ProbeSpec, Target};
+use hvprobe_probes::spec::{parse_file_all_errors, ProbeSpec, Target};
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
@@ -52,7 +52,9 @@ impl EventSink for ChannelSink {
 /// Reads and checks a spec file: syntax, and what this version supports.
 fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read probe file {}: {e}", path.display()))?;
-    let specs = parse_file_numbered(&text, &path.display().to_string()).map_err(|e| e.to_string())?;
+    // Every problem of the file at once, in line order: one round of fixing.
+    let (specs, errors) = parse_file_all_errors(&text, &path.display().to_string());
+    let mut problems: Vec<(usize, String)> = errors.iter().map(|e| (e.line, e.to_string())).collect();
     let mut probes: Vec<SpecProbe> = Vec::new();
     for (line, spec) in specs {
         let (group, event, target, args, kind) = match spec {
@@ -76,10 +78,13 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
                 let before = probes.len();
                 probes.retain(|p| !(p.request.event == event && group.as_ref().is_none_or(|g| *g == p.request.group)));
                 if probes.len() == before {
-                    return Err(format!(
-                        "{}:{line}: -:{}{event}: no such event defined above",
-                        path.display(),
-                        group.map(|g| format!("{g}/")).unwrap_or_default()
+                    problems.push((
+                        line,
+                        format!(
+                            "{}:{line}: -:{}{event}: no such event defined above",
+                            path.display(),
+                            group.map(|g| format!("{g}/")).unwrap_or_default()
+                        ),
                     ));
                 }
                 continue;
@@ -89,11 +94,15 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
             .iter()
             .find(|p| p.request.group == group && p.request.event == event)
         {
-            return Err(format!(
-                "{}:{line}: event {group}/{event} is already defined on line {}",
-                path.display(),
-                other.line
+            problems.push((
+                line,
+                format!(
+                    "{}:{line}: event {group}/{event} is already defined on line {}",
+                    path.display(),
+                    other.line
+                ),
             ));
+            continue;
         }
         let point = match target {
             Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
@@ -107,7 +116,20 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
             },
         });
     }
-    Ok(probes)
+    if problems.is_empty() {
+        Ok(probes)
+    } else {
+        problems.sort_by_key(|(line, _)| *line);
+        Err(all_problems(path, problems.into_iter().map(|(_, p)| p).collect()))
+    }
+}
+
+/// Several problems of one spec file as one error: a count, then one per line.
+fn all_problems(path: &Path, problems: Vec<String>) -> String {
+    match problems.len() {
+        1 => problems.into_iter().next().unwrap_or_default(),
+        n => format!("{n} problems in {}:\n{}", path.display(), problems.join("\n")),
+    }
 }
 
 impl TraceSession {
@@ -143,19 +165,28 @@ impl TraceSession {
         symbols: &SymbolTable,
         tasks: Option<TaskContext>,
     ) -> Result<(), String> {
-        for p in &self.probes {
-            if let ProbePoint::Symbol { name, .. } = &p.request.point {
-                if symbols.lookup(name).is_none() {
-                    return Err(format!(
-                        "{}:{}: unknown symbol {name:?} in the running kernel",
-                        self.file.display(),
-                        p.line
-                    ));
-                }
-            }
-        }
         let sink: Arc<dyn EventSink> = self.sink.clone();
         let tracer = build_tracer(control, mem, state, symbols, Some(sink)).map_err(|e| e.to_string())?;
+        // Every refusal at once, before the guest goes on (arming re-checks each probe in
+        // the pause, in case the guest's text changed meanwhile).
+        let requests: Vec<KprobeRequest> = self.probes.iter().map(|p| p.request.clone()).collect();
+        let problems: Vec<String> = tracer
+            .check_all(&requests)
+            .into_iter()
+            .map(|(i, e)| {
+                let p = &self.probes[i];
+                format!(
+                    "{}:{}: {}/{}: {e}",
+                    self.file.display(),
+                    p.line,
+                    p.request.group,
+                    p.request.event
+                )
+            })
+            .collect();
+        if !problems.is_empty() {
+            return Err(all_problems(&self.file, problems));
+        }
         self.handler.attach(tracer, tasks);
         Ok(())
     }

@@ -445,6 +445,22 @@ pub fn parse_file_numbered(text: &str, file_name: &str) -> Result<Vec<(usize, Pr
     Ok(specs)
 }
 
+/// Like [`parse_file_numbered`], but every line is parsed: the probes of the lines that
+/// parse, and every error, both in line order, so that a file with several mistakes needs
+/// one round of fixing.
+pub fn parse_file_all_errors(text: &str, file_name: &str) -> (Vec<(usize, ProbeSpec)>, Vec<SpecError>) {
+    let mut specs = Vec::new();
+    let mut errors = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        match parse_numbered_line(line, index + 1, Some(file_name)) {
+            Ok(Some(spec)) => specs.push((index + 1, spec)),
+            Ok(None) => {}
+            Err(e) => errors.push(e),
+        }
+    }
+    (specs, errors)
+}
+
 fn parse_numbered_line(line: &str, number: usize, file: Option<&str>) -> Result<Option<ProbeSpec>, SpecError> {
     LineParser { line }
         .parse()

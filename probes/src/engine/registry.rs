@@ -158,6 +158,46 @@ impl Tracer {
         result
     }
 
+    /// Every reason each request would be refused, without registering anything or pausing
+    /// the guest: an unknown or ambiguous symbol, an offset outside the function, the
+    /// blacklist, a patch site, not an instruction boundary, a return probe off an entry, a
+    /// duplicate event name. `(index, error)` in request order; empty when all would go
+    /// in (a registration can still fail if the guest changes its text meanwhile).
+    pub fn check_all(&self, requests: &[KprobeRequest]) -> Vec<(usize, ProbeError)> {
+        let mut problems = Vec::new();
+        let existing: Vec<(String, String)> = self
+            .read_registry()
+            .user_probes()
+            .map(|(_, p)| (p.group.clone(), p.event.clone()))
+            .collect();
+        for (i, request) in requests.iter().enumerate() {
+            let name = (request.group.clone(), request.event.clone());
+            if existing.contains(&name)
+                || requests[..i]
+                    .iter()
+                    .any(|r| r.group == request.group && r.event == request.event)
+            {
+                problems.push((
+                    i,
+                    ProbeError::DuplicateEvent {
+                        group: name.0,
+                        event: name.1,
+                    },
+                ));
+                continue;
+            }
+            match self.place(&request.point) {
+                Err(e) => problems.push((i, e)),
+                Ok(placement) => {
+                    if matches!(request.kind, ProbeKind::Kretprobe { .. }) && !placement.at_function_entry {
+                        problems.push((i, ProbeError::ReturnProbeNotAtEntry { what: placement.what }));
+                    }
+                }
+            }
+        }
+        problems
+    }
+
     /// Unregisters a probe; its int3 goes when it was the last probe at its site. No
     /// handler of the probe runs once this returns (Linux's guarantee): hits in progress
     /// finished before the pause, and a step in flight looks its probes up when it ends.

@@ -1240,3 +1240,32 @@ fn an_int3_that_cannot_be_taken_out_keeps_running_the_original_instruction() {
         "the push ran, nothing looped"
     );
 }
+
+#[test]
+fn every_refusal_of_a_batch_is_reported_at_once_and_nothing_is_armed() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let requests = vec![
+        plain(at("func", 5), "ok"),
+        plain(at("nope", 0), "unknown"),
+        plain(at("func", 7), "split"),
+        plain(at("func", 9), "ok"),
+        KprobeRequest {
+            kind: ProbeKind::Kretprobe { maxactive: 4 },
+            ..plain(at("func", 9), "ret_mid")
+        },
+    ];
+    let problems: Vec<(usize, String)> = t
+        .check_all(&requests)
+        .into_iter()
+        .map(|(i, e)| (i, e.to_string()))
+        .collect();
+    let indices: Vec<usize> = problems.iter().map(|(i, _)| *i).collect();
+    assert_eq!(indices, [1, 2, 3, 4], "{problems:?}");
+    assert!(problems[0].1.contains("unknown symbol"));
+    assert!(problems[1].1.contains("not an instruction boundary"));
+    assert!(problems[2].1.contains("already exists"));
+    assert!(problems[3].1.contains("function's entry"));
+    assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE, "nothing written");
+    assert!(t.listing().is_empty());
+}

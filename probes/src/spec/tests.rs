@@ -883,3 +883,13 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn every_syntax_error_of_a_file_is_reported_in_line_order() {
+    let text = "p:a/x vfs_read\np:a/z\n# fine\nq vfs_read\np:b/y do_sys_open x=%nope\n";
+    let (specs, errors) = parse_file_all_errors(text, "f.probes");
+    let lines: Vec<usize> = errors.iter().map(|e| e.line).collect();
+    assert_eq!(lines, [2, 4, 5]);
+    assert!(errors.iter().all(|e| e.to_string().starts_with("f.probes:")));
+    assert_eq!(specs.iter().map(|(line, _)| *line).collect::<Vec<_>>(), [1]);
+}
