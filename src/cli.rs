@@ -145,6 +145,25 @@ pub enum BenchCommand {
     /// What a probe hit costs: the int3 floor, emulated and stepped hits, against the
     /// guest's own kprobe event.
     Probes(ProbeBenchArgs),
+    /// How long arming and disarming N probes takes on a running guest.
+    Arm(ArmBenchArgs),
+}
+
+#[derive(Args)]
+pub struct ArmBenchArgs {
+    /// Probe counts to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "10,100,1000,10000")]
+    pub counts: Vec<usize>,
+    /// Rounds per count (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: u32,
+    /// Number of vCPUs (the snapshot's).
+    #[arg(long, default_value_t = 2)]
+    pub cpus: u8,
+    /// A snapshot of the bundled guest with that many vCPUs; without it the benchmark
+    /// boots the guest once to make one.
+    #[arg(long, value_name = "DIR")]
+    pub snapshot: Option<PathBuf>,
 }
 
 #[derive(Args)]

@@ -6,6 +6,7 @@
 //! use directly.
 
 pub mod bench;
+pub mod bench_arm;
 pub mod cli;
 pub mod cpio;
 pub mod guest;

@@ -29,6 +29,9 @@ fn main() -> ExitCode {
         Commands::Bench {
             command: BenchCommand::Probes(args),
         } => hvprobe::bench::bench_probes(args),
+        Commands::Bench {
+            command: BenchCommand::Arm(args),
+        } => hvprobe::bench_arm::bench_arm(args),
         Commands::BuildGuest => BundledGuest::ensure_built()
             .map(|g| {
                 println!("{}", g.dir.display());

@@ -154,8 +154,8 @@ impl Tracer {
                 source,
             })?;
         let reg = self.read_registry();
-        for (addr, site) in &reg.sites {
-            if site.armed && (func_start.0..func_start.0 + func_size).contains(&addr.0) {
+        for (addr, site) in reg.sites.range(func_start..Gva(func_start.0 + func_size)) {
+            if site.armed {
                 code[(addr.0 - func_start.0) as usize] = site.original;
             }
         }

@@ -3,7 +3,7 @@
 //! every vCPU paused, and a byte the guest rewrote under it is never overwritten with our
 //! stale copy of the original.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
@@ -81,7 +81,10 @@ impl Site {
 
 pub(super) struct Registry {
     pub probes: BTreeMap<ProbeId, Probe>,
-    pub sites: HashMap<Gva, Site>,
+    /// By address (a function's sites are one range of it).
+    pub sites: BTreeMap<Gva, Site>,
+    /// `group/event` of every user probe, for the duplicate check.
+    events: HashSet<(String, String)>,
     next_id: u32,
     /// The global switch (debugfs `enabled`).
     pub armed: bool,
@@ -91,7 +94,8 @@ impl Registry {
     pub fn new() -> Self {
         Registry {
             probes: BTreeMap::new(),
-            sites: HashMap::new(),
+            sites: BTreeMap::new(),
+            events: HashSet::new(),
             next_id: 0,
             armed: true,
         }
@@ -165,18 +169,10 @@ impl Tracer {
     /// in (a registration can still fail if the guest changes its text meanwhile).
     pub fn check_all(&self, requests: &[KprobeRequest]) -> Vec<(usize, ProbeError)> {
         let mut problems = Vec::new();
-        let existing: Vec<(String, String)> = self
-            .read_registry()
-            .user_probes()
-            .map(|(_, p)| (p.group.clone(), p.event.clone()))
-            .collect();
+        let mut names = self.read_registry().events.clone();
         for (i, request) in requests.iter().enumerate() {
             let name = (request.group.clone(), request.event.clone());
-            if existing.contains(&name)
-                || requests[..i]
-                    .iter()
-                    .any(|r| r.group == request.group && r.event == request.event)
-            {
+            if !names.insert(name.clone()) {
                 problems.push((
                     i,
                     ProbeError::DuplicateEvent {
@@ -191,6 +187,11 @@ impl Tracer {
                 Ok(placement) => {
                     if matches!(request.kind, ProbeKind::Kretprobe { .. }) && !placement.at_function_entry {
                         problems.push((i, ProbeError::ReturnProbeNotAtEntry { what: placement.what }));
+                    } else if placement.bytes.first() != Some(&INT3) {
+                        // (On the guest's own int3 there is nothing to decode: ours shares it.)
+                        if let Err(e) = analyze_site(&placement) {
+                            problems.push((i, e));
+                        }
                     }
                 }
             }
@@ -337,20 +338,21 @@ impl Tracer {
         placement: &Placement,
         role: Role,
     ) -> Result<ProbeId, ProbeError> {
-        if reg
-            .user_probes()
-            .any(|(_, p)| p.group == request.group && p.event == request.event)
-        {
+        let name = (request.group.clone(), request.event.clone());
+        if role == Role::User && reg.events.contains(&name) {
             return Err(ProbeError::DuplicateEvent {
                 group: request.group.clone(),
                 event: request.event.clone(),
             });
         }
-        if let std::collections::hash_map::Entry::Vacant(slot) = reg.sites.entry(placement.site) {
+        if let std::collections::btree_map::Entry::Vacant(slot) = reg.sites.entry(placement.site) {
             slot.insert(self.new_site(text, placement)?);
         }
         let id = ProbeId(reg.next_id);
         reg.next_id += 1;
+        if role == Role::User {
+            reg.events.insert(name);
+        }
         reg.probes.insert(
             id,
             Probe {
@@ -384,6 +386,9 @@ impl Tracer {
         let Some(probe) = reg.probes.remove(&id) else {
             return;
         };
+        if probe.role == Role::User {
+            reg.events.remove(&(probe.group.clone(), probe.event.clone()));
+        }
         let site_addr = probe.site;
         let now_empty = match reg.sites.get_mut(&site_addr) {
             Some(site) => {
@@ -483,10 +488,7 @@ impl Tracer {
                 gone: false,
             });
         }
-        let insn = insn::analyze(&placement.bytes, placement.site).map_err(|source| ProbeError::Decode {
-            what: what.clone(),
-            source,
-        })?;
+        let (insn, step) = analyze_site(placement)?;
         // The bytes were read and decoded while the guest ran: the copy we step or the
         // instruction we emulate must be what the text holds now.
         let mut now = vec![0u8; insn.len];
@@ -505,26 +507,6 @@ impl Tracer {
                 ),
             });
         }
-        let step = match &insn.execution {
-            Execution::Emulate(emulation) => emulation.fallback_step(&insn),
-            Execution::Refuse(reason) => {
-                return Err(ProbeError::Unprobeable {
-                    what: what.clone(),
-                    reason: format!("{} ({})", reason, hex(&insn.bytes)),
-                })
-            }
-            Execution::Step(step) => {
-                if placement.may_fault {
-                    return Err(ProbeError::Unprobeable {
-                        what: what.clone(),
-                        reason: "the instruction is in the guest's exception table (it may fault, and a fault \
-                                 in an out-of-line copy has no fixup)"
-                            .into(),
-                    });
-                }
-                Some(*step)
-            }
-        };
         let slot = match step {
             // No out-of-line area is needed for instructions the host always completes.
             Some(step) if matches!(insn.execution, Execution::Emulate(_)) && !self.has_out_of_line_area() => {
@@ -565,6 +547,37 @@ impl Tracer {
             gone: false,
         })
     }
+}
+
+/// The instruction at a placement and, when it is stepped (or can fall back to a step),
+/// how; or why it cannot be probed.
+fn analyze_site(placement: &Placement) -> Result<(ProbedInsn, Option<insn::OutOfLine>), ProbeError> {
+    let what = &placement.what;
+    let insn = insn::analyze(&placement.bytes, placement.site).map_err(|source| ProbeError::Decode {
+        what: what.clone(),
+        source,
+    })?;
+    let step = match &insn.execution {
+        Execution::Emulate(emulation) => emulation.fallback_step(&insn),
+        Execution::Refuse(reason) => {
+            return Err(ProbeError::Unprobeable {
+                what: what.clone(),
+                reason: format!("{} ({})", reason, hex(&insn.bytes)),
+            })
+        }
+        Execution::Step(step) => {
+            if placement.may_fault {
+                return Err(ProbeError::Unprobeable {
+                    what: what.clone(),
+                    reason: "the instruction is in the guest's exception table (it may fault, and a fault in an \
+                             out-of-line copy has no fixup)"
+                        .into(),
+                });
+            }
+            Some(*step)
+        }
+    };
+    Ok((insn, step))
 }
 
 fn step_name(step: &insn::OutOfLine) -> String {
