@@ -1,18 +1,21 @@
 //! `hvprobe run --probes FILE`: the probes of a spec file, armed in a running guest, their
 //! hits printed as they happen and the listing printed at the end (and on SIGUSR1).
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
-use hvprobe_probes::engine::{default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeKind, ProbePoint};
+use hvprobe_probes::engine::{
+    default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeKind, ProbePoint,
+};
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
-use hvprobe_probes::spec::{parse_file_all_errors, ProbeSpec, Target};
+use hvprobe_probes::spec::{default_event_name, parse_file_all_errors, wildcard_matches, ProbeSpec, Target};
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
@@ -22,6 +25,7 @@ use crate::cli::OutputFormat;
 const EVENT_QUEUE: usize = 1 << 16;
 
 /// A probe from the spec file, with its line for error messages.
+#[derive(Clone)]
 struct SpecProbe {
     line: usize,
     request: KprobeRequest,
@@ -30,7 +34,11 @@ struct SpecProbe {
 /// The probes of one run and where their output goes.
 pub struct TraceSession {
     file: PathBuf,
+    /// As the file gives them (a wildcard is one entry).
     probes: Vec<SpecProbe>,
+    /// What is armed: the file's probes with every wildcard replaced by one probe per
+    /// function it matches that can be probed (set once the kernel's symbols are known).
+    expanded: OnceLock<Vec<SpecProbe>>,
     pub handler: Arc<ProbeHandler>,
     sink: Arc<ChannelSink>,
     printer: Mutex<Option<JoinHandle<()>>>,
@@ -90,9 +98,10 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
                 continue;
             }
         };
+        // (A wildcard's events are named per function, once the kernel is known.)
         if let Some(other) = probes
             .iter()
-            .find(|p| p.request.group == group && p.request.event == event)
+            .find(|p| !event.is_empty() && p.request.group == group && p.request.event == event)
         {
             problems.push((
                 line,
@@ -124,6 +133,19 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
     }
 }
 
+/// A short name for why a wildcard's function is skipped, for the count.
+fn refusal_kind(e: &ProbeError) -> &'static str {
+    match e {
+        ProbeError::Blacklisted { .. } => "blacklisted",
+        ProbeError::PatchSite { .. } => "on a guest patch site",
+        ProbeError::MovedOntoBranchTarget { .. } => "entered by a jump",
+        ProbeError::AmbiguousSymbol { .. } => "not a unique name",
+        ProbeError::DuplicateEvent { .. } => "already probed by that name",
+        ProbeError::Unprobeable { .. } | ProbeError::Decode { .. } => "instruction not probeable",
+        _ => "other",
+    }
+}
+
 /// Several problems of one spec file as one error: a count, then one per line.
 fn all_problems(path: &Path, problems: Vec<String>) -> String {
     match problems.len() {
@@ -145,6 +167,7 @@ impl TraceSession {
         Ok(TraceSession {
             file: probes_file.to_path_buf(),
             probes,
+            expanded: OnceLock::new(),
             handler: ProbeHandler::new(vm),
             sink: Arc::new(ChannelSink {
                 tx: Mutex::new(Some(tx)),
@@ -168,25 +191,96 @@ impl TraceSession {
         let sink: Arc<dyn EventSink> = self.sink.clone();
         let tracer = build_tracer(control, mem, state, symbols, Some(sink)).map_err(|e| e.to_string())?;
         // Every refusal at once, before the guest goes on (arming re-checks each probe in
-        // the pause, in case the guest's text changed meanwhile).
-        let requests: Vec<KprobeRequest> = self.probes.iter().map(|p| p.request.clone()).collect();
-        let problems: Vec<String> = tracer
-            .check_all(&requests)
-            .into_iter()
-            .map(|(i, e)| {
-                let p = &self.probes[i];
-                format!(
-                    "{}:{}: {}/{}: {e}",
-                    self.file.display(),
-                    p.line,
-                    p.request.group,
-                    p.request.event
-                )
-            })
-            .collect();
+        // the pause, in case the guest's text changed meanwhile). A wildcard's functions
+        // that cannot be probed are skipped and counted instead.
+        let mut expanded = Vec::new();
+        let mut wildcard_of = Vec::new();
+        for (index, p) in self.probes.iter().enumerate() {
+            match &p.request.point {
+                ProbePoint::Symbol { name, .. } if name.contains(['*', '?']) => {
+                    let kind_is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
+                    let mut functions: Vec<&str> = symbols
+                        .symbols()
+                        .iter()
+                        .filter(|s| s.is_text() && wildcard_matches(name, &s.name))
+                        .map(|s| s.name.as_str())
+                        .collect();
+                    functions.sort_unstable();
+                    functions.dedup();
+                    for function in functions {
+                        let target = Target::Symbol {
+                            name: function.to_string(),
+                            offset: 0,
+                        };
+                        let mut request = p.request.clone();
+                        request.event = default_event_name(kind_is_return, &target);
+                        request.point = ProbePoint::Symbol {
+                            name: function.to_string(),
+                            offset: 0,
+                        };
+                        expanded.push(SpecProbe { line: p.line, request });
+                        wildcard_of.push(Some(index));
+                    }
+                }
+                _ => {
+                    expanded.push(p.clone());
+                    wildcard_of.push(None);
+                }
+            }
+        }
+        let requests: Vec<KprobeRequest> = expanded.iter().map(|p| p.request.clone()).collect();
+        let mut problems = Vec::new();
+        let mut skipped: BTreeMap<usize, BTreeMap<&'static str, usize>> = BTreeMap::new();
+        let mut refused = vec![false; expanded.len()];
+        for (i, e) in tracer.check_all(&requests) {
+            if let Some(w) = wildcard_of[i] {
+                *skipped.entry(w).or_default().entry(refusal_kind(&e)).or_default() += 1;
+                refused[i] = true;
+                continue;
+            }
+            let p = &expanded[i];
+            problems.push(format!(
+                "{}:{}: {}/{}: {e}",
+                self.file.display(),
+                p.line,
+                p.request.group,
+                p.request.event
+            ));
+        }
         if !problems.is_empty() {
             return Err(all_problems(&self.file, problems));
         }
+        for (index, p) in self.probes.iter().enumerate() {
+            let matched = wildcard_of.iter().filter(|w| **w == Some(index)).count();
+            let pattern = match &p.request.point {
+                ProbePoint::Symbol { name, .. } if name.contains(['*', '?']) => name,
+                _ => continue,
+            };
+            let reasons = skipped.get(&index);
+            let n_skipped: usize = reasons.map(|r| r.values().sum()).unwrap_or(0);
+            let why = reasons
+                .map(|r| r.iter().map(|(k, n)| format!("{n} {k}")).collect::<Vec<_>>().join(", "))
+                .unwrap_or_default();
+            eprintln!(
+                "hvprobe: {}:{}: {}: {matched} functions match, {} to arm, {n_skipped} skipped{}",
+                self.file.display(),
+                p.line,
+                pattern,
+                matched - n_skipped,
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({why})")
+                }
+            );
+        }
+        let armed: Vec<SpecProbe> = expanded
+            .into_iter()
+            .zip(refused)
+            .filter(|(_, r)| !r)
+            .map(|(p, _)| p)
+            .collect();
+        let _ = self.expanded.set(armed);
         self.handler.attach(tracer, tasks);
         Ok(())
     }
@@ -195,9 +289,13 @@ impl TraceSession {
     /// should start counting (at `/init`, or before a restored guest runs).
     pub fn arm(&self) -> Result<(), String> {
         let tracer = self.handler.tracer().ok_or("the probe engine is not attached")?;
-        let requests = self.probes.iter().map(|p| p.request.clone()).collect();
+        let probes = self
+            .expanded
+            .get()
+            .ok_or("the probes were not checked against the kernel")?;
+        let requests = probes.iter().map(|p| p.request.clone()).collect();
         tracer.register_all(requests).map_err(|(i, e)| {
-            let p = &self.probes[i];
+            let p = &probes[i];
             format!(
                 "{}:{}: {}/{}: {e}",
                 self.file.display(),
@@ -206,7 +304,7 @@ impl TraceSession {
                 p.request.event
             )
         })?;
-        tracing::info!("{} probe(s) armed", self.probes.len());
+        tracing::info!("{} probe(s) armed", probes.len());
         Ok(())
     }
 

@@ -59,3 +59,51 @@ fn every_placement_refusal_is_reported_and_nothing_is_armed() {
     }
     assert!(!run.stderr.contains("armed"), "nothing armed\n{}", run.tail());
 }
+
+#[test]
+fn a_wildcard_arms_every_probeable_match_and_counts_the_skipped_ones() {
+    let dir = snapshot(1);
+    let file = spec_file(
+        "wildcard",
+        "p:vfs/ vfs_*\nr:vfsr/ vfs_read*\np:one/getppid __x64_sys_getppid\n",
+    );
+    let run = restore_with(
+        &dir,
+        1,
+        "read -r l < /proc/version; echo RAN",
+        &["--probes", file.to_str().unwrap()],
+        TIMEOUT,
+    );
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert!(run.console_has_line("RAN"), "{}", run.tail());
+    let summary = |line: usize| -> (usize, usize, usize) {
+        let text = run
+            .stderr
+            .lines()
+            .find(|l| l.contains(&format!("{}:{line}:", file.display())) && l.contains("functions match"))
+            .unwrap_or_else(|| panic!("no summary for line {line}\n{}", run.tail()));
+        let numbers: Vec<usize> = text
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        // "...:LINE: PATTERN: M functions match, A to arm, S skipped (...)"
+        let at = numbers.iter().position(|n| *n == line).unwrap() + 1;
+        (numbers[at], numbers[at + 1], numbers[at + 2])
+    };
+    let (matched, to_arm, skipped) = summary(1);
+    assert!(matched > 20, "vfs_* matches many functions: {matched}");
+    assert_eq!(to_arm + skipped, matched);
+    let listed_k = run.stderr.lines().filter(|l| l.contains("  k  vfs_")).count();
+    assert_eq!(listed_k, to_arm, "every armed one is listed\n{}", run.tail());
+    let (r_matched, r_to_arm, _) = summary(2);
+    assert!(r_matched >= 1 && r_to_arm >= 1, "{}", run.tail());
+    assert!(run.stderr.contains("  k  __x64_sys_getppid+0x0"), "{}", run.tail());
+    // The read of /proc/version went through vfs_read: its probe counted it.
+    let vfs_read = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("  k  vfs_read+0x0"))
+        .unwrap_or_else(|| panic!("vfs_read listed\n{}", run.tail()));
+    assert!(!vfs_read.contains("hits=0 "), "{vfs_read}");
+}

@@ -88,6 +88,38 @@ pub enum Target {
     Address(Gva),
 }
 
+impl Target {
+    /// A symbol pattern with `*` or `?`: one probe per function it matches.
+    pub fn is_wildcard(&self) -> bool {
+        matches!(self, Target::Symbol { name, .. } if name.contains(['*', '?']))
+    }
+}
+
+/// Whether `name` matches the wildcard `pattern` (`*` any run of characters, `?` any one),
+/// as bpftrace's `kprobe:vfs_*` and ftrace's `set_ftrace_filter` globs do.
+pub fn wildcard_matches(pattern: &str, name: &str) -> bool {
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    let (mut pi, mut ni) = (0, 0);
+    // Where the last `*` was, and how much of the name it has eaten.
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        if pi < p.len() && (p[pi] == b'?' || p[pi] == n[ni]) {
+            pi += 1;
+            ni += 1;
+        } else if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, ni));
+            pi += 1;
+        } else if let Some((sp, sn)) = star {
+            pi = sp + 1;
+            ni = sn + 1;
+            star = Some((sp, sn + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == b'*')
+}
+
 /// One fetch-arg: what to record each time the probe hits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FetchArg {
@@ -299,6 +331,11 @@ impl ArgType {
 /// What is wrong with a spec line.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SpecErrorKind {
+    #[error(
+        "a wildcard target probes many functions, each with its generated event name: write `GRP/` without an \
+         EVENT, and no offset"
+    )]
+    NamedWildcard,
     #[error("unknown probe type `{0}` (expected `p`, `r` or `-:`)")]
     UnknownProbeType(String),
     #[error("unexpected `{0}` after the probe type (expected `:GROUP/EVENT` or a space)")]
@@ -585,6 +622,9 @@ impl<'a> LineParser<'a> {
             at_function_entry: matches!(target, Target::Symbol { offset: 0, .. }),
         };
 
+        if target.is_wildcard() && (event.is_some() || matches!(target, Target::Symbol { offset: 1.., .. })) {
+            return Err(self.err(target_text, SpecErrorKind::NamedWildcard));
+        }
         let group = group.unwrap_or_else(|| DEFAULT_GROUP.to_owned());
         let event = event.unwrap_or_else(|| default_event_name(is_return, &target));
         let args = self.parse_args(arg_texts, context)?;
@@ -1014,7 +1054,11 @@ impl FetchExpr {
 }
 
 /// The name the kernel gives an event the spec does not name: `p_SYM_OFFS`, `r_0xADDR`.
-fn default_event_name(is_return: bool, target: &Target) -> String {
+/// Empty for a wildcard: each function it matches gets its own (see [`Target::expand`]).
+pub fn default_event_name(is_return: bool, target: &Target) -> String {
+    if target.is_wildcard() {
+        return String::new();
+    }
     let kind = if is_return { 'r' } else { 'p' };
     let mut name = match target {
         Target::Symbol { name, offset } => format!("{kind}_{name}_{offset}"),
@@ -1036,9 +1080,10 @@ fn is_good_name(name: &str, dash_ok: bool) -> bool {
     }
 }
 
-/// A kernel symbol name: `[A-Za-z_.][A-Za-z0-9_.]*` (`.` for `foo.isra.0`, `foo.cold`).
+/// A kernel symbol name: `[A-Za-z_.][A-Za-z0-9_.]*` (`.` for `foo.isra.0`, `foo.cold`),
+/// or a wildcard over them (`*` any run of characters, `?` any one).
 fn is_symbol_name(name: &str) -> bool {
-    let ok = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'.';
+    let ok = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'*' || c == b'?';
     match name.as_bytes().split_first() {
         Some((&first, rest)) => !first.is_ascii_digit() && ok(first) && rest.iter().all(|&c| ok(c)),
         None => false,

@@ -893,3 +893,34 @@ fn every_syntax_error_of_a_file_is_reported_in_line_order() {
     assert!(errors.iter().all(|e| e.to_string().starts_with("f.probes:")));
     assert_eq!(specs.iter().map(|(line, _)| *line).collect::<Vec<_>>(), [1]);
 }
+
+#[test]
+fn a_wildcard_target_gets_generated_event_names_and_round_trips() {
+    let spec = ok("p:vfs/ vfs_*");
+    match &spec {
+        ProbeSpec::Kprobe {
+            group, event, target, ..
+        } => {
+            assert_eq!((group.as_str(), event.as_str()), ("vfs", ""));
+            assert!(target.is_wildcard());
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(ok(&spec.to_string()), spec);
+    assert_eq!(ok("r vfs_re?d").to_string(), "r:kprobes/ vfs_re?d");
+    assert_eq!(err("p:vfs/named vfs_*").1, SpecErrorKind::NamedWildcard);
+    assert_eq!(err("p:vfs/ vfs_*+4").1, SpecErrorKind::NamedWildcard);
+    for (pattern, name, matches) in [
+        ("vfs_*", "vfs_read", true),
+        ("vfs_*", "vfs_", true),
+        ("vfs_*", "do_vfs_read", false),
+        ("*_read", "vfs_read", true),
+        ("v?s_*e", "vfs_write", true),
+        ("v?s_*e", "vfs_read", false),
+        ("*", "anything", true),
+        ("a*b*c", "aXbYc", true),
+        ("a*b*c", "aXbY", false),
+    ] {
+        assert_eq!(wildcard_matches(pattern, name), matches, "{pattern} vs {name}");
+    }
+}
