@@ -41,6 +41,30 @@ fn loop_blob(iterations: u32, with_int3: bool) -> Vec<u8> {
 const PUSH_OFFSET: u64 = 0x06;
 const LOAD_OFFSET: u64 = 0x07;
 
+/// The snapshot a guest benchmark restores: `given`, or one made now by booting the
+/// bundled guest with `cpus` vCPUs into a temporary directory (the caller removes it when
+/// `given` is `None`).
+pub(crate) fn bench_snapshot(
+    given: Option<&std::path::Path>,
+    cpus: u8,
+    bench: &str,
+) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
+    if let Some(dir) = given {
+        return Ok(dir.to_path_buf());
+    }
+    let out = std::env::temp_dir().join(format!("hvprobe-bench-{bench}-{}", std::process::id()));
+    eprintln!("hvprobe: booting the bundled guest once for a snapshot (use --snapshot DIR to skip)");
+    crate::snapshot::create(CreateArgs {
+        out: out.clone(),
+        kernel: None,
+        initrd: None,
+        cmdline: String::new(),
+        cpus,
+        mem: 128,
+    })?;
+    Ok(out)
+}
+
 /// The floor: an int3 nobody owns, passed over by moving RIP (what every hit needs at least).
 struct SkipInt3;
 
@@ -257,22 +281,7 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     }
 
     println!();
-    let dir = match &args.snapshot {
-        Some(d) => d.clone(),
-        None => {
-            let out = std::env::temp_dir().join(format!("hvprobe-bench-probes-{}", std::process::id()));
-            eprintln!("hvprobe: booting the bundled guest once for a snapshot (use --snapshot DIR to skip)");
-            crate::snapshot::create(CreateArgs {
-                out: out.clone(),
-                kernel: None,
-                initrd: None,
-                cmdline: String::new(),
-                cpus: 1,
-                mem: 128,
-            })?;
-            out
-        }
-    };
+    let dir = bench_snapshot(args.snapshot.as_deref(), 1, "probes")?;
     println!(
         "bundled guest, a getppid() loop of {} calls timed by the guest itself, median of {} runs (variants \
          interleaved); per hit = (variant - no probe in the same round) / calls:",

@@ -9,7 +9,7 @@ use hvprobe_live::{build_tracer, live_memory, load_symbols, ProbeHandler, Symbol
 use hvprobe_probes::engine::{KprobeRequest, ProbePoint};
 use hvprobe_vmm::{ConsoleOutput, StopReason, Vm};
 
-use crate::cli::{ArmBenchArgs, CreateArgs};
+use crate::cli::ArmBenchArgs;
 use crate::guest::workload_message;
 
 type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
@@ -33,22 +33,7 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
         .copied()
         .max()
         .ok_or("--counts needs at least one number")?;
-    let dir = match &args.snapshot {
-        Some(d) => d.clone(),
-        None => {
-            let out = std::env::temp_dir().join(format!("hvprobe-bench-arm-{}", std::process::id()));
-            eprintln!("hvprobe: booting the bundled guest once for a snapshot (use --snapshot DIR to skip)");
-            crate::snapshot::create(CreateArgs {
-                out: out.clone(),
-                kernel: None,
-                initrd: None,
-                cmdline: String::new(),
-                cpus: args.cpus,
-                mem: 128,
-            })?;
-            out
-        }
-    };
+    let dir = crate::bench::bench_snapshot(args.snapshot.as_deref(), args.cpus, "arm")?;
     let mut vm = Vm::restore(&dir, Some(args.cpus), ConsoleOutput::Discard)?;
     let state = vm.vcpu_state(0)?;
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?.table;
