@@ -238,14 +238,7 @@ impl TraceSession {
                 refused[i] = true;
                 continue;
             }
-            let p = &expanded[i];
-            problems.push(format!(
-                "{}:{}: {}/{}: {e}",
-                self.file.display(),
-                p.line,
-                p.request.group,
-                p.request.event
-            ));
+            problems.push(self.refusal(&expanded[i], &e));
         }
         if !problems.is_empty() {
             return Err(all_problems(&self.file, problems));
@@ -285,6 +278,17 @@ impl TraceSession {
         Ok(())
     }
 
+    /// `FILE:LINE: GRP/EVENT: reason`, for a probe the engine refused.
+    fn refusal(&self, p: &SpecProbe, e: &ProbeError) -> String {
+        format!(
+            "{}:{}: {}/{}: {e}",
+            self.file.display(),
+            p.line,
+            p.request.group,
+            p.request.event
+        )
+    }
+
     /// Registers and arms every probe (all or none). Call with the guest where probes
     /// should start counting (at `/init`, or before a restored guest runs).
     pub fn arm(&self) -> Result<(), String> {
@@ -294,16 +298,9 @@ impl TraceSession {
             .get()
             .ok_or("the probes were not checked against the kernel")?;
         let requests = probes.iter().map(|p| p.request.clone()).collect();
-        tracer.register_all(requests).map_err(|(i, e)| {
-            let p = &probes[i];
-            format!(
-                "{}:{}: {}/{}: {e}",
-                self.file.display(),
-                p.line,
-                p.request.group,
-                p.request.event
-            )
-        })?;
+        tracer
+            .register_all(requests)
+            .map_err(|(i, e)| self.refusal(&probes[i], &e))?;
         tracing::info!("{} probe(s) armed", probes.len());
         Ok(())
     }
