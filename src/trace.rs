@@ -15,7 +15,9 @@ use hvprobe_probes::engine::{
     default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeKind, ProbePoint,
 };
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
-use hvprobe_probes::spec::{default_event_name, parse_file_all_errors, wildcard_matches, ProbeSpec, Target};
+use hvprobe_probes::spec::{
+    default_event_name, is_wildcard_pattern, parse_file_all_errors, wildcard_matches, ProbeSpec, Target,
+};
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
@@ -197,7 +199,7 @@ impl TraceSession {
         let mut wildcard_of = Vec::new();
         for (index, p) in self.probes.iter().enumerate() {
             match &p.request.point {
-                ProbePoint::Symbol { name, .. } if name.contains(['*', '?']) => {
+                ProbePoint::Symbol { name, .. } if is_wildcard_pattern(name) => {
                     let kind_is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
                     let mut functions: Vec<&str> = symbols
                         .symbols()
@@ -246,7 +248,7 @@ impl TraceSession {
         for (index, p) in self.probes.iter().enumerate() {
             let matched = wildcard_of.iter().filter(|w| **w == Some(index)).count();
             let pattern = match &p.request.point {
-                ProbePoint::Symbol { name, .. } if name.contains(['*', '?']) => name,
+                ProbePoint::Symbol { name, .. } if is_wildcard_pattern(name) => name,
                 _ => continue,
             };
             let reasons = skipped.get(&index);

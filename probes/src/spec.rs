@@ -91,8 +91,13 @@ pub enum Target {
 impl Target {
     /// A symbol pattern with `*` or `?`: one probe per function it matches.
     pub fn is_wildcard(&self) -> bool {
-        matches!(self, Target::Symbol { name, .. } if name.contains(['*', '?']))
+        matches!(self, Target::Symbol { name, .. } if is_wildcard_pattern(name))
     }
+}
+
+/// Whether a symbol name is a wildcard pattern (has `*` or `?`).
+pub fn is_wildcard_pattern(name: &str) -> bool {
+    name.contains(['*', '?'])
 }
 
 /// Whether `name` matches the wildcard `pattern` (`*` any run of characters, `?` any one),
