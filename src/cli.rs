@@ -25,6 +25,14 @@ pub enum Commands {
         #[command(subcommand)]
         command: SnapshotCommand,
     },
+    /// Add, remove, enable, disable or list probes of a running `hvprobe run` (through
+    /// its control socket).
+    Probe {
+        #[command(subcommand)]
+        command: ProbeCommand,
+    },
+    /// Stream the hit events of a running `hvprobe run` to this terminal until it ends.
+    Trace(TraceArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -78,9 +86,21 @@ pub struct RunArgs {
     /// the listing (debugfs `list` layout, plus hits and nmissed) on stderr at exit and on SIGUSR1.
     #[arg(long, value_name = "FILE")]
     pub probes: Option<PathBuf>,
-    /// How hits are printed.
-    #[arg(long, value_enum, default_value_t = OutputFormat::Text, requires = "probes")]
+    /// How hits are printed on stdout (`none`: only to `hvprobe trace` clients).
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
+    /// Where to put the control socket through which `hvprobe probe` and `hvprobe trace`
+    /// steer the run from other terminals [default: $XDG_RUNTIME_DIR/hvprobe/PID.sock, or
+    /// /tmp/hvprobe-UID/PID.sock]. Only the user who started the run can connect.
+    #[arg(long, value_name = "PATH", conflicts_with = "no_control")]
+    pub control: Option<PathBuf>,
+    /// Run without a control socket.
+    #[arg(long)]
+    pub no_control: bool,
+    /// Feed stdin to the guest's serial console also with --workload (a workload reads it
+    /// from /dev/ttyS0); on a terminal this puts it in raw mode.
+    #[arg(long)]
+    pub console_input: bool,
     /// At exit (after every probe is removed), print the SHA-256 of the guest kernel's text.
     #[arg(long)]
     pub text_hash: bool,
@@ -201,4 +221,74 @@ pub enum OutputFormat {
     Text,
     /// One JSON object per line.
     Json,
+    /// Not at all (hits still count, and stream to `hvprobe trace`).
+    None,
+}
+
+/// Which run's control socket a client talks to.
+#[derive(Args, Clone, Debug)]
+pub struct ControlArg {
+    /// The run's control socket (`hvprobe run` prints it) [default: $HVPROBE_CONTROL, else
+    /// the only running hvprobe of this user].
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+pub enum ProbeCommand {
+    /// Add probes: kprobe_events lines (`p:GRP/EVENT SYM[+OFFS] ARGS`, `r:...`, wildcards
+    /// `p:GRP/ vfs_*` and lists `p:GRP/ {vfs_read,vfs_write}`, `-:GRP/EVENT` removes).
+    /// All of them go in at once, or none (every problem is reported).
+    Add(ProbeAddArgs),
+    /// Remove the probes of events: GRP/EVENT, EVENT (any group), GRP/ (the whole group);
+    /// globs allowed.
+    Remove(EventsArgs),
+    /// Enable events (as the seed's per-probe enable); with none, turn the global switch on.
+    Enable(OptionalEventsArgs),
+    /// Disable events; with none, turn the global switch off (every probe disarmed, each
+    /// keeping its own state, like debugfs `kprobes/enabled`).
+    Disable(OptionalEventsArgs),
+    /// The probes: the debugfs `kprobes/list` layout, plus hits, nmissed and the event.
+    List(ControlArg),
+}
+
+#[derive(Args)]
+pub struct ProbeAddArgs {
+    #[command(flatten)]
+    pub control: ControlArg,
+    /// Read the lines from FILE (`-`: stdin).
+    #[arg(long, short = 'f', value_name = "FILE")]
+    pub file: Option<PathBuf>,
+    /// kprobe_events lines, one per argument.
+    #[arg(value_name = "LINE")]
+    pub lines: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct EventsArgs {
+    #[command(flatten)]
+    pub control: ControlArg,
+    #[arg(required = true, value_name = "EVENT")]
+    pub events: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct OptionalEventsArgs {
+    #[command(flatten)]
+    pub control: ControlArg,
+    #[arg(value_name = "EVENT")]
+    pub events: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct TraceArgs {
+    #[command(flatten)]
+    pub control: ControlArg,
+    /// How events are printed.
+    #[arg(long, value_enum, default_value_t = crate::control::StreamFormat::Text)]
+    pub output: crate::control::StreamFormat,
+    /// Events held for this client while it does not read; beyond them events are dropped
+    /// for it (and counted), never slowing the guest.
+    #[arg(long, default_value_t = 65536)]
+    pub queue: usize,
 }

@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod bench_arm;
 pub mod cli;
+pub mod control;
 pub mod cpio;
 pub mod guest;
 pub mod run;

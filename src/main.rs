@@ -23,6 +23,8 @@ fn main() -> ExitCode {
         Commands::Snapshot {
             command: SnapshotCommand::Create(args),
         } => hvprobe::snapshot::create(args),
+        Commands::Probe { command } => hvprobe::control::client::probe(command),
+        Commands::Trace(args) => hvprobe::control::client::trace(args),
         Commands::Bench {
             command: BenchCommand::Snapshot(args),
         } => hvprobe::snapshot::bench(args),

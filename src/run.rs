@@ -11,7 +11,7 @@ use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuCo
 
 use crate::cli::{RunArgs, SourceArg};
 use crate::guest::{initrd_with_workload, kernel_cmdline, BundledGuest};
-use crate::session::{exit_status_for_signal, RunSession, TraceOptions};
+use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOptions};
 
 /// `hvprobe run`: boots the guest, or restores it with `--snapshot`.
 pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -19,9 +19,14 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         probes: args.probes.clone(),
         output: args.output,
         text_hash: args.text_hash,
+        control: match (&args.control, args.no_control) {
+            (_, true) => ControlSocket::Off,
+            (Some(path), false) => ControlSocket::At(path.clone()),
+            (None, false) => ControlSocket::Default,
+        },
     };
     if let Some(dir) = &args.snapshot {
-        return crate::snapshot::run_restored(dir, args.cpus, args.workload.as_deref(), &trace);
+        return crate::snapshot::run_restored(dir, args.cpus, args.workload.as_deref(), args.console_input, &trace);
     }
     // Check what needs no guest build first, so bad input fails fast.
     VmConfig::validate_machine(args.cpus, args.mem)?;
@@ -61,6 +66,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
     };
     let sources = symbol_sources(&args, bundled_kernel)?;
+    if let Some(file) = &args.probes {
+        check_probes_before_boot(file, args.cpus, &sources)?;
+    }
     let config = VmConfig {
         kernel,
         initrd: initrd_with_workload(&initrd_path, args.workload.as_deref())?,
@@ -68,7 +76,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         cpus: args.cpus,
         mem_mib: args.mem,
         console_output: ConsoleOutput::Stdout,
-        console_input: args.workload.is_none(),
+        console_input: args.workload.is_none() || args.console_input,
     };
     let vm = Vm::new(&config)?;
     let console = vm.console_log();
@@ -171,6 +179,28 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     };
     Ok(ExitCode::from(code))
+}
+
+/// Checks a probe file before anything boots, so that a typo costs no boot: its syntax,
+/// and when a symbol file (System.map or vmlinux) says what the kernel's symbols are, every
+/// symbol and wildcard against them. Symbol names and offsets within their functions do
+/// not depend on KASLR; what needs the running kernel (instruction boundaries, the
+/// blacklist, patch sites, raw addresses) is checked once it is up.
+fn check_probes_before_boot(
+    file: &std::path::Path,
+    cpus: u8,
+    sources: &[SymbolsFrom],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let table = sources
+        .iter()
+        .find_map(|from| match from {
+            SymbolsFrom::SystemMap(path) => Some(SymbolTable::from_system_map_file(path)),
+            SymbolsFrom::Vmlinux(path) => Some(SymbolTable::from_elf_file(path)),
+            SymbolsFrom::Kallsyms => None,
+        })
+        .transpose()?;
+    crate::trace::check_before_boot(file, usize::from(cpus), table.as_ref())?;
+    Ok(())
 }
 
 /// Rejects a malformed `SYM[+OFFSET]` before anything boots.

@@ -1,11 +1,11 @@
 //! What `hvprobe run` does around the guest, built once and the same for a booted and a
-//! restored guest: the probes of `--probes` (the hit printer, the listing on SIGUSR1 and at
-//! exit) and the kernel text hash of `--text-hash`. The two paths differ only in when the
+//! restored guest: the probes of `--probes` and of the control socket (the hit printer, the
+//! listing on SIGUSR1 and at exit) and the kernel text hash of `--text-hash`. The two paths differ only in when the
 //! kernel is up (a booted guest: found by the introspection thread; a restored one: before
 //! it runs) and when the probes are armed (at `/init`, or at once).
 
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::GuestVirtRead;
@@ -16,20 +16,34 @@ use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
 use crate::cli::OutputFormat;
+use crate::control::server::ControlServer;
 use crate::trace::TraceSession;
 
-/// What a run traces and checks (`--probes`, `--output`, `--text-hash`).
+/// What a run traces and checks (`--probes`, `--output`, `--text-hash`, `--control`).
 #[derive(Clone, Debug, Default)]
 pub struct TraceOptions {
     pub probes: Option<PathBuf>,
     pub output: OutputFormat,
     /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
     pub text_hash: bool,
+    pub control: ControlSocket,
+}
+
+/// Whether a run has a control socket, and where.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ControlSocket {
+    /// None (benchmarks, `--no-control`).
+    #[default]
+    Off,
+    /// In the default directory, named after the process.
+    Default,
+    At(PathBuf),
 }
 
 /// The tracing side of one run.
 pub struct RunSession {
     probes: Option<Arc<TraceSession>>,
+    control: Mutex<Option<ControlServer>>,
     text_hash: bool,
     mem: GuestMemoryMmap,
     /// Where the kernel is, once it is up (for the text hash): a vCPU's state then and the
@@ -39,33 +53,66 @@ pub struct RunSession {
 
 impl RunSession {
     /// Reads the probe file (a bad one fails here, before the guest runs), starts the hit
-    /// printer and the listing on SIGUSR1. Nothing touches the guest yet.
-    pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, String> {
+    /// printer, the listing on SIGUSR1 and the control socket. Nothing touches the guest
+    /// yet.
+    pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, Box<dyn std::error::Error>> {
         stop_on_signals(vm.control())?;
-        let probes = match &options.probes {
-            Some(file) => {
-                let session = Arc::new(TraceSession::new(file, options.output, vm)?);
+        let probes = match (&options.probes, &options.control) {
+            (None, ControlSocket::Off) => None,
+            (file, _) => {
+                let session = Arc::new(TraceSession::new(file.as_deref(), options.output, vm)?);
                 session.listing_on_sigusr1()?;
                 Some(session)
             }
-            None => None,
+        };
+        let control = match (&options.control, &probes) {
+            (ControlSocket::Off, _) | (_, None) => None,
+            (socket, Some(session)) => {
+                let path = match socket {
+                    ControlSocket::At(path) => Some(path.clone()),
+                    _ => None,
+                };
+                let server = ControlServer::start(path, Arc::clone(session), vm.control())?;
+                eprintln!(
+                    "hvprobe: control socket {} (hvprobe probe add|remove|enable|disable|list, hvprobe trace)",
+                    server.path().display()
+                );
+                Some(server)
+            }
         };
         Ok(Arc::new(RunSession {
             probes,
+            control: Mutex::new(control),
             text_hash: options.text_hash,
             mem: vm.memory().clone(),
             kernel: OnceLock::new(),
         }))
     }
 
-    /// Whether there are probes to place.
+    /// Whether there are probes to place, or may be (a control socket).
     pub fn has_probes(&self) -> bool {
         self.probes.is_some()
     }
 
-    /// Whether the run needs the kernel's symbols: probes to place, or a text to hash.
+    /// Whether the run needs the kernel's symbols: probes to place (now or through the
+    /// control socket), or a text to hash.
     pub fn needs_kernel(&self) -> bool {
         self.has_probes() || self.text_hash
+    }
+
+    /// Whether the run fails without the kernel's symbols: a probe file, or a text to
+    /// hash. (A control socket alone only tells its clients why it has no probes.)
+    pub fn requires_kernel(&self) -> bool {
+        self.probes.as_ref().is_some_and(|p| p.has_file()) || self.text_hash
+    }
+
+    /// The kernel's symbols could not be had; for a run that does not require them, the
+    /// control socket's clients are told why.
+    pub fn symbols_unavailable(&self, why: String) {
+        tracing::warn!("no kernel symbols: the control socket cannot place probes: {why}");
+        if let Some(probes) = &self.probes {
+            probes.symbols_unavailable(why);
+        }
     }
 
     /// The debug handler to run the VM with.
@@ -87,7 +134,7 @@ impl RunSession {
         tasks: Option<TaskContext>,
     ) -> Result<(), String> {
         if let Some(probes) = &self.probes {
-            probes.prepare(control, &self.mem, state, symbols, tasks)?;
+            probes.prepare(control, state, symbols, tasks).map_err(|e| e.to_string())?;
         }
         if self.text_hash {
             let _ = self.kernel.set((*state, symbols.clone()));
@@ -120,8 +167,16 @@ impl RunSession {
     /// removed; then the SHA-256 of the kernel's text, when asked for and the kernel was
     /// ever up.
     pub fn finish(&self) -> Result<(), String> {
+        let control = self.control.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let control = control.map(|mut c| {
+            c.stop_accepting();
+            c
+        });
         if let Some(probes) = &self.probes {
             probes.finish();
+        }
+        if let Some(control) = control {
+            control.finish();
         }
         if let Some((state, symbols)) = self.kernel.get() {
             let hash = kernel_memory(&self.mem, state, symbols)

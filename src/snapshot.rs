@@ -127,24 +127,34 @@ fn restore_and_run(
     cpus: u8,
     workload: &str,
     console_output: ConsoleOutput,
+    console_input: bool,
     trace: &TraceOptions,
 ) -> Result<Restored, Box<dyn std::error::Error>> {
     let started = Instant::now();
     let mut vm = Vm::restore(dir, Some(cpus), console_output)?;
+    if console_input {
+        vm.feed_stdin_to_console();
+    }
     let session = RunSession::start(trace, &vm)?;
     if session.needs_kernel() {
         // The restored guest's own kallsyms name its symbols: no file has to match it.
         let state = vm.vcpu_state(0)?;
         let memory = live_memory(vm.memory(), &state);
-        let symbols = load_symbols(&SymbolsFrom::Kallsyms, &memory, state.lstar)?.table;
-        let tasks = match session.has_probes() {
-            true => TaskContext::read(&memory, &symbols)
-                .map_err(|reason| tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"))
-                .ok(),
-            false => None,
-        };
-        session.kernel_up(vm.control(), &state, &symbols, tasks)?;
-        session.arm()?;
+        match load_symbols(&SymbolsFrom::Kallsyms, &memory, state.lstar) {
+            Ok(kernel) => {
+                let symbols = kernel.table;
+                let tasks = match session.has_probes() {
+                    true => TaskContext::read(&memory, &symbols)
+                        .map_err(|reason| tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"))
+                        .ok(),
+                    false => None,
+                };
+                session.kernel_up(vm.control(), &state, &symbols, tasks)?;
+                session.arm()?;
+            }
+            Err(e) if !session.requires_kernel() => session.symbols_unavailable(e.to_string()),
+            Err(e) => return Err(e.into()),
+        }
     }
     vm.send_console_input(workload_message(workload));
     let console = vm.console_log();
@@ -161,9 +171,15 @@ fn restore_and_run(
 }
 
 /// `hvprobe run --snapshot DIR`: restore, run the workload, exit with its status.
-pub fn run_restored(dir: &Path, cpus: u8, workload: Option<&str>, trace: &TraceOptions) -> CliResult {
+pub fn run_restored(
+    dir: &Path,
+    cpus: u8,
+    workload: Option<&str>,
+    console_input: bool,
+    trace: &TraceOptions,
+) -> CliResult {
     let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
-    let r = restore_and_run(dir, cpus, workload, ConsoleOutput::Stdout, trace)?;
+    let r = restore_and_run(dir, cpus, workload, ConsoleOutput::Stdout, console_input, trace)?;
     eprintln!(
         "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
         r.outcome.reason,
@@ -226,6 +242,7 @@ fn bench_with(config: &VmConfig, dir: &Path, args: &SnapshotBenchArgs) -> CliRes
             args.cpus,
             "exit 0",
             ConsoleOutput::Discard,
+            false,
             &TraceOptions::default(),
         )?;
         if r.outcome.reason != StopReason::GuestExit(0) {

@@ -1,10 +1,13 @@
-//! `hvprobe run --probes FILE`: the probes of a spec file, armed in a running guest, their
-//! hits printed as they happen and the listing printed at the end (and on SIGUSR1).
+//! The probes of one run: those of `--probes FILE`, armed once the guest is ready, and
+//! those the control socket adds, removes, enables and disables while it runs. Hits are
+//! printed as they happen and streamed to every `hvprobe trace` client; the listing is
+//! printed at the end (and on SIGUSR1).
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,7 +15,8 @@ use std::time::{Duration, Instant};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
 use hvprobe_probes::engine::{
-    default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeKind, ProbePoint,
+    default_maxactive, resolve_symbol, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind,
+    ProbePoint, Tracer,
 };
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
 use hvprobe_probes::spec::{
@@ -26,46 +30,150 @@ use crate::cli::OutputFormat;
 /// Events a slow printer has not taken yet; beyond this, hits count as missed.
 const EVENT_QUEUE: usize = 1 << 16;
 
-/// A probe from the spec file, with its line for error messages.
+/// What a request to the running session could not do.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// Every problem of a spec text (or of its probes against the kernel), one per line,
+    /// each `SOURCE:LINE:[COLUMN:] reason`.
+    #[error("{}", all_problems(origin, problems))]
+    Spec { origin: String, problems: Vec<String> },
+    #[error("the guest kernel is not up yet: probes can be added once it is")]
+    KernelNotUp,
+    #[error("the guest has not reached /init yet: probes go in once its boot-time text patching is over")]
+    NotReady,
+    #[error("no kernel symbols, so no probes can be placed: {0}")]
+    NoSymbols(String),
+    #[error("cannot start the probe engine: {0}")]
+    Engine(String),
+    #[error("the run has ended")]
+    Finished,
+    #[error("no probe event matches {0:?}")]
+    NoSuchEvent(String),
+    #[error("{event}: {source}")]
+    Probe { event: String, source: Box<ProbeError> },
+}
+
+/// A probe from a spec text, with its line for error messages.
 #[derive(Clone)]
 struct SpecProbe {
     line: usize,
     request: KprobeRequest,
 }
 
-/// The probes of one run and where their output goes.
+/// A `-:[GRP/]EVENT` line that names no probe defined above it in the same text.
+struct Removal {
+    line: usize,
+    group: Option<String>,
+    event: String,
+}
+
+/// What an accepted `add` did.
+#[derive(Debug, Default)]
+pub struct AddReport {
+    /// `GRP/EVENT` of every probe armed.
+    pub added: Vec<String>,
+    /// `GRP/EVENT` of every probe a `-:` line removed.
+    pub removed: Vec<String>,
+    /// Per wildcard line: how many functions matched, were armed and skipped (and why).
+    pub wildcards: Vec<String>,
+}
+
+/// Where the kernel is, once it is up: what the engine is built from.
+struct KernelUp {
+    control: Arc<VcpuControl>,
+    state: VcpuState,
+    symbols: SymbolTable,
+    tasks: Option<TaskContext>,
+}
+
+/// The probes of one run and where their hits go.
 pub struct TraceSession {
-    file: PathBuf,
-    /// As the file gives them (a wildcard is one entry).
-    probes: Vec<SpecProbe>,
-    /// What is armed: the file's probes with every wildcard replaced by one probe per
-    /// function it matches that can be probed (set once the kernel's symbols are known).
-    expanded: OnceLock<Vec<SpecProbe>>,
+    /// `--probes FILE`, if given.
+    file: Option<PathBuf>,
+    /// The file's probes as it gives them (a wildcard is one entry).
+    initial: Vec<SpecProbe>,
+    /// The file's probes with every wildcard replaced by one probe per function it matches
+    /// that can be probed, checked against the kernel: what [`TraceSession::arm`] arms.
+    planned: OnceLock<Vec<SpecProbe>>,
+    kernel: OnceLock<KernelUp>,
+    /// Why the kernel's symbols could not be had, when they could not.
+    no_symbols: OnceLock<String>,
+    /// The guest is past its boot-time text patching: probes may go in.
+    ready: AtomicBool,
+    /// The run is over: no probe goes in any more.
+    finished: AtomicBool,
+    cpus: usize,
+    mem: GuestMemoryMmap,
     pub handler: Arc<ProbeHandler>,
-    sink: Arc<ChannelSink>,
+    events: Arc<EventFanout>,
     printer: Mutex<Option<JoinHandle<()>>>,
     /// Why arming failed (it happens on a vCPU thread).
     failure: Arc<Mutex<Option<String>>>,
+    /// Serializes the engine's construction and the control socket's changes (a check and
+    /// the registration that follows it see the same probes).
+    changes: Mutex<()>,
 }
 
-struct ChannelSink {
-    tx: Mutex<Option<SyncSender<HitEvent>>>,
+/// Where hit events go: the run's printer, and every live `hvprobe trace` stream. No
+/// consumer ever blocks a vCPU: a full queue drops the event for that consumer alone (the
+/// printer's drops are the probe's nmissed; a stream's are counted for that stream).
+struct EventFanout {
+    printer: Mutex<Option<SyncSender<HitEvent>>>,
+    streams: Mutex<Vec<EventStream>>,
 }
 
-impl EventSink for ChannelSink {
+/// One `hvprobe trace` client's queue.
+struct EventStream {
+    tx: SyncSender<HitEvent>,
+    dropped: Arc<AtomicU64>,
+}
+
+/// A subscription to hit events: the events as they come, and how many were dropped
+/// because the queue was full.
+pub struct Subscription {
+    pub events: Receiver<HitEvent>,
+    pub dropped: Arc<AtomicU64>,
+}
+
+impl EventSink for EventFanout {
     fn try_send(&self, event: HitEvent) -> bool {
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        tx.as_ref().is_some_and(|tx| tx.try_send(event).is_ok())
+        {
+            let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+            streams.retain(|s| match s.tx.try_send(event.clone()) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_)) => {
+                    s.dropped.fetch_add(1, Ordering::Relaxed);
+                    true
+                }
+                Err(TrySendError::Disconnected(_)) => false,
+            });
+        }
+        let printer = self.printer.lock().unwrap_or_else(|e| e.into_inner());
+        match printer.as_ref() {
+            Some(tx) => tx.try_send(event).is_ok(),
+            // Nobody prints (`--output none`): the event is delivered to whoever streams.
+            None => true,
+        }
     }
 }
 
-/// Reads and checks a spec file: syntax, and what this version supports.
-fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read probe file {}: {e}", path.display()))?;
-    // Every problem of the file at once, in line order: one round of fixing.
-    let (specs, errors) = parse_file_all_errors(&text, &path.display().to_string());
+impl EventFanout {
+    /// Ends every stream and the printer's queue: their consumers see the end once they
+    /// have taken what is queued.
+    fn close(&self) {
+        self.streams.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        *self.printer.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+/// Parses a spec text: syntax, and what this version supports. `-:` lines remove a probe
+/// defined above them in the same text; those that name none are returned apart.
+fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Vec<Removal>, Vec<(usize, String)>) {
+    // Every problem at once, in line order: one round of fixing.
+    let (specs, errors) = parse_file_all_errors(text, source);
     let mut problems: Vec<(usize, String)> = errors.iter().map(|e| (e.line, e.to_string())).collect();
     let mut probes: Vec<SpecProbe> = Vec::new();
+    let mut removals = Vec::new();
     for (line, spec) in specs {
         let (group, event, target, args, kind) = match spec {
             ProbeSpec::Kprobe {
@@ -88,14 +196,7 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
                 let before = probes.len();
                 probes.retain(|p| !(p.request.event == event && group.as_ref().is_none_or(|g| *g == p.request.group)));
                 if probes.len() == before {
-                    problems.push((
-                        line,
-                        format!(
-                            "{}:{line}: -:{}{event}: no such event defined above",
-                            path.display(),
-                            group.map(|g| format!("{g}/")).unwrap_or_default()
-                        ),
-                    ));
+                    removals.push(Removal { line, group, event });
                 }
                 continue;
             }
@@ -107,11 +208,7 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
         {
             problems.push((
                 line,
-                format!(
-                    "{}:{line}: event {group}/{event} is already defined on line {}",
-                    path.display(),
-                    other.line
-                ),
+                format!("{source}:{line}: event {group}/{event} is already defined on line {}", other.line),
             ));
             continue;
         }
@@ -127,12 +224,40 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, String> {
             },
         });
     }
-    if problems.is_empty() {
-        Ok(probes)
-    } else {
-        problems.sort_by_key(|(line, _)| *line);
-        Err(all_problems(path, problems.into_iter().map(|(_, p)| p).collect()))
+    (probes, removals, problems)
+}
+
+/// Reads and checks a spec file: syntax, and what this version supports.
+fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, SessionError> {
+    let source = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| SessionError::Spec {
+        origin: source.clone(),
+        problems: vec![format!("cannot read probe file {source}: {e}")],
+    })?;
+    let (probes, removals, mut problems) = parse_spec_text(&text, &source, cpus);
+    for r in removals {
+        problems.push((
+            r.line,
+            format!(
+                "{source}:{}: -:{}{}: no such event defined above",
+                r.line,
+                r.group.map(|g| format!("{g}/")).unwrap_or_default(),
+                r.event
+            ),
+        ));
     }
+    spec_result(&source, problems).map(|()| probes)
+}
+
+fn spec_result(source: &str, mut problems: Vec<(usize, String)>) -> Result<(), SessionError> {
+    if problems.is_empty() {
+        return Ok(());
+    }
+    problems.sort_by_key(|(line, _)| *line);
+    Err(SessionError::Spec {
+        origin: source.to_owned(),
+        problems: problems.into_iter().map(|(_, p)| p).collect(),
+    })
 }
 
 /// A short name for why a wildcard's function is skipped, for the count.
@@ -148,162 +273,306 @@ fn refusal_kind(e: &ProbeError) -> &'static str {
     }
 }
 
-/// Several problems of one spec file as one error: a count, then one per line.
-fn all_problems(path: &Path, problems: Vec<String>) -> String {
-    match problems.len() {
-        1 => problems.into_iter().next().unwrap_or_default(),
-        n => format!("{n} problems in {}:\n{}", path.display(), problems.join("\n")),
+/// Several problems of one spec text as one message: a count, then one per line.
+fn all_problems(source: &str, problems: &[String]) -> String {
+    match problems {
+        [one] => one.clone(),
+        many => format!("{} problems in {source}:\n{}", many.len(), many.join("\n")),
+    }
+}
+
+/// `SOURCE:LINE: GRP/EVENT: reason`, for a probe the engine refused.
+fn refusal(source: &str, p: &SpecProbe, e: &ProbeError) -> String {
+    format!("{source}:{}: {}/{}: {e}", p.line, p.request.group, p.request.event)
+}
+
+/// The text functions a wildcard line matches, each as its own probe.
+fn expand_wildcard(p: &SpecProbe, pattern: &str, symbols: &SymbolTable) -> Vec<SpecProbe> {
+    let is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
+    let mut functions: Vec<&str> = symbols
+        .symbols()
+        .iter()
+        .filter(|s| s.is_text() && wildcard_matches(pattern, &s.name))
+        .map(|s| s.name.as_str())
+        .collect();
+    functions.sort_unstable();
+    functions.dedup();
+    functions
+        .into_iter()
+        .map(|function| {
+            let target = Target::Symbol {
+                name: function.to_string(),
+                offset: 0,
+            };
+            let mut request = p.request.clone();
+            request.event = default_event_name(is_return, &target);
+            request.point = ProbePoint::Symbol {
+                name: function.to_string(),
+                offset: 0,
+            };
+            SpecProbe { line: p.line, request }
+        })
+        .collect()
+}
+
+/// The wildcard pattern of a probe, if it has one.
+fn wildcard_of(p: &SpecProbe) -> Option<&str> {
+    match &p.request.point {
+        ProbePoint::Symbol { name, .. } if is_wildcard_pattern(name) => Some(name),
+        _ => None,
+    }
+}
+
+/// Checks a spec file before the guest boots: its syntax, and with the kernel's symbols,
+/// that every symbol exists, is unique and holds its offset, and that every wildcard
+/// matches some function. (Raw addresses wait for the guest: KASLR may move them.) All
+/// problems at once.
+pub fn check_before_boot(file: &Path, cpus: usize, symbols: Option<&SymbolTable>) -> Result<(), SessionError> {
+    let source = file.display().to_string();
+    let probes = read_spec_file(file, cpus)?;
+    let Some(symbols) = symbols else {
+        return Ok(());
+    };
+    let mut problems = Vec::new();
+    for p in &probes {
+        if let Some(pattern) = wildcard_of(p) {
+            if expand_wildcard(p, pattern, symbols).is_empty() {
+                problems.push((p.line, format!("{source}:{}: {pattern}: matches no kernel function", p.line)));
+            }
+        } else if let ProbePoint::Symbol { name, offset } = &p.request.point {
+            if let Err(e) = resolve_symbol(symbols, name, *offset) {
+                problems.push((p.line, refusal(&source, p, &e)));
+            }
+        }
+    }
+    spec_result(&source, problems)
+}
+
+/// Expands wildcards and checks every probe against the kernel: `(what to arm, one line
+/// per wildcard with its counts)`, or every refusal. A wildcard's functions that cannot be
+/// probed are skipped and counted; a wildcard that matches nothing is a refusal.
+fn plan(
+    tracer: &Tracer,
+    symbols: &SymbolTable,
+    source: &str,
+    probes: &[SpecProbe],
+) -> Result<(Vec<SpecProbe>, Vec<String>), SessionError> {
+    let mut expanded = Vec::new();
+    let mut from_wildcard = Vec::new();
+    let mut problems = Vec::new();
+    for (index, p) in probes.iter().enumerate() {
+        match wildcard_of(p) {
+            Some(pattern) => {
+                let functions = expand_wildcard(p, pattern, symbols);
+                if functions.is_empty() {
+                    problems.push((p.line, format!("{source}:{}: {pattern}: matches no kernel function", p.line)));
+                }
+                from_wildcard.extend(std::iter::repeat_n(Some(index), functions.len()));
+                expanded.extend(functions);
+            }
+            None => {
+                expanded.push(p.clone());
+                from_wildcard.push(None);
+            }
+        }
+    }
+    let requests: Vec<KprobeRequest> = expanded.iter().map(|p| p.request.clone()).collect();
+    let mut skipped: BTreeMap<usize, BTreeMap<&'static str, usize>> = BTreeMap::new();
+    let mut refused = vec![false; expanded.len()];
+    for (i, e) in tracer.check_all(&requests) {
+        match from_wildcard[i] {
+            Some(w) => {
+                *skipped.entry(w).or_default().entry(refusal_kind(&e)).or_default() += 1;
+                refused[i] = true;
+            }
+            None => problems.push((expanded[i].line, refusal(source, &expanded[i], &e))),
+        }
+    }
+    spec_result(source, problems)?;
+    let mut notes = Vec::new();
+    for (index, p) in probes.iter().enumerate() {
+        let Some(pattern) = wildcard_of(p) else { continue };
+        let matched = from_wildcard.iter().filter(|w| **w == Some(index)).count();
+        let reasons = skipped.get(&index);
+        let n_skipped: usize = reasons.map(|r| r.values().sum()).unwrap_or(0);
+        let why = reasons
+            .map(|r| r.iter().map(|(k, n)| format!("{n} {k}")).collect::<Vec<_>>().join(", "))
+            .map(|why| format!(" ({why})"))
+            .unwrap_or_default();
+        notes.push(format!(
+            "{source}:{}: {pattern}: {matched} functions match, {} to arm, {n_skipped} skipped{why}",
+            p.line,
+            matched - n_skipped,
+        ));
+    }
+    let armed = expanded
+        .into_iter()
+        .zip(refused)
+        .filter(|(_, r)| !r)
+        .map(|(p, _)| p)
+        .collect();
+    Ok((armed, notes))
+}
+
+/// Whether `GRP/EVENT` matches a user's event pattern: `GRP/EVENT`, `EVENT` (any group),
+/// or `GRP/` (the whole group), each part a glob.
+fn event_matches(pattern: &str, group: &str, event: &str) -> bool {
+    match pattern.split_once('/') {
+        Some((g, "")) => wildcard_matches(g, group),
+        Some((g, e)) => wildcard_matches(g, group) && wildcard_matches(e, event),
+        None => wildcard_matches(pattern, event),
     }
 }
 
 impl TraceSession {
-    /// Parses the probe file and starts the printer. Nothing touches the guest yet.
-    pub fn new(probes_file: &Path, format: OutputFormat, vm: &Vm) -> Result<TraceSession, String> {
-        let probes = read_spec_file(probes_file, vm.control().vcpu_count())?;
-        let console = vm.console_log();
-        let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
-        let printer = std::thread::Builder::new()
-            .name("trace-printer".into())
-            .spawn(move || print_events(rx, format, console))
-            .map_err(|e| format!("cannot start the trace printer: {e}"))?;
+    /// Parses the probe file (if any) and starts the printer. Nothing touches the guest yet.
+    pub fn new(probes_file: Option<&Path>, format: OutputFormat, vm: &Vm) -> Result<TraceSession, SessionError> {
+        let cpus = vm.control().vcpu_count();
+        let initial = match probes_file {
+            Some(file) => read_spec_file(file, cpus)?,
+            None => Vec::new(),
+        };
+        let (printer_tx, printer) = match format {
+            OutputFormat::None => (None, None),
+            format => {
+                let console = vm.console_log();
+                let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
+                let printer = std::thread::Builder::new()
+                    .name("trace-printer".into())
+                    .spawn(move || print_events(rx, format, console))
+                    .map_err(|e| SessionError::Engine(format!("cannot start the trace printer: {e}")))?;
+                (Some(tx), Some(printer))
+            }
+        };
         Ok(TraceSession {
-            file: probes_file.to_path_buf(),
-            probes,
-            expanded: OnceLock::new(),
+            file: probes_file.map(Path::to_path_buf),
+            initial,
+            planned: OnceLock::new(),
+            kernel: OnceLock::new(),
+            no_symbols: OnceLock::new(),
+            ready: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
+            cpus,
+            mem: vm.memory().clone(),
             handler: ProbeHandler::new(vm),
-            sink: Arc::new(ChannelSink {
-                tx: Mutex::new(Some(tx)),
+            events: Arc::new(EventFanout {
+                printer: Mutex::new(printer_tx),
+                streams: Mutex::new(Vec::new()),
             }),
-            printer: Mutex::new(Some(printer)),
+            printer: Mutex::new(printer),
             failure: Arc::new(Mutex::new(None)),
+            changes: Mutex::new(()),
         })
     }
 
-    /// Once the kernel is up (vCPUs paused, `state` one of theirs): reads the kernel facts
-    /// the engine checks probes against, maps the out-of-line area and attaches a tracer.
-    /// Checks that every probe's symbol exists, so a typo fails before the guest goes on.
+    /// Whether a probe file was given.
+    pub fn has_file(&self) -> bool {
+        self.file.is_some()
+    }
+
+    fn source(&self) -> String {
+        self.file.as_ref().map(|f| f.display().to_string()).unwrap_or_default()
+    }
+
+    /// Once the kernel is up (vCPUs paused, `state` one of theirs): remembers where it is,
+    /// and when there is a probe file, builds the engine (reading the kernel facts the
+    /// engine checks probes against, mapping the out-of-line area) and checks every probe
+    /// of the file against the kernel, so that a refusal fails before the guest goes on.
+    /// Arms nothing.
     pub fn prepare(
         &self,
         control: Arc<VcpuControl>,
-        mem: &GuestMemoryMmap,
         state: &VcpuState,
         symbols: &SymbolTable,
         tasks: Option<TaskContext>,
-    ) -> Result<(), String> {
-        let sink: Arc<dyn EventSink> = self.sink.clone();
-        let tracer = build_tracer(control, mem, state, symbols, Some(sink)).map_err(|e| e.to_string())?;
-        // Every refusal at once, before the guest goes on (arming re-checks each probe in
-        // the pause, in case the guest's text changed meanwhile). A wildcard's functions
-        // that cannot be probed are skipped and counted instead.
-        let mut expanded = Vec::new();
-        let mut wildcard_of = Vec::new();
-        for (index, p) in self.probes.iter().enumerate() {
-            match &p.request.point {
-                ProbePoint::Symbol { name, .. } if is_wildcard_pattern(name) => {
-                    let kind_is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
-                    let mut functions: Vec<&str> = symbols
-                        .symbols()
-                        .iter()
-                        .filter(|s| s.is_text() && wildcard_matches(name, &s.name))
-                        .map(|s| s.name.as_str())
-                        .collect();
-                    functions.sort_unstable();
-                    functions.dedup();
-                    for function in functions {
-                        let target = Target::Symbol {
-                            name: function.to_string(),
-                            offset: 0,
-                        };
-                        let mut request = p.request.clone();
-                        request.event = default_event_name(kind_is_return, &target);
-                        request.point = ProbePoint::Symbol {
-                            name: function.to_string(),
-                            offset: 0,
-                        };
-                        expanded.push(SpecProbe { line: p.line, request });
-                        wildcard_of.push(Some(index));
-                    }
-                }
-                _ => {
-                    expanded.push(p.clone());
-                    wildcard_of.push(None);
-                }
-            }
+    ) -> Result<(), SessionError> {
+        let _ = self.kernel.set(KernelUp {
+            control,
+            state: *state,
+            symbols: symbols.clone(),
+            tasks,
+        });
+        if self.file.is_none() {
+            return Ok(());
         }
-        let requests: Vec<KprobeRequest> = expanded.iter().map(|p| p.request.clone()).collect();
-        let mut problems = Vec::new();
-        let mut skipped: BTreeMap<usize, BTreeMap<&'static str, usize>> = BTreeMap::new();
-        let mut refused = vec![false; expanded.len()];
-        for (i, e) in tracer.check_all(&requests) {
-            if let Some(w) = wildcard_of[i] {
-                *skipped.entry(w).or_default().entry(refusal_kind(&e)).or_default() += 1;
-                refused[i] = true;
-                continue;
-            }
-            problems.push(self.refusal(&expanded[i], &e));
+        let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let tracer = self.attach_tracer()?;
+        let (armed, notes) = plan(&tracer, symbols, &self.source(), &self.initial)?;
+        for note in notes {
+            eprintln!("hvprobe: {note}");
         }
-        if !problems.is_empty() {
-            return Err(all_problems(&self.file, problems));
-        }
-        for (index, p) in self.probes.iter().enumerate() {
-            let matched = wildcard_of.iter().filter(|w| **w == Some(index)).count();
-            let pattern = match &p.request.point {
-                ProbePoint::Symbol { name, .. } if is_wildcard_pattern(name) => name,
-                _ => continue,
-            };
-            let reasons = skipped.get(&index);
-            let n_skipped: usize = reasons.map(|r| r.values().sum()).unwrap_or(0);
-            let why = reasons
-                .map(|r| r.iter().map(|(k, n)| format!("{n} {k}")).collect::<Vec<_>>().join(", "))
-                .unwrap_or_default();
-            eprintln!(
-                "hvprobe: {}:{}: {}: {matched} functions match, {} to arm, {n_skipped} skipped{}",
-                self.file.display(),
-                p.line,
-                pattern,
-                matched - n_skipped,
-                if why.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({why})")
-                }
-            );
-        }
-        let armed: Vec<SpecProbe> = expanded
-            .into_iter()
-            .zip(refused)
-            .filter(|(_, r)| !r)
-            .map(|(p, _)| p)
-            .collect();
-        let _ = self.expanded.set(armed);
-        self.handler.attach(tracer, tasks);
+        let _ = self.planned.set(armed);
         Ok(())
     }
 
-    /// `FILE:LINE: GRP/EVENT: reason`, for a probe the engine refused.
-    fn refusal(&self, p: &SpecProbe, e: &ProbeError) -> String {
-        format!(
-            "{}:{}: {}/{}: {e}",
-            self.file.display(),
-            p.line,
-            p.request.group,
-            p.request.event
-        )
+    /// The kernel's symbols could not be had: every request for probes says why.
+    pub fn symbols_unavailable(&self, why: String) {
+        let _ = self.no_symbols.set(why);
     }
 
-    /// Registers and arms every probe (all or none). Call with the guest where probes
-    /// should start counting (at `/init`, or before a restored guest runs).
+    /// The engine, built on first need (the caller has the vCPUs paused and holds
+    /// `changes`).
+    fn attach_tracer(&self) -> Result<Arc<Tracer>, SessionError> {
+        if let Some(tracer) = self.handler.tracer() {
+            return Ok(Arc::clone(tracer));
+        }
+        let kernel = self.kernel.get().ok_or(SessionError::KernelNotUp)?;
+        let sink: Arc<dyn EventSink> = self.events.clone();
+        let tracer = build_tracer(
+            Arc::clone(&kernel.control),
+            &self.mem,
+            &kernel.state,
+            &kernel.symbols,
+            Some(sink),
+        )
+        .map_err(|e| SessionError::Engine(e.to_string()))?;
+        self.handler.attach(Arc::clone(&tracer), kernel.tasks);
+        Ok(tracer)
+    }
+
+    /// The engine for a request of the control socket, built (in a pause) if this is the
+    /// first probe of the run; an error while the guest cannot take probes yet. The caller
+    /// holds `changes`.
+    fn live_tracer(&self) -> Result<(Arc<Tracer>, &SymbolTable), SessionError> {
+        if self.finished.load(Ordering::Acquire) {
+            return Err(SessionError::Finished);
+        }
+        if let Some(why) = self.no_symbols.get() {
+            return Err(SessionError::NoSymbols(why.clone()));
+        }
+        let kernel = self.kernel.get().ok_or(SessionError::KernelNotUp)?;
+        if !self.ready.load(Ordering::Acquire) {
+            return Err(SessionError::NotReady);
+        }
+        let tracer = match self.handler.tracer() {
+            Some(tracer) => Arc::clone(tracer),
+            None => {
+                let paused = kernel.control.pause_all();
+                let tracer = self.attach_tracer();
+                drop(paused);
+                tracer?
+            }
+        };
+        Ok((tracer, &kernel.symbols))
+    }
+
+    /// Registers and arms every probe of the file (all or none). Call with the guest where
+    /// probes should start counting (at `/init`, or before a restored guest runs); from
+    /// then on the control socket can add probes too.
     pub fn arm(&self) -> Result<(), String> {
-        let tracer = self.handler.tracer().ok_or("the probe engine is not attached")?;
-        let probes = self
-            .expanded
-            .get()
-            .ok_or("the probes were not checked against the kernel")?;
-        let requests = probes.iter().map(|p| p.request.clone()).collect();
-        tracer
-            .register_all(requests)
-            .map_err(|(i, e)| self.refusal(&probes[i], &e))?;
-        tracing::info!("{} probe(s) armed", probes.len());
+        if self.file.is_some() {
+            let tracer = self.handler.tracer().ok_or("the probe engine is not attached")?;
+            let probes = self
+                .planned
+                .get()
+                .ok_or("the probes were not checked against the kernel")?;
+            let requests = probes.iter().map(|p| p.request.clone()).collect();
+            tracer
+                .register_all(requests)
+                .map_err(|(i, e)| refusal(&self.source(), &probes[i], &e))?;
+            tracing::info!("{} probe(s) armed", probes.len());
+        }
+        self.ready.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -323,12 +592,147 @@ impl TraceSession {
         self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// The listing: one line per probe, the debugfs `list` layout plus hits and nmissed.
+    /// Adds the probes of a spec text on the running guest, as writing it to
+    /// `kprobe_events` does (`-:` lines remove probes, also ones added before). Every
+    /// problem of the text at once; the `-:` lines take effect first (so a text can
+    /// redefine an event), then the new probes go in all or none, in one pause.
+    pub fn add(&self, text: &str, source: &str) -> Result<AddReport, SessionError> {
+        let (probes, removals, problems) = parse_spec_text(text, source, self.cpus);
+        spec_result(source, problems)?;
+        let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let (tracer, symbols) = self.live_tracer()?;
+        let existing = tracer.events();
+        let mut to_remove = Vec::new();
+        let mut problems = Vec::new();
+        for r in &removals {
+            let before = to_remove.len();
+            to_remove.extend(
+                existing
+                    .iter()
+                    .filter(|(_, g, e)| *e == r.event && r.group.as_ref().is_none_or(|rg| rg == g))
+                    .map(|(id, g, e)| (*id, format!("{g}/{e}"))),
+            );
+            if to_remove.len() == before {
+                problems.push((
+                    r.line,
+                    format!(
+                        "{source}:{}: -:{}{}: no such event",
+                        r.line,
+                        r.group.as_ref().map(|g| format!("{g}/")).unwrap_or_default(),
+                        r.event
+                    ),
+                ));
+            }
+        }
+        spec_result(source, problems)?;
+        for (id, name) in &to_remove {
+            tracer.unregister(*id).map_err(|e| SessionError::Probe {
+                event: name.clone(),
+                source: Box::new(e),
+            })?;
+        }
+        let (armed, wildcards) = plan(&tracer, symbols, source, &probes)?;
+        let requests = armed.iter().map(|p| p.request.clone()).collect();
+        tracer
+            .register_all(requests)
+            .map_err(|(i, e)| SessionError::Spec {
+                origin: source.to_owned(),
+                problems: vec![refusal(source, &armed[i], &e)],
+            })?;
+        Ok(AddReport {
+            added: armed
+                .iter()
+                .map(|p| format!("{}/{}", p.request.group, p.request.event))
+                .collect(),
+            removed: to_remove.into_iter().map(|(_, name)| name).collect(),
+            wildcards,
+        })
+    }
+
+    /// The probes whose events match any of `patterns` (see [`event_matches`]); every
+    /// pattern must match something.
+    fn matching(&self, tracer: &Tracer, patterns: &[String]) -> Result<Vec<(ProbeId, String)>, SessionError> {
+        let events = tracer.events();
+        let mut found = Vec::new();
+        for pattern in patterns {
+            let before = found.len();
+            found.extend(
+                events
+                    .iter()
+                    .filter(|(_, g, e)| event_matches(pattern, g, e))
+                    .map(|(id, g, e)| (*id, format!("{g}/{e}"))),
+            );
+            if found.len() == before {
+                return Err(SessionError::NoSuchEvent(pattern.clone()));
+            }
+        }
+        found.sort_by_key(|(id, _)| *id);
+        found.dedup_by_key(|(id, _)| *id);
+        Ok(found)
+    }
+
+    /// Removes the probes of the events `patterns` name (`GRP/EVENT`, `EVENT`, `GRP/`, with
+    /// globs), in one request: every pattern must match a probe, or nothing is removed.
+    pub fn remove(&self, patterns: &[String]) -> Result<Vec<String>, SessionError> {
+        let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let (tracer, _) = self.live_tracer()?;
+        let found = self.matching(&tracer, patterns)?;
+        for (id, name) in &found {
+            tracer.unregister(*id).map_err(|e| SessionError::Probe {
+                event: name.clone(),
+                source: Box::new(e),
+            })?;
+        }
+        Ok(found.into_iter().map(|(_, name)| name).collect())
+    }
+
+    /// Enables or disables the probes of the events `patterns` name; with no pattern, the
+    /// global switch (the seed's debugfs `kprobes/enabled`), which keeps each probe's own
+    /// state.
+    pub fn set_enabled(&self, patterns: &[String], enabled: bool) -> Result<Vec<String>, SessionError> {
+        let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let (tracer, _) = self.live_tracer()?;
+        if patterns.is_empty() {
+            tracer.set_armed(enabled);
+            return Ok(Vec::new());
+        }
+        let found = self.matching(&tracer, patterns)?;
+        for (id, name) in &found {
+            tracer.set_enabled(*id, enabled).map_err(|e| SessionError::Probe {
+                event: name.clone(),
+                source: Box::new(e),
+            })?;
+        }
+        Ok(found.into_iter().map(|(_, name)| name).collect())
+    }
+
+    /// Whether the global switch is on (no engine yet counts as on).
+    pub fn is_armed(&self) -> bool {
+        self.handler.tracer().is_none_or(|t| t.is_armed())
+    }
+
+    /// A new stream of hit events, `queue` of them held for a slow reader before more are
+    /// dropped (and counted in [`Subscription::dropped`]).
+    pub fn subscribe(&self, queue: usize) -> Subscription {
+        let (tx, rx) = std::sync::mpsc::sync_channel(queue.max(1));
+        let dropped = Arc::new(AtomicU64::new(0));
+        self.events
+            .streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(EventStream {
+                tx,
+                dropped: Arc::clone(&dropped),
+            });
+        Subscription { events: rx, dropped }
+    }
+
+    /// The listing: one line per probe, the debugfs `list` layout plus hits, nmissed and
+    /// the event's name.
     pub fn listing(&self) -> String {
         let Some(tracer) = self.handler.tracer() else {
             return String::new();
         };
-        tracer.check_gone();
         tracer
             .listing()
             .iter()
@@ -336,17 +740,20 @@ impl TraceSession {
             .collect()
     }
 
-    /// After the run: waits for the printer, prints the listing and the engine's counters,
-    /// and removes every probe (the guest's text is as before).
+    /// After the run: ends every event stream and waits for the printer, prints the
+    /// listing and the engine's counters, and removes every probe (the guest's text is as
+    /// before).
     pub fn finish(&self) {
-        let Some(tracer) = self.handler.tracer() else {
-            return;
-        };
-        *self.sink.tx.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        self.finished.store(true, Ordering::Release);
+        self.events.close();
         let printer = self.printer.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(printer) = printer {
             let _ = printer.join();
         }
+        let Some(tracer) = self.handler.tracer() else {
+            return;
+        };
         eprint!("{}", self.listing());
         tracer.unregister_all();
         let s = &tracer.stats;
@@ -389,6 +796,14 @@ impl TraceSession {
     }
 }
 
+/// One hit as a line of `format` (no newline).
+pub fn event_line(event: &HitEvent, format: OutputFormat) -> String {
+    match format {
+        OutputFormat::Json => json_line(&event.record),
+        OutputFormat::Text | OutputFormat::None => ftrace_line(&event.record),
+    }
+}
+
 /// How long a batch of hit lines waits for the guest's console to finish its line (a
 /// shell prompt never does) before it starts on a new line of its own.
 const CONSOLE_LINE_WAIT: Duration = Duration::from_millis(100);
@@ -404,10 +819,7 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, console: ConsoleLo
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
         while let Some(event) = next {
-            batch.push_str(&match format {
-                OutputFormat::Text => ftrace_line(&event.record),
-                OutputFormat::Json => json_line(&event.record),
-            });
+            batch.push_str(&event_line(&event, format));
             batch.push('\n');
             next = if batch.len() < 1 << 16 {
                 rx.try_recv().ok()
@@ -431,5 +843,52 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, console: ConsoleLo
             return;
         }
         batch.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_patterns_name_an_event_a_group_or_a_glob_of_them() {
+        for (pattern, group, event, matches) in [
+            ("grp/ev", "grp", "ev", true),
+            ("grp/ev", "other", "ev", false),
+            ("ev", "any", "ev", true),
+            ("grp/", "grp", "whatever", true),
+            ("grp/", "grpx", "whatever", false),
+            ("vfs/p_vfs_*", "vfs", "p_vfs_read_0", true),
+            ("vfs/p_vfs_*", "vfs", "p_do_sys_open_0", false),
+            ("*/ev", "a", "ev", true),
+        ] {
+            assert_eq!(event_matches(pattern, group, event), matches, "{pattern} vs {group}/{event}");
+        }
+    }
+
+    #[test]
+    fn a_spec_text_returns_its_probes_and_the_removals_it_cannot_resolve() {
+        let text = "p:a/x vfs_read\n-:a/x\n-:b/gone\np:a/y do_sys_open\nbad line\n";
+        let (probes, removals, problems) = parse_spec_text(text, "t", 1);
+        assert_eq!(probes.iter().map(|p| p.line).collect::<Vec<_>>(), [4]);
+        assert_eq!(
+            removals.iter().map(|r| (r.line, r.event.as_str())).collect::<Vec<_>>(),
+            [(3, "gone")]
+        );
+        assert_eq!(problems.iter().map(|(l, _)| *l).collect::<Vec<_>>(), [5]);
+    }
+
+    #[test]
+    fn several_problems_read_as_a_count_then_one_per_line() {
+        let e = SessionError::Spec {
+            origin: "f".into(),
+            problems: vec!["f:1: a".into(), "f:3: b".into()],
+        };
+        assert_eq!(e.to_string(), "2 problems in f:\nf:1: a\nf:3: b");
+        let e = SessionError::Spec {
+            origin: "f".into(),
+            problems: vec!["f:1: a".into()],
+        };
+        assert_eq!(e.to_string(), "f:1: a");
     }
 }

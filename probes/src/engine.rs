@@ -46,6 +46,7 @@ mod step;
 #[cfg(test)]
 mod tests;
 
+pub use placement::resolve_symbol;
 pub use sites::{PatchSite, PatchSiteKind, PatchSites};
 
 /// The longest function the engine decodes to check an instruction boundary.

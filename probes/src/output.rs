@@ -130,6 +130,8 @@ pub struct ListEntry {
     pub optimized: bool,
     pub hits: u64,
     pub nmissed: u64,
+    /// `GRP/EVENT`, the name the probe was registered under.
+    pub event: String,
 }
 
 /// The debugfs `kprobes/list` line, without the newline, exactly as `report_probe` prints
@@ -162,20 +164,25 @@ pub fn kernel_listing_line(entry: &ListEntry) -> String {
     line
 }
 
-/// [`kernel_listing_line`] with two columns the kernel does not have appended (its
-/// counters are in `kprobe_profile` instead): `hits=N nmissed=M`, separated from the flags
-/// by a space (the kernel's line already ends in spaces when there are no flags):
+/// [`kernel_listing_line`] with three columns the kernel does not have appended (its
+/// counters are in `kprobe_profile`, its event names in `kprobe_events`): `hits=N
+/// nmissed=M event=GRP/EVENT`, separated from the flags by a space (the kernel's line
+/// already ends in spaces when there are no flags):
 ///
 /// ```text
-/// ffffffff81234560  k  do_sys_open+0x0    [DISABLED] hits=3 nmissed=0
-/// ffffffff81234560  r  do_sys_open+0x0    hits=3 nmissed=0
+/// ffffffff81234560  k  do_sys_open+0x0    [DISABLED] hits=3 nmissed=0 event=kprobes/p_do_sys_open_0
+/// ffffffff81234560  r  do_sys_open+0x0    hits=3 nmissed=0 event=kprobes/r_do_sys_open_0
 /// ```
 pub fn listing_line(entry: &ListEntry) -> String {
     let mut line = kernel_listing_line(entry);
     if !line.ends_with(' ') {
         line.push(' ');
     }
-    let _ = write!(line, "hits={} nmissed={}", entry.hits, entry.nmissed);
+    let _ = write!(
+        line,
+        "hits={} nmissed={} event={}",
+        entry.hits, entry.nmissed, entry.event
+    );
     line
 }
 

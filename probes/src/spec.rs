@@ -89,20 +89,45 @@ pub enum Target {
 }
 
 impl Target {
-    /// A symbol pattern with `*` or `?`: one probe per function it matches.
+    /// A symbol pattern (`*`, `?`, `{a,b}`): one probe per function it matches.
     pub fn is_wildcard(&self) -> bool {
         matches!(self, Target::Symbol { name, .. } if is_wildcard_pattern(name))
     }
 }
 
-/// Whether a symbol name is a wildcard pattern (has `*` or `?`).
+/// Whether a symbol name is a pattern over many functions: a glob (`*`, `?`) or an
+/// explicit list (`{vfs_read,vfs_write}`, `vfs_{read,write}`).
 pub fn is_wildcard_pattern(name: &str) -> bool {
-    name.contains(['*', '?'])
+    name.contains(['*', '?', '{'])
 }
 
-/// Whether `name` matches the wildcard `pattern` (`*` any run of characters, `?` any one),
-/// as bpftrace's `kprobe:vfs_*` and ftrace's `set_ftrace_filter` globs do.
+/// Whether `name` matches `pattern`: `*` any run of characters, `?` any one, as
+/// bpftrace's `kprobe:vfs_*` and ftrace's `set_ftrace_filter` globs do; `{a,b}` either
+/// alternative, as in a shell (braces do not nest; an unbalanced one matches nothing).
 pub fn wildcard_matches(pattern: &str, name: &str) -> bool {
+    brace_alternatives(pattern).is_some_and(|globs| globs.iter().any(|g| glob_matches(g, name)))
+}
+
+/// The globs a pattern's `{a,b}` lists stand for (the product of every list), or None
+/// when a brace is unbalanced or nested.
+pub fn brace_alternatives(pattern: &str) -> Option<Vec<String>> {
+    let Some(open) = pattern.find('{') else {
+        return (!pattern.contains('}')).then(|| vec![pattern.to_owned()]);
+    };
+    let close = open + pattern[open..].find('}')?;
+    let (head, list, tail) = (&pattern[..open], &pattern[open + 1..close], &pattern[close + 1..]);
+    if head.contains('}') || list.contains('{') {
+        return None;
+    }
+    let tails = brace_alternatives(tail)?;
+    Some(
+        list.split(',')
+            .flat_map(|alt| tails.iter().map(move |t| format!("{head}{alt}{t}")))
+            .collect(),
+    )
+}
+
+fn glob_matches(pattern: &str, name: &str) -> bool {
     let (p, n) = (pattern.as_bytes(), name.as_bytes());
     let (mut pi, mut ni) = (0, 0);
     // Where the last `*` was, and how much of the name it has eaten.
@@ -1086,11 +1111,14 @@ fn is_good_name(name: &str, dash_ok: bool) -> bool {
 }
 
 /// A kernel symbol name: `[A-Za-z_.][A-Za-z0-9_.]*` (`.` for `foo.isra.0`, `foo.cold`),
-/// or a wildcard over them (`*` any run of characters, `?` any one).
+/// or a pattern over them (`*` any run of characters, `?` any one, `{a,b}` a list).
 fn is_symbol_name(name: &str) -> bool {
-    let ok = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'*' || c == b'?';
+    let ok = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'*' | b'?' | b'{' | b'}' | b',');
+    let well_formed = !name.contains(['{', '}', ',']) || brace_alternatives(name).is_some_and(|alts| {
+        alts.iter().all(|a| !a.is_empty() && !a.contains(','))
+    });
     match name.as_bytes().split_first() {
-        Some((&first, rest)) => !first.is_ascii_digit() && ok(first) && rest.iter().all(|&c| ok(c)),
+        Some((&first, rest)) => !first.is_ascii_digit() && ok(first) && rest.iter().all(|&c| ok(c)) && well_formed,
         None => false,
     }
 }

@@ -267,6 +267,12 @@ impl Vm {
         self.console_log.clone()
     }
 
+    /// Feeds the host's stdin to the guest console while the VM runs (as
+    /// [`VmConfig::console_input`] does; for a restored VM).
+    pub fn feed_stdin_to_console(&mut self) {
+        self.console_input = true;
+    }
+
     /// Puts `bytes` on the serial console's input once the vCPUs start (as much as the
     /// UART's FIFO holds before the first guest instruction, the rest as the guest reads).
     pub fn send_console_input(&mut self, bytes: Vec<u8>) {

@@ -5,6 +5,7 @@
 //! would fire on every such jump, so it is refused.
 
 use hvprobe_arch::Gva;
+use hvprobe_introspection::symbols::{Symbol, SymbolTable};
 
 use super::{ProbeError, ProbePoint, Tracer, ENDBR64, FTRACE_NOP, MAX_FUNCTION_BYTES};
 use crate::insn;
@@ -26,6 +27,35 @@ pub(super) struct Placement {
     pub may_fault: bool,
 }
 
+/// The one text symbol `name` names, with `offset` inside it: what can be checked of a
+/// `SYM+OFFS` probe point from the symbols alone (also before the guest boots).
+pub fn resolve_symbol<'s>(
+    symbols: &'s SymbolTable,
+    name: &str,
+    offset: u64,
+) -> Result<&'s Symbol, ProbeError> {
+    let matches: Vec<_> = symbols.lookup_all(name).filter(|s| s.is_text()).collect();
+    let symbol = match matches.as_slice() {
+        [] => return Err(ProbeError::UnknownSymbol(name.to_owned())),
+        [one] => *one,
+        many => {
+            return Err(ProbeError::AmbiguousSymbol {
+                name: name.to_owned(),
+                count: many.len(),
+            })
+        }
+    };
+    let size = symbols.size_of(symbol).unwrap_or(0);
+    if offset >= size.max(1) {
+        return Err(ProbeError::OffsetBeyondFunction {
+            what: format!("{name}+{offset:#x}"),
+            function: name.to_owned(),
+            size,
+        });
+    }
+    Ok(symbol)
+}
+
 impl Tracer {
     /// Resolves a probe point to where its int3 goes, with every check that needs no
     /// paused vCPU.
@@ -33,25 +63,7 @@ impl Tracer {
         let symbols = &self.view.symbols;
         let (address, what, named) = match point {
             ProbePoint::Symbol { name, offset } => {
-                let matches: Vec<_> = symbols.lookup_all(name).filter(|s| s.is_text()).collect();
-                let symbol = match matches.as_slice() {
-                    [] => return Err(ProbeError::UnknownSymbol(name.clone())),
-                    [one] => *one,
-                    many => {
-                        return Err(ProbeError::AmbiguousSymbol {
-                            name: name.clone(),
-                            count: many.len(),
-                        })
-                    }
-                };
-                let size = symbols.size_of(symbol).unwrap_or(0);
-                if *offset >= size.max(1) {
-                    return Err(ProbeError::OffsetBeyondFunction {
-                        what: format!("{name}+{offset:#x}"),
-                        function: name.clone(),
-                        size,
-                    });
-                }
+                let symbol = resolve_symbol(symbols, name, *offset)?;
                 let what = format!("{name}+{offset:#x}");
                 (Gva(symbol.addr.0 + offset), what.clone(), Some(what))
             }

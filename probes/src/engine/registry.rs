@@ -282,6 +282,7 @@ impl Tracer {
                     optimized: false,
                     hits: p.counters.hits.load(COUNT),
                     nmissed: p.counters.nmissed.load(COUNT),
+                    event: format!("{}/{}", p.group, p.event),
                 }
             })
             .collect()
@@ -320,6 +321,14 @@ impl Tracer {
     /// The user's probe ids, in registration order.
     pub fn probe_ids(&self) -> Vec<ProbeId> {
         self.read_registry().user_probes().map(|(id, _)| *id).collect()
+    }
+
+    /// Every user probe with its group and event, in registration order.
+    pub fn events(&self) -> Vec<(ProbeId, String, String)> {
+        self.read_registry()
+            .user_probes()
+            .map(|(id, p)| (*id, p.group.clone(), p.event.clone()))
+            .collect()
     }
 
     /// `group/event` of a probe.

@@ -167,6 +167,7 @@ fn entry() -> ListEntry {
         optimized: false,
         hits: 3,
         nmissed: 0,
+        event: "kprobes/p_do_sys_open_0".into(),
     }
 }
 
@@ -221,14 +222,14 @@ fn listing_lines_append_the_counters() {
             nmissed: 1,
             ..entry()
         }),
-        "ffffffff81234560  k  do_sys_open+0x0    [DISABLED] hits=3 nmissed=1"
+        "ffffffff81234560  k  do_sys_open+0x0    [DISABLED] hits=3 nmissed=1 event=kprobes/p_do_sys_open_0"
     );
     assert_eq!(
         listing_line(&ListEntry {
             hits: u64::MAX,
             ..entry()
         }),
-        "ffffffff81234560  k  do_sys_open+0x0    hits=18446744073709551615 nmissed=0"
+        "ffffffff81234560  k  do_sys_open+0x0    hits=18446744073709551615 nmissed=0 event=kprobes/p_do_sys_open_0"
     );
     assert_eq!(ListKind::Kprobe.letter(), 'k');
     assert_eq!(ListKind::Kretprobe.letter(), 'r');

@@ -924,3 +924,40 @@ fn a_wildcard_target_gets_generated_event_names_and_round_trips() {
         assert_eq!(wildcard_matches(pattern, name), matches, "{pattern} vs {name}");
     }
 }
+
+#[test]
+fn an_explicit_list_is_a_multi_probe_over_its_functions() {
+    let spec = ok("p:io/ {vfs_read,vfs_write,do_sys_open}");
+    match &spec {
+        ProbeSpec::Kprobe { event, target, .. } => {
+            assert_eq!(event, "");
+            assert!(target.is_wildcard());
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(ok(&spec.to_string()), spec);
+    assert_eq!(err("p:io/named {vfs_read,vfs_write}").1, SpecErrorKind::NamedWildcard);
+    for bad in ["p {vfs_read,vfs_write", "p vfs_read}", "p {a,{b,c}}", "p a,b", "p {,}"] {
+        assert!(
+            matches!(err(bad).1, SpecErrorKind::BadTarget(_)),
+            "{bad} should be a bad target: {:?}",
+            err(bad)
+        );
+    }
+    for (pattern, name, matches) in [
+        ("{vfs_read,vfs_write}", "vfs_read", true),
+        ("{vfs_read,vfs_write}", "vfs_write", true),
+        ("{vfs_read,vfs_write}", "vfs_readv", false),
+        ("vfs_{read,write}v", "vfs_writev", true),
+        ("{ksys,vfs}_{read,write}", "ksys_write", true),
+        ("{ksys,vfs}_{read,write}", "ksys_open", false),
+        ("{do_*,vfs_read}", "do_sys_open", true),
+        ("{unbalanced", "unbalanced", false),
+    ] {
+        assert_eq!(wildcard_matches(pattern, name), matches, "{pattern} vs {name}");
+    }
+    assert_eq!(
+        brace_alternatives("{a,b}_{c,d}").unwrap(),
+        ["a_c", "a_d", "b_c", "b_d"].map(String::from)
+    );
+}

@@ -1,0 +1,312 @@
+//! The server side of the control socket: one thread accepts, one thread per client
+//! answers its requests, and a client that asked for `trace` gets its own event queue, so
+//! that a slow or gone client never stalls a vCPU or another client.
+
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use hvprobe_vmm::VcpuControl;
+
+use super::{private_dir, ControlError, Request, Response, StreamEnd, StreamFormat, STREAM_END_KEY};
+use crate::cli::OutputFormat;
+use crate::trace::{event_line, Subscription, TraceSession};
+
+/// How long the end of a run waits for the streams to send what they still hold, before
+/// it cuts off the clients that do not read.
+const STREAM_FLUSH: Duration = Duration::from_secs(5);
+
+/// The most events one stream holds for its client.
+const MAX_STREAM_QUEUE: usize = 1 << 20;
+
+/// The streams of `trace` clients: each one's thread, and its socket (to cut it off).
+type Streams = Arc<Mutex<Vec<(JoinHandle<()>, UnixStream)>>>;
+
+/// A running control socket.
+pub struct ControlServer {
+    path: PathBuf,
+    stopping: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+    streams: Streams,
+}
+
+impl ControlServer {
+    /// Binds the socket (at `path`, or `<default dir>/<pid>.sock`) and starts answering.
+    pub fn start(
+        path: Option<PathBuf>,
+        session: Arc<TraceSession>,
+        control: Arc<VcpuControl>,
+    ) -> Result<ControlServer, ControlError> {
+        let path = match path {
+            Some(p) => p,
+            None => {
+                let dir = super::default_socket_dir();
+                private_dir(&dir)?;
+                dir.join(format!("{}.sock", std::process::id()))
+            }
+        };
+        let socket_err = |source| ControlError::Socket {
+            path: path.clone(),
+            source,
+        };
+        if path.exists() {
+            // A socket nobody answers on is left over from a run that died: take it over.
+            if UnixStream::connect(&path).is_ok() {
+                return Err(ControlError::InUse { path });
+            }
+            std::fs::remove_file(&path).map_err(socket_err)?;
+        }
+        let listener = UnixListener::bind(&path).map_err(socket_err)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(socket_err)?;
+        let stopping = Arc::new(AtomicBool::new(false));
+        let streams = Arc::new(Mutex::new(Vec::new()));
+        let accept = {
+            let (stopping, streams) = (Arc::clone(&stopping), Arc::clone(&streams));
+            std::thread::Builder::new()
+                .name("control-accept".into())
+                .spawn(move || accept_clients(listener, session, control, stopping, streams))
+                .map_err(socket_err)?
+        };
+        Ok(ControlServer {
+            path,
+            stopping,
+            accept: Some(accept),
+            streams,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stops taking clients and removes the socket (call when the VM has stopped, before
+    /// the session finishes).
+    pub fn stop_accepting(&mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        // Wake the accept loop up with a connection of our own.
+        let _ = UnixStream::connect(&self.path);
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// After the session finished (its streams are closed): waits for every stream to
+    /// send what it holds and its end line, and cuts off the clients that do not read.
+    pub fn finish(mut self) {
+        self.stop_accepting();
+        let deadline = Instant::now() + STREAM_FLUSH;
+        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|e| e.into_inner()));
+        for (thread, socket) in streams {
+            while !thread.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if !thread.is_finished() {
+                let _ = socket.shutdown(std::net::Shutdown::Both);
+            }
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        if self.accept.is_some() {
+            self.stop_accepting();
+        }
+    }
+}
+
+fn accept_clients(
+    listener: UnixListener,
+    session: Arc<TraceSession>,
+    control: Arc<VcpuControl>,
+    stopping: Arc<AtomicBool>,
+    streams: Streams,
+) {
+    for client in listener.incoming() {
+        if stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(client) = client else { continue };
+        if let Err(reason) = check_peer(&client) {
+            let _ = send(&mut &client, &Response::error(reason));
+            continue;
+        }
+        let (session, control, streams) = (Arc::clone(&session), Arc::clone(&control), Arc::clone(&streams));
+        let _ = std::thread::Builder::new()
+            .name("control-client".into())
+            .spawn(move || serve_client(client, &session, &control, &streams));
+    }
+}
+
+/// Only the user who started the VM may steer it (the socket's mode says so too; this
+/// holds even for a socket path the user put somewhere others can reach).
+fn check_peer(client: &UnixStream) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of the sizes given, and the descriptor
+    // is an open socket that `client` owns for the duration of the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            client.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(format!(
+            "cannot tell who connected: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid != me {
+        return Err(format!("uid {} may not control this VM (it belongs to uid {me})", cred.uid));
+    }
+    Ok(())
+}
+
+fn send(out: &mut impl Write, response: &Response) -> std::io::Result<()> {
+    let mut line = serde_json::to_string(response).map_err(std::io::Error::other)?;
+    line.push('\n');
+    out.write_all(line.as_bytes())?;
+    out.flush()
+}
+
+/// Answers one client's requests, one per line, until it goes away or asks to stream.
+fn serve_client(
+    client: UnixStream,
+    session: &TraceSession,
+    control: &Arc<VcpuControl>,
+    streams: &Mutex<Vec<(JoinHandle<()>, UnixStream)>>,
+) {
+    let Ok(reader) = client.try_clone() else { return };
+    let mut out = &client;
+    for line in BufReader::new(reader).lines() {
+        let Ok(line) = line else { return };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let request = match serde_json::from_str::<Request>(&line) {
+            Ok(r) => r,
+            Err(e) => {
+                if send(&mut out, &Response::error(format!("malformed request: {e}"))).is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        if let Request::Trace { format, queue } = request {
+            let subscription = session.subscribe(queue.clamp(1, MAX_STREAM_QUEUE));
+            if send(&mut out, &Response::ok(Vec::new())).is_err() {
+                return;
+            }
+            // The end of the run waits for this thread (see `ControlServer::finish`).
+            let (Ok(socket), Ok(writer)) = (client.try_clone(), client.try_clone()) else {
+                return;
+            };
+            let control = Arc::clone(control);
+            let thread = std::thread::Builder::new()
+                .name("control-stream".into())
+                .spawn(move || stream_events(writer, subscription, format, &control));
+            if let Ok(thread) = thread {
+                streams.lock().unwrap_or_else(|e| e.into_inner()).push((thread, socket));
+            }
+            return;
+        }
+        if send(&mut out, &answer(session, request)).is_err() {
+            return;
+        }
+    }
+}
+
+/// The answer to every request but `trace`.
+fn answer(session: &TraceSession, request: Request) -> Response {
+    match request {
+        Request::Add { text, source } => match session.add(&text, &source) {
+            Ok(report) => {
+                let mut lines = report.wildcards;
+                lines.extend(report.removed.iter().map(|e| format!("removed {e}")));
+                lines.extend(report.added.iter().map(|e| format!("added {e}")));
+                Response::ok(lines)
+            }
+            Err(e) => Response::error(e),
+        },
+        Request::Remove { events } if events.is_empty() => Response::error("name the events to remove"),
+        Request::Remove { events } => match session.remove(&events) {
+            Ok(removed) => Response::ok(removed.iter().map(|e| format!("removed {e}")).collect()),
+            Err(e) => Response::error(e),
+        },
+        Request::Enable { events } => toggle(session, &events, true),
+        Request::Disable { events } => toggle(session, &events, false),
+        Request::List => {
+            let mut lines: Vec<String> = session.listing().lines().map(str::to_owned).collect();
+            if !session.is_armed() {
+                lines.insert(0, "# every probe is disarmed (global switch off)".into());
+            }
+            Response::ok(lines)
+        }
+        Request::Trace { .. } => Response::error("trace is answered by streaming"),
+    }
+}
+
+fn toggle(session: &TraceSession, events: &[String], on: bool) -> Response {
+    let verb = if on { "enabled" } else { "disabled" };
+    match session.set_enabled(events, on) {
+        Ok(_) if events.is_empty() => Response::ok(vec![format!("{verb} every probe (global switch)")]),
+        Ok(names) => Response::ok(names.iter().map(|e| format!("{verb} {e}")).collect()),
+        Err(e) => Response::error(e),
+    }
+}
+
+/// Sends events to one client as they come, in batches; at the end of the run (or of the
+/// client) one [`StreamEnd`] line.
+fn stream_events(client: UnixStream, subscription: Subscription, format: StreamFormat, control: &VcpuControl) {
+    let format = match format {
+        StreamFormat::Text => OutputFormat::Text,
+        StreamFormat::Json => OutputFormat::Json,
+    };
+    let mut out = BufWriter::with_capacity(1 << 16, &client);
+    let mut sent = 0u64;
+    let mut write_failed = false;
+    'stream: while let Ok(first) = subscription.events.recv() {
+        let mut next = Some(first);
+        while let Some(event) = next {
+            let mut line = event_line(&event, format);
+            line.push('\n');
+            if out.write_all(line.as_bytes()).is_err() {
+                write_failed = true;
+                break 'stream;
+            }
+            sent += 1;
+            next = subscription.events.try_recv().ok();
+        }
+        if out.flush().is_err() {
+            write_failed = true;
+            break;
+        }
+    }
+    if write_failed {
+        return;
+    }
+    let end = StreamEnd {
+        reason: match control.stop_reason() {
+            Some(reason) => format!("the VM stopped: {reason}"),
+            None => "the run ended".into(),
+        },
+        dropped: subscription.dropped.load(Ordering::Relaxed),
+        sent,
+    };
+    let line = serde_json::json!({ STREAM_END_KEY: end });
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
