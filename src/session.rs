@@ -134,7 +134,9 @@ impl RunSession {
         tasks: Option<TaskContext>,
     ) -> Result<(), String> {
         if let Some(probes) = &self.probes {
-            probes.prepare(control, state, symbols, tasks).map_err(|e| e.to_string())?;
+            probes
+                .prepare(control, state, symbols, tasks)
+                .map_err(|e| e.to_string())?;
         }
         if self.text_hash {
             let _ = self.kernel.set((*state, symbols.clone()));

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
 use hvprobe_probes::engine::{
-    default_maxactive, resolve_symbol, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind,
-    ProbePoint, Tracer,
+    default_maxactive, resolve_symbol, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint,
+    Tracer,
 };
 use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
 use hvprobe_probes::spec::{
@@ -76,6 +76,10 @@ pub struct AddReport {
     pub removed: Vec<String>,
     /// Per wildcard line: how many functions matched, were armed and skipped (and why).
     pub wildcards: Vec<String>,
+    /// How long arming the new probes took, and in how many pauses of the vCPUs (one,
+    /// unless another thread paused them meanwhile).
+    pub arm_time: Duration,
+    pub arm_pauses: u64,
 }
 
 /// Where the kernel is, once it is up: what the engine is built from.
@@ -208,7 +212,10 @@ fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Ve
         {
             problems.push((
                 line,
-                format!("{source}:{line}: event {group}/{event} is already defined on line {}", other.line),
+                format!(
+                    "{source}:{line}: event {group}/{event} is already defined on line {}",
+                    other.line
+                ),
             ));
             continue;
         }
@@ -229,6 +236,13 @@ fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Ve
 
 /// Reads and checks a spec file: syntax, and what this version supports.
 fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, SessionError> {
+    let (probes, problems) = read_spec_file_all(path, cpus)?;
+    spec_result(&path.display().to_string(), problems).map(|()| probes)
+}
+
+/// A spec file's probes and its problems with their lines (a `-:` line must name a probe
+/// above it); an error only when it cannot be read.
+fn read_spec_file_all(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, Vec<(usize, String)>), SessionError> {
     let source = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| SessionError::Spec {
         origin: source.clone(),
@@ -246,7 +260,7 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, SessionErr
             ),
         ));
     }
-    spec_result(&source, problems).map(|()| probes)
+    Ok((probes, problems))
 }
 
 fn spec_result(source: &str, mut problems: Vec<(usize, String)>) -> Result<(), SessionError> {
@@ -329,15 +343,17 @@ fn wildcard_of(p: &SpecProbe) -> Option<&str> {
 /// problems at once.
 pub fn check_before_boot(file: &Path, cpus: usize, symbols: Option<&SymbolTable>) -> Result<(), SessionError> {
     let source = file.display().to_string();
-    let probes = read_spec_file(file, cpus)?;
+    let (probes, mut problems) = read_spec_file_all(file, cpus)?;
     let Some(symbols) = symbols else {
-        return Ok(());
+        return spec_result(&source, problems);
     };
-    let mut problems = Vec::new();
     for p in &probes {
         if let Some(pattern) = wildcard_of(p) {
             if expand_wildcard(p, pattern, symbols).is_empty() {
-                problems.push((p.line, format!("{source}:{}: {pattern}: matches no kernel function", p.line)));
+                problems.push((
+                    p.line,
+                    format!("{source}:{}: {pattern}: matches no kernel function", p.line),
+                ));
             }
         } else if let ProbePoint::Symbol { name, offset } = &p.request.point {
             if let Err(e) = resolve_symbol(symbols, name, *offset) {
@@ -357,15 +373,30 @@ fn plan(
     source: &str,
     probes: &[SpecProbe],
 ) -> Result<(Vec<SpecProbe>, Vec<String>), SessionError> {
+    let (armed, notes, problems) = expand_and_check(tracer, symbols, source, probes);
+    spec_result(source, problems)?;
+    Ok((armed, notes))
+}
+
+/// [`plan`]'s work: what to arm, the wildcard notes, and every refusal with its line.
+fn expand_and_check(
+    tracer: &Tracer,
+    symbols: &SymbolTable,
+    source: &str,
+    probes: &[SpecProbe],
+) -> (Vec<SpecProbe>, Vec<String>, Vec<(usize, String)>) {
+    let mut problems = Vec::new();
     let mut expanded = Vec::new();
     let mut from_wildcard = Vec::new();
-    let mut problems = Vec::new();
     for (index, p) in probes.iter().enumerate() {
         match wildcard_of(p) {
             Some(pattern) => {
                 let functions = expand_wildcard(p, pattern, symbols);
                 if functions.is_empty() {
-                    problems.push((p.line, format!("{source}:{}: {pattern}: matches no kernel function", p.line)));
+                    problems.push((
+                        p.line,
+                        format!("{source}:{}: {pattern}: matches no kernel function", p.line),
+                    ));
                 }
                 from_wildcard.extend(std::iter::repeat_n(Some(index), functions.len()));
                 expanded.extend(functions);
@@ -388,7 +419,6 @@ fn plan(
             None => problems.push((expanded[i].line, refusal(source, &expanded[i], &e))),
         }
     }
-    spec_result(source, problems)?;
     let mut notes = Vec::new();
     for (index, p) in probes.iter().enumerate() {
         let Some(pattern) = wildcard_of(p) else { continue };
@@ -411,7 +441,7 @@ fn plan(
         .filter(|(_, r)| !r)
         .map(|(p, _)| p)
         .collect();
-    Ok((armed, notes))
+    (armed, notes, problems)
 }
 
 /// Whether `GRP/EVENT` matches a user's event pattern: `GRP/EVENT`, `EVENT` (any group),
@@ -597,13 +627,11 @@ impl TraceSession {
     /// problem of the text at once; the `-:` lines take effect first (so a text can
     /// redefine an event), then the new probes go in all or none, in one pause.
     pub fn add(&self, text: &str, source: &str) -> Result<AddReport, SessionError> {
-        let (probes, removals, problems) = parse_spec_text(text, source, self.cpus);
-        spec_result(source, problems)?;
+        let (probes, removals, mut problems) = parse_spec_text(text, source, self.cpus);
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         let (tracer, symbols) = self.live_tracer()?;
         let existing = tracer.events();
         let mut to_remove = Vec::new();
-        let mut problems = Vec::new();
         for r in &removals {
             let before = to_remove.len();
             to_remove.extend(
@@ -624,22 +652,35 @@ impl TraceSession {
                 ));
             }
         }
-        spec_result(source, problems)?;
-        for (id, name) in &to_remove {
-            tracer.unregister(*id).map_err(|e| SessionError::Probe {
-                event: name.clone(),
-                source: Box::new(e),
-            })?;
+        // Every problem of the text at once: its syntax, its removals and its probes. (The
+        // probes are checked again after the removals, which may free their names.)
+        if !problems.is_empty() {
+            problems.extend(expand_and_check(&tracer, symbols, source, &probes).2);
+            spec_result(source, problems)?;
+        }
+        if !to_remove.is_empty() {
+            let ids: Vec<ProbeId> = to_remove.iter().map(|(id, _)| *id).collect();
+            tracer
+                .unregister_many(&ids)
+                .map_err(|e| self.probe_error(&to_remove, e))?;
         }
         let (armed, wildcards) = plan(&tracer, symbols, source, &probes)?;
         let requests = armed.iter().map(|p| p.request.clone()).collect();
-        tracer
-            .register_all(requests)
-            .map_err(|(i, e)| SessionError::Spec {
-                origin: source.to_owned(),
-                problems: vec![refusal(source, &armed[i], &e)],
-            })?;
+        let pauses = || {
+            self.kernel
+                .get()
+                .map(|k| k.control.counters.pauses.load(Ordering::Relaxed))
+        };
+        let (pauses_before, started) = (pauses(), Instant::now());
+        tracer.register_all(requests).map_err(|(i, e)| SessionError::Spec {
+            origin: source.to_owned(),
+            problems: vec![refusal(source, &armed[i], &e)],
+        })?;
+        let arm_time = started.elapsed();
+        let arm_pauses = pauses().zip(pauses_before).map(|(after, before)| after - before);
         Ok(AddReport {
+            arm_time,
+            arm_pauses: arm_pauses.unwrap_or(0),
             added: armed
                 .iter()
                 .map(|p| format!("{}/{}", p.request.group, p.request.event))
@@ -677,13 +718,21 @@ impl TraceSession {
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         let (tracer, _) = self.live_tracer()?;
         let found = self.matching(&tracer, patterns)?;
-        for (id, name) in &found {
-            tracer.unregister(*id).map_err(|e| SessionError::Probe {
-                event: name.clone(),
-                source: Box::new(e),
-            })?;
-        }
+        let ids: Vec<ProbeId> = found.iter().map(|(id, _)| *id).collect();
+        tracer.unregister_many(&ids).map_err(|e| self.probe_error(&found, e))?;
         Ok(found.into_iter().map(|(_, name)| name).collect())
+    }
+
+    /// An engine error about one of `probes`, named by its event.
+    fn probe_error(&self, probes: &[(ProbeId, String)], e: ProbeError) -> SessionError {
+        let event = match &e {
+            ProbeError::NoSuchProbe(id) => probes.iter().find(|(p, _)| p == id).map(|(_, n)| n.clone()),
+            _ => None,
+        };
+        SessionError::Probe {
+            event: event.unwrap_or_default(),
+            source: Box::new(e),
+        }
     }
 
     /// Enables or disables the probes of the events `patterns` name; with no pattern, the
@@ -697,12 +746,10 @@ impl TraceSession {
             return Ok(Vec::new());
         }
         let found = self.matching(&tracer, patterns)?;
-        for (id, name) in &found {
-            tracer.set_enabled(*id, enabled).map_err(|e| SessionError::Probe {
-                event: name.clone(),
-                source: Box::new(e),
-            })?;
-        }
+        let ids: Vec<ProbeId> = found.iter().map(|(id, _)| *id).collect();
+        tracer
+            .set_enabled_many(&ids, enabled)
+            .map_err(|e| self.probe_error(&found, e))?;
         Ok(found.into_iter().map(|(_, name)| name).collect())
     }
 
@@ -862,7 +909,11 @@ mod tests {
             ("vfs/p_vfs_*", "vfs", "p_do_sys_open_0", false),
             ("*/ev", "a", "ev", true),
         ] {
-            assert_eq!(event_matches(pattern, group, event), matches, "{pattern} vs {group}/{event}");
+            assert_eq!(
+                event_matches(pattern, group, event),
+                matches,
+                "{pattern} vs {group}/{event}"
+            );
         }
     }
 

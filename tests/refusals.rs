@@ -107,3 +107,43 @@ fn a_wildcard_arms_every_probeable_match_and_counts_the_skipped_ones() {
         .unwrap_or_else(|| panic!("vfs_read listed\n{}", run.tail()));
     assert!(!vfs_read.contains("hits=0 "), "{vfs_read}");
 }
+
+#[test]
+fn a_spec_file_is_checked_against_the_symbol_file_before_the_guest_boots() {
+    common::require_kvm();
+    let file = spec_file(
+        "before-boot",
+        "p:a/ok vfs_read\np:a/typo vfs_raed\np:a/far vfs_read+0x100000\nq vfs_read\np:b/ nothing_matches_this_*\n\
+         p:c/ {vfs_read,no_such_function}\n",
+    );
+    // A cold boot: nothing may boot, so this is quick (a boot takes tens of seconds).
+    let started = std::time::Instant::now();
+    let run = common::hvprobe(
+        &["run", "--probes", file.to_str().unwrap(), "--workload", "echo RAN"],
+        TIMEOUT,
+    );
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(run.code, Some(1), "{}", run.tail());
+    assert!(run.stderr.contains("4 problems in"), "{}", run.tail());
+    for (line, reason) in [
+        (2, "unknown symbol \"vfs_raed\""),
+        (3, "is outside vfs_read"),
+        (4, "unknown probe type"),
+        (5, "matches no kernel function"),
+    ] {
+        let expected = format!("{}:{line}:", file.display());
+        assert!(
+            run.stderr.lines().any(|l| l.contains(&expected) && l.contains(reason)),
+            "line {line}: {reason}\n{}",
+            run.tail()
+        );
+    }
+    // (A list matches whatever of it exists: line 6 is fine.)
+    assert!(
+        run.stdout.is_empty(),
+        "no guest console: nothing booted\n{}",
+        run.tail()
+    );
+    assert!(!run.stderr.contains("control socket"), "no VM was made\n{}", run.tail());
+    eprintln!("refused in {:.1} s", started.elapsed().as_secs_f64());
+}

@@ -1114,9 +1114,8 @@ fn is_good_name(name: &str, dash_ok: bool) -> bool {
 /// or a pattern over them (`*` any run of characters, `?` any one, `{a,b}` a list).
 fn is_symbol_name(name: &str) -> bool {
     let ok = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'*' | b'?' | b'{' | b'}' | b',');
-    let well_formed = !name.contains(['{', '}', ',']) || brace_alternatives(name).is_some_and(|alts| {
-        alts.iter().all(|a| !a.is_empty() && !a.contains(','))
-    });
+    let well_formed = !name.contains(['{', '}', ','])
+        || brace_alternatives(name).is_some_and(|alts| alts.iter().all(|a| !a.is_empty() && !a.contains(',')));
     match name.as_bytes().split_first() {
         Some((&first, rest)) => !first.is_ascii_digit() && ok(first) && rest.iter().all(|&c| ok(c)) && well_formed,
         None => false,

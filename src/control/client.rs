@@ -148,10 +148,13 @@ pub fn trace(args: TraceArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let mut line = String::new();
     loop {
         line.clear();
-        let n = connection.reader.read_line(&mut line).map_err(|source| ControlError::Io {
-            path: connection.path.clone(),
-            source,
-        })?;
+        let n = connection
+            .reader
+            .read_line(&mut line)
+            .map_err(|source| ControlError::Io {
+                path: connection.path.clone(),
+                source,
+            })?;
         if n == 0 {
             out.flush()?;
             eprintln!("hvprobe: the stream was cut off before its end");

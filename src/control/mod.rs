@@ -177,7 +177,10 @@ mod tests {
         let json = serde_json::to_string(&add).unwrap();
         assert_eq!(json, r#"{"op":"add","text":"p:a/b vfs_read","source":"<args>"}"#);
         assert_eq!(serde_json::from_str::<Request>(&json).unwrap(), add);
-        assert_eq!(serde_json::from_str::<Request>(r#"{"op":"list"}"#).unwrap(), Request::List);
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"list"}"#).unwrap(),
+            Request::List
+        );
         let trace: Request = serde_json::from_str(r#"{"op":"trace","format":"json","queue":8}"#).unwrap();
         assert_eq!(
             trace,

@@ -171,7 +171,10 @@ fn check_peer(client: &UnixStream) -> Result<(), String> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
     if cred.uid != me {
-        return Err(format!("uid {} may not control this VM (it belongs to uid {me})", cred.uid));
+        return Err(format!(
+            "uid {} may not control this VM (it belongs to uid {me})",
+            cred.uid
+        ));
     }
     Ok(())
 }
@@ -238,6 +241,14 @@ fn answer(session: &TraceSession, request: Request) -> Response {
                 let mut lines = report.wildcards;
                 lines.extend(report.removed.iter().map(|e| format!("removed {e}")));
                 lines.extend(report.added.iter().map(|e| format!("added {e}")));
+                if !report.added.is_empty() {
+                    lines.push(format!(
+                        "armed {} probes in {} pause(s) of the vCPUs, {:.1} ms",
+                        report.added.len(),
+                        report.arm_pauses,
+                        report.arm_time.as_secs_f64() * 1e3
+                    ));
+                }
                 Response::ok(lines)
             }
             Err(e) => Response::error(e),

@@ -187,6 +187,8 @@ pub struct ExitCounters {
     pub instructions_emulated: AtomicU64,
     /// Pauses a kvm-clock guest was told about (`KVM_KVMCLOCK_CTRL` on a parking vCPU).
     pub kvmclock_pauses: AtomicU64,
+    /// Pauses of every vCPU ([`VcpuControl::pause_all`], outermost ones only).
+    pub pauses: AtomicU64,
 }
 
 /// How to kick a vCPU out of `KVM_RUN`: `immediate_exit` in its `kvm_run` page, and its
@@ -386,6 +388,7 @@ impl VcpuControl {
         st.owner_cpu = me;
         st.depth = 1;
         drop(st);
+        self.counters.pauses.fetch_add(1, Ordering::Relaxed);
         self.kick_all();
         let mut st = self.lock();
         while st.phases.contains(&Phase::Running) {

@@ -29,11 +29,7 @@ pub(super) struct Placement {
 
 /// The one text symbol `name` names, with `offset` inside it: what can be checked of a
 /// `SYM+OFFS` probe point from the symbols alone (also before the guest boots).
-pub fn resolve_symbol<'s>(
-    symbols: &'s SymbolTable,
-    name: &str,
-    offset: u64,
-) -> Result<&'s Symbol, ProbeError> {
+pub fn resolve_symbol<'s>(symbols: &'s SymbolTable, name: &str, offset: u64) -> Result<&'s Symbol, ProbeError> {
     let matches: Vec<_> = symbols.lookup_all(name).filter(|s| s.is_text()).collect();
     let symbol = match matches.as_slice() {
         [] => return Err(ProbeError::UnknownSymbol(name.to_owned())),

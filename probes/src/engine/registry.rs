@@ -203,14 +203,25 @@ impl Tracer {
     /// handler of the probe runs once this returns (Linux's guarantee): hits in progress
     /// finished before the pause, and a step in flight looks its probes up when it ends.
     pub fn unregister(&self, id: ProbeId) -> Result<(), ProbeError> {
+        self.unregister_many(&[id])
+    }
+
+    /// Unregisters several probes in one pause (`unregister_kprobes`): all of them, or
+    /// none when one of them does not exist.
+    pub fn unregister_many(&self, ids: &[ProbeId]) -> Result<(), ProbeError> {
         let mut result = Ok(());
         self.paused(&mut |view| {
             let mut reg = self.write_registry();
-            if !reg.probes.get(&id).is_some_and(|p| p.role == Role::User) {
-                result = Err(ProbeError::NoSuchProbe(id));
+            if let Some(missing) = ids
+                .iter()
+                .find(|id| !reg.probes.get(id).is_some_and(|p| p.role == Role::User))
+            {
+                result = Err(ProbeError::NoSuchProbe(*missing));
                 return;
             }
-            self.remove_paused(view, &mut reg, id);
+            for id in ids {
+                self.remove_paused(view, &mut reg, *id);
+            }
             self.drop_task_exit_hook_if_unused(view, &mut reg);
         });
         result
@@ -230,16 +241,28 @@ impl Tracer {
 
     /// Enables or disables one probe (`enable_kprobe` / `disable_kprobe`).
     pub fn set_enabled(&self, id: ProbeId, enabled: bool) -> Result<(), ProbeError> {
+        self.set_enabled_many(&[id], enabled)
+    }
+
+    /// Enables or disables several probes in one pause: all of them, or none when one of
+    /// them does not exist.
+    pub fn set_enabled_many(&self, ids: &[ProbeId], enabled: bool) -> Result<(), ProbeError> {
         let mut result = Ok(());
         self.paused(&mut |view| {
             let mut reg = self.write_registry();
-            let Some(probe) = reg.probes.get_mut(&id).filter(|p| p.role == Role::User) else {
-                result = Err(ProbeError::NoSuchProbe(id));
+            if let Some(missing) = ids
+                .iter()
+                .find(|id| !reg.probes.get(id).is_some_and(|p| p.role == Role::User))
+            {
+                result = Err(ProbeError::NoSuchProbe(*missing));
                 return;
-            };
-            probe.enabled = enabled;
-            let site = probe.site;
-            sync_site(view.text(), &mut reg, site);
+            }
+            for id in ids {
+                let Some(probe) = reg.probes.get_mut(id) else { continue };
+                probe.enabled = enabled;
+                let site = probe.site;
+                sync_site(view.text(), &mut reg, site);
+            }
         });
         result
     }

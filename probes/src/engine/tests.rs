@@ -1128,6 +1128,40 @@ fn a_batch_is_armed_in_one_pause() {
 }
 
 #[test]
+fn a_batch_is_disabled_enabled_and_removed_in_one_pause_each_and_all_or_none() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let original = m.bytes(PUSH, 1)[0];
+    let ids = t
+        .register_all(vec![plain(at("func", 0), "a"), plain(at("func", 9), "b")])
+        .unwrap();
+    let before = m.pauses.load(Ordering::Relaxed);
+    t.set_enabled_many(&ids, false).unwrap();
+    assert_eq!(m.pauses.load(Ordering::Relaxed) - before, 1);
+    assert!(t.listing().iter().all(|e| e.disabled));
+    assert_ne!(m.bytes(PUSH, 1)[0], INT3, "a disabled probe's int3 is out of the text");
+    // One unknown id: nothing changes.
+    let unknown = ProbeId(9999);
+    assert!(matches!(
+        t.set_enabled_many(&[ids[0], unknown], true),
+        Err(ProbeError::NoSuchProbe(id)) if id == unknown
+    ));
+    assert!(t.listing().iter().all(|e| e.disabled));
+    t.set_enabled_many(&ids, true).unwrap();
+    assert_eq!(m.bytes(PUSH, 1)[0], INT3);
+    assert!(matches!(
+        t.unregister_many(&[ids[1], unknown]),
+        Err(ProbeError::NoSuchProbe(id)) if id == unknown
+    ));
+    assert_eq!(t.listing().len(), 2, "nothing removed when one id is unknown");
+    let before = m.pauses.load(Ordering::Relaxed);
+    t.unregister_many(&ids).unwrap();
+    assert_eq!(m.pauses.load(Ordering::Relaxed) - before, 1);
+    assert!(t.listing().is_empty());
+    assert_eq!(m.bytes(PUSH, 1)[0], original);
+}
+
+#[test]
 fn a_live_call_below_on_another_stack_in_the_same_region_is_kept() {
     // IRQ stacks are only page-aligned: one 16 KiB region can hold the top of one stack
     // and the bottom of another. A live call deeper in the region still has the trampoline

@@ -1,0 +1,436 @@
+//! Steering a running guest through its control socket: probes added, listed, disabled,
+//! enabled and removed while a workload runs (checked per window against the guest's own
+//! kprobe event), two event streams at once with one that does not read, and the
+//! refusals of a bad `add`.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::Duration;
+
+use common::{restore_with, snapshot, Run};
+
+const TIMEOUT: Duration = Duration::from_secs(300);
+/// getppid() calls per window (`hvprobe-loop` is the bundled guest's loop of them).
+const CALLS: usize = 50;
+
+/// A running `hvprobe run --snapshot` with its control socket, its console lines as they
+/// come, and its stdin on the guest's console.
+struct LiveRun {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    stdout: std::thread::JoinHandle<Vec<String>>,
+    stderr: std::thread::JoinHandle<String>,
+    socket: PathBuf,
+}
+
+impl LiveRun {
+    fn start(dir: &Path, name: &str, workload: &str, extra: &[&str]) -> LiveRun {
+        let socket = std::env::temp_dir().join(format!("hvprobe-control-{}-{name}.sock", std::process::id()));
+        let mut args = vec![
+            "run".to_string(),
+            "--snapshot".into(),
+            dir.to_str().unwrap().into(),
+            "--cpus".into(),
+            "1".into(),
+            "--control".into(),
+            socket.to_str().unwrap().into(),
+            "--console-input".into(),
+            "--workload".into(),
+            workload.into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn hvprobe run");
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        let stdout = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line.clone());
+                all.push(line);
+            }
+            all
+        });
+        let mut err = child.stderr.take().unwrap();
+        let stderr = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        LiveRun {
+            stdin: child.stdin.take(),
+            child,
+            lines,
+            stdout,
+            stderr,
+            socket,
+        }
+    }
+
+    /// Waits for a console line starting with `prefix`; returns it.
+    fn wait_for(&self, prefix: &str) -> String {
+        loop {
+            match self.lines.recv_timeout(TIMEOUT) {
+                Ok(line) if line.trim_end_matches('\r').starts_with(prefix) => {
+                    return line.trim_end_matches('\r').to_string()
+                }
+                Ok(_) => {}
+                Err(e) => panic!("no console line {prefix:?}: {e}"),
+            }
+        }
+    }
+
+    /// Tells the waiting workload to go on (a line on its console).
+    fn go(&mut self) {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(b"go\n").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// `hvprobe probe ARGS --control SOCKET`.
+    fn probe(&self, args: &[&str]) -> Run {
+        let mut all = vec!["probe"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--control", self.socket.to_str().unwrap()]);
+        common::hvprobe(&all, TIMEOUT)
+    }
+
+    fn finish(mut self) -> Run {
+        drop(self.stdin.take());
+        let status = self.child.wait().unwrap();
+        Run {
+            code: status.code(),
+            stdout: self.stdout.join().unwrap().join("\n"),
+            stderr: self.stderr.join().unwrap(),
+        }
+    }
+}
+
+/// `(event, hits)` of every listing line.
+fn listed(run: &Run) -> Vec<(String, u64, bool)> {
+    assert_eq!(run.code, Some(0), "probe list failed\n{}", run.tail());
+    run.stdout
+        .lines()
+        .filter(|l| l.contains(" hits="))
+        .map(|l| {
+            let field = |k: &str| {
+                l.split(k)
+                    .nth(1)
+                    .unwrap()
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .to_string()
+            };
+            (
+                field("event="),
+                field("hits=").parse().unwrap(),
+                l.contains("[DISABLED]"),
+            )
+        })
+        .collect()
+}
+
+/// The guest's own kprobe event on `__x64_sys_getppid`, enabled throughout; before each
+/// window the workload waits for the host, then makes CALLS getppid() calls and prints
+/// its count so far.
+fn windows_workload(windows: usize) -> String {
+    format!(
+        "T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid' > $T/kprobe_events; \
+         echo 1 > $T/events/kprobes/gk/enable; stty -echo < /dev/ttyS0; \
+         for w in $(seq 1 {windows}); do echo \"WAIT $w\"; read -r go < /dev/ttyS0; hvprobe-loop {CALLS}; \
+         while read -r e h m; do echo \"WINDOW $w $h\"; done < $T/kprobe_profile; done; \
+         echo 0 > $T/events/kprobes/gk/enable; echo > $T/kprobe_events; echo DONE"
+    )
+}
+
+#[test]
+fn probes_added_disabled_enabled_and_removed_live_count_what_the_guest_counts_per_window() {
+    let dir = snapshot(1);
+    let mut live = LiveRun::start(&dir, "windows", &windows_workload(6), &["--text-hash"]);
+    let mut guest_before = 0;
+    let mut host_before = 0;
+    // (what the host does before the window, whether its probe counts in the window)
+    let steps: [(&[&str], Option<bool>); 6] = [
+        (&[], None),
+        (&["add", "p:live/gp __x64_sys_getppid"], Some(true)),
+        (&["disable", "live/gp"], Some(false)),
+        (&["enable", "live/"], Some(true)),
+        (&["disable"], Some(false)),
+        (&["remove", "gp"], None),
+    ];
+    for (w, (command, counts)) in steps.iter().enumerate() {
+        let w = w + 1;
+        live.wait_for(&format!("WAIT {w}"));
+        if !command.is_empty() {
+            let run = live.probe(command);
+            assert_eq!(run.code, Some(0), "{command:?}\n{}", run.tail());
+        }
+        live.go();
+        let window = live.wait_for(&format!("WINDOW {w} "));
+        let guest: usize = window.rsplit(' ').next().unwrap().parse().unwrap();
+        let guest_delta = guest - guest_before;
+        guest_before = guest;
+        assert_eq!(
+            guest_delta, CALLS,
+            "the guest's own probe counts every call of window {w}"
+        );
+        let listing = listed(&live.probe(&["list"]));
+        match counts {
+            None => assert!(listing.is_empty(), "window {w}: no probe listed: {listing:?}"),
+            Some(counts) => {
+                assert_eq!(listing.len(), 1, "window {w}: {listing:?}");
+                let (event, hits, _) = &listing[0];
+                assert_eq!(event, "live/gp");
+                let delta = *hits as usize - host_before;
+                host_before = *hits as usize;
+                let expected = if *counts { guest_delta } else { 0 };
+                assert_eq!(delta, expected, "window {w}: host hits {delta}, guest {guest_delta}");
+            }
+        }
+        if w == 5 {
+            // The global switch on again: the probe keeps its own state (enabled).
+            let run = live.probe(&["enable"]);
+            assert_eq!(run.code, Some(0), "{}", run.tail());
+            assert!(listed(&live.probe(&["list"])).iter().all(|(_, _, disabled)| !disabled));
+        }
+    }
+    live.wait_for("DONE");
+    let run = live.finish();
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    // The text after the live probes is the text of a run that never had any.
+    let hash = |run: &Run| {
+        run.stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("hvprobe: kernel text sha256 "))
+            .unwrap_or_else(|| panic!("no text hash\n{}", run.tail()))
+            .to_string()
+    };
+    let plain = restore_with(&dir, 1, "true", &["--text-hash", "--no-control"], TIMEOUT);
+    assert_eq!(plain.code, Some(0), "{}", plain.tail());
+    assert_eq!(hash(&run), hash(&plain));
+    for bad in ["WARNING:", "BUG:", "Oops"] {
+        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
+    }
+}
+
+#[test]
+fn a_stream_that_does_not_read_drops_its_own_events_and_nobody_elses() {
+    let dir = snapshot(1);
+    let calls = 2000;
+    let probes = std::env::temp_dir().join(format!("hvprobe-control-{}-streams.probes", std::process::id()));
+    std::fs::write(&probes, "p:s/gp __x64_sys_getppid di=%di s0=$stack0\n").unwrap();
+    let workload = format!(
+        "T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid' > $T/kprobe_events; \
+         echo 1 > $T/events/kprobes/gk/enable; echo WAIT; read -r go < /dev/ttyS0; hvprobe-loop {calls}; \
+         while read -r e h m; do echo \"PROFILE $h $m\"; done < $T/kprobe_profile; echo DONE"
+    );
+    let mut live = LiveRun::start(
+        &dir,
+        "streams",
+        &workload,
+        &["--probes", probes.to_str().unwrap(), "--output", "none"],
+    );
+    live.wait_for("WAIT");
+    // The reader: `hvprobe trace`, JSON lines.
+    let fast = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+        .args(["trace", "--output", "json", "--control", live.socket.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // It reads as the events come (its output is drained by this thread all along).
+    let fast = std::thread::spawn(move || fast.wait_with_output().unwrap());
+    // The one that does not read (until the run is over): its own connection, a small queue.
+    let mut slow = UnixStream::connect(&live.socket).unwrap();
+    slow.write_all(b"{\"op\":\"trace\",\"format\":\"text\",\"queue\":4}\n")
+        .unwrap();
+    let mut slow = BufReader::new(slow);
+    let mut ok = String::new();
+    slow.read_line(&mut ok).unwrap();
+    assert_eq!(ok.trim(), r#"{"ok":true}"#);
+    // Give `hvprobe trace` time to subscribe.
+    std::thread::sleep(Duration::from_secs(2));
+    live.go();
+    live.wait_for("DONE");
+    let mut slow_text = String::new();
+    slow.read_to_string(&mut slow_text).unwrap();
+    let run = live.finish();
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let fast_out = fast.join().unwrap();
+    let fast_lines = String::from_utf8_lossy(&fast_out.stdout);
+    let fast_err = String::from_utf8_lossy(&fast_out.stderr);
+
+    let profile = run
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("PROFILE "))
+        .unwrap_or_else(|| panic!("no profile\n{}", run.tail()));
+    let guest: usize = profile.split_whitespace().next().unwrap().parse().unwrap();
+    assert_eq!(guest, calls, "the guest's own probe saw every call");
+    let host_total: usize = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("event=s/gp"))
+        .and_then(|l| l.split("hits=").nth(1))
+        .and_then(|h| h.split_whitespace().next())
+        .and_then(|h| h.parse().ok())
+        .unwrap_or_else(|| panic!("no listing line\n{}", run.tail()));
+    // Both streams started before the loop; the workload's shell calls getppid() once
+    // before that too, for $PPID (the listing counts it, the streams do not have it).
+    let fast_events: Vec<&str> = fast_lines.lines().filter(|l| l.contains("\"event\":\"gp\"")).collect();
+    let from_loop = fast_events
+        .iter()
+        .filter(|l| l.contains("\"comm\":\"hvprobe-loop\""))
+        .count();
+    assert_eq!(
+        from_loop, calls,
+        "the reading client got every call the guest's own probe saw"
+    );
+    assert!(
+        host_total - fast_events.len() <= 1,
+        "only the shell's call is not streamed"
+    );
+    assert!(
+        fast_err.contains(&format!("{} events received, 0 dropped", fast_events.len())),
+        "{fast_err}"
+    );
+
+    let end = slow_text
+        .lines()
+        .last()
+        .and_then(|l| l.strip_prefix("{\"stream_end\":"))
+        .unwrap_or_else(|| panic!("no end line in the slow stream: {:?}", slow_text.lines().last()));
+    let field = |k: &str| -> usize {
+        end.split(&format!("\"{k}\":"))
+            .nth(1)
+            .unwrap()
+            .split([',', '}'])
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (sent, dropped) = (field("sent"), field("dropped"));
+    let slow_events = slow_text.lines().filter(|l| l.contains(" gp: (")).count();
+    assert_eq!(slow_events, sent, "the end line counts what was sent");
+    assert!(dropped > 0, "a stream that does not read drops events: sent {sent}");
+    assert_eq!(
+        sent + dropped,
+        fast_events.len(),
+        "every event was sent or counted as dropped"
+    );
+}
+
+#[test]
+fn a_bad_add_reports_every_problem_and_changes_nothing() {
+    let dir = snapshot(1);
+    let mut live = LiveRun::start(&dir, "bad-add", "echo WAIT; read -r go < /dev/ttyS0; echo DONE", &[]);
+    live.wait_for("WAIT");
+    let bad = live.probe(&[
+        "add",
+        "p:ok/a vfs_read",
+        "p:bad/typo vfs_raed",
+        "p:bad/split vfs_read+0x1",
+        "q nonsense",
+        "p:bad/ nothing_matches_this_*",
+    ]);
+    assert_eq!(bad.code, Some(1), "{}", bad.tail());
+    for (line, reason) in [
+        (2, "unknown symbol \"vfs_raed\""),
+        (3, "not an instruction boundary"),
+        (4, ""),
+        (5, "matches no kernel function"),
+    ] {
+        let prefix = format!("<command line>:{line}:");
+        assert!(
+            bad.stderr.lines().any(|l| l.contains(&prefix) && l.contains(reason)),
+            "line {line} ({reason})\n{}",
+            bad.stderr
+        );
+    }
+    assert!(listed(&live.probe(&["list"])).is_empty(), "nothing was added");
+    let missing = live.probe(&["remove", "no/such"]);
+    assert_eq!(missing.code, Some(1));
+    assert!(
+        missing.stderr.contains("no probe event matches \"no/such\""),
+        "{}",
+        missing.stderr
+    );
+    // A malformed request gets an answer, and the VM goes on.
+    let mut raw = UnixStream::connect(&live.socket).unwrap();
+    raw.write_all(b"{\"op\":\"format_disk\"}\nnot json\n").unwrap();
+    let mut answers = BufReader::new(raw);
+    for _ in 0..2 {
+        let mut answer = String::new();
+        answers.read_line(&mut answer).unwrap();
+        assert!(
+            answer.starts_with("{\"ok\":false,\"errors\":[\"malformed request"),
+            "{answer}"
+        );
+    }
+    let good = live.probe(&["add", "p:ok/a vfs_read"]);
+    assert_eq!(good.code, Some(0), "{}", good.tail());
+    assert!(good.stdout.contains("armed 1 probes in 1 pause(s)"), "{}", good.stdout);
+    live.go();
+    live.wait_for("DONE");
+    let run = live.finish();
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+}
+
+#[test]
+fn a_wildcard_over_hundreds_of_functions_is_armed_live_in_one_pause() {
+    let dir = snapshot(1);
+    let mut live = LiveRun::start(&dir, "wildcard", "echo WAIT; read -r go < /dev/ttyS0; echo DONE", &[]);
+    live.wait_for("WAIT");
+    let add = live.probe(&["add", "p:sys/ __x64_sys_*", "p:io/ {vfs_read,vfs_write,ksys_read}"]);
+    assert_eq!(add.code, Some(0), "{}", add.tail());
+    // "<command line>:1: __x64_sys_*: M functions match, A to arm, S skipped (...)"
+    let summary = add
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("<command line>:1:"))
+        .unwrap_or_else(|| panic!("no summary\n{}", add.stdout));
+    let numbers: Vec<usize> = summary
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let (matched, to_arm, skipped) = (numbers[2], numbers[3], numbers[4]);
+    assert!(matched >= 200, "a few hundred syscalls: {summary}");
+    assert_eq!(to_arm + skipped, matched, "{summary}");
+    if skipped > 0 {
+        assert!(
+            summary.contains(" skipped ("),
+            "the skipped ones have reasons: {summary}"
+        );
+    }
+    let armed = to_arm + 3;
+    assert!(
+        add.stdout
+            .contains(&format!("armed {armed} probes in 1 pause(s) of the vCPUs")),
+        "{}",
+        add.stdout
+    );
+    let listing = listed(&live.probe(&["list"]));
+    assert_eq!(listing.len(), armed, "every armed probe is listed");
+    assert_eq!(listing.iter().filter(|(e, _, _)| e.starts_with("sys/")).count(), to_arm);
+    let removed = live.probe(&["remove", "sys/", "io/"]);
+    assert_eq!(removed.code, Some(0), "{}", removed.tail());
+    assert!(listed(&live.probe(&["list"])).is_empty());
+    live.go();
+    live.wait_for("DONE");
+    let run = live.finish();
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+}
