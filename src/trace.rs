@@ -172,7 +172,7 @@ impl EventFanout {
 
 /// Parses a spec text: syntax, and what this version supports. `-:` lines remove a probe
 /// defined above them in the same text; those that name none are returned apart.
-fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Vec<Removal>, Vec<(usize, String)>) {
+fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Vec<Removal>, LineProblems) {
     // Every problem at once, in line order: one round of fixing.
     let (specs, errors) = parse_file_all_errors(text, source);
     let mut problems: Vec<(usize, String)> = errors.iter().map(|e| (e.line, e.to_string())).collect();
@@ -240,9 +240,12 @@ fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, SessionErr
     spec_result(&path.display().to_string(), problems).map(|()| probes)
 }
 
+/// Problems of a spec text, each with its line (to report them in line order).
+type LineProblems = Vec<(usize, String)>;
+
 /// A spec file's probes and its problems with their lines (a `-:` line must name a probe
 /// above it); an error only when it cannot be read.
-fn read_spec_file_all(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, Vec<(usize, String)>), SessionError> {
+fn read_spec_file_all(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, LineProblems), SessionError> {
     let source = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| SessionError::Spec {
         origin: source.clone(),
@@ -263,7 +266,7 @@ fn read_spec_file_all(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, Vec<(
     Ok((probes, problems))
 }
 
-fn spec_result(source: &str, mut problems: Vec<(usize, String)>) -> Result<(), SessionError> {
+fn spec_result(source: &str, mut problems: LineProblems) -> Result<(), SessionError> {
     if problems.is_empty() {
         return Ok(());
     }
@@ -384,7 +387,7 @@ fn expand_and_check(
     symbols: &SymbolTable,
     source: &str,
     probes: &[SpecProbe],
-) -> (Vec<SpecProbe>, Vec<String>, Vec<(usize, String)>) {
+) -> (Vec<SpecProbe>, Vec<String>, LineProblems) {
     let mut problems = Vec::new();
     let mut expanded = Vec::new();
     let mut from_wildcard = Vec::new();
