@@ -120,7 +120,7 @@ fn decoder_at(bytes: &[u8], addr: Gva) -> Decoder<'_> {
     Decoder::with_ip(64, bytes, addr.0, DecoderOptions::NONE)
 }
 
-fn decode_error(decoder: &Decoder<'_>, bytes: &[u8], addr: Gva) -> InsnError {
+pub(crate) fn decode_error(decoder: &Decoder<'_>, bytes: &[u8], addr: Gva) -> InsnError {
     // iced also reports "no more bytes" for an invalid opcode at the very end of the input
     // (a lone `ce`), so a cut-short instruction is one that decodes once bytes are added.
     let cut_short = decoder.last_error() == DecoderError::NoMoreBytes && {
@@ -822,10 +822,15 @@ pub fn analyze(bytes: &[u8], addr: Gva) -> Result<ProbedInsn, InsnError> {
     })
 }
 
-/// Whether the legacy prefixes before the opcode include 0x66. A REX byte that a legacy
+/// Whether the legacy prefixes before the opcode include 0x66.
+fn has_operand_size_prefix(bytes: &[u8]) -> bool {
+    has_legacy_prefix(bytes, 0x66)
+}
+
+/// Whether the legacy prefixes before the opcode include `prefix`. A REX byte that a legacy
 /// prefix follows is ignored by the CPU (`48 66 eb 00` is a 66-prefixed jmp), so the scan
 /// goes on past REX bytes too.
-fn has_operand_size_prefix(bytes: &[u8]) -> bool {
+pub(crate) fn has_legacy_prefix(bytes: &[u8], prefix: u8) -> bool {
     bytes
         .iter()
         .take_while(|b| {
@@ -834,7 +839,7 @@ fn has_operand_size_prefix(bytes: &[u8]) -> bool {
                 0x26 | 0x2e | 0x36 | 0x3e | 0x64 | 0x65 | 0x66 | 0x67 | 0xf0 | 0xf2 | 0xf3 | 0x40..=0x4f
             )
         })
-        .any(|&b| b == 0x66)
+        .any(|&b| b == prefix)
 }
 
 fn has_relative_branch(instruction: &Instruction) -> bool {

@@ -2,8 +2,10 @@
 //! kernel's text by the host, the probe-spec parser (kprobe_events syntax), fetch-args,
 //! counters, the listing, and the sync and async handler APIs.
 //!
-//! Jump-optimized probes are not built yet.
+//! Jump-optimized probes are not built yet: [`detour`] has their safety checks and the
+//! relocation of the displaced instructions, which the engine does not use so far.
 
+pub mod detour;
 pub mod engine;
 pub mod fetch;
 pub mod insn;
