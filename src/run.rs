@@ -300,6 +300,17 @@ fn introspect_when_up(
             Err(e) => failure = Some(e.to_string()),
         }
     }
+    if let (true, false, true, Some(why)) = (
+        kernels.is_empty(),
+        session.requires_kernel(),
+        resolve.is_empty(),
+        &failure,
+    ) {
+        // Only the control socket wanted the symbols: it tells its clients why, and the
+        // guest runs on.
+        session.symbols_unavailable(why.clone());
+        failure = None;
+    }
     if let Some(kernel) = kernels.first() {
         match TaskContext::read(&memory, &kernel.table) {
             Ok(ctx) => {
@@ -319,7 +330,7 @@ fn introspect_when_up(
             Ok(()) => session.arm_at_init(Arc::clone(control)),
             Err(e) => failure = Some(e),
         }
-    } else if session.has_probes() && kernels.is_empty() && failure.is_none() {
+    } else if session.requires_kernel() && kernels.is_empty() && failure.is_none() {
         failure = Some("no kernel symbols: the probes cannot be placed".into());
     }
     drop(paused);
