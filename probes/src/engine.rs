@@ -38,6 +38,7 @@ use crate::spec::FetchArg;
 
 mod events;
 mod hit;
+mod optimize;
 mod placement;
 mod registry;
 mod returns;
@@ -46,6 +47,7 @@ mod step;
 #[cfg(test)]
 mod tests;
 
+pub use optimize::WhyNotOptimized;
 pub use placement::resolve_symbol;
 pub use sites::{PatchSite, PatchSiteKind, PatchSites};
 
@@ -263,6 +265,8 @@ impl OutOfLineArea {
 #[derive(Debug, Default)]
 pub struct EngineStats {
     pub hits: AtomicU64,
+    /// Hits through a jump and its sync detour (one exit each).
+    pub optimized: AtomicU64,
     pub emulated: AtomicU64,
     pub stepped: AtomicU64,
     pub skipped: AtomicU64,
@@ -418,6 +422,7 @@ impl Tracer {
         self.machine.with_vcpus_paused(&mut |view| {
             self.find_gone(view.text());
             edit(view);
+            self.optimize_pass(view);
         });
     }
 

@@ -1,6 +1,8 @@
 //! The seam between the probe engine and a virtual machine. The VMM implements these
 //! traits for a live guest; the engine's unit tests implement them with plain memory.
 
+use std::ops::Range;
+
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::task::TaskInfo;
@@ -20,6 +22,25 @@ pub trait PausedView {
     /// RIP of every other vCPU (the caller's own vCPU, when called from a vCPU thread, is
     /// not included: it is in the engine's hands already).
     fn parked_rips(&self) -> Vec<u64>;
+    /// Every word in `range` found on the guest's kernel stacks (every task's, and every
+    /// CPU's interrupt and exception stacks): where a task was interrupted or preempted,
+    /// or will return to. Conservative: a stale word counts too. An error when the stacks
+    /// cannot be read; then nothing may rely on a range being free of them.
+    fn saved_on_stacks(&self, range: Range<Gva>) -> Result<Vec<Gva>, StackScanError> {
+        let _ = range;
+        Err(StackScanError::Unsupported)
+    }
+}
+
+/// Why the guest's kernel stacks cannot be searched.
+#[derive(Debug, thiserror::Error)]
+pub enum StackScanError {
+    #[error("this machine cannot search the guest's kernel stacks")]
+    Unsupported,
+    #[error("{what}: {source}")]
+    Memory { what: String, source: MemoryError },
+    #[error("{0}")]
+    Layout(String),
 }
 
 /// The whole machine, as the engine changes it.

@@ -132,6 +132,8 @@ pub struct ListEntry {
     pub nmissed: u64,
     /// `GRP/EVENT`, the name the probe was registered under.
     pub event: String,
+    /// Why the probe is not jump-optimized, while optimization is on.
+    pub not_optimized: Option<String>,
 }
 
 /// The debugfs `kprobes/list` line, without the newline, exactly as `report_probe` prints
@@ -183,6 +185,9 @@ pub fn listing_line(entry: &ListEntry) -> String {
         "hits={} nmissed={} event={}",
         entry.hits, entry.nmissed, entry.event
     );
+    if let Some(why) = &entry.not_optimized {
+        let _ = write!(line, " (not optimized: {why})");
+    }
     line
 }
 

@@ -8,10 +8,11 @@ use std::time::Instant;
 
 use hvprobe_arch::{Gva, INT3};
 
-use super::registry::{Role, Site};
-use super::{BreakpointOutcome, EngineFault, HitContext, PreAction, ProbeKind, StepOutcome, Tracer, COUNT};
+use super::registry::{Registry, Role, Site};
+use super::{BreakpointOutcome, EngineFault, HitContext, PreAction, ProbeId, ProbeKind, StepOutcome, Tracer, COUNT};
 use crate::insn::{Execution, InsnError};
 use crate::machine::Vcpu;
+use crate::regs::Regs;
 
 impl Tracer {
     /// An int3 exit at `at` on vCPU `cpu`.
@@ -39,8 +40,13 @@ impl Tracer {
             return self.handle_return(cpu, vcpu);
         }
         if self.in_out_of_line_area(at) {
-            // Only the trampoline is an int3 of ours there; the guest has no code there.
-            // A #BP injected here would take the guest down in its own handler.
+            let reg = self.read_registry();
+            if let Some(code) = reg.detour_codes.get(&at) {
+                let site = code.site;
+                return self.detour_hit(cpu, vcpu, at, site, &reg);
+            }
+            // Only the trampoline and the detours' int3s are ours there; the guest has no
+            // code there. A #BP injected here would take the guest down in its own handler.
             return BreakpointOutcome::Fatal(EngineFault::UnknownOutOfLineBreakpoint { cpu, at });
         }
         let reg = self.read_registry();
@@ -60,59 +66,7 @@ impl Tracer {
         };
         let at_hit = regs;
         let kernel = self.machine.kernel();
-        let mut posts = Vec::new();
-        let mut action = PreAction::Continue;
-        let mut task = None;
-        let mut task_exit = false;
-        for id in &site.probes {
-            let Some(probe) = reg.probes.get(id).filter(|p| p.enabled) else {
-                continue;
-            };
-            if probe.role == Role::TaskExit {
-                task_exit = true;
-                continue;
-            }
-            if let ProbeKind::Kretprobe { maxactive } = probe.kind {
-                self.enter_return_probe(*id, probe, maxactive, cpu, &mut regs);
-                continue;
-            }
-            probe.counters.hits.fetch_add(1, COUNT);
-            // A probe moved past an ftrace NOP shows the registers of its own address
-            // (the NOP changes nothing but RIP), as the guest's ftrace-based kprobe would.
-            let moved = probe.address != at;
-            if moved {
-                regs.rip = probe.address.0;
-            }
-            if probe.emit_events {
-                let task = task.get_or_insert_with(|| vcpu.current_task());
-                let event = self.hit_event(*id, probe, cpu, &regs, task.as_ref(), vcpu);
-                self.send_event(probe, event);
-            }
-            if let Some(pre) = &probe.pre {
-                let mut ctx = HitContext {
-                    probe: *id,
-                    cpu,
-                    address: probe.address,
-                    regs: &mut regs,
-                    kernel,
-                    data: &mut [],
-                };
-                action = pre(&mut ctx);
-            }
-            if moved && regs.rip == probe.address.0 {
-                regs.rip = at.0;
-            }
-            if probe.post.is_some() {
-                posts.push((*id, probe.address));
-            }
-            if action == PreAction::Skip {
-                break;
-            }
-        }
-        if task_exit {
-            // After the task's own probes on `do_exit`: nothing on its stack returns.
-            self.task_exits(regs.rsp);
-        }
+        let (action, posts) = self.run_pre_handlers(&reg, site, at, cpu, vcpu, &mut regs);
         if site.shared_with_guest() {
             // The guest's int3 handler expects RIP where it was; it executes the original
             // instruction itself.
@@ -199,6 +153,137 @@ impl Tracer {
             }
             // Refused at registration: a site never holds one.
             Execution::Refuse(_) => BreakpointOutcome::NotOurs,
+        }
+    }
+
+    /// Runs the pre-handlers (and events, return-probe entries, the task-exit hook) of
+    /// every enabled probe of the site at `at`, with the registers of the hit: what the
+    /// handlers asked for, and the post-handlers to run after the instruction.
+    fn run_pre_handlers(
+        &self,
+        reg: &Registry,
+        site: &Site,
+        at: Gva,
+        cpu: usize,
+        vcpu: &mut dyn Vcpu,
+        regs: &mut Regs,
+    ) -> (PreAction, Vec<(ProbeId, Gva)>) {
+        let kernel = self.machine.kernel();
+        let mut posts = Vec::new();
+        let mut action = PreAction::Continue;
+        let mut task = None;
+        let mut task_exit = false;
+        for id in &site.probes {
+            let Some(probe) = reg.probes.get(id).filter(|p| p.enabled) else {
+                continue;
+            };
+            if probe.role == Role::TaskExit {
+                task_exit = true;
+                continue;
+            }
+            if let ProbeKind::Kretprobe { maxactive } = probe.kind {
+                self.enter_return_probe(*id, probe, maxactive, cpu, regs);
+                continue;
+            }
+            probe.counters.hits.fetch_add(1, COUNT);
+            // A probe moved past an ftrace NOP shows the registers of its own address
+            // (the NOP changes nothing but RIP), as the guest's ftrace-based kprobe would.
+            let moved = probe.address != at;
+            if moved {
+                regs.rip = probe.address.0;
+            }
+            if probe.emit_events {
+                let task = task.get_or_insert_with(|| vcpu.current_task());
+                let event = self.hit_event(*id, probe, cpu, regs, task.as_ref(), vcpu);
+                self.send_event(probe, event);
+            }
+            if let Some(pre) = &probe.pre {
+                let mut ctx = HitContext {
+                    probe: *id,
+                    cpu,
+                    address: probe.address,
+                    regs,
+                    kernel,
+                    data: &mut [],
+                };
+                action = pre(&mut ctx);
+            }
+            if moved && regs.rip == probe.address.0 {
+                regs.rip = at.0;
+            }
+            if probe.post.is_some() {
+                posts.push((*id, probe.address));
+            }
+            if action == PreAction::Skip {
+                break;
+            }
+        }
+        if task_exit {
+            // After the task's own probes on `do_exit`: nothing on its stack returns.
+            self.task_exits(regs.rsp);
+        }
+        (action, posts)
+    }
+
+    /// The int3 of a sync detour at `code`, reached through the jump at `site_addr`: the
+    /// handlers run with RIP at the probe address, then the relocated instructions after
+    /// the int3 run natively (one exit per hit, whatever the instruction). A handler that
+    /// set RIP elsewhere (and `Skip`) is obeyed. A retired detour (its site unoptimized or
+    /// gone while a vCPU was on its way in) still runs the site's handlers, if any.
+    fn detour_hit(
+        &self,
+        cpu: usize,
+        vcpu: &mut dyn Vcpu,
+        code: Gva,
+        site_addr: Gva,
+        reg: &Registry,
+    ) -> BreakpointOutcome {
+        let resume = Gva(code.0 + 1);
+        let mut regs = match vcpu.regs() {
+            Ok(r) => r,
+            Err(source) => {
+                return BreakpointOutcome::Fatal(EngineFault::Vcpu {
+                    cpu,
+                    at: site_addr,
+                    source,
+                })
+            }
+        };
+        regs.rip = site_addr.0;
+        let mut action = PreAction::Continue;
+        match reg.sites.get(&site_addr).filter(|s| !s.gone) {
+            Some(site) => {
+                self.stats.hits.fetch_add(1, COUNT);
+                self.stats.optimized.fetch_add(1, COUNT);
+                let (asked, posts) = self.run_pre_handlers(reg, site, site_addr, cpu, vcpu, &mut regs);
+                action = asked;
+                // Only a probe added while a vCPU was on its way into a retired detour
+                // can have one: its instruction is not stepped, so it cannot run.
+                for (id, _) in posts {
+                    if let Some(probe) = reg.probes.get(&id) {
+                        probe.counters.nmissed.fetch_add(1, COUNT);
+                    }
+                }
+            }
+            None => {
+                self.stats.stale.fetch_add(1, COUNT);
+            }
+        }
+        if action == PreAction::Skip && regs.rip == site_addr.0 {
+            return BreakpointOutcome::Fatal(EngineFault::SkipWithoutRip { cpu, at: site_addr });
+        }
+        if regs.rip == site_addr.0 {
+            regs.rip = resume.0;
+        } else {
+            self.stats.skipped.fetch_add(1, COUNT);
+        }
+        match vcpu.set_regs(&regs) {
+            Ok(()) => BreakpointOutcome::Handled,
+            Err(source) => BreakpointOutcome::Fatal(EngineFault::Vcpu {
+                cpu,
+                at: site_addr,
+                source,
+            }),
         }
     }
 

@@ -163,8 +163,14 @@ impl Tracer {
             })?;
         let reg = self.read_registry();
         for (addr, site) in reg.sites.range(func_start..Gva(func_start.0 + func_size)) {
-            if site.armed {
-                code[(addr.0 - func_start.0) as usize] = site.original;
+            let offset = (addr.0 - func_start.0) as usize;
+            if let Some(detour) = &site.detour {
+                // Our jump: the original bytes under it.
+                let original = detour.region.original_bytes();
+                let n = original.len().min(code.len() - offset);
+                code[offset..offset + n].copy_from_slice(&original[..n]);
+            } else if site.armed {
+                code[offset] = site.original;
             }
         }
         Ok(code)
@@ -172,7 +178,7 @@ impl Tracer {
 
     /// The address of a function's ftrace NOP (at its entry, after an `endbr64`), or of
     /// the call the guest patched in its place while it traces the function.
-    fn ftrace_site(&self, code: &[u8], func_start: Gva) -> Option<Gva> {
+    pub(super) fn ftrace_site(&self, code: &[u8], func_start: Gva) -> Option<Gva> {
         let skip = if code.starts_with(&ENDBR64) { ENDBR64.len() } else { 0 };
         let entry = code.get(skip..skip + 5)?;
         let at = Gva(func_start.0 + skip as u64);

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use hvprobe_arch::{Gva, INT3};
 
+use super::optimize::{jump_intact, unoptimize, Detour, DetourCodes, WhyNotOptimized};
 use super::placement::Placement;
 use super::{hex, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT};
 use crate::insn::{self, Execution, ProbedInsn};
@@ -67,10 +68,14 @@ pub(super) struct Site {
     pub slot: Option<(Gva, insn::OutOfLine)>,
     /// Probes here, in registration order.
     pub probes: Vec<ProbeId>,
-    /// Our int3 is in the text.
+    /// Our int3 is in the text (or, when `detour` is set, our jump).
     pub armed: bool,
     /// The guest rewrote the byte under our int3: we no longer own it.
     pub gone: bool,
+    /// The jump to its detour, while the site is optimized.
+    pub detour: Option<Detour>,
+    /// Why the site is not optimized (while the switch is on).
+    pub not_optimized: Option<WhyNotOptimized>,
 }
 
 impl Site {
@@ -88,6 +93,10 @@ pub(super) struct Registry {
     next_id: u32,
     /// The global switch (debugfs `enabled`).
     pub armed: bool,
+    /// The optimization switch (`debug.kprobes_optimization`).
+    pub optimization: bool,
+    /// Every detour's code, live or retired.
+    pub detour_codes: DetourCodes,
 }
 
 impl Registry {
@@ -98,6 +107,8 @@ impl Registry {
             events: HashSet::new(),
             next_id: 0,
             armed: true,
+            optimization: false,
+            detour_codes: DetourCodes::new(),
         }
     }
 
@@ -302,7 +313,11 @@ impl Tracer {
                     disabled: !p.enabled,
                     gone: site.is_some_and(|s| s.gone),
                     ftrace: false,
-                    optimized: false,
+                    optimized: site.is_some_and(|s| s.detour.is_some()),
+                    not_optimized: match (reg.optimization, site) {
+                        (true, Some(s)) if s.detour.is_none() => s.not_optimized.as_ref().map(|w| w.to_string()),
+                        _ => None,
+                    },
                     hits: p.counters.hits.load(COUNT),
                     nmissed: p.counters.nmissed.load(COUNT),
                     event: format!("{}/{}", p.group, p.event),
@@ -321,11 +336,20 @@ impl Tracer {
     pub(super) fn find_gone(&self, text: &dyn KernelMemory) {
         let mut reg = self.write_registry();
         for (addr, site) in reg.sites.iter_mut() {
-            if site.armed && !site.gone {
-                let mut b = [0u8];
-                if text.read_virt(*addr, &mut b).is_ok() && b[0] != INT3 {
+            if !site.armed || site.gone {
+                continue;
+            }
+            if let Some(detour) = &site.detour {
+                if !jump_intact(text, *addr, detour) {
+                    let mut b = [0u8];
+                    let _ = text.read_virt(*addr, &mut b);
                     self.mark_gone(*addr, site, b[0]);
                 }
+                continue;
+            }
+            let mut b = [0u8];
+            if text.read_virt(*addr, &mut b).is_ok() && b[0] != INT3 {
+                self.mark_gone(*addr, site, b[0]);
             }
         }
     }
@@ -338,6 +362,8 @@ impl Tracer {
         );
         site.gone = true;
         site.armed = false;
+        // Its detour, if any, is retired: reused once nothing can be in it.
+        site.detour = None;
         self.stats.gone.fetch_add(1, COUNT);
     }
 
@@ -377,8 +403,22 @@ impl Tracer {
                 event: request.event.clone(),
             });
         }
-        if let std::collections::btree_map::Entry::Vacant(slot) = reg.sites.entry(placement.site) {
-            slot.insert(self.new_site(text, placement)?);
+        if !reg.sites.contains_key(&placement.site) {
+            // A new site inside an optimized region: the region goes back to its int3 (and
+            // stays so while this probe lives), so the text here is the guest's again.
+            let covering: Vec<Gva> = reg
+                .sites
+                .range(..placement.site)
+                .filter(|(_, s)| s.detour.as_ref().is_some_and(|d| d.region.is_interior(placement.site)))
+                .map(|(a, _)| *a)
+                .collect();
+            for addr in covering {
+                if let Some(site) = reg.sites.get_mut(&addr) {
+                    unoptimize(text, addr, site, &mut reg.detour_codes);
+                }
+            }
+            let site = self.new_site(text, placement)?;
+            reg.sites.insert(placement.site, site);
         }
         let id = ProbeId(reg.next_id);
         reg.next_id += 1;
@@ -431,7 +471,7 @@ impl Tracer {
         };
         if now_empty {
             if let Some(site) = reg.sites.get_mut(&site_addr) {
-                disarm(self, view.text(), site_addr, site);
+                disarm(self, view.text(), site_addr, site, &mut reg.detour_codes);
                 if site.armed {
                     // Our int3 could not be taken out: the site stays, with no probes, so
                     // that its hits still run the original instruction.
@@ -518,6 +558,8 @@ impl Tracer {
                 probes: Vec::new(),
                 armed: false,
                 gone: false,
+                detour: None,
+                not_optimized: None,
             });
         }
         let (insn, step) = analyze_site(placement)?;
@@ -577,6 +619,8 @@ impl Tracer {
             probes: Vec::new(),
             armed: false,
             gone: false,
+            detour: None,
+            not_optimized: None,
         })
     }
 }
@@ -628,7 +672,11 @@ fn sync_site(text: &dyn KernelMemory, reg: &mut Registry, addr: Gva) {
     if want && !site.armed && !site.gone {
         arm(text, addr, site);
     } else if !want && site.armed {
-        site.armed = !site.shared_with_guest() && !restore_original(text, addr, site);
+        // Back to the int3 first (the optimization pass may put the jump in again).
+        unoptimize(text, addr, site, &mut reg.detour_codes);
+        if site.armed {
+            site.armed = !site.shared_with_guest() && !restore_original(text, addr, site);
+        }
     }
 }
 
@@ -684,8 +732,14 @@ fn restore_original(text: &dyn KernelMemory, addr: Gva, site: &mut Site) -> bool
     }
 }
 
-fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
+fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site, codes: &mut DetourCodes) {
     if !site.armed {
+        return;
+    }
+    unoptimize(text, addr, site, codes);
+    if !site.armed {
+        // The guest rewrote our jump.
+        tracer.stats.gone.fetch_add(1, COUNT);
         return;
     }
     if site.shared_with_guest() {

@@ -14,18 +14,23 @@ use std::collections::HashMap;
 
 use hvprobe_arch::{Gva, INT3};
 
+use super::optimize::DETOUR_BLOCK;
 use super::{EngineFault, HitContext, OutOfLineArea, ProbeError, ProbeId, StepOutcome, Tracer, COUNT, SLOT_SIZE};
 use crate::insn::{self, OutOfLine, ProbedInsn, StepFixup};
 use crate::machine::{KernelMemory, PausedView, Vcpu};
 use crate::regs::Regs;
 
 /// The out-of-line area's slots: handed out from the start, and reused when freed.
+/// Detours are handed out from the area's end, in blocks of [`DETOUR_BLOCK`] bytes.
 pub(super) struct Slots {
     area: Option<OutOfLineArea>,
     next: u64,
     free: Vec<Gva>,
     /// Freed while a vCPU was still stepping in them: reusable once it is not.
     retired: Vec<Gva>,
+    /// Detour blocks handed out from the end so far.
+    detours: u64,
+    free_detours: Vec<Gva>,
 }
 
 impl Slots {
@@ -35,7 +40,14 @@ impl Slots {
             next: 0,
             free: Vec::new(),
             retired: Vec::new(),
+            detours: 0,
+            free_detours: Vec::new(),
         }
+    }
+
+    /// Whether `slots` instruction slots and `detours` detour blocks fit in the area.
+    fn fits(area: &OutOfLineArea, slots: u64, detours: u64) -> bool {
+        slots * SLOT_SIZE + detours * DETOUR_BLOCK <= area.size
     }
 }
 
@@ -82,8 +94,8 @@ impl Tracer {
         if let Some(slot) = slots.free.pop() {
             return Ok(slot);
         }
-        if (slots.next + 1) * SLOT_SIZE > area.size {
-            return Err(ProbeError::OutOfLineFull(area.size / SLOT_SIZE));
+        if !Slots::fits(&area, slots.next + 1, slots.detours) {
+            return Err(ProbeError::OutOfLineFull(slots.next));
         }
         let slot = Gva(area.start.0 + slots.next * SLOT_SIZE);
         slots.next += 1;
@@ -104,6 +116,29 @@ impl Tracer {
         } else {
             slots.free.push(slot);
         }
+    }
+
+    /// A free detour block (from the area's end), if there is room.
+    pub(super) fn allocate_detour(&self) -> Option<Gva> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let area = slots.area?;
+        if let Some(block) = slots.free_detours.pop() {
+            return Some(block);
+        }
+        if !Slots::fits(&area, slots.next, slots.detours + 1) {
+            return None;
+        }
+        slots.detours += 1;
+        Some(Gva(area.start.0 + area.size - slots.detours * DETOUR_BLOCK))
+    }
+
+    /// Gives a detour block back, once nothing can be in it.
+    pub(super) fn free_detour(&self, block: Gva) {
+        self.slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_detours
+            .push(block);
     }
 
     /// Gives back a slot no copy was written to.

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicUsize;
 use super::*;
 use crate::insn::HexBytes;
 use crate::machine::{KernelMemory, Machine, PausedView, Vcpu, VcpuError};
-use crate::output::ListKind;
+use crate::output::{listing_line, ListKind};
 use hvprobe_arch::INT3;
 use hvprobe_introspection::memory::MemoryError;
 
@@ -65,6 +65,8 @@ struct FakeMachine {
     unmapped: Mutex<Vec<u64>>,
     /// Runs once at the next pause, before the edit: the guest's last act before it stops.
     before_pause: Mutex<Option<GuestAct>>,
+    /// The words on the guest's kernel stacks; `None`: they cannot be read.
+    stack_words: Mutex<Option<Vec<u64>>>,
 }
 
 /// Something the guest does to its memory.
@@ -140,6 +142,17 @@ impl PausedView for FakeMachine {
 
     fn parked_rips(&self) -> Vec<u64> {
         self.parked.lock().unwrap().clone()
+    }
+
+    fn saved_on_stacks(&self, range: std::ops::Range<Gva>) -> Result<Vec<Gva>, crate::machine::StackScanError> {
+        match &*self.stack_words.lock().unwrap() {
+            Some(words) => Ok(words
+                .iter()
+                .filter(|w| (range.start.0..range.end.0).contains(w))
+                .map(|w| Gva(*w))
+                .collect()),
+            None => Err(crate::machine::StackScanError::Unsupported),
+        }
     }
 }
 
@@ -1302,4 +1315,244 @@ fn every_refusal_of_a_batch_is_reported_at_once_and_nothing_is_armed() {
     assert!(problems[3].1.contains("function's entry"));
     assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE, "nothing written");
     assert!(t.listing().is_empty());
+}
+
+// ---- jump optimization -------------------------------------------------------------------
+
+/// Where the first detour goes: the last block of the fake out-of-line area.
+const DETOUR: u64 = OOL + 0x1000 - optimize::DETOUR_BLOCK;
+
+/// A tracer whose machine can search its (empty) kernel stacks, with optimization on.
+fn optimizing(m: &Arc<FakeMachine>) -> Tracer {
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    let t = tracer(m);
+    t.set_optimization(true);
+    t
+}
+
+/// A probe at `func+0` (on `push %rbp`, past the ftrace NOP) whose pre-handler records the
+/// RIP it sees.
+fn recording_probe(seen: &Arc<Mutex<Vec<u64>>>) -> KprobeRequest {
+    let seen = seen.clone();
+    KprobeRequest {
+        pre: Some(Arc::new(move |ctx: &mut HitContext| {
+            seen.lock().unwrap().push(ctx.regs.rip);
+            PreAction::Continue
+        })),
+        ..plain(at("func", 0), "opt")
+    }
+}
+
+#[test]
+fn an_optimized_probe_jumps_to_a_sync_detour_and_a_hit_takes_one_exit() {
+    let m = FakeMachine::with_code();
+    let original = m.bytes(FUNC, 0x20);
+    let t = optimizing(&m);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let id = t.register(recording_probe(&seen)).unwrap();
+    // The jump replaces push/mov/mov(rip) (11 bytes; the first 5 are the jump).
+    let jump = crate::detour::jump_bytes(Gva(PUSH), Gva(DETOUR)).unwrap();
+    assert_eq!(m.bytes(PUSH, 5), jump);
+    assert_eq!(
+        m.bytes(PUSH + 5, 11),
+        original[10..21],
+        "the rest of the region is untouched"
+    );
+    assert_eq!(m.bytes(DETOUR, 1), [INT3]);
+    assert!(t.listing()[0].optimized);
+    assert_eq!(t.why_not_optimized(id), None);
+    // The detour: int3, push, mov, the mov with its displacement re-targeted, jmp back.
+    let detour = m.bytes(DETOUR + 1, 1 + 3 + 7 + 5);
+    assert_eq!(detour[..4], [0x55, 0x48, 0x89, 0xe5]);
+    let new_disp = i32::from_le_bytes(detour[7..11].try_into().unwrap()) as i64;
+    assert_eq!((DETOUR + 1 + 11) as i64 + new_disp, (MOV_RIP + 7 + 0x10) as i64);
+    assert_eq!(detour[11], 0xe9);
+    let back = i32::from_le_bytes(detour[12..16].try_into().unwrap()) as i64;
+    assert_eq!((DETOUR + 1 + 16) as i64 + back, POP as i64, "back at the region's end");
+
+    // A hit: the vCPU took the jump and trapped on the detour's int3.
+    let mut cpu = FakeVcpu::at(DETOUR);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(DETOUR)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [FUNC],
+        "the handler sees RIP at the probe address"
+    );
+    assert_eq!(cpu.regs.rip, DETOUR + 1, "then the displaced instructions run natively");
+    assert!(!cpu.stepping, "no single-step: one exit");
+    assert_eq!(t.stats.optimized.load(Ordering::Relaxed), 1);
+    assert_eq!(t.listing()[0].hits, 1);
+
+    t.unregister(id).unwrap();
+    assert_eq!(m.bytes(FUNC, 0x20), original, "the text is as it was");
+}
+
+#[test]
+fn the_switch_off_puts_the_int3_back_and_on_puts_the_jump_back() {
+    let m = FakeMachine::with_code();
+    let original = m.bytes(PUSH, 5);
+    let t = optimizing(&m);
+    let id = t.register(plain(at("func", 0), "opt")).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [0xe9]);
+    t.set_optimization(false);
+    let mut armed = original.clone();
+    armed[0] = INT3;
+    assert_eq!(m.bytes(PUSH, 5), armed, "the int3 and the original bytes");
+    assert_eq!(t.why_not_optimized(id), Some(WhyNotOptimized::Off));
+    assert!(!t.listing()[0].optimized);
+    t.set_optimization(true);
+    assert_eq!(m.bytes(PUSH, 1), [0xe9]);
+    // Disabled: no jump, no int3; enabled again: the jump.
+    t.set_enabled(id, false).unwrap();
+    assert_eq!(m.bytes(PUSH, 5), original);
+    assert!(matches!(
+        t.why_not_optimized(id),
+        Some(WhyNotOptimized::Region(r)) if *r == crate::detour::NotOptimizable::Disabled
+    ));
+    t.set_enabled(id, true).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [0xe9], "{:?}", t.why_not_optimized(id));
+    t.set_armed(false);
+    assert_eq!(m.bytes(PUSH, 5), original, "the global switch takes the jump out too");
+    t.set_armed(true);
+    assert_eq!(m.bytes(PUSH, 1), [0xe9]);
+}
+
+#[test]
+fn a_probe_with_a_post_handler_or_stacks_that_cannot_be_read_stays_on_its_int3() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.set_optimization(true);
+    let id = t.register(plain(at("func", 0), "opt")).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [INT3]);
+    assert!(matches!(
+        t.why_not_optimized(id),
+        Some(WhyNotOptimized::StacksUnreadable(_))
+    ));
+    t.unregister(id).unwrap();
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    let with_post = KprobeRequest {
+        post: Some(Arc::new(|_: &mut HitContext| {})),
+        ..plain(at("func", 0), "post")
+    };
+    let id = t.register(with_post).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [INT3]);
+    assert!(matches!(
+        t.why_not_optimized(id),
+        Some(WhyNotOptimized::Region(r)) if *r == crate::detour::NotOptimizable::HasPostHandler
+    ));
+    assert!(
+        listing_line(&t.listing()[0]).contains("(not optimized: the probe has a post-handler"),
+        "{}",
+        listing_line(&t.listing()[0])
+    );
+}
+
+#[test]
+fn a_task_or_vcpu_inside_the_region_delays_the_jump_until_it_has_left() {
+    let m = FakeMachine::with_code();
+    let t = optimizing(&m);
+    // A task preempted after `push %rbp` has that address saved on its stack.
+    *m.stack_words.lock().unwrap() = Some(vec![PUSH + 1]);
+    let id = t.register(plain(at("func", 0), "opt")).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [INT3]);
+    assert_eq!(
+        t.why_not_optimized(id),
+        Some(WhyNotOptimized::TaskInside { saved: Gva(PUSH + 1) })
+    );
+    // The task went on; a vCPU is now stopped inside the region.
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    *m.parked.lock().unwrap() = vec![MOV_RIP];
+    t.check_gone();
+    t.set_armed(true);
+    assert_eq!(
+        t.why_not_optimized(id),
+        Some(WhyNotOptimized::VcpuInside {
+            cpu: 0,
+            rip: Gva(MOV_RIP)
+        })
+    );
+    // At the probe address itself it would take the jump: fine.
+    *m.parked.lock().unwrap() = vec![PUSH];
+    t.set_armed(true);
+    assert_eq!(m.bytes(PUSH, 1), [0xe9]);
+    assert_eq!(t.why_not_optimized(id), None);
+}
+
+#[test]
+fn a_retired_detour_is_reused_only_when_no_vcpu_or_stack_is_in_it_and_still_works_meanwhile() {
+    let m = FakeMachine::with_code();
+    let t = optimizing(&m);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let id = t.register(recording_probe(&seen)).unwrap();
+    // A vCPU took the jump and stopped on the detour's int3; then the probe is disabled.
+    *m.parked.lock().unwrap() = vec![DETOUR];
+    t.set_optimization(false);
+    assert_eq!(m.bytes(PUSH, 1), [INT3]);
+    // It goes on: the site's handler runs, and so do the displaced instructions.
+    let mut cpu = FakeVcpu::at(DETOUR);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(DETOUR)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, DETOUR + 1);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    // Interrupted in the copy: its stack holds an address there. The block is not reused.
+    *m.parked.lock().unwrap() = Vec::new();
+    *m.stack_words.lock().unwrap() = Some(vec![DETOUR + 4]);
+    t.set_optimization(true);
+    assert_eq!(m.bytes(PUSH, 1), [0xe9]);
+    let second = DETOUR - optimize::DETOUR_BLOCK;
+    assert_eq!(
+        m.bytes(PUSH, 5),
+        crate::detour::jump_bytes(Gva(PUSH), Gva(second)).unwrap(),
+        "a new block while the old one may still be returned into"
+    );
+    assert_eq!(m.bytes(DETOUR, 1), [INT3], "the retired detour is intact");
+    // Once nothing is in it, it is reused.
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    t.set_optimization(false);
+    t.set_optimization(true);
+    t.unregister(id).unwrap();
+    let id = t.register(plain(at("func", 0), "again")).unwrap();
+    assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
+    let target = |bytes: Vec<u8>| PUSH as i64 + 5 + i32::from_le_bytes(bytes[1..5].try_into().unwrap()) as i64;
+    assert!(
+        [DETOUR as i64, second as i64].contains(&target(m.bytes(PUSH, 5))),
+        "a freed block is reused"
+    );
+}
+
+#[test]
+fn a_jump_the_guest_rewrote_makes_the_probe_gone_and_is_never_written_back() {
+    let m = FakeMachine::with_code();
+    let t = optimizing(&m);
+    let id = t.register(plain(at("func", 0), "opt")).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [0xe9]);
+    let guest = [0x0f, 0x0b, 0x90, 0x90, 0x90];
+    m.write_virt(Gva(PUSH), &guest).unwrap();
+    let entry = &t.listing()[0];
+    assert!(entry.gone && !entry.optimized, "{entry:?}");
+    t.unregister(id).unwrap();
+    assert_eq!(m.bytes(PUSH, 5), guest, "the guest's bytes stay");
+}
+
+#[test]
+fn a_second_probe_inside_the_region_unoptimizes_it() {
+    let m = FakeMachine::with_code();
+    let t = optimizing(&m);
+    let first = t.register(plain(at("func", 0), "first")).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [0xe9]);
+    // `mov %rsp,%rbp` at func+6 is inside the region push..pop.
+    let inside = t.register(plain(at("func", 6), "inside")).unwrap();
+    assert_eq!(m.bytes(PUSH, 1), [INT3]);
+    // The inner one has a region of its own (mov, mov), clear of the first probe.
+    assert_eq!(m.bytes(PUSH + 1, 1), [0xe9]);
+    assert_eq!(t.why_not_optimized(inside), None);
+    assert!(matches!(
+        t.why_not_optimized(first),
+        Some(WhyNotOptimized::Region(r)) if matches!(*r, crate::detour::NotOptimizable::ProbeInsideRegion { .. })
+    ));
 }

@@ -168,6 +168,7 @@ fn entry() -> ListEntry {
         hits: 3,
         nmissed: 0,
         event: "kprobes/p_do_sys_open_0".into(),
+        not_optimized: None,
     }
 }
 

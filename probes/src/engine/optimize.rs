@@ -1,0 +1,411 @@
+//! Jump optimization of armed sites (the seed's optimized kprobes, done from the host).
+//!
+//! Invariant: **a site's first five bytes hold our `jmp` to its detour only while the
+//! region planned for it (see [`crate::detour`]) is safe to jump over — every vCPU was
+//! paused outside the region and no kernel stack held an address inside it when the jump
+//! was written — and the detour holds that region's instructions, relocated, behind one
+//! int3 (a *sync* detour: the hit traps once, the handlers see RIP at the probe address,
+//! then the displaced instructions run natively and jump back). Unoptimizing puts the int3
+//! and the four original bytes back (the probe stays armed); a detour's memory is reused
+//! only when no vCPU is in it and no kernel stack holds an address in it.**
+//!
+//! Optimization is tried at the end of every pause of the vCPUs, for every armed site
+//! that meets the seed's pre-optimization conditions (every probe of the site enabled,
+//! none with a post-handler, no other probe inside the region) while the switch
+//! ([`Tracer::set_optimization`]) is on; a site whose state changes is unoptimized before
+//! its bytes change. A site refused for a reason that can go away (a vCPU or a task inside
+//! the region, a probe inside it) is tried again at the next pause.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use hvprobe_arch::{Gva, INT3};
+
+use super::registry::{Registry, Site};
+use super::{ProbeId, Tracer, COUNT};
+use crate::detour::{
+    check_probe, jump_bytes, plan_region, relocate, Code, DetourFacts, DetourRegion, FunctionText, IndirectThunks,
+    NotOptimizable, ProbeConditions, JMP_REL32_LEN,
+};
+use crate::machine::{KernelMemory, PausedView};
+
+/// Bytes of the out-of-line area one detour takes (its int3, the relocated region of at
+/// most 19 bytes grown by re-encoded branches, and the jump back).
+pub(super) const DETOUR_BLOCK: u64 = 64;
+
+/// Why an armed probe is not jump-optimized (the listing's and the API's reason).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WhyNotOptimized {
+    #[error("optimization is off")]
+    Off,
+    #[error("{0}")]
+    Region(Arc<NotOptimizable>),
+    #[error("the guest's own int3 is at the probe address")]
+    SharedWithGuest,
+    #[error("it is not armed (disabled, disarmed or gone)")]
+    NotArmed,
+    #[error("vCPU {cpu} is stopped inside the region at {rip} (tried again at the next pause)")]
+    VcpuInside { cpu: usize, rip: Gva },
+    #[error(
+        "a kernel stack holds {saved}, inside the region (a task interrupted or preempted there; tried again \
+         at the next pause)"
+    )]
+    TaskInside { saved: Gva },
+    #[error("the guest's kernel stacks cannot be checked for a task interrupted in the region: {0}")]
+    StacksUnreadable(String),
+    #[error("no out-of-line area")]
+    NoOutOfLineArea,
+    #[error("the out-of-line area has no room for another detour")]
+    NoRoom,
+    #[error("the detour at {detour} is out of rel32 reach of the probe")]
+    OutOfReach { detour: Gva },
+    #[error("the relocated region takes {len} bytes, more than a detour holds")]
+    TooLong { len: usize },
+    #[error("guest memory: {0}")]
+    Memory(String),
+}
+
+impl WhyNotOptimized {
+    /// Whether planning the site again cannot change the answer while its text and probes
+    /// stay as they are (a refusal of the region itself, not of a moment's state).
+    fn permanent(&self) -> bool {
+        match self {
+            WhyNotOptimized::Region(r) => !r.is_temporary(),
+            WhyNotOptimized::OutOfReach { .. } | WhyNotOptimized::TooLong { .. } | WhyNotOptimized::NoOutOfLineArea => {
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The jump at an optimized site.
+#[derive(Clone, Debug)]
+pub(super) struct Detour {
+    pub region: DetourRegion,
+    /// The detour's first byte (its int3).
+    pub code: Gva,
+    pub jump: [u8; JMP_REL32_LEN],
+}
+
+/// A detour's code in the out-of-line area, live or retired: an int3 exit at `code` is a
+/// hit of `site` (if it still exists) that goes on in the relocated region at `code + 1`.
+#[derive(Clone, Debug)]
+pub(super) struct DetourCode {
+    pub site: Gva,
+    /// Still the jump target of its site (else retired, waiting to be reused).
+    pub live: bool,
+}
+
+/// Every detour's code by its address.
+pub(super) type DetourCodes = BTreeMap<Gva, DetourCode>;
+
+impl Tracer {
+    /// The seed's `debug.kprobes_optimization`: on, every armed probe that can be is
+    /// jump-optimized; off, every optimized probe goes back to its int3. Takes effect in one
+    /// pause of the vCPUs.
+    pub fn set_optimization(&self, on: bool) {
+        self.paused(&mut |_view| {
+            self.write_registry().optimization = on;
+        });
+    }
+
+    pub fn optimization(&self) -> bool {
+        self.read_registry().optimization
+    }
+
+    /// Why a probe is not jump-optimized; `None` when it is.
+    pub fn why_not_optimized(&self, id: ProbeId) -> Option<WhyNotOptimized> {
+        let reg = self.read_registry();
+        let probe = reg.probes.get(&id)?;
+        let site = reg.sites.get(&probe.site)?;
+        if site.detour.is_some() {
+            return None;
+        }
+        if !reg.optimization {
+            return Some(WhyNotOptimized::Off);
+        }
+        Some(site.not_optimized.clone().unwrap_or(WhyNotOptimized::NotArmed))
+    }
+
+    /// At the end of a pause: unoptimizes what no longer qualifies, optimizes what does,
+    /// and reuses retired detours nothing can be in any more.
+    pub(super) fn optimize_pass(&self, view: &dyn PausedView) {
+        let mut guard = self.write_registry();
+        let reg = &mut *guard;
+        if !reg.optimization && reg.detour_codes.is_empty() {
+            return;
+        }
+        let addrs: Vec<Gva> = reg.sites.keys().copied().collect();
+        for addr in &addrs {
+            let blocked = self.blocking_reason(reg, *addr);
+            let Some(site) = reg.sites.get_mut(addr) else { continue };
+            match (&site.detour, blocked) {
+                (Some(_), Some(why)) => {
+                    unoptimize(view.text(), *addr, site, &mut reg.detour_codes);
+                    self.stats.gone.fetch_add(u64::from(site.gone), COUNT);
+                    if let Some(site) = reg.sites.get_mut(addr) {
+                        site.not_optimized = Some(why);
+                    }
+                }
+                (Some(_), None) => {}
+                (None, Some(why)) => site.not_optimized = Some(why),
+                (None, None) => {
+                    if site.not_optimized.as_ref().is_some_and(WhyNotOptimized::permanent) {
+                        continue;
+                    }
+                    let outcome = self.optimize_site(view, reg, *addr);
+                    match outcome {
+                        Ok(detour) => {
+                            reg.detour_codes.insert(
+                                detour.code,
+                                DetourCode {
+                                    site: *addr,
+                                    live: true,
+                                },
+                            );
+                            if let Some(site) = reg.sites.get_mut(addr) {
+                                site.detour = Some(detour);
+                                site.not_optimized = None;
+                            }
+                        }
+                        Err(why) => {
+                            if let Some(site) = reg.sites.get_mut(addr) {
+                                site.not_optimized = Some(why);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        self.reclaim_detours(view, reg);
+    }
+
+    /// Why the site at `addr` may not be optimized now for reasons of state (the switch,
+    /// the probes' conditions); `None` when the text may be planned.
+    fn blocking_reason(&self, reg: &Registry, addr: Gva) -> Option<WhyNotOptimized> {
+        if !reg.optimization {
+            return Some(WhyNotOptimized::Off);
+        }
+        let site = reg.sites.get(&addr)?;
+        if site.shared_with_guest() {
+            return Some(WhyNotOptimized::SharedWithGuest);
+        }
+        for id in &site.probes {
+            let probe = reg.probes.get(id)?;
+            let conditions = ProbeConditions {
+                has_post_handler: probe.post.is_some(),
+                enabled: probe.enabled,
+            };
+            if let Err(e) = check_probe(conditions) {
+                return Some(WhyNotOptimized::Region(Arc::new(e)));
+            }
+        }
+        if !site.armed || site.gone || !reg.armed {
+            return Some(WhyNotOptimized::NotArmed);
+        }
+        // A site inside an optimized region blocks that region (the seed's "blocked by
+        // another kprobe"), whichever came first.
+        if let Some(detour) = &site.detour {
+            if let Some((&other, _)) = reg.sites.range(Gva(addr.0 + 1)..detour.region.end()).next() {
+                return Some(WhyNotOptimized::Region(Arc::new(NotOptimizable::ProbeInsideRegion {
+                    probe: other,
+                    start: addr,
+                    end: detour.region.end(),
+                })));
+            }
+        }
+        None
+    }
+
+    /// Plans, checks and writes the jump of one armed site.
+    fn optimize_site(&self, view: &dyn PausedView, reg: &Registry, addr: Gva) -> Result<Detour, WhyNotOptimized> {
+        let area = self.ool.ok_or(WhyNotOptimized::NoOutOfLineArea)?;
+        let region = self.plan(reg, addr)?;
+        let range = addr.0 + 1..region.end().0;
+        if let Some((cpu, rip)) = view
+            .parked_rips()
+            .iter()
+            .enumerate()
+            .find(|(_, rip)| range.contains(rip))
+        {
+            return Err(WhyNotOptimized::VcpuInside { cpu, rip: Gva(*rip) });
+        }
+        let interior = Gva(addr.0 + 1)..region.end();
+        match view.saved_on_stacks(interior) {
+            Ok(saved) if !saved.is_empty() => return Err(WhyNotOptimized::TaskInside { saved: saved[0] }),
+            Ok(_) => {}
+            Err(e) => return Err(WhyNotOptimized::StacksUnreadable(e.to_string())),
+        }
+        let code = self.allocate_detour().ok_or(WhyNotOptimized::NoRoom)?;
+        let written = (|| {
+            debug_assert!(area.contains(code));
+            let jump = jump_bytes(addr, code).ok_or(WhyNotOptimized::OutOfReach { detour: code })?;
+            let relocated =
+                relocate(&region, Gva(code.0 + 1), region.end()).map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
+            if relocated.len() as u64 + 1 > DETOUR_BLOCK {
+                return Err(WhyNotOptimized::TooLong { len: relocated.len() });
+            }
+            let text = view.text();
+            let mut detour = vec![INT3];
+            detour.extend_from_slice(&relocated);
+            text.write_virt(code, &detour)
+                .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+            // The site holds our int3 and then the original bytes; anything else is the
+            // guest's, and stays.
+            let mut now = [0u8; JMP_REL32_LEN];
+            text.read_virt(addr, &mut now)
+                .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+            let mut expected = region.original_bytes();
+            expected.truncate(JMP_REL32_LEN);
+            expected[0] = INT3;
+            if now[..] != expected[..] {
+                return Err(WhyNotOptimized::Memory(format!(
+                    "the text at {addr} changed under the probe (now {})",
+                    super::hex(&now)
+                )));
+            }
+            text.write_virt(addr, &jump)
+                .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+            Ok(jump)
+        })();
+        match written {
+            Ok(jump) => Ok(Detour { region, code, jump }),
+            Err(why) => {
+                self.free_detour(code);
+                Err(why)
+            }
+        }
+    }
+
+    /// The region a jump at `addr` would displace, planned on the function's own bytes.
+    fn plan(&self, reg: &Registry, addr: Gva) -> Result<DetourRegion, WhyNotOptimized> {
+        let symbols = &self.view.symbols;
+        let description = symbols.describe(addr).filter(|d| d.symbol.is_text()).ok_or_else(|| {
+            WhyNotOptimized::Region(Arc::new(NotOptimizable::NotInFunction {
+                at: addr,
+                function: addr..addr,
+            }))
+        })?;
+        let start = Gva(addr.0 - description.offset);
+        let size = description.size.min(super::MAX_FUNCTION_BYTES);
+        let mut bytes = vec![0u8; size as usize];
+        self.machine
+            .kernel()
+            .read_virt(start, &mut bytes)
+            .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+        let end = Gva(start.0 + size);
+        // The compiler's bytes: ours replaced by the originals.
+        let mut others = Vec::new();
+        for (at, site) in reg.sites.range(start..end) {
+            let offset = (at.0 - start.0) as usize;
+            if let Some(detour) = &site.detour {
+                let original = detour.region.original_bytes();
+                let n = original.len().min(bytes.len() - offset);
+                bytes[offset..offset + n].copy_from_slice(&original[..n]);
+            } else if site.armed {
+                bytes[offset] = site.original;
+            }
+            if *at != addr {
+                others.push(*at);
+            }
+        }
+        let thunks = IndirectThunks::from_symbols(symbols);
+        let facts = DetourFacts {
+            ex_table: &self.view.ex_table,
+            patch_sites: &self.view.patch_sites,
+            thunks: &thunks,
+        };
+        let function = FunctionText {
+            body: Code { start, bytes: &bytes },
+            ftrace_site: self.ftrace_site(&bytes, start),
+            split_parts: &[],
+        };
+        plan_region(addr, &function, &facts, &others).map_err(|e| WhyNotOptimized::Region(Arc::new(e)))
+    }
+
+    /// Frees retired detours that no vCPU is in and no kernel stack points into.
+    fn reclaim_detours(&self, view: &dyn PausedView, reg: &mut Registry) {
+        // Retired, or live for a site that lost its jump some other way (found gone).
+        let retired: Vec<Gva> = reg
+            .detour_codes
+            .iter()
+            .filter(|(at, d)| {
+                !d.live
+                    || reg
+                        .sites
+                        .get(&d.site)
+                        .and_then(|s| s.detour.as_ref())
+                        .is_none_or(|detour| detour.code != **at)
+            })
+            .map(|(at, _)| *at)
+            .collect();
+        if retired.is_empty() {
+            return;
+        }
+        let rips = view.parked_rips();
+        for code in retired {
+            let range = code.0..code.0 + DETOUR_BLOCK;
+            if rips.iter().any(|rip| range.contains(rip)) {
+                continue;
+            }
+            match view.saved_on_stacks(code..Gva(range.end)) {
+                Ok(saved) if saved.is_empty() => {
+                    reg.detour_codes.remove(&code);
+                    self.free_detour(code);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!("the retired detour at {code} is kept: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Puts the int3 and the original bytes back where the site's jump is (the probe stays
+/// armed), and retires its detour. A jump the guest rewrote makes the site gone; its bytes
+/// stay as the guest wrote them.
+pub(super) fn unoptimize(text: &dyn KernelMemory, addr: Gva, site: &mut Site, codes: &mut DetourCodes) {
+    let Some(detour) = site.detour.take() else { return };
+    if let Some(code) = codes.get_mut(&detour.code) {
+        code.live = false;
+    }
+    let mut now = [0u8; JMP_REL32_LEN];
+    match text.read_virt(addr, &mut now) {
+        Ok(()) if now == detour.jump => {
+            let mut original = detour.region.original_bytes();
+            original.truncate(JMP_REL32_LEN);
+            original[0] = INT3;
+            if let Err(e) = text.write_virt(addr, &original) {
+                // The jump stays, and so does its detour: hits still go through it.
+                tracing::error!("unoptimizing the probe at {addr}: {e}: the jump stays");
+                if let Some(code) = codes.get_mut(&detour.code) {
+                    code.live = true;
+                }
+                site.detour = Some(detour);
+            }
+        }
+        Ok(()) => {
+            tracing::warn!(
+                "the guest rewrote our jump at {addr} (now {}): the probe is [GONE] and the bytes stay",
+                super::hex(&now)
+            );
+            site.gone = true;
+            site.armed = false;
+        }
+        Err(e) => {
+            tracing::error!("unoptimizing the probe at {addr}: {e}: the jump stays");
+            if let Some(code) = codes.get_mut(&detour.code) {
+                code.live = true;
+            }
+            site.detour = Some(detour);
+        }
+    }
+}
+
+/// Whether the jump of an optimized site is still in the text as we wrote it.
+pub(super) fn jump_intact(text: &dyn KernelMemory, addr: Gva, detour: &Detour) -> bool {
+    let mut now = [0u8; JMP_REL32_LEN];
+    text.read_virt(addr, &mut now).is_ok_and(|()| now == detour.jump)
+}
