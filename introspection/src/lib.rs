@@ -1,10 +1,11 @@
 //! Reading a running Linux guest from the host: guest-virtual memory through page walks,
 //! kernel symbols (System.map, vmlinux ELF, kallsyms decoded from guest memory), the
 //! KASLR slide, kernel facts (text bounds, exception table, the guest's kprobe
-//! blacklist) and the current task (BTF-described `task_struct`).
+//! blacklist), the current task (BTF-described `task_struct`) and every kernel stack.
 
 pub mod btf;
 pub mod facts;
 pub mod memory;
+pub mod stacks;
 pub mod symbols;
 pub mod task;

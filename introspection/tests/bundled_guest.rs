@@ -18,6 +18,7 @@ use hvprobe_arch::Gva;
 use hvprobe_introspection::btf::Btf;
 use hvprobe_introspection::facts::{BlacklistReason, KernelFacts, KprobeBlacklist};
 use hvprobe_introspection::memory::{ElfImage, GuestVirtRead, MemoryError, PagedGuestMemory};
+use hvprobe_introspection::stacks::{Extent, KernelStacks, StackOwner, StacksLayout, ThreadLinks};
 use hvprobe_introspection::symbols::{KallsymsLayout, Symbol, SymbolError, SymbolSource, SymbolTable};
 use hvprobe_introspection::task::{current_task, task_info, TaskError, TaskInfo, TaskLayout};
 
@@ -243,6 +244,62 @@ fn elf_image_reads_text_rodata_and_zero_bss() {
     let mut tail = vec![0xffu8; 0x1000];
     img.read_virt(Gva(last.end.0 - 0x1000), &mut tail).expect("bss");
     assert!(tail.iter().all(|&b| b == 0));
+}
+
+// --- kernel stacks ---
+
+/// The stacks layout from the bundled guest's BTF and ELF symbols: task_struct offsets as
+/// pahole reads them, the x86-64 stack sizes, and a walk of the vmlinux file's own data,
+/// where before boot the only task is init_task on init_stack and no CPU is possible yet.
+#[test]
+fn stacks_layout_and_the_boot_tasks_stack_from_the_vmlinux_file() {
+    let (img, syms, _) = guest();
+    let btf = Btf::parse(vmlinux_section(".BTF")).expect("bundled guest .BTF");
+    let layout = StacksLayout::from_btf(&btf, syms).expect("stacks layout");
+    eprintln!("bundled guest stacks layout: {layout:#?}");
+
+    let fields = pahole_task_struct(&bundled_guest_dir().join("vmlinux"));
+    let pahole = |name: &str| {
+        fields
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .unwrap_or_else(|| panic!("pahole shows no task_struct.{name}"))
+            .1
+    };
+    assert_eq!(layout.task_stack, pahole("stack"));
+    assert_eq!(layout.task_tasks, pahole("tasks"));
+    assert_eq!(layout.task_on_cpu, Some(pahole("on_cpu")));
+    assert_eq!(
+        layout.threads,
+        ThreadLinks::SignalThreadHead {
+            signal: pahole("signal"),
+            thread_head: btf.member_offset("signal_struct", "thread_head").unwrap().offset,
+            thread_node: pahole("thread_node"),
+        }
+    );
+    assert!(layout.task_thread_sp < layout.task.task_struct_size);
+    assert_eq!(layout.thread_size, 16 << 10, "THREAD_SIZE without KASAN");
+    assert_eq!(layout.irq.size, 16 << 10, "IRQ_STACK_SIZE without KASAN");
+    assert!(layout.irq.inuse.is_some(), "6.1 has hardirq_stack_inuse");
+    let names: Vec<&str> = layout.exception.stacks.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["DF", "NMI", "DB", "MCE", "VC", "VC2"]);
+    assert!(layout
+        .exception
+        .stacks
+        .iter()
+        .all(|s| s.size == 8192 && s.offset % 4096 == 0));
+    assert_eq!(layout.entry_stack.map(|(_, size)| size), Some(4096));
+    assert!(layout.rq_cfs_tasks.is_some() && layout.task_se_group_node.is_some());
+
+    let stacks = KernelStacks::read(img, &layout).expect("stacks of the vmlinux file");
+    assert!(stacks.cpus().is_empty(), "no CPU is possible before boot");
+    let [only] = stacks.stacks() else {
+        panic!("expected init_task's stack alone: {:#?}", stacks.stacks())
+    };
+    let init_stack = Gva(system_map_symbol("init_stack"));
+    assert_eq!(only.bounds, init_stack..Gva(system_map_symbol("__end_init_task")));
+    assert!(matches!(&only.owner, StackOwner::Task { pid: 0, comm, .. } if comm == "swapper"));
+    assert_ne!(only.extent, Extent::Unused);
 }
 
 // --- kernel facts ---
