@@ -97,6 +97,14 @@ pub struct RunArgs {
     /// Run without a control socket.
     #[arg(long)]
     pub no_control: bool,
+    /// Jump-optimize every probe that can be (the seed's optimized kprobes: a 5-byte jump
+    /// to a detour; one exit per hit whatever the instruction) [default: per backend, see
+    /// the README].
+    #[arg(long, conflicts_with = "no_optimize")]
+    pub optimize: bool,
+    /// Keep every probe on its int3.
+    #[arg(long)]
+    pub no_optimize: bool,
     /// Feed stdin to the guest's serial console also with --workload (a workload reads it
     /// from /dev/ttyS0); on a terminal this puts it in raw mode.
     #[arg(long)]

@@ -24,6 +24,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             (Some(path), false) => ControlSocket::At(path.clone()),
             (None, false) => ControlSocket::Default,
         },
+        optimize: match (args.optimize, args.no_optimize) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        },
     };
     if let Some(dir) = &args.snapshot {
         return crate::snapshot::run_restored(dir, args.cpus, args.workload.as_deref(), args.console_input, &trace);

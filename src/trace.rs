@@ -116,6 +116,8 @@ pub struct TraceSession {
     /// Serializes the engine's construction and the control socket's changes (a check and
     /// the registration that follows it see the same probes).
     changes: Mutex<()>,
+    /// Jump-optimize probes (the engine's switch, set when it is built).
+    optimize: bool,
 }
 
 /// Where hit events go: the run's printer, and every live `hvprobe trace` stream. No
@@ -459,7 +461,12 @@ fn event_matches(pattern: &str, group: &str, event: &str) -> bool {
 
 impl TraceSession {
     /// Parses the probe file (if any) and starts the printer. Nothing touches the guest yet.
-    pub fn new(probes_file: Option<&Path>, format: OutputFormat, vm: &Vm) -> Result<TraceSession, SessionError> {
+    pub fn new(
+        probes_file: Option<&Path>,
+        format: OutputFormat,
+        optimize: bool,
+        vm: &Vm,
+    ) -> Result<TraceSession, SessionError> {
         let cpus = vm.control().vcpu_count();
         let initial = match probes_file {
             Some(file) => read_spec_file(file, cpus)?,
@@ -495,6 +502,7 @@ impl TraceSession {
             printer: Mutex::new(printer),
             failure: Arc::new(Mutex::new(None)),
             changes: Mutex::new(()),
+            optimize,
         })
     }
 
@@ -559,6 +567,7 @@ impl TraceSession {
             Some(sink),
         )
         .map_err(|e| SessionError::Engine(e.to_string()))?;
+        tracer.set_optimization(self.optimize);
         self.handler.attach(Arc::clone(&tracer), kernel.tasks);
         Ok(tracer)
     }
@@ -809,8 +818,9 @@ impl TraceSession {
         let s = &tracer.stats;
         use std::sync::atomic::Ordering::Relaxed;
         eprintln!(
-            "hvprobe: probe hits {} (emulated {}, stepped out of line {}, skipped by a handler {}, shared with a guest int3 {})",
+            "hvprobe: probe hits {} (optimized {}, emulated {}, stepped out of line {}, skipped by a handler {}, shared with a guest int3 {})",
             s.hits.load(Relaxed),
+            s.optimized.load(Relaxed),
             s.emulated.load(Relaxed),
             s.stepped.load(Relaxed),
             s.skipped.load(Relaxed),

@@ -1,28 +1,46 @@
 //! The probe engine's view of a running VM: the [`Machine`] whose kernel text it changes
 //! (with every vCPU parked when it must be) and the [`Vcpu`] at a hit.
 
-use std::sync::Arc;
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+
+use hvprobe_arch::Gva;
+use hvprobe_introspection::stacks::{KernelStacks, StacksError, StacksLayout};
 
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::task::TaskInfo;
-use hvprobe_probes::machine::{KernelMemory, Machine, PausedView, SegmentSelectors, Vcpu, VcpuError};
+use hvprobe_probes::machine::{KernelMemory, Machine, PausedView, SegmentSelectors, StackScanError, Vcpu, VcpuError};
 use hvprobe_probes::regs::Regs;
 use hvprobe_vmm::{set_guest_debug, Backend, VcpuControl, VcpuState};
 use kvm_ioctls::VcpuFd;
 use vm_memory::GuestMemoryMmap;
 
 use crate::memory::{live_memory, LiveKernel};
+use crate::stacks::narrow_to_vcpus;
 use crate::task::TaskContext;
 
 /// A VM as the probe engine changes it.
 pub struct VmMachine {
     control: Arc<VcpuControl>,
     kernel: LiveKernel,
+    /// Where the guest's kernel stacks are (from its BTF), or why that is not known: then
+    /// no region can be proven free of interrupted tasks.
+    stacks: Result<Arc<StacksLayout>, Arc<StacksError>>,
 }
 
 impl VmMachine {
     pub fn new(control: Arc<VcpuControl>, kernel: LiveKernel) -> Self {
-        VmMachine { control, kernel }
+        VmMachine {
+            control,
+            kernel,
+            stacks: Err(Arc::new(StacksError::NoBtf)),
+        }
+    }
+
+    /// With the guest's stack layout, so that the engine can search its kernel stacks.
+    pub fn with_stacks(mut self, stacks: Result<StacksLayout, StacksError>) -> Self {
+        self.stacks = stacks.map(Arc::new).map_err(Arc::new);
+        self
     }
 }
 
@@ -37,6 +55,8 @@ impl Machine for VmMachine {
             kernel: &self.kernel,
             paused: &paused,
             vcpus: self.control.vcpu_count(),
+            layout: &self.stacks,
+            stacks: OnceLock::new(),
         });
     }
 }
@@ -46,6 +66,26 @@ struct PausedMachine<'a> {
     kernel: &'a LiveKernel,
     paused: &'a hvprobe_vmm::PausedVcpus,
     vcpus: usize,
+    layout: &'a Result<Arc<StacksLayout>, Arc<StacksError>>,
+    /// The guest's kernel stacks in this pause, listed on first use.
+    stacks: OnceLock<Result<KernelStacks, Arc<StacksError>>>,
+}
+
+impl PausedMachine<'_> {
+    /// Every kernel stack, narrowed with the parked vCPUs' registers (a vCPU whose state
+    /// is not at hand — the caller's own — is left whole, which only scans more).
+    fn kernel_stacks(&self) -> Result<&KernelStacks, Arc<StacksError>> {
+        self.stacks
+            .get_or_init(|| {
+                let layout = self.layout.as_ref().map_err(Arc::clone)?;
+                let mut stacks = KernelStacks::read(self.kernel, layout).map_err(Arc::new)?;
+                let states: Vec<VcpuState> = (0..self.vcpus).filter_map(|cpu| self.paused.state(cpu)).collect();
+                narrow_to_vcpus(&mut stacks, self.kernel, &states).map_err(Arc::new)?;
+                Ok(stacks)
+            })
+            .as_ref()
+            .map_err(Arc::clone)
+    }
 }
 
 impl PausedView for PausedMachine<'_> {
@@ -58,6 +98,31 @@ impl PausedView for PausedMachine<'_> {
             .filter_map(|cpu| self.paused.regs(cpu))
             .map(|r| r.rip)
             .collect()
+    }
+
+    fn saved_on_stacks(&self, range: Range<Gva>) -> Result<Vec<Gva>, StackScanError> {
+        let guest = |e: Arc<StacksError>| StackScanError::Guest(Box::new(SharedStacksError(e)));
+        let stacks = self.kernel_stacks().map_err(guest)?;
+        let hits = stacks
+            .saved_addresses_in(self.kernel, range)
+            .map_err(|e| guest(Arc::new(e)))?;
+        Ok(hits.into_iter().map(|h| h.value).collect())
+    }
+}
+
+/// A stacks error shared by every question of one pause.
+#[derive(Debug)]
+struct SharedStacksError(Arc<StacksError>);
+
+impl std::fmt::Display for SharedStacksError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for SharedStacksError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
     }
 }
 

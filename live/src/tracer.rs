@@ -7,6 +7,7 @@ use hvprobe_arch::paging::PagingMode;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::facts::{ExceptionTable, FactsError, KprobeBlacklist};
 use hvprobe_introspection::memory::{MemoryError, PagedGuestMemory};
+use hvprobe_introspection::stacks::StacksLayout;
 use hvprobe_introspection::symbols::{SymbolError, SymbolTable};
 use hvprobe_probes::engine::{EventSink, KernelView, OutOfLineArea, PatchSites, Tracer};
 use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
@@ -68,7 +69,11 @@ pub fn build_tracer(
         ex_table,
         patch_sites,
     };
-    let machine = Arc::new(VmMachine::new(control, memory));
+    let stacks = StacksLayout::from_guest(&memory, symbols);
+    if let Err(e) = &stacks {
+        tracing::info!("jump optimization unavailable: the guest's kernel stacks cannot be found: {e}");
+    }
+    let machine = Arc::new(VmMachine::new(control, memory).with_stacks(stacks));
     Ok(Arc::new(Tracer::new(machine, view, Some(ool), sink)))
 }
 

@@ -37,10 +37,9 @@ pub trait PausedView {
 pub enum StackScanError {
     #[error("this machine cannot search the guest's kernel stacks")]
     Unsupported,
-    #[error("{what}: {source}")]
-    Memory { what: String, source: MemoryError },
-    #[error("{0}")]
-    Layout(String),
+    /// The guest's stacks could not be listed or read.
+    #[error("the guest's kernel stacks: {0}")]
+    Guest(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// The whole machine, as the engine changes it.
