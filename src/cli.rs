@@ -258,6 +258,23 @@ pub enum ProbeCommand {
     Disable(OptionalEventsArgs),
     /// The probes: the debugfs `kprobes/list` layout, plus hits, nmissed and the event.
     List(ControlArg),
+    /// Turn jump optimization on or off (the seed's `debug.kprobes_optimization`): off puts
+    /// every optimized probe back on its int3, on optimizes every probe that can be.
+    Optimize(OptimizeArgs),
+}
+
+#[derive(Args)]
+pub struct OptimizeArgs {
+    #[command(flatten)]
+    pub control: ControlArg,
+    #[arg(value_enum)]
+    pub switch: Switch,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
 }
 
 #[derive(Args)]

@@ -765,6 +765,19 @@ impl TraceSession {
         Ok(found.into_iter().map(|(_, name)| name).collect())
     }
 
+    /// The optimization switch, now and for the engine still to be built.
+    pub fn set_optimization(&self, on: bool) -> Result<(), SessionError> {
+        let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        let (tracer, _) = self.live_tracer()?;
+        tracer.set_optimization(on);
+        Ok(())
+    }
+
+    /// Whether probes are jump-optimized.
+    pub fn optimization(&self) -> bool {
+        self.handler.tracer().map_or(self.optimize, |t| t.optimization())
+    }
+
     /// Whether the global switch is on (no engine yet counts as on).
     pub fn is_armed(&self) -> bool {
         self.handler.tracer().is_none_or(|t| t.is_armed())

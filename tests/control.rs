@@ -30,14 +30,14 @@ struct LiveRun {
 }
 
 impl LiveRun {
-    fn start(dir: &Path, name: &str, workload: &str, extra: &[&str]) -> LiveRun {
+    fn start(dir: &Path, cpus: u8, name: &str, workload: &str, extra: &[&str]) -> LiveRun {
         let socket = std::env::temp_dir().join(format!("hvprobe-control-{}-{name}.sock", std::process::id()));
         let mut args = vec![
             "run".to_string(),
             "--snapshot".into(),
             dir.to_str().unwrap().into(),
             "--cpus".into(),
-            "1".into(),
+            cpus.to_string(),
             "--control".into(),
             socket.to_str().unwrap().into(),
             "--console-input".into(),
@@ -158,7 +158,7 @@ fn windows_workload(windows: usize) -> String {
 #[test]
 fn probes_added_disabled_enabled_and_removed_live_count_what_the_guest_counts_per_window() {
     let dir = snapshot(1);
-    let mut live = LiveRun::start(&dir, "windows", &windows_workload(6), &["--text-hash"]);
+    let mut live = LiveRun::start(&dir, 1, "windows", &windows_workload(6), &["--text-hash"]);
     let mut guest_before = 0;
     let mut host_before = 0;
     // (what the host does before the window, whether its probe counts in the window)
@@ -238,6 +238,7 @@ fn a_stream_that_does_not_read_drops_its_own_events_and_nobody_elses() {
     );
     let mut live = LiveRun::start(
         &dir,
+        1,
         "streams",
         &workload,
         &["--probes", probes.to_str().unwrap(), "--output", "none"],
@@ -337,7 +338,7 @@ fn a_stream_that_does_not_read_drops_its_own_events_and_nobody_elses() {
 #[test]
 fn a_bad_add_reports_every_problem_and_changes_nothing() {
     let dir = snapshot(1);
-    let mut live = LiveRun::start(&dir, "bad-add", "echo WAIT; read -r go < /dev/ttyS0; echo DONE", &[]);
+    let mut live = LiveRun::start(&dir, 1, "bad-add", "echo WAIT; read -r go < /dev/ttyS0; echo DONE", &[]);
     live.wait_for("WAIT");
     let bad = live.probe(&[
         "add",
@@ -393,7 +394,13 @@ fn a_bad_add_reports_every_problem_and_changes_nothing() {
 #[test]
 fn a_wildcard_over_hundreds_of_functions_is_armed_live_in_one_pause() {
     let dir = snapshot(1);
-    let mut live = LiveRun::start(&dir, "wildcard", "echo WAIT; read -r go < /dev/ttyS0; echo DONE", &[]);
+    let mut live = LiveRun::start(
+        &dir,
+        1,
+        "wildcard",
+        "echo WAIT; read -r go < /dev/ttyS0; echo DONE",
+        &[],
+    );
     live.wait_for("WAIT");
     let add = live.probe(&["add", "p:sys/ __x64_sys_*", "p:io/ {vfs_read,vfs_write,ksys_read}"]);
     assert_eq!(add.code, Some(0), "{}", add.tail());
@@ -433,4 +440,95 @@ fn a_wildcard_over_hundreds_of_functions_is_armed_live_in_one_pause() {
     live.wait_for("DONE");
     let run = live.finish();
     assert_eq!(run.code, Some(0), "{}", run.tail());
+}
+
+#[test]
+fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_nothing() {
+    let dir = snapshot(2);
+    let calls = 400;
+    let probes = std::env::temp_dir().join(format!("hvprobe-control-{}-stress.probes", std::process::id()));
+    std::fs::write(&probes, "p:s/gp __x64_sys_getppid\np:s/pid __task_pid_nr_ns\n").unwrap();
+    let workload = format!(
+        "T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid' > $T/kprobe_events; \
+         echo 1 > $T/events/kprobes/gk/enable; echo WAIT; read -r go < /dev/ttyS0; \
+         taskset -c 0 hvprobe-loop {calls} & taskset -c 1 hvprobe-loop {calls} & wait; \
+         echo 0 > $T/events/kprobes/gk/enable; \
+         while read -r e h m; do echo \"PROFILE $h $m\"; done < $T/kprobe_profile; echo > $T/kprobe_events; echo DONE"
+    );
+    let mut live = LiveRun::start(
+        &dir,
+        2,
+        "stress",
+        &workload,
+        &["--probes", probes.to_str().unwrap(), "--optimize", "--text-hash"],
+    );
+    live.wait_for("WAIT");
+    live.go();
+    // While both vCPUs call getppid(): the switch off and on, the other probe disabled,
+    // enabled, removed and added again, over and over.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let socket = live.socket.clone();
+    let toggler = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let steps: [&[&str]; 6] = [
+                &["optimize", "off"],
+                &["optimize", "on"],
+                &["disable", "s/pid"],
+                &["enable", "s/pid"],
+                &["remove", "s/pid"],
+                &["add", "p:s/pid __task_pid_nr_ns"],
+            ];
+            let mut rounds = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                for step in steps {
+                    let mut args = vec!["probe"];
+                    args.extend_from_slice(step);
+                    args.extend_from_slice(&["--control", socket.to_str().unwrap()]);
+                    let run = common::hvprobe(&args, TIMEOUT);
+                    if run.code != Some(0) && !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        panic!("{step:?} failed\n{}", run.tail());
+                    }
+                }
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let profile = live.wait_for("PROFILE");
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rounds = toggler.join().unwrap();
+    live.wait_for("DONE");
+    let run = live.finish();
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert!(rounds >= 3, "only {rounds} rounds of changes while the loops ran");
+    let guest: usize = profile.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert_eq!(guest, 2 * calls, "the guest's own probe saw every call");
+    let host = run
+        .stdout
+        .lines()
+        .filter(|l| l.contains(" gp: (") && l.trim_start().starts_with("hvprobe-loop-"))
+        .count();
+    assert_eq!(
+        host, guest,
+        "the host's probe, optimized and not by turns, saw each call once"
+    );
+    for bad in ["WARNING:", "BUG:", "Oops", "general protection", "invalid opcode"] {
+        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
+    }
+    let hash = |run: &Run| {
+        run.stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("hvprobe: kernel text sha256 "))
+            .unwrap_or_else(|| panic!("no text hash\n{}", run.tail()))
+            .to_string()
+    };
+    let plain = restore_with(&dir, 2, "true", &["--text-hash", "--no-control"], TIMEOUT);
+    assert_eq!(plain.code, Some(0), "{}", plain.tail());
+    assert_eq!(
+        hash(&run),
+        hash(&plain),
+        "the text is as a run without probes leaves it"
+    );
 }

@@ -374,3 +374,108 @@ fn host_and_guest_return_probes_see_the_same_returns_and_values() {
     assert_eq!(list.len(), 0, "the kretprobe is listed with r, not k");
     let _ = std::fs::remove_file(probes);
 }
+
+/// The oracle with every probe jump-optimized (`--optimize`): the same hits and values as
+/// the guest's own kprobe event, each hit one exit (the detour's int3), none stepped.
+fn check_optimized(run: &Run, loops: usize) {
+    check_oracle(run, loops);
+    let (hits, emulated, stepped, int3, steps) = exit_counts(run);
+    assert_eq!(
+        (emulated, stepped, steps),
+        (0, 0, 0),
+        "no hit emulated or stepped\n{}",
+        run.tail()
+    );
+    // (A booted guest's own int3s, its text_poke at boot, are re-injected to it.)
+    let reinjected: u64 = run
+        .stderr
+        .lines()
+        .find_map(|l| {
+            l.split(" guest int3 re-injected")
+                .next()
+                .filter(|_| l.contains(" guest int3 re-injected"))
+        })
+        .and_then(|l| l.rsplit(", ").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no re-injection count\n{}", run.tail()));
+    assert_eq!(int3 - reinjected, hits, "one exit per hit");
+    let optimized = run
+        .stderr
+        .lines()
+        .filter(|l| l.contains("  k  ") && l.contains(" hits="))
+        .filter(|l| l.contains("[OPTIMIZED]"))
+        .count();
+    assert_eq!(optimized, 2, "both probes are optimized\n{}", run.tail());
+}
+
+#[test]
+fn optimized_probes_see_what_the_guest_sees_with_one_exit_per_hit_on_one_vcpu() {
+    let dir = snapshot(1);
+    let probes = probe_file("optimized1", HOST_PROBES);
+    let run = restore_with(
+        &dir,
+        1,
+        &oracle_workload(1),
+        &["--probes", probes.to_str().unwrap(), "--optimize"],
+    );
+    check_optimized(&run, 1);
+    let _ = std::fs::remove_file(probes);
+}
+
+#[test]
+fn optimized_probes_see_what_the_guest_sees_on_two_vcpus() {
+    let dir = snapshot(2);
+    let probes = probe_file("optimized2", HOST_PROBES);
+    let run = restore_with(
+        &dir,
+        2,
+        &oracle_workload(2),
+        &["--probes", probes.to_str().unwrap(), "--optimize"],
+    );
+    check_optimized(&run, 2);
+    let _ = std::fs::remove_file(probes);
+}
+
+#[test]
+fn optimized_probes_agree_under_kaslr() {
+    common::require_kvm();
+    let probes = probe_file("optimized-kaslr", HOST_PROBES);
+    let run = hvprobe(
+        &[
+            "run",
+            "--kaslr",
+            "--optimize",
+            "--workload",
+            &oracle_workload(1),
+            "--probes",
+            probes.to_str().unwrap(),
+        ],
+        KASLR_BOOT_TIMEOUT,
+    );
+    check_optimized(&run, 1);
+    let _ = std::fs::remove_file(probes);
+}
+
+#[test]
+fn the_kernel_text_after_optimized_probes_hashes_like_a_run_without_them() {
+    let dir = snapshot(1);
+    let probes = probe_file("optimized-hash", HOST_PROBES);
+    let hash = |run: &Run| {
+        assert_eq!(run.code, Some(0), "{}", run.tail());
+        run.stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("hvprobe: kernel text sha256 "))
+            .unwrap_or_else(|| panic!("no hash\n{}", run.tail()))
+            .to_string()
+    };
+    let with = restore_with(
+        &dir,
+        1,
+        "hvprobe-loop 5",
+        &["--probes", probes.to_str().unwrap(), "--optimize", "--text-hash"],
+    );
+    assert!(with.stderr.contains("[OPTIMIZED]"), "{}", with.tail());
+    let without = restore_with(&dir, 1, "hvprobe-loop 5", &["--text-hash"]);
+    assert_eq!(hash(&with), hash(&without));
+    let _ = std::fs::remove_file(probes);
+}

@@ -108,6 +108,12 @@ pub fn probe(command: ProbeCommand) -> Result<ExitCode, Box<dyn std::error::Erro
         ProbeCommand::Enable(args) => (args.control.control, Request::Enable { events: args.events }),
         ProbeCommand::Disable(args) => (args.control.control, Request::Disable { events: args.events }),
         ProbeCommand::List(args) => (args.control, Request::List),
+        ProbeCommand::Optimize(args) => (
+            args.control.control,
+            Request::Optimize {
+                on: args.switch == crate::cli::Switch::On,
+            },
+        ),
     };
     let mut connection = Connection::open(control.as_deref())?;
     Ok(report(connection.request(&request)?))

@@ -32,6 +32,8 @@ pub enum Request {
     Enable { events: Vec<String> },
     /// Disable these events; none: the global switch.
     Disable { events: Vec<String> },
+    /// The optimization switch (the seed's `debug.kprobes_optimization`).
+    Optimize { on: bool },
     /// The listing.
     List,
     /// Stream hit events in `format` (`text` or `json`), holding up to `queue` for a slow

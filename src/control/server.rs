@@ -260,10 +260,17 @@ fn answer(session: &TraceSession, request: Request) -> Response {
         },
         Request::Enable { events } => toggle(session, &events, true),
         Request::Disable { events } => toggle(session, &events, false),
+        Request::Optimize { on } => match session.set_optimization(on) {
+            Ok(()) => Response::ok(vec![format!("optimization {}", if on { "on" } else { "off" })]),
+            Err(e) => Response::error(e),
+        },
         Request::List => {
             let mut lines: Vec<String> = session.listing().lines().map(str::to_owned).collect();
             if !session.is_armed() {
                 lines.insert(0, "# every probe is disarmed (global switch off)".into());
+            }
+            if !session.optimization() {
+                lines.insert(0, "# optimization off".into());
             }
             Response::ok(lines)
         }
