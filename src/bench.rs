@@ -34,10 +34,13 @@ fn loop_blob(iterations: u32, with_int3: bool) -> Vec<u8> {
     code.extend_from_slice(&[0xff, 0xc9]); // 0x0f dec %ecx
     code.extend_from_slice(&[0x75, 0xf2]); // 0x11 jnz 0x05
     code.extend_from_slice(&[0x66, 0xba, 0xf1, 0x0e, 0x30, 0xc0, 0xee, 0xf4]); // exit 0
+    debug_assert_eq!(code.len() as u64, LOOP_BLOB_LEN);
     code.resize(0x1000, 0);
     code.extend_from_slice(&0x1122_3344_5566_7788u64.to_le_bytes());
     code
 }
+/// The blob's code (the `blob` symbol the probes name), without the padding after it.
+const LOOP_BLOB_LEN: u64 = 0x1b;
 const PUSH_OFFSET: u64 = 0x06;
 const LOAD_OFFSET: u64 = 0x07;
 
@@ -82,6 +85,8 @@ enum BlobVariant {
     Baseline,
     Floor,
     Probe(u64),
+    /// A probe jump-optimized (a sync detour).
+    Optimized(u64),
 }
 
 fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Duration), Box<dyn std::error::Error>> {
@@ -93,16 +98,20 @@ fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Durati
     let handler: Arc<dyn DebugHandler> = match variant {
         BlobVariant::Baseline => Arc::new(NoProbes),
         BlobVariant::Floor => Arc::new(SkipInt3),
-        BlobVariant::Probe(offset) => {
-            let tracer = code_blob_tracer(&vm, 0x1000)?;
+        BlobVariant::Probe(offset) | BlobVariant::Optimized(offset) => {
+            let tracer = code_blob_tracer(&vm, LOOP_BLOB_LEN)?;
+            tracer.set_optimization(matches!(variant, BlobVariant::Optimized(_)));
             let point = ProbePoint::Symbol {
                 name: "blob".into(),
                 offset: *offset,
             };
-            tracer.register(KprobeRequest {
+            let id = tracer.register(KprobeRequest {
                 emit_events: false,
                 ..KprobeRequest::event(point, "bench", "blob", Vec::new())
             })?;
+            if let (BlobVariant::Optimized(_), Some(why)) = (variant, tracer.why_not_optimized(id)) {
+                return Err(format!("the blob's probe at +{offset:#x} is not optimized: {why}").into());
+            }
             let handler = ProbeHandler::new(&vm);
             handler.attach(tracer, None);
             handler
@@ -123,28 +132,46 @@ struct GuestVariant {
     label: &'static str,
     host_probes: &'static [(&'static str, u64)],
     guest_kprobe: bool,
+    /// The host probes jump-optimized.
+    optimize: bool,
 }
 
-const GUEST_VARIANTS: [GuestVariant; 4] = [
+const GUEST_VARIANTS: [GuestVariant; 6] = [
     GuestVariant {
         label: "no probe",
         host_probes: &[],
         guest_kprobe: false,
+        optimize: false,
     },
     GuestVariant {
         label: "guest's own kprobe event on __x64_sys_getppid+0 (ftrace-based)",
         host_probes: &[],
         guest_kprobe: true,
+        optimize: false,
     },
     GuestVariant {
         label: "host probe on __x64_sys_getppid+0 (int3 at +5, stepped out of line)",
         host_probes: &[("__x64_sys_getppid", 0)],
         guest_kprobe: false,
+        optimize: false,
     },
     GuestVariant {
         label: "host probe on __task_pid_nr_ns+0 (int3 at +5, push emulated)",
         host_probes: &[("__task_pid_nr_ns", 0)],
         guest_kprobe: false,
+        optimize: false,
+    },
+    GuestVariant {
+        label: "optimized sync host probe on __x64_sys_getppid+0 (jump at +5 to a detour, one exit)",
+        host_probes: &[("__x64_sys_getppid", 0)],
+        guest_kprobe: false,
+        optimize: true,
+    },
+    GuestVariant {
+        label: "optimized sync host probe on __task_pid_nr_ns+0 (jump at +5 to a detour, one exit)",
+        host_probes: &[("__task_pid_nr_ns", 0)],
+        guest_kprobe: false,
+        optimize: true,
     },
 ];
 
@@ -172,15 +199,19 @@ fn run_guest(
         let state = vm.vcpu_state(0)?;
         let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?.table;
         let tracer = build_tracer(vm.control(), vm.memory(), &state, &symbols, None)?;
+        tracer.set_optimization(variant.optimize);
         for (name, offset) in variant.host_probes {
             let point = ProbePoint::Symbol {
                 name: name.to_string(),
                 offset: *offset,
             };
-            tracer.register(KprobeRequest {
+            let id = tracer.register(KprobeRequest {
                 emit_events: false,
                 ..KprobeRequest::event(point, "bench", name, Vec::new())
             })?;
+            if let (true, Some(why)) = (variant.optimize, tracer.why_not_optimized(id)) {
+                return Err(format!("{name}+{offset}: not optimized: {why}").into());
+            }
         }
         let handler = ProbeHandler::new(&vm);
         handler.attach(tracer.clone(), None);
@@ -243,6 +274,8 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
         BlobVariant::Floor,
         BlobVariant::Probe(PUSH_OFFSET),
         BlobVariant::Probe(LOAD_OFFSET),
+        BlobVariant::Optimized(PUSH_OFFSET),
+        BlobVariant::Optimized(LOAD_OFFSET),
     ];
     // Per variant: (time per iteration, exits per iteration) of every run.
     let mut per_iteration: Vec<Vec<(f64, f64)>> = vec![Vec::new(); variants.len()];
@@ -263,6 +296,8 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     let floor = over_baseline(1);
     let emulated = over_baseline(2);
     let stepped = over_baseline(3);
+    let optimized_push = over_baseline(4);
+    let optimized_load = over_baseline(5);
     let mut base: Vec<f64> = per_iteration[0].iter().map(|p| p.0).collect();
     base.sort_by(f64::total_cmp);
     println!(
@@ -273,6 +308,8 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
         ("int3 exit + resume floor (get/set regs)", floor),
         ("host probe, emulated (push %rbp)", emulated),
         ("host probe, stepped (RIP-relative load)", stepped),
+        ("optimized sync probe (push %rbp)", optimized_push),
+        ("optimized sync probe (RIP-relative load)", optimized_load),
     ] {
         println!(
             "  {label:<42} {us:8.2} µs per hit   {exits:5.2} exits per hit   {:5.2}x the floor",

@@ -23,9 +23,17 @@ use crate::task::TaskContext;
 pub struct VmMachine {
     control: Arc<VcpuControl>,
     kernel: LiveKernel,
-    /// Where the guest's kernel stacks are (from its BTF), or why that is not known: then
-    /// no region can be proven free of interrupted tasks.
-    stacks: Result<Arc<StacksLayout>, Arc<StacksError>>,
+    stacks: GuestStacks,
+}
+
+/// What the engine can know of the guest's kernel stacks.
+enum GuestStacks {
+    /// Where they are (from the guest's BTF), or why that is not known: then no region
+    /// can be proven free of interrupted tasks.
+    Kernel(Result<Arc<StacksLayout>, Arc<StacksError>>),
+    /// A code blob: no tasks, and interrupts are never enabled, so nothing is ever saved
+    /// on a stack but by the blob's own calls.
+    None,
 }
 
 impl VmMachine {
@@ -33,13 +41,19 @@ impl VmMachine {
         VmMachine {
             control,
             kernel,
-            stacks: Err(Arc::new(StacksError::NoBtf)),
+            stacks: GuestStacks::Kernel(Err(Arc::new(StacksError::NoBtf))),
         }
     }
 
     /// With the guest's stack layout, so that the engine can search its kernel stacks.
     pub fn with_stacks(mut self, stacks: Result<StacksLayout, StacksError>) -> Self {
-        self.stacks = stacks.map(Arc::new).map_err(Arc::new);
+        self.stacks = GuestStacks::Kernel(stacks.map(Arc::new).map_err(Arc::new));
+        self
+    }
+
+    /// For a code blob, which has no kernel stacks (no tasks, interrupts off).
+    pub fn without_kernel_stacks(mut self) -> Self {
+        self.stacks = GuestStacks::None;
         self
     }
 }
@@ -66,7 +80,7 @@ struct PausedMachine<'a> {
     kernel: &'a LiveKernel,
     paused: &'a hvprobe_vmm::PausedVcpus,
     vcpus: usize,
-    layout: &'a Result<Arc<StacksLayout>, Arc<StacksError>>,
+    layout: &'a GuestStacks,
     /// The guest's kernel stacks in this pause, listed on first use.
     stacks: OnceLock<Result<KernelStacks, Arc<StacksError>>>,
 }
@@ -77,7 +91,10 @@ impl PausedMachine<'_> {
     fn kernel_stacks(&self) -> Result<&KernelStacks, Arc<StacksError>> {
         self.stacks
             .get_or_init(|| {
-                let layout = self.layout.as_ref().map_err(Arc::clone)?;
+                let GuestStacks::Kernel(layout) = self.layout else {
+                    return Err(Arc::new(StacksError::NoBtf));
+                };
+                let layout = layout.as_ref().map_err(Arc::clone)?;
                 let mut stacks = KernelStacks::read(self.kernel, layout).map_err(Arc::new)?;
                 let states: Vec<VcpuState> = (0..self.vcpus).filter_map(|cpu| self.paused.state(cpu)).collect();
                 narrow_to_vcpus(&mut stacks, self.kernel, &states).map_err(Arc::new)?;
@@ -101,6 +118,9 @@ impl PausedView for PausedMachine<'_> {
     }
 
     fn saved_on_stacks(&self, range: Range<Gva>) -> Result<Vec<Gva>, StackScanError> {
+        if let GuestStacks::None = self.layout {
+            return Ok(Vec::new());
+        }
         let guest = |e: Arc<StacksError>| StackScanError::Guest(Box::new(SharedStacksError(e)));
         let stacks = self.kernel_stacks().map_err(guest)?;
         let hits = stacks

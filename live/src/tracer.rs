@@ -113,7 +113,7 @@ pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, T
         size: OOL_AREA_SIZE,
     };
     Ok(Arc::new(Tracer::new(
-        Arc::new(VmMachine::new(vm.control(), kernel)),
+        Arc::new(VmMachine::new(vm.control(), kernel).without_kernel_stacks()),
         view,
         Some(ool),
         None,
