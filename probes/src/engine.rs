@@ -369,6 +369,8 @@ pub struct Tracer {
     guest_return_trampoline: Option<Gva>,
     sink: Option<Arc<dyn EventSink>>,
     started: Instant,
+    /// The guest's indirect-branch thunks (for the optimization checks), found once.
+    thunks: OnceLock<crate::detour::IndirectThunks>,
     pub stats: EngineStats,
 }
 
@@ -400,6 +402,7 @@ impl Tracer {
             guest_return_trampoline,
             sink,
             started: Instant::now(),
+            thunks: OnceLock::new(),
             stats: EngineStats::default(),
         }
     }

@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use hvprobe_arch::{Gva, INT3};
 
+use super::placement::compiler_bytes;
 use super::registry::{Registry, Site};
 use super::{ProbeId, Tracer, COUNT};
 use crate::detour::{
@@ -294,27 +295,19 @@ impl Tracer {
             .kernel()
             .read_virt(start, &mut bytes)
             .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+        compiler_bytes(reg, start, &mut bytes);
         let end = Gva(start.0 + size);
-        // The compiler's bytes: ours replaced by the originals.
-        let mut others = Vec::new();
-        for (at, site) in reg.sites.range(start..end) {
-            let offset = (at.0 - start.0) as usize;
-            if let Some(detour) = &site.detour {
-                let original = detour.region.original_bytes();
-                let n = original.len().min(bytes.len() - offset);
-                bytes[offset..offset + n].copy_from_slice(&original[..n]);
-            } else if site.armed {
-                bytes[offset] = site.original;
-            }
-            if *at != addr {
-                others.push(*at);
-            }
-        }
-        let thunks = IndirectThunks::from_symbols(symbols);
+        let others: Vec<Gva> = reg
+            .sites
+            .range(start..end)
+            .map(|(at, _)| *at)
+            .filter(|at| *at != addr)
+            .collect();
+        let thunks = self.thunks.get_or_init(|| IndirectThunks::from_symbols(symbols));
         let facts = DetourFacts {
             ex_table: &self.view.ex_table,
             patch_sites: &self.view.patch_sites,
-            thunks: &thunks,
+            thunks,
         };
         let function = FunctionText {
             body: Code { start, bytes: &bytes },

@@ -7,6 +7,7 @@
 use hvprobe_arch::Gva;
 use hvprobe_introspection::symbols::{Symbol, SymbolTable};
 
+use super::registry::Registry;
 use super::{ProbeError, ProbePoint, Tracer, ENDBR64, FTRACE_NOP, MAX_FUNCTION_BYTES};
 use crate::insn;
 
@@ -50,6 +51,22 @@ pub fn resolve_symbol<'s>(symbols: &'s SymbolTable, name: &str, offset: u64) -> 
         });
     }
     Ok(symbol)
+}
+
+/// Puts the original bytes back into `code` (text read from `start`) wherever it holds an
+/// int3 or a jump of ours: the compiler's bytes, to decode.
+pub(super) fn compiler_bytes(reg: &Registry, start: Gva, code: &mut [u8]) {
+    let end = Gva(start.0 + code.len() as u64);
+    for (addr, site) in reg.sites.range(start..end) {
+        let offset = (addr.0 - start.0) as usize;
+        if let Some(detour) = &site.detour {
+            let original = detour.region.original_bytes();
+            let n = original.len().min(code.len() - offset);
+            code[offset..offset + n].copy_from_slice(&original[..n]);
+        } else if site.armed {
+            code[offset] = site.original;
+        }
+    }
 }
 
 impl Tracer {
@@ -161,18 +178,7 @@ impl Tracer {
                 what: what.to_string(),
                 source,
             })?;
-        let reg = self.read_registry();
-        for (addr, site) in reg.sites.range(func_start..Gva(func_start.0 + func_size)) {
-            let offset = (addr.0 - func_start.0) as usize;
-            if let Some(detour) = &site.detour {
-                // Our jump: the original bytes under it.
-                let original = detour.region.original_bytes();
-                let n = original.len().min(code.len() - offset);
-                code[offset..offset + n].copy_from_slice(&original[..n]);
-            } else if site.armed {
-                code[offset] = site.original;
-            }
-        }
+        compiler_bytes(&self.read_registry(), func_start, &mut code);
         Ok(code)
     }
 
