@@ -88,7 +88,9 @@ use crate::engine::{PatchSiteKind, PatchSites};
 use crate::insn::{self, InsnError};
 
 mod displace;
+pub mod event;
 mod relocate;
+pub mod ring;
 #[cfg(test)]
 mod tests;
 
