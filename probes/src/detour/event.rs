@@ -73,6 +73,9 @@ pub const MAX_EVENT_ARGS: usize = 64;
 pub const COMM_SIZE: u32 = 16;
 /// Default bytes kept per string argument, NUL included.
 pub const DEFAULT_STRING_SIZE: u32 = 64;
+/// Bytes of the task stamp after the record header: `u32 pid`, 4 bytes of padding, the
+/// 16 bytes of `comm`.
+pub const TASK_STAMP_SIZE: u32 = 24;
 /// Bounds of [`EventDetourParams::string_size`].
 pub const MIN_STRING_SIZE: u32 = 8;
 pub const MAX_STRING_SIZE: u32 = 4096;
@@ -88,8 +91,10 @@ pub struct GuestKernelFacts {
     pub cpu_number: i32,
     /// The `%gs` displacement of the per-CPU `struct task_struct *current_task` (`$comm`).
     pub current_task: Option<i32>,
-    /// `offsetof(struct task_struct, comm)` (`$comm`).
+    /// `offsetof(struct task_struct, comm)` (`$comm`, the task stamp).
     pub comm_offset: Option<u32>,
+    /// `offsetof(struct task_struct, pid)` (the task stamp).
+    pub pid_offset: Option<u32>,
     pub copy_from_kernel_nofault: Option<Gva>,
     pub strncpy_from_kernel_nofault: Option<Gva>,
     pub copy_from_user_nofault: Option<Gva>,
@@ -134,6 +139,7 @@ impl GuestKernelFacts {
             cpu_number,
             current_task,
             comm_offset: task.and_then(|t| u32::try_from(t.comm_offset).ok()),
+            pid_offset: task.and_then(|t| u32::try_from(t.pid_offset).ok()),
             copy_from_kernel_nofault: function("copy_from_kernel_nofault"),
             strncpy_from_kernel_nofault: function("strncpy_from_kernel_nofault"),
             copy_from_user_nofault: function("copy_from_user_nofault"),
@@ -164,6 +170,10 @@ pub struct EventDetourParams<'a> {
     pub symbols: &'a SymbolTable,
     /// Bytes kept per string argument, NUL included ([`DEFAULT_STRING_SIZE`]).
     pub string_size: u32,
+    /// Stamp each record with the current task's pid and comm ([`TASK_STAMP_SIZE`] bytes
+    /// after the header, 7 instructions): what a printed hit shows as `comm-pid`. Needs
+    /// `current_task`, `pid_offset` and `comm_offset`.
+    pub record_task: bool,
     pub displaced: DisplacedAt<'a>,
 }
 
@@ -228,7 +238,17 @@ pub struct EventLayout {
     pub size: u32,
     /// Whether the record's fault mask is written (some argument can fault).
     pub faults_written: bool,
+    /// Where the task stamp is, when the records have one.
+    pub task: Option<u32>,
     pub args: Vec<ArgLayout>,
+}
+
+/// The task a record was written by.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskStamp {
+    pub pid: i32,
+    /// Up to the first NUL, at most 16 bytes.
+    pub comm: Vec<u8>,
 }
 
 /// One fetch-arg in a record.
@@ -259,6 +279,18 @@ pub enum ArgKind {
 }
 
 impl EventLayout {
+    /// The task stamp of a record, when this probe's records have one.
+    pub fn task(&self, record: &[u8]) -> Option<TaskStamp> {
+        let at = self.task? as usize;
+        let pid = i32::from_le_bytes(record.get(at..at + 4)?.try_into().ok()?);
+        let comm = record.get(at + 8..at + 8 + COMM_SIZE as usize)?;
+        let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+        Some(TaskStamp {
+            pid,
+            comm: comm[..end].to_vec(),
+        })
+    }
+
     /// The probe's values from one of its records (`record`: the whole record, as
     /// [`super::ring::RawEvent::record`] gives it), as the host's fetch would show them.
     /// The record is guest memory: anything out of its bounds is `(fault)`.
@@ -824,9 +856,22 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
         }
     }
 
-    // The record: header, one slot per argument, then the byte areas.
+    let task_fields = match (p.kernel.current_task, p.kernel.pid_offset, p.kernel.comm_offset) {
+        (Some(current), Some(pid), Some(comm)) => Some((current, pid, comm)),
+        _ => None,
+    };
+    if p.record_task && task_fields.is_none() {
+        return Err(DetourCodeError::MissingFact {
+            arg: "(the task stamp)".into(),
+            fact: "current_task, task_struct.pid and task_struct.comm",
+        });
+    }
+    let task = p.record_task.then_some(RECORD_HEADER_SIZE);
+    let first_slot = RECORD_HEADER_SIZE + if p.record_task { TASK_STAMP_SIZE } else { 0 };
+
+    // The record: header, the task stamp, one slot per argument, then the byte areas.
     let mut slots = Vec::with_capacity(plans.len());
-    let mut area = u64::from(RECORD_HEADER_SIZE) + 8 * plans.len() as u64;
+    let mut area = u64::from(first_slot) + 8 * plans.len() as u64;
     let mut fallible = false;
     for (i, plan) in plans.iter().enumerate() {
         let bytes = match plan {
@@ -842,7 +887,7 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
         });
         fallible |= plan.can_fault();
         slots.push(Slot {
-            slot: RECORD_HEADER_SIZE + 8 * i as u32,
+            slot: first_slot + 8 * i as u32,
             area: this_area.map(|a| a as u32),
             fault_bit: plan.can_fault().then_some(i as u32),
         });
@@ -858,6 +903,7 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
         probe_id: p.probe_id,
         size: area as u32,
         faults_written: fallible,
+        task,
         args: p
             .args
             .iter()
@@ -896,7 +942,7 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
     // The displaced instructions' length, then assemble until their address is stable.
     let mut displaced = (p.displaced)(p.detour_ip)?;
     for _ in 0..8 {
-        let (code, displaced_ip) = assemble(p, &plans, &slots, fallible, &displaced)?;
+        let (code, displaced_ip) = assemble(p, &plans, &slots, fallible, task_fields, &displaced)?;
         let again = (p.displaced)(displaced_ip)?;
         if again == displaced {
             let hot_path = count_hot_path(&code, p.detour_ip);
@@ -916,6 +962,7 @@ fn assemble(
     plans: &[Plan],
     slots: &[Slot],
     fallible: bool,
+    task_fields: Option<(i32, u32, u32)>,
     displaced: &[u8],
 ) -> Result<(Vec<u8>, Gva), DetourCodeError> {
     let calls = plans.iter().any(Plan::needs_call);
@@ -988,6 +1035,17 @@ fn assemble(
     g.a().mov(dword_ptr(rec + (RECORD_TSC as i32 + 4)), edx)?;
     if fallible {
         g.a().mov(qword_ptr(rec + RECORD_FAULTS as i32), 0)?;
+    }
+    if let (true, Some((current, pid, comm))) = (p.record_task, task_fields) {
+        let at = RECORD_HEADER_SIZE as i32;
+        let (pid, comm) = (pid as i32, comm as i32);
+        g.a().mov(rax, qword_ptr(current as i64 as u64).gs())?;
+        g.a().mov(edx, dword_ptr(rax + pid))?;
+        g.a().mov(dword_ptr(rec + at), edx)?;
+        g.a().mov(rdx, qword_ptr(rax + comm))?;
+        g.a().mov(qword_ptr(rec + (at + 8)), rdx)?;
+        g.a().mov(rdx, qword_ptr(rax + (comm + 8)))?;
+        g.a().mov(qword_ptr(rec + (at + 16)), rdx)?;
     }
 
     // Direct stack words first, under one check (rdx = the probe's rsp within its stack

@@ -404,6 +404,15 @@ impl EventBatch {
     pub fn iter(&self) -> impl Iterator<Item = RawEvent<'_>> + '_ {
         (0..self.len()).filter_map(move |i| self.get(i))
     }
+
+    /// The records' positions in one timeline across rings: by `tsc`, ties (and a
+    /// guest whose TSCs are not in step) kept in ring order. Each ring's own order is
+    /// its true order; the merge is only as good as the guest's TSC synchronisation.
+    pub fn tsc_order(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.len()).collect();
+        order.sort_by_key(|&i| self.get(i).map_or(0, |e| e.tsc));
+        order
+    }
 }
 
 /// What one drain did.

@@ -33,6 +33,7 @@ fn facts() -> GuestKernelFacts {
         cpu_number: 0x1_f9a8,
         current_task: Some(0x1_f9b0),
         comm_offset: Some(0x5f8),
+        pid_offset: Some(0x4e0),
         copy_from_kernel_nofault: Some(Gva(COPY)),
         strncpy_from_kernel_nofault: Some(Gva(STRNCPY)),
         copy_from_user_nofault: None,
@@ -96,12 +97,31 @@ fn generate_with(spec: &str, record_size: u32, kernel: &GuestKernelFacts) -> Res
         kernel,
         symbols: &symbols,
         string_size: 32,
+        record_task: false,
         displaced: &displaced,
     })
 }
 
 fn generate(spec: &str) -> Result<EventDetour, DetourCodeError> {
     generate_with(spec, 256, &facts())
+}
+
+fn generate_stamped(spec: &str, kernel: &GuestKernelFacts) -> Result<EventDetour, DetourCodeError> {
+    let region = region();
+    let displaced = |ip: Gva| relocate(&region, ip, region.end());
+    let (args, rings, symbols) = (args(spec), rings(256), symbols());
+    event_detour(&EventDetourParams {
+        probe_id: 42,
+        probe_address: Gva(FUNC),
+        detour_ip: Gva(DETOUR),
+        args: &args,
+        rings: &rings,
+        kernel,
+        symbols: &symbols,
+        string_size: 32,
+        record_task: true,
+        displaced: &displaced,
+    })
 }
 
 fn decode(code: &[u8]) -> Vec<Instruction> {
@@ -249,6 +269,7 @@ fn rings_and_calls_are_reached_from_wherever_the_detour_is() {
         kernel: &kernel,
         symbols: &symbols,
         string_size: 32,
+        record_task: false,
         displaced: &displaced,
     };
     // The jump back to the probe's function is out of reach from there.
@@ -424,4 +445,35 @@ fn facts_come_from_the_symbols() {
         GuestKernelFacts::from_symbols(&none, None),
         Err(FactsError::NoCpuNumber)
     );
+}
+
+#[test]
+fn the_task_stamp_costs_seven_instructions_and_decodes() {
+    let plain = generate("%di %si $stack1 $stack2").unwrap();
+    let stamped = generate_stamped("%di %si $stack1 $stack2", &facts()).unwrap();
+    assert_eq!(stamped.hot_path.instructions, plain.hot_path.instructions + 7);
+    assert!(stamped.hot_path.instructions <= 60);
+    let layout = &stamped.layout;
+    assert_eq!(layout.task, Some(RECORD_HEADER_SIZE));
+    assert_eq!(layout.args[0].slot, RECORD_HEADER_SIZE + TASK_STAMP_SIZE);
+    let mut record = vec![0u8; layout.size as usize];
+    record[24..28].copy_from_slice(&1234i32.to_le_bytes());
+    record[32..38].copy_from_slice(b"bash\0x");
+    assert_eq!(
+        layout.task(&record),
+        Some(TaskStamp {
+            pid: 1234,
+            comm: b"bash".to_vec()
+        })
+    );
+    assert_eq!(layout.task(&record[..40]), None, "cut short");
+    assert_eq!(plain.layout.task(&record), None);
+    let no_pid = GuestKernelFacts {
+        pid_offset: None,
+        ..facts()
+    };
+    assert!(matches!(
+        generate_stamped("%di", &no_pid),
+        Err(DetourCodeError::MissingFact { .. })
+    ));
 }

@@ -94,6 +94,25 @@ fn records_come_out_in_order_across_the_wrap() {
 }
 
 #[test]
+fn records_of_several_rings_merge_by_tsc() {
+    let (rings, mem) = rings(2, 8, 32);
+    let mut reader = RingReader::new(rings);
+    let mut batch = EventBatch::new();
+    for (cpu, tsc) in [(0, 10), (1, 5), (0, 20), (1, 15), (1, 30)] {
+        mem.guest_record(&rings, cpu, &record(1, cpu, tsc, tsc, 32)).unwrap();
+    }
+    reader.drain(&mem, &mut batch).unwrap();
+    let by_ring: Vec<u64> = batch.iter().map(|e| e.tsc).collect();
+    assert_eq!(by_ring, [10, 20, 5, 15, 30]);
+    let merged: Vec<u64> = batch
+        .tsc_order()
+        .into_iter()
+        .map(|i| batch.get(i).unwrap().tsc)
+        .collect();
+    assert_eq!(merged, [5, 10, 15, 20, 30]);
+}
+
+#[test]
 fn a_full_ring_counts_missed_and_never_overwrites() {
     let (rings, mem) = rings(2, 4, 32);
     let mut reader = RingReader::new(rings);
