@@ -575,41 +575,45 @@ fn every_hit_is_recorded_in_guest_with_the_hosts_values_and_no_exit() {
 fn four_register_and_stack_args_cost_the_counted_instructions_and_no_exit() {
     let spec = "%di %si $stack1 $stack2";
     let (plain, _) = run(vm(1, ITERATIONS));
-    let vm = vm(1, ITERATIONS);
-    let armed = arm(&vm, spec, 1, 128, false);
-    let (probed, mem) = run(vm);
-    let events = drain_all(&armed, &mem);
-    assert_eq!(events.len() as u64, ITERATIONS);
-    for (i, (_, _, _, values, _)) in events.iter().enumerate() {
-        let got: Vec<String> = values.iter().map(|(_, v)| v.to_string()).collect();
-        assert_eq!(
-            got,
-            [
-                format!("{i:#x}"),
-                format!("{S:#x}"),
-                "0x5151".into(),
-                format!("{:#x}", i * 7)
-            ]
+    for record_task in [false, true] {
+        let vm = vm(1, ITERATIONS);
+        let armed = arm(&vm, spec, 1, 128, record_task);
+        let (probed, mem) = run(vm);
+        let events = drain_all(&armed, &mem);
+        assert_eq!(events.len() as u64, ITERATIONS);
+        for (i, (_, _, _, values, task)) in events.iter().enumerate() {
+            let got: Vec<String> = values.iter().map(|(_, v)| v.to_string()).collect();
+            assert_eq!(
+                got,
+                [
+                    format!("{i:#x}"),
+                    format!("{S:#x}"),
+                    "0x5151".into(),
+                    format!("{:#x}", i * 7)
+                ]
+            );
+            assert_eq!(task.is_some(), record_task);
+        }
+        assert_eq!(probed.exits, plain.exits, "the probe caused VM exits");
+        assert_kvm_exits_not_per_hit(&plain, &probed, ITERATIONS);
+        let hot = armed.detour.hot_path.instructions as u64;
+        let extra = probed.instructions_emulated.saturating_sub(plain.instructions_emulated);
+        eprintln!(
+            "task stamp {record_task}: exits {} vs {} (KVM: {} vs {}); emulated {} vs {}: {} extra per hit \
+             ({} expected: jmp + {} - 2 displaced)",
+            probed.exits,
+            plain.exits,
+            probed.kvm_exits,
+            plain.kvm_exits,
+            probed.instructions_emulated,
+            plain.instructions_emulated,
+            extra as f64 / ITERATIONS as f64,
+            hot - 1,
+            hot
         );
-    }
-    assert_eq!(probed.exits, plain.exits, "the probe caused VM exits");
-    let hot = armed.detour.hot_path.instructions as u64;
-    let extra = probed.instructions_emulated.saturating_sub(plain.instructions_emulated);
-    assert_kvm_exits_not_per_hit(&plain, &probed, ITERATIONS);
-    eprintln!(
-        "exits {} vs {} (KVM: {} vs {}); emulated {} vs {}: {} extra per hit ({} expected: jmp + {} - 2 displaced)",
-        probed.exits,
-        plain.exits,
-        probed.kvm_exits,
-        plain.kvm_exits,
-        probed.instructions_emulated,
-        plain.instructions_emulated,
-        extra as f64 / ITERATIONS as f64,
-        hot - 1,
-        hot
-    );
-    if plain.instructions_emulated > 0 {
-        assert_eq!(extra, ITERATIONS * (hot - 1), "guest instructions per hit");
+        if plain.instructions_emulated > 0 {
+            assert_eq!(extra, ITERATIONS * (hot - 1), "guest instructions per hit");
+        }
     }
 }
 
