@@ -6,6 +6,7 @@ use hvprobe_arch::paging::{translate, PagingMode, PhysRead, PhysWrite, WalkError
 use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError, PagedGuestMemory};
 use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_probes::detour::ring::RingMemory;
 use hvprobe_probes::machine::KernelMemory;
 use hvprobe_vmm::VcpuState;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -23,6 +24,23 @@ impl PhysRead for GuestPhys {
 impl PhysWrite for GuestPhys {
     fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), String> {
         self.0.write_slice(data, GuestAddress(gpa.0)).map_err(|e| e.to_string())
+    }
+}
+
+/// The event rings' `head` and `tail` are read and written with one atomic access each
+/// (vm-memory's `load`/`store` on the mmap), so neither the guest nor the host sees one
+/// torn: see `hvprobe_probes::detour::ring` for the ordering contract.
+impl RingMemory for GuestPhys {
+    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, String> {
+        self.0
+            .load::<u64>(GuestAddress(gpa.0), std::sync::atomic::Ordering::Acquire)
+            .map_err(|e| e.to_string())
+    }
+
+    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), String> {
+        self.0
+            .store(value, GuestAddress(gpa.0), std::sync::atomic::Ordering::Release)
+            .map_err(|e| e.to_string())
     }
 }
 

@@ -3,6 +3,11 @@
 //! re-encoded to run in a detour buffer in the out-of-line area ([`relocate`],
 //! [`jump_bytes`]). The engine does not use this yet.
 //!
+//! For probes that only record ([`event`]): the detour's own code, generated for the
+//! probe's fetch-args, writes each hit into a per-CPU ring ([`ring`]) inside the guest
+//! with no VM exit, then runs the relocated instructions; the host drains the rings
+//! without pausing the guest.
+//!
 //! **Invariant: a region is planned for a jump only when replacing it with `jmp rel32`
 //! cannot change what the guest executes anywhere else.** Execution that enters the region
 //! at its first byte takes the jump, runs the displaced instructions in the detour and comes
@@ -88,7 +93,9 @@ use crate::engine::{PatchSiteKind, PatchSites};
 use crate::insn::{self, InsnError};
 
 mod displace;
+pub mod event;
 mod relocate;
+pub mod ring;
 #[cfg(test)]
 mod tests;
 

@@ -202,14 +202,16 @@ pub fn evaluate(arg: &FetchArg, ctx: &FetchContext) -> ArgValue {
                             let value = addr
                                 .checked_add(i * size)
                                 .and_then(|a| read_uint(ctx, user, a, size as usize));
-                            convert(ty, value, ctx)
+                            convert(ty, value, ctx.symbols)
                         })
                         .collect(),
                 )
             }
             // Arrays of non-memory values are refused by the parser; one value is shown.
-            (Some(Place::Memory { addr, user }), None) => convert(ty, read_uint(ctx, user, addr, value_size(ty)), ctx),
-            (Some(Place::Value(v)), _) => convert(ty, Some(v), ctx),
+            (Some(Place::Memory { addr, user }), None) => {
+                convert(ty, read_uint(ctx, user, addr, value_size(ty)), ctx.symbols)
+            }
+            (Some(Place::Value(v)), _) => convert(ty, Some(v), ctx.symbols),
             (Some(Place::Comm), _) | (None, _) => fault_shaped(arg.array_len),
         },
     }
@@ -353,8 +355,9 @@ fn read_string(ctx: &FetchContext, user: bool, addr: u64) -> ArgValue {
     }
 }
 
-/// Applies a non-string type to a raw value (`None`: the read faulted).
-fn convert(ty: ArgType, raw: Option<u64>, ctx: &FetchContext) -> ArgValue {
+/// Applies a non-string type to a raw value (`None`: the read faulted). Only the low
+/// bytes of the type's width count (the event detour records them with garbage above).
+pub(crate) fn convert(ty: ArgType, raw: Option<u64>, symbols: &SymbolTable) -> ArgValue {
     let Some(raw) = raw else {
         return ArgValue::Fault;
     };
@@ -374,16 +377,16 @@ fn convert(ty: ArgType, raw: Option<u64>, ctx: &FetchContext) -> ArgValue {
         }
         ArgType::Symbol => ArgValue::Symbol {
             address: raw,
-            description: ctx.symbols.describe(Gva(raw)).map(|d| d.to_string()),
+            description: symbols.describe(Gva(raw)).map(|d| d.to_string()),
         },
-        ArgType::SymStr => ArgValue::String(symbolize(ctx.symbols, raw).into_bytes()),
+        ArgType::SymStr => ArgValue::String(symbolize(symbols, raw).into_bytes()),
         // Handled by `evaluate_string`.
         ArgType::String | ArgType::UString => ArgValue::Fault,
     }
 }
 
 /// Bytes of memory one value of a non-string type takes (`symstr` symbolizes a word).
-fn value_size(ty: ArgType) -> usize {
+pub(crate) fn value_size(ty: ArgType) -> usize {
     match ty {
         ArgType::Symbol | ArgType::SymStr => 8,
         ty => ty.record_size() as usize,

@@ -2,8 +2,9 @@
 //! kernel's text by the host, the probe-spec parser (kprobe_events syntax), fetch-args,
 //! counters, the listing, and the sync and async handler APIs.
 //!
-//! Jump-optimized probes are not built yet: [`detour`] has their safety checks and the
-//! relocation of the displaced instructions, which the engine does not use so far.
+//! Jump-optimized probes are not built yet: [`detour`] has their safety checks, the
+//! relocation of the displaced instructions, and the event detour (guest code recording
+//! hits into per-CPU rings that the host drains), which the engine does not use so far.
 
 pub mod detour;
 pub mod engine;

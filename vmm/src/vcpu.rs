@@ -185,6 +185,9 @@ pub struct ExitCounters {
     /// Guest instructions KVM emulated (KVM's `insn_emulation` statistic; on kvm_pvm every
     /// guest kernel instruction), summed over vCPUs when they stop.
     pub instructions_emulated: AtomicU64,
+    /// VM exits as KVM counts them (its `exits` statistic: the ones KVM handles itself
+    /// too, which never reach this loop), summed over vCPUs when they stop.
+    pub kvm_exits: AtomicU64,
     /// Pauses a kvm-clock guest was told about (`KVM_KVMCLOCK_CTRL` on a parking vCPU).
     pub kvmclock_pauses: AtomicU64,
     /// Pauses of every vCPU ([`VcpuControl::pause_all`], outermost ones only).
@@ -688,11 +691,14 @@ impl VcpuRunner {
             }
         }
 
-        if let Some(emulated) = stats.and_then(|s| s.get("insn_emulation")) {
-            self.control
-                .counters
-                .instructions_emulated
-                .fetch_add(emulated, Ordering::Relaxed);
+        if let Some(stats) = stats {
+            let counters = &self.control.counters;
+            if let Some(emulated) = stats.get("insn_emulation") {
+                counters.instructions_emulated.fetch_add(emulated, Ordering::Relaxed);
+            }
+            if let Some(exits) = stats.get("exits") {
+                counters.kvm_exits.fetch_add(exits, Ordering::Relaxed);
+            }
         }
     }
 

@@ -98,6 +98,9 @@ pub struct VmOutcome {
     pub single_steps: u64,
     /// Guest instructions KVM emulated (on kvm_pvm: all guest kernel instructions).
     pub instructions_emulated: u64,
+    /// VM exits as KVM counts them, in-kernel ones included (its `exits` statistic; 0 when
+    /// KVM has no statistics).
+    pub kvm_exits: u64,
     /// `None` for a code blob.
     pub kernel_format: Option<KernelFormat>,
 }
@@ -364,6 +367,7 @@ impl Vm {
             instructions_emulated: counters
                 .instructions_emulated
                 .load(std::sync::atomic::Ordering::Relaxed),
+            kvm_exits: counters.kvm_exits.load(std::sync::atomic::Ordering::Relaxed),
             kernel_format: self.kernel_format,
         })
     }
