@@ -134,44 +134,60 @@ struct GuestVariant {
     guest_kprobe: bool,
     /// The host probes jump-optimized.
     optimize: bool,
+    /// The host probes only record (event probes with four register/stack fetch-args):
+    /// optimized, their detours write each hit into a ring in the guest.
+    record: bool,
 }
 
-const GUEST_VARIANTS: [GuestVariant; 6] = [
+const GUEST_VARIANTS: [GuestVariant; 7] = [
     GuestVariant {
         label: "no probe",
         host_probes: &[],
         guest_kprobe: false,
         optimize: false,
+        record: false,
     },
     GuestVariant {
         label: "guest's own kprobe event on __x64_sys_getppid+0 (ftrace-based)",
         host_probes: &[],
         guest_kprobe: true,
         optimize: false,
+        record: false,
     },
     GuestVariant {
         label: "host probe on __x64_sys_getppid+0 (int3 at +5, stepped out of line)",
         host_probes: &[("__x64_sys_getppid", 0)],
         guest_kprobe: false,
         optimize: false,
+        record: false,
     },
     GuestVariant {
         label: "host probe on __task_pid_nr_ns+0 (int3 at +5, push emulated)",
         host_probes: &[("__task_pid_nr_ns", 0)],
         guest_kprobe: false,
         optimize: false,
+        record: false,
     },
     GuestVariant {
         label: "optimized sync host probe on __x64_sys_getppid+0 (jump at +5 to a detour, one exit)",
         host_probes: &[("__x64_sys_getppid", 0)],
         guest_kprobe: false,
         optimize: true,
+        record: false,
     },
     GuestVariant {
         label: "optimized sync host probe on __task_pid_nr_ns+0 (jump at +5 to a detour, one exit)",
         host_probes: &[("__task_pid_nr_ns", 0)],
         guest_kprobe: false,
         optimize: true,
+        record: false,
+    },
+    GuestVariant {
+        label: "optimized event host probe on __x64_sys_getppid+0, 4 fetch-args (recorded in the guest, no exit)",
+        host_probes: &[("__x64_sys_getppid", 0)],
+        guest_kprobe: false,
+        optimize: true,
+        record: true,
     },
 ];
 
@@ -205,9 +221,17 @@ fn run_guest(
                 name: name.to_string(),
                 offset: *offset,
             };
+            let args = if variant.record {
+                match hvprobe_probes::spec::parse_line("p x di=%di si=%si s0=$stack0 s1=$stack1") {
+                    Ok(Some(hvprobe_probes::spec::ProbeSpec::Kprobe { args, .. })) => args,
+                    other => return Err(format!("the benchmark's fetch-args: {other:?}").into()),
+                }
+            } else {
+                Vec::new()
+            };
             let id = tracer.register(KprobeRequest {
-                emit_events: false,
-                ..KprobeRequest::event(point, "bench", name, Vec::new())
+                emit_events: variant.record,
+                ..KprobeRequest::event(point, "bench", name, args)
             })?;
             if let (true, Some(why)) = (variant.optimize, tracer.why_not_optimized(id)) {
                 return Err(format!("{name}+{offset}: not optimized: {why}").into());
@@ -232,6 +256,7 @@ fn run_guest(
     }
     let (hits, handling) = tracer_used.map_or((0, Duration::ZERO), |t| {
         use std::sync::atomic::Ordering::Relaxed;
+        t.drain_events();
         (
             t.stats.hits.load(Relaxed),
             Duration::from_nanos(t.stats.handling_ns.load(Relaxed)),

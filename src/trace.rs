@@ -831,13 +831,15 @@ impl TraceSession {
         let s = &tracer.stats;
         use std::sync::atomic::Ordering::Relaxed;
         eprintln!(
-            "hvprobe: probe hits {} (optimized {}, emulated {}, stepped out of line {}, skipped by a handler {}, shared with a guest int3 {})",
+            "hvprobe: probe hits {} (optimized: recorded in the guest {}, sync {}; emulated {}, stepped out of line {}, skipped by a handler {}, shared with a guest int3 {}); records the guest's rings missed {}",
             s.hits.load(Relaxed),
+            s.optimized_events.load(Relaxed),
             s.optimized.load(Relaxed),
             s.emulated.load(Relaxed),
             s.stepped.load(Relaxed),
             s.skipped.load(Relaxed),
-            s.shared_with_guest.load(Relaxed)
+            s.shared_with_guest.load(Relaxed),
+            s.ring_missed.load(Relaxed)
         );
         eprintln!(
             "hvprobe: probes gone {}, steps an exception or NMI interrupted {}, emulations stepped instead {}, \

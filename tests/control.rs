@@ -109,10 +109,22 @@ impl LiveRun {
     fn finish(mut self) -> Run {
         drop(self.stdin.take());
         let status = self.child.wait().unwrap();
+        let stdout = std::mem::replace(&mut self.stdout, std::thread::spawn(Vec::new));
+        let stderr = std::mem::replace(&mut self.stderr, std::thread::spawn(String::new));
         Run {
             code: status.code(),
-            stdout: self.stdout.join().unwrap().join("\n"),
-            stderr: self.stderr.join().unwrap(),
+            stdout: stdout.join().unwrap().join("\n"),
+            stderr: stderr.join().unwrap(),
+        }
+    }
+}
+
+/// A test that fails half-way must not leave its VM waiting for input forever.
+impl Drop for LiveRun {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
         }
     }
 }

@@ -15,15 +15,18 @@ use hvprobe_vmm::{set_guest_debug, Backend, VcpuControl, VcpuState};
 use kvm_ioctls::VcpuFd;
 use vm_memory::GuestMemoryMmap;
 
-use crate::memory::{live_memory, LiveKernel};
+use crate::memory::{live_memory, GuestPhys, LiveKernel};
 use crate::stacks::narrow_to_vcpus;
 use crate::task::TaskContext;
+use hvprobe_probes::detour::ring::RingMemory;
 
 /// A VM as the probe engine changes it.
 pub struct VmMachine {
     control: Arc<VcpuControl>,
     kernel: LiveKernel,
     stacks: GuestStacks,
+    /// Guest-physical memory, for the event rings.
+    phys: Option<GuestPhys>,
 }
 
 /// What the engine can know of the guest's kernel stacks.
@@ -42,7 +45,14 @@ impl VmMachine {
             control,
             kernel,
             stacks: GuestStacks::Kernel(Err(Arc::new(StacksError::NoBtf))),
+            phys: None,
         }
+    }
+
+    /// With guest-physical memory, where event detours' rings are read.
+    pub fn with_event_memory(mut self, phys: GuestPhys) -> Self {
+        self.phys = Some(phys);
+        self
     }
 
     /// With the guest's stack layout, so that the engine can search its kernel stacks.
@@ -61,6 +71,10 @@ impl VmMachine {
 impl Machine for VmMachine {
     fn kernel(&self) -> &dyn KernelMemory {
         &self.kernel
+    }
+
+    fn event_memory(&self) -> Option<&dyn RingMemory> {
+        self.phys.as_ref().map(|p| p as &dyn RingMemory)
     }
 
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {

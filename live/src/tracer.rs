@@ -4,11 +4,12 @@
 use std::sync::Arc;
 
 use hvprobe_arch::paging::PagingMode;
-use hvprobe_arch::Gva;
+use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::facts::{ExceptionTable, FactsError, KprobeBlacklist};
 use hvprobe_introspection::memory::{MemoryError, PagedGuestMemory};
 use hvprobe_introspection::stacks::StacksLayout;
 use hvprobe_introspection::symbols::{SymbolError, SymbolTable};
+use hvprobe_probes::detour::event::GuestKernelFacts;
 use hvprobe_probes::engine::{EventSink, KernelView, OutOfLineArea, PatchSites, Tracer};
 use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
 use hvprobe_vmm::{VcpuControl, VcpuState};
@@ -73,9 +74,44 @@ pub fn build_tracer(
     if let Err(e) = &stacks {
         tracing::info!("jump optimization unavailable: the guest's kernel stacks cannot be found: {e}");
     }
-    let machine = Arc::new(VmMachine::new(control, memory).with_stacks(stacks));
-    Ok(Arc::new(Tracer::new(machine, view, Some(ool), sink)))
+    let cpus = control.vcpu_count() as u32;
+    let task = crate::task::TaskContext::read(&memory, symbols).ok();
+    let facts = GuestKernelFacts::from_symbols(symbols, task.as_ref().map(|t| &t.layout));
+    let machine = Arc::new(
+        VmMachine::new(control, memory)
+            .with_stacks(stacks)
+            .with_event_memory(GuestPhys(mem.clone())),
+    );
+    let tracer = Arc::new(Tracer::new(machine, view, Some(ool), sink));
+    match facts {
+        Ok(facts) => enable_event_detours(&tracer, cpus, facts, ool),
+        Err(e) => tracing::info!("no event detours: {e}"),
+    }
+    Ok(tracer)
 }
+
+/// Sets up event detours' rings (a probe that only records then needs no exit when it is
+/// optimized) and the thread that drains them; without them, such probes get sync detours.
+fn enable_event_detours(tracer: &Arc<Tracer>, cpus: u32, facts: GuestKernelFacts, ool: OutOfLineArea) {
+    let gpa_of = |gva: Gva| Gpa(OOL_AREA_START.0 + (gva.0 - ool.start.0));
+    if let Err(e) = tracer.enable_event_detours(cpus, facts, &gpa_of) {
+        tracing::info!("no event detours: {e}");
+        return;
+    }
+    let weak = Arc::downgrade(tracer);
+    let _ = std::thread::Builder::new().name("event-drain".into()).spawn(move || {
+        // Records wait at most this long in a ring: short enough for a live trace, long
+        // enough to take many per drain.
+        while let Some(tracer) = weak.upgrade() {
+            tracer.drain_events();
+            drop(tracer);
+            std::thread::sleep(EVENT_DRAIN_PERIOD);
+        }
+    });
+}
+
+/// How often the rings of event detours are drained.
+const EVENT_DRAIN_PERIOD: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// Where [`code_blob_tracer`] maps the out-of-line area: a code blob's page tables
 /// identity-map the first 4 GiB, and the area's own address (3.25 GiB) is beyond a rel32's

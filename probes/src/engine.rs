@@ -36,6 +36,7 @@ use crate::output::HitRecord;
 use crate::regs::Regs;
 use crate::spec::FetchArg;
 
+mod event_rings;
 mod events;
 mod hit;
 mod optimize;
@@ -47,6 +48,7 @@ mod step;
 #[cfg(test)]
 mod tests;
 
+pub use event_rings::EventSetupError;
 pub use optimize::WhyNotOptimized;
 pub use placement::resolve_symbol;
 pub use sites::{PatchSite, PatchSiteKind, PatchSites};
@@ -267,6 +269,11 @@ pub struct EngineStats {
     pub hits: AtomicU64,
     /// Hits through a jump and its sync detour (one exit each).
     pub optimized: AtomicU64,
+    /// Hits an event detour recorded in the guest (no exit), taken from its ring.
+    pub optimized_events: AtomicU64,
+    /// Records an event detour could not write: its CPU's ring was full, or the hit came
+    /// while that CPU was writing another record (an NMI). Counted by the guest.
+    pub ring_missed: AtomicU64,
     pub emulated: AtomicU64,
     pub stepped: AtomicU64,
     pub skipped: AtomicU64,
@@ -371,6 +378,8 @@ pub struct Tracer {
     started: Instant,
     /// The guest's indirect-branch thunks (for the optimization checks), found once.
     thunks: OnceLock<crate::detour::IndirectThunks>,
+    /// The rings of event detours, once set up.
+    events: OnceLock<event_rings::EventSetup>,
     pub stats: EngineStats,
 }
 
@@ -403,6 +412,7 @@ impl Tracer {
             sink,
             started: Instant::now(),
             thunks: OnceLock::new(),
+            events: OnceLock::new(),
             stats: EngineStats::default(),
         }
     }

@@ -49,6 +49,12 @@ pub trait Machine: Send + Sync {
     /// Runs `edit` with every vCPU out of guest mode (all others when called from a vCPU
     /// thread), so that no vCPU executes text while it changes.
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView));
+
+    /// Guest-physical memory as event detours' rings are read and written, while the guest
+    /// runs; `None` when the machine has none (no event detours then).
+    fn event_memory(&self) -> Option<&dyn crate::detour::ring::RingMemory> {
+        None
+    }
 }
 
 /// A failed operation on the vCPU at a hit: which KVM call, and the error it returned.

@@ -41,7 +41,11 @@ impl Tracer {
         }
         if self.in_out_of_line_area(at) {
             let reg = self.read_registry();
-            if let Some(code) = reg.detour_codes.get(&at) {
+            if let Some(code) = reg
+                .detour_codes
+                .get(&at)
+                .filter(|c| c.kind == super::optimize::DetourKind::Sync)
+            {
                 let site = code.site;
                 return self.detour_hit(cpu, vcpu, at, site, &reg);
             }

@@ -22,8 +22,9 @@ use std::sync::Arc;
 use hvprobe_arch::{Gva, INT3};
 
 use super::placement::compiler_bytes;
-use super::registry::{Registry, Site};
-use super::{ProbeId, Tracer, COUNT};
+use super::registry::{Registry, Role, Site};
+use super::{ProbeId, ProbeKind, Tracer, COUNT};
+use crate::detour::event::{event_detour, EventDetourParams, DEFAULT_STRING_SIZE};
 use crate::detour::{
     check_probe, jump_bytes, plan_region, relocate, Code, DetourFacts, DetourRegion, FunctionText, IndirectThunks,
     NotOptimizable, ProbeConditions, JMP_REL32_LEN,
@@ -64,6 +65,8 @@ pub enum WhyNotOptimized {
     TooLong { len: usize },
     #[error("guest memory: {0}")]
     Memory(String),
+    #[error("its event detour cannot be made: {0}")]
+    EventCode(String),
 }
 
 impl WhyNotOptimized {
@@ -84,18 +87,39 @@ impl WhyNotOptimized {
 #[derive(Clone, Debug)]
 pub(super) struct Detour {
     pub region: DetourRegion,
-    /// The detour's first byte (its int3).
+    /// The detour's first byte (a sync detour's int3).
     pub code: Gva,
     pub jump: [u8; JMP_REL32_LEN],
+    pub kind: DetourKind,
 }
 
-/// A detour's code in the out-of-line area, live or retired: an int3 exit at `code` is a
-/// hit of `site` (if it still exists) that goes on in the relocated region at `code + 1`.
+/// What a detour does before the displaced instructions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DetourKind {
+    /// Traps once to the host (an int3), whose handlers run.
+    Sync,
+    /// Writes the hit into its CPU's ring in the guest: no exit.
+    Event,
+}
+
+/// A detour's code in the out-of-line area, live or retired. An int3 exit at a sync
+/// detour's `code` is a hit of `site` (if it still exists) that goes on in the relocated
+/// region at `code + 1`.
 #[derive(Clone, Debug)]
 pub(super) struct DetourCode {
     pub site: Gva,
     /// Still the jump target of its site (else retired, waiting to be reused).
     pub live: bool,
+    /// Detour blocks it takes.
+    pub blocks: u64,
+    pub kind: DetourKind,
+}
+
+/// A probe that only records, for its event detour.
+struct EventProbe {
+    id: ProbeId,
+    address: Gva,
+    args: Vec<crate::spec::FetchArg>,
 }
 
 /// Every detour's code by its address.
@@ -157,12 +181,14 @@ impl Tracer {
                     }
                     let outcome = self.optimize_site(view, reg, *addr);
                     match outcome {
-                        Ok(detour) => {
+                        Ok((detour, blocks)) => {
                             reg.detour_codes.insert(
                                 detour.code,
                                 DetourCode {
                                     site: *addr,
                                     live: true,
+                                    blocks,
+                                    kind: detour.kind,
                                 },
                             );
                             if let Some(site) = reg.sites.get_mut(addr) {
@@ -219,8 +245,15 @@ impl Tracer {
         None
     }
 
-    /// Plans, checks and writes the jump of one armed site.
-    fn optimize_site(&self, view: &dyn PausedView, reg: &Registry, addr: Gva) -> Result<Detour, WhyNotOptimized> {
+    /// Plans, checks and writes the jump of one armed site: to an event detour when its one
+    /// probe only records and the rings are set up (a sync one when that detour cannot be
+    /// made), else to a sync detour. Returns the detour and the blocks it takes.
+    fn optimize_site(
+        &self,
+        view: &dyn PausedView,
+        reg: &Registry,
+        addr: Gva,
+    ) -> Result<(Detour, u64), WhyNotOptimized> {
         let area = self.ool.ok_or(WhyNotOptimized::NoOutOfLineArea)?;
         let region = self.plan(reg, addr)?;
         let range = addr.0 + 1..region.end().0;
@@ -238,18 +271,32 @@ impl Tracer {
             Ok(_) => {}
             Err(e) => return Err(WhyNotOptimized::StacksUnreadable(e.to_string())),
         }
-        let code = self.allocate_detour().ok_or(WhyNotOptimized::NoRoom)?;
+        let event = self.event_only_probe(reg, addr);
+        let make = |code: Gva| -> Result<(Vec<u8>, DetourKind), WhyNotOptimized> {
+            match &event {
+                Some(probe) => self.event_code(&region, probe, code).map(|c| (c, DetourKind::Event)),
+                None => {
+                    let relocated = relocate(&region, Gva(code.0 + 1), region.end())
+                        .map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
+                    let mut detour = vec![INT3];
+                    detour.extend_from_slice(&relocated);
+                    Ok((detour, DetourKind::Sync))
+                }
+            }
+        };
+        // Sized at the area's last block, then made where it goes (its length does not
+        // depend on where it is; checked).
+        let probe_place = Gva(area.start.0 + area.size - DETOUR_BLOCK);
+        let sized = make(probe_place)?.0.len() as u64;
+        let blocks = sized.div_ceil(DETOUR_BLOCK).max(1);
+        let code = self.allocate_detour(blocks).ok_or(WhyNotOptimized::NoRoom)?;
         let written = (|| {
-            debug_assert!(area.contains(code));
             let jump = jump_bytes(addr, code).ok_or(WhyNotOptimized::OutOfReach { detour: code })?;
-            let relocated =
-                relocate(&region, Gva(code.0 + 1), region.end()).map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
-            if relocated.len() as u64 + 1 > DETOUR_BLOCK {
-                return Err(WhyNotOptimized::TooLong { len: relocated.len() });
+            let (detour, kind) = make(code)?;
+            if detour.len() as u64 > blocks * DETOUR_BLOCK {
+                return Err(WhyNotOptimized::TooLong { len: detour.len() });
             }
             let text = view.text();
-            let mut detour = vec![INT3];
-            detour.extend_from_slice(&relocated);
             text.write_virt(code, &detour)
                 .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
             // The site holds our int3 and then the original bytes; anything else is the
@@ -268,15 +315,69 @@ impl Tracer {
             }
             text.write_virt(addr, &jump)
                 .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
-            Ok(jump)
+            Ok((jump, kind))
         })();
         match written {
-            Ok(jump) => Ok(Detour { region, code, jump }),
+            Ok((jump, kind)) => Ok((
+                Detour {
+                    region,
+                    code,
+                    jump,
+                    kind,
+                },
+                blocks,
+            )),
             Err(why) => {
-                self.free_detour(code);
+                self.free_detour(code, blocks);
                 Err(why)
             }
         }
+    }
+
+    /// The one probe of a site when it only records (no handler of any kind, a kprobe, the
+    /// user's) and the rings are set up: its detour can be an event one.
+    fn event_only_probe(&self, reg: &Registry, addr: Gva) -> Option<EventProbe> {
+        self.events.get()?;
+        let site = reg.sites.get(&addr)?;
+        let [id] = site.probes.as_slice() else { return None };
+        let probe = reg.probes.get(id)?;
+        let records_only = probe.role == Role::User
+            && probe.kind == ProbeKind::Kprobe
+            && probe.pre.is_none()
+            && probe.post.is_none()
+            && probe.emit_events
+            && probe.enabled;
+        records_only.then(|| EventProbe {
+            id: *id,
+            address: probe.address,
+            args: probe.args.clone(),
+        })
+    }
+
+    /// An event detour's code at `code` (and its record layout, kept for the drain).
+    fn event_code(&self, region: &DetourRegion, probe: &EventProbe, code: Gva) -> Result<Vec<u8>, WhyNotOptimized> {
+        let setup = self.events.get().ok_or(WhyNotOptimized::NoRoom)?;
+        let displaced = |ip: Gva| relocate(region, ip, region.end());
+        let facts = &setup.facts;
+        let generated = event_detour(&EventDetourParams {
+            probe_id: probe.id.0,
+            probe_address: probe.address,
+            detour_ip: code,
+            args: &probe.args,
+            rings: &setup.rings,
+            kernel: facts,
+            symbols: &self.view.symbols,
+            string_size: DEFAULT_STRING_SIZE,
+            record_task: facts.current_task.is_some() && facts.pid_offset.is_some() && facts.comm_offset.is_some(),
+            displaced: &displaced,
+        })
+        .map_err(|e| WhyNotOptimized::EventCode(e.to_string()))?;
+        setup
+            .layouts
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(probe.id.0, generated.layout);
+        Ok(generated.code)
     }
 
     /// The region a jump at `addr` would displace, planned on the function's own bytes.
@@ -338,14 +439,15 @@ impl Tracer {
         }
         let rips = view.parked_rips();
         for code in retired {
-            let range = code.0..code.0 + DETOUR_BLOCK;
+            let blocks = reg.detour_codes.get(&code).map_or(1, |d| d.blocks);
+            let range = code.0..code.0 + blocks * DETOUR_BLOCK;
             if rips.iter().any(|rip| range.contains(rip)) {
                 continue;
             }
             match view.saved_on_stacks(code..Gva(range.end)) {
                 Ok(saved) if saved.is_empty() => {
                     reg.detour_codes.remove(&code);
-                    self.free_detour(code);
+                    self.free_detour(code, blocks);
                 }
                 Ok(_) => {}
                 Err(e) => {

@@ -220,6 +220,8 @@ impl Tracer {
     /// Unregisters several probes in one pause (`unregister_kprobes`): all of them, or
     /// none when one of them does not exist.
     pub fn unregister_many(&self, ids: &[ProbeId]) -> Result<(), ProbeError> {
+        // What their event detours recorded so far still counts.
+        self.drain_events();
         let mut result = Ok(());
         self.paused(&mut |view| {
             let mut reg = self.write_registry();
@@ -241,6 +243,7 @@ impl Tracer {
     /// Unregisters every probe, the engine's own included (at exit: the text is as it was
     /// before).
     pub fn unregister_all(&self) {
+        self.drain_events();
         self.paused(&mut |view| {
             let mut reg = self.write_registry();
             let ids: Vec<ProbeId> = reg.probes.keys().copied().collect();
@@ -298,6 +301,7 @@ impl Tracer {
     /// The probes, in registration order, in the debugfs `list` layout's terms (after a
     /// look for probes the guest overwrote).
     pub fn listing(&self) -> Vec<ListEntry> {
+        self.drain_events();
         self.check_gone();
         let reg = self.read_registry();
         reg.user_probes()

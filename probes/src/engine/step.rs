@@ -30,7 +30,8 @@ pub(super) struct Slots {
     retired: Vec<Gva>,
     /// Detour blocks handed out from the end so far.
     detours: u64,
-    free_detours: Vec<Gva>,
+    /// Freed runs of detour blocks: (first block, number of blocks).
+    free_detours: Vec<(Gva, u64)>,
 }
 
 impl Slots {
@@ -118,27 +119,27 @@ impl Tracer {
         }
     }
 
-    /// A free detour block (from the area's end), if there is room.
-    pub(super) fn allocate_detour(&self) -> Option<Gva> {
+    /// `blocks` contiguous free detour blocks (from the area's end), if there is room.
+    pub(super) fn allocate_detour(&self, blocks: u64) -> Option<Gva> {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let area = slots.area?;
-        if let Some(block) = slots.free_detours.pop() {
-            return Some(block);
+        if let Some(i) = slots.free_detours.iter().position(|(_, n)| *n == blocks) {
+            return Some(slots.free_detours.swap_remove(i).0);
         }
-        if !Slots::fits(&area, slots.next, slots.detours + 1) {
+        if !Slots::fits(&area, slots.next, slots.detours + blocks) {
             return None;
         }
-        slots.detours += 1;
+        slots.detours += blocks;
         Some(Gva(area.start.0 + area.size - slots.detours * DETOUR_BLOCK))
     }
 
-    /// Gives a detour block back, once nothing can be in it.
-    pub(super) fn free_detour(&self, block: Gva) {
+    /// Gives `blocks` detour blocks back, once nothing can be in them.
+    pub(super) fn free_detour(&self, first: Gva, blocks: u64) {
         self.slots
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .free_detours
-            .push(block);
+            .push((first, blocks));
     }
 
     /// Gives back a slot no copy was written to.

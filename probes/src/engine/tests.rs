@@ -8,7 +8,7 @@ use super::*;
 use crate::insn::HexBytes;
 use crate::machine::{KernelMemory, Machine, PausedView, Vcpu, VcpuError};
 use crate::output::{listing_line, ListKind};
-use hvprobe_arch::INT3;
+use hvprobe_arch::{Gpa, INT3};
 use hvprobe_introspection::memory::MemoryError;
 
 fn libc_einval() -> i32 {
@@ -67,6 +67,8 @@ struct FakeMachine {
     before_pause: Mutex<Option<GuestAct>>,
     /// The words on the guest's kernel stacks; `None`: they cannot be read.
     stack_words: Mutex<Option<Vec<u64>>>,
+    /// Guest-physical memory behind the out-of-line area, for event rings.
+    rings: Option<crate::detour::ring::HostRingMemory>,
 }
 
 /// Something the guest does to its memory.
@@ -123,6 +125,10 @@ impl KernelMemory for FakeMachine {
 impl Machine for FakeMachine {
     fn kernel(&self) -> &dyn KernelMemory {
         self
+    }
+
+    fn event_memory(&self) -> Option<&dyn crate::detour::ring::RingMemory> {
+        self.rings.as_ref().map(|r| r as &dyn crate::detour::ring::RingMemory)
     }
 
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {
@@ -1555,4 +1561,95 @@ fn a_second_probe_inside_the_region_unoptimizes_it() {
         t.why_not_optimized(first),
         Some(WhyNotOptimized::Region(r)) if matches!(*r, crate::detour::NotOptimizable::ProbeInsideRegion { .. })
     ));
+}
+
+// ---- event detours -------------------------------------------------------------------------
+
+const RINGS_GPA: u64 = 0x10_0000;
+const BIG_OOL: u64 = 0x10000;
+
+#[test]
+fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
+    let mut machine = FakeMachine {
+        rings: Some(crate::detour::ring::HostRingMemory::new(Gpa(RINGS_GPA), BIG_OOL)),
+        ..FakeMachine::default()
+    };
+    *machine.stack_words.get_mut().unwrap() = Some(Vec::new());
+    let m = Arc::new(machine);
+    let code = FakeMachine::with_code();
+    for (at, bytes) in code.pages.lock().unwrap().iter() {
+        m.write_virt(Gva(*at), bytes).unwrap();
+    }
+    m.write_virt(Gva(OOL), &vec![0u8; BIG_OOL as usize]).unwrap();
+    let events = Arc::new(Events {
+        capacity: 100,
+        got: Mutex::new(Vec::new()),
+    });
+    let view = KernelView {
+        symbols: Arc::new(symbols()),
+        blacklist: KprobeBlacklist::default(),
+        ex_table: ExceptionTable::default(),
+        patch_sites: PatchSites::default(),
+    };
+    let ool = OutOfLineArea {
+        start: Gva(OOL),
+        size: BIG_OOL,
+    };
+    let sink: Arc<dyn EventSink> = events.clone();
+    let t = Tracer::new(m.clone(), view, Some(ool), Some(sink));
+    let facts = crate::detour::event::GuestKernelFacts {
+        cpu_number: 0x1_0000,
+        current_task: None,
+        comm_offset: None,
+        pid_offset: None,
+        copy_from_kernel_nofault: None,
+        strncpy_from_kernel_nofault: None,
+        copy_from_user_nofault: None,
+        strncpy_from_user_nofault: None,
+        thread_size: crate::detour::event::DEFAULT_THREAD_SIZE,
+    };
+    t.enable_event_detours(1, facts, &|gva: Gva| Gpa(RINGS_GPA + (gva.0 - OOL)))
+        .unwrap();
+    t.set_optimization(true);
+    let id = t
+        .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
+        .unwrap();
+    assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
+    let target = PUSH as i64 + 5 + i32::from_le_bytes(m.bytes(PUSH + 1, 4).try_into().unwrap()) as i64;
+    assert_ne!(m.bytes(target as u64, 1), [INT3], "an event detour does not trap");
+
+    // The guest's detour wrote two records, and one for a probe that never existed.
+    let rings = *t.event_rings().unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    let record = |probe: u32, tsc: u64| {
+        let mut r = vec![0u8; 24];
+        r[0..4].copy_from_slice(&probe.to_le_bytes());
+        r[8..16].copy_from_slice(&tsc.to_le_bytes());
+        r
+    };
+    for (probe, tsc) in [(id.0, 10), (id.0, 20), (9999, 30)] {
+        assert!(mem.guest_record(&rings, 0, &record(probe, tsc)).unwrap());
+    }
+    assert_eq!(t.drain_events(), 2);
+    let got = events.got.lock().unwrap().clone();
+    assert_eq!(got.len(), 2);
+    assert!(got
+        .iter()
+        .all(|e| e.probe == id && e.record.event == "ev" && e.record.cpu == 0));
+    assert_eq!(t.listing()[0].hits, 2);
+    assert_eq!(t.stats.optimized_events.load(Ordering::Relaxed), 2);
+    assert_eq!(
+        t.stats.stale.load(Ordering::Relaxed),
+        1,
+        "the unknown probe's record is counted"
+    );
+    // A full ring: the guest counts what it could not write, the host reports it.
+    let capacity = rings.geometry().capacity();
+    let written = (0..capacity + 3)
+        .filter(|i| mem.guest_record(&rings, 0, &record(id.0, u64::from(*i))).unwrap())
+        .count() as u32;
+    assert_eq!(written, capacity);
+    assert_eq!(t.drain_events(), capacity as usize);
+    assert_eq!(t.stats.ring_missed.load(Ordering::Relaxed), 3);
+    t.unregister(id).unwrap();
 }
