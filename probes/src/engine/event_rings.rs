@@ -28,7 +28,8 @@ pub(super) struct EventSetup {
     pub rings: EventRings,
     pub facts: GuestKernelFacts,
     reader: Mutex<(RingReader, EventBatch)>,
-    /// How each probe's records are laid out, by probe id.
+    /// How each probe's records are laid out, by probe id. Lock order: the registry
+    /// first, then this.
     pub layouts: RwLock<HashMap<u32, EventLayout>>,
     /// The rings' missed counters last seen (full and nested, all CPUs).
     missed_seen: Mutex<u64>,
@@ -112,8 +113,10 @@ impl Tracer {
             return 0;
         }
         let now = self.started.elapsed().as_nanos() as u64;
-        let layouts = setup.layouts.read().unwrap_or_else(|e| e.into_inner());
+        // The registry before the layouts, as the optimization pass takes them (it holds
+        // the registry while it makes a detour and writes its layout).
         let reg = self.read_registry();
+        let layouts = setup.layouts.read().unwrap_or_else(|e| e.into_inner());
         let mut taken = 0;
         for i in batch.tsc_order() {
             let Some(raw) = batch.get(i) else { continue };

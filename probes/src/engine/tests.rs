@@ -1568,8 +1568,9 @@ fn a_second_probe_inside_the_region_unoptimizes_it() {
 const RINGS_GPA: u64 = 0x10_0000;
 const BIG_OOL: u64 = 0x10000;
 
-#[test]
-fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
+/// A fake machine with guest-physical memory behind a 64 KiB out-of-line area, and a tracer
+/// with event rings set up there, sending events to the returned sink.
+fn event_tracer() -> (Arc<FakeMachine>, Tracer, Arc<Events>) {
     let mut machine = FakeMachine {
         rings: Some(crate::detour::ring::HostRingMemory::new(Gpa(RINGS_GPA), BIG_OOL)),
         ..FakeMachine::default()
@@ -1610,6 +1611,12 @@ fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
     };
     t.enable_event_detours(1, facts, &|gva: Gva| Gpa(RINGS_GPA + (gva.0 - OOL)))
         .unwrap();
+    (m, t, events)
+}
+
+#[test]
+fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
+    let (m, t, events) = event_tracer();
     t.set_optimization(true);
     let id = t
         .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
@@ -1652,4 +1659,42 @@ fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
     assert_eq!(t.drain_events(), capacity as usize);
     assert_eq!(t.stats.ring_missed.load(Ordering::Relaxed), 3);
     t.unregister(id).unwrap();
+}
+
+#[test]
+fn draining_while_the_optimizer_makes_event_detours_never_deadlocks() {
+    // The drain takes the registry and the record layouts; the optimization pass holds the
+    // registry while it writes a new detour's layout. Taken in two orders, they deadlock.
+    let (m, t, _events) = event_tracer();
+    let t = Arc::new(t);
+    let id = t
+        .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
+        .unwrap();
+    let rings = *t.event_rings().unwrap();
+    let mut record = vec![0u8; 24];
+    record[0..4].copy_from_slice(&id.0.to_le_bytes());
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    {
+        let t = t.clone();
+        std::thread::spawn(move || {
+            for i in 0..400 {
+                t.set_optimization(i % 2 == 0);
+            }
+            let _ = done_tx.send(());
+        });
+    }
+    {
+        let t = t.clone();
+        std::thread::spawn(move || loop {
+            // The guest keeps hitting the probe: every drain has records to attribute.
+            let _ = m.rings.as_ref().unwrap().guest_record(&rings, 0, &record);
+            t.drain_events();
+            if Arc::strong_count(&t) == 1 {
+                return;
+            }
+        });
+    }
+    done_rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the optimizer and the drain deadlocked");
 }
