@@ -334,6 +334,11 @@ fn expand_wildcard(p: &SpecProbe, pattern: &str, symbols: &SymbolTable) -> Vec<S
         .collect()
 }
 
+/// `SOURCE:LINE: PATTERN: matches no kernel function`, for a wildcard with nothing to arm.
+fn matches_nothing(source: &str, line: usize, pattern: &str) -> String {
+    format!("{source}:{line}: {pattern}: matches no kernel function")
+}
+
 /// The wildcard pattern of a probe, if it has one.
 fn wildcard_of(p: &SpecProbe) -> Option<&str> {
     match &p.request.point {
@@ -355,10 +360,7 @@ pub fn check_before_boot(file: &Path, cpus: usize, symbols: Option<&SymbolTable>
     for p in &probes {
         if let Some(pattern) = wildcard_of(p) {
             if expand_wildcard(p, pattern, symbols).is_empty() {
-                problems.push((
-                    p.line,
-                    format!("{source}:{}: {pattern}: matches no kernel function", p.line),
-                ));
+                problems.push((p.line, matches_nothing(&source, p.line, pattern)));
             }
         } else if let ProbePoint::Symbol { name, offset } = &p.request.point {
             if let Err(e) = resolve_symbol(symbols, name, *offset) {
@@ -398,10 +400,7 @@ fn expand_and_check(
             Some(pattern) => {
                 let functions = expand_wildcard(p, pattern, symbols);
                 if functions.is_empty() {
-                    problems.push((
-                        p.line,
-                        format!("{source}:{}: {pattern}: matches no kernel function", p.line),
-                    ));
+                    problems.push((p.line, matches_nothing(source, p.line, pattern)));
                 }
                 from_wildcard.extend(std::iter::repeat_n(Some(index), functions.len()));
                 expanded.extend(functions);

@@ -232,27 +232,34 @@ fn host_and_guest_kprobes_see_the_same_hits_on_two_vcpus() {
 
 #[test]
 fn host_and_guest_kprobes_agree_under_kaslr() {
-    common::require_kvm();
-    let probes = probe_file("kaslr", HOST_PROBES);
-    let run = hvprobe(
-        &[
-            "run",
-            "--kaslr",
-            "--workload",
-            &oracle_workload(1),
-            "--probes",
-            probes.to_str().unwrap(),
-        ],
-        KASLR_BOOT_TIMEOUT,
-    );
+    let run = kaslr_oracle_run("kaslr", &[]);
     check_oracle(&run, 1);
+}
+
+/// A boot of the bundled guest with KASLR, running the oracle workload with the host's
+/// probes and `extra` flags; checked to have been randomized.
+fn kaslr_oracle_run(name: &str, extra: &[&str]) -> Run {
+    common::require_kvm();
+    let probes = probe_file(name, HOST_PROBES);
+    let workload = oracle_workload(1);
+    let mut args = vec![
+        "run",
+        "--kaslr",
+        "--workload",
+        &workload,
+        "--probes",
+        probes.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let run = hvprobe(&args, KASLR_BOOT_TIMEOUT);
+    let _ = std::fs::remove_file(probes);
     let slide = run
         .stderr
         .lines()
         .find_map(|l| l.split("KASLR slide ").nth(1))
         .unwrap_or_else(|| panic!("no slide reported\n{}", run.tail()));
     assert_ne!(slide.trim(), "0x0", "the kernel was not randomized");
-    let _ = std::fs::remove_file(probes);
+    run
 }
 
 #[test]
@@ -454,22 +461,8 @@ fn optimized_probes_see_what_the_guest_sees_on_two_vcpus() {
 
 #[test]
 fn optimized_probes_agree_under_kaslr() {
-    common::require_kvm();
-    let probes = probe_file("optimized-kaslr", HOST_PROBES);
-    let run = hvprobe(
-        &[
-            "run",
-            "--kaslr",
-            "--optimize",
-            "--workload",
-            &oracle_workload(1),
-            "--probes",
-            probes.to_str().unwrap(),
-        ],
-        KASLR_BOOT_TIMEOUT,
-    );
+    let run = kaslr_oracle_run("optimized-kaslr", &["--optimize"]);
     check_optimized(&run, 1);
-    let _ = std::fs::remove_file(probes);
 }
 
 #[test]

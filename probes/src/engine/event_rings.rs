@@ -10,10 +10,10 @@ use std::sync::{Mutex, RwLock};
 
 use hvprobe_arch::{Gpa, Gva};
 
+use super::events::hit_record;
 use super::{HitEvent, ProbeId, Tracer, COUNT};
 use crate::detour::event::{EventLayout, GuestKernelFacts};
 use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingReader};
-use crate::output::HitRecord;
 use crate::regs::Regs;
 
 /// Records per CPU ring.
@@ -138,20 +138,14 @@ impl Tracer {
                     rip: probe.address.0,
                     ..Regs::default()
                 },
-                record: HitRecord {
-                    comm: task
-                        .as_ref()
-                        .map(|t| String::from_utf8_lossy(&t.comm).into_owned())
-                        .unwrap_or_else(|| "<...>".into()),
-                    pid: task.as_ref().map_or(-1, |t| t.pid),
-                    cpu: raw.cpu as usize,
-                    timestamp_ns: now,
-                    group: probe.group.clone(),
-                    event: probe.event.clone(),
-                    location: probe.trace_location.clone(),
-                    retprobe_caller: None,
-                    args: layout.decode(raw.record, &self.view.symbols),
-                },
+                record: hit_record(
+                    probe,
+                    task.as_ref().map(|t| String::from_utf8_lossy(&t.comm).into_owned()),
+                    task.as_ref().map(|t| t.pid),
+                    raw.cpu as usize,
+                    now,
+                    layout.decode(raw.record, &self.view.symbols),
+                ),
             };
             self.send_event(probe, event);
         }

@@ -69,18 +69,38 @@ impl Tracer {
             probe: id,
             address: probe.address,
             regs: *regs,
-            record: HitRecord {
-                comm: comm.unwrap_or_else(|| "<...>".into()),
-                pid: task.map(|t| t.pid).unwrap_or(-1),
+            record: hit_record(
+                probe,
+                comm,
+                task.map(|t| t.pid),
                 cpu,
-                timestamp_ns: self.started.elapsed().as_nanos() as u64,
-                group: probe.group.clone(),
-                event: probe.event.clone(),
-                location: probe.trace_location.clone(),
-                retprobe_caller: None,
+                self.started.elapsed().as_nanos() as u64,
                 args,
-            },
+            ),
         }
+    }
+}
+
+/// A kprobe hit's record, as printed: an unknown task is `<...>` with pid -1, as ftrace
+/// shows one.
+pub(super) fn hit_record(
+    probe: &Probe,
+    comm: Option<String>,
+    pid: Option<i32>,
+    cpu: usize,
+    timestamp_ns: u64,
+    args: Vec<(String, ArgValue)>,
+) -> HitRecord {
+    HitRecord {
+        comm: comm.unwrap_or_else(|| "<...>".into()),
+        pid: pid.unwrap_or(-1),
+        cpu,
+        timestamp_ns,
+        group: probe.group.clone(),
+        event: probe.event.clone(),
+        location: probe.trace_location.clone(),
+        retprobe_caller: None,
+        args,
     }
 }
 

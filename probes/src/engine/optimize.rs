@@ -24,7 +24,7 @@ use hvprobe_arch::{Gva, INT3};
 use super::placement::compiler_bytes;
 use super::registry::{Registry, Role, Site};
 use super::{ProbeId, ProbeKind, Tracer, COUNT};
-use crate::detour::event::{event_detour, EventDetourParams, DEFAULT_STRING_SIZE};
+use crate::detour::event::{event_detour, EventDetourParams, EventLayout, DEFAULT_STRING_SIZE};
 use crate::detour::{
     check_probe, jump_bytes, plan_region, relocate, Code, DetourFacts, DetourRegion, FunctionText, IndirectThunks,
     NotOptimizable, ProbeConditions, JMP_REL32_LEN,
@@ -169,9 +169,7 @@ impl Tracer {
                 (Some(_), Some(why)) => {
                     unoptimize(view.text(), *addr, site, &mut reg.detour_codes);
                     self.stats.gone.fetch_add(u64::from(site.gone), COUNT);
-                    if let Some(site) = reg.sites.get_mut(addr) {
-                        site.not_optimized = Some(why);
-                    }
+                    site.not_optimized = Some(why);
                 }
                 (Some(_), None) => {}
                 (None, Some(why)) => site.not_optimized = Some(why),
@@ -272,15 +270,18 @@ impl Tracer {
             Err(e) => return Err(WhyNotOptimized::StacksUnreadable(e.to_string())),
         }
         let event = self.event_only_probe(reg, addr);
-        let make = |code: Gva| -> Result<(Vec<u8>, DetourKind), WhyNotOptimized> {
+        // The detour's code at `code`, and for an event detour its record layout.
+        let make = |code: Gva| -> Result<(Vec<u8>, Option<EventLayout>), WhyNotOptimized> {
             match &event {
-                Some(probe) => self.event_code(&region, probe, code).map(|c| (c, DetourKind::Event)),
+                Some(probe) => self
+                    .event_code(&region, probe, code)
+                    .map(|(code, layout)| (code, Some(layout))),
                 None => {
                     let relocated = relocate(&region, Gva(code.0 + 1), region.end())
                         .map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
                     let mut detour = vec![INT3];
                     detour.extend_from_slice(&relocated);
-                    Ok((detour, DetourKind::Sync))
+                    Ok((detour, None))
                 }
             }
         };
@@ -292,7 +293,7 @@ impl Tracer {
         let code = self.allocate_detour(blocks).ok_or(WhyNotOptimized::NoRoom)?;
         let written = (|| {
             let jump = jump_bytes(addr, code).ok_or(WhyNotOptimized::OutOfReach { detour: code })?;
-            let (detour, kind) = make(code)?;
+            let (detour, layout) = make(code)?;
             if detour.len() as u64 > blocks * DETOUR_BLOCK {
                 return Err(WhyNotOptimized::TooLong { len: detour.len() });
             }
@@ -304,10 +305,7 @@ impl Tracer {
             let mut now = [0u8; JMP_REL32_LEN];
             text.read_virt(addr, &mut now)
                 .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
-            let mut expected = region.original_bytes();
-            expected.truncate(JMP_REL32_LEN);
-            expected[0] = INT3;
-            if now[..] != expected[..] {
+            if now != armed_bytes(&region) {
                 return Err(WhyNotOptimized::Memory(format!(
                     "the text at {addr} changed under the probe (now {})",
                     super::hex(&now)
@@ -315,6 +313,18 @@ impl Tracer {
             }
             text.write_virt(addr, &jump)
                 .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+            let kind = match (layout, &event, self.events.get()) {
+                (Some(layout), Some(probe), Some(setup)) => {
+                    // Before the registry is released: no record of it is drained earlier.
+                    setup
+                        .layouts
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(probe.id.0, layout);
+                    DetourKind::Event
+                }
+                _ => DetourKind::Sync,
+            };
             Ok((jump, kind))
         })();
         match written {
@@ -354,8 +364,13 @@ impl Tracer {
         })
     }
 
-    /// An event detour's code at `code` (and its record layout, kept for the drain).
-    fn event_code(&self, region: &DetourRegion, probe: &EventProbe, code: Gva) -> Result<Vec<u8>, WhyNotOptimized> {
+    /// An event detour's code at `code`, and the layout of its records.
+    fn event_code(
+        &self,
+        region: &DetourRegion,
+        probe: &EventProbe,
+        code: Gva,
+    ) -> Result<(Vec<u8>, EventLayout), WhyNotOptimized> {
         let setup = self.events.get().ok_or(WhyNotOptimized::NoRoom)?;
         let displaced = |ip: Gva| relocate(region, ip, region.end());
         let facts = &setup.facts;
@@ -372,12 +387,7 @@ impl Tracer {
             displaced: &displaced,
         })
         .map_err(|e| WhyNotOptimized::EventCode(e.to_string()))?;
-        setup
-            .layouts
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(probe.id.0, generated.layout);
-        Ok(generated.code)
+        Ok((generated.code, generated.layout))
     }
 
     /// The region a jump at `addr` would displace, planned on the function's own bytes.
@@ -469,10 +479,7 @@ pub(super) fn unoptimize(text: &dyn KernelMemory, addr: Gva, site: &mut Site, co
     let mut now = [0u8; JMP_REL32_LEN];
     match text.read_virt(addr, &mut now) {
         Ok(()) if now == detour.jump => {
-            let mut original = detour.region.original_bytes();
-            original.truncate(JMP_REL32_LEN);
-            original[0] = INT3;
-            if let Err(e) = text.write_virt(addr, &original) {
+            if let Err(e) = text.write_virt(addr, &armed_bytes(&detour.region)) {
                 // The jump stays, and so does its detour: hits still go through it.
                 tracing::error!("unoptimizing the probe at {addr}: {e}: the jump stays");
                 if let Some(code) = codes.get_mut(&detour.code) {
@@ -497,6 +504,15 @@ pub(super) fn unoptimize(text: &dyn KernelMemory, addr: Gva, site: &mut Site, co
             site.detour = Some(detour);
         }
     }
+}
+
+/// What an armed, unoptimized site holds where its jump goes: our int3, then the
+/// original bytes the jump covers.
+fn armed_bytes(region: &DetourRegion) -> [u8; JMP_REL32_LEN] {
+    let mut bytes = [0u8; JMP_REL32_LEN];
+    bytes.copy_from_slice(&region.original_bytes()[..JMP_REL32_LEN]);
+    bytes[0] = INT3;
+    bytes
 }
 
 /// Whether the jump of an optimized site is still in the text as we wrote it.

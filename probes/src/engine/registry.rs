@@ -112,6 +112,13 @@ impl Registry {
         }
     }
 
+    /// The first of `ids` that is not a user probe of this registry.
+    fn first_unknown(&self, ids: &[ProbeId]) -> Option<ProbeId> {
+        ids.iter()
+            .copied()
+            .find(|id| !self.probes.get(id).is_some_and(|p| p.role == Role::User))
+    }
+
     fn user_probes(&self) -> impl Iterator<Item = (&ProbeId, &Probe)> {
         self.probes.iter().filter(|(_, p)| p.role == Role::User)
     }
@@ -225,11 +232,8 @@ impl Tracer {
         let mut result = Ok(());
         self.paused(&mut |view| {
             let mut reg = self.write_registry();
-            if let Some(missing) = ids
-                .iter()
-                .find(|id| !reg.probes.get(id).is_some_and(|p| p.role == Role::User))
-            {
-                result = Err(ProbeError::NoSuchProbe(*missing));
+            if let Some(missing) = reg.first_unknown(ids) {
+                result = Err(ProbeError::NoSuchProbe(missing));
                 return;
             }
             for id in ids {
@@ -264,11 +268,8 @@ impl Tracer {
         let mut result = Ok(());
         self.paused(&mut |view| {
             let mut reg = self.write_registry();
-            if let Some(missing) = ids
-                .iter()
-                .find(|id| !reg.probes.get(id).is_some_and(|p| p.role == Role::User))
-            {
-                result = Err(ProbeError::NoSuchProbe(*missing));
+            if let Some(missing) = reg.first_unknown(ids) {
+                result = Err(ProbeError::NoSuchProbe(missing));
                 return;
             }
             for id in ids {
