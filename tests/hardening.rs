@@ -75,6 +75,51 @@ fn return_probes_on_a_function_and_the_one_it_tail_calls_both_fire_with_one_retu
 }
 
 #[test]
+fn the_guests_own_return_probe_between_a_tail_call_and_ours_leaves_every_return_intact() {
+    // The guest's kretprobe on `do_sys_open` swaps our trampoline (put there by the return
+    // probe on `__x64_sys_openat`, which tail-calls it) for its own, then ours on
+    // `do_sys_open` swaps that for ours: the return goes through ours, the guest's, ours
+    // again. It stopped the VM ("a return through the trampoline with no call on record").
+    for optimize in ["--no-optimize", "--optimize"] {
+        let dir = snapshot(1);
+        let probes = probe_file(
+            "guest-rethook",
+            "r:a/oa __x64_sys_openat ret=$retval\nr:a/os do_sys_open ret=$retval\n",
+        );
+        let run = restore_with(
+            &dir,
+            1,
+            "T=/sys/kernel/tracing; echo 'r:gr do_sys_open' > $T/kprobe_events; \
+             echo 1 > $T/events/kprobes/gr/enable; \
+             for i in 1 2 3 4 5; do read -r l < /proc/version; done; read -r l < /nonexistent; \
+             echo 0 > $T/events/kprobes/gr/enable; \
+             while read -r e h m; do echo \"PROFILE $e $h $m\"; done < $T/kprobe_profile; \
+             echo > $T/kprobe_events",
+            &["--probes", probes.to_str().unwrap(), optimize],
+            TIMEOUT,
+        );
+        let _ = std::fs::remove_file(&probes);
+        assert_eq!(run.code, Some(0), "{optimize}\n{}", run.tail());
+        assert_guest_unhurt(&run);
+        let guest: usize = run
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("PROFILE gr "))
+            .and_then(|l| l.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no profile of the guest's probe\n{}", run.tail()));
+        assert!(guest >= 6, "the guest's own return probe fired on each open: {guest}");
+        let hits = returns(&run);
+        let openats = hits.iter().filter(|(e, _)| e == "oa").count();
+        assert!(openats >= 6, "{optimize}: every openat returned through ours: {hits:?}");
+        for (i, (event, ret)) in hits.iter().enumerate() {
+            if event == "oa" {
+                assert_eq!((hits[i - 1].0.as_str(), &hits[i - 1].1), ("os", ret), "{hits:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn calls_of_exiting_tasks_never_use_up_maxactive() {
     let dir = snapshot(1);
     // `do_group_exit` never returns: each exiting process leaves its call behind.

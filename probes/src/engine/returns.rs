@@ -42,6 +42,11 @@ struct Instance {
     slot: u64,
     /// Where the call returns to: never the trampoline.
     return_address: u64,
+    /// The slot held the guest's own return trampoline at entry: its kretprobe swapped out
+    /// what was there before (ours, for the calls already on this slot), so this call and
+    /// the later ones on the slot return first, through the guest's trampoline, and the
+    /// earlier ones when it returns to ours again.
+    after_guest_swap: bool,
     /// The probe's private data for this call.
     data: Vec<u8>,
 }
@@ -120,14 +125,21 @@ impl ReturnChains {
         self.chains.entry(region(instance.slot)).or_default().push(instance);
     }
 
-    /// Takes every instance on `slot`, latest first.
+    /// Takes the instances on `slot` that return now, latest first: all of them, or those
+    /// from the latest one entered after the guest's kretprobe swapped the slot on (see
+    /// [`Instance::after_guest_swap`]).
     fn pop_at(&mut self, slot: u64) -> Vec<Instance> {
         let key = region(slot);
         let Some(chain) = self.chains.get_mut(&key) else {
             return Vec::new();
         };
-        let (mut returning, rest): (Vec<Instance>, Vec<Instance>) = chain.drain(..).partition(|i| i.slot == slot);
-        *chain = rest;
+        let on_slot: Vec<usize> = (0..chain.len()).filter(|&i| chain[i].slot == slot).collect();
+        let first = on_slot.iter().rposition(|&i| chain[i].after_guest_swap).unwrap_or(0);
+        let taking: Vec<usize> = on_slot[first..].to_vec();
+        let mut returning = Vec::with_capacity(taking.len());
+        for (n, i) in taking.into_iter().enumerate() {
+            returning.push(chain.remove(i - n));
+        }
         if chain.is_empty() {
             self.chains.remove(&key);
         }
@@ -196,6 +208,7 @@ impl Tracer {
         };
         let mut returns = self.lock_returns();
         let swapped_already = found == trampoline.0;
+        let after_guest_swap = Some(found) == self.guest_return_trampoline.map(|g| g.0);
         let mut abandoned = returns.prune_below(slot, |i| self.still_swapped(trampoline, i));
         let return_address = if swapped_already {
             if returns
@@ -220,8 +233,12 @@ impl Tracer {
             }
         } else {
             // `call` just wrote a real return address here: whatever was followed on this
-            // slot before can no longer return through it.
-            abandoned += returns.drop_at(slot);
+            // slot before can no longer return through it. Unless it is the guest's own
+            // return trampoline: its kretprobe swapped out what was there — ours, when we
+            // follow this call already (a tail call) — and returns to it later.
+            if !after_guest_swap {
+                abandoned += returns.drop_at(slot);
+            }
             found
         };
         let mut reserved = returns.reserve(id, maxactive);
@@ -264,6 +281,7 @@ impl Tracer {
             probe: id,
             slot,
             return_address,
+            after_guest_swap,
             data,
         });
     }

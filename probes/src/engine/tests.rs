@@ -231,11 +231,16 @@ impl EventSink for Events {
 fn symbols() -> SymbolTable {
     SymbolTable::parse_system_map(&format!(
         "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{OTHER:016x} T other\n{DO_EXIT:016x} T do_exit\n\
-         {LOOPING:016x} T looping\n{TRACED:016x} T traced\n{:016x} T _etext\n",
+         {LOOPING:016x} T looping\n{TRACED:016x} T traced\n{:016x} T _etext\n\
+         {GUEST_RETHOOK:016x} T arch_rethook_trampoline\n",
         TRACED + TRACED_CODE.len() as u64
     ))
     .unwrap()
 }
+
+/// The guest's own return trampoline (its kretprobes swap it into return slots), outside
+/// the text the tests probe.
+const GUEST_RETHOOK: u64 = FUNC + 0xd0;
 
 fn tracer_with(machine: &Arc<FakeMachine>, patch_sites: PatchSites, sink: Option<Arc<dyn EventSink>>) -> Tracer {
     let view = KernelView {
@@ -744,6 +749,68 @@ fn a_tail_call_between_two_return_probes_returns_to_the_real_caller_and_fires_bo
         *log.lock().unwrap(),
         [("inner", 2, 7, caller), ("outer", 1, 7, caller)],
         "each probe once, latest first, same return value, each with its own data"
+    );
+    assert_eq!(t.returns_in_flight(), 0);
+}
+
+#[test]
+fn a_guest_return_probe_between_a_tail_call_and_ours_returns_through_both_trampolines_in_turn() {
+    // `__x64_sys_openat` (ours) tail-calls `do_sys_open`, where the guest's own kretprobe
+    // swaps our trampoline in the shared slot for its `arch_rethook_trampoline` (keeping
+    // ours), then our second return probe swaps the guest's for ours. The return goes: our
+    // trampoline (the inner probe) -> the guest's (its handler) -> ours again (the outer
+    // probe) -> the caller. Before, the inner entry dropped the outer call and the second
+    // return through our trampoline found no call on record: the VM stopped.
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "outer", 4, &log)).unwrap();
+    t.register(recording_return_probe("other", "inner", 4, &log)).unwrap();
+    // A second one on the tail-called function returns with the first.
+    t.register(recording_return_probe("other", "inner2", 4, &log)).unwrap();
+    let caller = 0xffff_ffff_8100_0abc_u64;
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = STACK_TOP - 0x100;
+    call_func(&t, &m, &mut cpu, slot, caller, 1);
+    assert_eq!(m.read_u64(Gva(slot)).unwrap(), OOL);
+    // The guest's kretprobe on `other` (its ftrace call at +0, before our int3).
+    m.write_virt(Gva(slot), &GUEST_RETHOOK.to_le_bytes()).unwrap();
+    cpu.regs.rip = OTHER;
+    cpu.regs.rsp = slot;
+    cpu.regs.rdi = 2;
+    cpu.regs.rax = 7;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OTHER)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, OOL, "other's ret went to our trampoline");
+    assert_eq!(t.returns_in_flight(), 3);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OOL)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, GUEST_RETHOOK, "then the guest's trampoline");
+    assert_eq!(
+        *log.lock().unwrap(),
+        [("inner2", 2, 7, GUEST_RETHOOK), ("inner", 2, 7, GUEST_RETHOOK)]
+    );
+    assert_eq!(t.returns_in_flight(), 1, "the outer call is still on record");
+    // The guest's trampoline puts back what it swapped out (ours) and returns to it.
+    m.write_virt(Gva(slot), &OOL.to_le_bytes()).unwrap();
+    cpu.regs.rip = OOL;
+    cpu.regs.rsp = slot + 8;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OOL)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, caller);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [
+            ("inner2", 2, 7, GUEST_RETHOOK),
+            ("inner", 2, 7, GUEST_RETHOOK),
+            ("outer", 1, 7, caller)
+        ]
     );
     assert_eq!(t.returns_in_flight(), 0);
 }
