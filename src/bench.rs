@@ -126,12 +126,13 @@ fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Durati
     Ok((outcome, elapsed))
 }
 
-/// One guest variant: host probes to register (symbol, offset) and whether the guest's
-/// own kprobe event is enabled.
+/// One guest variant: host probes to register (symbol, offset) and which of the guest's own
+/// kprobe events is enabled.
 struct GuestVariant {
     label: &'static str,
     host_probes: &'static [(&'static str, u64)],
-    guest_kprobe: bool,
+    /// The guest's own event enabled ([`GUEST_EVENTS`]).
+    guest_event: Option<&'static str>,
     /// The host probes jump-optimized.
     optimize: bool,
     /// The host probes only record (event probes with four register/stack fetch-args):
@@ -139,57 +140,78 @@ struct GuestVariant {
     record: bool,
 }
 
-const GUEST_VARIANTS: [GuestVariant; 7] = [
+const GUEST_VARIANTS: [GuestVariant; 9] = [
     GuestVariant {
         label: "no probe",
         host_probes: &[],
-        guest_kprobe: false,
+        guest_event: None,
         optimize: false,
         record: false,
     },
     GuestVariant {
         label: "guest's own kprobe event on __x64_sys_getppid+0 (ftrace-based)",
         host_probes: &[],
-        guest_kprobe: true,
+        guest_event: Some("gk"),
         optimize: false,
         record: false,
     },
     GuestVariant {
         label: "host probe on __x64_sys_getppid+0 (int3 at +5, stepped out of line)",
         host_probes: &[("__x64_sys_getppid", 0)],
-        guest_kprobe: false,
+        guest_event: None,
         optimize: false,
         record: false,
     },
     GuestVariant {
         label: "host probe on __task_pid_nr_ns+0 (int3 at +5, push emulated)",
         host_probes: &[("__task_pid_nr_ns", 0)],
-        guest_kprobe: false,
+        guest_event: None,
         optimize: false,
         record: false,
     },
     GuestVariant {
         label: "optimized sync host probe on __x64_sys_getppid+0 (jump at +5 to a detour, one exit)",
         host_probes: &[("__x64_sys_getppid", 0)],
-        guest_kprobe: false,
+        guest_event: None,
         optimize: true,
         record: false,
     },
     GuestVariant {
         label: "optimized sync host probe on __task_pid_nr_ns+0 (jump at +5 to a detour, one exit)",
         host_probes: &[("__task_pid_nr_ns", 0)],
-        guest_kprobe: false,
+        guest_event: None,
         optimize: true,
         record: false,
     },
     GuestVariant {
         label: "optimized event host probe on __x64_sys_getppid+0, 4 fetch-args (recorded in the guest, no exit)",
         host_probes: &[("__x64_sys_getppid", 0)],
-        guest_kprobe: false,
+        guest_event: None,
+        optimize: true,
+        record: true,
+    },
+    GuestVariant {
+        label: "guest's own kprobe event on __task_pid_nr_ns+0x32 (mid-function: its optprobe, a jump)",
+        host_probes: &[],
+        guest_event: Some("go"),
+        optimize: false,
+        record: false,
+    },
+    GuestVariant {
+        label: "optimized event host probe on __task_pid_nr_ns+0x32, 4 fetch-args (recorded in the guest, no exit)",
+        host_probes: &[("__task_pid_nr_ns", 0x32)],
+        guest_event: None,
         optimize: true,
         record: true,
     },
 ];
+
+/// The guest's own kprobe events every variant defines (only one enables one): `gk` at
+/// the entry of getppid (ftrace-based, as the kernel does at `+0`), `go` mid-function,
+/// where the kernel jump-optimizes its probe (checked in its `kprobes/list`).
+const GUEST_EVENTS: [&str; 2] = ["p:gk __x64_sys_getppid", "p:go __task_pid_nr_ns+0x32"];
+/// What the guest prints when its `go` probe is `[OPTIMIZED]`.
+const GUEST_OPTIMIZED: &str = "GUEST-OPTPROBE-OPTIMIZED";
 
 struct GuestRun {
     /// The getppid() loop alone, as the guest's `hvprobe-loop` timed it (CLOCK_MONOTONIC:
@@ -242,17 +264,33 @@ fn run_guest(
         tracer_used = Some(tracer);
         handler
     };
-    // Every variant defines the guest's event; only one enables it.
+    // Every variant defines the guest's events, waits a second (the kernel optimizes a
+    // kprobe some jiffies after it is enabled) and reads its probe list; one enables one.
+    let define: String = GUEST_EVENTS
+        .iter()
+        .map(|e| format!("echo '{e}' >> $T/kprobe_events; "))
+        .collect();
+    let enable = variant
+        .guest_event
+        .map(|e| format!("echo 1 > $T/events/kprobes/{e}/enable; "))
+        .unwrap_or_default();
     let workload = format!(
-        "T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid' > $T/kprobe_events; \
-         echo {} > $T/events/kprobes/gk/enable; hvprobe-loop {calls}",
-        u8::from(variant.guest_kprobe)
+        "T=/sys/kernel/tracing; {define}{enable}busybox sleep 1; \
+         while read l; do case $l in *'[OPTIMIZED]'*) echo {GUEST_OPTIMIZED};; esac; done < /sys/kernel/debug/kprobes/list; \
+         hvprobe-loop {calls}"
     );
     vm.send_console_input(workload_message(&workload));
     let console = vm.console_log();
     let outcome = vm.run(handler)?;
     if outcome.reason != StopReason::GuestExit(0) {
         return Err(format!("the guest run ended with {}\n{}", outcome.reason, console.tail(20)).into());
+    }
+    if variant.guest_event == Some("go") && !console.contents().contains(GUEST_OPTIMIZED) {
+        return Err(format!(
+            "the guest did not jump-optimize its probe on __task_pid_nr_ns+0x32\n{}",
+            console.tail(20)
+        )
+        .into());
     }
     let (hits, handling) = tracer_used.map_or((0, Duration::ZERO), |t| {
         use std::sync::atomic::Ordering::Relaxed;

@@ -175,6 +175,25 @@ pub enum BenchCommand {
     Probes(ProbeBenchArgs),
     /// How long arming and disarming N probes takes on a running guest.
     Arm(ArmBenchArgs),
+    /// How fast the host drains the event rings, with a producer filling them as fast as
+    /// it can.
+    Drain(DrainBenchArgs),
+}
+
+#[derive(Args)]
+pub struct DrainBenchArgs {
+    /// Rings (guest CPUs).
+    #[arg(long, default_value_t = 2)]
+    pub cpus: u32,
+    /// Records per ring (a power of two).
+    #[arg(long, default_value_t = 4096)]
+    pub capacity: u32,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 1.0)]
+    pub seconds: f64,
+    /// Runs per variant (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: u32,
 }
 
 #[derive(Args)]

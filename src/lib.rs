@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod bench_arm;
+pub mod bench_drain;
 pub mod cli;
 pub mod control;
 pub mod cpio;

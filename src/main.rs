@@ -34,6 +34,9 @@ fn main() -> ExitCode {
         Commands::Bench {
             command: BenchCommand::Arm(args),
         } => hvprobe::bench_arm::bench_arm(args),
+        Commands::Bench {
+            command: BenchCommand::Drain(args),
+        } => hvprobe::bench_drain::bench_drain(args),
         Commands::BuildGuest => BundledGuest::ensure_built()
             .map(|g| {
                 println!("{}", g.dir.display());

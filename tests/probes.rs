@@ -27,16 +27,32 @@ p:host/pidns __task_pid_nr_ns type=%si
 /// The guest's own kprobe event on `__x64_sys_getppid` (ftrace-based at +0), enabled only
 /// around the loops; then its hit count and its trace, marked for the test.
 fn oracle_workload(loops: usize) -> String {
+    oracle_workload_with(loops, &[])
+}
+
+/// [`oracle_workload`] with more of the guest's own events (`KIND:NAME DEFINITION` lines
+/// of `kprobe_events`), enabled with `gk`, and ten reads of `/proc/version` (one open
+/// each) after the loops.
+fn oracle_workload_with(loops: usize, guest_events: &[String]) -> String {
     // Each loop pinned to its own CPU: with two vCPUs, the probes are hit concurrently.
     let run = (0..loops)
         .map(|cpu| format!("taskset -c {cpu} hvprobe-loop {LOOP_CALLS} &"))
         .collect::<Vec<_>>()
         .join(" ");
+    let define: String = guest_events
+        .iter()
+        .map(|e| format!("echo '{e}' >> $T/kprobe_events; "))
+        .collect();
+    let opens = if guest_events.is_empty() {
+        ""
+    } else {
+        "i=0; while [ $i -lt 10 ]; do read -r l < /proc/version; i=$((i+1)); done; "
+    };
     format!(
-        "T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid di=%di s0=$stack0' > $T/kprobe_events; \
-         echo 1 > $T/events/kprobes/gk/enable; {run} wait; echo 0 > $T/events/kprobes/gk/enable; \
+        "T=/sys/kernel/tracing; echo 'p:gk __x64_sys_getppid di=%di s0=$stack0' > $T/kprobe_events; {define}\
+         echo 1 > $T/events/kprobes/enable; {run} wait; {opens}echo 0 > $T/events/kprobes/enable; \
          while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; \
-         while read l; do case $l in *' gk: '*) echo \"GUEST $l\";; esac; done < $T/trace"
+         while read l; do case $l in *' g'*': ('*) echo \"GUEST $l\";; esac; done < $T/trace"
     )
 }
 
@@ -87,10 +103,10 @@ fn check_oracle(run: &Run, loops: usize) -> usize {
     let profile = run
         .stdout
         .lines()
-        .find_map(|l| l.strip_prefix("PROFILE "))
-        .unwrap_or_else(|| panic!("no kprobe_profile line\n{}", run.tail()));
+        .filter_map(|l| l.strip_prefix("PROFILE "))
+        .find(|l| l.split_whitespace().next() == Some("gk"))
+        .unwrap_or_else(|| panic!("no kprobe_profile line of gk\n{}", run.tail()));
     let fields: Vec<&str> = profile.split_whitespace().collect();
-    assert_eq!(fields[0], "gk", "{profile}");
     let guest_hits: usize = fields[1].parse().unwrap();
     let guest_missed: usize = fields[2].parse().unwrap();
     assert_eq!(guest_hits, expected, "the guest's own probe saw {guest_hits} hits");
@@ -110,6 +126,7 @@ fn check_oracle(run: &Run, loops: usize) -> usize {
         .lines()
         .filter(|l| l.starts_with("GUEST "))
         .filter_map(parse_trace_line)
+        .filter(|l| l.event == "gk")
         .collect();
     let host: Vec<TraceLine> = run
         .stdout
@@ -232,21 +249,20 @@ fn host_and_guest_kprobes_see_the_same_hits_on_two_vcpus() {
 
 #[test]
 fn host_and_guest_kprobes_agree_under_kaslr() {
-    let run = kaslr_oracle_run("kaslr", &[]);
+    let run = kaslr_oracle_run("kaslr", HOST_PROBES, &oracle_workload(1), &[]);
     check_oracle(&run, 1);
 }
 
 /// A boot of the bundled guest with KASLR, running the oracle workload with the host's
 /// probes and `extra` flags; checked to have been randomized.
-fn kaslr_oracle_run(name: &str, extra: &[&str]) -> Run {
+fn kaslr_oracle_run(name: &str, probes: &str, workload: &str, extra: &[&str]) -> Run {
     common::require_kvm();
-    let probes = probe_file(name, HOST_PROBES);
-    let workload = oracle_workload(1);
+    let probes = probe_file(name, probes);
     let mut args = vec![
         "run",
         "--kaslr",
         "--workload",
-        &workload,
+        workload,
         "--probes",
         probes.to_str().unwrap(),
     ];
@@ -382,11 +398,101 @@ fn host_and_guest_return_probes_see_the_same_returns_and_values() {
     let _ = std::fs::remove_file(probes);
 }
 
+/// The optimized oracle's probes beyond [`HOST_PROBES`], each with the guest's own event
+/// named with a `g` in front: one mid-function, a user string, a kernel string two pointers
+/// away (`struct filename`'s `name`), and a return probe. The guest's probe cannot share
+/// the address of our jump (its `int3` would go over it), so its mid-function probe is on
+/// the next instruction after our region, where the arguments are the same: `mov
+/// 0x5d8(%rbx),%rax` is ours, `lea 0x168(%rax,%rbp,8),%rbx` the guest's.
+const OPTIMIZED_EXTRA: [(&str, &str); 4] = [
+    (
+        "p:pidmid __task_pid_nr_ns+0x32 task=%bx type=%bp",
+        "p:gpidmid __task_pid_nr_ns+0x39 task=%bx type=%bp",
+    ),
+    (
+        "p:open do_sys_openat2 path=+0(%si):ustring",
+        "p:gopen do_sys_openat2 path=+0(%si):ustring",
+    ),
+    (
+        "p:filp do_filp_open name=+0(+0(%si)):string",
+        "p:gfilp do_filp_open name=+0(+0(%si)):string",
+    ),
+    ("r:ppidret pid_nr_ns ret=$retval", "r:gppidret pid_nr_ns ret=$retval"),
+];
+
+/// [`HOST_PROBES`] and [`OPTIMIZED_EXTRA`] in group `host`.
+fn optimized_probes() -> String {
+    let mut text = HOST_PROBES.to_string();
+    for (host, _) in OPTIMIZED_EXTRA {
+        text.push_str(&host.replacen(':', ":host/", 1));
+        text.push('\n');
+    }
+    text
+}
+
+/// The guest's own events of [`OPTIMIZED_EXTRA`].
+fn optimized_guest_events() -> Vec<String> {
+    OPTIMIZED_EXTRA.iter().map(|(_, guest)| guest.to_string()).collect()
+}
+
+fn optimized_workload(loops: usize) -> String {
+    oracle_workload_with(loops, &optimized_guest_events())
+}
+
 /// The oracle with every probe jump-optimized (`--optimize`): the same hits and values as
-/// the guest's own kprobe event. The probes only record, so their detours are event ones:
-/// every hit written into a ring by the guest itself, no exit at all.
+/// the guest's own kprobe events. The kprobes only record, so their detours are event
+/// ones: every hit written into a ring by the guest itself, no exit at all. The return
+/// probe's entry is a sync detour (one exit) and its return one more.
 fn check_optimized(run: &Run, loops: usize) {
     check_oracle(run, loops);
+    let calls = loops * LOOP_CALLS;
+    let lines = |guest: bool, event: &str| -> Vec<TraceLine> {
+        run.stdout
+            .lines()
+            .filter(|l| l.starts_with("GUEST ") == guest)
+            .filter_map(parse_trace_line)
+            .filter(|l| l.event == if guest { format!("g{event}") } else { event.to_string() })
+            .collect()
+    };
+    // In the loop tasks (forked, run and gone inside the guest's window): the same values,
+    // task by task. By pid: the guest's trace names a task by its last comm (from its
+    // saved_cmdlines, when printed), ours by the comm at the hit ("sh" before the exec).
+    let pid = |task: &str| task.rsplit('-').next().unwrap().to_string();
+    for event in ["pidmid", "ppidret"] {
+        let loop_pids: std::collections::BTreeSet<String> = lines(true, event)
+            .iter()
+            .filter(|l| l.task.starts_with("hvprobe-loop-"))
+            .map(|l| pid(&l.task))
+            .collect();
+        let by_task = |guest: bool| {
+            let mut m: BTreeMap<String, Vec<BTreeMap<String, String>>> = BTreeMap::new();
+            for l in lines(guest, event) {
+                if loop_pids.contains(&pid(&l.task)) {
+                    m.entry(pid(&l.task)).or_default().push(l.args);
+                }
+            }
+            m
+        };
+        let (host, guest) = (by_task(false), by_task(true));
+        let n: usize = guest.values().map(Vec::len).sum();
+        assert!(
+            n >= calls,
+            "{event}: {n} hits of the guest's in the loop tasks\n{}",
+            run.tail()
+        );
+        assert_eq!(host, guest, "{event}: the values differ");
+    }
+    // The strings: ten opens of /proc/version, in the guest's window and nowhere else.
+    for (event, arg) in [("open", "path"), ("filp", "name")] {
+        let count = |guest: bool| {
+            lines(guest, event)
+                .iter()
+                .filter(|l| l.args.get(arg).map(String::as_str) == Some("\"/proc/version\""))
+                .count()
+        };
+        assert_eq!((count(false), count(true)), (10, 10), "{event}\n{}", run.tail());
+    }
+
     let (hits, emulated, stepped, int3, steps) = exit_counts(run);
     assert_eq!(
         (emulated, stepped, steps),
@@ -406,8 +512,36 @@ fn check_optimized(run: &Run, loops: usize) {
             .unwrap()
     };
     let (recorded, sync) = (number_after("recorded in the guest"), number_after("sync"));
-    assert_eq!(recorded, hits, "every hit recorded in the guest\n{}", run.tail());
-    assert_eq!(sync, 0);
+    let listed: Vec<&str> = run.stderr.lines().filter(|l| l.contains(" hits=")).collect();
+    let listed_hits = |kind: &str| -> u64 {
+        listed
+            .iter()
+            .filter(|l| l.contains(kind))
+            .map(|l| {
+                l.split(" hits=")
+                    .nth(1)
+                    .unwrap()
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .parse::<u64>()
+                    .unwrap()
+            })
+            .sum()
+    };
+    let (kprobe_hits, returns) = (listed_hits("  k  "), listed_hits("  r  "));
+    assert_eq!(
+        recorded,
+        kprobe_hits,
+        "every kprobe hit recorded in the guest\n{}",
+        run.tail()
+    );
+    assert_eq!(hits, recorded + sync + returns);
+    assert!(
+        sync >= returns,
+        "each return followed from a sync detour's hit\n{}",
+        run.tail()
+    );
     assert_eq!(number_after("rings missed"), 0);
     // (A booted guest's own int3s, its text_poke at boot, are re-injected to it.)
     let reinjected: u64 = run
@@ -421,24 +555,24 @@ fn check_optimized(run: &Run, loops: usize) {
         .and_then(|l| l.rsplit(", ").next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no re-injection count\n{}", run.tail()));
-    assert_eq!(int3 - reinjected, 0, "no exit for any hit\n{}", run.tail());
-    let optimized = run
-        .stderr
-        .lines()
-        .filter(|l| l.contains("  k  ") && l.contains(" hits="))
-        .filter(|l| l.contains("[OPTIMIZED]"))
-        .count();
-    assert_eq!(optimized, 2, "both probes are optimized\n{}", run.tail());
+    assert_eq!(
+        int3 - reinjected,
+        sync + returns,
+        "one exit per sync hit and per return, none for a recorded hit\n{}",
+        run.tail()
+    );
+    let optimized = listed.iter().filter(|l| l.contains("[OPTIMIZED]")).count();
+    assert_eq!(optimized, 6, "every probe is optimized\n{}", run.tail());
 }
 
 #[test]
 fn optimized_probes_see_what_the_guest_sees_with_one_exit_per_hit_on_one_vcpu() {
     let dir = snapshot(1);
-    let probes = probe_file("optimized1", HOST_PROBES);
+    let probes = probe_file("optimized1", &optimized_probes());
     let run = restore_with(
         &dir,
         1,
-        &oracle_workload(1),
+        &optimized_workload(1),
         &["--probes", probes.to_str().unwrap(), "--optimize"],
     );
     check_optimized(&run, 1);
@@ -448,11 +582,11 @@ fn optimized_probes_see_what_the_guest_sees_with_one_exit_per_hit_on_one_vcpu() 
 #[test]
 fn optimized_probes_see_what_the_guest_sees_on_two_vcpus() {
     let dir = snapshot(2);
-    let probes = probe_file("optimized2", HOST_PROBES);
+    let probes = probe_file("optimized2", &optimized_probes());
     let run = restore_with(
         &dir,
         2,
-        &oracle_workload(2),
+        &optimized_workload(2),
         &["--probes", probes.to_str().unwrap(), "--optimize"],
     );
     check_optimized(&run, 2);
@@ -461,7 +595,12 @@ fn optimized_probes_see_what_the_guest_sees_on_two_vcpus() {
 
 #[test]
 fn optimized_probes_agree_under_kaslr() {
-    let run = kaslr_oracle_run("optimized-kaslr", &["--optimize"]);
+    let run = kaslr_oracle_run(
+        "optimized-kaslr",
+        &optimized_probes(),
+        &optimized_workload(1),
+        &["--optimize"],
+    );
     check_optimized(&run, 1);
 }
 

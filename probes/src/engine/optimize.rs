@@ -89,7 +89,11 @@ pub(super) struct Detour {
     pub region: DetourRegion,
     /// The detour's first byte (a sync detour's int3).
     pub code: Gva,
-    pub jump: [u8; JMP_REL32_LEN],
+    /// What we wrote over the region: the jump, then int3s to the region's end. Those are
+    /// never executed (nothing branches into the region's interior); they keep a decoder
+    /// that walks the function from its start — the guest's own `can_probe` does, before
+    /// it places a kprobe after ours — on the instruction boundaries after the region.
+    pub jump: Vec<u8>,
     pub kind: DetourKind,
 }
 
@@ -110,6 +114,10 @@ pub(super) struct DetourCode {
     pub site: Gva,
     /// Still the jump target of its site (else retired, waiting to be reused).
     pub live: bool,
+    /// The guest rewrote the jump to it: the guest may hold a copy of the jump (its own
+    /// kprobe on that address copies the instruction there, a `jmp` it emulates and puts
+    /// back when its probe goes) and jump here at any time. Never reclaimed.
+    pub kept: bool,
     /// Detour blocks it takes.
     pub blocks: u64,
     pub kind: DetourKind,
@@ -185,6 +193,7 @@ impl Tracer {
                                 DetourCode {
                                     site: *addr,
                                     live: true,
+                                    kept: false,
                                     blocks,
                                     kind: detour.kind,
                                 },
@@ -292,7 +301,10 @@ impl Tracer {
         let blocks = sized.div_ceil(DETOUR_BLOCK).max(1);
         let code = self.allocate_detour(blocks).ok_or(WhyNotOptimized::NoRoom)?;
         let written = (|| {
-            let jump = jump_bytes(addr, code).ok_or(WhyNotOptimized::OutOfReach { detour: code })?;
+            let jump = padded_jump(
+                &jump_bytes(addr, code).ok_or(WhyNotOptimized::OutOfReach { detour: code })?,
+                &region,
+            );
             let (detour, layout) = make(code)?;
             if detour.len() as u64 > blocks * DETOUR_BLOCK {
                 return Err(WhyNotOptimized::TooLong { len: detour.len() });
@@ -302,7 +314,7 @@ impl Tracer {
                 .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
             // The site holds our int3 and then the original bytes; anything else is the
             // guest's, and stays.
-            let mut now = [0u8; JMP_REL32_LEN];
+            let mut now = vec![0u8; jump.len()];
             text.read_virt(addr, &mut now)
                 .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
             if now != armed_bytes(&region) {
@@ -434,6 +446,7 @@ impl Tracer {
         let retired: Vec<Gva> = reg
             .detour_codes
             .iter()
+            .filter(|(_, d)| !d.kept)
             .filter(|(at, d)| {
                 !d.live
                     || reg
@@ -476,7 +489,7 @@ pub(super) fn unoptimize(text: &dyn KernelMemory, addr: Gva, site: &mut Site, co
     if let Some(code) = codes.get_mut(&detour.code) {
         code.live = false;
     }
-    let mut now = [0u8; JMP_REL32_LEN];
+    let mut now = vec![0u8; detour.jump.len()];
     match text.read_virt(addr, &mut now) {
         Ok(()) if now == detour.jump => {
             if let Err(e) = text.write_virt(addr, &armed_bytes(&detour.region)) {
@@ -490,9 +503,13 @@ pub(super) fn unoptimize(text: &dyn KernelMemory, addr: Gva, site: &mut Site, co
         }
         Ok(()) => {
             tracing::warn!(
-                "the guest rewrote our jump at {addr} (now {}): the probe is [GONE] and the bytes stay",
+                "the guest rewrote our jump at {addr} (now {}): the probe is [GONE], the bytes stay, and so \
+                 does its detour (the guest may have copied the jump)",
                 super::hex(&now)
             );
+            if let Some(code) = codes.get_mut(&detour.code) {
+                code.kept = true;
+            }
             site.gone = true;
             site.armed = false;
         }
@@ -507,16 +524,22 @@ pub(super) fn unoptimize(text: &dyn KernelMemory, addr: Gva, site: &mut Site, co
 }
 
 /// What an armed, unoptimized site holds where its jump goes: our int3, then the
-/// original bytes the jump covers.
-fn armed_bytes(region: &DetourRegion) -> [u8; JMP_REL32_LEN] {
-    let mut bytes = [0u8; JMP_REL32_LEN];
-    bytes.copy_from_slice(&region.original_bytes()[..JMP_REL32_LEN]);
+/// original bytes of the rest of the region.
+fn armed_bytes(region: &DetourRegion) -> Vec<u8> {
+    let mut bytes = region.original_bytes();
     bytes[0] = INT3;
+    bytes
+}
+
+/// The jump, then int3s to the end of the region (see [`Detour::jump`]).
+fn padded_jump(jump: &[u8; JMP_REL32_LEN], region: &DetourRegion) -> Vec<u8> {
+    let mut bytes = vec![INT3; region.original_bytes().len()];
+    bytes[..JMP_REL32_LEN].copy_from_slice(jump);
     bytes
 }
 
 /// Whether the jump of an optimized site is still in the text as we wrote it.
 pub(super) fn jump_intact(text: &dyn KernelMemory, addr: Gva, detour: &Detour) -> bool {
-    let mut now = [0u8; JMP_REL32_LEN];
+    let mut now = vec![0u8; detour.jump.len()];
     text.read_virt(addr, &mut now).is_ok_and(|()| now == detour.jump)
 }

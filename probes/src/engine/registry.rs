@@ -340,34 +340,46 @@ impl Tracer {
 
     pub(super) fn find_gone(&self, text: &dyn KernelMemory) {
         let mut reg = self.write_registry();
+        let mut kept = Vec::new();
         for (addr, site) in reg.sites.iter_mut() {
             if !site.armed || site.gone {
                 continue;
             }
             if let Some(detour) = &site.detour {
                 if !jump_intact(text, *addr, detour) {
-                    let mut b = [0u8];
-                    let _ = text.read_virt(*addr, &mut b);
-                    self.mark_gone(*addr, site, b[0]);
+                    let mut now = vec![0u8; detour.jump.len()];
+                    let _ = text.read_virt(*addr, &mut now);
+                    tracing::warn!(
+                        "the guest rewrote our jump at {addr} (now {}): its probes are [GONE], the bytes stay as \
+                         the guest wrote them, and so does the detour (the guest may have copied the jump)",
+                        super::hex(&now)
+                    );
+                    kept.push(detour.code);
+                    self.mark_gone(site);
                 }
                 continue;
             }
             let mut b = [0u8];
             if text.read_virt(*addr, &mut b).is_ok() && b[0] != INT3 {
-                self.mark_gone(*addr, site, b[0]);
+                tracing::warn!(
+                    "the guest rewrote the probed byte at {addr} (our int3 is now {:#04x}; originally {:#04x}): \
+                     its probes are [GONE] and the byte stays as the guest wrote it",
+                    b[0],
+                    site.original
+                );
+                self.mark_gone(site);
+            }
+        }
+        for code in kept {
+            if let Some(code) = reg.detour_codes.get_mut(&code) {
+                code.kept = true;
             }
         }
     }
 
-    pub(super) fn mark_gone(&self, addr: Gva, site: &mut Site, now: u8) {
-        tracing::warn!(
-            "the guest rewrote the probed byte at {addr} (our int3 is now {now:#04x}; originally {:#04x}): \
-             its probes are [GONE] and the byte stays as the guest wrote it",
-            site.original
-        );
+    fn mark_gone(&self, site: &mut Site) {
         site.gone = true;
         site.armed = false;
-        // Its detour, if any, is retired: reused once nothing can be in it.
         site.detour = None;
         self.stats.gone.fetch_add(1, COUNT);
     }

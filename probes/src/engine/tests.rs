@@ -1426,11 +1426,20 @@ fn an_optimized_probe_jumps_to_a_sync_detour_and_a_hit_takes_one_exit() {
     // The jump replaces push/mov/mov(rip) (11 bytes; the first 5 are the jump).
     let jump = crate::detour::jump_bytes(Gva(PUSH), Gva(DETOUR)).unwrap();
     assert_eq!(m.bytes(PUSH, 5), jump);
+    // The rest of the region: int3s, so that a decoder walking the function from its
+    // start (the guest's own `can_probe` does) stays on instruction boundaries after it.
+    assert_eq!(m.bytes(PUSH + 5, 6), [INT3; 6], "the rest of the region is padded");
     assert_eq!(
-        m.bytes(PUSH + 5, 11),
-        original[10..21],
-        "the rest of the region is untouched"
+        m.bytes(POP, 5),
+        original[16..21],
+        "the text after the region is untouched"
     );
+    let text = m.bytes(FUNC, FUNC_CODE.len());
+    let boundaries: Vec<u64> = iced_x86::Decoder::with_ip(64, &text, FUNC, iced_x86::DecoderOptions::NONE)
+        .into_iter()
+        .map(|i| i.ip())
+        .collect();
+    assert!(boundaries.contains(&POP), "{boundaries:x?}");
     assert_eq!(m.bytes(DETOUR, 1), [INT3]);
     assert!(t.listing()[0].optimized);
     assert_eq!(t.why_not_optimized(id), None);
@@ -1610,6 +1619,46 @@ fn a_jump_the_guest_rewrote_makes_the_probe_gone_and_is_never_written_back() {
     assert!(entry.gone && !entry.optimized, "{entry:?}");
     t.unregister(id).unwrap();
     assert_eq!(m.bytes(PUSH, 5), guest, "the guest's bytes stay");
+}
+
+/// The guest's own kprobe on the address of our jump copies the jump (a relative `jmp` it
+/// emulates from its own int3) and writes its int3 over the first byte. From then on it can
+/// jump into our detour at any time, for as long as its probe lives, and put the jump back
+/// when it goes: the detour is kept, intact and working, and its blocks are never reused.
+#[test]
+fn a_detour_the_guest_may_have_copied_is_kept_for_good() {
+    let m = FakeMachine::with_code();
+    let t = optimizing(&m);
+    let id = t.register(plain(at("func", 0), "opt")).unwrap();
+    let jump = m.bytes(PUSH, 5);
+    assert_eq!(jump[0], 0xe9);
+    let detour = m.bytes(DETOUR, optimize::DETOUR_BLOCK as usize);
+    m.write_virt(Gva(PUSH), &[INT3]).unwrap();
+    t.check_gone();
+    assert!(t.listing()[0].gone);
+    // Nothing is in the detour (no vCPU, no stack): pauses, removal, new probes.
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    t.set_optimization(false);
+    t.set_optimization(true);
+    t.unregister(id).unwrap();
+    // (`other` given `func`'s code, for a second optimizable function.)
+    m.write_virt(Gva(OTHER), FUNC_CODE).unwrap();
+    let other = t.register(plain(at("other", 0), "other")).unwrap();
+    assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(other));
+    assert_ne!(
+        m.bytes(OTHER + 5, 5),
+        crate::detour::jump_bytes(Gva(OTHER + 5), Gva(DETOUR)).unwrap(),
+        "the kept detour's block is not reused"
+    );
+    assert_eq!(m.bytes(DETOUR, detour.len()), detour, "the kept detour is intact");
+    assert_eq!(m.bytes(PUSH, 1), [INT3], "the guest's byte stays");
+    // The guest's copy of the jump still lands there, and goes on in the relocated region.
+    let mut cpu = FakeVcpu::at(DETOUR);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(DETOUR)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, DETOUR + 1);
 }
 
 #[test]
