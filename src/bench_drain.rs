@@ -92,7 +92,7 @@ fn run_consumer(
     let stop = Arc::new(AtomicBool::new(false));
     let offered = Arc::new(AtomicU64::new(0));
     let producer = {
-        let (mem, rings, stop, offered) = (mem.clone(), rings.clone(), stop.clone(), offered.clone());
+        let (mem, rings, stop, offered) = (mem.clone(), rings, stop.clone(), offered.clone());
         std::thread::spawn(move || -> Result<(), String> {
             let mut record = vec![0u8; RECORD_SIZE as usize];
             record[..4].copy_from_slice(&PROBE_ID.to_le_bytes());
@@ -112,7 +112,7 @@ fn run_consumer(
             Ok(())
         })
     };
-    let mut reader = RingReader::new(rings.clone());
+    let mut reader = RingReader::new(rings);
     let mut batch = EventBatch::new();
     let mut drained = 0u64;
     let mut values = 0usize;
