@@ -753,11 +753,11 @@ fn a_cpu_without_a_ring_counts_bad_cpu() {
 }
 
 /// The drain through real guest memory (vm-memory's mmap, as the engine reads it; no KVM
-/// needed): 4 rings × 2048 records of a four-argument probe with the task stamp,
-/// refilled between drains. Measured: the drain alone, and drain + decoding every record
-/// into values and its task. `cargo test --release ... -- --nocapture` prints the numbers.
+/// needed): 4 rings × 2048 records of a four-argument probe with the task stamp, refilled
+/// between drains; every record drained and decoded into its four values and its task.
+/// (Throughput is measured by `hvprobe bench drain`, not here.)
 #[test]
-fn drain_throughput_through_guest_memory() {
+fn full_rings_in_guest_memory_drain_and_decode_whole() {
     let (cpus, capacity) = (4u32, 2048u32);
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(OOL_AREA_START.0), OOL_AREA_SIZE as usize)]).unwrap();
     let phys = GuestPhys(mem.clone());
@@ -786,8 +786,8 @@ fn drain_throughput_through_guest_memory() {
     .unwrap();
     let mut reader = RingReader::new(rings);
     let mut batch = EventBatch::new();
-    let rounds = if cfg!(debug_assertions) { 3 } else { 50 };
-    let (mut drained, mut drain_time, mut decode_time) = (0u64, Duration::ZERO, Duration::ZERO);
+    let rounds = 3;
+    let mut drained = 0u64;
     let mut record = vec![0u8; 128];
     record[..4].copy_from_slice(&7u32.to_le_bytes());
     record[32..36].copy_from_slice(b"bash");
@@ -807,27 +807,15 @@ fn drain_throughput_through_guest_memory() {
             )
             .unwrap();
         }
-        let start = Instant::now();
         let summary = reader.drain(&phys, &mut batch).unwrap();
-        drain_time += start.elapsed();
         assert_eq!(summary.records, (cpus * capacity) as usize);
         drained += summary.records as u64;
-        let start = Instant::now();
         let mut values = 0;
         for e in batch.iter() {
             values += detour.layout.decode(e.record, &symbols).len();
             assert!(detour.layout.task(e.record).is_some());
         }
-        decode_time += start.elapsed();
         assert_eq!(values, 4 * summary.records);
     }
-    let drain_rate = drained as f64 / drain_time.as_secs_f64();
-    let total_rate = drained as f64 / (drain_time + decode_time).as_secs_f64();
-    eprintln!(
-        "drain through guest memory: {:.1} M records/s; with decoding: {:.2} M records/s",
-        drain_rate / 1e6,
-        total_rate / 1e6
-    );
-    let floor = if cfg!(debug_assertions) { 0.1e6 } else { 1e6 };
-    assert!(total_rate >= floor, "{total_rate} records/s");
+    assert_eq!(drained, rounds * u64::from(cpus * capacity));
 }
