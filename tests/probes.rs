@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{hvprobe, snapshot, Run};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(480);
-const KASLR_BOOT_TIMEOUT: Duration = Duration::from_secs(600);
+const KASLR_BOOT_TIMEOUT: Duration = Duration::from_secs(900);
 const LOOP_CALLS: usize = 30;
 
 /// The host's probes: `__x64_sys_getppid` at +0 (an ftrace NOP, so the int3 goes on the
