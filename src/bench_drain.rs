@@ -2,7 +2,8 @@
 //! producer that fills them as fast as it can.
 //!
 //! The producer is a host thread playing the guest's event detours: the rings' record
-//! protocol ([`HostRingMemory::guest_record`]) round-robin over the CPUs' rings, with
+//! protocol ([`EventRings::record_as_guest`]) round-robin over the CPUs' rings, in guest
+//! memory mapped as a VM's is (vm-memory's mmap, read as the engine reads it), with
 //! records of a four-argument probe with the task stamp. (A guest on kvm_pvm cannot fill a
 //! ring fast: each record costs ~47 emulated instructions, ~70 µs.) The consumer is what
 //! the engine's drain thread does: [`RingReader::drain`], then every record decoded into
@@ -17,9 +18,11 @@ use std::time::{Duration, Instant};
 
 use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_live::GuestPhys;
 use hvprobe_probes::detour::event::{event_detour, EventDetourParams, EventLayout, GuestKernelFacts};
-use hvprobe_probes::detour::ring::{EventBatch, EventRings, HostRingMemory, RingGeometry, RingReader};
+use hvprobe_probes::detour::ring::{EventBatch, EventRings, RingGeometry, RingReader};
 use hvprobe_probes::spec::{parse_line, ProbeSpec};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use crate::cli::DrainBenchArgs;
 
@@ -84,7 +87,10 @@ fn run_consumer(
     seconds: f64,
     period: Option<Duration>,
 ) -> Result<DrainRun, Box<dyn std::error::Error>> {
-    let mem = Arc::new(HostRingMemory::new(RINGS_GPA, geometry.total_size()));
+    let mem = Arc::new(GuestPhys(GuestMemoryMmap::from_ranges(&[(
+        GuestAddress(RINGS_GPA.0),
+        geometry.total_size().next_multiple_of(4096) as usize,
+    )])?));
     let rings = EventRings::new(geometry, RINGS_GVA, RINGS_GPA, geometry.total_size())?;
     rings.init(&*mem)?;
     let layout = layout(&rings)?;
@@ -105,7 +111,7 @@ fn run_consumer(
                 record[4..8].copy_from_slice(&cpu.to_le_bytes());
                 record[8..16].copy_from_slice(&n.to_le_bytes());
                 record[56..64].copy_from_slice(&n.to_le_bytes());
-                mem.guest_record(&rings, cpu, &record)?;
+                rings.record_as_guest(&*mem, cpu, &record)?;
                 n += 1;
             }
             offered.store(n, Ordering::Relaxed);

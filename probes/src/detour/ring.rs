@@ -556,22 +556,30 @@ impl HostRingMemory {
         Ok(((off / 8) as usize, (off % 8) as usize))
     }
 
-    /// Plays the guest's detour: the record protocol of the module docs, for one hit on
-    /// `cpu` whose record is `record` (header included; at most `record_size` bytes).
-    /// Returns whether it was recorded (else `missed_full` was counted).
+    /// Plays the guest's detour on this memory: [`EventRings::record_as_guest`].
     pub fn guest_record(&self, rings: &EventRings, cpu: u32, record: &[u8]) -> Result<bool, String> {
-        let g = rings.geometry();
-        let ring = rings.gpa().0 + g.ring_offset(cpu);
-        let head = self.load_u64_acquire(Gpa(ring + HEAD))?;
-        let tail = self.load_u64_acquire(Gpa(ring + TAIL))?;
+        rings.record_as_guest(self, cpu, record)
+    }
+}
+
+impl EventRings {
+    /// Plays the guest's detour: the record protocol of the module docs, for one hit on
+    /// `cpu` whose record is `record` (header included; at most `record_size` bytes), in
+    /// `mem`. Returns whether it was recorded (else `missed_full` was counted). For tests
+    /// and benchmarks.
+    pub fn record_as_guest(&self, mem: &dyn RingMemory, cpu: u32, record: &[u8]) -> Result<bool, String> {
+        let g = self.geometry();
+        let ring = self.gpa().0 + g.ring_offset(cpu);
+        let head = mem.load_u64_acquire(Gpa(ring + HEAD))?;
+        let tail = mem.load_u64_acquire(Gpa(ring + TAIL))?;
         if head.wrapping_sub(tail) >= u64::from(g.capacity()) {
-            let missed = self.load_u64_acquire(Gpa(ring + MISSED_FULL))?;
-            self.store_u64_release(Gpa(ring + MISSED_FULL), missed + 1)?;
+            let missed = mem.load_u64_acquire(Gpa(ring + MISSED_FULL))?;
+            mem.store_u64_release(Gpa(ring + MISSED_FULL), missed + 1)?;
             return Ok(false);
         }
         let len = record.len().min(g.record_size() as usize);
-        self.write_phys(Gpa(rings.gpa().0 + g.record_offset(cpu, head)), &record[..len])?;
-        self.store_u64_release(Gpa(ring + HEAD), head.wrapping_add(1))?;
+        mem.write_phys(Gpa(self.gpa().0 + g.record_offset(cpu, head)), &record[..len])?;
+        mem.store_u64_release(Gpa(ring + HEAD), head.wrapping_add(1))?;
         Ok(true)
     }
 }
