@@ -1,0 +1,233 @@
+use hvprobe_probes::fetch::ArgValue;
+use hvprobe_probes::output::HitRecord;
+
+use super::*;
+use crate::test_support::{args_of, hit};
+
+const EVENT: &str = "p:g/e f small=%di:u8 count=%si:u32 delta=%dx:s32 flags=%cx:x64 name=+0(%r8):string";
+
+fn sample() -> HitRecord {
+    hit(
+        "hvprobe-loop",
+        25,
+        1,
+        vec![
+            ("small", ArgValue::Unsigned(200)),
+            ("count", ArgValue::Unsigned(4096)),
+            ("delta", ArgValue::Signed(-3)),
+            ("flags", ArgValue::Hex(0x8001)),
+            ("name", ArgValue::String(b"/etc/passwd".to_vec())),
+        ],
+    )
+}
+
+fn bind(text: &str) -> Result<Filter, FilterError> {
+    FilterExpr::parse(text)?.bind(&EventFields::new(&args_of(EVENT)))
+}
+
+fn passes(text: &str) -> bool {
+    bind(text)
+        .unwrap_or_else(|e| panic!("{text}: {e} at {}", e.offset))
+        .matches(&sample())
+}
+
+fn error(text: &str) -> (usize, FilterErrorKind) {
+    let e = bind(text).expect_err(text);
+    (e.offset, e.kind)
+}
+
+#[test]
+fn numeric_comparisons_follow_the_fields_type() {
+    for (filter, expected) in [
+        ("count == 4096", true),
+        ("count != 4096", false),
+        ("count >= 4096", true),
+        ("count > 4096", false),
+        ("count < 0x1001", true),
+        ("count <= 010000", true),
+        ("count & 0x1000", true),
+        ("count & 0xfff", false),
+        ("delta < 0", true),
+        ("delta == -3", true),
+        ("delta > -4", true),
+        ("flags & 0x8000", true),
+        // (u8)456 == 200: the literal is cut to the field's size, as the kernel's (u8)val.
+        ("small == 456", true),
+        ("common_pid == 25", true),
+        ("cpu == 1", true),
+        ("CPU != 1", false),
+    ] {
+        assert_eq!(passes(filter), expected, "{filter}");
+    }
+}
+
+#[test]
+fn string_comparisons_are_exact_or_kernel_globs() {
+    for (filter, expected) in [
+        ("comm == \"hvprobe-loop\"", true),
+        ("comm == 'hvprobe'", false),
+        ("comm != \"sh\"", true),
+        ("comm ~ \"hvprobe*\"", true),
+        ("comm ~ \"*loop\"", true),
+        ("comm ~ \"*probe*\"", true),
+        ("comm ~ \"*xyz*\"", false),
+        ("comm ~ \"hv?robe-l[aeiou]op\"", true),
+        ("comm ~ \"hv*-loop\"", true),
+        ("comm ~ \"!sh*\"", true),
+        ("comm ~ \"!hv*\"", false),
+        ("COMM ~ \"*\"", true),
+        ("name ~ \"/etc/*\"", true),
+        ("name == \"/etc/passwd\"", true),
+    ] {
+        assert_eq!(passes(filter), expected, "{filter}");
+    }
+}
+
+#[test]
+fn and_binds_tighter_than_or_and_not_applies_to_what_follows() {
+    // false || true && true
+    assert!(passes("count == 1 || delta < 0 && cpu == 1"));
+    // (false || true) && false
+    assert!(!passes("(count == 1 || delta < 0) && cpu == 0"));
+    assert!(passes("!(count == 1)"));
+    assert!(!passes("!count == 4096"));
+    assert!(passes("!!(comm == \"hvprobe-loop\")"));
+    assert!(passes("!(cpu == 0 && comm ~ \"x*\") && (common_pid > 1 || cpu == 7)"));
+}
+
+#[test]
+fn a_faulted_value_fails_every_comparison() {
+    let f = bind("name != \"x\"").unwrap();
+    let mut h = sample();
+    h.args[4].1 = ArgValue::Fault;
+    assert!(!f.matches(&h));
+    assert!(f.matches(&sample()));
+}
+
+#[test]
+fn syntax_errors_say_what_and_where() {
+    assert_eq!(error("  "), (2, FilterErrorKind::Empty));
+    assert_eq!(error("count = 3"), (6, FilterErrorKind::InvalidOperator));
+    assert_eq!(error("count == 3 cpu == 1"), (11, FilterErrorKind::ExpectedLogical));
+    assert_eq!(error("(count == 3"), (11, FilterErrorKind::MissingCloseParen));
+    assert_eq!(error("count == 3)"), (10, FilterErrorKind::UnbalancedCloseParen));
+    assert_eq!(error("comm == \"sh"), (11, FilterErrorKind::MissingQuote));
+    assert_eq!(error("comm == sh"), (8, FilterErrorKind::InvalidValue));
+    assert_eq!(error("&& cpu == 1"), (0, FilterErrorKind::ExpectedComparison));
+    assert_eq!(error("cpu == 1 ||"), (11, FilterErrorKind::ExpectedComparison));
+    let long = format!("comm == \"{}\"", "a".repeat(256));
+    assert_eq!(error(&long).1, FilterErrorKind::OperandTooLong(256));
+    assert_eq!(
+        error("count == 123456789012345678901234").1,
+        FilterErrorKind::OperandTooLong(24)
+    );
+    assert_eq!(error(&"!".repeat(300)).1, FilterErrorKind::TooDeep);
+}
+
+#[test]
+fn field_and_type_errors_say_what_and_where() {
+    assert!(matches!(
+        error("cpu == 1 && nope == 2"),
+        (12, FilterErrorKind::Field(FieldError::Unknown { .. }))
+    ));
+    assert_eq!(error("comm == 3"), (8, FilterErrorKind::ExpectString("comm".into())));
+    assert_eq!(
+        error("count == \"3\""),
+        (9, FilterErrorKind::ExpectNumber("count".into()))
+    );
+    assert_eq!(
+        error("count ~ 3"),
+        (
+            8,
+            FilterErrorKind::IllegalOperator {
+                op: "~",
+                field: "count".into(),
+                string: false
+            }
+        )
+    );
+    assert_eq!(
+        error("comm < \"a\""),
+        (
+            7,
+            FilterErrorKind::IllegalOperator {
+                op: "<",
+                field: "comm".into(),
+                string: true
+            }
+        )
+    );
+    assert_eq!(
+        error("count == -1"),
+        (
+            9,
+            FilterErrorKind::IllegalInteger {
+                text: "-1".into(),
+                field: "count".into(),
+                signed: false
+            }
+        )
+    );
+    assert_eq!(
+        error("delta == 12abc").1,
+        FilterErrorKind::IllegalInteger {
+            text: "12abc".into(),
+            field: "delta".into(),
+            signed: true
+        }
+    );
+}
+
+#[test]
+fn literals_read_as_kstrtoull_and_kstrtoll_read_them() {
+    assert_eq!(parse_unsigned("0"), Some(0));
+    assert_eq!(parse_unsigned("0x1F"), Some(31));
+    assert_eq!(parse_unsigned("017"), Some(15));
+    assert_eq!(parse_unsigned("08"), None);
+    assert_eq!(parse_unsigned("0x"), None);
+    assert_eq!(parse_unsigned("18446744073709551615"), Some(u64::MAX));
+    assert_eq!(parse_unsigned("18446744073709551616"), None);
+    assert_eq!(parse_unsigned("+5"), None);
+    assert_eq!(parse_signed("-9223372036854775808"), Some(i64::MIN));
+    assert_eq!(parse_signed("9223372036854775808"), None);
+    assert_eq!(parse_signed("-0x10"), Some(-16));
+}
+
+#[test]
+fn glob_match_is_the_kernels() {
+    for (pattern, s, expected) in [
+        ("a*c", "abbbc", true),
+        ("a*c", "abbbd", false),
+        ("*", "", true),
+        ("?", "", false),
+        ("a?c", "abc", true),
+        ("[a-c]x", "bx", true),
+        ("[!a-c]x", "bx", false),
+        ("[]]x", "]x", true),
+        ("[a-]x", "-x", true),
+        ("\\*x", "*x", true),
+        ("\\*x", "ax", false),
+        ("[abc", "[abc", true),
+        ("*aaaaa", "aaaaaaaaaa", true),
+        ("a*b*c", "axxbyyc", true),
+        ("a*b*c", "axxbyy", false),
+    ] {
+        assert_eq!(
+            glob_match(pattern.as_bytes(), s.as_bytes()),
+            expected,
+            "{pattern} vs {s}"
+        );
+    }
+}
+
+#[test]
+fn a_glob_operand_is_classified_as_filter_parse_regex_does() {
+    let g = |s: &str| StringPattern::glob(s.as_bytes());
+    assert_eq!(g("abc"), (StringPattern::Full(b"abc".to_vec()), false));
+    assert_eq!(g("abc*"), (StringPattern::Prefix(b"abc".to_vec()), false));
+    assert_eq!(g("*abc"), (StringPattern::Suffix(b"abc".to_vec()), false));
+    assert_eq!(g("*abc*"), (StringPattern::Substring(b"abc".to_vec()), false));
+    assert_eq!(g("a*c"), (StringPattern::Glob(b"a*c".to_vec()), false));
+    assert_eq!(g("!ab?"), (StringPattern::Glob(b"ab?".to_vec()), true));
+    assert_eq!(g("1*"), (StringPattern::Full(b"1*".to_vec()), false));
+}
