@@ -304,7 +304,7 @@ impl Parser<'_> {
                 let len = self.bytes[start..]
                     .iter()
                     .position(|&c| c == quote)
-                    .ok_or_else(|| FilterError {
+                    .ok_or(FilterError {
                         offset: self.bytes.len(),
                         kind: FilterErrorKind::MissingQuote,
                     })?;

@@ -19,6 +19,10 @@
 
 pub mod fields;
 pub mod filter;
+pub mod hist;
+pub mod kernel_sort;
+pub mod request;
+pub mod table;
 
 #[cfg(test)]
 mod test_support;
