@@ -15,7 +15,7 @@ pub struct Cli {
 #[derive(Subcommand)]
 pub enum Commands {
     /// Boot a guest (the bundled one by default) and run it to the end.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Build the bundled guest (if its cache entry is missing) and print its directory.
     BuildGuest,
     /// Resolve kernel symbols offline, at link-time addresses (no KASLR slide).
@@ -86,9 +86,21 @@ pub struct RunArgs {
     /// the listing (debugfs `list` layout, plus hits and nmissed) on stderr at exit and on SIGUSR1.
     #[arg(long, value_name = "FILE")]
     pub probes: Option<PathBuf>,
-    /// How hits are printed on stdout (`none`: only to `hvprobe trace` clients).
+    /// How hits are printed on stdout (`none`: only to `hvprobe trace` clients); also how
+    /// the histograms of --trigger are (`json`: one JSON line each, else the hist file).
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
+    /// An event filter of --probes FILE's events, in ftrace's filter syntax (what one
+    /// writes to events/GRP/EVENT/filter): `GRP/EVENT:EXPR`, e.g. `io/read:count > 4096 &&
+    /// comm ~ "sh*"`. Hits it discards are counted (`filtered=` in the listing).
+    #[arg(long, value_name = "GRP/EVENT:FILTER")]
+    pub filter: Vec<String>,
+    /// A trigger on one of --probes FILE's events, in ftrace's syntax (what one writes to
+    /// events/GRP/EVENT/trigger), repeatable: `GRP/EVENT:hist:keys=KEY[.MOD],...[:vals=...]
+    /// [:sort=...][:size=N] [if FILTER]`. The histograms are printed at the end and on
+    /// SIGUSR1, in the hist file's layout.
+    #[arg(long, value_name = "GRP/EVENT:TRIGGER")]
+    pub trigger: Vec<String>,
     /// Where to put the control socket through which `hvprobe probe` and `hvprobe trace`
     /// steer the run from other terminals [default: $XDG_RUNTIME_DIR/hvprobe/PID.sock, or
     /// /tmp/hvprobe-UID/PID.sock]. Only the user who started the run can connect.

@@ -5,6 +5,7 @@
 //! (`hvprobe-probes`) runs on a VM (`hvprobe-vmm`) through `hvprobe-live`, which host tools
 //! use directly.
 
+pub mod analysis;
 pub mod bench;
 pub mod bench_arm;
 pub mod bench_drain;

@@ -18,7 +18,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Commands::Run(args) => hvprobe::run::run(args),
+        Commands::Run(args) => hvprobe::run::run(*args),
         Commands::Symbols(args) => symbols(args),
         Commands::Snapshot {
             command: SnapshotCommand::Create(args),

@@ -9,6 +9,7 @@ use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
 use hvprobe_live::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
 use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuControl, Vm, VmConfig};
 
+use crate::analysis::AnalysisFlags;
 use crate::cli::{RunArgs, SourceArg};
 use crate::guest::{initrd_with_workload, kernel_cmdline, BundledGuest};
 use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOptions};
@@ -28,6 +29,10 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             (true, _) => Some(true),
             (_, true) => Some(false),
             _ => None,
+        },
+        analysis: AnalysisFlags {
+            filters: args.filter.clone(),
+            triggers: args.trigger.clone(),
         },
     };
     if let Some(dir) = &args.snapshot {
@@ -71,8 +76,10 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
     };
     let sources = symbol_sources(&args, bundled_kernel)?;
-    if let Some(file) = &args.probes {
-        check_probes_before_boot(file, args.cpus, &sources)?;
+    match &args.probes {
+        Some(file) => check_probes_before_boot(file, args.cpus, &sources, &trace.analysis)?,
+        None if !trace.analysis.is_empty() => return Err(crate::trace::SessionError::AnalysisWithoutProbes.into()),
+        None => {}
     }
     let config = VmConfig {
         kernel,
@@ -195,6 +202,7 @@ fn check_probes_before_boot(
     file: &std::path::Path,
     cpus: u8,
     sources: &[SymbolsFrom],
+    analysis: &AnalysisFlags,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let table = sources
         .iter()
@@ -204,7 +212,7 @@ fn check_probes_before_boot(
             SymbolsFrom::Kallsyms => None,
         })
         .transpose()?;
-    crate::trace::check_before_boot(file, usize::from(cpus), table.as_ref())?;
+    crate::trace::check_before_boot(file, usize::from(cpus), table.as_ref(), analysis)?;
     Ok(())
 }
 

@@ -15,6 +15,7 @@ use hvprobe_vmm::{DebugHandler, NoProbes, StopReason, VcpuControl, VcpuState, Vm
 use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
+use crate::analysis::AnalysisFlags;
 use crate::cli::OutputFormat;
 use crate::control::server::ControlServer;
 use crate::trace::TraceSession;
@@ -29,6 +30,8 @@ pub struct TraceOptions {
     pub control: ControlSocket,
     /// Jump-optimize probes (`--optimize`/`--no-optimize`); `None`: the backend's default.
     pub optimize: Option<bool>,
+    /// `--filter` and `--trigger`.
+    pub analysis: AnalysisFlags,
 }
 
 /// Whether a run has a control socket, and where.
@@ -60,12 +63,21 @@ impl RunSession {
     pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, Box<dyn std::error::Error>> {
         stop_on_signals(vm.control())?;
         let probes = match (&options.probes, &options.control) {
+            (None, _) if !options.analysis.is_empty() => {
+                return Err(crate::trace::SessionError::AnalysisWithoutProbes.into())
+            }
             (None, ControlSocket::Off) => None,
             (file, _) => {
                 let optimize = options
                     .optimize
                     .unwrap_or_else(|| optimize_by_default(hvprobe_vmm::Backend::detect()));
-                let session = Arc::new(TraceSession::new(file.as_deref(), options.output, optimize, vm)?);
+                let session = Arc::new(TraceSession::new(
+                    file.as_deref(),
+                    options.output,
+                    optimize,
+                    &options.analysis,
+                    vm,
+                )?);
                 session.listing_on_sigusr1()?;
                 Some(session)
             }

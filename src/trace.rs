@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use hvprobe_analysis::request::Request;
+use hvprobe_analysis::table::{AnalysisTable, EventSchema};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
 use hvprobe_probes::engine::{
@@ -25,6 +27,7 @@ use hvprobe_probes::spec::{
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
+use crate::analysis::{error_line, hist_report, origin_line, print_on_own_lines, take_request_lines, AnalysisFlags};
 use crate::cli::OutputFormat;
 
 /// Events a slow printer has not taken yet; beyond this, hits count as missed.
@@ -51,6 +54,8 @@ pub enum SessionError {
     NoSuchEvent(String),
     #[error("{event}: {source}")]
     Probe { event: String, source: Box<ProbeError> },
+    #[error("--filter and --trigger apply to the events of --probes FILE, and there is none")]
+    AnalysisWithoutProbes,
 }
 
 /// A probe from a spec text, with its line for error messages.
@@ -118,6 +123,12 @@ pub struct TraceSession {
     changes: Mutex<()>,
     /// Jump-optimize probes (the engine's switch, set when it is built).
     optimize: bool,
+    /// The filters and triggers of the flags and of the file, bound to the file's events
+    /// once the kernel is known.
+    requests: Vec<Request>,
+    /// How hits are printed (and so the histograms).
+    format: OutputFormat,
+    console: ConsoleLog,
 }
 
 /// Where hit events go: the run's printer, and every live `hvprobe trace` stream. No
@@ -126,6 +137,9 @@ pub struct TraceSession {
 struct EventFanout {
     printer: Mutex<Option<SyncSender<HitEvent>>>,
     streams: Mutex<Vec<EventStream>>,
+    /// The events' filters and triggers, set before any probe is armed (when there are
+    /// any): every hit goes through them first.
+    analysis: OnceLock<Arc<AnalysisTable>>,
 }
 
 /// One `hvprobe trace` client's queue.
@@ -143,6 +157,12 @@ pub struct Subscription {
 
 impl EventSink for EventFanout {
     fn try_send(&self, event: HitEvent) -> bool {
+        if let Some(analysis) = self.analysis.get() {
+            if !analysis.observe(&event.record) {
+                // Filtered out: counted by the filter, not missed.
+                return true;
+            }
+        }
         {
             let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
             streams.retain(|s| match s.tx.try_send(event.clone()) {
@@ -236,24 +256,27 @@ fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Ve
     (probes, removals, problems)
 }
 
-/// Reads and checks a spec file: syntax, and what this version supports.
-fn read_spec_file(path: &Path, cpus: usize) -> Result<Vec<SpecProbe>, SessionError> {
-    let (probes, problems) = read_spec_file_all(path, cpus)?;
-    spec_result(&path.display().to_string(), problems).map(|()| probes)
+/// Reads and checks a spec file: syntax, and what this version supports. Its probes and
+/// its `filter`/`trigger` lines.
+fn read_spec_file(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, Vec<Request>), SessionError> {
+    let (probes, requests, problems) = read_spec_file_all(path, cpus)?;
+    spec_result(&path.display().to_string(), problems).map(|()| (probes, requests))
 }
 
 /// Problems of a spec text, each with its line (to report them in line order).
 type LineProblems = Vec<(usize, String)>;
 
-/// A spec file's probes and its problems with their lines (a `-:` line must name a probe
-/// above it); an error only when it cannot be read.
-fn read_spec_file_all(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, LineProblems), SessionError> {
+/// A spec file's probes, its `filter`/`trigger` lines and its problems with their lines (a
+/// `-:` line must name a probe above it); an error only when it cannot be read.
+fn read_spec_file_all(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, Vec<Request>, LineProblems), SessionError> {
     let source = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| SessionError::Spec {
         origin: source.clone(),
         problems: vec![format!("cannot read probe file {source}: {e}")],
     })?;
+    let (text, requests, request_errors) = take_request_lines(&text, &source);
     let (probes, removals, mut problems) = parse_spec_text(&text, &source, cpus);
+    problems.extend(request_errors.iter().map(|e| (error_line(e), e.to_string())));
     for r in removals {
         problems.push((
             r.line,
@@ -265,7 +288,7 @@ fn read_spec_file_all(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, LineP
             ),
         ));
     }
-    Ok((probes, problems))
+    Ok((probes, requests, problems))
 }
 
 fn spec_result(source: &str, mut problems: LineProblems) -> Result<(), SessionError> {
@@ -351,24 +374,59 @@ fn wildcard_of(p: &SpecProbe) -> Option<&str> {
 /// that every symbol exists, is unique and holds its offset, and that every wildcard
 /// matches some function. (Raw addresses wait for the guest: KASLR may move them.) All
 /// problems at once.
-pub fn check_before_boot(file: &Path, cpus: usize, symbols: Option<&SymbolTable>) -> Result<(), SessionError> {
+///
+/// The filters and triggers (the file's and `flags`) are checked too: their syntax, and
+/// with the symbols, that each names an event of the file and fields it has.
+pub fn check_before_boot(
+    file: &Path,
+    cpus: usize,
+    symbols: Option<&SymbolTable>,
+    flags: &AnalysisFlags,
+) -> Result<(), SessionError> {
     let source = file.display().to_string();
-    let (probes, mut problems) = read_spec_file_all(file, cpus)?;
+    let (probes, mut requests, mut problems) = read_spec_file_all(file, cpus)?;
+    let (flag_requests, flag_errors) = flags.parse();
+    problems.extend(flag_errors.iter().map(|e| (error_line(e), e.to_string())));
+    requests.extend(flag_requests);
     let Some(symbols) = symbols else {
         return spec_result(&source, problems);
     };
+    let mut events = Vec::new();
     for p in &probes {
         if let Some(pattern) = wildcard_of(p) {
-            if expand_wildcard(p, pattern, symbols).is_empty() {
+            let functions = expand_wildcard(p, pattern, symbols);
+            if functions.is_empty() {
                 problems.push((p.line, matches_nothing(&source, p.line, pattern)));
             }
-        } else if let ProbePoint::Symbol { name, offset } = &p.request.point {
-            if let Err(e) = resolve_symbol(symbols, name, *offset) {
-                problems.push((p.line, refusal(&source, p, &e)));
+            events.extend(functions);
+        } else {
+            if let ProbePoint::Symbol { name, offset } = &p.request.point {
+                if let Err(e) = resolve_symbol(symbols, name, *offset) {
+                    problems.push((p.line, refusal(&source, p, &e)));
+                }
             }
+            events.push(p.clone());
         }
     }
+    if let Err(errors) = bind_requests(&requests, &events) {
+        problems.extend(errors);
+    }
     spec_result(&source, problems)
+}
+
+/// The filters and triggers bound to the events of `probes`, or every problem with its
+/// line.
+fn bind_requests(requests: &[Request], probes: &[SpecProbe]) -> Result<AnalysisTable, LineProblems> {
+    let schemas: Vec<EventSchema> = probes
+        .iter()
+        .map(|p| EventSchema {
+            group: &p.request.group,
+            event: &p.request.event,
+            args: &p.request.args,
+        })
+        .collect();
+    AnalysisTable::build(requests, &schemas)
+        .map_err(|errors| errors.iter().map(|e| (error_line(e), e.to_string())).collect())
 }
 
 /// Expands wildcards and checks every probe against the kernel: `(what to arm, one line
@@ -464,13 +522,23 @@ impl TraceSession {
         probes_file: Option<&Path>,
         format: OutputFormat,
         optimize: bool,
+        analysis: &AnalysisFlags,
         vm: &Vm,
     ) -> Result<TraceSession, SessionError> {
         let cpus = vm.control().vcpu_count();
-        let initial = match probes_file {
+        let (initial, mut requests) = match probes_file {
             Some(file) => read_spec_file(file, cpus)?,
-            None => Vec::new(),
+            None if !analysis.is_empty() => return Err(SessionError::AnalysisWithoutProbes),
+            None => (Vec::new(), Vec::new()),
         };
+        let (flag_requests, flag_errors) = analysis.parse();
+        if !flag_errors.is_empty() {
+            return Err(SessionError::Spec {
+                origin: "the command line".into(),
+                problems: flag_errors.iter().map(ToString::to_string).collect(),
+            });
+        }
+        requests.extend(flag_requests);
         let (printer_tx, printer) = match format {
             OutputFormat::None => (None, None),
             format => {
@@ -497,11 +565,15 @@ impl TraceSession {
             events: Arc::new(EventFanout {
                 printer: Mutex::new(printer_tx),
                 streams: Mutex::new(Vec::new()),
+                analysis: OnceLock::new(),
             }),
             printer: Mutex::new(printer),
             failure: Arc::new(Mutex::new(None)),
             changes: Mutex::new(()),
             optimize,
+            requests,
+            format,
+            console: vm.console_log(),
         })
     }
 
@@ -540,6 +612,12 @@ impl TraceSession {
         let (armed, notes) = plan(&tracer, symbols, &self.source(), &self.initial)?;
         for note in notes {
             eprintln!("hvprobe: {note}");
+        }
+        // Filters and triggers are in place before the first hit can come.
+        let analysis = bind_requests(&self.requests, &armed)
+            .or_else(|problems| spec_result(&self.source(), problems).map(|()| AnalysisTable::default()))?;
+        if !analysis.is_empty() {
+            let _ = self.events.analysis.set(Arc::new(analysis));
         }
         let _ = self.planned.set(armed);
         Ok(())
@@ -638,7 +716,17 @@ impl TraceSession {
     /// problem of the text at once; the `-:` lines take effect first (so a text can
     /// redefine an event), then the new probes go in all or none, in one pause.
     pub fn add(&self, text: &str, source: &str) -> Result<AddReport, SessionError> {
-        let (probes, removals, mut problems) = parse_spec_text(text, source, self.cpus);
+        let (text, requests, request_errors) = take_request_lines(text, source);
+        let (probes, removals, mut problems) = parse_spec_text(&text, source, self.cpus);
+        let request_lines = requests.iter().map(|r| origin_line(&r.origin));
+        for line in request_lines.chain(request_errors.iter().map(error_line)) {
+            problems.push((
+                line,
+                format!(
+                    "{source}:{line}: filters and triggers are set with the run (--probes FILE, --filter, --trigger)"
+                ),
+            ));
+        }
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         let (tracer, symbols) = self.live_tracer()?;
         let existing = tracer.events();
@@ -804,11 +892,28 @@ impl TraceSession {
         let Some(tracer) = self.handler.tracer() else {
             return String::new();
         };
+        let analysis = self.events.analysis.get();
         tracer
             .listing()
             .iter()
-            .map(|e| format!("{}\n", listing_line(e)))
+            .map(|e| {
+                // A filtered-out hit is a hit (as in kprobe_profile) that went no further.
+                let filtered = analysis
+                    .and_then(|a| e.event.split_once('/').and_then(|(g, ev)| a.get(g, ev)))
+                    .and_then(|a| a.filtered())
+                    .map(|n| format!(" filtered={n}"))
+                    .unwrap_or_default();
+                format!("{}{filtered}\n", listing_line(e))
+            })
             .collect()
+    }
+
+    /// The histograms of the hist triggers, as `--output` says (empty without any).
+    pub fn hist_report(&self) -> String {
+        match self.events.analysis.get() {
+            Some(analysis) => hist_report(analysis, self.format, self.kernel.get().map(|k| &k.symbols)),
+            None => String::new(),
+        }
     }
 
     /// After the run: ends every event stream and waits for the printer, prints the
@@ -827,6 +932,17 @@ impl TraceSession {
         };
         eprint!("{}", self.listing());
         tracer.unregister_all();
+        // Every hit is in now (the rings are drained when the probes go).
+        print_on_own_lines(&self.hist_report(), &self.console);
+        if let Some(analysis) = self.events.analysis.get() {
+            let with_filter = analysis.events().filter(|a| a.filtered().is_some()).count();
+            if with_filter > 0 {
+                eprintln!(
+                    "hvprobe: filters on {with_filter} event(s) discarded {} hits",
+                    analysis.total_filtered()
+                );
+            }
+        }
         let s = &tracer.stats;
         use std::sync::atomic::Ordering::Relaxed;
         eprintln!(
@@ -860,7 +976,10 @@ impl TraceSession {
             .spawn(move || {
                 for _ in signals.forever() {
                     match session.upgrade() {
-                        Some(s) => eprint!("{}", s.listing()),
+                        Some(s) => {
+                            eprint!("{}", s.listing());
+                            print_on_own_lines(&s.hist_report(), &s.console);
+                        }
                         None => return,
                     }
                 }
