@@ -190,6 +190,8 @@ pub enum BenchCommand {
     /// How fast the host drains the event rings, with a producer filling them as fast as
     /// it can.
     Drain(DrainBenchArgs),
+    /// What event filters and hist triggers cost the host per hit (no guest).
+    Filter(FilterBenchArgs),
 }
 
 #[derive(Args)]
@@ -205,6 +207,16 @@ pub struct DrainBenchArgs {
     pub seconds: f64,
     /// Runs per variant (the median is reported).
     #[arg(long, default_value_t = 3)]
+    pub runs: u32,
+}
+
+#[derive(Args)]
+pub struct FilterBenchArgs {
+    /// Hits per run.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub hits: u32,
+    /// Runs per variant (the median is reported, with the range).
+    #[arg(long, default_value_t = 5)]
     pub runs: u32,
 }
 

@@ -9,6 +9,7 @@ pub mod analysis;
 pub mod bench;
 pub mod bench_arm;
 pub mod bench_drain;
+pub mod bench_filter;
 pub mod cli;
 pub mod control;
 pub mod cpio;

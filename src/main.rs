@@ -37,6 +37,9 @@ fn main() -> ExitCode {
         Commands::Bench {
             command: BenchCommand::Drain(args),
         } => hvprobe::bench_drain::bench_drain(args),
+        Commands::Bench {
+            command: BenchCommand::Filter(args),
+        } => hvprobe::bench_filter::bench_filter(args),
         Commands::BuildGuest => BundledGuest::ensure_built()
             .map(|g| {
                 println!("{}", g.dir.display());
