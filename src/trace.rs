@@ -614,8 +614,10 @@ impl TraceSession {
             eprintln!("hvprobe: {note}");
         }
         // Filters and triggers are in place before the first hit can come.
-        let analysis = bind_requests(&self.requests, &armed)
-            .or_else(|problems| spec_result(&self.source(), problems).map(|()| AnalysisTable::default()))?;
+        let analysis = match bind_requests(&self.requests, &armed) {
+            Ok(analysis) => analysis,
+            Err(problems) => return spec_result(&self.source(), problems),
+        };
         if !analysis.is_empty() {
             let _ = self.events.analysis.set(Arc::new(analysis));
         }
