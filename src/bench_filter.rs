@@ -58,8 +58,8 @@ const VARIANTS: [(&str, &[(RequestKind, &str)]); 7] = [
 
 /// `hvprobe bench filter`.
 pub fn bench_filter(args: FilterBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let ProbeSpec::Kprobe { args: fetch_args, .. } = parse_line(PROBE)?.ok_or("no probe")? else {
-        return Err("not a kprobe".into());
+    let Ok(Some(ProbeSpec::Kprobe { args: fetch_args, .. })) = parse_line(PROBE) else {
+        unreachable!("PROBE is a kprobe line")
     };
     let schema = [
         EventSchema {

@@ -66,11 +66,19 @@ impl EventAnalysis {
     /// The event's `hist` file: each trigger's histogram, separated by a blank line, as
     /// the kernel's `hist_show`.
     pub fn hist_file(&self, symbols: Option<&SymbolTable>) -> String {
-        self.hists
+        self.snapshots()
             .iter()
-            .map(|h| h.lock().unwrap_or_else(|e| e.into_inner()).render(symbols))
+            .map(|h| h.render(symbols))
             .collect::<Vec<_>>()
             .join("\n\n")
+    }
+
+    /// A copy of each histogram: sorting and printing one then holds up no hit.
+    fn snapshots(&self) -> Vec<Histogram> {
+        self.hists
+            .iter()
+            .map(|h| h.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .collect()
     }
 }
 
@@ -217,8 +225,8 @@ impl AnalysisTable {
     pub fn hist_json_lines(&self, symbols: Option<&SymbolTable>) -> Vec<String> {
         let mut lines = Vec::new();
         for a in self.events() {
-            for h in &a.hists {
-                let mut json = h.lock().unwrap_or_else(|e| e.into_inner()).to_json(symbols);
+            for h in a.snapshots() {
+                let mut json = h.to_json(symbols);
                 if let Some(object) = json.as_object_mut() {
                     object.insert("event".into(), a.name().into());
                 }
