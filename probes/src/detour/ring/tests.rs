@@ -2,7 +2,6 @@
 //! wraparound, full rings, corrupt headers, a concurrent producer, and the drain's speed.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use proptest::prelude::*;
 
