@@ -89,6 +89,8 @@ pub fn bench_filter(args: FilterBenchArgs) -> Result<ExitCode, Box<dyn std::erro
                 ("file".into(), ArgValue::Hex(0xffff_8880_0123_4500)),
                 ("name".into(), ArgValue::String(b"busybox".to_vec())),
             ],
+            entry_timestamp_ns: None,
+            stack: None,
         })
         .collect();
     println!(

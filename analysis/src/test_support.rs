@@ -24,5 +24,7 @@ pub(crate) fn hit(comm: &str, pid: i32, cpu: usize, args: Vec<(&str, ArgValue)>)
         location: "f+0x0/0x10".into(),
         retprobe_caller: None,
         args: args.into_iter().map(|(n, v)| (n.to_owned(), v)).collect(),
+        entry_timestamp_ns: None,
+        stack: None,
     }
 }

@@ -417,6 +417,12 @@ impl Tracer {
         }
     }
 
+    /// The time stamped on a hit taken now, in nanoseconds: one clock for every hit
+    /// (trapped, recorded in the guest, a return's entry).
+    pub(crate) fn timestamp_ns(&self) -> u64 {
+        self.started.elapsed().as_nanos() as u64
+    }
+
     pub fn symbols(&self) -> &SymbolTable {
         &self.view.symbols
     }

@@ -35,6 +35,21 @@ pub struct HitRecord {
     pub retprobe_caller: Option<String>,
     /// The fetch-args, in the spec's order.
     pub args: Vec<(String, ArgValue)>,
+    /// For a return probe, when the call entered the function (same clock as
+    /// `timestamp_ns`), where the engine knows it.
+    pub entry_timestamp_ns: Option<u64>,
+    /// The guest kernel stack at the hit, innermost first, when the event asked for one
+    /// (the `stacktrace` trigger); `None` otherwise.
+    pub stack: Option<Vec<StackFrame>>,
+}
+
+/// One frame of a guest kernel stack.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StackFrame {
+    /// The return address (or, for the innermost frame, the probed address).
+    pub address: Gva,
+    /// `func+0xoff/0xsize` as `%pS` prints it; `None` where no symbol covers the address.
+    pub symbol: Option<String>,
 }
 
 /// The hit as a line of ftrace's `trace` file, without the newline:

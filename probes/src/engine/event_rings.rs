@@ -112,7 +112,7 @@ impl Tracer {
         if batch.is_empty() {
             return 0;
         }
-        let now = self.started.elapsed().as_nanos() as u64;
+        let now = self.timestamp_ns();
         // The registry before the layouts, as the optimization pass takes them (it holds
         // the registry while it makes a detour and writes its layout).
         let reg = self.read_registry();

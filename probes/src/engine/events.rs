@@ -69,14 +69,7 @@ impl Tracer {
             probe: id,
             address: probe.address,
             regs: *regs,
-            record: hit_record(
-                probe,
-                comm,
-                task.map(|t| t.pid),
-                cpu,
-                self.started.elapsed().as_nanos() as u64,
-                args,
-            ),
+            record: hit_record(probe, comm, task.map(|t| t.pid), cpu, self.timestamp_ns(), args),
         }
     }
 }
@@ -101,6 +94,8 @@ pub(super) fn hit_record(
         location: probe.trace_location.clone(),
         retprobe_caller: None,
         args,
+        entry_timestamp_ns: None,
+        stack: None,
     }
 }
 

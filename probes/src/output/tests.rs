@@ -19,6 +19,8 @@ fn kprobe_hit() -> HitRecord {
             ("flags".into(), ArgValue::Signed(-1)),
             ("mode".into(), ArgValue::Unsigned(0x1b6)),
         ],
+        entry_timestamp_ns: None,
+        stack: None,
     }
 }
 
