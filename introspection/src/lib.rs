@@ -1,7 +1,8 @@
 //! Reading a running Linux guest from the host: guest-virtual memory through page walks,
 //! kernel symbols (System.map, vmlinux ELF, kallsyms decoded from guest memory), the
 //! KASLR slide, kernel facts (text bounds, exception table, the guest's kprobe
-//! blacklist), the current task (BTF-described `task_struct`) and every kernel stack.
+//! blacklist), the current task (BTF-described `task_struct`), every kernel stack, and a
+//! kernel stack unwound with the guest's own ORC data.
 
 pub mod btf;
 pub mod facts;
@@ -9,3 +10,4 @@ pub mod memory;
 pub mod stacks;
 pub mod symbols;
 pub mod task;
+pub mod unwind;

@@ -833,83 +833,7 @@ impl KernelStacks {
 
         // --- per-CPU stacks ---
         for c in &cpus {
-            let base = Gva(c.per_cpu_base);
-            // NULL until the CPU is first brought up.
-            if let Some(ptr) = r.nullable_ptr("hardirq_stack_ptr", add("hardirq_stack_ptr", base, layout.irq.ptr)?)? {
-                let end = add("hardirq_stack_ptr", ptr, 8)?;
-                let start = sub("IRQ stack", end, layout.irq.size)?;
-                if start.0 & 7 != 0 {
-                    return Err(StacksError::Layout(format!(
-                        "CPU {}'s hardirq_stack_ptr {ptr} is not 8-byte aligned",
-                        c.cpu
-                    )));
-                }
-                let in_use = match layout.irq.inuse {
-                    Some(off) => {
-                        let at = add("hardirq_stack_inuse", base, off)?;
-                        let mut b = [0u8; 1];
-                        mem.read_virt(at, &mut b).map_err(|source| StacksError::Memory {
-                            what: "hardirq_stack_inuse",
-                            at,
-                            source,
-                        })?;
-                        b[0] != 0
-                    }
-                    None => true,
-                };
-                let (scan, extent) = match in_use {
-                    true => (start..end, Extent::Whole),
-                    false => (end..end, Extent::Unused),
-                };
-                stacks.push(KernelStack {
-                    owner: StackOwner::Irq { cpu: c.cpu },
-                    bounds: start..end,
-                    scan,
-                    extent,
-                });
-            }
-            // NULL until the CPU entry area is set up.
-            let estacks = r.nullable_ptr(
-                "cea_exception_stacks",
-                add("cea_exception_stacks", base, layout.exception.ptr)?,
-            )?;
-            if let Some(estacks) = estacks {
-                for slot in &layout.exception.stacks {
-                    let start = add("exception stack", estacks, slot.offset)?;
-                    let end = add("exception stack", start, slot.size)?;
-                    if start.0 & 7 != 0 {
-                        return Err(StacksError::Layout(format!(
-                            "CPU {}'s {} stack at {start} is not 8-byte aligned",
-                            c.cpu, slot.name
-                        )));
-                    }
-                    stacks.push(KernelStack {
-                        owner: StackOwner::Exception {
-                            cpu: c.cpu,
-                            name: slot.name.clone(),
-                        },
-                        bounds: start..end,
-                        scan: start..end,
-                        extent: Extent::Whole,
-                    });
-                }
-            }
-            if let Some((off, size)) = layout.entry_stack {
-                let start = add("entry_stack_storage", base, off)?;
-                let end = add("entry_stack_storage", start, size)?;
-                if start.0 & 7 != 0 {
-                    return Err(StacksError::Layout(format!(
-                        "CPU {}'s entry stack at {start} is not 8-byte aligned",
-                        c.cpu
-                    )));
-                }
-                stacks.push(KernelStack {
-                    owner: StackOwner::Entry { cpu: c.cpu },
-                    bounds: start..end,
-                    scan: start..end,
-                    extent: Extent::Whole,
-                });
-            }
+            per_cpu_stacks(mem, layout, c.cpu, Gva(c.per_cpu_base), &mut stacks)?;
         }
         Ok(KernelStacks {
             stacks,
@@ -1088,6 +1012,142 @@ impl KernelStacks {
 
 /// Reads a stack's scanned part into `buf`. Exception stacks may have unmapped pages, which
 /// read as zeros (nothing can have been pushed there).
+/// The stacks CPU `cpu` can be running on, as the guest's `get_stack_info` accepts them for
+/// the running task: the current task's stack, then the CPU's IRQ, exception and entry
+/// stacks (their [`KernelStack::bounds`]; what [`KernelStacks::read`] would scan is not
+/// worked out). A few reads: cheap enough per probe hit.
+pub fn cpu_stacks(
+    mem: &(impl GuestVirtRead + ?Sized),
+    layout: &StacksLayout,
+    cpu: u32,
+) -> Result<Vec<KernelStack>, StacksError> {
+    let r = Reader { mem };
+    let at = add("__per_cpu_offset", layout.per_cpu_offset, u64::from(cpu) * 8)?;
+    let base = r.u64("__per_cpu_offset", at)?;
+    if !is_kernel_address(base) {
+        return Err(StacksError::BadPointer {
+            what: "__per_cpu_offset",
+            at,
+            value: base,
+        });
+    }
+    let base = Gva(base);
+    let task = r.ptr("current_task", add("current_task", base, layout.current_task)?)?;
+    let mut stacks = Vec::new();
+    if let Some(stack) = r.nullable_ptr("task_struct.stack", add("task_struct.stack", task, layout.task_stack)?)? {
+        if stack.0 & (layout.thread_size - 1) != 0 {
+            return Err(StacksError::MisalignedStack {
+                task,
+                stack,
+                size: layout.thread_size,
+            });
+        }
+        let top = add("task stack", stack, layout.thread_size)?;
+        let info = task_info(&mem, &layout.task, task)?;
+        stacks.push(KernelStack {
+            owner: StackOwner::Task {
+                task,
+                pid: info.pid,
+                tgid: info.tgid,
+                comm: info.comm,
+            },
+            bounds: stack..top,
+            scan: stack..top,
+            extent: Extent::Whole,
+        });
+    }
+    per_cpu_stacks(mem, layout, cpu, base, &mut stacks)?;
+    Ok(stacks)
+}
+
+/// Pushes CPU `cpu`'s IRQ, exception and entry stacks (its per-CPU area at `base`).
+fn per_cpu_stacks(
+    mem: &(impl GuestVirtRead + ?Sized),
+    layout: &StacksLayout,
+    cpu: u32,
+    base: Gva,
+    stacks: &mut Vec<KernelStack>,
+) -> Result<(), StacksError> {
+    let r = Reader { mem };
+    // NULL until the CPU is first brought up.
+    if let Some(ptr) = r.nullable_ptr("hardirq_stack_ptr", add("hardirq_stack_ptr", base, layout.irq.ptr)?)? {
+        let end = add("hardirq_stack_ptr", ptr, 8)?;
+        let start = sub("IRQ stack", end, layout.irq.size)?;
+        if start.0 & 7 != 0 {
+            return Err(StacksError::Layout(format!(
+                "CPU {}'s hardirq_stack_ptr {ptr} is not 8-byte aligned",
+                cpu
+            )));
+        }
+        let in_use = match layout.irq.inuse {
+            Some(off) => {
+                let at = add("hardirq_stack_inuse", base, off)?;
+                let mut b = [0u8; 1];
+                mem.read_virt(at, &mut b).map_err(|source| StacksError::Memory {
+                    what: "hardirq_stack_inuse",
+                    at,
+                    source,
+                })?;
+                b[0] != 0
+            }
+            None => true,
+        };
+        let (scan, extent) = match in_use {
+            true => (start..end, Extent::Whole),
+            false => (end..end, Extent::Unused),
+        };
+        stacks.push(KernelStack {
+            owner: StackOwner::Irq { cpu: cpu },
+            bounds: start..end,
+            scan,
+            extent,
+        });
+    }
+    // NULL until the CPU entry area is set up.
+    let estacks = r.nullable_ptr(
+        "cea_exception_stacks",
+        add("cea_exception_stacks", base, layout.exception.ptr)?,
+    )?;
+    if let Some(estacks) = estacks {
+        for slot in &layout.exception.stacks {
+            let start = add("exception stack", estacks, slot.offset)?;
+            let end = add("exception stack", start, slot.size)?;
+            if start.0 & 7 != 0 {
+                return Err(StacksError::Layout(format!(
+                    "CPU {}'s {} stack at {start} is not 8-byte aligned",
+                    cpu, slot.name
+                )));
+            }
+            stacks.push(KernelStack {
+                owner: StackOwner::Exception {
+                    cpu: cpu,
+                    name: slot.name.clone(),
+                },
+                bounds: start..end,
+                scan: start..end,
+                extent: Extent::Whole,
+            });
+        }
+    }
+    if let Some((off, size)) = layout.entry_stack {
+        let start = add("entry_stack_storage", base, off)?;
+        let end = add("entry_stack_storage", start, size)?;
+        if start.0 & 7 != 0 {
+            return Err(StacksError::Layout(format!(
+                "CPU {}'s entry stack at {start} is not 8-byte aligned",
+                cpu
+            )));
+        }
+        stacks.push(KernelStack {
+            owner: StackOwner::Entry { cpu: cpu },
+            bounds: start..end,
+            scan: start..end,
+            extent: Extent::Whole,
+        });
+    }
+    Ok(())
+}
+
 fn read_stack(mem: &(impl GuestVirtRead + ?Sized), stack: &KernelStack, buf: &mut [u8]) -> Result<(), StacksError> {
     let start = stack.scan.start;
     let err = match mem.read_virt(start, buf) {

@@ -1,0 +1,357 @@
+//! The ORC walk against made-up text, ORC tables and stacks.
+
+use std::collections::HashMap;
+
+use super::*;
+
+#[derive(Default)]
+struct FakeGuest {
+    words: HashMap<u64, u64>,
+}
+
+impl FakeGuest {
+    fn put(&mut self, at: u64, v: u64) {
+        self.words.insert(at, v);
+    }
+}
+
+impl GuestVirtRead for FakeGuest {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
+        // Word-granular: the walk only reads aligned words.
+        if buf.len() != 8 {
+            return Err(MemoryError::Other(format!("{}-byte read", buf.len())));
+        }
+        let v = self.words.get(&gva.0).ok_or(MemoryError::Unmapped(gva))?;
+        buf.copy_from_slice(&v.to_le_bytes());
+        Ok(())
+    }
+}
+
+const TEXT: u64 = 0xffff_ffff_8100_0000;
+const TASK_STACK: u64 = 0xffff_c900_0000_0000;
+const IRQ_STACK: u64 = 0xffff_c900_0010_0000;
+const STACK_SIZE: u64 = 0x4000;
+
+fn entry(sp_reg: u8, sp_offset: i16, bp_reg: u8, bp_offset: i16, kind: u16, end: bool) -> [u8; 6] {
+    let bits = u16::from(sp_reg) | (u16::from(bp_reg) << 4) | (kind << 8) | (u16::from(end) << 10);
+    let mut b = [0u8; 6];
+    b[0..2].copy_from_slice(&sp_offset.to_le_bytes());
+    b[2..4].copy_from_slice(&bp_offset.to_le_bytes());
+    b[4..6].copy_from_slice(&bits.to_le_bytes());
+    b
+}
+
+/// An ORC table from (address, entry) pairs, laid out as the kernel's sections are (the
+/// address table self-relative, at `ip_table`).
+fn table(rows: &[(u64, [u8; 6])]) -> OrcTable {
+    let ip_table = TEXT + 0x10_0000;
+    let mut ips = Vec::new();
+    let mut orcs = Vec::new();
+    for (i, (ip, e)) in rows.iter().enumerate() {
+        let rel = (*ip as i64) - (ip_table + 4 * i as u64) as i64;
+        ips.extend_from_slice(&(rel as i32).to_le_bytes());
+        orcs.extend_from_slice(e);
+    }
+    OrcTable::from_tables(Gva(ip_table), &ips, &orcs, Gva(TEXT)..Gva(TEXT + 0x10000), None).unwrap()
+}
+
+// Four functions: leaf (probed, at +0 the return address is at sp), mid (pushed rbp: the
+// caller's sp is 16 above), top (a kernel thread's first function: `end`), and an interrupt
+// entry that saved full pt_regs.
+const LEAF: u64 = TEXT + 0x100;
+const MID: u64 = TEXT + 0x200;
+const TOP: u64 = TEXT + 0x300;
+const IRQ_ENTRY: u64 = TEXT + 0x400;
+const SWITCHER: u64 = TEXT + 0x500;
+const UNDEFINED_AFTER: u64 = TEXT + 0x600;
+
+fn kernel_orc() -> OrcTable {
+    table(&[
+        (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
+        (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
+        (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
+        (IRQ_ENTRY, entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false)),
+        // Switched to the IRQ stack: the interrupted stack pointer is the word at sp.
+        (SWITCHER, entry(reg::SP_INDIRECT, 8, reg::UNDEFINED, 0, 0, false)),
+        (UNDEFINED_AFTER, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, false)),
+    ])
+}
+
+fn stacks() -> Vec<StackBounds> {
+    vec![
+        StackBounds {
+            name: "task".into(),
+            range: Gva(TASK_STACK)..Gva(TASK_STACK + STACK_SIZE),
+        },
+        StackBounds {
+            name: "irq".into(),
+            range: Gva(IRQ_STACK)..Gva(IRQ_STACK + STACK_SIZE),
+        },
+    ]
+}
+
+fn no_recovery(ip: Gva, _slot: Gva) -> Gva {
+    ip
+}
+
+/// leaf (hit at +0) <- mid+0x10 <- top+0x20, with mid's saved rbp below its return address.
+fn three_frames(g: &mut FakeGuest) -> StartRegs {
+    let sp = TASK_STACK + STACK_SIZE - 0x100;
+    g.put(sp, MID + 0x10); // leaf's return address
+    g.put(sp + 8, 0x1234); // mid's saved rbp
+    g.put(sp + 16, TOP + 0x20); // mid's return address
+    StartRegs {
+        ip: LEAF,
+        sp,
+        bp: 0x5555,
+        ..StartRegs::default()
+    }
+}
+
+#[test]
+fn orc_entries_decode_the_6_1_bitfields() {
+    let e = OrcEntry::parse(entry(reg::BP_INDIRECT, -8, reg::PREV_SP, -16, 2, true));
+    assert_eq!(
+        e,
+        OrcEntry {
+            sp_offset: -8,
+            bp_offset: -16,
+            sp_reg: reg::BP_INDIRECT,
+            bp_reg: reg::PREV_SP,
+            kind: OrcType::RegsPartial,
+            end: true,
+        }
+    );
+}
+
+#[test]
+fn lookup_takes_the_rightmost_entry_at_or_below_and_nothing_outside_text() {
+    let t = table(&[
+        (LEAF, entry(reg::SP, 8, 0, 0, 0, false)),
+        // A section terminator and a real entry at one address: the later one wins.
+        (MID, entry(reg::UNDEFINED, 0, 0, 0, 0, false)),
+        (MID, entry(reg::SP, 16, 0, 0, 0, false)),
+    ]);
+    assert_eq!(t.find(Gva(LEAF + 5)).unwrap().sp_offset, 8);
+    assert_eq!(t.find(Gva(MID + 0x50)).unwrap().sp_offset, 16);
+    assert_eq!(t.find(Gva(TEXT)), None, "below the first entry");
+    assert_eq!(t.find(Gva(TEXT + 0x20000)), None, "outside the text");
+    assert_eq!(t.find(Gva(0)), Some(OrcEntry::NULL));
+}
+
+#[test]
+fn unsorted_or_mismatched_tables_are_refused() {
+    let e = entry(reg::SP, 8, 0, 0, 0, false);
+    let ip_table = Gva(TEXT);
+    let ips: Vec<u8> = [0x200i32, 0x100 - 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let orcs: Vec<u8> = [e, e].concat();
+    let r = OrcTable::from_tables(ip_table, &ips, &orcs, Gva(TEXT)..Gva(TEXT + 0x1000), None);
+    assert!(matches!(r, Err(OrcError::Inconsistent(m)) if m.contains("not sorted")));
+    let r = OrcTable::from_tables(ip_table, &ips, &e, Gva(TEXT)..Gva(TEXT + 0x1000), None);
+    assert!(matches!(r, Err(OrcError::Inconsistent(_))));
+}
+
+#[test]
+fn call_frames_unwind_to_the_end_entry() {
+    let mut g = FakeGuest::default();
+    let start = three_frames(&mut g);
+    let u = unwind(&kernel_orc(), &g, start, &stacks(), &no_recovery);
+    assert_eq!(u.frames, vec![Gva(LEAF), Gva(MID + 0x10), Gva(TOP + 0x20)]);
+    assert_eq!(u.end, UnwindEnd::Bottom);
+    assert!(!u.guessed);
+}
+
+#[test]
+fn a_return_probe_trampoline_is_replaced_by_the_real_return_address() {
+    let mut g = FakeGuest::default();
+    let start = three_frames(&mut g);
+    let trampoline = TEXT + 0x8000; // in text, no ORC entry of its own needed
+    g.put(start.sp, trampoline);
+    let slot = start.sp;
+    let recover = move |ip: Gva, at: Gva| if ip.0 == trampoline && at.0 == slot { Gva(MID + 0x10) } else { ip };
+    let u = unwind(&kernel_orc(), &g, start, &stacks(), &recover);
+    assert_eq!(u.frames, vec![Gva(LEAF), Gva(MID + 0x10), Gva(TOP + 0x20)]);
+}
+
+#[test]
+fn an_interrupt_frame_on_the_irq_stack_leads_back_to_the_task_stack() {
+    let mut g = FakeGuest::default();
+    // Task stack: `mid` was interrupted at mid+0x30 with sp = task_sp.
+    let task_sp = TASK_STACK + STACK_SIZE - 0x200;
+    g.put(task_sp, 0x1234); // mid's saved rbp (mid had pushed it)
+    g.put(task_sp + 8, TOP + 0x20); // mid's return address
+    let regs = task_sp - 0x400; // pt_regs pushed by the entry, on the task stack
+    g.put(regs + pt_regs::IP, MID + 0x30);
+    g.put(regs + pt_regs::SP, task_sp);
+    g.put(regs + pt_regs::CS, 0x10);
+    g.put(regs + pt_regs::BP, 0x7777);
+    // The entry then called the handler, which switched to the IRQ stack: its return
+    // address into the entry is on the task stack, and the stack pointer it switched from
+    // is the first word on the IRQ stack.
+    g.put(regs - 8, IRQ_ENTRY + 0x10);
+    let leaf_sp = IRQ_STACK + STACK_SIZE - 0x10;
+    g.put(leaf_sp, SWITCHER + 0x8); // leaf's return into switcher
+    g.put(leaf_sp + 8, regs - 8); // switcher: the task's stack pointer
+    let start = StartRegs {
+        ip: LEAF,
+        sp: leaf_sp,
+        ..StartRegs::default()
+    };
+    let orc = table(&[
+        (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
+        (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
+        (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
+        (IRQ_ENTRY, entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false)),
+        // switcher: the previous stack pointer is the word at sp, plus 8 (past the
+        // return address pushed before the switch).
+        (SWITCHER, entry(reg::SP_INDIRECT, 8, reg::UNDEFINED, 0, 0, false)),
+    ]);
+    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    assert_eq!(
+        u.frames,
+        vec![
+            Gva(LEAF),
+            Gva(SWITCHER + 0x8),
+            Gva(IRQ_ENTRY + 0x10),
+            Gva(MID + 0x30),
+            Gva(TOP + 0x20)
+        ],
+        "{:?}",
+        u.end
+    );
+    assert_eq!(u.end, UnwindEnd::Bottom);
+}
+
+#[test]
+fn user_mode_registers_end_the_stack() {
+    let mut g = FakeGuest::default();
+    let sp = TASK_STACK + STACK_SIZE - pt_regs::SIZE - 8;
+    g.put(sp, IRQ_ENTRY + 4); // leaf's return into the syscall entry
+    let regs = sp + 8;
+    g.put(regs + pt_regs::IP, 0x40_1000);
+    g.put(regs + pt_regs::SP, 0x7fff_0000);
+    g.put(regs + pt_regs::CS, 0x33);
+    let orc = table(&[
+        (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
+        (IRQ_ENTRY, entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false)),
+    ]);
+    let start = StartRegs {
+        ip: LEAF,
+        sp,
+        ..StartRegs::default()
+    };
+    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    assert_eq!(u.frames, vec![Gva(LEAF), Gva(IRQ_ENTRY + 4)]);
+    assert_eq!(u.end, UnwindEnd::Bottom);
+}
+
+#[test]
+fn hostile_stacks_end_the_walk_without_reading_elsewhere() {
+    // A return address read from outside every known stack.
+    let mut g = FakeGuest::default();
+    let start = StartRegs {
+        ip: LEAF,
+        sp: 0xffff_8880_0000_0000,
+        ..StartRegs::default()
+    };
+    g.put(start.sp, MID);
+    let u = unwind(&kernel_orc(), &g, start, &stacks(), &no_recovery);
+    assert_eq!(u.frames, vec![Gva(LEAF)]);
+    assert!(matches!(u.end, UnwindEnd::Error(m) if m.contains("no known stack")));
+
+    // A frame that points back at itself: the stack pointer must grow.
+    let mut g = FakeGuest::default();
+    let sp = TASK_STACK + 0x1000;
+    let orc = table(&[(LEAF, entry(reg::BP, 0, reg::UNDEFINED, 0, 0, false))]);
+    g.put(sp - 8, LEAF + 1);
+    let start = StartRegs {
+        ip: LEAF,
+        sp,
+        bp: sp,
+        ..StartRegs::default()
+    };
+    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    assert!(matches!(&u.end, UnwindEnd::Error(m) if m.contains("does not grow")), "{u:?}");
+
+    // An undefined rule without `end`, an unknown type.
+    let mut g = FakeGuest::default();
+    let start = three_frames(&mut g);
+    let u = unwind(&kernel_orc(), &g, StartRegs { ip: UNDEFINED_AFTER, ..start }, &stacks(), &no_recovery);
+    assert!(matches!(u.end, UnwindEnd::Error(_)));
+    let orc = table(&[(LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 3, false))]);
+    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    assert!(matches!(u.end, UnwindEnd::Error(m) if m.contains("type")));
+}
+
+#[test]
+fn a_stack_is_entered_once_and_the_walk_is_bounded() {
+    // Frames that each grow the stack by 8 forever (every return address is `leaf`):
+    // bounded by the stack, then by MAX_FRAMES on a large one.
+    let mut g = FakeGuest::default();
+    let big = StackBounds {
+        name: "big".into(),
+        range: Gva(TASK_STACK)..Gva(TASK_STACK + 0x10_0000),
+    };
+    for i in 0..0x2_0000u64 {
+        g.put(TASK_STACK + 8 * i, LEAF + 1);
+    }
+    let start = StartRegs {
+        ip: LEAF,
+        sp: TASK_STACK,
+        ..StartRegs::default()
+    };
+    let u = unwind(&kernel_orc(), &g, start, std::slice::from_ref(&big), &no_recovery);
+    assert_eq!(u.frames.len(), MAX_FRAMES);
+    assert_eq!(u.end, UnwindEnd::TooDeep);
+
+    // The IRQ stack's saved pointer leads back to the IRQ stack after the task stack:
+    // refused (the guest's "unwinder looped").
+    let mut g = FakeGuest::default();
+    let irq_sp = IRQ_STACK + 0x100;
+    g.put(irq_sp, SWITCHER + 1);
+    g.put(irq_sp + 8, TASK_STACK + 0x100); // switcher's saved (task) stack pointer
+    g.put(TASK_STACK + 0x100, SWITCHER + 1); // ... whose return goes to switcher again
+    g.put(TASK_STACK + 0x108, IRQ_STACK + 0x200);
+    let orc = table(&[
+        (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
+        (SWITCHER, entry(reg::SP_INDIRECT, 0, reg::UNDEFINED, 0, 0, false)),
+    ]);
+    let start = StartRegs {
+        ip: LEAF,
+        sp: irq_sp,
+        ..StartRegs::default()
+    };
+    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    assert!(u.frames.len() <= 4, "{u:?}");
+    assert!(matches!(u.end, UnwindEnd::Error(_)), "{u:?}");
+}
+
+#[test]
+fn code_without_orc_data_is_walked_by_frame_pointer_and_marked_guessed() {
+    let mut g = FakeGuest::default();
+    let start = three_frames(&mut g);
+    // leaf's address has no entry (below the first one): rbp chain instead.
+    let orc = table(&[
+        (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
+        (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
+    ]);
+    let bp = start.sp + 0x40;
+    g.put(bp, 0x9999); // saved rbp
+    g.put(bp + 8, MID + 0x10);
+    g.put(bp + 16, 0x1234);
+    g.put(bp + 24, TOP + 0x20);
+    let start = StartRegs {
+        ip: TEXT + 0x10,
+        bp,
+        ..start
+    };
+    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    assert!(u.guessed);
+    assert_eq!(u.frames, vec![Gva(TEXT + 0x10), Gva(MID + 0x10), Gva(TOP + 0x20)]);
+
+    // A return address outside the text ends the walk there (not printed).
+    g.put(bp + 8, 0xdead_beef);
+    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    assert_eq!(u.frames, vec![Gva(TEXT + 0x10)]);
+    assert_eq!(u.end, UnwindEnd::NotText(Gva(0xdead_beef)));
+}
