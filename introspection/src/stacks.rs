@@ -1097,7 +1097,7 @@ fn per_cpu_stacks(
             false => (end..end, Extent::Unused),
         };
         stacks.push(KernelStack {
-            owner: StackOwner::Irq { cpu: cpu },
+            owner: StackOwner::Irq { cpu },
             bounds: start..end,
             scan,
             extent,
@@ -1120,7 +1120,7 @@ fn per_cpu_stacks(
             }
             stacks.push(KernelStack {
                 owner: StackOwner::Exception {
-                    cpu: cpu,
+                    cpu,
                     name: slot.name.clone(),
                 },
                 bounds: start..end,
@@ -1139,7 +1139,7 @@ fn per_cpu_stacks(
             )));
         }
         stacks.push(KernelStack {
-            owner: StackOwner::Entry { cpu: cpu },
+            owner: StackOwner::Entry { cpu },
             bounds: start..end,
             scan: start..end,
             extent: Extent::Whole,

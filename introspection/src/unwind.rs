@@ -218,7 +218,7 @@ impl OrcTable {
         text: Range<Gva>,
         init_text: Option<Range<Gva>>,
     ) -> Result<OrcTable, OrcError> {
-        if ip_bytes.len() % 4 != 0 || orc_bytes.len() as u64 % ORC_ENTRY_SIZE != 0 {
+        if !ip_bytes.len().is_multiple_of(4) || !(orc_bytes.len() as u64).is_multiple_of(ORC_ENTRY_SIZE) {
             return Err(OrcError::Inconsistent("table sizes are not whole entries".into()));
         }
         let ips: Vec<u64> = ip_bytes

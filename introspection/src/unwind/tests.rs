@@ -70,7 +70,10 @@ fn kernel_orc() -> OrcTable {
         (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
         (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
         (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
-        (IRQ_ENTRY, entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false)),
+        (
+            IRQ_ENTRY,
+            entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false),
+        ),
         // Switched to the IRQ stack: the interrupted stack pointer is the word at sp.
         (SWITCHER, entry(reg::SP_INDIRECT, 8, reg::UNDEFINED, 0, 0, false)),
         (UNDEFINED_AFTER, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, false)),
@@ -168,7 +171,13 @@ fn a_return_probe_trampoline_is_replaced_by_the_real_return_address() {
     let trampoline = TEXT + 0x8000; // in text, no ORC entry of its own needed
     g.put(start.sp, trampoline);
     let slot = start.sp;
-    let recover = move |ip: Gva, at: Gva| if ip.0 == trampoline && at.0 == slot { Gva(MID + 0x10) } else { ip };
+    let recover = move |ip: Gva, at: Gva| {
+        if ip.0 == trampoline && at.0 == slot {
+            Gva(MID + 0x10)
+        } else {
+            ip
+        }
+    };
     let u = unwind(&kernel_orc(), &g, start, &stacks(), &recover);
     assert_eq!(u.frames, vec![Gva(LEAF), Gva(MID + 0x10), Gva(TOP + 0x20)]);
 }
@@ -201,7 +210,10 @@ fn an_interrupt_frame_on_the_irq_stack_leads_back_to_the_task_stack() {
         (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
         (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
         (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
-        (IRQ_ENTRY, entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false)),
+        (
+            IRQ_ENTRY,
+            entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false),
+        ),
         // switcher: the previous stack pointer is the word at sp, plus 8 (past the
         // return address pushed before the switch).
         (SWITCHER, entry(reg::SP_INDIRECT, 8, reg::UNDEFINED, 0, 0, false)),
@@ -233,7 +245,10 @@ fn user_mode_registers_end_the_stack() {
     g.put(regs + pt_regs::CS, 0x33);
     let orc = table(&[
         (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
-        (IRQ_ENTRY, entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false)),
+        (
+            IRQ_ENTRY,
+            entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false),
+        ),
     ]);
     let start = StartRegs {
         ip: LEAF,
@@ -271,12 +286,24 @@ fn hostile_stacks_end_the_walk_without_reading_elsewhere() {
         ..StartRegs::default()
     };
     let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
-    assert!(matches!(&u.end, UnwindEnd::Error(m) if m.contains("does not grow")), "{u:?}");
+    assert!(
+        matches!(&u.end, UnwindEnd::Error(m) if m.contains("does not grow")),
+        "{u:?}"
+    );
 
     // An undefined rule without `end`, an unknown type.
     let mut g = FakeGuest::default();
     let start = three_frames(&mut g);
-    let u = unwind(&kernel_orc(), &g, StartRegs { ip: UNDEFINED_AFTER, ..start }, &stacks(), &no_recovery);
+    let u = unwind(
+        &kernel_orc(),
+        &g,
+        StartRegs {
+            ip: UNDEFINED_AFTER,
+            ..start
+        },
+        &stacks(),
+        &no_recovery,
+    );
     assert!(matches!(u.end, UnwindEnd::Error(_)));
     let orc = table(&[(LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 3, false))]);
     let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
