@@ -74,7 +74,7 @@ pub fn bench_filter(args: FilterBenchArgs) -> Result<ExitCode, Box<dyn std::erro
         },
     ];
     // 64 distinct counts, as a workload's writes would have.
-    let hits: Vec<HitRecord> = (0..64u64)
+    let mut hits: Vec<HitRecord> = (0..64u64)
         .map(|i| HitRecord {
             comm: "busybox".into(),
             pid: 23,
@@ -109,7 +109,8 @@ pub fn bench_filter(args: FilterBenchArgs) -> Result<ExitCode, Box<dyn std::erro
                 let started = Instant::now();
                 let mut kept = 0u64;
                 for i in 0..args.hits {
-                    kept += u64::from(table.observe(std::hint::black_box(&hits[i as usize % hits.len()])));
+                    let n = hits.len();
+                    kept += u64::from(table.observe(std::hint::black_box(&mut hits[i as usize % n])));
                 }
                 std::hint::black_box(kept);
                 started.elapsed().as_nanos() as f64 / f64::from(args.hits)

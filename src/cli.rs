@@ -101,6 +101,10 @@ pub struct RunArgs {
     /// SIGUSR1, in the hist file's layout.
     #[arg(long, value_name = "GRP/EVENT:TRIGGER")]
     pub trigger: Vec<String>,
+    /// Print the frames of kernel stacks (the `stacktrace` trigger) as `func+0xoff/0xsize`
+    /// (ftrace's `sym-offset` trace option), not by name alone.
+    #[arg(long)]
+    pub sym_offset: bool,
     /// Where to put the control socket through which `hvprobe probe` and `hvprobe trace`
     /// steer the run from other terminals [default: $XDG_RUNTIME_DIR/hvprobe/PID.sock, or
     /// /tmp/hvprobe-UID/PID.sock]. Only the user who started the run can connect.

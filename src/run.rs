@@ -19,6 +19,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let trace = TraceOptions {
         probes: args.probes.clone(),
         output: args.output,
+        sym_offset: args.sym_offset,
         text_hash: args.text_hash,
         control: match (&args.control, args.no_control) {
             (_, true) => ControlSocket::Off,

@@ -25,6 +25,8 @@ use crate::trace::TraceSession;
 pub struct TraceOptions {
     pub probes: Option<PathBuf>,
     pub output: OutputFormat,
+    /// Stack frames as `func+0xoff/0xsize` (`--sym-offset`).
+    pub sym_offset: bool,
     /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
     pub text_hash: bool,
     pub control: ControlSocket,
@@ -74,6 +76,7 @@ impl RunSession {
                 let session = Arc::new(TraceSession::new(
                     file.as_deref(),
                     options.output,
+                    options.sym_offset,
                     optimize,
                     &options.analysis,
                     vm,

@@ -20,7 +20,7 @@ use hvprobe_probes::engine::{
     default_maxactive, resolve_symbol, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint,
     Tracer,
 };
-use hvprobe_probes::output::{ftrace_line, json_line, listing_line};
+use hvprobe_probes::output::{ftrace_text, json_line, listing_line};
 use hvprobe_probes::spec::{
     default_event_name, is_wildcard_pattern, parse_file_all_errors, wildcard_matches, ProbeSpec, Target,
 };
@@ -128,6 +128,8 @@ pub struct TraceSession {
     requests: Vec<Request>,
     /// How hits are printed (and so the histograms).
     format: OutputFormat,
+    /// `--sym-offset`: stack frames with their offsets.
+    sym_offset: bool,
     console: ConsoleLog,
 }
 
@@ -153,12 +155,14 @@ struct EventStream {
 pub struct Subscription {
     pub events: Receiver<HitEvent>,
     pub dropped: Arc<AtomicU64>,
+    /// The run's `--sym-offset`, for stack frames in text.
+    pub sym_offset: bool,
 }
 
 impl EventSink for EventFanout {
-    fn try_send(&self, event: HitEvent) -> bool {
+    fn try_send(&self, mut event: HitEvent) -> bool {
         if let Some(analysis) = self.analysis.get() {
-            if !analysis.observe(&event.record) {
+            if !analysis.observe(&mut event.record) {
                 // Filtered out: counted by the filter, not missed.
                 return true;
             }
@@ -521,6 +525,7 @@ impl TraceSession {
     pub fn new(
         probes_file: Option<&Path>,
         format: OutputFormat,
+        sym_offset: bool,
         optimize: bool,
         analysis: &AnalysisFlags,
         vm: &Vm,
@@ -546,7 +551,7 @@ impl TraceSession {
                 let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
                 let printer = std::thread::Builder::new()
                     .name("trace-printer".into())
-                    .spawn(move || print_events(rx, format, console))
+                    .spawn(move || print_events(rx, format, sym_offset, console))
                     .map_err(|e| SessionError::Engine(format!("cannot start the trace printer: {e}")))?;
                 (Some(tx), Some(printer))
             }
@@ -573,6 +578,7 @@ impl TraceSession {
             optimize,
             requests,
             format,
+            sym_offset,
             console: vm.console_log(),
         })
     }
@@ -609,7 +615,7 @@ impl TraceSession {
         }
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         let tracer = self.attach_tracer()?;
-        let (armed, notes) = plan(&tracer, symbols, &self.source(), &self.initial)?;
+        let (mut armed, notes) = plan(&tracer, symbols, &self.source(), &self.initial)?;
         for note in notes {
             eprintln!("hvprobe: {note}");
         }
@@ -618,6 +624,10 @@ impl TraceSession {
             Ok(analysis) => analysis,
             Err(problems) => return spec_result(&self.source(), problems),
         };
+        // An event with a `stacktrace` trigger has its probe unwind the stack at each hit.
+        for p in &mut armed {
+            p.request.stack_trace = analysis.wants_stacks(&p.request.group, &p.request.event);
+        }
         if !analysis.is_empty() {
             let _ = self.events.analysis.set(Arc::new(analysis));
         }
@@ -885,7 +895,11 @@ impl TraceSession {
                 tx,
                 dropped: Arc::clone(&dropped),
             });
-        Subscription { events: rx, dropped }
+        Subscription {
+            events: rx,
+            dropped,
+            sym_offset: self.sym_offset,
+        }
     }
 
     /// The listing: one line per probe, the debugfs `list` layout plus hits, nmissed and
@@ -966,6 +980,13 @@ impl TraceSession {
             s.emulation_fallbacks.load(Relaxed),
             s.returns_abandoned.load(Relaxed)
         );
+        let stacks = s.stacks_unwound.load(Relaxed);
+        if stacks > 0 {
+            eprintln!(
+                "hvprobe: kernel stacks unwound {stacks}, {:.1} us each on the host",
+                s.unwind_ns.load(Relaxed) as f64 / stacks as f64 / 1000.0
+            );
+        }
     }
 
     /// Prints the listing on SIGUSR1 while the run lasts.
@@ -991,11 +1012,12 @@ impl TraceSession {
     }
 }
 
-/// One hit as a line of `format` (no newline).
-pub fn event_line(event: &HitEvent, format: OutputFormat) -> String {
+/// One hit in `format`, without the last newline: a line, or for a text hit with a kernel
+/// stack the event's line and the stack's lines (frames with offsets with `sym_offset`).
+pub fn event_line(event: &HitEvent, format: OutputFormat, sym_offset: bool) -> String {
     match format {
         OutputFormat::Json => json_line(&event.record),
-        OutputFormat::Text | OutputFormat::None => ftrace_line(&event.record),
+        OutputFormat::Text | OutputFormat::None => ftrace_text(&event.record, sym_offset),
     }
 }
 
@@ -1006,7 +1028,7 @@ const CONSOLE_LINE_WAIT: Duration = Duration::from_millis(100);
 /// Prints events as they come, a batch of lines at a time. stdout is shared with the
 /// guest's console, which prints a byte at a time: a batch goes out under stdout's lock,
 /// only when the console is at the start of a line, so neither splits the other's lines.
-fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, console: ConsoleLog) {
+fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, sym_offset: bool, console: ConsoleLog) {
     let mut batch = String::new();
     // The console's byte count when a batch of ours last broke one of its lines: as long
     // as it has printed nothing since, stdout is at the start of a line (ours).
@@ -1014,7 +1036,7 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, console: ConsoleLo
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
         while let Some(event) = next {
-            batch.push_str(&event_line(&event, format));
+            batch.push_str(&event_line(&event, format, sym_offset));
             batch.push('\n');
             next = if batch.len() < 1 << 16 {
                 rx.try_recv().ok()

@@ -378,7 +378,7 @@ fn bad_filters_and_triggers_are_refused_before_boot_with_where_and_why() {
 }
 
 #[test]
-fn filters_need_a_probe_file_and_stack_traces_are_not_there_yet() {
+fn filters_need_a_probe_file_and_bad_stack_trace_triggers_say_where() {
     let run = hvprobe(
         &["run", "--workload", "true", "--filter", "a/b:cpu == 0"],
         REFUSAL_TIMEOUT,
@@ -393,13 +393,17 @@ fn filters_need_a_probe_file_and_stack_traces_are_not_there_yet() {
     let run = refused(
         "stacktrace",
         "p:ana/write vfs_write\n",
-        &["--trigger", "ana/write:stacktrace"],
+        &[
+            "--trigger",
+            "ana/write:stacktrace:0",
+            "--trigger",
+            "ana/write:hist:keys=stacktrace",
+        ],
     );
-    assert!(
-        run.stderr.contains(
-            "column 11: stack traces (`stacktrace`) need the guest's kernel stacks, which hvprobe does not unwind yet"
-        ),
-        "{}",
-        run.tail()
-    );
+    for expected in [
+        "--trigger 'ana/write:stacktrace:0': column 22: bad count `0`: expected a number above 0",
+        "--trigger 'ana/write:hist:keys=stacktrace': column 21: `stacktrace` as a hist key is not supported",
+    ] {
+        assert!(run.stderr.contains(expected), "no {expected:?} in\n{}", run.tail());
+    }
 }

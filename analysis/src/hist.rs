@@ -85,10 +85,12 @@ impl KeyModifier {
 /// What is wrong with a trigger.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum HistErrorKind {
-    #[error("`{0}` triggers are not supported: only `hist:...`")]
+    #[error("`{0}` triggers are not supported: only `hist:...` and `stacktrace`")]
     UnsupportedTrigger(String),
-    #[error("stack traces (`stacktrace`) need the guest's kernel stacks, which hvprobe does not unwind yet")]
+    #[error("`stacktrace` as a hist key is not supported (the `stacktrace` trigger is)")]
     Stacktrace,
+    #[error("bad count `{0}`: expected a number above 0")]
+    BadCount(String),
     #[error("a hist trigger needs `keys=`")]
     MissingKeys,
     #[error("`{0}` has no value")]
@@ -145,11 +147,11 @@ pub struct HistError {
 }
 
 impl HistError {
-    fn at(offset: usize, kind: HistErrorKind) -> HistError {
+    pub(crate) fn at(offset: usize, kind: HistErrorKind) -> HistError {
         HistError { offset, kind }
     }
 
-    fn from_filter(base: usize, e: FilterError) -> HistError {
+    pub(crate) fn from_filter(base: usize, e: FilterError) -> HistError {
         HistError {
             offset: base + e.offset,
             kind: HistErrorKind::Filter(Box::new(e.kind)),
@@ -212,7 +214,6 @@ impl HistSpec {
         };
         match command {
             "hist" => {}
-            "stacktrace" => return Err(HistError::at(lead, HistErrorKind::Stacktrace)),
             other => return Err(HistError::at(lead, HistErrorKind::UnsupportedTrigger(other.to_owned()))),
         }
         let params_at = lead + command.len() + 1;

@@ -15,6 +15,8 @@
 //! - [`request`]: `--filter GRP/EVENT:EXPR`, `--trigger GRP/EVENT:TRIGGER` and the spec
 //!   file's `filter`/`trigger` lines, with errors naming the flag or the file, line and
 //!   column.
+//! - [`stacktrace`]: the `stacktrace` trigger (the stack is the probe engine's, unwound on
+//!   the host).
 //! - [`table`]: every event's filter and triggers, looked up per hit.
 
 pub mod fields;
@@ -22,6 +24,7 @@ pub mod filter;
 pub mod hist;
 pub mod kernel_sort;
 pub mod request;
+pub mod stacktrace;
 pub mod table;
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //!
 //! - `--filter GRP/EVENT:FILTER`: what one writes to `events/GRP/EVENT/filter`.
 //! - `--trigger GRP/EVENT:TRIGGER`: what one writes to `events/GRP/EVENT/trigger`
-//!   (`hist:...[ if FILTER]`).
+//!   (`hist:...[ if FILTER]`, `stacktrace[:COUNT][ if FILTER]`).
 //! - In a spec file, lines `filter GRP/EVENT FILTER` and `trigger GRP/EVENT TRIGGER` (the
 //!   kprobe_events lines around them are the kernel's syntax; these two words start no
 //!   kprobe_events line).
@@ -17,6 +17,7 @@ use hvprobe_probes::spec::wildcard_matches;
 
 use crate::filter::{FilterError, FilterErrorKind, FilterExpr};
 use crate::hist::{HistError, HistErrorKind, HistSpec};
+use crate::stacktrace::StacktraceSpec;
 
 /// A filter or a trigger.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,6 +153,7 @@ impl fmt::Display for EventPattern {
 pub enum RequestBody {
     Filter(FilterExpr),
     Hist(HistSpec),
+    Stacktrace(StacktraceSpec),
 }
 
 /// A filter or a trigger for the events a pattern names.
@@ -190,7 +192,7 @@ impl Request {
     pub fn kind(&self) -> RequestKind {
         match self.body {
             RequestBody::Filter(_) => RequestKind::Filter,
-            RequestBody::Hist(_) => RequestKind::Trigger,
+            RequestBody::Hist(_) | RequestBody::Stacktrace(_) => RequestKind::Trigger,
         }
     }
 
@@ -214,10 +216,14 @@ impl Request {
                 FilterExpr::parse(body_text)
                     .map_err(|FilterError { offset, kind }| error(body_at + offset, RequestErrorKind::Filter(kind)))?,
             ),
-            RequestKind::Trigger => RequestBody::Hist(
-                HistSpec::parse(body_text)
-                    .map_err(|HistError { offset, kind }| error(body_at + offset, RequestErrorKind::Trigger(kind)))?,
-            ),
+            RequestKind::Trigger => {
+                let trigger_error =
+                    |HistError { offset, kind }| error(body_at + offset, RequestErrorKind::Trigger(kind));
+                match StacktraceSpec::parse(body_text) {
+                    Some(stacktrace) => RequestBody::Stacktrace(stacktrace.map_err(trigger_error)?),
+                    None => RequestBody::Hist(HistSpec::parse(body_text).map_err(trigger_error)?),
+                }
+            }
         };
         Ok(Request {
             origin,

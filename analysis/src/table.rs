@@ -19,6 +19,7 @@ use crate::fields::EventFields;
 use crate::filter::Filter;
 use crate::hist::Histogram;
 use crate::request::{Origin, Request, RequestBody, RequestError, RequestErrorKind};
+use crate::stacktrace::StacktraceTrigger;
 
 /// An event the requests may name: its name and its fetch-args.
 #[derive(Clone, Copy, Debug)]
@@ -36,13 +37,21 @@ pub struct EventAnalysis {
     filter: Option<Filter>,
     filtered: AtomicU64,
     hists: Vec<Mutex<Histogram>>,
+    stacktraces: Vec<StacktraceTrigger>,
 }
 
 impl EventAnalysis {
-    /// Runs the triggers on `hit`, then the filter: whether the hit goes on.
-    pub fn observe(&self, hit: &HitRecord) -> bool {
+    /// Runs the triggers on `hit`, then the filter: whether the hit goes on. The hit
+    /// keeps the kernel stack the engine unwound for it only when a `stacktrace` trigger
+    /// fires.
+    pub fn observe(&self, hit: &mut HitRecord) -> bool {
         for hist in &self.hists {
             hist.lock().unwrap_or_else(|e| e.into_inner()).record(hit);
+        }
+        // Every trigger sees the hit (each uses up its own count).
+        let fired = self.stacktraces.iter().fold(false, |any, t| t.fires(hit) | any);
+        if !fired {
+            hit.stack = None;
         }
         match &self.filter {
             Some(filter) if !filter.matches(hit) => {
@@ -139,6 +148,10 @@ impl AnalysisTable {
                         .bind(&fields)
                         .map(Bound::Hist)
                         .map_err(|e| request.error_in_body(e.offset, RequestErrorKind::Trigger(e.kind))),
+                    RequestBody::Stacktrace(spec) => spec
+                        .bind(&fields)
+                        .map(Bound::Stacktrace)
+                        .map_err(|e| request.error_in_body(e.offset, RequestErrorKind::Trigger(e.kind))),
                 };
                 let bound = match bound {
                     Ok(b) => b,
@@ -162,6 +175,7 @@ impl AnalysisTable {
                         analysis.filter = Some(filter);
                     }
                     Bound::Hist(trigger) => analysis.hists.push(Mutex::new(Histogram::new(trigger))),
+                    Bound::Stacktrace(trigger) => analysis.stacktraces.push(trigger),
                 }
             }
         }
@@ -183,6 +197,7 @@ impl AnalysisTable {
             filter: None,
             filtered: AtomicU64::new(0),
             hists: Vec::new(),
+            stacktraces: Vec::new(),
         })
     }
 
@@ -196,8 +211,17 @@ impl AnalysisTable {
     }
 
     /// Runs `hit`'s event's triggers and filter: whether the hit goes on.
-    pub fn observe(&self, hit: &HitRecord) -> bool {
-        self.get(&hit.group, &hit.event).is_none_or(|a| a.observe(hit))
+    pub fn observe(&self, hit: &mut HitRecord) -> bool {
+        match self.by_group.get(&hit.group).and_then(|g| g.get(&hit.event)) {
+            Some(a) => a.observe(hit),
+            None => true,
+        }
+    }
+
+    /// Whether `GRP/EVENT` has a `stacktrace` trigger: its probe must record the kernel
+    /// stack at every hit.
+    pub fn wants_stacks(&self, group: &str, event: &str) -> bool {
+        self.get(group, event).is_some_and(|a| !a.stacktraces.is_empty())
     }
 
     /// The events with a filter or a trigger, in the order they were given.
@@ -240,6 +264,7 @@ impl AnalysisTable {
 enum Bound {
     Filter(Filter),
     Hist(crate::hist::HistTrigger),
+    Stacktrace(StacktraceTrigger),
 }
 
 #[cfg(test)]

@@ -496,7 +496,8 @@ impl<M: GuestVirtRead + ?Sized> Walk<'_, M> {
                 self.signal = false;
             }
             OrcType::Regs => {
-                let base = sp.wrapping_sub(pt_regs::SIZE);
+                // The rule's stack pointer is where the `pt_regs` starts.
+                let base = sp;
                 if !self.access_ok(base, pt_regs::SIZE) {
                     return err(format!("registers at {base:#x} are not on a stack"));
                 }
@@ -514,7 +515,8 @@ impl<M: GuestVirtRead + ?Sized> Walk<'_, M> {
                 self.signal = true;
             }
             OrcType::RegsPartial => {
-                let frame = sp.wrapping_sub(IRET_FRAME_SIZE);
+                // The rule's stack pointer is where the hardware's IRET frame starts.
+                let frame = sp;
                 if !self.access_ok(frame, IRET_FRAME_SIZE) {
                     return err(format!("IRET frame at {frame:#x} is not on a stack"));
                 }

@@ -5,7 +5,8 @@ use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use hvprobe_arch::Gva;
-use hvprobe_introspection::stacks::{KernelStacks, StacksError, StacksLayout};
+use hvprobe_introspection::stacks::{cpu_stacks, KernelStacks, StacksError, StacksLayout};
+use hvprobe_introspection::unwind::StackBounds;
 
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::task::TaskInfo;
@@ -75,6 +76,22 @@ impl Machine for VmMachine {
 
     fn event_memory(&self) -> Option<&dyn RingMemory> {
         self.phys.as_ref().map(|p| p as &dyn RingMemory)
+    }
+
+    fn cpu_stacks(&self, cpu: usize) -> Result<Vec<StackBounds>, StackScanError> {
+        let guest = |e: Arc<StacksError>| StackScanError::Guest(Box::new(SharedStacksError(e)));
+        let layout = match &self.stacks {
+            GuestStacks::Kernel(layout) => layout.as_ref().map_err(|e| guest(Arc::clone(e)))?,
+            GuestStacks::None => return Ok(Vec::new()),
+        };
+        let stacks = cpu_stacks(&self.kernel, layout, cpu as u32).map_err(|e| guest(Arc::new(e)))?;
+        Ok(stacks
+            .into_iter()
+            .map(|s| StackBounds {
+                name: s.owner.to_string(),
+                range: s.bounds,
+            })
+            .collect())
     }
 
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {

@@ -44,6 +44,7 @@ mod placement;
 mod registry;
 mod returns;
 mod sites;
+mod stack;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -169,6 +170,11 @@ pub struct KprobeRequest {
     /// For a return probe: bytes of private data per followed call, shared by its entry
     /// and return handlers ([`HitContext::data`]; the seed's `data_size`).
     pub data_size: usize,
+    /// Each event carries the guest's kernel stack at the hit ([`HitRecord::stack`],
+    /// ftrace's `stacktrace` trigger), unwound on the host with the guest's ORC data. The
+    /// stack is only there while the vCPU is stopped, so such a probe always traps: it is
+    /// never optimized into an event detour (a sync detour traps, and is fine).
+    pub stack_trace: bool,
 }
 
 impl KprobeRequest {
@@ -185,6 +191,7 @@ impl KprobeRequest {
             post: None,
             disabled: false,
             data_size: 0,
+            stack_trace: false,
         }
     }
 }
@@ -294,6 +301,10 @@ pub struct EngineStats {
     /// Host time spent handling hits and steps (registers in and out, handlers, events,
     /// emulation), not counting the exits themselves.
     pub handling_ns: AtomicU64,
+    /// Kernel stacks unwound for events that asked for them, and the host time it took
+    /// (part of `handling_ns`).
+    pub stacks_unwound: AtomicU64,
+    pub unwind_ns: AtomicU64,
 }
 
 /// Why the engine cannot leave a vCPU where the guest expects it: the VM must stop (with
@@ -380,6 +391,8 @@ pub struct Tracer {
     thunks: OnceLock<crate::detour::IndirectThunks>,
     /// The rings of event detours, once set up.
     events: OnceLock<event_rings::EventSetup>,
+    /// The guest's ORC data, read when a stack is first asked for.
+    orc: OnceLock<Option<Arc<hvprobe_introspection::unwind::OrcTable>>>,
     pub stats: EngineStats,
 }
 
@@ -413,6 +426,7 @@ impl Tracer {
             started: Instant::now(),
             thunks: OnceLock::new(),
             events: OnceLock::new(),
+            orc: OnceLock::new(),
             stats: EngineStats::default(),
         }
     }

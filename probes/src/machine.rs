@@ -6,6 +6,7 @@ use std::ops::Range;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::task::TaskInfo;
+use hvprobe_introspection::unwind::StackBounds;
 
 use crate::regs::Regs;
 
@@ -54,6 +55,13 @@ pub trait Machine: Send + Sync {
     /// runs; `None` when the machine has none (no event detours then).
     fn event_memory(&self) -> Option<&dyn crate::detour::ring::RingMemory> {
         None
+    }
+
+    /// The kernel stacks CPU `cpu` may be running on now (its current task's, its IRQ,
+    /// exception and entry stacks): where an unwind of a hit on that CPU may read.
+    fn cpu_stacks(&self, cpu: usize) -> Result<Vec<StackBounds>, StackScanError> {
+        let _ = cpu;
+        Err(StackScanError::Unsupported)
     }
 }
 

@@ -63,12 +63,8 @@ pub struct StackFrame {
 /// probe shows `(CALLER_RETURN_SITE <- FUNCTION)`: the kernel prints the return address
 /// with its offset and the probed function by name only, so `location` is cut at its `+`.
 pub fn ftrace_line(hit: &HitRecord) -> String {
-    let micros = (u128::from(hit.timestamp_ns) + 500) / 1000;
-    let (secs, usecs) = (micros / 1_000_000, micros % 1_000_000);
-    let mut line = format!(
-        "{:>16}-{:<7} [{:03}]  {:>5}.{:06}: {}: (",
-        hit.comm, hit.pid, hit.cpu, secs, usecs, hit.event
-    );
+    let mut line = context(hit);
+    let _ = write!(line, "{}: (", hit.event);
     match &hit.retprobe_caller {
         Some(caller) => {
             let function = hit.location.split('+').next().unwrap_or(&hit.location);
@@ -84,9 +80,47 @@ pub fn ftrace_line(hit: &HitRecord) -> String {
     line
 }
 
+/// `trace_print_context`: `%16s-%-7d [%03d]  %5lu.%06lu: `, the timestamp rounded to the
+/// nearest microsecond, as `ns2usecs` does.
+fn context(hit: &HitRecord) -> String {
+    let micros = (u128::from(hit.timestamp_ns) + 500) / 1000;
+    let (secs, usecs) = (micros / 1_000_000, micros % 1_000_000);
+    format!(
+        "{:>16}-{:<7} [{:03}]  {:>5}.{:06}: ",
+        hit.comm, hit.pid, hit.cpu, secs, usecs
+    )
+}
+
+/// The hit's lines in ftrace's `trace` file, without the last newline: the event's line,
+/// then, when it carries a kernel stack, the stack entry the `stacktrace` trigger adds
+/// after it (`trace_stack_print`: the context and `<stack trace>`, then ` => ` and a
+/// frame per line). A frame is its function's name, or `func+0xoff/0xsize` with
+/// `sym_offset` (ftrace's `sym-offset` option); `0x%08lx` where no symbol covers it.
+pub fn ftrace_text(hit: &HitRecord, sym_offset: bool) -> String {
+    let mut text = ftrace_line(hit);
+    if let Some(stack) = &hit.stack {
+        text.push('\n');
+        text.push_str(&context(hit));
+        text.push_str("<stack trace>");
+        for frame in stack {
+            text.push_str("\n => ");
+            match &frame.symbol {
+                Some(s) if sym_offset => text.push_str(s),
+                Some(s) => text.push_str(s.split('+').next().unwrap_or(s)),
+                None => {
+                    let _ = write!(text, "{:#010x}", frame.address.0);
+                }
+            }
+        }
+    }
+    text
+}
+
 /// The hit as one JSON object, without the newline. Fields, in this order: `comm`, `pid`,
 /// `cpu`, `timestamp_ns`, `group`, `event`, `location`, `retprobe_caller` (`null` for a
-/// kprobe), `args` (an object in the spec's order; values as [`ArgValue::to_json`]).
+/// kprobe), `args` (an object in the spec's order; values as [`ArgValue::to_json`]), and
+/// `stack` when the hit carries a kernel stack: an array of `{"address","symbol"}`,
+/// innermost first (`symbol` is `func+0xoff/0xsize`, or null).
 pub fn json_line(hit: &HitRecord) -> String {
     // Written by hand so that the args keep their order whatever serde_json's map is.
     let s = |v: &str| serde_json::Value::from(v).to_string();
@@ -108,7 +142,15 @@ pub fn json_line(hit: &HitRecord) -> String {
         }
         let _ = write!(line, "{}:{}", s(name), value.to_json());
     }
-    line.push_str("}}");
+    line.push('}');
+    if let Some(stack) = &hit.stack {
+        let frames: Vec<serde_json::Value> = stack
+            .iter()
+            .map(|f| serde_json::json!({ "address": format!("{:#x}", f.address.0), "symbol": f.symbol }))
+            .collect();
+        let _ = write!(line, ",\"stack\":{}", serde_json::Value::from(frames));
+    }
+    line.push('}');
     line
 }
 

@@ -300,7 +300,7 @@ fn stream_events(client: UnixStream, subscription: Subscription, format: StreamF
     'stream: while let Ok(first) = subscription.events.recv() {
         let mut next = Some(first);
         while let Some(event) = next {
-            let mut line = event_line(&event, format);
+            let mut line = event_line(&event, format, subscription.sym_offset);
             line.push('\n');
             if out.write_all(line.as_bytes()).is_err() {
                 write_failed = true;

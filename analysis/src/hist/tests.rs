@@ -257,7 +257,11 @@ fn parse_errors_say_what_and_where() {
         error("traceon"),
         (0, HistErrorKind::UnsupportedTrigger("traceon".into()))
     );
-    assert_eq!(error("stacktrace"), (0, HistErrorKind::Stacktrace));
+    // Not a hist trigger: a request routes it to the stacktrace trigger (stacktrace.rs).
+    assert_eq!(
+        error("stacktrace"),
+        (0, HistErrorKind::UnsupportedTrigger("stacktrace".into()))
+    );
     assert_eq!(error("hist:keys=stacktrace"), (10, HistErrorKind::Stacktrace));
     assert_eq!(error("hist:vals=bytes"), (5, HistErrorKind::MissingKeys));
     assert_eq!(error("hist:keys="), (5, HistErrorKind::EmptyAssignment("keys=".into())));

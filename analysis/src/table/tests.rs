@@ -47,12 +47,12 @@ fn read(comm: &str, event: &str, count: u64) -> HitRecord {
 #[test]
 fn a_pattern_applies_to_every_event_it_names_and_filters_count_per_event() {
     let table = build(&[parse_flag(RequestKind::Filter, "io/:count > 10").unwrap()]).unwrap();
-    assert!(!table.observe(&read("sh", "p_vfs_read_0", 1)));
-    assert!(table.observe(&read("sh", "p_vfs_read_0", 11)));
-    assert!(!table.observe(&read("sh", "p_vfs_write_0", 2)));
+    assert!(!table.observe(&mut read("sh", "p_vfs_read_0", 1)));
+    assert!(table.observe(&mut read("sh", "p_vfs_read_0", 11)));
+    assert!(!table.observe(&mut read("sh", "p_vfs_write_0", 2)));
     let mut other = read("sh", "getppid", 0);
     other.group = "sys".into();
-    assert!(table.observe(&other), "an event without a filter passes");
+    assert!(table.observe(&mut other), "an event without a filter passes");
     assert_eq!(table.get("io", "p_vfs_read_0").unwrap().filtered(), Some(1));
     assert_eq!(table.get("io", "p_vfs_write_0").unwrap().filtered(), Some(1));
     assert!(table.get("sys", "getppid").is_none());
@@ -67,7 +67,7 @@ fn triggers_see_the_hits_the_event_filter_discards() {
     ])
     .unwrap();
     for comm in ["a", "b", "b"] {
-        table.observe(&read(comm, "p_vfs_read_0", 5));
+        table.observe(&mut read(comm, "p_vfs_read_0", 5));
     }
     let file = table.hist_files(None);
     assert!(

@@ -70,10 +70,7 @@ fn kernel_orc() -> OrcTable {
         (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
         (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
         (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
-        (
-            IRQ_ENTRY,
-            entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false),
-        ),
+        (IRQ_ENTRY, entry(reg::SP, 0, reg::UNDEFINED, 0, 1, false)),
         // Switched to the IRQ stack: the interrupted stack pointer is the word at sp.
         (SWITCHER, entry(reg::SP_INDIRECT, 8, reg::UNDEFINED, 0, 0, false)),
         (UNDEFINED_AFTER, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, false)),
@@ -210,10 +207,7 @@ fn an_interrupt_frame_on_the_irq_stack_leads_back_to_the_task_stack() {
         (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
         (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
         (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
-        (
-            IRQ_ENTRY,
-            entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false),
-        ),
+        (IRQ_ENTRY, entry(reg::SP, 0, reg::UNDEFINED, 0, 1, false)),
         // switcher: the previous stack pointer is the word at sp, plus 8 (past the
         // return address pushed before the switch).
         (SWITCHER, entry(reg::SP_INDIRECT, 8, reg::UNDEFINED, 0, 0, false)),
@@ -238,17 +232,14 @@ fn an_interrupt_frame_on_the_irq_stack_leads_back_to_the_task_stack() {
 fn user_mode_registers_end_the_stack() {
     let mut g = FakeGuest::default();
     let sp = TASK_STACK + STACK_SIZE - pt_regs::SIZE - 8;
-    g.put(sp, IRQ_ENTRY + 4); // leaf's return into the syscall entry
+    g.put(sp, IRQ_ENTRY + 4); // leaf's return into the syscall entry, just below its pt_regs
     let regs = sp + 8;
     g.put(regs + pt_regs::IP, 0x40_1000);
     g.put(regs + pt_regs::SP, 0x7fff_0000);
     g.put(regs + pt_regs::CS, 0x33);
     let orc = table(&[
         (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
-        (
-            IRQ_ENTRY,
-            entry(reg::SP, pt_regs::SIZE as i16, reg::UNDEFINED, 0, 1, false),
-        ),
+        (IRQ_ENTRY, entry(reg::SP, 0, reg::UNDEFINED, 0, 1, false)),
     ]);
     let start = StartRegs {
         ip: LEAF,
@@ -381,4 +372,38 @@ fn code_without_orc_data_is_walked_by_frame_pointer_and_marked_guessed() {
     let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
     assert_eq!(u.frames, vec![Gva(TEXT + 0x10)]);
     assert_eq!(u.end, UnwindEnd::NotText(Gva(0xdead_beef)));
+}
+
+#[test]
+fn an_iret_frame_gives_the_interrupted_address_and_stack() {
+    // An exception entry before its registers are saved: only the hardware's frame (ip,
+    // cs, flags, sp, ss) is on the stack, where the ORC rule's stack pointer points.
+    let mut g = FakeGuest::default();
+    let task_sp = TASK_STACK + STACK_SIZE - 0x200;
+    g.put(task_sp, 0x1234); // mid's saved rbp
+    g.put(task_sp + 8, TOP + 0x20); // mid's return address
+    let frame = task_sp - 0x100;
+    g.put(frame, MID + 0x30); // ip
+    g.put(frame + 8, 0x10); // cs
+    g.put(frame + 16, 0x2); // flags
+    g.put(frame + 24, task_sp); // sp
+    g.put(frame + 32, 0x18); // ss
+    let orc = table(&[
+        (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
+        (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
+        (IRQ_ENTRY, entry(reg::SP, 0, reg::UNDEFINED, 0, 2, false)),
+    ]);
+    let start = StartRegs {
+        ip: IRQ_ENTRY,
+        sp: frame,
+        ..StartRegs::default()
+    };
+    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    assert_eq!(
+        u.frames,
+        vec![Gva(IRQ_ENTRY), Gva(MID + 0x30), Gva(TOP + 0x20)],
+        "{:?}",
+        u.end
+    );
+    assert_eq!(u.end, UnwindEnd::Bottom);
 }

@@ -65,11 +65,14 @@ impl Tracer {
             .iter()
             .map(|arg| (arg.name.clone(), evaluate(arg, &ctx)))
             .collect();
+        let stack = probe.stack_trace.then(|| self.kernel_stack(cpu, regs));
+        let mut record = hit_record(probe, comm, task.map(|t| t.pid), cpu, self.timestamp_ns(), args);
+        record.stack = stack;
         HitEvent {
             probe: id,
             address: probe.address,
             regs: *regs,
-            record: hit_record(probe, comm, task.map(|t| t.pid), cpu, self.timestamp_ns(), args),
+            record,
         }
     }
 }

@@ -368,6 +368,7 @@ impl Tracer {
             && probe.pre.is_none()
             && probe.post.is_none()
             && probe.emit_events
+            && !probe.stack_trace
             && probe.enabled;
         records_only.then(|| EventProbe {
             id: *id,

@@ -51,6 +51,8 @@ pub(super) struct Probe {
     pub pre: Option<PreHandler>,
     pub post: Option<PostHandler>,
     pub data_size: usize,
+    /// Events carry the guest's kernel stack (see [`KprobeRequest::stack_trace`]).
+    pub stack_trace: bool,
     pub enabled: bool,
     pub counters: Arc<Counters>,
     /// `sym+0xoff/0xsize` of `address`, as hit events show it (`%pS`).
@@ -457,6 +459,7 @@ impl Tracer {
                 pre: request.pre.clone(),
                 post: request.post.clone(),
                 data_size: request.data_size,
+                stack_trace: request.stack_trace,
                 enabled: !request.disabled,
                 counters: Arc::default(),
                 trace_location: placement.trace_location.clone(),

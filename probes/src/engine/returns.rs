@@ -185,6 +185,12 @@ impl Tracer {
         }
     }
 
+    /// The return address a followed call's stack slot stands for (the latest call on
+    /// `slot`), for a stack walk that reads the trampoline there.
+    pub(super) fn return_address_at(&self, slot: Gva) -> Option<Gva> {
+        self.lock_returns().top_at(slot.0).map(|i| Gva(i.return_address))
+    }
+
     /// A return probe's entry: follow this call (swap its return address for the
     /// trampoline) unless `maxactive` calls are in flight or the entry handler declines.
     pub(super) fn enter_return_probe(&self, id: ProbeId, probe: &Probe, maxactive: u32, cpu: usize, regs: &mut Regs) {

@@ -1,0 +1,89 @@
+//! Kernel stacks at a hit. Invariant: a stack is read only while the hitting vCPU is
+//! stopped, only within that CPU's own stacks, and a return probe's trampoline never
+//! stands for a caller: a slot that holds it is read as the return address it replaced.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use hvprobe_arch::Gva;
+use hvprobe_introspection::unwind::{unwind, OrcTable, StartRegs, UnwindEnd};
+
+use super::{Tracer, COUNT};
+use crate::output::StackFrame;
+use crate::regs::Regs;
+
+impl Tracer {
+    /// The guest's ORC data, read from its memory on first use (a run that never asks
+    /// for a stack never reads it); `None`, logged once, when the guest has none.
+    fn orc(&self) -> Option<&Arc<OrcTable>> {
+        self.orc
+            .get_or_init(|| match OrcTable::read(self.machine.kernel(), &self.view.symbols) {
+                Ok(t) => {
+                    tracing::info!("kernel stacks: {} ORC entries read from the guest", t.len());
+                    Some(Arc::new(t))
+                }
+                Err(e) => {
+                    tracing::warn!("kernel stacks cannot be unwound: {e}");
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// The kernel stack of the task stopped on `cpu` with `regs`, innermost first (the
+    /// stopped address, then each caller's return address). Where the walk cannot go on
+    /// (no ORC data, a stack that is not where it should be) it ends, and says why in
+    /// the log; the frames found so far are the stack.
+    pub(super) fn kernel_stack(&self, cpu: usize, regs: &Regs) -> Vec<StackFrame> {
+        // Read once, before the clock starts: the per-hit cost is the walk's.
+        let orc = self.orc();
+        let started = Instant::now();
+        let frames = match orc.and_then(|orc| self.unwound(orc, cpu, regs)) {
+            Some(frames) => frames,
+            None => vec![Gva(regs.rip)],
+        };
+        let stack = frames
+            .into_iter()
+            .map(|address| StackFrame {
+                address,
+                symbol: self.view.symbols.describe(address).map(|d| d.to_string()),
+            })
+            .collect();
+        self.stats.stacks_unwound.fetch_add(1, COUNT);
+        self.stats
+            .unwind_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, COUNT);
+        stack
+    }
+
+    fn unwound(&self, orc: &OrcTable, cpu: usize, regs: &Regs) -> Option<Vec<Gva>> {
+        let stacks = match self.machine.cpu_stacks(cpu) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!("vCPU {cpu}: kernel stacks: {e}");
+                return None;
+            }
+        };
+        let trampoline = self.trampoline.get().copied();
+        let recover = |ip: Gva, slot: Gva| match trampoline {
+            Some(t) if t == ip => self.return_address_at(slot).unwrap_or(ip),
+            _ => ip,
+        };
+        let start = StartRegs {
+            ip: regs.rip,
+            sp: regs.rsp,
+            bp: regs.rbp,
+            // A hit is in kernel mode; `cs` is not read at every hit.
+            cs: 0,
+            r10: regs.r10,
+            r13: regs.r13,
+            di: regs.rdi,
+            dx: regs.rdx,
+        };
+        let walked = unwind(orc, self.machine.kernel(), start, &stacks, &recover);
+        if let UnwindEnd::Error(why) = &walked.end {
+            tracing::debug!("vCPU {cpu}: the stack at {:#x} ends early: {why}", regs.rip);
+        }
+        Some(walked.frames)
+    }
+}

@@ -1,0 +1,321 @@
+//! Kernel stacks unwound on the host (the `stacktrace` trigger), checked against the
+//! guest's own `stacktrace` trigger on the same hits (the oracle): the same callers,
+//! function and offset, for every hit.
+//!
+//! - `vfs_write` from the only task called `busybox` (an `echo WORD > /dev/null` loop): a
+//!   system call's stack, down to the entry from user mode.
+//! - `update_process_times`, from the timer interrupt: the stack runs through the IRQ stack
+//!   and the interrupt's register frame into whatever the CPU was doing.
+//!
+//! The guest's own trace has its trigger's frames on top (`kprobe_trace_func`, ...,
+//! the ftrace trampoline) and the probed function at `+0x5` (its kprobe sits on the
+//! function's ftrace call); the host's starts at the probe (`+0x0`). So the two are
+//! compared from the probed function down: its name, then every caller exactly.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::{hvprobe, restore_with, snapshot, Run};
+
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(420);
+const KASLR_BOOT_TIMEOUT: Duration = Duration::from_secs(900);
+
+const HOST_PROBES: &str = "p:ana/write vfs_write\np:ana/tick update_process_times\n";
+/// Guest stack traces of timer ticks to compare (each costs the guest a lot of emulated
+/// work and serial output).
+const TICKS: usize = 3;
+
+fn probe_file(name: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The guest's own probes with `stacktrace` triggers (frames with offsets), the workload
+/// while they are on, then the guest's trace file, each line prefixed `GUEST `. The tick
+/// probe's filter discards every event: the kernel runs a `stacktrace` trigger on a
+/// discarded event too, so its trace holds just the first stacks. The trace is read with
+/// the shell's own `read` (busybox `cat` of the trace file repeated it endlessly here).
+fn workload(ticks: bool) -> String {
+    let (tick_on, tick_off) = if ticks {
+        (
+            format!(
+                "echo 'p:gt update_process_times' >> $T/kprobe_events; \
+                 echo 'common_pid < 0' > $T/events/kprobes/gt/filter; \
+                 echo 'stacktrace:{TICKS}' > $T/events/kprobes/gt/trigger; echo 1 > $T/events/kprobes/gt/enable; "
+            ),
+            "echo 0 > $T/events/kprobes/gt/enable; ",
+        )
+    } else {
+        (String::new(), "")
+    };
+    format!(
+        "T=/sys/kernel/tracing; echo 1 > $T/options/sym-offset; \
+         echo 'p:gw vfs_write' > $T/kprobe_events; \
+         echo 'stacktrace if comm == \"busybox\"' > $T/events/kprobes/gw/trigger; \
+         echo 'comm == \"busybox\"' > $T/events/kprobes/gw/filter; {tick_on}\
+         echo 1 > $T/events/kprobes/gw/enable; \
+         busybox sh -c 'for s in a bb ccc dddd; do echo $s > /dev/null; done'; \
+         echo 0 > $T/events/kprobes/gw/enable; {tick_off}sleep 1; \
+         while read -r l; do echo \"GUEST $l\"; done < $T/trace; echo CONSOLE-END; sleep 2"
+    )
+}
+
+/// One stack entry of a trace: the CPU it was taken on and its frames.
+#[derive(Debug)]
+struct Stack {
+    cpu: u32,
+    frames: Vec<String>,
+}
+
+/// Every `<stack trace>` entry of the lines (the host's, or with `GUEST ` stripped, the
+/// guest's), in order.
+fn stacks(lines: impl Iterator<Item = String>) -> Vec<Stack> {
+    let mut out: Vec<Stack> = Vec::new();
+    let mut current: Option<Stack> = None;
+    for line in lines {
+        if let Some(frame) = line.strip_prefix(" => ") {
+            if let Some(s) = current.as_mut() {
+                s.frames.push(frame.trim().to_owned());
+            }
+            continue;
+        }
+        out.extend(current.take());
+        if line.contains(": <stack trace>") {
+            let cpu = line
+                .split('[')
+                .nth(1)
+                .and_then(|c| c.split(']').next())
+                .and_then(|c| c.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no CPU in {line}"));
+            current = Some(Stack {
+                cpu,
+                frames: Vec::new(),
+            });
+        }
+    }
+    out.extend(current);
+    out
+}
+
+fn function(frame: &str) -> &str {
+    frame.split('+').next().unwrap_or(frame)
+}
+
+/// The stacks that run through `probed`, from its frame down: `(cpu, callers)`, the
+/// probed function's own frame checked by name and dropped.
+fn through(stacks: &[Stack], probed: &str) -> Vec<(u32, Vec<String>)> {
+    stacks
+        .iter()
+        .filter_map(|s| {
+            let at = s.frames.iter().position(|f| function(f) == probed)?;
+            Some((s.cpu, s.frames[at + 1..].to_vec()))
+        })
+        .collect()
+}
+
+fn host_and_guest_stacks(run: &Run) -> (Vec<Stack>, Vec<Stack>) {
+    let host = stacks(
+        run.stdout
+            .lines()
+            .filter(|l| !l.starts_with("GUEST "))
+            .map(str::to_owned),
+    );
+    let guest = stacks(
+        run.stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("GUEST "))
+            .map(|l| l.trim_start().to_owned())
+            .map(|l| if l.starts_with("=> ") { format!(" {l}") } else { l }),
+    );
+    (host, guest)
+}
+
+fn check_run(run: &Run, ticks: bool) {
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert!(
+        run.console_has_line("CONSOLE-END"),
+        "the console was cut short\n{}",
+        run.tail()
+    );
+    for bad in ["ftrace bug", "WARNING:", "BUG:", "Oops"] {
+        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
+    }
+    let (host, guest) = host_and_guest_stacks(run);
+    for s in &host {
+        let first = s.frames.first().map(String::as_str).unwrap_or("");
+        assert!(
+            first.starts_with("vfs_write+0x0/") || first.starts_with("update_process_times+0x0/"),
+            "a host stack starts at the probe, not at {first:?}: {s:?}"
+        );
+    }
+
+    // The loop's writes: the same callers, in the same order.
+    let host_writes = through(&host, "vfs_write");
+    let guest_writes = through(&guest, "vfs_write");
+    assert_eq!(guest_writes.len(), 4, "the guest's write stacks\n{}", run.tail());
+    assert_eq!(
+        host_writes.iter().map(|(_, f)| f).collect::<Vec<_>>(),
+        guest_writes.iter().map(|(_, f)| f).collect::<Vec<_>>(),
+        "\n{}",
+        run.tail()
+    );
+    assert!(
+        guest_writes[0].1.iter().any(|f| function(f) == "ksys_write"),
+        "{guest_writes:?}"
+    );
+    if !ticks {
+        return;
+    }
+
+    // Ticks: the guest's first stacks in its window are consecutive hits of the host's on
+    // the same CPU, through the interrupt frame into the interrupted code.
+    let guest_ticks = through(&guest, "update_process_times");
+    assert_eq!(guest_ticks.len(), TICKS, "the guest's tick stacks\n{}", run.tail());
+    let mut host_by_cpu: BTreeMap<u32, Vec<Vec<String>>> = BTreeMap::new();
+    for (cpu, frames) in through(&host, "update_process_times") {
+        host_by_cpu.entry(cpu).or_default().push(frames);
+    }
+    let mut guest_by_cpu: BTreeMap<u32, Vec<Vec<String>>> = BTreeMap::new();
+    for (cpu, frames) in guest_ticks {
+        assert!(
+            frames.iter().any(|f| function(f) == "asm_sysvec_apic_timer_interrupt"),
+            "not from the timer interrupt: {frames:?}"
+        );
+        let below = frames
+            .iter()
+            .position(|f| function(f) == "asm_sysvec_apic_timer_interrupt")
+            .unwrap();
+        assert!(
+            below + 1 < frames.len(),
+            "the guest's stack ends at the interrupt frame: {frames:?}"
+        );
+        guest_by_cpu.entry(cpu).or_default().push(frames);
+    }
+    for (cpu, guest) in guest_by_cpu {
+        let host = host_by_cpu.get(&cpu).map(Vec::as_slice).unwrap_or(&[]);
+        assert!(
+            host.windows(guest.len()).any(|w| w == guest.as_slice()),
+            "CPU {cpu}: the guest's tick stacks are not consecutive host stacks\nguest: {guest:#?}\nhost: {:#?}",
+            &host[..host.len().min(20)]
+        );
+    }
+}
+
+fn restored_run(cpus: u8) -> Run {
+    let dir = snapshot(cpus);
+    let probes = probe_file(&format!("stacks-{cpus}"), HOST_PROBES);
+    let run = restore_with(
+        &dir,
+        cpus,
+        &workload(true),
+        &[
+            "--probes",
+            probes.to_str().unwrap(),
+            "--no-control",
+            "--sym-offset",
+            "--filter",
+            "ana/write:comm == \"busybox\"",
+            "--trigger",
+            "ana/write:stacktrace",
+            "--trigger",
+            "ana/tick:stacktrace",
+        ],
+        RESTORE_TIMEOUT,
+    );
+    let _ = std::fs::remove_file(probes);
+    run
+}
+
+#[test]
+fn host_stacks_equal_the_guests_own_on_one_vcpu_through_system_calls_and_interrupts() {
+    let run = restored_run(1);
+    check_run(&run, true);
+    assert!(run.stderr.contains("kernel stacks unwound"), "{}", run.tail());
+}
+
+#[test]
+fn host_stacks_equal_the_guests_own_on_two_vcpus() {
+    check_run(&restored_run(2), true);
+}
+
+#[test]
+fn host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_alone() {
+    common::require_kvm();
+    let probes = probe_file("stacks-kaslr", "p:ana/write vfs_write\n");
+    let workload = workload(false);
+    let run = hvprobe(
+        &[
+            "run",
+            "--kaslr",
+            "--symbols",
+            "kallsyms",
+            "--no-control",
+            "--sym-offset",
+            "--workload",
+            &workload,
+            "--probes",
+            probes.to_str().unwrap(),
+            "--filter",
+            "ana/write:comm == \"busybox\"",
+            "--trigger",
+            "ana/write:stacktrace",
+        ],
+        KASLR_BOOT_TIMEOUT,
+    );
+    let _ = std::fs::remove_file(probes);
+    let slide = run
+        .stderr
+        .lines()
+        .find_map(|l| l.split("KASLR slide ").nth(1))
+        .unwrap_or_else(|| panic!("no slide reported\n{}", run.tail()));
+    assert_ne!(slide.trim(), "0x0", "the kernel was not randomized");
+    assert!(run.stderr.contains("kallsyms"), "{}", run.tail());
+    check_run(&run, false);
+}
+
+#[test]
+fn stacks_come_as_a_frame_array_in_json_and_only_when_the_trigger_fires() {
+    let dir = snapshot(1);
+    let probes = probe_file("stacks-json", "p:ana/write vfs_write\n");
+    let run = restore_with(
+        &dir,
+        1,
+        "busybox sh -c 'for s in a bb ccc; do echo $s > /dev/null; done'",
+        &[
+            "--probes",
+            probes.to_str().unwrap(),
+            "--no-control",
+            "--output",
+            "json",
+            "--filter",
+            "ana/write:comm == \"busybox\"",
+            "--trigger",
+            "ana/write:stacktrace:2",
+        ],
+        RESTORE_TIMEOUT,
+    );
+    let _ = std::fs::remove_file(probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let hits: Vec<serde_json::Value> = run
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("{\"comm\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(hits.len(), 3, "{}", run.tail());
+    let with_stack: Vec<&serde_json::Value> = hits.iter().filter(|h| h.get("stack").is_some()).collect();
+    assert_eq!(with_stack.len(), 2, "stacktrace:2 fires twice\n{}", run.tail());
+    let frames = with_stack[0]["stack"].as_array().unwrap();
+    assert!(frames[0]["symbol"].as_str().unwrap().starts_with("vfs_write+0x0/"));
+    assert!(frames[0]["address"].as_str().unwrap().starts_with("0xffffffff"));
+    assert!(
+        frames
+            .iter()
+            .any(|f| f["symbol"].as_str().is_some_and(|s| s.starts_with("ksys_write+"))),
+        "{frames:?}"
+    );
+}
