@@ -19,6 +19,7 @@ use crate::analysis::AnalysisFlags;
 use crate::cli::OutputFormat;
 use crate::control::server::ControlServer;
 use crate::trace::TraceSession;
+use hvprobe_probes::clock::TraceClock;
 
 /// What a run traces and checks (`--probes`, `--output`, `--text-hash`, `--control`).
 #[derive(Clone, Debug, Default)]
@@ -32,6 +33,8 @@ pub struct TraceOptions {
     pub optimize: Option<bool>,
     /// `--filter` and `--trigger`.
     pub analysis: AnalysisFlags,
+    /// The clock hits are stamped with (`--clock`).
+    pub clock: TraceClock,
 }
 
 /// Whether a run has a control socket, and where.
@@ -75,6 +78,7 @@ impl RunSession {
                     file.as_deref(),
                     options.output,
                     optimize,
+                    options.clock,
                     &options.analysis,
                     vm,
                 )?);

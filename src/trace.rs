@@ -16,6 +16,7 @@ use hvprobe_analysis::request::Request;
 use hvprobe_analysis::table::{AnalysisTable, EventSchema};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
+use hvprobe_probes::clock::TraceClock;
 use hvprobe_probes::engine::{
     default_maxactive, resolve_symbol, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint,
     Tracer,
@@ -123,6 +124,8 @@ pub struct TraceSession {
     changes: Mutex<()>,
     /// Jump-optimize probes (the engine's switch, set when it is built).
     optimize: bool,
+    /// The clock hits are stamped with (`--clock`).
+    clock: TraceClock,
     /// The filters and triggers of the flags and of the file, bound to the file's events
     /// once the kernel is known.
     requests: Vec<Request>,
@@ -506,6 +509,15 @@ fn expand_and_check(
     (armed, notes, problems)
 }
 
+/// A clock as `--clock` names it.
+fn clock_name(clock: TraceClock) -> &'static str {
+    match clock {
+        TraceClock::Local => "local",
+        TraceClock::Global => "global",
+        TraceClock::Host => "host",
+    }
+}
+
 /// Whether `GRP/EVENT` matches a user's event pattern: `GRP/EVENT`, `EVENT` (any group),
 /// or `GRP/` (the whole group), each part a glob.
 fn event_matches(pattern: &str, group: &str, event: &str) -> bool {
@@ -522,6 +534,7 @@ impl TraceSession {
         probes_file: Option<&Path>,
         format: OutputFormat,
         optimize: bool,
+        clock: TraceClock,
         analysis: &AnalysisFlags,
         vm: &Vm,
     ) -> Result<TraceSession, SessionError> {
@@ -571,6 +584,7 @@ impl TraceSession {
             failure: Arc::new(Mutex::new(None)),
             changes: Mutex::new(()),
             optimize,
+            clock,
             requests,
             format,
             console: vm.console_log(),
@@ -647,6 +661,13 @@ impl TraceSession {
         )
         .map_err(|e| SessionError::Engine(e.to_string()))?;
         tracer.set_optimization(self.optimize);
+        if let Err(e) = tracer.set_trace_clock(self.clock) {
+            eprintln!(
+                "hvprobe: --clock {}: {e}; hits are stamped with the {} clock",
+                clock_name(self.clock),
+                clock_name(tracer.trace_clock())
+            );
+        }
         self.handler.attach(Arc::clone(&tracer), kernel.tasks);
         Ok(tracer)
     }
