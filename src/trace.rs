@@ -509,6 +509,21 @@ fn expand_and_check(
     (armed, notes, problems)
 }
 
+/// What stamped the run's hits, for the log: the guest's clock as it stands at the end
+/// (its page, TSC offset and how exactly it is known), and the stamps a page read could not
+/// serve.
+fn log_trace_clock(tracer: &Tracer) {
+    let used = clock_name(tracer.trace_clock());
+    match tracer.guest_clock() {
+        Some(clock) => tracing::info!(
+            "hits stamped with the {used} clock; guest trace clock at the end: {}; stamps from an earlier page read: {}",
+            clock.describe(),
+            clock.stale_stamps()
+        ),
+        None => tracing::info!("hits stamped with the {used} clock (no guest trace clock)"),
+    }
+}
+
 /// A clock as `--clock` names it.
 fn clock_name(clock: TraceClock) -> &'static str {
     match clock {
@@ -955,6 +970,7 @@ impl TraceSession {
         };
         eprint!("{}", self.listing());
         tracer.unregister_all();
+        log_trace_clock(tracer);
         // Every hit is in now (the rings are drained when the probes go).
         print_on_own_lines(&self.hist_report(), &self.console);
         if let Some(analysis) = self.events.analysis.get() {

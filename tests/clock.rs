@@ -8,14 +8,14 @@
 //! - Printed stamps (ours and the guest's) are microseconds, rounded: two stamps of the
 //!   same moment can differ by [`PRINT_RESOLUTION_NS`].
 //! - A trapped hit is stamped with the host's TSC when the host handles the exit, so after
-//!   the guest's moment by the exit and the handling (58–84 µs measured on kvm_pvm here,
-//!   more when the host deschedules the vCPU thread): never before it, except by how well
+//!   the guest's moment by the exit and the handling (about 60–160 µs measured on
+//!   kvm_pvm here, more when the host deschedules the vCPU thread): never before it, except by how well
 //!   the guest TSC's offset from the host's is known, which is half the narrowest
 //!   `KVM_GET_MSRS` bracket (a few µs): [`TRAPPED_SKEW_NS`] allows 20 µs.
 //! - An event detour's record carries the guest TSC of the hit, converted with the guest's
 //!   own formula: no offset to estimate, only KVM re-anchoring its kvm-clock page between
-//!   the hit and the drain (sub-µs to a few µs when the page is not flagged stable, as on
-//!   this host): [`RECORD_SKEW_NS`] allows 5 µs.
+//!   the hit and the drain (never with its master clock, which it runs here; sub-µs to a
+//!   few µs without): [`RECORD_SKEW_NS`] allows 5 µs.
 //! - The stamp follows the guest's own reading by what runs between (the exit, or a few
 //!   emulated instructions): the median must stay under [`MEDIAN_LAG_NS`].
 
