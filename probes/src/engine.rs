@@ -18,7 +18,9 @@
 //!   exception or NMI interrupted it — the guest's handler returns to the probe address with
 //!   its own flags; slots are reused only when no vCPU can be in them;
 //! - [`returns`]: every followed call returns to its own caller, through per-stack chains;
-//! - [`events`]: what a hit records, and that a record not taken is counted as missed.
+//! - [`events`]: what a hit records, and that a record not taken is counted as missed;
+//! - [`stamps`]: every hit is stamped with the one chosen clock (the guest's trace clock, or
+//!   host time when it is chosen or cannot be had).
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
@@ -30,7 +32,7 @@ use hvprobe_introspection::facts::{BlacklistReason, ExceptionTable, KprobeBlackl
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::symbols::SymbolTable;
 
-use crate::clock::{ClockError, GuestClock, TraceClock};
+use crate::clock::GuestClock;
 use crate::insn;
 use crate::machine::{KernelMemory, Machine, PausedView};
 use crate::output::HitRecord;
@@ -45,6 +47,7 @@ mod placement;
 mod registry;
 mod returns;
 mod sites;
+mod stamps;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -379,7 +382,7 @@ pub struct Tracer {
     started: Instant,
     /// The guest's trace clock, once the machine could give one.
     guest_clock: OnceLock<Arc<GuestClock>>,
-    /// The chosen [`TraceClock`] (its index in [`TRACE_CLOCKS`]).
+    /// The chosen clock (its index in [`stamps::TRACE_CLOCKS`]).
     trace_clock: AtomicU8,
     /// The guest's clock failed a stamp (logged once: host time was used).
     warned_clock: AtomicBool,
@@ -427,99 +430,6 @@ impl Tracer {
         }
     }
 
-    /// The time stamped on a hit taken now, in nanoseconds: one clock for every trapped
-    /// hit (a kprobe, a return, a return's entry). The guest's trace clock when it is
-    /// attached and chosen ([`Tracer::set_trace_clock`]), else host time since the tracer
-    /// started.
-    pub(crate) fn timestamp_ns(&self) -> u64 {
-        match self.stamping_guest_clock() {
-            Some((clock, global)) => clock
-                .now_ns()
-                .and_then(|local| if global { clock.global_ns(local) } else { Ok(local) })
-                .unwrap_or_else(|e| self.host_stamp_instead(&e)),
-            None => self.host_timestamp_ns(),
-        }
-    }
-
-    /// The time stamped on a hit an event detour recorded on `cpu` at guest TSC `tsc`: the
-    /// guest's trace clock at that TSC (the hit's own time) when that clock stamps hits,
-    /// else `host_now`, the host time of the drain that took it.
-    pub(crate) fn record_timestamp_ns(&self, cpu: usize, tsc: u64, host_now: u64) -> u64 {
-        match self.stamping_guest_clock() {
-            Some((clock, global)) => clock
-                .ns_at_guest_tsc(cpu, tsc)
-                .and_then(|local| if global { clock.global_ns(local) } else { Ok(local) })
-                .unwrap_or_else(|e| self.host_stamp_instead(&e)),
-            None => host_now,
-        }
-    }
-
-    /// Host time since the tracer started, in nanoseconds.
-    pub(crate) fn host_timestamp_ns(&self) -> u64 {
-        self.started.elapsed().as_nanos() as u64
-    }
-
-    /// The guest clock that stamps hits, and whether it is its `global` one.
-    fn stamping_guest_clock(&self) -> Option<(&GuestClock, bool)> {
-        let clock = self.guest_clock.get()?;
-        match TRACE_CLOCKS.get(usize::from(self.trace_clock.load(COUNT))) {
-            Some(TraceClock::Local) => Some((clock, false)),
-            Some(TraceClock::Global) => Some((clock, true)),
-            _ => None,
-        }
-    }
-
-    /// A stamp the guest's clock could not give (it never had a good read of a kvm-clock
-    /// page): host time, the reason logged once.
-    fn host_stamp_instead(&self, e: &ClockError) -> u64 {
-        if !self.warned_clock.swap(true, COUNT) {
-            tracing::warn!("guest clock: {e}: stamping hits with host time instead (logged once)");
-        }
-        self.host_timestamp_ns()
-    }
-
-    /// Gives the tracer the guest's trace clock (see [`crate::clock`]); hits are stamped
-    /// with it from now on unless [`TraceClock::Host`] is chosen. Refused, and host time
-    /// kept, when it cannot stamp a hit now.
-    pub fn attach_guest_clock(&self, clock: Arc<GuestClock>) -> Result<(), ClockError> {
-        clock.now_ns()?;
-        tracing::info!("guest trace clock: {}", clock.describe());
-        let _ = self.guest_clock.set(clock);
-        Ok(())
-    }
-
-    /// The guest's trace clock, when one is attached.
-    pub fn guest_clock(&self) -> Option<&Arc<GuestClock>> {
-        self.guest_clock.get()
-    }
-
-    /// Chooses the clock hits are stamped with (ftrace's `trace_clock`). A guest clock
-    /// needs [`Tracer::attach_guest_clock`] first, and `global` the guest's
-    /// `__sched_clock_offset`: refused (the choice unchanged) without them.
-    pub fn set_trace_clock(&self, clock: TraceClock) -> Result<(), ClockError> {
-        let guest = self.guest_clock.get();
-        match (clock, guest) {
-            (TraceClock::Host, _) => {}
-            (_, None) => return Err(ClockError::NotAttached),
-            (TraceClock::Global, Some(g)) => {
-                g.global_ns(0)?;
-            }
-            (TraceClock::Local, Some(_)) => {}
-        }
-        let index = TRACE_CLOCKS.iter().position(|c| *c == clock).unwrap_or(0);
-        self.trace_clock.store(index as u8, COUNT);
-        Ok(())
-    }
-
-    /// The clock hits are stamped with now.
-    pub fn trace_clock(&self) -> TraceClock {
-        match self.stamping_guest_clock() {
-            Some((_, false)) => TraceClock::Local,
-            Some((_, true)) => TraceClock::Global,
-            None => TraceClock::Host,
-        }
-    }
-
     pub fn symbols(&self) -> &SymbolTable {
         &self.view.symbols
     }
@@ -547,9 +457,6 @@ impl Tracer {
         self.returns.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }
-
-/// The clocks [`Tracer::set_trace_clock`] chooses from, by index (the default first).
-const TRACE_CLOCKS: [TraceClock; 3] = [TraceClock::Local, TraceClock::Global, TraceClock::Host];
 
 /// `Ordering` for counters nobody synchronizes on.
 const COUNT: Ordering = Ordering::Relaxed;
