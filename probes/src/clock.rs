@@ -209,7 +209,12 @@ impl GuestClock {
     fn ns_on(&self, vcpus: &mut [VcpuClock], cpu: usize, guest_tsc: u64) -> Result<u64, ClockError> {
         let v = &mut vcpus[cpu];
         let gpa = v.page.ok_or(ClockError::NoKvmClock)?;
-        let page = match read_page(&*self.memory, cpu, gpa) {
+        // KVM bumps the version around every rewrite: the same even version as the last
+        // good read is the same page (one 4-byte read instead of three).
+        let unchanged = v
+            .last_good
+            .filter(|good| read_version(&*self.memory, gpa).is_ok_and(|now| now == good.version));
+        let page = match unchanged.map_or_else(|| read_page(&*self.memory, cpu, gpa), Ok) {
             Ok(page) => {
                 v.last_good = Some(page);
                 page
@@ -270,17 +275,20 @@ fn reference_vcpu(vcpus: &[VcpuClock]) -> Result<usize, ClockError> {
         .ok_or(ClockError::NoKvmClock)
 }
 
+/// The page's version word.
+fn read_version(memory: &dyn PhysRead, gpa: Gpa) -> Result<u32, String> {
+    let mut bytes = [0u8; 4];
+    memory.read_phys(gpa, &mut bytes)?;
+    Ok(u32::from_le_bytes(bytes))
+}
+
 /// Reads a kvm-clock page as the guest does (`pvclock_read_begin`/`_retry`): the version,
 /// the fields, the version again; a read is good when the version was even and did not
 /// change. (x86 keeps loads in order; the fences keep the compiler from merging or moving
 /// the three reads.)
 fn read_page(memory: &dyn PhysRead, cpu: usize, gpa: Gpa) -> Result<PvclockTimeInfo, ClockError> {
     let unreadable = |reason: String| ClockError::Unreadable { cpu, gpa, reason };
-    let version = || -> Result<u32, ClockError> {
-        let mut bytes = [0u8; 4];
-        memory.read_phys(gpa, &mut bytes).map_err(unreadable)?;
-        Ok(u32::from_le_bytes(bytes))
-    };
+    let version = || read_version(memory, gpa).map_err(unreadable);
     for _ in 0..READ_TRIES {
         let before = version()?;
         compiler_fence(Ordering::SeqCst);

@@ -205,3 +205,23 @@ fn the_global_clock_adds_the_guests_signed_offset_and_stops_at_zero() {
     let ahead = GuestClock::new(PageMemory::new(PAGE), 0, 1).with_global_offset(7);
     assert_eq!(ahead.global_ns(u64::MAX).unwrap(), u64::MAX);
 }
+
+#[test]
+fn an_unchanged_version_reuses_the_last_read() {
+    let mem = PageMemory::new(PAGE);
+    mem.write_page(PAGE, &one_ghz(2));
+    let clock = GuestClock::new(mem.clone(), 0, 1);
+    clock.observe(0, input(PAGE | 1));
+    let first = clock.ns_at_guest_tsc(0, 2_000_000).unwrap();
+    // Fields rewritten without the version bump KVM always makes: not a new page to us (the
+    // stamp reads the version word only), and never a torn one.
+    mem.write_page(
+        PAGE,
+        &PvclockTimeInfo {
+            tsc_to_system_mul: 0,
+            ..one_ghz(2)
+        },
+    );
+    assert_eq!(clock.ns_at_guest_tsc(0, 2_000_000).unwrap(), first);
+    assert_eq!(clock.stale_stamps(), 0);
+}
