@@ -3,14 +3,14 @@
 
 use std::sync::Arc;
 
-use hvprobe_arch::Gva;
+use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::symbols::SymbolTable;
-use hvprobe_probes::clock::{GuestClock, VcpuClockInput};
+use hvprobe_probes::clock::{GuestClock, LocalClockVars, VcpuClockInput};
 use hvprobe_vmm::VcpuState;
 use vm_memory::GuestMemoryMmap;
 
-use crate::memory::GuestPhys;
+use crate::memory::{GuestPhys, LiveKernel};
 
 /// The paravirt `sched_clock` the guest calls (a static call's target): kvm-clock's when
 /// it is `kvm_sched_clock_read`.
@@ -42,13 +42,13 @@ pub enum GuestClockError {
 
 /// The guest's trace clock over guest memory `mem`, for `cpus` vCPUs: checks that the
 /// guest's `sched_clock()` is kvm-clock's, reads `kvm_sched_clock_offset` (a static the
-/// guest sets once at boot) through `kernel`, and `__sched_clock_offset` when the guest's
-/// sched_clock is marked stable (the `global` clock; set once, by a late initcall, before
-/// `/init`), and takes what `states` (vCPUs' published states) show of their kvm-clock
-/// pages and TSCs.
+/// guest sets once at boot) through `kernel`, finds where `__sched_clock_stable` and
+/// `__sched_clock_offset` are (the `global` clock; read at each stamp, since a booted
+/// guest sets them in a late initcall, after the kernel is up), and takes what `states`
+/// (vCPUs' published states) show of their kvm-clock pages and TSCs.
 pub fn guest_clock(
     mem: &GuestMemoryMmap,
-    kernel: &dyn GuestVirtRead,
+    kernel: &LiveKernel,
     symbols: &SymbolTable,
     cpus: usize,
     states: &[(usize, VcpuState)],
@@ -75,9 +75,8 @@ pub fn guest_clock(
     }
     let offset = read(KVM_SCHED_CLOCK_OFFSET, addr(KVM_SCHED_CLOCK_OFFSET)?)?;
     let mut clock = GuestClock::new(Arc::new(GuestPhys(mem.clone())), offset, cpus);
-    match global_offset(kernel, symbols) {
-        Ok(Some(global)) => clock = clock.with_global_offset(global),
-        Ok(None) => tracing::info!("the guest's sched_clock is not marked stable: no `global` clock (local_clock)"),
+    match local_clock_vars(kernel, symbols) {
+        Ok(vars) => clock = clock.with_local_clock_vars(vars),
         Err(e) => tracing::info!("no `global` clock (local_clock): {e}"),
     }
     let clock = Arc::new(clock);
@@ -87,32 +86,24 @@ pub fn guest_clock(
     Ok(clock)
 }
 
-/// `__sched_clock_offset` while `__sched_clock_stable` is on; `None` while it is off (the
-/// guest's `local_clock()` then filters per CPU against its timekeeping, which the host
-/// does not follow).
-fn global_offset(kernel: &dyn GuestVirtRead, symbols: &SymbolTable) -> Result<Option<u64>, GuestClockError> {
-    let addr = |name: &'static str| {
-        symbols
+/// The guest-physical addresses of `__sched_clock_stable` and `__sched_clock_offset`
+/// (kernel image data: they stay where they are).
+fn local_clock_vars(kernel: &LiveKernel, symbols: &SymbolTable) -> Result<LocalClockVars, GuestClockError> {
+    let gpa = |name: &'static str| -> Result<Gpa, GuestClockError> {
+        let at = symbols
             .lookup(name)
             .map(|s| s.addr)
-            .ok_or(GuestClockError::NoSymbol(name))
+            .ok_or(GuestClockError::NoSymbol(name))?;
+        let t = kernel
+            .0
+            .translate(at)
+            .map_err(|source| GuestClockError::Memory { what: name, source })?;
+        Ok(t.gpa)
     };
-    let stable = kernel
-        .read_u32(addr(SCHED_CLOCK_STABLE)?)
-        .map_err(|source| GuestClockError::Memory {
-            what: SCHED_CLOCK_STABLE,
-            source,
-        })?;
-    if stable as i32 <= 0 {
-        return Ok(None);
-    }
-    kernel
-        .read_u64(addr(SCHED_CLOCK_TO_LOCAL)?)
-        .map(Some)
-        .map_err(|source| GuestClockError::Memory {
-            what: SCHED_CLOCK_TO_LOCAL,
-            source,
-        })
+    Ok(LocalClockVars {
+        stable_key: gpa(SCHED_CLOCK_STABLE)?,
+        offset: gpa(SCHED_CLOCK_TO_LOCAL)?,
+    })
 }
 
 /// Gives `clock` what vCPU `cpu`'s published state shows: where its kvm-clock page is and

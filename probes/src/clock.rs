@@ -70,6 +70,14 @@ pub enum ClockError {
     BadPage { cpu: usize, gpa: Gpa, source: PvclockError },
 }
 
+/// Guest-physical addresses of the guest's `__sched_clock_stable` (a static key: its
+/// `enabled` count, an `int`, comes first) and `__sched_clock_offset` (`u64`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalClockVars {
+    pub stable_key: Gpa,
+    pub offset: Gpa,
+}
+
 /// What a pause shows of one vCPU's clock.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct VcpuClockInput {
@@ -96,9 +104,8 @@ struct VcpuClock {
 pub struct GuestClock {
     memory: Arc<dyn PhysRead + Send + Sync>,
     sched_clock_offset: u64,
-    /// `__sched_clock_offset`, when the guest's sched_clock is marked stable: its
-    /// `local_clock()` is `sched_clock()` plus this (signed, kept as the guest keeps it).
-    global_offset: Option<u64>,
+    /// Where the guest keeps what makes its `local_clock()` of its `sched_clock()`.
+    global: Option<LocalClockVars>,
     vcpus: Mutex<Vec<VcpuClock>>,
     /// Stamps made from a page read before (the page could not be read whole at the time).
     stale_stamps: AtomicU64,
@@ -113,27 +120,46 @@ impl GuestClock {
         GuestClock {
             memory,
             sched_clock_offset,
-            global_offset: None,
+            global: None,
             vcpus: Mutex::new(vec![VcpuClock::default(); cpus.max(1)]),
             stale_stamps: AtomicU64::new(0),
             warned_stale: AtomicBool::new(false),
         }
     }
 
-    /// With the guest's `__sched_clock_offset` (read while its `__sched_clock_stable` key is
-    /// on), so that [`global_ns`](Self::global_ns) gives its `local_clock()`.
-    pub fn with_global_offset(mut self, sched_clock_offset_to_local: u64) -> Self {
-        self.global_offset = Some(sched_clock_offset_to_local);
+    /// With where the guest keeps `__sched_clock_stable` and `__sched_clock_offset`, so
+    /// that [`global_ns`](Self::global_ns) gives its `local_clock()`.
+    pub fn with_local_clock_vars(mut self, vars: LocalClockVars) -> Self {
+        self.global = Some(vars);
         self
     }
 
+    /// Whether the guest's `global` clock can be computed at all (its variables are known;
+    /// whether its sched_clock is stable is read at each stamp).
+    pub fn has_global(&self) -> bool {
+        self.global.is_some()
+    }
+
     /// The guest's `local_clock()` (ftrace's `global` clock, dmesg's) at the moment its
-    /// `sched_clock()` read `local_ns`; a moment before that clock's 0 reads 0.
+    /// `sched_clock()` read `local_ns`: `local_ns + __sched_clock_offset` while
+    /// `__sched_clock_stable` is on, both read now (a booted guest marks its sched_clock
+    /// stable in a late initcall, after the tracer may have been built). A moment before
+    /// that clock's 0 reads 0.
     pub fn global_ns(&self, local_ns: u64) -> Result<u64, ClockError> {
-        let offset = self.global_offset.ok_or(ClockError::NoGlobalClock(
-            "the guest's sched_clock is not marked stable",
+        let vars = self.global.ok_or(ClockError::NoGlobalClock(
+            "the guest's __sched_clock_stable and __sched_clock_offset are not known",
         ))?;
-        let global = i128::from(local_ns) + i128::from(offset as i64);
+        let unreadable = |_| ClockError::NoGlobalClock("__sched_clock_stable or __sched_clock_offset is unreadable");
+        let mut key = [0u8; 4];
+        self.memory.read_phys(vars.stable_key, &mut key).map_err(unreadable)?;
+        if i32::from_le_bytes(key) <= 0 {
+            return Err(ClockError::NoGlobalClock(
+                "the guest's sched_clock is not marked stable (its local_clock() then filters per CPU)",
+            ));
+        }
+        let mut offset = [0u8; 8];
+        self.memory.read_phys(vars.offset, &mut offset).map_err(unreadable)?;
+        let global = i128::from(local_ns) + i128::from(i64::from_le_bytes(offset));
         Ok(global.clamp(0, i128::from(u64::MAX)) as u64)
     }
 
@@ -256,9 +282,9 @@ impl GuestClock {
                 p.tsc_khz(),
                 if p.tsc_stable() { "stable" } else { "not flagged stable" },
                 self.sched_clock_offset,
-                match self.global_offset {
-                    Some(o) => format!("local_clock = sched_clock {:+} ns", o as i64),
-                    None => "local_clock unknown (sched_clock not marked stable)".into(),
+                match self.global_ns(1 << 62) {
+                    Ok(global) => format!("local_clock = sched_clock {:+} ns", global as i64 - (1 << 62)),
+                    Err(e) => format!("no local_clock: {e}"),
                 }
             ),
             None => format!("kvm-clock page of vCPU {cpu} at {gpa} unreadable, {tsc}"),

@@ -194,16 +194,31 @@ fn the_narrowest_consistent_tsc_bracket_is_kept_and_a_moved_offset_replaces_it()
 }
 
 #[test]
-fn the_global_clock_adds_the_guests_signed_offset_and_stops_at_zero() {
+fn the_global_clock_adds_the_guests_signed_offset_while_it_is_stable_and_stops_at_zero() {
     let mem = PageMemory::new(PAGE);
     let local_only = GuestClock::new(mem.clone(), 0, 1);
+    assert!(!local_only.has_global());
     assert!(matches!(local_only.global_ns(5), Err(ClockError::NoGlobalClock(_))));
+    let vars = LocalClockVars {
+        stable_key: Gpa(PAGE + 0x100),
+        offset: Gpa(PAGE + 0x108),
+    };
+    let clock = GuestClock::new(mem.clone(), 0, 1).with_local_clock_vars(vars);
+    assert!(clock.has_global());
+    let set = |key: i32, offset: i64| {
+        let mut b = mem.bytes.lock().unwrap();
+        b[0x100..0x104].copy_from_slice(&key.to_le_bytes());
+        b[0x108..0x110].copy_from_slice(&offset.to_le_bytes());
+    };
+    // Not marked stable yet (a booted guest before its late initcalls): no global clock.
+    set(0, 0);
+    assert!(matches!(clock.global_ns(5), Err(ClockError::NoGlobalClock(_))));
     // The bundled guest's: "sched_clock: Marking stable (…)->(36117509076, -3116539187)".
-    let clock = GuestClock::new(mem, 0, 1).with_global_offset((-3_116_539_187i64) as u64);
+    set(1, -3_116_539_187);
     assert_eq!(clock.global_ns(36_117_509_076).unwrap(), 33_000_969_889);
     assert_eq!(clock.global_ns(1_000).unwrap(), 0);
-    let ahead = GuestClock::new(PageMemory::new(PAGE), 0, 1).with_global_offset(7);
-    assert_eq!(ahead.global_ns(u64::MAX).unwrap(), u64::MAX);
+    set(1, 7);
+    assert_eq!(clock.global_ns(u64::MAX).unwrap(), u64::MAX);
 }
 
 #[test]

@@ -81,16 +81,20 @@ impl Tracer {
     }
 
     /// Chooses the clock hits are stamped with (ftrace's `trace_clock`). A guest clock
-    /// needs [`Tracer::attach_guest_clock`] first, and `global` the guest's
-    /// `__sched_clock_offset`: refused (the choice unchanged) without them.
+    /// needs [`Tracer::attach_guest_clock`] first, and `global` where the guest keeps
+    /// `__sched_clock_offset`: refused (the choice unchanged) without them. (A `global`
+    /// stamp while the guest's sched_clock is not marked stable is host time, logged.)
     pub fn set_trace_clock(&self, clock: TraceClock) -> Result<(), ClockError> {
         let guest = self.guest_clock.get();
         match (clock, guest) {
             (TraceClock::Host, _) => {}
             (_, None) => return Err(ClockError::NotAttached),
-            (TraceClock::Global, Some(g)) => {
-                g.global_ns(0)?;
+            (TraceClock::Global, Some(g)) if !g.has_global() => {
+                return Err(ClockError::NoGlobalClock(
+                    "the guest's __sched_clock_offset is not known",
+                ));
             }
+            (TraceClock::Global, Some(_)) => {}
             (TraceClock::Local, Some(_)) => {}
         }
         let index = TRACE_CLOCKS.iter().position(|c| *c == clock).unwrap_or(0);
