@@ -90,6 +90,14 @@ pub struct RunArgs {
     /// the histograms of --trigger are (`json`: one JSON line each, else the hist file).
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output: OutputFormat,
+    /// The clock hits are stamped with, as ftrace's trace_clock file chooses one: `local`
+    /// (alias `guest`) is the guest's own trace clock (its `sched_clock()`, computed on the
+    /// host from its kvm-clock), so that hits merge by time with the guest's trace file;
+    /// `global` (alias `dmesg`) its `local_clock()`, which its dmesg prints; `host` is host
+    /// time since the probe engine started. Text output prints it as SECS.USECS, JSON as
+    /// `timestamp_ns`.
+    #[arg(long, value_enum, default_value_t = ClockArg::Local)]
+    pub clock: ClockArg,
     /// An event filter of --probes FILE's events, in ftrace's filter syntax (what one
     /// writes to events/GRP/EVENT/filter): `GRP/EVENT:EXPR`, e.g. `io/read:count > 4096 &&
     /// comm ~ "sh*"`. Hits it discards are counted (`filtered=` in the listing).
@@ -278,6 +286,30 @@ pub enum OutputFormat {
     Json,
     /// Not at all (hits still count, and stream to `hvprobe trace`).
     None,
+}
+
+/// Which clock stamps hits (`--clock`), named as ftrace's `trace_clock` names them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ClockArg {
+    /// The guest's `local` trace clock (`sched_clock()`), what its trace file prints.
+    #[default]
+    #[value(alias = "guest")]
+    Local,
+    /// The guest's `global` trace clock (`local_clock()`), what its dmesg prints.
+    #[value(alias = "dmesg")]
+    Global,
+    /// Host time since the probe engine started.
+    Host,
+}
+
+impl From<ClockArg> for hvprobe_probes::clock::TraceClock {
+    fn from(arg: ClockArg) -> Self {
+        match arg {
+            ClockArg::Local => Self::Local,
+            ClockArg::Global => Self::Global,
+            ClockArg::Host => Self::Host,
+        }
+    }
 }
 
 /// Which run's control socket a client talks to.

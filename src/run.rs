@@ -35,6 +35,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             filters: args.filter.clone(),
             triggers: args.trigger.clone(),
         },
+        clock: args.clock.into(),
     };
     if let Some(dir) = &args.snapshot {
         return crate::snapshot::run_restored(dir, args.cpus, args.workload.as_deref(), args.console_input, &trace);

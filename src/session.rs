@@ -19,6 +19,7 @@ use crate::analysis::AnalysisFlags;
 use crate::cli::OutputFormat;
 use crate::control::server::ControlServer;
 use crate::trace::TraceSession;
+use hvprobe_probes::clock::TraceClock;
 
 /// What a run traces and checks (`--probes`, `--output`, `--text-hash`, `--control`).
 #[derive(Clone, Debug, Default)]
@@ -34,6 +35,8 @@ pub struct TraceOptions {
     pub optimize: Option<bool>,
     /// `--filter` and `--trigger`.
     pub analysis: AnalysisFlags,
+    /// The clock hits are stamped with (`--clock`).
+    pub clock: TraceClock,
 }
 
 /// Whether a run has a control socket, and where.
@@ -78,6 +81,7 @@ impl RunSession {
                     options.output,
                     options.sym_offset,
                     optimize,
+                    options.clock,
                     &options.analysis,
                     vm,
                 )?);

@@ -16,6 +16,7 @@ use hvprobe_analysis::request::Request;
 use hvprobe_analysis::table::{AnalysisTable, EventSchema};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
+use hvprobe_probes::clock::TraceClock;
 use hvprobe_probes::engine::{
     default_maxactive, resolve_symbol, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint,
     Tracer,
@@ -123,6 +124,8 @@ pub struct TraceSession {
     changes: Mutex<()>,
     /// Jump-optimize probes (the engine's switch, set when it is built).
     optimize: bool,
+    /// The clock hits are stamped with (`--clock`).
+    clock: TraceClock,
     /// The filters and triggers of the flags and of the file, bound to the file's events
     /// once the kernel is known.
     requests: Vec<Request>,
@@ -510,6 +513,30 @@ fn expand_and_check(
     (armed, notes, problems)
 }
 
+/// What stamped the run's hits, for the log: the guest's clock as it stands at the end
+/// (its page, TSC offset and how exactly it is known), and the stamps a page read could not
+/// serve.
+fn log_trace_clock(tracer: &Tracer) {
+    let used = clock_name(tracer.trace_clock());
+    match tracer.guest_clock() {
+        Some(clock) => tracing::info!(
+            "hits stamped with the {used} clock; guest trace clock at the end: {}; stamps from an earlier page read: {}",
+            clock.describe(),
+            clock.stale_stamps()
+        ),
+        None => tracing::info!("hits stamped with the {used} clock (no guest trace clock)"),
+    }
+}
+
+/// A clock as `--clock` names it.
+fn clock_name(clock: TraceClock) -> &'static str {
+    match clock {
+        TraceClock::Local => "local",
+        TraceClock::Global => "global",
+        TraceClock::Host => "host",
+    }
+}
+
 /// Whether `GRP/EVENT` matches a user's event pattern: `GRP/EVENT`, `EVENT` (any group),
 /// or `GRP/` (the whole group), each part a glob.
 fn event_matches(pattern: &str, group: &str, event: &str) -> bool {
@@ -527,6 +554,7 @@ impl TraceSession {
         format: OutputFormat,
         sym_offset: bool,
         optimize: bool,
+        clock: TraceClock,
         analysis: &AnalysisFlags,
         vm: &Vm,
     ) -> Result<TraceSession, SessionError> {
@@ -576,6 +604,7 @@ impl TraceSession {
             failure: Arc::new(Mutex::new(None)),
             changes: Mutex::new(()),
             optimize,
+            clock,
             requests,
             format,
             sym_offset,
@@ -657,6 +686,13 @@ impl TraceSession {
         )
         .map_err(|e| SessionError::Engine(e.to_string()))?;
         tracer.set_optimization(self.optimize);
+        if let Err(e) = tracer.set_trace_clock(self.clock) {
+            eprintln!(
+                "hvprobe: --clock {}: {e}; hits are stamped with the {} clock",
+                clock_name(self.clock),
+                clock_name(tracer.trace_clock())
+            );
+        }
         self.handler.attach(Arc::clone(&tracer), kernel.tasks);
         Ok(tracer)
     }
@@ -948,6 +984,7 @@ impl TraceSession {
         };
         eprint!("{}", self.listing());
         tracer.unregister_all();
+        log_trace_clock(tracer);
         // Every hit is in now (the rings are drained when the probes go).
         print_on_own_lines(&self.hist_report(), &self.console);
         if let Some(analysis) = self.events.analysis.get() {

@@ -7,6 +7,7 @@
 use std::fmt;
 
 pub mod paging;
+pub mod tsc;
 
 /// A guest physical address.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -9,10 +9,12 @@
 //! - [`handler`]: the VMM's debug handler that hands int3 and single-step exits to the engine;
 //! - [`ool`]: the out-of-line area mapped into the kernel's page tables;
 //! - [`stacks`]: the guest's kernel stacks narrowed with the paused vCPUs' registers;
+//! - [`clock`]: the guest's trace clock (kvm-clock's `sched_clock()`) read on the host;
 //! - [`tracer`]: a [`Tracer`](hvprobe_probes::engine::Tracer) for a booted kernel or a code blob.
 //!
 //! No command line here: host tools, examples and tests build on this crate.
 
+pub mod clock;
 pub mod handler;
 pub mod kernel_up;
 pub mod machine;
@@ -23,6 +25,7 @@ pub mod symbols;
 pub mod task;
 pub mod tracer;
 
+pub use clock::{guest_clock, GuestClockError};
 pub use handler::ProbeHandler;
 pub use kernel_up::wait_for_kernel;
 pub use machine::VmMachine;

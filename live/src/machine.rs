@@ -19,6 +19,7 @@ use vm_memory::GuestMemoryMmap;
 use crate::memory::{live_memory, GuestPhys, LiveKernel};
 use crate::stacks::narrow_to_vcpus;
 use crate::task::TaskContext;
+use hvprobe_probes::clock::GuestClock;
 use hvprobe_probes::detour::ring::RingMemory;
 
 /// A VM as the probe engine changes it.
@@ -28,6 +29,9 @@ pub struct VmMachine {
     stacks: GuestStacks,
     /// Guest-physical memory, for the event rings.
     phys: Option<GuestPhys>,
+    /// The guest's trace clock, told at every pause where each vCPU's kvm-clock page is and
+    /// how its TSC relates to the host's.
+    clock: Option<Arc<GuestClock>>,
 }
 
 /// What the engine can know of the guest's kernel stacks.
@@ -47,7 +51,14 @@ impl VmMachine {
             kernel,
             stacks: GuestStacks::Kernel(Err(Arc::new(StacksError::NoBtf))),
             phys: None,
+            clock: None,
         }
+    }
+
+    /// With the guest's trace clock, refreshed from the parked vCPUs at every pause.
+    pub fn with_guest_clock(mut self, clock: Option<Arc<GuestClock>>) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// With guest-physical memory, where event detours' rings are read.
@@ -96,6 +107,13 @@ impl Machine for VmMachine {
 
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {
         let paused = self.control.pause_all();
+        if let Some(clock) = &self.clock {
+            for cpu in 0..self.control.vcpu_count() {
+                if let Some(state) = paused.state(cpu) {
+                    crate::clock::observe(clock, cpu, &state);
+                }
+            }
+        }
         edit(&PausedMachine {
             kernel: &self.kernel,
             paused: &paused,

@@ -211,6 +211,8 @@ mod tests {
             sregs: Default::default(),
             lstar: 0,
             kernel_gs_base: 0,
+            kvm_system_time: 0,
+            tsc: None,
         };
         state.sregs.cr3 = process.pml4;
         state.sregs.cr4 = 0x20; // PAE, no LA57: 4-level paging

@@ -15,6 +15,7 @@ use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
 use hvprobe_vmm::{VcpuControl, VcpuState};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
 
+use crate::clock::guest_clock;
 use crate::machine::VmMachine;
 use crate::memory::{GuestPhys, KernelPageTables, KernelTablesError, LiveKernel};
 use crate::ool::{map_out_of_line_area, OutOfLineError};
@@ -42,8 +43,12 @@ pub enum TracerError {
 
 /// A [`Tracer`] for a guest whose kernel is up: reads the facts probes are checked against
 /// (the live kprobe blacklist, the exception table, jump-label and static-call sites)
-/// through the kernel's own page tables and maps the out-of-line area into them. `state` is
-/// any vCPU's (paused, or not yet running).
+/// through the kernel's own page tables and maps the out-of-line area into them, and gives
+/// the tracer the guest's trace clock (hits are stamped with it unless
+/// [`TraceClock::Host`](hvprobe_probes::clock::TraceClock) is chosen; without it, with the
+/// reason logged, with host time). `state` is vCPU 0's (paused, or not yet running): the
+/// clock starts from its kvm-clock page and TSC, the other vCPUs' are taken at the engine's
+/// first pause.
 pub fn build_tracer(
     control: Arc<VcpuControl>,
     mem: &GuestMemoryMmap,
@@ -77,12 +82,21 @@ pub fn build_tracer(
     let cpus = control.vcpu_count() as u32;
     let task = crate::task::TaskContext::read(&memory, symbols).ok();
     let facts = GuestKernelFacts::from_symbols(symbols, task.as_ref().map(|t| &t.layout));
+    let clock = guest_clock(mem, &memory, symbols, cpus as usize, &[(0, *state)])
+        .map_err(|e| tracing::warn!("the guest's trace clock cannot be computed: {e}; hits are stamped with host time"))
+        .ok();
     let machine = Arc::new(
         VmMachine::new(control, memory)
             .with_stacks(stacks)
-            .with_event_memory(GuestPhys(mem.clone())),
+            .with_event_memory(GuestPhys(mem.clone()))
+            .with_guest_clock(clock.clone()),
     );
     let tracer = Arc::new(Tracer::new(machine, view, Some(ool), sink));
+    if let Some(clock) = clock {
+        if let Err(e) = tracer.attach_guest_clock(clock) {
+            tracing::warn!("the guest's trace clock cannot stamp hits: {e}; hits are stamped with host time");
+        }
+    }
     match facts {
         Ok(facts) => enable_event_detours(&tracer, cpus, facts, ool),
         Err(e) => tracing::info!("no event detours: {e}"),

@@ -18,10 +18,12 @@
 //!   exception or NMI interrupted it — the guest's handler returns to the probe address with
 //!   its own flags; slots are reused only when no vCPU can be in them;
 //! - [`returns`]: every followed call returns to its own caller, through per-stack chains;
-//! - [`events`]: what a hit records, and that a record not taken is counted as missed.
+//! - [`events`]: what a hit records, and that a record not taken is counted as missed;
+//! - [`stamps`]: every hit is stamped with the one chosen clock (the guest's trace clock, or
+//!   host time when it is chosen or cannot be had).
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Instant;
 
@@ -30,6 +32,7 @@ use hvprobe_introspection::facts::{BlacklistReason, ExceptionTable, KprobeBlackl
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::symbols::SymbolTable;
 
+use crate::clock::GuestClock;
 use crate::insn;
 use crate::machine::{KernelMemory, Machine, PausedView};
 use crate::output::HitRecord;
@@ -45,6 +48,7 @@ mod registry;
 mod returns;
 mod sites;
 mod stack;
+mod stamps;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -387,6 +391,12 @@ pub struct Tracer {
     guest_return_trampoline: Option<Gva>,
     sink: Option<Arc<dyn EventSink>>,
     started: Instant,
+    /// The guest's trace clock, once the machine could give one.
+    guest_clock: OnceLock<Arc<GuestClock>>,
+    /// The chosen clock (its index in [`stamps::TRACE_CLOCKS`]).
+    trace_clock: AtomicU8,
+    /// The guest's clock failed a stamp (logged once: host time was used).
+    warned_clock: AtomicBool,
     /// The guest's indirect-branch thunks (for the optimization checks), found once.
     thunks: OnceLock<crate::detour::IndirectThunks>,
     /// The rings of event detours, once set up.
@@ -424,17 +434,14 @@ impl Tracer {
             guest_return_trampoline,
             sink,
             started: Instant::now(),
+            guest_clock: OnceLock::new(),
+            trace_clock: AtomicU8::new(0),
+            warned_clock: AtomicBool::new(false),
             thunks: OnceLock::new(),
             events: OnceLock::new(),
             orc: OnceLock::new(),
             stats: EngineStats::default(),
         }
-    }
-
-    /// The time stamped on a hit taken now, in nanoseconds: one clock for every hit
-    /// (trapped, recorded in the guest, a return's entry).
-    pub(crate) fn timestamp_ns(&self) -> u64 {
-        self.started.elapsed().as_nanos() as u64
     }
 
     pub fn symbols(&self) -> &SymbolTable {

@@ -6,6 +6,7 @@
 //! relocation of the displaced instructions, and the event detour (guest code recording
 //! hits into per-CPU rings that the host drains), which the engine does not use so far.
 
+pub mod clock;
 pub mod detour;
 pub mod engine;
 pub mod fetch;

@@ -1,6 +1,7 @@
 //! Entry state of the boot vCPU for the two boot protocols, and the set-up every vCPU
 //! needs (MSRs, FPU, LAPIC local interrupts).
 
+use hvprobe_arch::tsc::{host_tsc, TscSample};
 use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, kvm_sregs, Msrs};
 use kvm_ioctls::VcpuFd;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -209,6 +210,76 @@ pub fn read_msr(vcpu: &VcpuFd, index: u32) -> Result<u64, Error> {
         return Err(Error::Config(format!("MSR {index:#x} is not readable")));
     }
     Ok(msrs.as_slice()[0].data)
+}
+
+/// `MSR_KVM_SYSTEM_TIME_NEW`: the guest-physical address of a vCPU's kvm-clock page.
+pub const MSR_KVM_SYSTEM_TIME_NEW: u32 = 0x4b56_4d01;
+
+/// The MSRs a vCPU's published state carries (see [`crate::VcpuState`]).
+#[derive(Clone, Copy, Debug)]
+pub struct StateMsrs {
+    pub lstar: u64,
+    pub kernel_gs_base: u64,
+    pub kvm_system_time: u64,
+}
+
+/// Reads LSTAR, the kernel GS base and the kvm-clock MSR in one `KVM_GET_MSRS` (one ioctl
+/// where two used to read the first two). KVM stops at the first MSR it refuses: the first
+/// two are required, the kvm-clock one reads 0 when refused.
+pub fn read_state_msrs(vcpu: &VcpuFd) -> Result<StateMsrs, Error> {
+    let indices = [MSR_LSTAR, MSR_KERNEL_GS_BASE, MSR_KVM_SYSTEM_TIME_NEW];
+    let entries = indices.map(|index| kvm_msr_entry {
+        index,
+        ..Default::default()
+    });
+    let mut msrs = Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+    let n = vcpu.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
+    let values: Vec<u64> = msrs.as_slice()[..n.min(indices.len())].iter().map(|e| e.data).collect();
+    if values.len() < 2 {
+        return Err(Error::Config(format!(
+            "MSR {:#x} is not readable",
+            indices[values.len()]
+        )));
+    }
+    Ok(StateMsrs {
+        lstar: values[0],
+        kernel_gs_base: values[1],
+        kvm_system_time: values.get(2).copied().unwrap_or(0),
+    })
+}
+
+/// Brackets taken per [`sample_tsc`]: the host thread can be preempted inside one. Measured
+/// on kvm_pvm here (2,000 reads on a busy host): the ioctl takes 4.8–6.8 µs (10th–90th
+/// percentile), 1 % of single brackets were more than twice the narrowest, no best of 3 was.
+const TSC_SAMPLES: usize = 3;
+
+/// The vCPU's TSC (`KVM_GET_MSRS` of `IA32_TSC` alone, which KVM computes from its own
+/// `rdtsc`) between two host TSC reads: the narrowest of a few brackets. `None` when KVM
+/// will not read it.
+pub fn sample_tsc(vcpu: &VcpuFd) -> Option<TscSample> {
+    let mut msrs = Msrs::from_entries(&[kvm_msr_entry {
+        index: MSR_IA32_TSC,
+        ..Default::default()
+    }])
+    .ok()?;
+    let mut best: Option<TscSample> = None;
+    for _ in 0..TSC_SAMPLES {
+        let host_before = host_tsc();
+        let read = vcpu.get_msrs(&mut msrs);
+        let host_after = host_tsc();
+        if read.ok()? != 1 {
+            return None;
+        }
+        let sample = TscSample {
+            host_before,
+            guest: msrs.as_slice()[0].data,
+            host_after,
+        };
+        if sample.is_ordered() && best.is_none_or(|b| sample.width() < b.width()) {
+            best = Some(sample);
+        }
+    }
+    best
 }
 
 pub fn setup_fpu(vcpu: &VcpuFd) -> Result<(), Error> {

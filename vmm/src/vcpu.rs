@@ -18,6 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
+use hvprobe_arch::tsc::TscSample;
 use hvprobe_arch::{Gva, INT3};
 use kvm_bindings::{
     kvm_guest_debug, kvm_regs, kvm_sregs, KVM_GUESTDBG_ENABLE, KVM_GUESTDBG_SINGLESTEP, KVM_GUESTDBG_USE_SW_BP,
@@ -544,19 +545,37 @@ pub struct VcpuState {
     /// The GS base user mode sees while the kernel runs (swapped by `swapgs`); the kernel's
     /// own GS base is `sregs.gs.base` while the vCPU is in kernel mode.
     pub kernel_gs_base: u64,
+    /// `MSR_KVM_SYSTEM_TIME_NEW`: where the guest asked KVM to keep this vCPU's kvm-clock
+    /// (`pvclock_vcpu_time_info`), guest-physical, bit 0 = enabled; 0 when it did not (or
+    /// KVM would not say).
+    pub kvm_system_time: u64,
+    /// The vCPU's TSC as KVM reports it, between two reads of the host's (`None` when KVM
+    /// would not read it): how guest TSC values relate to host ones.
+    pub tsc: Option<TscSample>,
 }
 
 impl VcpuState {
+    /// Registers, control registers and MSRs; no TSC sample (`tsc` is `None`).
     pub fn read(vcpu: &VcpuFd) -> Result<VcpuState, Error> {
         let regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
         let sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
-        let lstar = crate::regs::read_msr(vcpu, crate::regs::MSR_LSTAR_INDEX)?;
-        let kernel_gs_base = crate::regs::read_msr(vcpu, crate::regs::MSR_KERNEL_GS_BASE_INDEX)?;
+        let msrs = crate::regs::read_state_msrs(vcpu)?;
         Ok(VcpuState {
             regs,
             sregs,
-            lstar,
-            kernel_gs_base,
+            lstar: msrs.lstar,
+            kernel_gs_base: msrs.kernel_gs_base,
+            kvm_system_time: msrs.kvm_system_time,
+            tsc: None,
+        })
+    }
+
+    /// [`read`](Self::read) and a sample of the vCPU's TSC against the host's (a few more
+    /// ioctls: what a parked vCPU publishes, not what a hit needs).
+    pub fn read_with_tsc(vcpu: &VcpuFd) -> Result<VcpuState, Error> {
+        Ok(VcpuState {
+            tsc: crate::regs::sample_tsc(vcpu),
+            ..VcpuState::read(vcpu)?
         })
     }
 
@@ -715,7 +734,7 @@ impl VcpuRunner {
             // a kernel still booting).
             Err(e) => tracing::debug!("vCPU {}: KVM_KVMCLOCK_CTRL: {e}", self.cpu),
         }
-        VcpuState::read(&self.vcpu).ok()
+        VcpuState::read_with_tsc(&self.vcpu).ok()
     }
 
     /// Calls the debug handler; a panic in it becomes [`StopReason::HandlerPanicked`]

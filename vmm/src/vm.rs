@@ -248,13 +248,14 @@ impl Vm {
     }
 
     /// The registers, control registers and introspection MSRs of a vCPU that is not
-    /// running (before [`run`](Self::run), e.g. after a restore).
+    /// running (before [`run`](Self::run), e.g. after a restore), and its TSC against the
+    /// host's.
     pub fn vcpu_state(&self, cpu: usize) -> Result<crate::VcpuState, Error> {
         let vcpu = self
             .vcpus
             .get(cpu)
             .ok_or_else(|| Error::Config(format!("no vCPU {cpu} (or it is running)")))?;
-        crate::VcpuState::read(vcpu)
+        crate::VcpuState::read_with_tsc(vcpu)
     }
 
     /// A handle that types on the guest's serial console while the VM runs (a host tool

@@ -89,8 +89,10 @@ impl Tracer {
 
     /// Takes every record the event detours wrote since the last drain and sends each as
     /// a [`HitEvent`] (its probe's hit counted); returns how many. Never pauses the guest.
-    /// Records of one CPU come in order; the timestamp of a record is the time it was taken
-    /// (within a drain, records are in the order the guest's TSC gives).
+    /// Records of one CPU come in order, and within a drain all records are in the order
+    /// of the guest TSC each carries. A record's timestamp is the guest's trace clock at
+    /// that TSC (its hit's own time) when that clock stamps hits, else the host time of
+    /// this drain.
     pub fn drain_events(&self) -> usize {
         let (Some(setup), Some(mem)) = (self.events.get(), self.machine.event_memory()) else {
             return 0;
@@ -112,7 +114,7 @@ impl Tracer {
         if batch.is_empty() {
             return 0;
         }
-        let now = self.timestamp_ns();
+        let drained_at = self.host_timestamp_ns();
         // The registry before the layouts, as the optimization pass takes them (it holds
         // the registry while it makes a detour and writes its layout).
         let reg = self.read_registry();
@@ -143,7 +145,7 @@ impl Tracer {
                     task.as_ref().map(|t| String::from_utf8_lossy(&t.comm).into_owned()),
                     task.as_ref().map(|t| t.pid),
                     raw.cpu as usize,
-                    now,
+                    self.record_timestamp_ns(raw.ring as usize, raw.tsc, drained_at),
                     layout.decode(raw.record, &self.view.symbols),
                 ),
             };

@@ -1814,3 +1814,97 @@ fn draining_while_the_optimizer_makes_event_detours_never_deadlocks() {
         .recv_timeout(std::time::Duration::from_secs(60))
         .expect("the optimizer and the drain deadlocked");
 }
+
+/// Guest-physical memory holding one kvm-clock page at [`KVMCLOCK_GPA`].
+struct KvmClockPage(Vec<u8>);
+
+const KVMCLOCK_GPA: u64 = 0x1ea_7000;
+
+impl hvprobe_arch::paging::PhysRead for KvmClockPage {
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String> {
+        let start = gpa.0.checked_sub(KVMCLOCK_GPA).ok_or("not the page")? as usize;
+        buf.copy_from_slice(self.0.get(start..start + buf.len()).ok_or("not the page")?);
+        Ok(())
+    }
+}
+
+/// A guest clock at 1 GHz whose `sched_clock()` reads 1000 s + the guest TSC in ns; the
+/// guest's TSC is the host's.
+fn thousand_seconds_clock() -> Arc<crate::clock::GuestClock> {
+    let mut page = vec![0u8; 32];
+    page[0..4].copy_from_slice(&2u32.to_le_bytes());
+    page[16..24].copy_from_slice(&1_000_000_000_000u64.to_le_bytes());
+    page[24..28].copy_from_slice(&0x8000_0000u32.to_le_bytes());
+    page[28] = 1;
+    let clock = crate::clock::GuestClock::new(Arc::new(KvmClockPage(page)), 0, 1);
+    let now = hvprobe_arch::tsc::host_tsc();
+    clock.observe(
+        0,
+        crate::clock::VcpuClockInput {
+            kvm_system_time: KVMCLOCK_GPA | 1,
+            tsc: Some(hvprobe_arch::tsc::TscSample {
+                host_before: now,
+                guest: now,
+                host_after: now,
+            }),
+        },
+    );
+    Arc::new(clock)
+}
+
+#[test]
+fn records_are_stamped_with_their_own_tsc_on_the_guest_clock_and_with_the_drain_on_the_host_clock() {
+    use crate::clock::TraceClock;
+    let (m, t, events) = event_tracer();
+    assert!(matches!(
+        t.set_trace_clock(TraceClock::Local),
+        Err(crate::clock::ClockError::NotAttached)
+    ));
+    assert_eq!(t.trace_clock(), TraceClock::Host);
+    t.attach_guest_clock(thousand_seconds_clock()).unwrap();
+    assert_eq!(t.trace_clock(), TraceClock::Local, "the guest's clock by default");
+    // A trapped hit's stamp: the guest's clock now (1000 s + the TSC's count).
+    let before = 1_000_000_000_000 + hvprobe_arch::tsc::host_tsc();
+    let trapped = t.timestamp_ns();
+    assert!(trapped >= before, "{trapped} < {before}");
+    // No __sched_clock_offset: `global` is refused and the choice stays.
+    assert!(t.set_trace_clock(TraceClock::Global).is_err());
+    assert_eq!(t.trace_clock(), TraceClock::Local);
+
+    t.set_optimization(true);
+    let id = t
+        .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
+        .unwrap();
+    let rings = *t.event_rings().unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    let record = |tsc: u64| {
+        let mut r = vec![0u8; 24];
+        r[0..4].copy_from_slice(&id.0.to_le_bytes());
+        r[8..16].copy_from_slice(&tsc.to_le_bytes());
+        r
+    };
+    for tsc in [7_000, 9_000] {
+        assert!(mem.guest_record(&rings, 0, &record(tsc)).unwrap());
+    }
+    assert_eq!(t.drain_events(), 2);
+    let stamps = |events: &Events| -> Vec<u64> {
+        let mut got = events.got.lock().unwrap();
+        let stamps = got.iter().map(|e| e.record.timestamp_ns).collect();
+        got.clear();
+        stamps
+    };
+    assert_eq!(
+        stamps(&events),
+        [1_000_000_007_000, 1_000_000_009_000],
+        "each record at its own TSC, in order"
+    );
+
+    // `host`: the drain's host time since the tracer started (far below 1000 s).
+    t.set_trace_clock(TraceClock::Host).unwrap();
+    assert!(mem.guest_record(&rings, 0, &record(11_000)).unwrap());
+    assert_eq!(t.drain_events(), 1);
+    let host = stamps(&events);
+    assert!(host[0] < 1_000_000_000_000, "{host:?}");
+    assert!(t.timestamp_ns() < 1_000_000_000_000);
+    t.unregister(id).unwrap();
+}

@@ -1,0 +1,113 @@
+//! Hit timestamps. Invariant: **every hit is stamped with the one clock chosen for the
+//! tracer** — the guest's trace clock ([`TraceClock::Local`] by default, or `Global`) once
+//! it is attached, else host time since the tracer started — a trapped hit at the moment
+//! the host handles it ([`Tracer::timestamp_ns`], the single source of a trapped hit's
+//! stamp), a hit an event detour recorded at the guest TSC its record carries. A guest
+//! clock that cannot give a stamp gives host time, the reason logged once.
+
+use std::sync::Arc;
+
+use super::{Tracer, COUNT};
+use crate::clock::{ClockError, GuestClock, TraceClock};
+
+/// The clocks [`Tracer::set_trace_clock`] chooses from, by index (the default first).
+pub(super) const TRACE_CLOCKS: [TraceClock; 3] = [TraceClock::Local, TraceClock::Global, TraceClock::Host];
+
+impl Tracer {
+    /// The time stamped on a hit taken now, in nanoseconds: one clock for every trapped
+    /// hit (a kprobe, a return, a return's entry). The guest's trace clock when it is
+    /// attached and chosen ([`Tracer::set_trace_clock`]), else host time since the tracer
+    /// started.
+    pub(crate) fn timestamp_ns(&self) -> u64 {
+        match self.stamping_guest_clock() {
+            Some((clock, global)) => clock
+                .now_ns()
+                .and_then(|local| if global { clock.global_ns(local) } else { Ok(local) })
+                .unwrap_or_else(|e| self.host_stamp_instead(&e)),
+            None => self.host_timestamp_ns(),
+        }
+    }
+
+    /// The time stamped on a hit an event detour recorded on `cpu` at guest TSC `tsc`: the
+    /// guest's trace clock at that TSC (the hit's own time) when that clock stamps hits,
+    /// else `host_now`, the host time of the drain that took it.
+    pub(crate) fn record_timestamp_ns(&self, cpu: usize, tsc: u64, host_now: u64) -> u64 {
+        match self.stamping_guest_clock() {
+            Some((clock, global)) => clock
+                .ns_at_guest_tsc(cpu, tsc)
+                .and_then(|local| if global { clock.global_ns(local) } else { Ok(local) })
+                .unwrap_or_else(|e| self.host_stamp_instead(&e)),
+            None => host_now,
+        }
+    }
+
+    /// Host time since the tracer started, in nanoseconds.
+    pub(crate) fn host_timestamp_ns(&self) -> u64 {
+        self.started.elapsed().as_nanos() as u64
+    }
+
+    /// The guest clock that stamps hits, and whether it is its `global` one.
+    fn stamping_guest_clock(&self) -> Option<(&GuestClock, bool)> {
+        let clock = self.guest_clock.get()?;
+        match TRACE_CLOCKS.get(usize::from(self.trace_clock.load(COUNT))) {
+            Some(TraceClock::Local) => Some((clock, false)),
+            Some(TraceClock::Global) => Some((clock, true)),
+            _ => None,
+        }
+    }
+
+    /// A stamp the guest's clock could not give (it never had a good read of a kvm-clock
+    /// page): host time, the reason logged once.
+    fn host_stamp_instead(&self, e: &ClockError) -> u64 {
+        if !self.warned_clock.swap(true, COUNT) {
+            tracing::warn!("guest clock: {e}: stamping hits with host time instead (logged once)");
+        }
+        self.host_timestamp_ns()
+    }
+
+    /// Gives the tracer the guest's trace clock (see [`crate::clock`]); hits are stamped
+    /// with it from now on unless [`TraceClock::Host`] is chosen. Refused, and host time
+    /// kept, when it cannot stamp a hit now.
+    pub fn attach_guest_clock(&self, clock: Arc<GuestClock>) -> Result<(), ClockError> {
+        clock.now_ns()?;
+        tracing::info!("guest trace clock: {}", clock.describe());
+        let _ = self.guest_clock.set(clock);
+        Ok(())
+    }
+
+    /// The guest's trace clock, when one is attached.
+    pub fn guest_clock(&self) -> Option<&Arc<GuestClock>> {
+        self.guest_clock.get()
+    }
+
+    /// Chooses the clock hits are stamped with (ftrace's `trace_clock`). A guest clock
+    /// needs [`Tracer::attach_guest_clock`] first, and `global` where the guest keeps
+    /// `__sched_clock_offset`: refused (the choice unchanged) without them. (A `global`
+    /// stamp while the guest's sched_clock is not marked stable is host time, logged.)
+    pub fn set_trace_clock(&self, clock: TraceClock) -> Result<(), ClockError> {
+        let guest = self.guest_clock.get();
+        match (clock, guest) {
+            (TraceClock::Host, _) => {}
+            (_, None) => return Err(ClockError::NotAttached),
+            (TraceClock::Global, Some(g)) if !g.has_global() => {
+                return Err(ClockError::NoGlobalClock(
+                    "the guest's __sched_clock_offset is not known",
+                ));
+            }
+            (TraceClock::Global, Some(_)) => {}
+            (TraceClock::Local, Some(_)) => {}
+        }
+        let index = TRACE_CLOCKS.iter().position(|c| *c == clock).unwrap_or(0);
+        self.trace_clock.store(index as u8, COUNT);
+        Ok(())
+    }
+
+    /// The clock hits are stamped with now.
+    pub fn trace_clock(&self) -> TraceClock {
+        match self.stamping_guest_clock() {
+            Some((_, false)) => TraceClock::Local,
+            Some((_, true)) => TraceClock::Global,
+            None => TraceClock::Host,
+        }
+    }
+}
