@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
 use crate::analysis::AnalysisFlags;
-use crate::cli::OutputFormat;
+use crate::cli::HitOutputs;
 use crate::control::server::ControlServer;
 use crate::trace::TraceSession;
 
@@ -24,7 +24,7 @@ use crate::trace::TraceSession;
 #[derive(Clone, Debug, Default)]
 pub struct TraceOptions {
     pub probes: Option<PathBuf>,
-    pub output: OutputFormat,
+    pub output: HitOutputs,
     /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
     pub text_hash: bool,
     pub control: ControlSocket,
@@ -66,6 +66,9 @@ impl RunSession {
             (None, _) if !options.analysis.is_empty() => {
                 return Err(crate::trace::SessionError::AnalysisWithoutProbes.into())
             }
+            (None, ControlSocket::Off) if options.output.perfetto.is_some() => {
+                return Err(crate::trace::SessionError::PerfettoWithoutProbes.into())
+            }
             (None, ControlSocket::Off) => None,
             (file, _) => {
                 let optimize = options
@@ -73,7 +76,7 @@ impl RunSession {
                     .unwrap_or_else(|| optimize_by_default(hvprobe_vmm::Backend::detect()));
                 let session = Arc::new(TraceSession::new(
                     file.as_deref(),
-                    options.output,
+                    &options.output,
                     optimize,
                     &options.analysis,
                     vm,
