@@ -20,12 +20,18 @@ use serde_json::Value;
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(300);
 
 const READER_INSTALL: &str = "the independent Perfetto reader (tests/perfetto_reader.py) needs Python 3 with \
-     Perfetto's own trace protos: `python3 -m pip install perfetto==0.59.1 protobuf` (.ci/run installs them); \
-     HVPROBE_PYTHON names another interpreter";
+     Perfetto's own trace protos: run tests/install-perfetto-reader.sh (.ci/run does), or set HVPROBE_PYTHON to a \
+     Python that has `perfetto==0.59.1` and `protobuf`";
 
 /// What the reader makes of the trace at `path`; fails on anything it found wrong.
 fn read_trace(path: &Path) -> Value {
-    let python = std::env::var("HVPROBE_PYTHON").unwrap_or_else(|_| "python3".into());
+    // The virtualenv tests/install-perfetto-reader.sh makes, unless told otherwise.
+    let venv = common::cache_dir().join("perfetto-reader/bin/python");
+    let python = match std::env::var("HVPROBE_PYTHON") {
+        Ok(python) => python,
+        Err(_) if venv.exists() => venv.display().to_string(),
+        Err(_) => "python3".into(),
+    };
     let reader = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/perfetto_reader.py");
     let out = Command::new(&python)
         .arg(&reader)
