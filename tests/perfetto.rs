@@ -375,3 +375,77 @@ fn an_unwritable_trace_file_is_refused_before_the_guest_runs() {
     );
     assert!(!run.console_has_line("the guest ran"), "{}", run.tail());
 }
+
+#[test]
+fn sigterm_mid_run_leaves_a_complete_trace_of_every_hit_printed() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::Stdio;
+    use std::sync::mpsc;
+    use std::time::Instant;
+
+    let dir = snapshot(1);
+    let probes = std::env::temp_dir().join(format!("hvprobe-perfetto-stop-{}.probes", std::process::id()));
+    std::fs::write(&probes, PROBES).unwrap();
+    let path = temp_trace("stopped");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+        .args(["run", "--snapshot", dir.to_str().unwrap(), "--cpus", "1", "--probes"])
+        .arg(&probes)
+        .args(["--output", "text", "--output", "perfetto"])
+        .arg(&path)
+        .args(["--workload", "while true; do read -r l < /proc/version; done"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn hvprobe");
+    let (line_tx, line_rx) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.contains(" pfread_ret: (") {
+                let _ = line_tx.send(());
+            }
+            lines.push(line);
+        }
+        lines
+    });
+    let mut stderr = child.stderr.take().unwrap();
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    // Busy: returns are being printed.
+    for _ in 0..20 {
+        line_rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("the trace printed returns");
+    }
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "hvprobe did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let lines = reader.join().unwrap();
+    let stderr = err_reader.join().unwrap();
+    std::fs::remove_file(&probes).unwrap();
+    assert_eq!(status.code(), Some(143), "--- stderr ---\n{stderr}");
+    let trace = read_trace(&path);
+    std::fs::remove_file(&path).unwrap();
+    let ours = [" pfgetppid: (", " pfread: (", " pfread_ret: ("];
+    let mut text: Vec<String> = lines
+        .into_iter()
+        .filter(|l| ours.iter().any(|e| l.contains(e)))
+        .collect();
+    let mut rendered: Vec<String> = trace["events"].as_array().unwrap().iter().map(ftrace_line).collect();
+    assert!(text.len() >= 40, "{stderr}");
+    text.sort();
+    rendered.sort();
+    assert_eq!(rendered, text, "every hit printed is in the trace, and nothing else");
+}
