@@ -300,10 +300,10 @@ pub enum OutputArgError {
 }
 
 /// `--output`'s help.
-const OUTPUT_HELP: &str = "Where hits go: `text` (ftrace's trace layout) or `json` on stdout, `none` (only to \
-`hvprobe trace` clients), or `perfetto FILE`, a Perfetto trace written to FILE (hits then stay off stdout). Repeat it \
-for both: `--output text --output perfetto t.pftrace`. The stdout format is also that of the histograms of --trigger \
-(`json`: one JSON line each, else the hist file) [default: text]";
+const OUTPUT_HELP: &str = "Where hits go: `text` (ftrace's trace layout) or `json` on stdout, `none` (not \
+printed; a run still streams them to `hvprobe trace`), or `perfetto FILE`, a Perfetto trace written to FILE (hits then \
+stay off stdout). Repeat it for both: `--output text --output perfetto t.pftrace`. For `run`, the stdout format is also \
+that of the histograms of --trigger (`json`: one JSON line each, else the hist file) [default: text]";
 
 // By hand rather than derived: clap's derive cannot keep the values of each occurrence of a
 // flag together (`--output text --output perfetto FILE`), which `ArgMatches` can.
@@ -461,9 +461,9 @@ pub struct OptionalEventsArgs {
 pub struct TraceArgs {
     #[command(flatten)]
     pub control: ControlArg,
-    /// How events are printed.
-    #[arg(long, value_enum, default_value_t = crate::control::StreamFormat::Text)]
-    pub output: crate::control::StreamFormat,
+    /// `--output FORMAT [FILE]`, repeatable (see [`HitOutputs`]).
+    #[command(flatten)]
+    pub output: HitOutputs,
     /// Events held for this client while it does not read; beyond them events are dropped
     /// for it (and counted), never slowing the guest.
     #[arg(long, default_value_t = 65536)]

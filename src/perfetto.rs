@@ -111,6 +111,21 @@ impl TraceSummary {
     }
 }
 
+/// What a finished trace file holds, as one line for stderr.
+pub fn summary_line(path: &str, s: &TraceSummary) -> String {
+    format!(
+        "Perfetto trace {path}: {} hits ({} instants, {} return slices, {} with a stack) on {} vCPU tracks and {} \
+         task tracks, {} bytes",
+        s.hits(),
+        s.instants,
+        s.slices,
+        s.callstacks,
+        s.vcpu_tracks,
+        s.task_tracks,
+        s.bytes
+    )
+}
+
 /// What was interned since the sequence's incremental state was last cleared.
 #[derive(Default)]
 struct Interned {

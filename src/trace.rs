@@ -1045,17 +1045,7 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, console: ConsoleLo
     if let Some(file) = perfetto {
         let path = file.path().display().to_string();
         match file.finish() {
-            Ok(s) => eprintln!(
-                "hvprobe: Perfetto trace {path}: {} hits ({} instants, {} return slices, {} with a stack) on {} vCPU \
-                 tracks and {} task tracks, {} bytes",
-                s.hits(),
-                s.instants,
-                s.slices,
-                s.callstacks,
-                s.vcpu_tracks,
-                s.task_tracks,
-                s.bytes
-            ),
+            Ok(summary) => eprintln!("hvprobe: {}", crate::perfetto::summary_line(&path, &summary)),
             Err(e) => eprintln!("hvprobe: error: {e}"),
         }
     }

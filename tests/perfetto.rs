@@ -449,3 +449,114 @@ fn sigterm_mid_run_leaves_a_complete_trace_of_every_hit_printed() {
     rendered.sort();
     assert_eq!(rendered, text, "every hit printed is in the trace, and nothing else");
 }
+
+#[test]
+fn hvprobe_trace_writes_the_same_trace_from_a_running_guest() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::Stdio;
+    use std::sync::mpsc;
+
+    let dir = snapshot(1);
+    let probes = std::env::temp_dir().join(format!("hvprobe-perfetto-live-{}.probes", std::process::id()));
+    std::fs::write(&probes, PROBES).unwrap();
+    let socket = std::env::temp_dir().join(format!("hvprobe-perfetto-live-{}.sock", std::process::id()));
+    let path = temp_trace("client");
+    // The run waits for a console line before its workload, so that the client is
+    // subscribed when the hits come.
+    let mut run = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+        .args([
+            "run",
+            "--snapshot",
+            dir.to_str().unwrap(),
+            "--cpus",
+            "1",
+            "--console-input",
+        ])
+        .arg("--control")
+        .arg(&socket)
+        .arg("--probes")
+        .arg(&probes)
+        .args([
+            "--workload",
+            "echo WAIT; read -r go < /dev/ttyS0; hvprobe-loop 3; read -r v < /proc/version; echo DONE",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn hvprobe run");
+    let (line_tx, line_rx) = mpsc::channel();
+    let stdout = run.stdout.take().unwrap();
+    let run_stdout = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = line_tx.send(line.clone());
+            lines.push(line.trim_end_matches('\r').to_string());
+        }
+        lines
+    });
+    let mut stderr = run.stderr.take().unwrap();
+    let run_stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    while !line_rx
+        .recv_timeout(RESTORE_TIMEOUT)
+        .expect("the workload says WAIT")
+        .starts_with("WAIT")
+    {}
+    let client = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+        .args(["trace", "--output", "text", "--output", "perfetto"])
+        .arg(&path)
+        .arg("--control")
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn hvprobe trace");
+    let client = std::thread::spawn(move || client.wait_with_output().unwrap());
+    // Time for the client to subscribe (it says nothing when it has).
+    std::thread::sleep(Duration::from_secs(2));
+    let mut stdin = run.stdin.take().unwrap();
+    stdin.write_all(b"go\n").unwrap();
+    stdin.flush().unwrap();
+    let status = run.wait().unwrap();
+    drop(stdin);
+    let run_lines = run_stdout.join().unwrap();
+    let run_stderr = run_stderr.join().unwrap();
+    let client = client.join().unwrap();
+    let client_stderr = String::from_utf8_lossy(&client.stderr);
+    std::fs::remove_file(&probes).unwrap();
+    assert_eq!(status.code(), Some(0), "{run_stderr}");
+    assert!(client.status.success(), "{client_stderr}");
+    assert!(
+        client_stderr.contains(&format!("hvprobe: Perfetto trace {}: ", path.display())),
+        "{client_stderr}"
+    );
+    let trace = read_trace(&path);
+    std::fs::remove_file(&path).unwrap();
+
+    let mut text: Vec<String> = String::from_utf8_lossy(&client.stdout)
+        .lines()
+        .map(String::from)
+        .collect();
+    assert!(
+        text.iter().filter(|l| l.contains(" pfgetppid: (")).count() >= 3,
+        "{text:?}"
+    );
+    for line in &text {
+        assert!(run_lines.contains(line), "the client's line is the run's: {line}");
+    }
+    let mut rendered: Vec<String> = trace["events"].as_array().unwrap().iter().map(ftrace_line).collect();
+    text.sort();
+    rendered.sort();
+    assert_eq!(rendered, text);
+    let slices = trace["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "slice")
+        .count();
+    assert!(slices > 0, "the returns are slices: the records carry their entry");
+}
