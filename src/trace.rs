@@ -1026,7 +1026,9 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, console: ConsoleLo
                 file.write_hit(&event.record);
             }
             taken += 1;
-            next = if taken < 4096 { rx.try_recv().ok() } else { None };
+            // A batch is printed (and the trace flushed) at 64 KiB of text or 4096 hits.
+            let full = taken >= 4096 || stdout.as_ref().is_some_and(|p| p.batch.len() >= 1 << 16);
+            next = if full { None } else { rx.try_recv().ok() };
         }
         if let Some(printer) = &mut stdout {
             if !printer.flush() {
