@@ -86,10 +86,9 @@ pub struct RunArgs {
     /// the listing (debugfs `list` layout, plus hits and nmissed) on stderr at exit and on SIGUSR1.
     #[arg(long, value_name = "FILE")]
     pub probes: Option<PathBuf>,
-    /// How hits are printed on stdout (`none`: only to `hvprobe trace` clients); also how
-    /// the histograms of --trigger are (`json`: one JSON line each, else the hist file).
-    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
-    pub output: OutputFormat,
+    /// `--output FORMAT [FILE]`, repeatable (see [`HitOutputs`]).
+    #[command(flatten)]
+    pub output: HitOutputs,
     /// The clock hits are stamped with, as ftrace's trace_clock file chooses one: `local`
     /// (alias `guest`) is the guest's own trace clock (its `sched_clock()`, computed on the
     /// host from its kvm-clock), so that hits merge by time with the guest's trace file;
@@ -312,6 +311,116 @@ impl From<ClockArg> for hvprobe_probes::clock::TraceClock {
     }
 }
 
+/// Where a run's hits go: `--output`, once or twice.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HitOutputs {
+    /// On stdout (and the histograms' format).
+    pub stdout: OutputFormat,
+    /// `perfetto FILE`: a Perfetto trace written to FILE.
+    pub perfetto: Option<PathBuf>,
+}
+
+/// An `--output` that is not one of its forms.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OutputArgError {
+    #[error("--output {0:?}: expected text, json, none or perfetto FILE")]
+    Unknown(String),
+    #[error("--output perfetto needs the trace file: --output perfetto FILE")]
+    PerfettoWithoutFile,
+    #[error("--output {format} takes no file (only `--output perfetto FILE` does)")]
+    FileWithoutPerfetto { format: String },
+    #[error("--output {first} and --output {second}: hits go to stdout in one format")]
+    TwoStdoutFormats { first: String, second: String },
+    #[error("--output perfetto is given twice: one trace file per run")]
+    TwoPerfettoFiles,
+}
+
+/// `--output`'s help.
+const OUTPUT_HELP: &str = "Where hits go: `text` (ftrace's trace layout) or `json` on stdout, `none` (not \
+printed; a run still streams them to `hvprobe trace`), or `perfetto FILE`, a Perfetto trace written to FILE (hits then \
+stay off stdout). Repeat it for both: `--output text --output perfetto t.pftrace`. For `run`, the stdout format is also \
+that of the histograms of --trigger (`json`: one JSON line each, else the hist file) [default: text]";
+
+// By hand rather than derived: clap's derive cannot keep the values of each occurrence of a
+// flag together (`--output text --output perfetto FILE`), which `ArgMatches` can.
+impl clap::Args for HitOutputs {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        cmd.arg(
+            clap::Arg::new("output")
+                .long("output")
+                .num_args(1..=2)
+                .value_names(["FORMAT", "FILE"])
+                .action(clap::ArgAction::Append)
+                .help(OUTPUT_HELP),
+        )
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl clap::FromArgMatches for HitOutputs {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let occurrences: Vec<Vec<String>> = matches
+            .get_occurrences::<String>("output")
+            .map(|o| o.map(|values| values.cloned().collect()).collect())
+            .unwrap_or_default();
+        HitOutputs::from_args(&occurrences).map_err(|e| clap::Error::raw(clap::error::ErrorKind::InvalidValue, e))
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl HitOutputs {
+    /// The outputs the `--output` occurrences name: at most one stdout format (text when
+    /// none is named and there is no trace file; none when there is one) and at most one
+    /// Perfetto file.
+    pub fn from_args(occurrences: &[Vec<String>]) -> Result<HitOutputs, OutputArgError> {
+        let mut stdout: Option<(String, OutputFormat)> = None;
+        let mut perfetto = None;
+        for values in occurrences {
+            let (format, file) = match values.as_slice() {
+                [format] => (format.as_str(), None),
+                [format, file] => (format.as_str(), Some(file)),
+                _ => unreachable!("clap takes one or two values per --output"),
+            };
+            let chosen = match (format, file) {
+                ("perfetto", Some(file)) => {
+                    if perfetto.replace(PathBuf::from(file)).is_some() {
+                        return Err(OutputArgError::TwoPerfettoFiles);
+                    }
+                    continue;
+                }
+                ("perfetto", None) => return Err(OutputArgError::PerfettoWithoutFile),
+                ("text", None) => OutputFormat::Text,
+                ("json", None) => OutputFormat::Json,
+                ("none", None) => OutputFormat::None,
+                ("text" | "json" | "none", Some(_)) => {
+                    return Err(OutputArgError::FileWithoutPerfetto { format: format.into() })
+                }
+                (other, _) => return Err(OutputArgError::Unknown(other.into())),
+            };
+            if let Some((first, _)) = &stdout {
+                return Err(OutputArgError::TwoStdoutFormats {
+                    first: first.clone(),
+                    second: format.into(),
+                });
+            }
+            stdout = Some((format.into(), chosen));
+        }
+        let stdout = match (stdout, &perfetto) {
+            (Some((_, format)), _) => format,
+            (None, Some(_)) => OutputFormat::None,
+            (None, None) => OutputFormat::Text,
+        };
+        Ok(HitOutputs { stdout, perfetto })
+    }
+}
+
 /// Which run's control socket a client talks to.
 #[derive(Args, Clone, Debug)]
 pub struct ControlArg {
@@ -388,11 +497,77 @@ pub struct OptionalEventsArgs {
 pub struct TraceArgs {
     #[command(flatten)]
     pub control: ControlArg,
-    /// How events are printed.
-    #[arg(long, value_enum, default_value_t = crate::control::StreamFormat::Text)]
-    pub output: crate::control::StreamFormat,
+    /// `--output FORMAT [FILE]`, repeatable (see [`HitOutputs`]).
+    #[command(flatten)]
+    pub output: HitOutputs,
     /// Events held for this client while it does not read; beyond them events are dropped
     /// for it (and counted), never slowing the guest.
     #[arg(long, default_value_t = 65536)]
     pub queue: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outputs(args: &[&str]) -> Result<HitOutputs, String> {
+        let mut argv = vec!["hvprobe", "run"];
+        argv.extend_from_slice(args);
+        let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+        match cli.command {
+            Commands::Run(run) => Ok(run.output),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn output_takes_a_format_or_perfetto_and_a_file() {
+        let text = HitOutputs::default();
+        assert_eq!(outputs(&[]), Ok(text.clone()));
+        assert_eq!(outputs(&["--output", "text"]), Ok(text));
+        assert_eq!(
+            outputs(&["--output", "json", "--cpus", "2"]).map(|o| o.stdout),
+            Ok(OutputFormat::Json)
+        );
+        assert_eq!(
+            outputs(&["--output", "perfetto", "t.pftrace", "--cpus", "2"]),
+            Ok(HitOutputs {
+                stdout: OutputFormat::None,
+                perfetto: Some("t.pftrace".into())
+            })
+        );
+        assert_eq!(
+            outputs(&["--output", "perfetto", "t.pftrace", "--output", "text"]),
+            Ok(HitOutputs {
+                stdout: OutputFormat::Text,
+                perfetto: Some("t.pftrace".into())
+            })
+        );
+    }
+
+    #[test]
+    fn a_bad_output_says_which_forms_there_are() {
+        for (args, error) in [
+            (&["--output", "perfetto"][..], OutputArgError::PerfettoWithoutFile),
+            (&["--output", "xml"], OutputArgError::Unknown("xml".into())),
+            (
+                &["--output", "text", "t.txt"],
+                OutputArgError::FileWithoutPerfetto { format: "text".into() },
+            ),
+            (
+                &["--output", "text", "--output", "json"],
+                OutputArgError::TwoStdoutFormats {
+                    first: "text".into(),
+                    second: "json".into(),
+                },
+            ),
+            (
+                &["--output", "perfetto", "a", "--output", "perfetto", "b"],
+                OutputArgError::TwoPerfettoFiles,
+            ),
+        ] {
+            let got = outputs(args).expect_err("a bad --output");
+            assert!(got.starts_with(&format!("error: {error}\n")), "{args:?}: {got}");
+        }
+    }
 }

@@ -14,6 +14,7 @@ pub mod cli;
 pub mod control;
 pub mod cpio;
 pub mod guest;
+pub mod perfetto;
 pub mod run;
 pub mod sampler;
 pub mod session;

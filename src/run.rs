@@ -18,7 +18,7 @@ use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOpt
 pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let trace = TraceOptions {
         probes: args.probes.clone(),
-        output: args.output,
+        output: args.output.clone(),
         sym_offset: args.sym_offset,
         text_hash: args.text_hash,
         control: match (&args.control, args.no_control) {

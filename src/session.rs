@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
 use crate::analysis::AnalysisFlags;
-use crate::cli::OutputFormat;
+use crate::cli::HitOutputs;
 use crate::control::server::ControlServer;
 use crate::trace::TraceSession;
 use hvprobe_probes::clock::TraceClock;
@@ -25,7 +25,7 @@ use hvprobe_probes::clock::TraceClock;
 #[derive(Clone, Debug, Default)]
 pub struct TraceOptions {
     pub probes: Option<PathBuf>,
-    pub output: OutputFormat,
+    pub output: HitOutputs,
     /// Stack frames as `func+0xoff/0xsize` (`--sym-offset`).
     pub sym_offset: bool,
     /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
@@ -71,6 +71,9 @@ impl RunSession {
             (None, _) if !options.analysis.is_empty() => {
                 return Err(crate::trace::SessionError::AnalysisWithoutProbes.into())
             }
+            (None, ControlSocket::Off) if options.output.perfetto.is_some() => {
+                return Err(crate::trace::SessionError::PerfettoWithoutProbes.into())
+            }
             (None, ControlSocket::Off) => None,
             (file, _) => {
                 let optimize = options
@@ -78,7 +81,7 @@ impl RunSession {
                     .unwrap_or_else(|| optimize_by_default(hvprobe_vmm::Backend::detect()));
                 let session = Arc::new(TraceSession::new(
                     file.as_deref(),
-                    options.output,
+                    &options.output,
                     options.sym_offset,
                     optimize,
                     options.clock,

@@ -29,7 +29,8 @@ use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
 use crate::analysis::{error_line, hist_report, origin_line, print_on_own_lines, take_request_lines, AnalysisFlags};
-use crate::cli::OutputFormat;
+use crate::cli::{HitOutputs, OutputFormat};
+use crate::perfetto::{PerfettoError, PerfettoFile};
 
 /// Events a slow printer has not taken yet; beyond this, hits count as missed.
 const EVENT_QUEUE: usize = 1 << 16;
@@ -57,6 +58,10 @@ pub enum SessionError {
     Probe { event: String, source: Box<ProbeError> },
     #[error("--filter and --trigger apply to the events of --probes FILE, and there is none")]
     AnalysisWithoutProbes,
+    #[error("--output perfetto records probe hits, and this run has no probes: give --probes FILE, or a control socket to add them")]
+    PerfettoWithoutProbes,
+    #[error(transparent)]
+    Perfetto(#[from] PerfettoError),
 }
 
 /// A probe from a spec text, with its line for error messages.
@@ -551,7 +556,7 @@ impl TraceSession {
     /// Parses the probe file (if any) and starts the printer. Nothing touches the guest yet.
     pub fn new(
         probes_file: Option<&Path>,
-        format: OutputFormat,
+        outputs: &HitOutputs,
         sym_offset: bool,
         optimize: bool,
         clock: TraceClock,
@@ -572,14 +577,17 @@ impl TraceSession {
             });
         }
         requests.extend(flag_requests);
-        let (printer_tx, printer) = match format {
-            OutputFormat::None => (None, None),
-            format => {
+        let format = outputs.stdout;
+        // Created now, so that a file that cannot be written fails before the guest runs.
+        let perfetto = outputs.perfetto.as_deref().map(PerfettoFile::create).transpose()?;
+        let (printer_tx, printer) = match (format, perfetto) {
+            (OutputFormat::None, None) => (None, None),
+            (format, perfetto) => {
                 let console = vm.console_log();
                 let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
                 let printer = std::thread::Builder::new()
                     .name("trace-printer".into())
-                    .spawn(move || print_events(rx, format, sym_offset, console))
+                    .spawn(move || print_events(rx, format, sym_offset, console, perfetto))
                     .map_err(|e| SessionError::Engine(format!("cannot start the trace printer: {e}")))?;
                 (Some(tx), Some(printer))
             }
@@ -1062,25 +1070,91 @@ pub fn event_line(event: &HitEvent, format: OutputFormat, sym_offset: bool) -> S
 /// shell prompt never does) before it starts on a new line of its own.
 const CONSOLE_LINE_WAIT: Duration = Duration::from_millis(100);
 
-/// Prints events as they come, a batch of lines at a time. stdout is shared with the
-/// guest's console, which prints a byte at a time: a batch goes out under stdout's lock,
-/// only when the console is at the start of a line, so neither splits the other's lines.
-fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, sym_offset: bool, console: ConsoleLog) {
-    let mut batch = String::new();
-    // The console's byte count when a batch of ours last broke one of its lines: as long
-    // as it has printed nothing since, stdout is at the start of a line (ours).
-    let mut broke_line_at = None;
+/// Prints events as they come, a batch of lines at a time, and writes them to the Perfetto
+/// trace (if any), which is finished when the queue ends (the run's end, however it ends).
+fn print_events(
+    rx: Receiver<HitEvent>,
+    format: OutputFormat,
+    sym_offset: bool,
+    console: ConsoleLog,
+    mut perfetto: Option<PerfettoFile>,
+) {
+    let mut stdout = (format != OutputFormat::None).then(|| StdoutPrinter::new(format, sym_offset, console));
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
+        let mut taken = 0;
         while let Some(event) = next {
-            batch.push_str(&event_line(&event, format, sym_offset));
-            batch.push('\n');
-            next = if batch.len() < 1 << 16 {
-                rx.try_recv().ok()
-            } else {
-                None
-            };
+            if let Some(printer) = &mut stdout {
+                printer.push(&event);
+            }
+            if let Some(file) = &mut perfetto {
+                file.write_hit(&event.record);
+            }
+            taken += 1;
+            // A batch is printed (and the trace flushed) at 64 KiB of text or 4096 hits.
+            let full = taken >= 4096 || stdout.as_ref().is_some_and(|p| p.batch.len() >= 1 << 16);
+            next = if full { None } else { rx.try_recv().ok() };
         }
+        if let Some(printer) = &mut stdout {
+            if !printer.flush() {
+                if perfetto.is_none() {
+                    // stdout is gone (a closed pipe): the hits from now on are missed.
+                    return;
+                }
+                // The trace file still takes every hit.
+                stdout = None;
+            }
+        }
+        if let Some(file) = &mut perfetto {
+            file.flush();
+        }
+    }
+    if let Some(file) = perfetto {
+        let path = file.path().display().to_string();
+        match file.finish() {
+            Ok(summary) => eprintln!("hvprobe: {}", crate::perfetto::summary_line(&path, &summary)),
+            Err(e) => eprintln!("hvprobe: error: {e}"),
+        }
+    }
+}
+
+/// Hit lines for stdout, a batch at a time. stdout is shared with the guest's console,
+/// which prints a byte at a time: a batch goes out under stdout's lock, only when the
+/// console is at the start of a line, so neither splits the other's lines.
+struct StdoutPrinter {
+    format: OutputFormat,
+    /// `--sym-offset`: stack frames with their offsets.
+    sym_offset: bool,
+    console: ConsoleLog,
+    batch: String,
+    /// The console's byte count when a batch of ours last broke one of its lines: as long
+    /// as it has printed nothing since, stdout is at the start of a line (ours).
+    broke_line_at: Option<u64>,
+}
+
+impl StdoutPrinter {
+    fn new(format: OutputFormat, sym_offset: bool, console: ConsoleLog) -> Self {
+        StdoutPrinter {
+            format,
+            sym_offset,
+            console,
+            batch: String::new(),
+            broke_line_at: None,
+        }
+    }
+
+    fn push(&mut self, event: &HitEvent) {
+        self.batch.push_str(&event_line(event, self.format, self.sym_offset));
+        self.batch.push('\n');
+    }
+
+    /// Prints the batch; false when stdout cannot be written any more.
+    fn flush(&mut self) -> bool {
+        if self.batch.is_empty() {
+            return true;
+        }
+        let console = &self.console;
+        let broke_line_at = self.broke_line_at;
         let at_line_start = || console.at_line_start() || broke_line_at == Some(console.written());
         let waiting = Instant::now();
         let mut out = std::io::stdout().lock();
@@ -1090,13 +1164,12 @@ fn print_events(rx: Receiver<HitEvent>, format: OutputFormat, sym_offset: bool, 
             out = std::io::stdout().lock();
         }
         if !at_line_start() {
-            batch.insert(0, '\n');
-            broke_line_at = Some(console.written());
+            self.batch.insert(0, '\n');
+            self.broke_line_at = Some(console.written());
         }
-        if out.write_all(batch.as_bytes()).and_then(|()| out.flush()).is_err() {
-            return;
-        }
-        batch.clear();
+        let written = out.write_all(self.batch.as_bytes()).and_then(|()| out.flush()).is_ok();
+        self.batch.clear();
+        written
     }
 }
 

@@ -105,14 +105,18 @@ fn function(frame: &str) -> &str {
     frame.split('+').next().unwrap_or(frame)
 }
 
-/// The stacks that run through `probed`, from its frame down: `(cpu, callers)`, the
-/// probed function's own frame checked by name and dropped.
+/// The probed functions.
+const PROBED: [&str; 2] = ["vfs_write", "update_process_times"];
+
+/// The stacks of hits of `probed`, from its frame down: `(cpu, callers)`, the probed
+/// function's own frame checked by name and dropped. A stack is a hit of the first probed
+/// function in it (a tick can interrupt `vfs_write`: that stack is the tick's).
 fn through(stacks: &[Stack], probed: &str) -> Vec<(u32, Vec<String>)> {
     stacks
         .iter()
         .filter_map(|s| {
-            let at = s.frames.iter().position(|f| function(f) == probed)?;
-            Some((s.cpu, s.frames[at + 1..].to_vec()))
+            let at = s.frames.iter().position(|f| PROBED.contains(&function(f)))?;
+            (function(&s.frames[at]) == probed).then(|| (s.cpu, s.frames[at + 1..].to_vec()))
         })
         .collect()
 }

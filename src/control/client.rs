@@ -6,8 +6,12 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use super::{default_socket_dir, ControlError, Request, Response, StreamEnd, STREAM_END_KEY};
-use crate::cli::{ProbeAddArgs, ProbeCommand, TraceArgs};
+use hvprobe_probes::output::{ftrace_line, json_line, HitRecord};
+
+use super::record::WireRecord;
+use super::{default_socket_dir, ControlError, Request, Response, StreamEnd, StreamFormat, STREAM_END_KEY};
+use crate::cli::{OutputFormat, ProbeAddArgs, ProbeCommand, TraceArgs};
+use crate::perfetto::PerfettoFile;
 
 /// The environment variable that names the control socket when `--control` does not.
 pub const CONTROL_ENV: &str = "HVPROBE_CONTROL";
@@ -139,11 +143,21 @@ fn add_text(args: &ProbeAddArgs) -> Result<(String, String), Box<dyn std::error:
 }
 
 /// `hvprobe trace`: prints the run's hit events as they come, until it ends; then how
-/// many this client missed by reading too slowly (on stderr).
+/// many this client missed by reading too slowly (on stderr). With `--output perfetto
+/// FILE` it asks for whole records and writes the trace itself (and prints them too, when
+/// a stdout format is also given); the file is created before anything is asked.
 pub fn trace(args: TraceArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let mut perfetto = args.output.perfetto.as_deref().map(PerfettoFile::create).transpose()?;
+    let stdout_format = args.output.stdout;
+    let format = match (&perfetto, stdout_format) {
+        (None, OutputFormat::Text) => StreamFormat::Text,
+        (None, OutputFormat::Json) => StreamFormat::Json,
+        // Lines rendered here from the records, as the run's own printer does.
+        (Some(_), _) | (None, OutputFormat::None) => StreamFormat::Record,
+    };
     let mut connection = Connection::open(args.control.control.as_deref())?;
     let response = connection.request(&Request::Trace {
-        format: args.output,
+        format,
         queue: args.queue,
     })?;
     if !response.ok {
@@ -151,8 +165,9 @@ pub fn trace(args: TraceArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let end_prefix = format!("{{\"{STREAM_END_KEY}\":");
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let mut stdout_open = stdout_format != OutputFormat::None;
     let mut line = String::new();
-    loop {
+    let status = loop {
         line.clear();
         let n = connection
             .reader
@@ -162,26 +177,57 @@ pub fn trace(args: TraceArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 source,
             })?;
         if n == 0 {
-            out.flush()?;
+            let _ = out.flush();
             eprintln!("hvprobe: the stream was cut off before its end");
-            return Ok(ExitCode::FAILURE);
+            break ExitCode::FAILURE;
         }
         if line.starts_with(&end_prefix) {
-            out.flush()?;
+            let _ = out.flush();
             let end: serde_json::Value = serde_json::from_str(&line)?;
             let end: StreamEnd = serde_json::from_value(end[STREAM_END_KEY].clone())?;
             eprintln!(
                 "hvprobe: {}; {} events received, {} dropped because this client read too slowly",
                 end.reason, end.sent, end.dropped
             );
-            return Ok(ExitCode::SUCCESS);
+            break ExitCode::SUCCESS;
         }
-        if out.write_all(line.as_bytes()).is_err() {
-            // Our reader went away (`hvprobe trace | head`): that is the end.
-            return Ok(ExitCode::SUCCESS);
+        let written = match format {
+            StreamFormat::Record => {
+                let hit: HitRecord = serde_json::from_str::<WireRecord>(&line)
+                    .map_err(|e| format!("a malformed record from the run: {e}"))?
+                    .into();
+                if let Some(file) = &mut perfetto {
+                    file.write_hit(&hit);
+                }
+                let text = match stdout_format {
+                    OutputFormat::Json => json_line(&hit),
+                    _ => ftrace_line(&hit),
+                };
+                !stdout_open || writeln!(out, "{text}").is_ok()
+            }
+            StreamFormat::Text | StreamFormat::Json => out.write_all(line.as_bytes()).is_ok(),
+        };
+        if !written {
+            if perfetto.is_none() {
+                // Our reader went away (`hvprobe trace | head`): that is the end.
+                return Ok(ExitCode::SUCCESS);
+            }
+            // The trace file still takes every hit.
+            stdout_open = false;
         }
         if connection.reader.buffer().is_empty() {
-            out.flush()?;
+            if stdout_open {
+                out.flush()?;
+            }
+            if let Some(file) = &mut perfetto {
+                file.flush();
+            }
         }
+    };
+    if let Some(file) = perfetto {
+        let path = file.path().display().to_string();
+        let summary = file.finish()?;
+        eprintln!("hvprobe: {}", crate::perfetto::summary_line(&path, &summary));
     }
+    Ok(status)
 }

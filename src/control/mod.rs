@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub mod client;
+pub mod record;
 pub mod server;
 
 /// One request of a client.
@@ -48,6 +49,10 @@ pub enum StreamFormat {
     Text,
     /// One JSON object per line.
     Json,
+    /// One [`record::WireRecord`] per line: every field of the hit, typed, for a client
+    /// that writes the hits itself (`hvprobe trace --output perfetto FILE`).
+    #[value(skip)]
+    Record,
 }
 
 /// The answer to one request.

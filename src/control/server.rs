@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use hvprobe_vmm::VcpuControl;
 
+use hvprobe_probes::engine::HitEvent;
+
+use super::record::WireRecord;
 use super::{private_dir, ControlError, Request, Response, StreamEnd, StreamFormat, STREAM_END_KEY};
 use crate::cli::OutputFormat;
 use crate::trace::{event_line, Subscription, TraceSession};
@@ -290,9 +293,11 @@ fn toggle(session: &TraceSession, events: &[String], on: bool) -> Response {
 /// Sends events to one client as they come, in batches; at the end of the run (or of the
 /// client) one [`StreamEnd`] line.
 fn stream_events(client: UnixStream, subscription: Subscription, format: StreamFormat, control: &VcpuControl) {
-    let format = match format {
-        StreamFormat::Text => OutputFormat::Text,
-        StreamFormat::Json => OutputFormat::Json,
+    let line_of = |event: &HitEvent| match format {
+        StreamFormat::Text => event_line(event, OutputFormat::Text, subscription.sym_offset),
+        StreamFormat::Json => event_line(event, OutputFormat::Json, subscription.sym_offset),
+        StreamFormat::Record => serde_json::to_string(&WireRecord::from(&event.record))
+            .expect("a record of strings and integers serializes"),
     };
     let mut out = BufWriter::with_capacity(1 << 16, &client);
     let mut sent = 0u64;
@@ -300,7 +305,7 @@ fn stream_events(client: UnixStream, subscription: Subscription, format: StreamF
     'stream: while let Ok(first) = subscription.events.recv() {
         let mut next = Some(first);
         while let Some(event) = next {
-            let mut line = event_line(&event, format, subscription.sym_offset);
+            let mut line = line_of(&event);
             line.push('\n');
             if out.write_all(line.as_bytes()).is_err() {
                 write_failed = true;

@@ -49,6 +49,9 @@ struct Instance {
     after_guest_swap: bool,
     /// The probe's private data for this call.
     data: Vec<u8>,
+    /// When the call entered the function ([`Tracer::timestamp_ns`] at the entry's hit),
+    /// for the return's record: a consumer draws the call as a slice from entry to return.
+    entered_ns: u64,
 }
 
 #[derive(Default)]
@@ -197,6 +200,8 @@ impl Tracer {
         let Some(&trampoline) = self.trampoline.get() else {
             return;
         };
+        // Stamped first, so that the entry's time is the hit's and not after our own work.
+        let entered_ns = self.timestamp_ns();
         let kernel = self.machine.kernel();
         let slot = regs.rsp;
         let missed = || {
@@ -289,6 +294,7 @@ impl Tracer {
             return_address,
             after_guest_swap,
             data,
+            entered_ns,
         });
     }
 
@@ -342,6 +348,7 @@ impl Tracer {
                         })
                         .clone(),
                 );
+                event.record.entry_timestamp_ns = Some(instance.entered_ns);
                 self.send_event(probe, event);
             }
             if let Some(ret) = &probe.post {

@@ -863,6 +863,57 @@ fn recursive_calls_return_in_order_with_their_own_private_data() {
 }
 
 #[test]
+fn a_returns_record_carries_its_own_calls_entry_time() {
+    let m = FakeMachine::with_code();
+    let events = Arc::new(Events {
+        capacity: 8,
+        got: Mutex::new(Vec::new()),
+    });
+    let t = tracer_with(&m, PatchSites::default(), Some(events.clone()));
+    t.register(KprobeRequest {
+        kind: ProbeKind::Kretprobe { maxactive: 8 },
+        ..KprobeRequest::event(at("func", 0), "g", "ret", Vec::new())
+    })
+    .unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    let (outer, inner) = (STACK_TOP - 0x100, STACK_TOP - 0x180);
+    let before_outer = t.timestamp_ns();
+    call_func(&t, &m, &mut cpu, outer, 0xffff_ffff_8100_1111, 1);
+    // The clock must move between the two entries for their order to show.
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    let before_inner = t.timestamp_ns();
+    call_func(&t, &m, &mut cpu, inner, PUSH + 0x20, 2);
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    let before_returns = t.timestamp_ns();
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, inner, 0),
+        BreakpointOutcome::Handled
+    ));
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, outer, 0),
+        BreakpointOutcome::Handled
+    ));
+    let got = events.got.lock().unwrap();
+    let stamps: Vec<(u64, u64)> = got
+        .iter()
+        .map(|e| {
+            (
+                e.record.entry_timestamp_ns.expect("a return knows its entry"),
+                e.record.timestamp_ns,
+            )
+        })
+        .collect();
+    assert_eq!(stamps.len(), 2);
+    let ((inner_entry, inner_return), (outer_entry, outer_return)) = (stamps[0], stamps[1]);
+    assert!((before_outer..before_inner).contains(&outer_entry), "{stamps:?}");
+    assert!((before_inner..before_returns).contains(&inner_entry), "{stamps:?}");
+    assert!(
+        before_returns <= inner_return && inner_return <= outer_return,
+        "{stamps:?}"
+    );
+}
+
+#[test]
 fn an_entry_hit_that_runs_again_follows_the_call_once() {
     let m = FakeMachine::with_code();
     let t = tracer(&m);

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs what tests/perfetto_reader.py needs, the tests' independent reader of
+# `--output perfetto` traces: Perfetto's own generated trace protos (the `perfetto` PyPI
+# package ships perfetto_trace_pb2) and Google's protobuf runtime, in a virtualenv in
+# hvprobe's cache (tests/perfetto.rs finds it there; HVPROBE_PYTHON overrides). Nothing
+# in it downloads at run time: the reader never starts Perfetto's trace processor.
+set -euo pipefail
+PERFETTO_VERSION=0.59.1
+venv="${HVPROBE_CACHE:-$HOME/.cache/hvprobe}/perfetto-reader"
+python="$venv/bin/python"
+if [ -x "$python" ] && "$python" -c "
+import importlib.metadata as m, sys
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2
+sys.exit(m.version('perfetto') != '$PERFETTO_VERSION')" 2>/dev/null; then
+    echo "hvprobe: the Perfetto reader is installed in $venv" >&2
+    exit 0
+fi
+echo "hvprobe: installing the Perfetto reader (perfetto==$PERFETTO_VERSION, protobuf) in $venv" >&2
+rm -rf "$venv"
+python3 -m venv "$venv"
+"$python" -m pip install --quiet --disable-pip-version-check "perfetto==$PERFETTO_VERSION" "protobuf>=6.31.1"
+"$python" -c "from perfetto.protos.perfetto.trace import perfetto_trace_pb2"
