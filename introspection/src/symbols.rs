@@ -137,6 +137,9 @@ pub struct SymbolTable {
     /// Indices of symbols that name a location (see `Symbol::names_a_location`), by
     /// address: the candidates for `describe` and for "distance to the next symbol".
     located: Vec<u32>,
+    /// The addresses of `located`, side by side: address searches (every stack frame of
+    /// a hit is described) walk one contiguous array instead of the symbols themselves.
+    located_addrs: Vec<Gva>,
     slide: i64,
 }
 
@@ -160,11 +163,13 @@ impl SymbolTable {
                 located.push(i);
             }
         }
+        let located_addrs = located.iter().map(|&i| symbols[i as usize].addr).collect();
         SymbolTable {
             source,
             symbols,
             by_name,
             located,
+            located_addrs,
             slide: 0,
         }
     }
@@ -355,11 +360,8 @@ impl SymbolTable {
     /// The distance from `symbol` to the next located symbol at a higher address (how the
     /// kernel sizes symbols, since kallsyms has no sizes).
     pub fn extent(&self, symbol: &Symbol) -> Option<u64> {
-        let next = self
-            .located
-            .partition_point(|&i| self.symbols[i as usize].addr <= symbol.addr);
-        let next = self.located.get(next)?;
-        Some(self.symbols[*next as usize].addr.0 - symbol.addr.0)
+        let next = self.located_addrs.partition_point(|&a| a <= symbol.addr);
+        Some(self.located_addrs.get(next)?.0 - symbol.addr.0)
     }
 
     /// The size of `symbol`: its ELF size when known, else [`extent`](Self::extent).
@@ -373,10 +375,9 @@ impl SymbolTable {
     /// `__sched_text_start`).
     /// `None` below the first symbol or past the end of the last one.
     pub fn describe(&self, gva: Gva) -> Option<Description<'_>> {
-        let end = self.located.partition_point(|&i| self.symbols[i as usize].addr <= gva);
-        let last = *self.located.get(end.checked_sub(1)?)?;
-        let at = self.symbols[last as usize].addr;
-        let first = self.located[..end].partition_point(|&i| self.symbols[i as usize].addr < at);
+        let end = self.located_addrs.partition_point(|&a| a <= gva);
+        let at = *self.located_addrs.get(end.checked_sub(1)?)?;
+        let first = self.located_addrs[..end].partition_point(|&a| a < at);
         let symbol = self.located[first..end]
             .iter()
             .map(|&i| &self.symbols[i as usize])

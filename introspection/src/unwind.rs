@@ -157,7 +157,14 @@ pub struct OrcTable {
     text: Range<Gva>,
     /// `_sinittext.._einittext`, when the symbols have it.
     init_text: Option<Range<Gva>>,
+    /// For each [`LOOKUP_BLOCK`] bytes of `text`, the index of the last entry at or below
+    /// the block's start (as the guest's `orc_lookup`): a lookup searches only the
+    /// entries of its block, a few cache lines instead of the whole table.
+    blocks: Vec<u32>,
 }
+
+/// The guest's `LOOKUP_BLOCK_SIZE`.
+const LOOKUP_BLOCK: u64 = 256;
 
 fn symbol(symbols: &SymbolTable, name: &'static str) -> Result<Gva, OrcError> {
     symbols
@@ -249,11 +256,13 @@ impl OrcTable {
                 ips[i + 1]
             )));
         }
+        let blocks = lookup_blocks(&ips, &text);
         Ok(OrcTable {
             ips,
             entries,
             text,
             init_text,
+            blocks,
         })
     }
 
@@ -281,10 +290,36 @@ impl OrcTable {
         if !self.is_text(ip) {
             return None;
         }
-        // The rightmost entry at or below ip (duplicates: section terminators come first).
-        let i = self.ips.partition_point(|&a| a <= ip.0).checked_sub(1)?;
-        Some(self.entries[i])
+        // The rightmost entry at or below ip (duplicates: section terminators come first),
+        // searched for between the entries that cover the start of ip's block and of the
+        // next one.
+        let (lo, hi) = match ((ip.0 - self.text.start.0) / LOOKUP_BLOCK) as usize {
+            b if self.text.contains(&ip) && b + 1 < self.blocks.len() => {
+                (self.blocks[b] as usize, self.blocks[b + 1] as usize + 1)
+            }
+            _ => (0, self.ips.len()),
+        };
+        let hi = hi.min(self.ips.len());
+        let i = lo + self.ips[lo..hi].partition_point(|&a| a <= ip.0);
+        Some(self.entries[i.checked_sub(1)?])
     }
+}
+
+/// `blocks[b]`: the index of the last entry at or below `text.start + b * LOOKUP_BLOCK`
+/// (0 when none is), for every block of `text` and one past its end.
+fn lookup_blocks(ips: &[u64], text: &Range<Gva>) -> Vec<u32> {
+    let len = text.end.0.saturating_sub(text.start.0);
+    let count = len.div_ceil(LOOKUP_BLOCK) + 1;
+    let mut blocks = Vec::with_capacity(count as usize);
+    let mut i = 0usize;
+    for b in 0..count {
+        let start = text.start.0.saturating_add(b * LOOKUP_BLOCK);
+        while i < ips.len() && ips[i] <= start {
+            i += 1;
+        }
+        blocks.push(u32::try_from(i.saturating_sub(1)).unwrap_or(u32::MAX));
+    }
+    blocks
 }
 
 /// A stack the walk may read, with a name for reports.

@@ -22,6 +22,7 @@
 //! - [`stamps`]: every hit is stamped with the one chosen clock (the guest's trace clock, or
 //!   host time when it is chosen or cannot be had).
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -403,6 +404,9 @@ pub struct Tracer {
     events: OnceLock<event_rings::EventSetup>,
     /// The guest's ORC data, read when a stack is first asked for.
     orc: OnceLock<Option<Arc<hvprobe_introspection::unwind::OrcTable>>>,
+    /// Stack frames described so far (`func+0xoff/0xsize` by address): the same return
+    /// addresses come back hit after hit.
+    frame_names: Mutex<HashMap<Gva, Option<String>>>,
     pub stats: EngineStats,
 }
 
@@ -440,6 +444,7 @@ impl Tracer {
             thunks: OnceLock::new(),
             events: OnceLock::new(),
             orc: OnceLock::new(),
+            frame_names: Mutex::default(),
             stats: EngineStats::default(),
         }
     }

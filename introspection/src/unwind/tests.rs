@@ -407,3 +407,30 @@ fn an_iret_frame_gives_the_interrupted_address_and_stack() {
     );
     assert_eq!(u.end, UnwindEnd::Bottom);
 }
+
+#[test]
+fn the_block_index_finds_what_a_search_of_the_whole_table_finds() {
+    // Entries at pseudo-random addresses over the text (duplicates and gaps of many blocks
+    // included); every address of the text looks up the same entry both ways.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut ips: Vec<u64> = (0..3000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            TEXT + 0x40 + x % 0xff00
+        })
+        .collect();
+    ips.extend([TEXT + 0x100, TEXT + 0x100, TEXT + 0x200]);
+    ips.sort_unstable();
+    let rows: Vec<(u64, [u8; 6])> = ips
+        .iter()
+        .enumerate()
+        .map(|(i, &ip)| (ip, entry(reg::SP, i as i16, 0, 0, 0, false)))
+        .collect();
+    let t = table(&rows);
+    for ip in (TEXT..TEXT + 0x10000).step_by(3) {
+        let naive = ips.partition_point(|&a| a <= ip).checked_sub(1).map(|i| i as i16);
+        assert_eq!(t.find(Gva(ip)).map(|e| e.sp_offset), naive, "at {ip:#x}");
+    }
+}

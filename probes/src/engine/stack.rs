@@ -12,6 +12,9 @@ use super::{Tracer, COUNT};
 use crate::output::StackFrame;
 use crate::regs::Regs;
 
+/// At most this many frame descriptions are kept (a few MiB); then they start over.
+const MAX_FRAME_NAMES: usize = 1 << 16;
+
 impl Tracer {
     /// The guest's ORC data, read from its memory on first use (a run that never asks
     /// for a stack never reads it); `None`, logged once, when the guest has none.
@@ -42,13 +45,22 @@ impl Tracer {
             Some(frames) => frames,
             None => vec![Gva(regs.rip)],
         };
-        let stack = frames
-            .into_iter()
-            .map(|address| StackFrame {
-                address,
-                symbol: self.view.symbols.describe(address).map(|d| d.to_string()),
-            })
-            .collect();
+        let stack = {
+            let mut names = self.frame_names.lock().unwrap_or_else(|e| e.into_inner());
+            if names.len() > MAX_FRAME_NAMES {
+                names.clear();
+            }
+            frames
+                .into_iter()
+                .map(|address| StackFrame {
+                    address,
+                    symbol: names
+                        .entry(address)
+                        .or_insert_with(|| self.view.symbols.describe(address).map(|d| d.to_string()))
+                        .clone(),
+                })
+                .collect()
+        };
         self.stats.stacks_unwound.fetch_add(1, COUNT);
         self.stats
             .unwind_ns
