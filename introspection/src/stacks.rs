@@ -225,6 +225,70 @@ pub struct StacksLayout {
     pub entry_stack: Option<(u64, u64)>,
     /// Bound on the nodes visited on all lists together.
     pub max_list_steps: usize,
+    /// Where a task keeps the return addresses its kretprobes swapped out (a kernel with
+    /// `CONFIG_RETHOOK`).
+    pub rethooks: Option<RethookLayout>,
+}
+
+/// `task_struct.rethooks`, the list of `struct rethook_node`s of the calls the task's
+/// kretprobes follow, latest first: each node's `ret_addr` is the return address its
+/// entry swapped for `arch_rethook_trampoline`, at the stack slot `frame`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RethookLayout {
+    pub task_rethooks: u64,
+    pub node_llist: u64,
+    pub node_ret_addr: u64,
+    pub node_frame: u64,
+    /// `arch_rethook_trampoline`.
+    pub trampoline: Gva,
+}
+
+/// The most rethook nodes read for one task (its kretprobes' calls in flight): far more
+/// than any task nests, so a longer list is corrupt.
+pub const MAX_RETHOOK_NODES: usize = 4096;
+
+/// One call a guest kretprobe follows: its return address was at `frame`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SwappedReturn {
+    pub frame: Gva,
+    pub ret_addr: Gva,
+}
+
+/// The calls `task`'s kretprobes follow, latest first (the task's `rethooks` list).
+pub fn rethook_returns(
+    mem: &(impl GuestVirtRead + ?Sized),
+    layout: &RethookLayout,
+    task: Gva,
+) -> Result<Vec<SwappedReturn>, StacksError> {
+    let r = Reader { mem };
+    let mut out = Vec::new();
+    let mut node = r.nullable_ptr(
+        "task_struct.rethooks",
+        add("task_struct.rethooks", task, layout.task_rethooks)?,
+    )?;
+    let mut seen = HashSet::new();
+    while let Some(at) = node {
+        if !seen.insert(at) {
+            return Err(StacksError::ListCycle {
+                list: "rethooks",
+                node: at,
+            });
+        }
+        if out.len() == MAX_RETHOOK_NODES {
+            return Err(StacksError::TooManyNodes { max: MAX_RETHOOK_NODES });
+        }
+        let rh = sub("rethook_node.llist", at, layout.node_llist)?;
+        out.push(SwappedReturn {
+            frame: Gva(r.u64("rethook_node.frame", add("rethook_node.frame", rh, layout.node_frame)?)?),
+            ret_addr: Gva(r.u64(
+                "rethook_node.ret_addr",
+                add("rethook_node.ret_addr", rh, layout.node_ret_addr)?,
+            )?),
+        });
+        // llist_node.next is its first member.
+        node = r.nullable_ptr("llist_node.next", at)?;
+    }
+    Ok(out)
 }
 
 fn symbol(symbols: &SymbolTable, name: &'static str) -> Result<Gva, StacksError> {
@@ -376,6 +440,24 @@ impl StacksLayout {
             exception,
             entry_stack,
             max_list_steps: DEFAULT_MAX_LIST_STEPS,
+            rethooks: match (
+                member("task_struct", "rethooks"),
+                member("rethook_node", "llist"),
+                member("rethook_node", "ret_addr"),
+                member("rethook_node", "frame"),
+                symbols.lookup("arch_rethook_trampoline"),
+            ) {
+                (Ok(task_rethooks), Ok(node_llist), Ok(node_ret_addr), Ok(node_frame), Some(t)) => {
+                    Some(RethookLayout {
+                        task_rethooks,
+                        node_llist,
+                        node_ret_addr,
+                        node_frame,
+                        trampoline: t.addr,
+                    })
+                }
+                _ => None,
+            },
         })
     }
 
@@ -1015,12 +1097,12 @@ impl KernelStacks {
 /// The stacks CPU `cpu` can be running on, as the guest's `get_stack_info` accepts them for
 /// the running task: the current task's stack, then the CPU's IRQ, exception and entry
 /// stacks (their [`KernelStack::bounds`]; what [`KernelStacks::read`] would scan is not
-/// worked out). A few reads: cheap enough per probe hit.
+/// worked out), and the current task. A few reads: cheap enough per probe hit.
 pub fn cpu_stacks(
     mem: &(impl GuestVirtRead + ?Sized),
     layout: &StacksLayout,
     cpu: u32,
-) -> Result<Vec<KernelStack>, StacksError> {
+) -> Result<CpuStacks, StacksError> {
     let r = Reader { mem };
     let at = add("__per_cpu_offset", layout.per_cpu_offset, u64::from(cpu) * 8)?;
     let base = r.u64("__per_cpu_offset", at)?;
@@ -1057,7 +1139,15 @@ pub fn cpu_stacks(
         });
     }
     per_cpu_stacks(mem, layout, cpu, base, &mut stacks)?;
-    Ok(stacks)
+    Ok(CpuStacks { current: task, stacks })
+}
+
+/// What [`cpu_stacks`] found.
+#[derive(Clone, Debug)]
+pub struct CpuStacks {
+    /// The CPU's `current_task`.
+    pub current: Gva,
+    pub stacks: Vec<KernelStack>,
 }
 
 /// Pushes CPU `cpu`'s IRQ, exception and entry stacks (its per-CPU area at `base`).

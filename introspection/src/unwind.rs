@@ -26,6 +26,7 @@ use std::ops::Range;
 use hvprobe_arch::Gva;
 
 use crate::memory::{GuestVirtRead, MemoryError};
+use crate::stacks::SwappedReturn;
 use crate::symbols::SymbolTable;
 
 /// The most frames one walk yields: ftrace's per-event stack (`FTRACE_KSTACK_ENTRIES`, a
@@ -342,6 +343,24 @@ pub struct StartRegs {
     pub dx: u64,
 }
 
+/// The return addresses the guest's own kretprobes swapped out on the walked task's stack
+/// (its `rethooks` list, latest first), which the walk puts back where it reads the
+/// guest's trampoline, as the guest's `unwind_recover_kretprobe` does.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GuestRethooks {
+    /// `arch_rethook_trampoline`.
+    pub trampoline: Gva,
+    pub returns: Vec<SwappedReturn>,
+}
+
+/// What a walk of the stack of the task on one CPU may read ([`StackBounds`]), and the
+/// return addresses the guest's kretprobes swapped out on it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CpuStackView {
+    pub stacks: Vec<StackBounds>,
+    pub rethooks: Option<GuestRethooks>,
+}
+
 /// Why a walk ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum UnwindEnd {
@@ -394,6 +413,9 @@ struct Walk<'a, M: ?Sized> {
     full_regs: bool,
     prev_regs: Option<RegsAt>,
     guessed: bool,
+    rethooks: Option<&'a GuestRethooks>,
+    /// Where `rethook_find_ret_addr` left off in the list (the guest's `kr_cur`).
+    rethook_cursor: Option<usize>,
 }
 
 enum Step {
@@ -460,6 +482,31 @@ impl<M: GuestVirtRead + ?Sized> Walk<'_, M> {
             .is_some_and(|cs| cs & 3 != 0)
     }
 
+    /// The return address read at `slot`: the caller's `recover` first (the host's own
+    /// trampoline), then the guest's kretprobes' (`rethook_find_ret_addr`: from where the
+    /// last search ended, the next node that is not the trampoline itself, until one whose
+    /// frame is `slot`; none found is address 0, which ends the walk as in the guest).
+    fn recover(&mut self, ip: Gva, slot: Gva, recover: &dyn Fn(Gva, Gva) -> Gva) -> u64 {
+        let ip = recover(ip, slot);
+        let Some(rethooks) = self.rethooks.filter(|r| r.trampoline == ip) else {
+            return ip.0;
+        };
+        loop {
+            let from = self.rethook_cursor.map_or(0, |i| i + 1);
+            let Some(i) = rethooks.returns[from.min(rethooks.returns.len())..]
+                .iter()
+                .position(|n| n.ret_addr != rethooks.trampoline)
+                .map(|k| from + k)
+            else {
+                return 0;
+            };
+            self.rethook_cursor = Some(i);
+            if rethooks.returns[i].frame == slot {
+                return rethooks.returns[i].ret_addr.0;
+            }
+        }
+    }
+
     /// `unwind_next_frame`.
     fn next_frame(&mut self, recover: &dyn Fn(Gva, Gva) -> Gva) -> Step {
         let prev_sp = self.sp;
@@ -524,7 +571,7 @@ impl<M: GuestVirtRead + ?Sized> Walk<'_, M> {
                 let Some(ip) = self.read(ip_p) else {
                     return err(format!("return address at {ip_p:#x} is not on a stack"));
                 };
-                self.ip = recover(Gva(ip), Gva(ip_p)).0;
+                self.ip = self.recover(Gva(ip), Gva(ip_p), recover);
                 self.sp = sp;
                 self.regs = None;
                 self.prev_regs = None;
@@ -543,7 +590,7 @@ impl<M: GuestVirtRead + ?Sized> Walk<'_, M> {
                     return err(format!("registers at {base:#x} cannot be read"));
                 };
                 self.sp = new_sp;
-                self.ip = recover(Gva(ip), Gva(new_sp.wrapping_sub(8))).0;
+                self.ip = self.recover(Gva(ip), Gva(new_sp.wrapping_sub(8)), recover);
                 self.regs = Some(RegsAt::Stack(base));
                 self.prev_regs = None;
                 self.full_regs = true;
@@ -563,7 +610,7 @@ impl<M: GuestVirtRead + ?Sized> Walk<'_, M> {
                     return err(format!("IRET frame at {frame:#x} cannot be read"));
                 };
                 self.sp = new_sp;
-                self.ip = recover(Gva(ip), Gva(new_sp.wrapping_sub(8))).0;
+                self.ip = self.recover(Gva(ip), Gva(new_sp.wrapping_sub(8)), recover);
                 if self.full_regs {
                     self.prev_regs = self.regs;
                 }
@@ -604,13 +651,14 @@ fn on_stack(range: &Range<Gva>, addr: u64, len: u64) -> bool {
 /// Walks the stack of a task stopped with `start` (kernel mode) as the guest's
 /// `arch_stack_walk` does from a `pt_regs`: the start address, then one return address per
 /// frame. `stacks` are the stacks the walk may read (at most once each); `recover` maps a
-/// return address read from a stack slot (address, slot) to the real one, where a return
-/// probe's trampoline stands in for it.
+/// return address read from a stack slot (address, slot) to the real one, where the host's
+/// return probe trampoline stands in for it; `rethooks` does the same for the guest's own.
 pub fn unwind(
     orc: &OrcTable,
     mem: &(impl GuestVirtRead + ?Sized),
     start: StartRegs,
     stacks: &[StackBounds],
+    rethooks: Option<&GuestRethooks>,
     recover: &dyn Fn(Gva, Gva) -> Gva,
 ) -> Unwound {
     let mut frames = vec![Gva(start.ip)];
@@ -636,6 +684,8 @@ pub fn unwind(
         full_regs: true,
         prev_regs: None,
         guessed: false,
+        rethooks,
+        rethook_cursor: None,
     };
     if !walk.access_ok(start.sp, 8) {
         // As the guest does, try the page above (a stack overflowed into its guard page).

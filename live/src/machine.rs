@@ -5,8 +5,8 @@ use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use hvprobe_arch::Gva;
-use hvprobe_introspection::stacks::{cpu_stacks, KernelStacks, StacksError, StacksLayout};
-use hvprobe_introspection::unwind::StackBounds;
+use hvprobe_introspection::stacks::{cpu_stacks, rethook_returns, KernelStacks, StacksError, StacksLayout};
+use hvprobe_introspection::unwind::{CpuStackView, GuestRethooks, StackBounds};
 
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::task::TaskInfo;
@@ -89,20 +89,31 @@ impl Machine for VmMachine {
         self.phys.as_ref().map(|p| p as &dyn RingMemory)
     }
 
-    fn cpu_stacks(&self, cpu: usize) -> Result<Vec<StackBounds>, StackScanError> {
+    fn cpu_stacks(&self, cpu: usize) -> Result<CpuStackView, StackScanError> {
         let guest = |e: Arc<StacksError>| StackScanError::Guest(Box::new(SharedStacksError(e)));
         let layout = match &self.stacks {
             GuestStacks::Kernel(layout) => layout.as_ref().map_err(|e| guest(Arc::clone(e)))?,
-            GuestStacks::None => return Ok(Vec::new()),
+            GuestStacks::None => return Ok(CpuStackView::default()),
         };
-        let stacks = cpu_stacks(&self.kernel, layout, cpu as u32).map_err(|e| guest(Arc::new(e)))?;
-        Ok(stacks
-            .into_iter()
-            .map(|s| StackBounds {
-                name: s.owner.to_string(),
-                range: s.bounds,
-            })
-            .collect())
+        let found = cpu_stacks(&self.kernel, layout, cpu as u32).map_err(|e| guest(Arc::new(e)))?;
+        let rethooks = match &layout.rethooks {
+            Some(r) => Some(GuestRethooks {
+                trampoline: r.trampoline,
+                returns: rethook_returns(&self.kernel, r, found.current).map_err(|e| guest(Arc::new(e)))?,
+            }),
+            None => None,
+        };
+        Ok(CpuStackView {
+            stacks: found
+                .stacks
+                .into_iter()
+                .map(|s| StackBounds {
+                    name: s.owner.to_string(),
+                    range: s.bounds,
+                })
+                .collect(),
+            rethooks,
+        })
     }
 
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {

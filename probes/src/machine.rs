@@ -6,7 +6,7 @@ use std::ops::Range;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::task::TaskInfo;
-use hvprobe_introspection::unwind::StackBounds;
+use hvprobe_introspection::unwind::CpuStackView;
 
 use crate::regs::Regs;
 
@@ -58,8 +58,9 @@ pub trait Machine: Send + Sync {
     }
 
     /// The kernel stacks CPU `cpu` may be running on now (its current task's, its IRQ,
-    /// exception and entry stacks): where an unwind of a hit on that CPU may read.
-    fn cpu_stacks(&self, cpu: usize) -> Result<Vec<StackBounds>, StackScanError> {
+    /// exception and entry stacks): where an unwind of a hit on that CPU may read; and the
+    /// return addresses the guest's own kretprobes swapped out on its task's stack.
+    fn cpu_stacks(&self, cpu: usize) -> Result<CpuStackView, StackScanError> {
         let _ = cpu;
         Err(StackScanError::Unsupported)
     }

@@ -158,6 +158,7 @@ fn layout() -> StacksLayout {
         },
         entry_stack: Some((ENTRY, 0x1000)),
         max_list_steps: 1000,
+        rethooks: None,
     }
 }
 

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use super::*;
+use crate::stacks::SwappedReturn;
 
 #[derive(Default)]
 struct FakeGuest {
@@ -155,7 +156,7 @@ fn unsorted_or_mismatched_tables_are_refused() {
 fn call_frames_unwind_to_the_end_entry() {
     let mut g = FakeGuest::default();
     let start = three_frames(&mut g);
-    let u = unwind(&kernel_orc(), &g, start, &stacks(), &no_recovery);
+    let u = unwind(&kernel_orc(), &g, start, &stacks(), None, &no_recovery);
     assert_eq!(u.frames, vec![Gva(LEAF), Gva(MID + 0x10), Gva(TOP + 0x20)]);
     assert_eq!(u.end, UnwindEnd::Bottom);
     assert!(!u.guessed);
@@ -175,7 +176,7 @@ fn a_return_probe_trampoline_is_replaced_by_the_real_return_address() {
             ip
         }
     };
-    let u = unwind(&kernel_orc(), &g, start, &stacks(), &recover);
+    let u = unwind(&kernel_orc(), &g, start, &stacks(), None, &recover);
     assert_eq!(u.frames, vec![Gva(LEAF), Gva(MID + 0x10), Gva(TOP + 0x20)]);
 }
 
@@ -212,7 +213,7 @@ fn an_interrupt_frame_on_the_irq_stack_leads_back_to_the_task_stack() {
         // return address pushed before the switch).
         (SWITCHER, entry(reg::SP_INDIRECT, 8, reg::UNDEFINED, 0, 0, false)),
     ]);
-    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    let u = unwind(&orc, &g, start, &stacks(), None, &no_recovery);
     assert_eq!(
         u.frames,
         vec![
@@ -246,7 +247,7 @@ fn user_mode_registers_end_the_stack() {
         sp,
         ..StartRegs::default()
     };
-    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    let u = unwind(&orc, &g, start, &stacks(), None, &no_recovery);
     assert_eq!(u.frames, vec![Gva(LEAF), Gva(IRQ_ENTRY + 4)]);
     assert_eq!(u.end, UnwindEnd::Bottom);
 }
@@ -261,7 +262,7 @@ fn hostile_stacks_end_the_walk_without_reading_elsewhere() {
         ..StartRegs::default()
     };
     g.put(start.sp, MID);
-    let u = unwind(&kernel_orc(), &g, start, &stacks(), &no_recovery);
+    let u = unwind(&kernel_orc(), &g, start, &stacks(), None, &no_recovery);
     assert_eq!(u.frames, vec![Gva(LEAF)]);
     assert!(matches!(u.end, UnwindEnd::Error(m) if m.contains("no known stack")));
 
@@ -276,7 +277,7 @@ fn hostile_stacks_end_the_walk_without_reading_elsewhere() {
         bp: sp,
         ..StartRegs::default()
     };
-    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    let u = unwind(&orc, &g, start, &stacks(), None, &no_recovery);
     assert!(
         matches!(&u.end, UnwindEnd::Error(m) if m.contains("does not grow")),
         "{u:?}"
@@ -293,11 +294,12 @@ fn hostile_stacks_end_the_walk_without_reading_elsewhere() {
             ..start
         },
         &stacks(),
+        None,
         &no_recovery,
     );
     assert!(matches!(u.end, UnwindEnd::Error(_)));
     let orc = table(&[(LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 3, false))]);
-    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    let u = unwind(&orc, &g, start, &stacks(), None, &no_recovery);
     assert!(matches!(u.end, UnwindEnd::Error(m) if m.contains("type")));
 }
 
@@ -318,7 +320,7 @@ fn a_stack_is_entered_once_and_the_walk_is_bounded() {
         sp: TASK_STACK,
         ..StartRegs::default()
     };
-    let u = unwind(&kernel_orc(), &g, start, std::slice::from_ref(&big), &no_recovery);
+    let u = unwind(&kernel_orc(), &g, start, std::slice::from_ref(&big), None, &no_recovery);
     assert_eq!(u.frames.len(), MAX_FRAMES);
     assert_eq!(u.end, UnwindEnd::TooDeep);
 
@@ -339,7 +341,7 @@ fn a_stack_is_entered_once_and_the_walk_is_bounded() {
         sp: irq_sp,
         ..StartRegs::default()
     };
-    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    let u = unwind(&orc, &g, start, &stacks(), None, &no_recovery);
     assert!(u.frames.len() <= 4, "{u:?}");
     assert!(matches!(u.end, UnwindEnd::Error(_)), "{u:?}");
 }
@@ -363,13 +365,13 @@ fn code_without_orc_data_is_walked_by_frame_pointer_and_marked_guessed() {
         bp,
         ..start
     };
-    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    let u = unwind(&orc, &g, start, &stacks(), None, &no_recovery);
     assert!(u.guessed);
     assert_eq!(u.frames, vec![Gva(TEXT + 0x10), Gva(MID + 0x10), Gva(TOP + 0x20)]);
 
     // A return address outside the text ends the walk there (not printed).
     g.put(bp + 8, 0xdead_beef);
-    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    let u = unwind(&orc, &g, start, &stacks(), None, &no_recovery);
     assert_eq!(u.frames, vec![Gva(TEXT + 0x10)]);
     assert_eq!(u.end, UnwindEnd::NotText(Gva(0xdead_beef)));
 }
@@ -398,7 +400,7 @@ fn an_iret_frame_gives_the_interrupted_address_and_stack() {
         sp: frame,
         ..StartRegs::default()
     };
-    let u = unwind(&orc, &g, start, &stacks(), &no_recovery);
+    let u = unwind(&orc, &g, start, &stacks(), None, &no_recovery);
     assert_eq!(
         u.frames,
         vec![Gva(IRQ_ENTRY), Gva(MID + 0x30), Gva(TOP + 0x20)],
@@ -433,4 +435,49 @@ fn the_block_index_finds_what_a_search_of_the_whole_table_finds() {
         let naive = ips.partition_point(|&a| a <= ip).checked_sub(1).map(|i| i as i16);
         assert_eq!(t.find(Gva(ip)).map(|e| e.sp_offset), naive, "at {ip:#x}");
     }
+}
+
+#[test]
+fn the_guests_own_kretprobe_trampoline_is_looked_up_in_the_tasks_rethook_list() {
+    let mut g = FakeGuest::default();
+    let start = three_frames(&mut g);
+    let guest_trampoline = Gva(TEXT + 0x9000);
+    // mid's return address (at sp + 16) was swapped by the guest's kretprobe.
+    let slot = start.sp + 16;
+    g.put(slot, guest_trampoline.0);
+    let rethooks = GuestRethooks {
+        trampoline: guest_trampoline,
+        returns: vec![
+            // A later call on another frame, one whose saved address is the trampoline
+            // itself (skipped, as the guest skips it), then ours.
+            SwappedReturn {
+                frame: Gva(start.sp - 0x100),
+                ret_addr: Gva(MID + 0x99),
+            },
+            SwappedReturn {
+                frame: Gva(slot),
+                ret_addr: guest_trampoline,
+            },
+            SwappedReturn {
+                frame: Gva(slot),
+                ret_addr: Gva(TOP + 0x20),
+            },
+        ],
+    };
+    let u = unwind(&kernel_orc(), &g, start, &stacks(), Some(&rethooks), &no_recovery);
+    assert_eq!(
+        u.frames,
+        vec![Gva(LEAF), Gva(MID + 0x10), Gva(TOP + 0x20)],
+        "{:?}",
+        u.end
+    );
+
+    // Not on the list: address 0, the walk ends there (as the guest's does).
+    let rethooks = GuestRethooks {
+        trampoline: guest_trampoline,
+        returns: vec![],
+    };
+    let u = unwind(&kernel_orc(), &g, start, &stacks(), Some(&rethooks), &no_recovery);
+    assert_eq!(u.frames, vec![Gva(LEAF), Gva(MID + 0x10)]);
+    assert_eq!(u.end, UnwindEnd::NotText(Gva(0)));
 }

@@ -69,7 +69,7 @@ impl Tracer {
     }
 
     fn unwound(&self, orc: &OrcTable, cpu: usize, regs: &Regs) -> Option<Vec<Gva>> {
-        let stacks = match self.machine.cpu_stacks(cpu) {
+        let view = match self.machine.cpu_stacks(cpu) {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!("vCPU {cpu}: kernel stacks: {e}");
@@ -92,7 +92,14 @@ impl Tracer {
             di: regs.rdi,
             dx: regs.rdx,
         };
-        let walked = unwind(orc, self.machine.kernel(), start, &stacks, &recover);
+        let walked = unwind(
+            orc,
+            self.machine.kernel(),
+            start,
+            &view.stacks,
+            view.rethooks.as_ref(),
+            &recover,
+        );
         if let UnwindEnd::Error(why) = &walked.end {
             tracing::debug!("vCPU {cpu}: the stack at {:#x} ends early: {why}", regs.rip);
         }
