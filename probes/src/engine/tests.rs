@@ -1959,3 +1959,21 @@ fn records_are_stamped_with_their_own_tsc_on_the_guest_clock_and_with_the_drain_
     assert!(t.timestamp_ns() < 1_000_000_000_000);
     t.unregister(id).unwrap();
 }
+
+#[test]
+fn a_probe_that_records_stacks_traps_in_a_sync_detour_never_an_event_one() {
+    // Its stack is only there while the vCPU is stopped: an event detour (no exit) could
+    // not give one.
+    let (m, t, _events) = event_tracer();
+    t.set_optimization(true);
+    let id = t
+        .register(KprobeRequest {
+            stack_trace: true,
+            ..KprobeRequest::event(at("func", 0), "g", "ev", Vec::new())
+        })
+        .unwrap();
+    assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
+    let target = PUSH as i64 + 5 + i32::from_le_bytes(m.bytes(PUSH + 1, 4).try_into().unwrap()) as i64;
+    assert_eq!(m.bytes(target as u64, 1), [INT3], "a sync detour starts with its trap");
+    t.unregister(id).unwrap();
+}
