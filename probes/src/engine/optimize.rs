@@ -357,7 +357,8 @@ impl Tracer {
     }
 
     /// The one probe of a site when it only records (no handler of any kind, a kprobe, the
-    /// user's) and the rings are set up: its detour can be an event one.
+    /// user's, no kernel stack to unwind at its hits) and the rings are set up: its detour
+    /// can be an event one.
     fn event_only_probe(&self, reg: &Registry, addr: Gva) -> Option<EventProbe> {
         self.events.get()?;
         let site = reg.sites.get(&addr)?;
