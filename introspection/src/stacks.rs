@@ -877,21 +877,11 @@ impl KernelStacks {
             if on_cpu {
                 counts.on_cpu += 1;
             }
-            let Some(stack) =
-                r.nullable_ptr("task_struct.stack", add("task_struct.stack", task, layout.task_stack)?)?
-            else {
+            let Some(bounds) = task_stack(&r, layout, task)? else {
                 counts.without_stack += 1;
                 continue;
             };
-            if stack.0 & (layout.thread_size - 1) != 0 {
-                return Err(StacksError::MisalignedStack {
-                    task,
-                    stack,
-                    size: layout.thread_size,
-                });
-            }
-            let top = add("task stack", stack, layout.thread_size)?;
-            let bounds = stack..top;
+            let (stack, top) = (bounds.start, bounds.end);
             let (scan, extent) = if on_cpu {
                 (bounds.clone(), Extent::Whole)
             } else {
@@ -1116,15 +1106,7 @@ pub fn cpu_stacks(
     let base = Gva(base);
     let task = r.ptr("current_task", add("current_task", base, layout.current_task)?)?;
     let mut stacks = Vec::new();
-    if let Some(stack) = r.nullable_ptr("task_struct.stack", add("task_struct.stack", task, layout.task_stack)?)? {
-        if stack.0 & (layout.thread_size - 1) != 0 {
-            return Err(StacksError::MisalignedStack {
-                task,
-                stack,
-                size: layout.thread_size,
-            });
-        }
-        let top = add("task stack", stack, layout.thread_size)?;
+    if let Some(bounds) = task_stack(&r, layout, task)? {
         let info = task_info(&mem, &layout.task, task)?;
         stacks.push(KernelStack {
             owner: StackOwner::Task {
@@ -1133,13 +1115,33 @@ pub fn cpu_stacks(
                 tgid: info.tgid,
                 comm: info.comm,
             },
-            bounds: stack..top,
-            scan: stack..top,
+            scan: bounds.clone(),
+            bounds,
             extent: Extent::Whole,
         });
     }
     per_cpu_stacks(mem, layout, cpu, base, &mut stacks)?;
     Ok(CpuStacks { current: task, stacks })
+}
+
+/// `task`'s kernel stack (`THREAD_SIZE` bytes at `task_struct.stack`, aligned to their
+/// size); `None` for a task without one (dead, not yet reaped).
+fn task_stack<M: GuestVirtRead + ?Sized>(
+    r: &Reader<'_, M>,
+    layout: &StacksLayout,
+    task: Gva,
+) -> Result<Option<Range<Gva>>, StacksError> {
+    let Some(stack) = r.nullable_ptr("task_struct.stack", add("task_struct.stack", task, layout.task_stack)?)? else {
+        return Ok(None);
+    };
+    if stack.0 & (layout.thread_size - 1) != 0 {
+        return Err(StacksError::MisalignedStack {
+            task,
+            stack,
+            size: layout.thread_size,
+        });
+    }
+    Ok(Some(stack..add("task stack", stack, layout.thread_size)?))
 }
 
 /// What [`cpu_stacks`] found.
