@@ -1751,7 +1751,7 @@ fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
         r
     };
     for (probe, tsc) in [(id.0, 10), (id.0, 20), (9999, 30)] {
-        assert!(mem.guest_record(&rings, 0, &record(probe, tsc)).unwrap());
+        assert!(mem.guest_record(&rings, 0, 0, &record(probe, tsc)).unwrap());
     }
     assert_eq!(t.drain_events(), 2);
     let got = events.got.lock().unwrap().clone();
@@ -1769,7 +1769,7 @@ fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
     // A full ring: the guest counts what it could not write, the host reports it.
     let capacity = rings.geometry().capacity();
     let written = (0..capacity + 3)
-        .filter(|i| mem.guest_record(&rings, 0, &record(id.0, u64::from(*i))).unwrap())
+        .filter(|i| mem.guest_record(&rings, 0, 0, &record(id.0, u64::from(*i))).unwrap())
         .count() as u32;
     assert_eq!(written, capacity);
     assert_eq!(t.drain_events(), capacity as usize);
@@ -1803,7 +1803,7 @@ fn draining_while_the_optimizer_makes_event_detours_never_deadlocks() {
         let t = t.clone();
         std::thread::spawn(move || loop {
             // The guest keeps hitting the probe: every drain has records to attribute.
-            let _ = m.rings.as_ref().unwrap().guest_record(&rings, 0, &record);
+            let _ = m.rings.as_ref().unwrap().guest_record(&rings, 0, 0, &record);
             t.drain_events();
             if Arc::strong_count(&t) == 1 {
                 return;
@@ -1813,4 +1813,107 @@ fn draining_while_the_optimizer_makes_event_detours_never_deadlocks() {
     done_rx
         .recv_timeout(std::time::Duration::from_secs(60))
         .expect("the optimizer and the drain deadlocked");
+}
+
+/// The miss-table entry of the event detour at `site`.
+fn miss_slot(t: &Tracer, site: u64) -> u32 {
+    let reg = t.read_registry();
+    let detour = reg.sites[&Gva(site)].detour.as_ref().expect("optimized");
+    detour.miss_slot.expect("an event detour has a miss slot")
+}
+
+/// Ring misses reach each probe's `nmissed` from its own detour's entry of the miss table:
+/// at every drain (a listing drains), through retirement, entry reuse, and a guest that
+/// writes over an entry; the per-CPU totals stay in the summary.
+#[test]
+fn ring_misses_are_folded_into_each_probes_nmissed() {
+    use crate::detour::ring::RingMemory;
+    let (m, t, events) = event_tracer();
+    m.write_virt(Gva(OTHER), FUNC_CODE).unwrap();
+    t.set_optimization(true);
+    let a = t
+        .register(KprobeRequest::event(at("func", 0), "g", "a", Vec::new()))
+        .unwrap();
+    let b = t
+        .register(KprobeRequest::event(at("other", 0), "g", "b", Vec::new()))
+        .unwrap();
+    // (optimized, hits, nmissed) of `g/NAME`, from the listing (which drains first).
+    let listed = |name: &str| {
+        let entry = t
+            .listing()
+            .into_iter()
+            .find(|e| e.event == format!("g/{name}"))
+            .unwrap();
+        (entry.optimized, entry.hits, entry.nmissed)
+    };
+    assert_eq!((listed("a").0, listed("b").0), (true, true));
+    let (slot_a, slot_b) = (miss_slot(&t, PUSH), miss_slot(&t, OTHER + 5));
+    assert_ne!(slot_a, slot_b);
+    let rings = *t.event_rings().unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    let capacity = rings.geometry().capacity();
+    let record = |probe: ProbeId| {
+        let mut r = vec![0u8; 24];
+        r[0..4].copy_from_slice(&probe.0.to_le_bytes());
+        r
+    };
+    // After a drain, CPU 0's ring takes `capacity` of a's records: then it is full. (The
+    // consumer keeps up: only the ring loses hits.)
+    let fill = || {
+        events.got.lock().unwrap().clear();
+        for _ in 0..capacity {
+            assert!(mem.guest_record(&rings, 0, slot_a, &record(a)).unwrap());
+        }
+    };
+    let miss = |id: ProbeId, slot: u32| assert!(!mem.guest_record(&rings, 0, slot, &record(id)).unwrap());
+    fill();
+    for _ in 0..3 {
+        miss(a, slot_a);
+    }
+    for _ in 0..5 {
+        miss(b, slot_b);
+    }
+    assert_eq!(listed("a"), (true, u64::from(capacity), 3));
+    assert_eq!(listed("b"), (true, 0, 5));
+    assert_eq!(t.stats.ring_missed.load(Ordering::Relaxed), 8, "the per-CPU total");
+    assert_eq!((listed("a").2, listed("b").2), (3, 5), "counted once");
+
+    // b's detour is retired while a task is still inside it: its misses there are b's,
+    // and so is the last count taken when its entry is given back.
+    let b_code = t.read_registry().sites[&Gva(OTHER + 5)].detour.as_ref().unwrap().code;
+    *m.stack_words.lock().unwrap() = Some(vec![b_code.0 + 1]);
+    t.set_enabled(b, false).unwrap();
+    assert!(t
+        .read_registry()
+        .detour_codes
+        .values()
+        .any(|d| d.miss_slot == Some(slot_b)));
+    fill();
+    miss(b, slot_b);
+    assert_eq!(listed("b"), (false, 0, 6));
+    fill();
+    miss(b, slot_b);
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    t.set_optimization(true); // a pause: the retired detour is reclaimed, its entry freed
+    assert!(t
+        .read_registry()
+        .detour_codes
+        .values()
+        .all(|d| d.miss_slot != Some(slot_b)));
+    assert_eq!(listed("b"), (false, 0, 7), "the last count before the entry went");
+    // b again: a new detour, whose entry's earlier count is not b's new misses.
+    t.set_enabled(b, true).unwrap();
+    let slot_b2 = miss_slot(&t, OTHER + 5);
+    fill();
+    miss(b, slot_b2);
+    assert_eq!(listed("b"), (true, 0, 8));
+
+    // A guest that writes over its entry adds nothing, and counts on from there.
+    let entry = Gpa(rings.gpa().0 + rings.geometry().probe_missed_offset(slot_a).unwrap());
+    mem.store_u64_release(entry, 1).unwrap();
+    assert_eq!(listed("a").2, 3, "nothing added");
+    mem.store_u64_release(entry, 4).unwrap();
+    assert_eq!(listed("a").2, 6);
+    assert_eq!(listed("b").2, 8, "b's count is b's alone");
+    t.unregister_many(&[a, b]).unwrap();
 }
