@@ -272,13 +272,8 @@ impl Tracer {
         let area = self.ool.ok_or(WhyNotOptimized::NoOutOfLineArea)?;
         let region = self.plan(reg, addr)?;
         let range = addr.0 + 1..region.end().0;
-        if let Some((cpu, rip)) = view
-            .parked_rips()
-            .iter()
-            .enumerate()
-            .find(|(_, rip)| range.contains(rip))
-        {
-            return Err(WhyNotOptimized::VcpuInside { cpu, rip: Gva(*rip) });
+        if let Some((cpu, rip)) = view.parked_rips().into_iter().find(|(_, rip)| range.contains(rip)) {
+            return Err(WhyNotOptimized::VcpuInside { cpu, rip: Gva(rip) });
         }
         let interior = Gva(addr.0 + 1)..region.end();
         match view.saved_on_stacks(interior) {
@@ -499,7 +494,7 @@ impl Tracer {
         for code in retired {
             let blocks = reg.detour_codes.get(&code).map_or(1, |d| d.blocks);
             let range = code.0..code.0 + blocks * DETOUR_BLOCK;
-            if rips.iter().any(|rip| range.contains(rip)) {
+            if rips.iter().any(|(_, rip)| range.contains(rip)) {
                 continue;
             }
             match view.saved_on_stacks(code..Gva(range.end)) {

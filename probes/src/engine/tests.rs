@@ -59,8 +59,8 @@ const POP: u64 = FUNC + 0x10;
 struct FakeMachine {
     pages: Mutex<BTreeMap<u64, Vec<u8>>>,
     pauses: AtomicUsize,
-    /// RIPs of the other vCPUs while paused.
-    parked: Mutex<Vec<u64>>,
+    /// The other vCPUs while paused: (index, RIP).
+    parked: Mutex<Vec<(usize, u64)>>,
     /// Pages that are not mapped: reads and writes there fail.
     unmapped: Mutex<Vec<u64>>,
     /// Runs once at the next pause, before the edit: the guest's last act before it stops.
@@ -146,7 +146,7 @@ impl PausedView for FakeMachine {
         self
     }
 
-    fn parked_rips(&self) -> Vec<u64> {
+    fn parked_rips(&self) -> Vec<(usize, u64)> {
         self.parked.lock().unwrap().clone()
     }
 
@@ -1128,7 +1128,7 @@ fn no_post_handler_runs_after_unregister_returns_even_mid_step() {
         BreakpointOutcome::Handled
     ));
     // Parked between its int3 and its step trap while the probe goes.
-    *m.parked.lock().unwrap() = vec![cpu.regs.rip];
+    *m.parked.lock().unwrap() = vec![(1, cpu.regs.rip)];
     t.unregister(id).unwrap();
     cpu.regs.rip = OOL + 7;
     assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
@@ -1546,7 +1546,7 @@ fn a_task_or_vcpu_inside_the_region_delays_the_jump_until_it_has_left() {
     );
     // The task went on; a vCPU is now stopped inside the region.
     *m.stack_words.lock().unwrap() = Some(Vec::new());
-    *m.parked.lock().unwrap() = vec![MOV_RIP];
+    *m.parked.lock().unwrap() = vec![(0, MOV_RIP)];
     t.check_gone();
     t.set_armed(true);
     assert_eq!(
@@ -1556,8 +1556,18 @@ fn a_task_or_vcpu_inside_the_region_delays_the_jump_until_it_has_left() {
             rip: Gva(MOV_RIP)
         })
     );
+    // Named by its own index when a vCPU before it is the caller's (not parked).
+    *m.parked.lock().unwrap() = vec![(1, MOV_RIP), (2, PUSH)];
+    t.set_armed(true);
+    assert_eq!(
+        t.why_not_optimized(id),
+        Some(WhyNotOptimized::VcpuInside {
+            cpu: 1,
+            rip: Gva(MOV_RIP)
+        })
+    );
     // At the probe address itself it would take the jump: fine.
-    *m.parked.lock().unwrap() = vec![PUSH];
+    *m.parked.lock().unwrap() = vec![(0, PUSH)];
     t.set_armed(true);
     assert_eq!(m.bytes(PUSH, 1), [0xe9]);
     assert_eq!(t.why_not_optimized(id), None);
@@ -1570,7 +1580,7 @@ fn a_retired_detour_is_reused_only_when_no_vcpu_or_stack_is_in_it_and_still_work
     let seen = Arc::new(Mutex::new(Vec::new()));
     let id = t.register(recording_probe(&seen)).unwrap();
     // A vCPU took the jump and stopped on the detour's int3; then the probe is disabled.
-    *m.parked.lock().unwrap() = vec![DETOUR];
+    *m.parked.lock().unwrap() = vec![(0, DETOUR)];
     t.set_optimization(false);
     assert_eq!(m.bytes(PUSH, 1), [INT3]);
     // It goes on: the site's handler runs, and so do the displaced instructions.
