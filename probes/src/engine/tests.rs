@@ -475,6 +475,26 @@ fn a_byte_the_guest_rewrote_is_reported_gone_and_never_written_back() {
     assert_eq!(m.bytes(PUSH, 1), [0x90], "the guest's byte stays");
 }
 
+/// A disabled probe's byte rewritten by the guest is found when the probe is enabled (the
+/// pause's look for gone sites skips what is not armed): gone, and counted like every other
+/// way a site goes.
+#[test]
+fn a_site_found_gone_when_it_is_armed_is_counted_gone() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let mut disabled = plain(at("func", 9), "b");
+    disabled.disabled = true;
+    let b = t.register(disabled).unwrap();
+    m.write_virt(Gva(MOV_RIP), &[0x90]).unwrap();
+    t.set_enabled(b, true).unwrap();
+    assert_eq!(m.bytes(MOV_RIP, 1), [0x90], "the guest's byte stays");
+    assert!(t.listing()[0].gone);
+    assert_eq!(t.stats.gone.load(Ordering::Relaxed), 1);
+    t.set_enabled(b, false).unwrap();
+    t.set_enabled(b, true).unwrap();
+    assert_eq!(t.stats.gone.load(Ordering::Relaxed), 1, "counted once");
+}
+
 #[test]
 fn a_failing_batch_leaves_nothing_registered() {
     let m = FakeMachine::with_code();
