@@ -397,14 +397,6 @@ impl Tracer {
             .collect()
     }
 
-    /// `group/event` of a probe.
-    pub fn event_name(&self, id: ProbeId) -> Option<(String, String)> {
-        self.read_registry()
-            .user_probes()
-            .find(|(i, _)| **i == id)
-            .map(|(_, p)| (p.group.clone(), p.event.clone()))
-    }
-
     fn register_paused(
         &self,
         text: &dyn KernelMemory,
