@@ -372,7 +372,7 @@ impl Tracer {
                     code,
                     jump,
                     kind,
-                    miss_slot: miss_slot.filter(|_| kind == DetourKind::Event),
+                    miss_slot,
                 },
                 blocks,
             )),
