@@ -33,6 +33,8 @@ const RINGS_GVA: Gva = Gva(0xffff_ffff_8240_0000);
 const FUNC: u64 = 0xffff_ffff_8100_0000;
 const RECORD_SIZE: u32 = 128;
 const PROBE_ID: u32 = 7;
+/// The probe's entry in the rings' miss table.
+const MISS_SLOT: u32 = 0;
 /// The engine's drain period (`event-drain` thread).
 const ENGINE_PERIOD: Duration = Duration::from_millis(2);
 
@@ -55,6 +57,7 @@ fn layout(rings: &EventRings) -> Result<EventLayout, Box<dyn std::error::Error>>
     };
     let detour = event_detour(&EventDetourParams {
         probe_id: PROBE_ID,
+        miss_slot: MISS_SLOT,
         probe_address: Gva(FUNC),
         detour_ip: Gva(RINGS_GVA.0 - 0x1000),
         args: &args,
@@ -111,7 +114,7 @@ fn run_consumer(
                 record[4..8].copy_from_slice(&cpu.to_le_bytes());
                 record[8..16].copy_from_slice(&n.to_le_bytes());
                 record[56..64].copy_from_slice(&n.to_le_bytes());
-                rings.record_as_guest(&*mem, cpu, &record)?;
+                rings.record_as_guest(&*mem, cpu, MISS_SLOT, &record)?;
                 n += 1;
             }
             offered.store(n, Ordering::Relaxed);
@@ -152,6 +155,10 @@ fn run_consumer(
     let offered = offered.load(Ordering::Relaxed);
     if drained + missed != offered {
         return Err(format!("{offered} records offered, {drained} drained and {missed} missed").into());
+    }
+    let probe_missed = rings.probe_missed(&*mem, MISS_SLOT)?;
+    if probe_missed != missed {
+        return Err(format!("the rings missed {missed} records, the probe's entry says {probe_missed}").into());
     }
     Ok(DrainRun {
         offered,

@@ -9,6 +9,8 @@ use std::process::{Command, Stdio};
 
 use crate::cpio::{append_archive, CpioWriter};
 
+pub mod progress;
+
 /// Options the VMM's own devices need on every kernel command line.
 pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1";
 
@@ -84,20 +86,43 @@ pub fn guest_source_dir() -> PathBuf {
 
 impl BundledGuest {
     /// Builds the bundled guest if its cache entry is missing (the build script prints its
-    /// progress on stderr) and returns its files.
+    /// steps on stderr, and this the kernel build's progress: [`progress`]) and returns its
+    /// files.
     pub fn ensure_built() -> Result<BundledGuest, GuestError> {
         let script = guest_source_dir().join("build.sh");
-        let out = Command::new("bash")
+        let child = Command::new("bash")
             .arg(&script)
             .stdin(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
-            .output()
+            .spawn()
             .map_err(|source| GuestError::Spawn {
                 script: script.clone(),
                 source,
             })?;
+        // The script's log, followed while it runs (the script itself stays as it is: its
+        // hash is part of the cache key).
+        let cache = progress::guest_cache_dir();
+        let (stop, stopped) = std::sync::mpsc::channel();
+        let follower = cache.clone().map(|cache| {
+            std::thread::spawn(move || {
+                progress::follow(&cache, &stopped, progress::PROGRESS_INTERVAL, &mut |line| {
+                    eprintln!("{line}")
+                })
+            })
+        });
+        let out = child.wait_with_output();
+        let _ = stop.send(());
+        let followed = follower.and_then(|f| f.join().ok());
+        let out = out.map_err(|source| GuestError::Spawn {
+            script: script.clone(),
+            source,
+        })?;
         if !out.status.success() {
             return Err(GuestError::BuildFailed { status: out.status });
+        }
+        if let (Some(cache), Some(followed)) = (cache, followed) {
+            progress::keep_total(&cache, &followed);
         }
         let stdout = String::from_utf8_lossy(&out.stdout);
         let dir = stdout

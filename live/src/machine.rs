@@ -170,10 +170,9 @@ impl PausedView for PausedMachine<'_> {
         self.kernel
     }
 
-    fn parked_rips(&self) -> Vec<u64> {
+    fn parked_rips(&self) -> Vec<(usize, u64)> {
         (0..self.vcpus)
-            .filter_map(|cpu| self.paused.regs(cpu))
-            .map(|r| r.rip)
+            .filter_map(|cpu| Some((cpu, self.paused.regs(cpu)?.rip)))
             .collect()
     }
 

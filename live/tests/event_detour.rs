@@ -35,6 +35,8 @@ const B: u64 = CODE_BLOB_START;
 const FUNC: u64 = B + 0x800;
 const COPY: u64 = B + 0x900;
 const STRNCPY: u64 = B + 0xa00;
+/// A second probed function, called twice per iteration when [`CALL2`] is set.
+const FUNC2: u64 = B + 0xb00;
 /// struct S { u64 a; u64 b; char *name; }
 const S: u64 = B + 0x1000;
 const S_A: u64 = 0x1122_3344_5566_7788;
@@ -62,6 +64,8 @@ const DUMPS_PER_CPU: u64 = 0x8000;
 const COUNTERS: u64 = B + 0x2_0000;
 /// Non-zero: the copy stub calls the probed function (a nested hit).
 const NEST: u64 = COUNTERS + 0x18;
+/// Non-zero: each iteration calls `func2` twice after `func`.
+const CALL2: u64 = COUNTERS + 0x20;
 /// The page the stubs refuse (-EFAULT).
 const BAD: u64 = B + 0xf_f000;
 const EFAULT: i64 = -14;
@@ -136,6 +140,12 @@ fn blob(cpus: u8, iterations: u64) -> Vec<u8> {
         a.call(FUNC)?;
         a.cld()?;
         a.add(rsp, 16)?;
+        let mut no_func2 = a.create_label();
+        a.cmp(qword_ptr(CALL2), 0)?;
+        a.je(no_func2)?;
+        a.call(FUNC2)?;
+        a.call(FUNC2)?;
+        a.set_label(&mut no_func2)?;
         a.add(r15, DUMP_SIZE as i32)?;
         a.inc(r14)?;
         a.cmp(r14, iterations as i32)?;
@@ -185,6 +195,17 @@ fn blob(cpus: u8, iterations: u64) -> Vec<u8> {
         a.pop(qword_ptr(r15 + 0x80))?;
         a.ret()?;
         Ok(())
+    });
+    // The same region as func's, and nothing else.
+    let func2 = asm(FUNC2, |a| {
+        a.lea(r11, ptr(rdi + rsi))?;
+        let load = iced_x86::Instruction::with2(
+            iced_x86::Code::Mov_r64_rm64,
+            iced_x86::Register::RAX,
+            iced_x86::MemoryOperand::with_base_displ(iced_x86::Register::RIP, DATA as i64),
+        )?;
+        a.add_instruction(load)?;
+        a.ret()
     });
     // Shared prologue of the stubs: count a call whose stack is not 16-byte aligned at
     // the call (rsp % 16 != 8 at entry), and refuse the bad page.
@@ -270,6 +291,7 @@ fn blob(cpus: u8, iterations: u64) -> Vec<u8> {
     assert!(entry.len() < 0x800 && func.len() < 0x100 && copy.len() < 0x100 && strncpy.len() < 0x100);
     put(B, &entry);
     put(FUNC, &func);
+    put(FUNC2, &func2);
     put(COPY, &copy);
     put(STRNCPY, &strncpy);
     put(S, &S_A.to_le_bytes());
@@ -297,7 +319,8 @@ fn blob(cpus: u8, iterations: u64) -> Vec<u8> {
 fn symbols() -> SymbolTable {
     SymbolTable::parse_system_map(&format!(
         "{B:016x} T blob\n{FUNC:016x} T func\n{COPY:016x} T copy_from_kernel_nofault\n\
-         {STRNCPY:016x} T strncpy_from_kernel_nofault\n{DATA:016x} D blob_data\n{:016x} T blob_end\n",
+         {STRNCPY:016x} T strncpy_from_kernel_nofault\n{FUNC2:016x} T func2\n{DATA:016x} D blob_data\n\
+         {:016x} T blob_end\n",
         B + 0x3000
     ))
     .unwrap()
@@ -348,15 +371,48 @@ struct Armed {
 /// Generates the detour for `spec`, writes it and the rings into the out-of-line area and
 /// patches `jmp rel32` over the function's first instructions.
 fn arm(vm: &Vm, spec: &str, cpus: u32, capacity: u32, record_task: bool) -> Armed {
+    let rings = new_rings(vm, cpus, capacity);
+    let detour = arm_probe(vm, &rings, FUNC, 7, 0, DETOUR_OFFSET, spec, record_task);
+    Armed { detour, rings }
+}
+
+/// Rings for `cpus` CPUs in the out-of-line area, initialised.
+fn new_rings(vm: &Vm, cpus: u32, capacity: u32) -> EventRings {
+    let geometry = RingGeometry::new(cpus, capacity, 512).unwrap();
+    let rings = EventRings::new(
+        geometry,
+        Gva(CODE_BLOB_OOL_VA + RINGS_OFFSET),
+        Gpa(OOL_AREA_START.0 + RINGS_OFFSET),
+        OOL_AREA_SIZE - RINGS_OFFSET,
+    )
+    .unwrap();
+    rings.init(&GuestPhys(vm.memory().clone())).unwrap();
+    rings
+}
+
+/// Generates the event detour of probe `probe_id` (miss-table entry `miss_slot`) on the
+/// function at `func` for `spec`, writes it at `detour_offset` of the out-of-line area and
+/// patches `jmp rel32` over the function's first instructions (lea + RIP-relative mov).
+#[allow(clippy::too_many_arguments)]
+fn arm_probe(
+    vm: &Vm,
+    rings: &EventRings,
+    func: u64,
+    probe_id: u32,
+    miss_slot: u32,
+    detour_offset: u64,
+    spec: &str,
+    record_task: bool,
+) -> EventDetour {
     let mem = vm.memory();
-    let code = blob(cpus as u8, 1);
-    let func_bytes = &code[(FUNC - B) as usize..(FUNC - B) as usize + 0x100];
+    let code = blob(rings.geometry().cpus() as u8, 1);
+    let func_bytes = &code[(func - B) as usize..(func - B) as usize + 0x100];
     let ex = ExceptionTable::default();
     let sites = PatchSites::default();
     let thunks = IndirectThunks::default();
     let function = FunctionText {
         body: Code {
-            start: Gva(FUNC),
+            start: Gva(func),
             bytes: func_bytes,
         },
         ftrace_site: None,
@@ -367,26 +423,18 @@ fn arm(vm: &Vm, spec: &str, cpus: u32, capacity: u32, record_task: bool) -> Arme
         patch_sites: &sites,
         thunks: &thunks,
     };
-    let region = plan_region(Gva(FUNC), &function, &facts_, &[]).unwrap();
+    let region = plan_region(Gva(func), &function, &facts_, &[]).unwrap();
     assert_eq!(region.size(), 11, "lea + RIP-relative mov");
-    let geometry = RingGeometry::new(cpus, capacity, 512).unwrap();
-    let rings = EventRings::new(
-        geometry,
-        Gva(CODE_BLOB_OOL_VA + RINGS_OFFSET),
-        Gpa(OOL_AREA_START.0 + RINGS_OFFSET),
-        OOL_AREA_SIZE - RINGS_OFFSET,
-    )
-    .unwrap();
-    rings.init(&GuestPhys(mem.clone())).unwrap();
     let (args, symbols, kernel) = (args(spec), symbols(), facts());
     let displaced = |ip: Gva| relocate(&region, ip, region.end());
-    let detour_ip = Gva(CODE_BLOB_OOL_VA + DETOUR_OFFSET);
+    let detour_ip = Gva(CODE_BLOB_OOL_VA + detour_offset);
     let detour = event_detour(&EventDetourParams {
-        probe_id: 7,
-        probe_address: Gva(FUNC),
+        probe_id,
+        miss_slot,
+        probe_address: Gva(func),
         detour_ip,
         args: &args,
-        rings: &rings,
+        rings,
         kernel: &kernel,
         symbols: &symbols,
         string_size: 32,
@@ -394,12 +442,12 @@ fn arm(vm: &Vm, spec: &str, cpus: u32, capacity: u32, record_task: bool) -> Arme
         displaced: &displaced,
     })
     .unwrap();
-    assert!(detour.code.len() < (RINGS_OFFSET - DETOUR_OFFSET) as usize);
-    mem.write_slice(&detour.code, GuestAddress(OOL_AREA_START.0 + DETOUR_OFFSET))
+    assert!(detour.code.len() < 0x1000 && detour_offset + 0x1000 <= RINGS_OFFSET);
+    mem.write_slice(&detour.code, GuestAddress(OOL_AREA_START.0 + detour_offset))
         .unwrap();
-    let jump = hvprobe_probes::detour::jump_bytes(Gva(FUNC), detour_ip).unwrap();
-    mem.write_slice(&jump, GuestAddress(FUNC)).unwrap();
-    Armed { detour, rings }
+    let jump = hvprobe_probes::detour::jump_bytes(Gva(func), detour_ip).unwrap();
+    mem.write_slice(&jump, GuestAddress(func)).unwrap();
+    detour
 }
 
 /// Every iteration's register dump of vCPU `cpu`.
@@ -717,17 +765,23 @@ fn a_nested_hit_is_counted_and_the_outer_record_is_intact() {
     let missed = armed.rings.missed(&GuestPhys(mem.clone())).unwrap();
     assert_eq!(missed.per_cpu[0].nested, ITERATIONS, "{missed:?}");
     assert_eq!(missed.per_cpu[0].full, 0);
+    assert_eq!(
+        armed.rings.probe_missed(&GuestPhys(mem.clone()), 0).unwrap(),
+        ITERATIONS,
+        "each nested hit in its probe's entry"
+    );
     assert_eq!(outcome.reason, StopReason::GuestExit(0));
 }
 
 /// A ring the host does not drain fills up: the first `capacity` hits are there, every
-/// later one is counted `missed_full`, and the guest runs on exactly as without the probe.
+/// later one is counted `missed_full` and in the probe's entry of the miss table, and the
+/// guest runs on exactly as without the probe. Reports what a miss costs the guest.
 #[test]
 fn a_full_ring_counts_missed_in_the_guest() {
-    let (_, plain_mem) = run(vm(1, ITERATIONS));
+    let (plain, plain_mem) = run(vm(1, ITERATIONS));
     let vm = vm(1, ITERATIONS);
     let armed = arm(&vm, "%di", 1, 8, false);
-    let (_, mem) = run(vm);
+    let (probed, mem) = run(vm);
     assert_eq!(dumps(&mem, 0, ITERATIONS), dumps(&plain_mem, 0, ITERATIONS));
     let events = drain_all(&armed, &mem);
     let got: Vec<String> = events.iter().map(|e| e.3[0].1.to_string()).collect();
@@ -735,6 +789,83 @@ fn a_full_ring_counts_missed_in_the_guest() {
     let missed = armed.rings.missed(&GuestPhys(mem.clone())).unwrap();
     assert_eq!(missed.per_cpu[0].full, ITERATIONS - 8);
     assert_eq!(missed.total(), ITERATIONS - 8);
+    assert_eq!(
+        armed.rings.probe_missed(&GuestPhys(mem.clone()), 0).unwrap(),
+        ITERATIONS - 8
+    );
+    // Extra instructions: 8 recorded hits (the jump in, the common path, minus the two
+    // displaced instructions), then the misses.
+    let hot = armed.detour.hot_path.instructions as u64;
+    let extra = probed.instructions_emulated.saturating_sub(plain.instructions_emulated);
+    if plain.instructions_emulated > 0 {
+        let per_miss = (extra - 8 * (hot - 1)) as f64 / (ITERATIONS - 8) as f64;
+        eprintln!(
+            "emulated {} vs {}: a recorded hit {} extra, a miss (full ring) {per_miss} extra",
+            probed.instructions_emulated,
+            plain.instructions_emulated,
+            hot - 1
+        );
+        assert_eq!(
+            (extra - 8 * (hot - 1)) % (ITERATIONS - 8),
+            0,
+            "every miss costs the same"
+        );
+    }
+}
+
+/// Two probes on one CPU, one ring that is never drained: the ring takes the first hits of
+/// both in order, and every later hit is counted in its own probe's entry of the miss
+/// table — for each probe, its hits = its records + its entry — and the ring's
+/// `missed_full` is their sum.
+#[test]
+fn a_full_ring_counts_each_probes_misses_in_its_own_entry() {
+    let (capacity, (a_id, a_slot), (b_id, b_slot)) = (8u32, (7u32, 2u32), (8u32, 5u32));
+    let vm = vm(1, ITERATIONS);
+    vm.memory().write_obj(1u64, GuestAddress(CALL2)).unwrap();
+    let rings = new_rings(&vm, 1, capacity);
+    let a = arm_probe(&vm, &rings, FUNC, a_id, a_slot, DETOUR_OFFSET, "%di", false);
+    let b = arm_probe(&vm, &rings, FUNC2, b_id, b_slot, DETOUR_OFFSET + 0x1000, "%di", false);
+    let (_, mem) = run(vm);
+    let phys = GuestPhys(mem.clone());
+    let mut reader = RingReader::new(rings);
+    let mut batch = EventBatch::new();
+    reader.drain(&phys, &mut batch).unwrap();
+    let symbols = symbols();
+    let got: Vec<(u32, String)> = batch
+        .iter()
+        .map(|e| {
+            let layout = if e.probe == a_id { &a.layout } else { &b.layout };
+            (e.probe, layout.decode(e.record, &symbols)[0].1.to_string())
+        })
+        .collect();
+    // Per iteration i: func (a) with %di = i, then func2 (b) twice, %di still i.
+    let want: Vec<(u32, String)> = (0..u64::from(capacity))
+        .map(|k| {
+            let i = k / 3;
+            (if k % 3 == 0 { a_id } else { b_id }, format!("{i:#x}"))
+        })
+        .collect();
+    assert_eq!(got, want, "the first hits of both, in order");
+    let recorded = |id: u32| got.iter().filter(|(p, _)| *p == id).count() as u64;
+    let (a_hits, b_hits) = (ITERATIONS, 2 * ITERATIONS);
+    let a_missed = rings.probe_missed(&phys, a_slot).unwrap();
+    let b_missed = rings.probe_missed(&phys, b_slot).unwrap();
+    eprintln!(
+        "a: {a_hits} hits, {} recorded, {a_missed} missed; b: {b_hits} hits, {} recorded, {b_missed} missed",
+        recorded(a_id),
+        recorded(b_id)
+    );
+    assert_eq!(recorded(a_id) + a_missed, a_hits, "a: hits = recorded + nmissed");
+    assert_eq!(recorded(b_id) + b_missed, b_hits, "b: hits = recorded + nmissed");
+    assert_eq!((recorded(a_id), recorded(b_id)), (3, 5));
+    let others: u64 = (0..rings.geometry().probe_slots())
+        .filter(|s| ![a_slot, b_slot].contains(s))
+        .map(|s| rings.probe_missed(&phys, s).unwrap())
+        .sum();
+    assert_eq!(others, 0, "no other entry counted");
+    let missed = rings.missed(&phys).unwrap();
+    assert_eq!(missed.per_cpu[0].full, a_missed + b_missed, "the ring's total");
+    assert_eq!(missed.total(), a_missed + b_missed);
 }
 
 /// A CPU whose number has no ring (the rings were made for fewer CPUs) counts `bad_cpu`
@@ -750,6 +881,11 @@ fn a_cpu_without_a_ring_counts_bad_cpu() {
     assert!(events.iter().all(|e| e.0 == 0 && e.1 == 0));
     let missed = armed.rings.missed(&GuestPhys(mem.clone())).unwrap();
     assert_eq!(missed.bad_cpu, iterations, "vCPU 1's hits");
+    assert_eq!(
+        armed.rings.probe_missed(&GuestPhys(mem.clone()), 0).unwrap(),
+        iterations,
+        "and the probe's"
+    );
 }
 
 /// The drain through real guest memory (vm-memory's mmap, as the engine reads it; no KVM
@@ -773,6 +909,7 @@ fn full_rings_in_guest_memory_drain_and_decode_whole() {
     let (args, symbols, kernel) = (args("%di %si $stack1 $stack2"), symbols(), facts());
     let detour = event_detour(&EventDetourParams {
         probe_id: 7,
+        miss_slot: 0,
         probe_address: Gva(FUNC),
         detour_ip: Gva(CODE_BLOB_OOL_VA + DETOUR_OFFSET),
         args: &args,

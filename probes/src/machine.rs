@@ -20,9 +20,9 @@ pub trait KernelMemory: GuestVirtRead + Send + Sync {
 pub trait PausedView {
     /// The kernel's memory, to change text in.
     fn text(&self) -> &dyn KernelMemory;
-    /// RIP of every other vCPU (the caller's own vCPU, when called from a vCPU thread, is
-    /// not included: it is in the engine's hands already).
-    fn parked_rips(&self) -> Vec<u64>;
+    /// The index and RIP of every other vCPU (the caller's own vCPU, when called from a
+    /// vCPU thread, is not included: it is in the engine's hands already).
+    fn parked_rips(&self) -> Vec<(usize, u64)>;
     /// Every word in `range` found on the guest's kernel stacks (every task's, and every
     /// CPU's interrupt and exception stacks): where a task was interrupted or preempted,
     /// or will return to. Conservative: a stale word counts too. An error when the stacks

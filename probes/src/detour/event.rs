@@ -14,7 +14,10 @@
 //!    a number with no ring counts `bad_cpu`.
 //! 4. The ring's `busy` set means the detour was entered again on this CPU (an NMI or an
 //!    exception in a fault-safe copy hit another event probe): `missed_nested += 1`. Else
-//!    `busy = 1`; a full ring (`head - tail >= capacity`) counts `missed_full`.
+//!    `busy = 1`; a full ring (`head - tail >= capacity`) counts `missed_full`. Each of
+//!    these three misses also counts the detour's own entry of the miss table (`lock inc`,
+//!    see [`super::ring`]): the host adds it to the probe's `nmissed`. Only the miss paths
+//!    do; a recorded hit runs no instruction more for it.
 //! 5. The record: probe id, CPU, `rdtsc`, the fault mask (zeroed when an argument can
 //!    fault), one value per fetch-arg, then `head += 1` (publish) and `busy = 0`.
 //! 6. Restores every register it saved and then the flags (`popfq`: IF, DF, the arithmetic
@@ -158,6 +161,10 @@ pub type DisplacedAt<'a> = &'a dyn Fn(Gva) -> Result<Vec<u8>, NotOptimizable>;
 pub struct EventDetourParams<'a> {
     /// Written into each record; the host maps it back to the probe.
     pub probe_id: u32,
+    /// The detour's entry in the rings' miss table (below
+    /// [`super::ring::RingGeometry::probe_slots`]), counted at each hit it does not record.
+    /// No other live detour may have it.
+    pub miss_slot: u32,
     /// The probe's address (`%ip`).
     pub probe_address: Gva,
     /// Where the detour's code goes (in the out-of-line area): its entry, the target of
@@ -218,6 +225,8 @@ pub enum DetourCodeError {
     OutOfReach { what: &'static str, from: Gva, target: Gva },
     #[error("the rings at {0} are neither a sign-extended 32-bit address nor in rel32 reach of the detour")]
     RingsOutOfReach(Gva),
+    #[error("miss slot {slot}: the rings' miss table has {slots} entries")]
+    BadMissSlot { slot: u32, slots: u32 },
     #[error("the displaced instructions: {0}")]
     Displaced(#[from] NotOptimizable),
     #[error("assembling the detour: {0}")]
@@ -777,6 +786,20 @@ impl Gen<'_> {
         Ok(())
     }
 
+    /// `inc qword [counter]` (`lock`ed when other CPUs count there too): at an absolute
+    /// address when it is a sign-extended 32-bit one, else RIP-relative (the rings were
+    /// found in reach of the detour before this is called).
+    fn inc_counter(&mut self, counter: u64, locked: bool) -> Result<(), DetourCodeError> {
+        let memory = match disp(counter) {
+            Some(_) => iced_x86::MemoryOperand::with_displ(counter, 8),
+            None => iced_x86::MemoryOperand::with_base_displ(iced_x86::Register::RIP, counter as i64),
+        };
+        let mut inc = Instruction::with1(iced_x86::Code::Inc_rm64, memory)?;
+        inc.set_has_lock_prefix(locked);
+        self.a.add_instruction(inc)?;
+        Ok(())
+    }
+
     fn call_copy(&mut self, arg: &FetchArg, user: bool, string: bool) -> Result<(), DetourCodeError> {
         let k = self.p.kernel;
         let (target, fact) = match (user, string) {
@@ -841,6 +864,18 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
     let thread_size = p.kernel.thread_size;
     if !thread_size.is_power_of_two() || !(4096..=(1 << 30)).contains(&thread_size) {
         return Err(DetourCodeError::BadThreadSize(thread_size));
+    }
+    match p.rings.probe_missed_gva(p.miss_slot) {
+        None => {
+            return Err(DetourCodeError::BadMissSlot {
+                slot: p.miss_slot,
+                slots: p.rings.geometry().probe_slots(),
+            })
+        }
+        Some(entry) if disp(entry.0).is_none() && !rel32_reaches(p.detour_ip, entry, CODE_SPAN) => {
+            return Err(DetourCodeError::RingsOutOfReach(p.rings.gva()))
+        }
+        Some(_) => {}
     }
     let plans = p
         .args
@@ -1168,25 +1203,26 @@ fn assemble(
     g.a().set_label(&mut displaced_label)?;
     g.a().db(displaced)?;
 
-    // Cold paths.
+    // Cold paths: each miss in its ring's (or the global) counter, then in the probe's.
+    let probe_missed = p
+        .rings
+        .probe_missed_gva(p.miss_slot)
+        .ok_or(DetourCodeError::BadMissSlot {
+            slot: p.miss_slot,
+            slots: geometry.probe_slots(),
+        })?;
     g.a().set_label(&mut bad_cpu)?;
     let bad_cpu_counter = p.rings.gva().0.wrapping_add(GLOBAL_BAD_CPU);
-    match disp(bad_cpu_counter) {
-        Some(_) => g.a().inc(qword_ptr(bad_cpu_counter))?,
-        None => {
-            let inc = Instruction::with1(
-                iced_x86::Code::Inc_rm64,
-                iced_x86::MemoryOperand::with_base_displ(iced_x86::Register::RIP, bad_cpu_counter as i64),
-            )?;
-            g.a().add_instruction(inc)?;
-        }
-    }
+    g.inc_counter(bad_cpu_counter, false)?;
+    g.inc_counter(probe_missed.0, true)?;
     g.a().jmp(restore)?;
     g.a().set_label(&mut nested)?;
     g.a().inc(qword_ptr(rbx + MISSED_NESTED as i32))?;
+    g.inc_counter(probe_missed.0, true)?;
     g.a().jmp(restore)?;
     g.a().set_label(&mut full)?;
     g.a().inc(qword_ptr(rbx + MISSED_FULL as i32))?;
+    g.inc_counter(probe_missed.0, true)?;
     g.a().jmp(unbusy)?;
     let cold = std::mem::take(&mut g.cold);
     for c in cold {

@@ -13,6 +13,7 @@
 //!           +8  u32 cpus, u32 capacity (records per CPU, a power of two)
 //!           +16 u32 record size, u32 ring stride
 //!           +24 u64 bad_cpu   guest: hits on a CPU number with no ring (counted, not recorded)
+//!           +32 u32 probe slots (entries of the miss table), u32 0   host, at init (informational)
 //! +64     ring of CPU 0, `stride` bytes; ring of CPU n at +64 + n * stride
 //!           +0   u64 head           guest: records written so far (free-running)
 //!           +8   u64 missed_full    guest: hits dropped because the ring was full
@@ -23,6 +24,10 @@
 //!           +64  u64 tail           host: records consumed so far (its own cache line)
 //!           +128 records: `capacity` slots of `record size` bytes, record `i` in slot
 //!                `i % capacity`
+//! +64 + cpus * stride   the miss table: `probe slots` u64s, one per event detour (its
+//!                       *miss slot*, given by the host), shared by all CPUs
+//!           u64 missed      guest: hits of that detour's probe not recorded, for any reason
+//!                           (full ring, nested, bad CPU)
 //! ```
 //!
 //! A record starts with a 24-byte header — `u32 probe id`, `u32 cpu` (the guest's
@@ -59,6 +64,21 @@
 //! written, and what interrupts can still run (an NMI, a #PF taken in a fault-safe copy,
 //! a #MC) and hits another event probe finds `busy` set and counts `missed_nested`.
 //!
+//! # Per-probe misses
+//!
+//! Every hit that is not recorded is counted twice by the guest: in its CPU's ring header
+//! (`missed_full`, `missed_nested`) or `bad_cpu`, as above, and in the miss table's entry
+//! of the detour that lost it (the detour knows its own entry: the host gives it when it
+//! generates the code), so that the host can add it to that probe's `nmissed`. The entry is
+//! shared by every CPU that runs the detour, so the guest counts with one `lock inc qword
+//! [entry]`: one instruction, so nothing on the same CPU (an NMI, an exception, taken only
+//! between instructions) can split it, and locked, so no other CPU's increment is lost.
+//! The host only reads an entry (one aligned 8-byte load: single-copy atomic), keeps the
+//! value it last saw, and adds the difference; an entry is given to a new detour only once
+//! the detour that had it can no longer run, and the host takes what the entry holds then
+//! as its starting point (it never writes the table after [`EventRings::init`]). Only the
+//! miss paths touch the table: a recorded hit runs the same instructions as without it.
+//!
 //! # The host treats ring memory as hostile
 //!
 //! The guest can write anything anywhere in the rings. The reader keeps `tail` itself,
@@ -74,12 +94,14 @@ use hvprobe_arch::{Gpa, Gva};
 
 /// `"HVEV"`, little-endian.
 pub const RING_MAGIC: u32 = u32::from_le_bytes(*b"HVEV");
-pub const RING_VERSION: u32 = 1;
+pub const RING_VERSION: u32 = 2;
 
 /// Bytes of the global header before the first ring.
 pub const GLOBAL_HEADER_SIZE: u64 = 64;
 /// Offset in the global header of the `bad_cpu` counter.
 pub const GLOBAL_BAD_CPU: u64 = 24;
+/// Offset in the global header of the number of miss-table entries.
+pub const GLOBAL_PROBE_SLOTS: u64 = 32;
 
 /// Offsets in a per-CPU ring header.
 pub const HEAD: u64 = 0;
@@ -105,6 +127,10 @@ pub const MAX_CAPACITY: u32 = 1 << 20;
 pub const MAX_RECORD_SIZE: u32 = 4096;
 /// Most CPUs (rings) accepted.
 pub const MAX_CPUS: u32 = 1024;
+/// Miss-table entries of [`RingGeometry::new`] (event detours that can exist at once).
+pub const DEFAULT_PROBE_SLOTS: u32 = 1024;
+/// Most miss-table entries accepted.
+pub const MAX_PROBE_SLOTS: u32 = 1 << 16;
 
 /// Why a ring geometry or a drain failed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -140,18 +166,21 @@ impl<T: RingMemory + ?Sized> RingMemory for &T {
     }
 }
 
-/// The shape of the rings: how many, how many records each, how big a record.
+/// The shape of the rings: how many, how many records each, how big a record, and how
+/// many entries the miss table has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RingGeometry {
     cpus: u32,
     capacity: u32,
     record_size: u32,
+    probe_slots: u32,
 }
 
 impl RingGeometry {
     /// `cpus` rings (1..=[`MAX_CPUS`]) of `capacity` records (a power of two,
     /// 1..=[`MAX_CAPACITY`]) of `record_size` bytes (a multiple of 8, from
-    /// [`RECORD_HEADER_SIZE`] to [`MAX_RECORD_SIZE`]).
+    /// [`RECORD_HEADER_SIZE`] to [`MAX_RECORD_SIZE`]), and a miss table of
+    /// [`DEFAULT_PROBE_SLOTS`] entries ([`RingGeometry::with_probe_slots`]).
     pub fn new(cpus: u32, capacity: u32, record_size: u32) -> Result<Self, RingError> {
         let bad = |s: String| Err(RingError::Geometry(s));
         if cpus == 0 || cpus > MAX_CPUS {
@@ -171,6 +200,21 @@ impl RingGeometry {
             cpus,
             capacity,
             record_size,
+            probe_slots: DEFAULT_PROBE_SLOTS,
+        })
+    }
+
+    /// The same rings with a miss table of `slots` entries (1..=[`MAX_PROBE_SLOTS`]): at
+    /// most that many event detours at once.
+    pub fn with_probe_slots(self, slots: u32) -> Result<Self, RingError> {
+        if slots == 0 || slots > MAX_PROBE_SLOTS {
+            return Err(RingError::Geometry(format!(
+                "{slots} miss-table entries: 1 to {MAX_PROBE_SLOTS} are supported"
+            )));
+        }
+        Ok(RingGeometry {
+            probe_slots: slots,
+            ..self
         })
     }
 
@@ -186,6 +230,11 @@ impl RingGeometry {
         self.record_size
     }
 
+    /// Entries of the miss table.
+    pub fn probe_slots(&self) -> u32 {
+        self.probe_slots
+    }
+
     /// Bytes from one CPU's ring to the next (a multiple of 64, so that every ring's
     /// header starts a cache line).
     pub fn stride(&self) -> u64 {
@@ -194,7 +243,17 @@ impl RingGeometry {
 
     /// Bytes all of it takes.
     pub fn total_size(&self) -> u64 {
+        self.miss_table_offset() + (8 * u64::from(self.probe_slots)).next_multiple_of(64)
+    }
+
+    /// Offset of the miss table from the start (after the last ring).
+    pub fn miss_table_offset(&self) -> u64 {
         GLOBAL_HEADER_SIZE + u64::from(self.cpus) * self.stride()
+    }
+
+    /// Offset of miss-table entry `slot` from the start, if there is one.
+    pub fn probe_missed_offset(&self, slot: u32) -> Option<u64> {
+        (slot < self.probe_slots).then(|| self.miss_table_offset() + 8 * u64::from(slot))
     }
 
     /// Offset of CPU `cpu`'s ring from the start.
@@ -264,6 +323,7 @@ impl EventRings {
         put(&mut header, 12, g.capacity);
         put(&mut header, 16, g.record_size);
         put(&mut header, 20, u32::try_from(g.stride()).unwrap_or(u32::MAX));
+        put(&mut header, GLOBAL_PROBE_SLOTS as usize, g.probe_slots);
         write(mem, "the rings' global header", self.gpa, &header)?;
         let zeros = vec![0u8; 64 << 10];
         let mut done = GLOBAL_HEADER_SIZE;
@@ -297,6 +357,22 @@ impl EventRings {
             });
         }
         Ok(MissedCounts { bad_cpu, per_cpu })
+    }
+
+    /// Miss-table entry `slot`: the hits its detour did not record, as the guest counted
+    /// them (a number the guest wrote).
+    pub fn probe_missed(&self, mem: &dyn RingMemory, slot: u32) -> Result<u64, RingError> {
+        let offset = self
+            .geometry
+            .probe_missed_offset(slot)
+            .ok_or_else(|| RingError::Geometry(format!("miss slot {slot} of {}", self.geometry.probe_slots)))?;
+        load(mem, "a miss-table entry", self.at(offset))
+    }
+
+    /// The guest-virtual address of miss-table entry `slot` (what a detour increments).
+    pub fn probe_missed_gva(&self, slot: u32) -> Option<Gva> {
+        let offset = self.geometry.probe_missed_offset(slot)?;
+        Some(Gva(self.gva.0 + offset))
     }
 }
 
@@ -557,24 +633,36 @@ impl HostRingMemory {
     }
 
     /// Plays the guest's detour on this memory: [`EventRings::record_as_guest`].
-    pub fn guest_record(&self, rings: &EventRings, cpu: u32, record: &[u8]) -> Result<bool, String> {
-        rings.record_as_guest(self, cpu, record)
+    pub fn guest_record(&self, rings: &EventRings, cpu: u32, miss_slot: u32, record: &[u8]) -> Result<bool, String> {
+        rings.record_as_guest(self, cpu, miss_slot, record)
     }
 }
 
 impl EventRings {
     /// Plays the guest's detour: the record protocol of the module docs, for one hit on
-    /// `cpu` whose record is `record` (header included; at most `record_size` bytes), in
-    /// `mem`. Returns whether it was recorded (else `missed_full` was counted). For tests
-    /// and benchmarks.
-    pub fn record_as_guest(&self, mem: &dyn RingMemory, cpu: u32, record: &[u8]) -> Result<bool, String> {
+    /// `cpu` of the detour with miss-table entry `miss_slot`, whose record is `record`
+    /// (header included; at most `record_size` bytes), in `mem`. Returns whether it was
+    /// recorded (else `missed_full` and the entry were counted). For tests and benchmarks
+    /// (one thread playing the guest: the entry's increment is not atomic here).
+    pub fn record_as_guest(
+        &self,
+        mem: &dyn RingMemory,
+        cpu: u32,
+        miss_slot: u32,
+        record: &[u8],
+    ) -> Result<bool, String> {
         let g = self.geometry();
         let ring = self.gpa().0 + g.ring_offset(cpu);
         let head = mem.load_u64_acquire(Gpa(ring + HEAD))?;
         let tail = mem.load_u64_acquire(Gpa(ring + TAIL))?;
         if head.wrapping_sub(tail) >= u64::from(g.capacity()) {
-            let missed = mem.load_u64_acquire(Gpa(ring + MISSED_FULL))?;
-            mem.store_u64_release(Gpa(ring + MISSED_FULL), missed + 1)?;
+            let entry = g
+                .probe_missed_offset(miss_slot)
+                .ok_or_else(|| format!("miss slot {miss_slot} of {}", g.probe_slots()))?;
+            for at in [ring + MISSED_FULL, self.gpa().0 + entry] {
+                let missed = mem.load_u64_acquire(Gpa(at))?;
+                mem.store_u64_release(Gpa(at), missed.wrapping_add(1))?;
+            }
             return Ok(false);
         }
         let len = record.len().min(g.record_size() as usize);

@@ -1,19 +1,30 @@
-//! Event detours' records. Invariant: **every record a detour wrote into a ring reaches
-//! the consumer, with its probe's hit counted, or is counted as missed — the rings' own
-//! counters (a full ring, a nested hit) in [`EngineStats::ring_missed`], a record the sink
-//! refused in its probe's `nmissed`**; the host takes records without pausing the guest.
+//! Event detours' records. Invariant: **every hit of an event detour reaches the consumer,
+//! with its probe's hit counted, or is counted as missed — a hit the guest could not
+//! record (a full ring, a nested hit, a CPU with no ring) in its probe's `nmissed` (from
+//! the detour's own entry of the rings' miss table) and, per CPU, in
+//! [`EngineStats::ring_missed`]; a record the sink refused in its probe's `nmissed`**; the
+//! host takes records and reads the counters without pausing the guest, at every drain
+//! (every 2 ms, and before every listing and removal).
+//!
+//! A miss-table entry belongs to one event detour's code from when the code is made until
+//! the code is reclaimed (nothing can run it any more; a detour the guest may have copied
+//! is never reclaimed): only then is it given to another, whose count starts from what the
+//! entry holds then. A retired detour that still runs (a CPU was inside it) counts for the
+//! probe it was made for.
 //!
 //! [`EngineStats::ring_missed`]: super::EngineStats::ring_missed
 
 use std::collections::HashMap;
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use hvprobe_arch::{Gpa, Gva};
 
 use super::events::hit_record;
+use super::optimize::{WhyNotOptimized, DETOUR_BLOCK};
+use super::registry::Counters;
 use super::{HitEvent, ProbeId, Tracer, COUNT};
 use crate::detour::event::{EventLayout, GuestKernelFacts};
-use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingReader};
+use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingMemory, RingReader};
 use crate::regs::Regs;
 
 /// Records per CPU ring.
@@ -22,6 +33,9 @@ const RING_CAPACITY: u32 = 256;
 const RECORD_SIZE: u32 = 512;
 /// The rings take at most this much of the out-of-line area.
 const MAX_RINGS_BYTES: u64 = 1 << 20;
+/// Most entries of the miss table, i.e. event detours at once (32 KiB of table; fewer in a
+/// small out-of-line area, one per two detour blocks of it: no event detour is smaller).
+const MAX_MISS_SLOTS: u32 = 4096;
 
 /// The rings and what the engine needs to write detours into them and read them back.
 pub(super) struct EventSetup {
@@ -33,6 +47,29 @@ pub(super) struct EventSetup {
     pub layouts: RwLock<HashMap<u32, EventLayout>>,
     /// The rings' missed counters last seen (full and nested, all CPUs).
     missed_seen: Mutex<u64>,
+    /// Which probe each entry of the rings' miss table counts for. Lock order: the
+    /// registry first, then this.
+    miss_owners: Mutex<Vec<Option<MissOwner>>>,
+}
+
+/// The probe an entry of the miss table counts for: its counters (shared with the
+/// registry, so that a count taken after the probe went harms nothing), and the entry's
+/// value last added to them.
+struct MissOwner {
+    counters: Arc<Counters>,
+    seen: u64,
+}
+
+impl MissOwner {
+    /// Adds to `nmissed` what the guest counted since the last time. The entry only grows
+    /// in a well-behaved guest; a smaller value (a guest that wrote over it) is taken as
+    /// the new starting point and adds nothing.
+    fn fold(&mut self, now: u64) {
+        if now > self.seen {
+            self.counters.nmissed.fetch_add(now - self.seen, COUNT);
+        }
+        self.seen = now;
+    }
 }
 
 /// Why event detours cannot be set up.
@@ -61,12 +98,16 @@ impl Tracer {
     ) -> Result<(), EventSetupError> {
         let mem = self.machine.event_memory().ok_or(EventSetupError::NoRingMemory)?;
         // At most a quarter of the out-of-line area (the rest is for copies and detours).
-        let budget = MAX_RINGS_BYTES.min(self.ool.map_or(0, |a| a.size / 4));
+        let area = self.ool.map_or(0, |a| a.size);
+        let budget = MAX_RINGS_BYTES.min(area / 4);
         let mut capacity = RING_CAPACITY;
         while u64::from(cpus) * u64::from(capacity) * u64::from(RECORD_SIZE) > budget && capacity > 16 {
             capacity /= 2;
         }
-        let geometry = RingGeometry::new(cpus.max(1), capacity, RECORD_SIZE)?;
+        let slots = u32::try_from(area / (2 * DETOUR_BLOCK))
+            .unwrap_or(u32::MAX)
+            .clamp(1, MAX_MISS_SLOTS);
+        let geometry = RingGeometry::new(cpus.max(1), capacity, RECORD_SIZE)?.with_probe_slots(slots)?;
         let bytes = geometry.total_size();
         let blocks = bytes.div_ceil(super::optimize::DETOUR_BLOCK);
         let gva = self.allocate_detour(blocks).ok_or(EventSetupError::NoRoom { bytes })?;
@@ -78,6 +119,7 @@ impl Tracer {
             reader: Mutex::new((RingReader::new(rings), EventBatch::new())),
             layouts: RwLock::new(HashMap::new()),
             missed_seen: Mutex::new(0),
+            miss_owners: Mutex::new((0..slots).map(|_| None).collect()),
         };
         self.events.set(setup).map_err(|_| EventSetupError::AlreadySetUp)
     }
@@ -87,8 +129,61 @@ impl Tracer {
         self.events.get().map(|s| &s.rings)
     }
 
+    /// A free entry of the miss table for a new event detour of the probe with `counters`
+    /// (its count starts from what the entry holds now).
+    pub(super) fn take_miss_slot(&self, counters: &Arc<Counters>) -> Result<u32, WhyNotOptimized> {
+        let (Some(setup), Some(mem)) = (self.events.get(), self.machine.event_memory()) else {
+            return Err(WhyNotOptimized::EventCode("the event rings are not set up".into()));
+        };
+        let mut owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = owners
+            .iter()
+            .position(Option::is_none)
+            .ok_or(WhyNotOptimized::NoMissSlot {
+                slots: setup.rings.geometry().probe_slots(),
+            })?;
+        let seen = setup
+            .rings
+            .probe_missed(mem, slot as u32)
+            .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+        owners[slot] = Some(MissOwner {
+            counters: counters.clone(),
+            seen,
+        });
+        Ok(slot as u32)
+    }
+
+    /// Gives back the miss-table entry of an event detour that can no longer run (never
+    /// written, or reclaimed), after adding its last count to its probe.
+    pub(super) fn release_miss_slot(&self, slot: u32) {
+        let (Some(setup), Some(mem)) = (self.events.get(), self.machine.event_memory()) else {
+            return;
+        };
+        let mut owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(owner) = owners.get_mut(slot as usize) {
+            if let (Some(o), Ok(now)) = (owner.as_mut(), setup.rings.probe_missed(mem, slot)) {
+                o.fold(now);
+            }
+            *owner = None;
+        }
+    }
+
+    /// Adds to each event probe's `nmissed` the hits its detours counted in the miss table
+    /// since the last time.
+    fn fold_probe_misses(&self, setup: &EventSetup, mem: &dyn RingMemory) {
+        let mut owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
+        for (slot, owner) in owners.iter_mut().enumerate() {
+            let Some(owner) = owner else { continue };
+            match setup.rings.probe_missed(mem, slot as u32) {
+                Ok(now) => owner.fold(now),
+                Err(e) => tracing::error!("event rings: {e}"),
+            }
+        }
+    }
+
     /// Takes every record the event detours wrote since the last drain and sends each as
-    /// a [`HitEvent`] (its probe's hit counted); returns how many. Never pauses the guest.
+    /// a [`HitEvent`] (its probe's hit counted), and adds the hits each detour could not
+    /// record to its probe's `nmissed`; returns how many records. Never pauses the guest.
     /// Records of one CPU come in order, and within a drain all records are in the order
     /// of the guest TSC each carries. A record's timestamp is the guest's trace clock at
     /// that TSC (its hit's own time) when that clock stamps hits, else the host time of
@@ -97,6 +192,7 @@ impl Tracer {
         let (Some(setup), Some(mem)) = (self.events.get(), self.machine.event_memory()) else {
             return 0;
         };
+        self.fold_probe_misses(setup, mem);
         let mut reader = setup.reader.lock().unwrap_or_else(|e| e.into_inner());
         let (reader, batch) = &mut *reader;
         if let Err(e) = reader.drain(mem, batch) {

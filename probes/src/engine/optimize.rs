@@ -22,7 +22,7 @@ use std::sync::Arc;
 use hvprobe_arch::{Gva, INT3};
 
 use super::placement::compiler_bytes;
-use super::registry::{Registry, Role, Site};
+use super::registry::{Counters, Registry, Role, Site};
 use super::{ProbeId, ProbeKind, Tracer, COUNT};
 use crate::detour::event::{event_detour, EventDetourParams, EventLayout, DEFAULT_STRING_SIZE};
 use crate::detour::{
@@ -67,6 +67,8 @@ pub enum WhyNotOptimized {
     Memory(String),
     #[error("its event detour cannot be made: {0}")]
     EventCode(String),
+    #[error("every entry of the event rings' miss table is taken ({slots} event detours at once)")]
+    NoMissSlot { slots: u32 },
 }
 
 impl WhyNotOptimized {
@@ -95,6 +97,8 @@ pub(super) struct Detour {
     /// it places a kprobe after ours — on the instruction boundaries after the region.
     pub jump: Vec<u8>,
     pub kind: DetourKind,
+    /// An event detour's entry in the rings' miss table.
+    pub miss_slot: Option<u32>,
 }
 
 /// What a detour does before the displaced instructions.
@@ -121,6 +125,8 @@ pub(super) struct DetourCode {
     /// Detour blocks it takes.
     pub blocks: u64,
     pub kind: DetourKind,
+    /// An event detour's entry in the rings' miss table, given back with its blocks.
+    pub miss_slot: Option<u32>,
 }
 
 /// A probe that only records, for its event detour.
@@ -128,6 +134,7 @@ struct EventProbe {
     id: ProbeId,
     address: Gva,
     args: Vec<crate::spec::FetchArg>,
+    counters: Arc<Counters>,
 }
 
 /// Every detour's code by its address.
@@ -196,6 +203,7 @@ impl Tracer {
                                     kept: false,
                                     blocks,
                                     kind: detour.kind,
+                                    miss_slot: detour.miss_slot,
                                 },
                             );
                             if let Some(site) = reg.sites.get_mut(addr) {
@@ -264,13 +272,8 @@ impl Tracer {
         let area = self.ool.ok_or(WhyNotOptimized::NoOutOfLineArea)?;
         let region = self.plan(reg, addr)?;
         let range = addr.0 + 1..region.end().0;
-        if let Some((cpu, rip)) = view
-            .parked_rips()
-            .iter()
-            .enumerate()
-            .find(|(_, rip)| range.contains(rip))
-        {
-            return Err(WhyNotOptimized::VcpuInside { cpu, rip: Gva(*rip) });
+        if let Some((cpu, rip)) = view.parked_rips().into_iter().find(|(_, rip)| range.contains(rip)) {
+            return Err(WhyNotOptimized::VcpuInside { cpu, rip: Gva(rip) });
         }
         let interior = Gva(addr.0 + 1)..region.end();
         match view.saved_on_stacks(interior) {
@@ -279,13 +282,36 @@ impl Tracer {
             Err(e) => return Err(WhyNotOptimized::StacksUnreadable(e.to_string())),
         }
         let event = self.event_only_probe(reg, addr);
+        let miss_slot = match &event {
+            Some(probe) => Some(self.take_miss_slot(&probe.counters)?),
+            None => None,
+        };
+        let written = self.write_detour(view, addr, region, event.as_ref(), miss_slot, area);
+        if let (Err(_), Some(slot)) = (&written, miss_slot) {
+            // The jump was not written: nothing can run the detour.
+            self.release_miss_slot(slot);
+        }
+        written
+    }
+
+    /// Makes the detour (an event one when `event` is given, counting its misses in
+    /// `miss_slot`), writes it and then the jump (see [`Tracer::optimize_site`]).
+    fn write_detour(
+        &self,
+        view: &dyn PausedView,
+        addr: Gva,
+        region: DetourRegion,
+        event: Option<&EventProbe>,
+        miss_slot: Option<u32>,
+        area: super::OutOfLineArea,
+    ) -> Result<(Detour, u64), WhyNotOptimized> {
         // The detour's code at `code`, and for an event detour its record layout.
         let make = |code: Gva| -> Result<(Vec<u8>, Option<EventLayout>), WhyNotOptimized> {
-            match &event {
-                Some(probe) => self
-                    .event_code(&region, probe, code)
+            match (event, miss_slot) {
+                (Some(probe), Some(slot)) => self
+                    .event_code(&region, probe, slot, code)
                     .map(|(code, layout)| (code, Some(layout))),
-                None => {
+                _ => {
                     let relocated = relocate(&region, Gva(code.0 + 1), region.end())
                         .map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
                     let mut detour = vec![INT3];
@@ -325,7 +351,7 @@ impl Tracer {
             }
             text.write_virt(addr, &jump)
                 .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
-            let kind = match (layout, &event, self.events.get()) {
+            let kind = match (layout, event, self.events.get()) {
                 (Some(layout), Some(probe), Some(setup)) => {
                     // Before the registry is released: no record of it is drained earlier.
                     setup
@@ -346,6 +372,7 @@ impl Tracer {
                     code,
                     jump,
                     kind,
+                    miss_slot,
                 },
                 blocks,
             )),
@@ -375,6 +402,7 @@ impl Tracer {
             id: *id,
             address: probe.address,
             args: probe.args.clone(),
+            counters: probe.counters.clone(),
         })
     }
 
@@ -383,6 +411,7 @@ impl Tracer {
         &self,
         region: &DetourRegion,
         probe: &EventProbe,
+        miss_slot: u32,
         code: Gva,
     ) -> Result<(Vec<u8>, EventLayout), WhyNotOptimized> {
         let setup = self.events.get().ok_or(WhyNotOptimized::NoRoom)?;
@@ -390,6 +419,7 @@ impl Tracer {
         let facts = &setup.facts;
         let generated = event_detour(&EventDetourParams {
             probe_id: probe.id.0,
+            miss_slot,
             probe_address: probe.address,
             detour_ip: code,
             args: &probe.args,
@@ -466,12 +496,14 @@ impl Tracer {
         for code in retired {
             let blocks = reg.detour_codes.get(&code).map_or(1, |d| d.blocks);
             let range = code.0..code.0 + blocks * DETOUR_BLOCK;
-            if rips.iter().any(|rip| range.contains(rip)) {
+            if rips.iter().any(|(_, rip)| range.contains(rip)) {
                 continue;
             }
             match view.saved_on_stacks(code..Gva(range.end)) {
                 Ok(saved) if saved.is_empty() => {
-                    reg.detour_codes.remove(&code);
+                    if let Some(slot) = reg.detour_codes.remove(&code).and_then(|d| d.miss_slot) {
+                        self.release_miss_slot(slot);
+                    }
                     self.free_detour(code, blocks);
                 }
                 Ok(_) => {}

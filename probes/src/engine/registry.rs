@@ -278,7 +278,7 @@ impl Tracer {
                 let Some(probe) = reg.probes.get_mut(id) else { continue };
                 probe.enabled = enabled;
                 let site = probe.site;
-                sync_site(view.text(), &mut reg, site);
+                sync_site(self, view.text(), &mut reg, site);
             }
         });
         result
@@ -292,7 +292,7 @@ impl Tracer {
             reg.armed = armed;
             let sites: Vec<Gva> = reg.sites.keys().copied().collect();
             for site in sites {
-                sync_site(view.text(), &mut reg, site);
+                sync_site(self, view.text(), &mut reg, site);
             }
         });
     }
@@ -399,14 +399,6 @@ impl Tracer {
             .collect()
     }
 
-    /// `group/event` of a probe.
-    pub fn event_name(&self, id: ProbeId) -> Option<(String, String)> {
-        self.read_registry()
-            .user_probes()
-            .find(|(i, _)| **i == id)
-            .map(|(_, p)| (p.group.clone(), p.event.clone()))
-    }
-
     fn register_paused(
         &self,
         text: &dyn KernelMemory,
@@ -468,7 +460,7 @@ impl Tracer {
         if let Some(site) = reg.sites.get_mut(&placement.site) {
             site.probes.push(id);
         }
-        sync_site(text, reg, placement.site);
+        sync_site(self, text, reg, placement.site);
         Ok(id)
     }
 
@@ -504,7 +496,7 @@ impl Tracer {
                 }
             }
         } else {
-            sync_site(view.text(), reg, site_addr);
+            sync_site(self, view.text(), reg, site_addr);
         }
     }
 
@@ -681,14 +673,15 @@ fn step_name(step: &insn::OutOfLine) -> String {
 }
 
 /// Writes or removes the int3 of the site at `addr` to match its probes and the global
-/// switch.
-fn sync_site(text: &dyn KernelMemory, reg: &mut Registry, addr: Gva) {
+/// switch. A site it finds the guest rewrote is counted gone.
+fn sync_site(tracer: &Tracer, text: &dyn KernelMemory, reg: &mut Registry, addr: Gva) {
     let want = reg.armed
         && reg
             .sites
             .get(&addr)
             .is_some_and(|s| s.probes.iter().any(|id| reg.probes.get(id).is_some_and(|p| p.enabled)));
     let Some(site) = reg.sites.get_mut(&addr) else { return };
+    let was_gone = site.gone;
     if want && !site.armed && !site.gone {
         arm(text, addr, site);
     } else if !want && site.armed {
@@ -697,6 +690,9 @@ fn sync_site(text: &dyn KernelMemory, reg: &mut Registry, addr: Gva) {
         if site.armed {
             site.armed = !site.shared_with_guest() && !restore_original(text, addr, site);
         }
+    }
+    if site.gone && !was_gone {
+        tracer.stats.gone.fetch_add(1, COUNT);
     }
 }
 

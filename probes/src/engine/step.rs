@@ -110,7 +110,7 @@ impl Tracer {
             || view
                 .parked_rips()
                 .iter()
-                .any(|rip| (slot.0..slot.0 + SLOT_SIZE).contains(rip));
+                .any(|(_, rip)| (slot.0..slot.0 + SLOT_SIZE).contains(rip));
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         if in_use {
             slots.retired.push(slot);

@@ -59,8 +59,8 @@ const POP: u64 = FUNC + 0x10;
 struct FakeMachine {
     pages: Mutex<BTreeMap<u64, Vec<u8>>>,
     pauses: AtomicUsize,
-    /// RIPs of the other vCPUs while paused.
-    parked: Mutex<Vec<u64>>,
+    /// The other vCPUs while paused: (index, RIP).
+    parked: Mutex<Vec<(usize, u64)>>,
     /// Pages that are not mapped: reads and writes there fail.
     unmapped: Mutex<Vec<u64>>,
     /// Runs once at the next pause, before the edit: the guest's last act before it stops.
@@ -146,7 +146,7 @@ impl PausedView for FakeMachine {
         self
     }
 
-    fn parked_rips(&self) -> Vec<u64> {
+    fn parked_rips(&self) -> Vec<(usize, u64)> {
         self.parked.lock().unwrap().clone()
     }
 
@@ -473,6 +473,26 @@ fn a_byte_the_guest_rewrote_is_reported_gone_and_never_written_back() {
     assert!(t.listing()[0].gone);
     t.unregister(a).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [0x90], "the guest's byte stays");
+}
+
+/// A disabled probe's byte rewritten by the guest is found when the probe is enabled (the
+/// pause's look for gone sites skips what is not armed): gone, and counted like every other
+/// way a site goes.
+#[test]
+fn a_site_found_gone_when_it_is_armed_is_counted_gone() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let mut disabled = plain(at("func", 9), "b");
+    disabled.disabled = true;
+    let b = t.register(disabled).unwrap();
+    m.write_virt(Gva(MOV_RIP), &[0x90]).unwrap();
+    t.set_enabled(b, true).unwrap();
+    assert_eq!(m.bytes(MOV_RIP, 1), [0x90], "the guest's byte stays");
+    assert!(t.listing()[0].gone);
+    assert_eq!(t.stats.gone.load(Ordering::Relaxed), 1);
+    t.set_enabled(b, false).unwrap();
+    t.set_enabled(b, true).unwrap();
+    assert_eq!(t.stats.gone.load(Ordering::Relaxed), 1, "counted once");
 }
 
 #[test]
@@ -1179,7 +1199,7 @@ fn no_post_handler_runs_after_unregister_returns_even_mid_step() {
         BreakpointOutcome::Handled
     ));
     // Parked between its int3 and its step trap while the probe goes.
-    *m.parked.lock().unwrap() = vec![cpu.regs.rip];
+    *m.parked.lock().unwrap() = vec![(1, cpu.regs.rip)];
     t.unregister(id).unwrap();
     cpu.regs.rip = OOL + 7;
     assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
@@ -1597,7 +1617,7 @@ fn a_task_or_vcpu_inside_the_region_delays_the_jump_until_it_has_left() {
     );
     // The task went on; a vCPU is now stopped inside the region.
     *m.stack_words.lock().unwrap() = Some(Vec::new());
-    *m.parked.lock().unwrap() = vec![MOV_RIP];
+    *m.parked.lock().unwrap() = vec![(0, MOV_RIP)];
     t.check_gone();
     t.set_armed(true);
     assert_eq!(
@@ -1607,8 +1627,18 @@ fn a_task_or_vcpu_inside_the_region_delays_the_jump_until_it_has_left() {
             rip: Gva(MOV_RIP)
         })
     );
+    // Named by its own index when a vCPU before it is the caller's (not parked).
+    *m.parked.lock().unwrap() = vec![(1, MOV_RIP), (2, PUSH)];
+    t.set_armed(true);
+    assert_eq!(
+        t.why_not_optimized(id),
+        Some(WhyNotOptimized::VcpuInside {
+            cpu: 1,
+            rip: Gva(MOV_RIP)
+        })
+    );
     // At the probe address itself it would take the jump: fine.
-    *m.parked.lock().unwrap() = vec![PUSH];
+    *m.parked.lock().unwrap() = vec![(0, PUSH)];
     t.set_armed(true);
     assert_eq!(m.bytes(PUSH, 1), [0xe9]);
     assert_eq!(t.why_not_optimized(id), None);
@@ -1621,7 +1651,7 @@ fn a_retired_detour_is_reused_only_when_no_vcpu_or_stack_is_in_it_and_still_work
     let seen = Arc::new(Mutex::new(Vec::new()));
     let id = t.register(recording_probe(&seen)).unwrap();
     // A vCPU took the jump and stopped on the detour's int3; then the probe is disabled.
-    *m.parked.lock().unwrap() = vec![DETOUR];
+    *m.parked.lock().unwrap() = vec![(0, DETOUR)];
     t.set_optimization(false);
     assert_eq!(m.bytes(PUSH, 1), [INT3]);
     // It goes on: the site's handler runs, and so do the displaced instructions.
@@ -1802,7 +1832,7 @@ fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
         r
     };
     for (probe, tsc) in [(id.0, 10), (id.0, 20), (9999, 30)] {
-        assert!(mem.guest_record(&rings, 0, &record(probe, tsc)).unwrap());
+        assert!(mem.guest_record(&rings, 0, 0, &record(probe, tsc)).unwrap());
     }
     assert_eq!(t.drain_events(), 2);
     let got = events.got.lock().unwrap().clone();
@@ -1820,7 +1850,7 @@ fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
     // A full ring: the guest counts what it could not write, the host reports it.
     let capacity = rings.geometry().capacity();
     let written = (0..capacity + 3)
-        .filter(|i| mem.guest_record(&rings, 0, &record(id.0, u64::from(*i))).unwrap())
+        .filter(|i| mem.guest_record(&rings, 0, 0, &record(id.0, u64::from(*i))).unwrap())
         .count() as u32;
     assert_eq!(written, capacity);
     assert_eq!(t.drain_events(), capacity as usize);
@@ -1854,7 +1884,7 @@ fn draining_while_the_optimizer_makes_event_detours_never_deadlocks() {
         let t = t.clone();
         std::thread::spawn(move || loop {
             // The guest keeps hitting the probe: every drain has records to attribute.
-            let _ = m.rings.as_ref().unwrap().guest_record(&rings, 0, &record);
+            let _ = m.rings.as_ref().unwrap().guest_record(&rings, 0, 0, &record);
             t.drain_events();
             if Arc::strong_count(&t) == 1 {
                 return;
@@ -1935,7 +1965,7 @@ fn records_are_stamped_with_their_own_tsc_on_the_guest_clock_and_with_the_drain_
         r
     };
     for tsc in [7_000, 9_000] {
-        assert!(mem.guest_record(&rings, 0, &record(tsc)).unwrap());
+        assert!(mem.guest_record(&rings, 0, 0, &record(tsc)).unwrap());
     }
     assert_eq!(t.drain_events(), 2);
     let stamps = |events: &Events| -> Vec<u64> {
@@ -1952,7 +1982,7 @@ fn records_are_stamped_with_their_own_tsc_on_the_guest_clock_and_with_the_drain_
 
     // `host`: the drain's host time since the tracer started (far below 1000 s).
     t.set_trace_clock(TraceClock::Host).unwrap();
-    assert!(mem.guest_record(&rings, 0, &record(11_000)).unwrap());
+    assert!(mem.guest_record(&rings, 0, 0, &record(11_000)).unwrap());
     assert_eq!(t.drain_events(), 1);
     let host = stamps(&events);
     assert!(host[0] < 1_000_000_000_000, "{host:?}");
@@ -1976,4 +2006,107 @@ fn a_probe_that_records_stacks_traps_in_a_sync_detour_never_an_event_one() {
     let target = PUSH as i64 + 5 + i32::from_le_bytes(m.bytes(PUSH + 1, 4).try_into().unwrap()) as i64;
     assert_eq!(m.bytes(target as u64, 1), [INT3], "a sync detour starts with its trap");
     t.unregister(id).unwrap();
+}
+
+/// The miss-table entry of the event detour at `site`.
+fn miss_slot(t: &Tracer, site: u64) -> u32 {
+    let reg = t.read_registry();
+    let detour = reg.sites[&Gva(site)].detour.as_ref().expect("optimized");
+    detour.miss_slot.expect("an event detour has a miss slot")
+}
+
+/// Ring misses reach each probe's `nmissed` from its own detour's entry of the miss table:
+/// at every drain (a listing drains), through retirement, entry reuse, and a guest that
+/// writes over an entry; the per-CPU totals stay in the summary.
+#[test]
+fn ring_misses_are_folded_into_each_probes_nmissed() {
+    use crate::detour::ring::RingMemory;
+    let (m, t, events) = event_tracer();
+    m.write_virt(Gva(OTHER), FUNC_CODE).unwrap();
+    t.set_optimization(true);
+    let a = t
+        .register(KprobeRequest::event(at("func", 0), "g", "a", Vec::new()))
+        .unwrap();
+    let b = t
+        .register(KprobeRequest::event(at("other", 0), "g", "b", Vec::new()))
+        .unwrap();
+    // (optimized, hits, nmissed) of `g/NAME`, from the listing (which drains first).
+    let listed = |name: &str| {
+        let entry = t
+            .listing()
+            .into_iter()
+            .find(|e| e.event == format!("g/{name}"))
+            .unwrap();
+        (entry.optimized, entry.hits, entry.nmissed)
+    };
+    assert_eq!((listed("a").0, listed("b").0), (true, true));
+    let (slot_a, slot_b) = (miss_slot(&t, PUSH), miss_slot(&t, OTHER + 5));
+    assert_ne!(slot_a, slot_b);
+    let rings = *t.event_rings().unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    let capacity = rings.geometry().capacity();
+    let record = |probe: ProbeId| {
+        let mut r = vec![0u8; 24];
+        r[0..4].copy_from_slice(&probe.0.to_le_bytes());
+        r
+    };
+    // After a drain, CPU 0's ring takes `capacity` of a's records: then it is full. (The
+    // consumer keeps up: only the ring loses hits.)
+    let fill = || {
+        events.got.lock().unwrap().clear();
+        for _ in 0..capacity {
+            assert!(mem.guest_record(&rings, 0, slot_a, &record(a)).unwrap());
+        }
+    };
+    let miss = |id: ProbeId, slot: u32| assert!(!mem.guest_record(&rings, 0, slot, &record(id)).unwrap());
+    fill();
+    for _ in 0..3 {
+        miss(a, slot_a);
+    }
+    for _ in 0..5 {
+        miss(b, slot_b);
+    }
+    assert_eq!(listed("a"), (true, u64::from(capacity), 3));
+    assert_eq!(listed("b"), (true, 0, 5));
+    assert_eq!(t.stats.ring_missed.load(Ordering::Relaxed), 8, "the per-CPU total");
+    assert_eq!((listed("a").2, listed("b").2), (3, 5), "counted once");
+
+    // b's detour is retired while a task is still inside it: its misses there are b's,
+    // and so is the last count taken when its entry is given back.
+    let b_code = t.read_registry().sites[&Gva(OTHER + 5)].detour.as_ref().unwrap().code;
+    *m.stack_words.lock().unwrap() = Some(vec![b_code.0 + 1]);
+    t.set_enabled(b, false).unwrap();
+    assert!(t
+        .read_registry()
+        .detour_codes
+        .values()
+        .any(|d| d.miss_slot == Some(slot_b)));
+    fill();
+    miss(b, slot_b);
+    assert_eq!(listed("b"), (false, 0, 6));
+    fill();
+    miss(b, slot_b);
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    t.set_optimization(true); // a pause: the retired detour is reclaimed, its entry freed
+    assert!(t
+        .read_registry()
+        .detour_codes
+        .values()
+        .all(|d| d.miss_slot != Some(slot_b)));
+    assert_eq!(listed("b"), (false, 0, 7), "the last count before the entry went");
+    // b again: a new detour, whose entry's earlier count is not b's new misses.
+    t.set_enabled(b, true).unwrap();
+    let slot_b2 = miss_slot(&t, OTHER + 5);
+    fill();
+    miss(b, slot_b2);
+    assert_eq!(listed("b"), (true, 0, 8));
+
+    // A guest that writes over its entry adds nothing, and counts on from there.
+    let entry = Gpa(rings.gpa().0 + rings.geometry().probe_missed_offset(slot_a).unwrap());
+    mem.store_u64_release(entry, 1).unwrap();
+    assert_eq!(listed("a").2, 3, "nothing added");
+    mem.store_u64_release(entry, 4).unwrap();
+    assert_eq!(listed("a").2, 6);
+    assert_eq!(listed("b").2, 8, "b's count is b's alone");
+    t.unregister_many(&[a, b]).unwrap();
 }

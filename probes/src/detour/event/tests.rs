@@ -90,6 +90,7 @@ fn generate_with(spec: &str, record_size: u32, kernel: &GuestKernelFacts) -> Res
     let (args, rings, symbols) = (args(spec), rings(record_size), symbols());
     event_detour(&EventDetourParams {
         probe_id: 42,
+        miss_slot: 3,
         probe_address: Gva(FUNC),
         detour_ip: Gva(DETOUR),
         args: &args,
@@ -112,6 +113,7 @@ fn generate_stamped(spec: &str, kernel: &GuestKernelFacts) -> Result<EventDetour
     let (args, rings, symbols) = (args(spec), rings(256), symbols());
     event_detour(&EventDetourParams {
         probe_id: 42,
+        miss_slot: 3,
         probe_address: Gva(FUNC),
         detour_ip: Gva(DETOUR),
         args: &args,
@@ -262,6 +264,7 @@ fn rings_and_calls_are_reached_from_wherever_the_detour_is() {
     let (args, symbols, kernel) = (args("%di +0(%si)"), symbols(), facts());
     let params = EventDetourParams {
         probe_id: 1,
+        miss_slot: 3,
         probe_address: Gva(FUNC),
         detour_ip: Gva(0x7fff_0000_0000),
         args: &args,
@@ -309,6 +312,68 @@ fn rings_and_calls_are_reached_from_wherever_the_detour_is() {
     assert_eq!(
         event_detour(&far_detour),
         Err(DetourCodeError::RingsOutOfReach(Gva(0x7fff_0000_1000)))
+    );
+}
+
+/// Every way a hit is not recorded (a CPU with no ring, a nested hit, a full ring) counts
+/// the probe's own miss-table entry with one locked increment, after its ring's counter;
+/// the common path has none of it (its length is the test above's).
+#[test]
+fn each_miss_path_counts_the_probes_entry_with_a_locked_increment() {
+    for spec in ["%di %si $stack1 $stack2", "+8(%di):u32 $comm"] {
+        let d = generate(spec).unwrap();
+        let insns = decode(&d.code);
+        let text = listing(&d.code);
+        let entry = rings(256).probe_missed_gva(3).unwrap().0;
+        let counts: Vec<(usize, &Instruction)> = insns
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i.mnemonic() == Mnemonic::Inc && i.op0_kind() == OpKind::Memory)
+            .collect();
+        let probe_incs: Vec<usize> = counts
+            .iter()
+            .filter(|(_, i)| i.memory_displacement64() == entry && i.memory_base() == iced_x86::Register::None)
+            .map(|(at, i)| {
+                assert!(i.has_lock_prefix(), "{i}\n{text}");
+                *at
+            })
+            .collect();
+        assert_eq!(probe_incs.len(), 3, "{spec}\n{text}");
+        // Each right after the counter of its path: bad_cpu (global), missed_nested,
+        // missed_full.
+        let before: Vec<u64> = probe_incs
+            .iter()
+            .map(|at| insns[at - 1].memory_displacement64())
+            .collect();
+        let bad_cpu = RINGS + crate::detour::ring::GLOBAL_BAD_CPU;
+        assert_eq!(before, [bad_cpu, MISSED_NESTED, MISSED_FULL], "{spec}\n{text}");
+        // The rings' own counters stay plain increments.
+        assert!(probe_incs.iter().all(|at| !insns[at - 1].has_lock_prefix()), "{text}");
+        // All of them after the jump back: off the common path.
+        let popf = insns.iter().position(|i| i.code() == Code::Popfq).unwrap();
+        assert!(probe_incs.iter().all(|at| *at > popf), "{text}");
+    }
+    // An entry the table does not have is refused.
+    let region = region();
+    let displaced = |ip: Gva| relocate(&region, ip, region.end());
+    let (args, rings, symbols, kernel) = (args("%di"), rings(256), symbols(), facts());
+    let slots = rings.geometry().probe_slots();
+    let params = EventDetourParams {
+        probe_id: 1,
+        miss_slot: slots,
+        probe_address: Gva(FUNC),
+        detour_ip: Gva(DETOUR),
+        args: &args,
+        rings: &rings,
+        kernel: &kernel,
+        symbols: &symbols,
+        string_size: 32,
+        record_task: false,
+        displaced: &displaced,
+    };
+    assert_eq!(
+        event_detour(&params),
+        Err(DetourCodeError::BadMissSlot { slot: slots, slots })
     );
 }
 

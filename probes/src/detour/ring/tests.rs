@@ -52,6 +52,19 @@ fn geometry_is_checked_and_laid_out_in_cache_lines() {
         EventRings::new(g, GVA, GPA, g.total_size() - 1),
         Err(RingError::TooLarge { .. })
     ));
+    // The miss table follows the last ring, in whole cache lines.
+    assert_eq!(g.miss_table_offset(), 64 + 2 * g.stride());
+    assert_eq!(g.probe_slots(), DEFAULT_PROBE_SLOTS);
+    assert_eq!(
+        g.total_size(),
+        g.miss_table_offset() + 8 * u64::from(DEFAULT_PROBE_SLOTS)
+    );
+    let small = g.with_probe_slots(3).unwrap();
+    assert_eq!(small.total_size(), small.miss_table_offset() + 64);
+    assert_eq!(small.probe_missed_offset(2), Some(small.miss_table_offset() + 16));
+    assert_eq!(small.probe_missed_offset(3), None);
+    assert!(g.with_probe_slots(0).is_err());
+    assert!(g.with_probe_slots(MAX_PROBE_SLOTS + 1).is_err());
     let (rings, mem) = rings(2, 4, 40);
     let mut magic = [0u8; 4];
     mem.read_phys(GPA, &mut magic).unwrap();
@@ -71,7 +84,7 @@ fn records_come_out_in_order_across_the_wrap() {
     for round in [3usize, 4, 1, 4, 2] {
         for _ in 0..round {
             assert!(mem
-                .guest_record(&rings, 0, &record(7, 0, 100 + next, next, 32))
+                .guest_record(&rings, 0, 0, &record(7, 0, 100 + next, next, 32))
                 .unwrap());
             next += 1;
         }
@@ -98,7 +111,7 @@ fn records_of_several_rings_merge_by_tsc() {
     let mut reader = RingReader::new(rings);
     let mut batch = EventBatch::new();
     for (cpu, tsc) in [(0, 10), (1, 5), (0, 20), (1, 15), (1, 30)] {
-        mem.guest_record(&rings, cpu, &record(1, cpu, tsc, tsc, 32)).unwrap();
+        mem.guest_record(&rings, cpu, 0, &record(1, cpu, tsc, tsc, 32)).unwrap();
     }
     reader.drain(&mem, &mut batch).unwrap();
     let by_ring: Vec<u64> = batch.iter().map(|e| e.tsc).collect();
@@ -116,14 +129,20 @@ fn a_full_ring_counts_missed_and_never_overwrites() {
     let (rings, mem) = rings(2, 4, 32);
     let mut reader = RingReader::new(rings);
     let mut batch = EventBatch::new();
-    let recorded: Vec<bool> = (0..6)
-        .map(|i| mem.guest_record(&rings, 1, &record(1, 1, i, i, 32)).unwrap())
+    // Two probes' detours (miss slots 3 and 5) on CPU 1: the first four hits fit.
+    let recorded: Vec<bool> = (0..7)
+        .map(|i| {
+            let slot = if i % 2 == 0 { 3 } else { 5 };
+            mem.guest_record(&rings, 1, slot, &record(1, 1, i, i, 32)).unwrap()
+        })
         .collect();
-    assert_eq!(recorded, [true, true, true, true, false, false]);
+    assert_eq!(recorded, [true, true, true, true, false, false, false]);
     let missed = rings.missed(&mem).unwrap();
-    assert_eq!(missed.per_cpu[1], CpuMissed { full: 2, nested: 0 });
+    assert_eq!(missed.per_cpu[1], CpuMissed { full: 3, nested: 0 });
     assert_eq!(missed.per_cpu[0], CpuMissed::default());
-    assert_eq!(missed.total(), 2);
+    assert_eq!(missed.total(), 3);
+    let per_probe: Vec<u64> = (0..6).map(|slot| rings.probe_missed(&mem, slot).unwrap()).collect();
+    assert_eq!(per_probe, [0, 0, 0, 2, 0, 1], "each miss in its own detour's entry");
     reader.drain(&mem, &mut batch).unwrap();
     assert_eq!(
         batch.iter().map(|e| value(&e)).collect::<Vec<_>>(),
@@ -132,7 +151,7 @@ fn a_full_ring_counts_missed_and_never_overwrites() {
     );
     assert!(batch.iter().all(|e| e.ring == 1));
     // Room again.
-    assert!(mem.guest_record(&rings, 1, &record(1, 1, 9, 9, 32)).unwrap());
+    assert!(mem.guest_record(&rings, 1, 0, &record(1, 1, 9, 9, 32)).unwrap());
     reader.drain(&mem, &mut batch).unwrap();
     assert_eq!(batch.iter().map(|e| value(&e)).collect::<Vec<_>>(), [9]);
 }
@@ -143,7 +162,7 @@ fn an_impossible_head_is_reported_and_skipped_and_the_ring_goes_on() {
     let mut reader = RingReader::new(rings);
     let mut batch = EventBatch::new();
     for i in 0..3 {
-        mem.guest_record(&rings, 0, &record(1, 0, i, i, 32)).unwrap();
+        mem.guest_record(&rings, 0, 0, &record(1, 0, i, i, 32)).unwrap();
     }
     reader.drain(&mem, &mut batch).unwrap();
     // Behind the tail.
@@ -171,7 +190,7 @@ fn an_impossible_head_is_reported_and_skipped_and_the_ring_goes_on() {
     assert_eq!(reader.tail(0), Some(1), "skipped to the head");
     // The guest goes on from its head, across the u64 wrap on ring 1.
     for i in 0..9u64 {
-        mem.guest_record(&rings, 1, &record(2, 1, i, i, 32)).unwrap();
+        mem.guest_record(&rings, 1, 0, &record(2, 1, i, i, 32)).unwrap();
     }
     let summary = reader.drain(&mem, &mut batch).unwrap();
     assert!(summary.corrupt_rings.is_empty());
@@ -226,7 +245,7 @@ fn a_concurrent_producer_loses_nothing_silently() {
         std::thread::spawn(move || {
             let mut written = Vec::new();
             for i in 0..n {
-                if mem.guest_record(&rings, 0, &record(3, 0, i, i, 32)).unwrap() {
+                if mem.guest_record(&rings, 0, 0, &record(3, 0, i, i, 32)).unwrap() {
                     written.push(i);
                 }
             }
