@@ -151,3 +151,14 @@ pub fn restore_with(dir: &Path, cpus: u8, workload: &str, extra: &[&str], timeou
     args.extend_from_slice(extra);
     hvprobe(&args, timeout)
 }
+
+/// Fails unless the run's summary reports a KASLR slide other than 0: the kernel was
+/// randomized.
+pub fn assert_randomized(run: &Run) {
+    let slide = run
+        .stderr
+        .lines()
+        .find_map(|l| l.split("KASLR slide ").nth(1))
+        .unwrap_or_else(|| panic!("no slide reported\n{}", run.tail()));
+    assert_ne!(slide.trim(), "0x0", "the kernel was not randomized");
+}
