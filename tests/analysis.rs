@@ -397,12 +397,12 @@ fn filters_need_a_probe_file_and_bad_stack_trace_triggers_say_where() {
             "--trigger",
             "ana/write:stacktrace:0",
             "--trigger",
-            "ana/write:hist:keys=stacktrace",
+            "ana/write:hist:keys=stacktrace.sym",
         ],
     );
     for expected in [
         "--trigger 'ana/write:stacktrace:0': column 22: bad count `0`: expected a number above 0",
-        "--trigger 'ana/write:hist:keys=stacktrace': column 21: `stacktrace` as a hist key is not supported",
+        "--trigger 'ana/write:hist:keys=stacktrace.sym': column 31: the `stacktrace` key takes no modifier",
     ] {
         assert!(run.stderr.contains(expected), "no {expected:?} in\n{}", run.tail());
     }

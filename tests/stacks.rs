@@ -325,3 +325,89 @@ fn stacks_come_as_a_frame_array_in_json_and_only_when_the_trigger_fires() {
         "{frames:?}"
     );
 }
+
+/// The entries of a hist file keyed by `stacktrace` alone: (frames, hitcount), in order.
+fn stack_hist(lines: impl Iterator<Item = String>) -> Vec<(Vec<String>, u64)> {
+    let mut out = Vec::new();
+    let mut frames: Option<Vec<String>> = None;
+    for line in lines {
+        let line = line.trim();
+        if line == "{ stacktrace:" {
+            frames = Some(Vec::new());
+        } else if let Some(count) = line.strip_prefix("} hitcount:") {
+            out.push((
+                frames.take().expect("a stack before its count"),
+                count.trim().parse().unwrap(),
+            ));
+        } else if let Some(f) = frames.as_mut() {
+            f.push(line.to_owned());
+        }
+    }
+    out
+}
+
+#[test]
+fn a_hist_keyed_by_stacktrace_counts_the_stacks_the_guests_own_counts() {
+    let dir = snapshot(1);
+    let probes = probe_file("stack-hist", "p:ana/write vfs_write\n");
+    // The loop's writes: one stack, three hits, on both sides.
+    let workload = "T=/sys/kernel/tracing; echo 'p:gw vfs_write' > $T/kprobe_events; \
+         echo 'hist:keys=stacktrace if comm == \"busybox\"' > $T/events/kprobes/gw/trigger; \
+         echo 1 > $T/events/kprobes/gw/enable; \
+         busybox sh -c 'for s in a bb ccc; do echo $s > /dev/null; done'; \
+         echo 0 > $T/events/kprobes/gw/enable; \
+         while read -r l; do echo \"GUEST $l\"; done < $T/events/kprobes/gw/hist; echo CONSOLE-END; sleep 2";
+    let run = restore_with(
+        &dir,
+        1,
+        workload,
+        &[
+            "--probes",
+            probes.to_str().unwrap(),
+            "--no-control",
+            "--output",
+            "none",
+            "--trigger",
+            "ana/write:hist:keys=stacktrace if comm == \"busybox\"",
+        ],
+        RESTORE_TIMEOUT,
+    );
+    let _ = std::fs::remove_file(probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert!(
+        run.console_has_line("CONSOLE-END"),
+        "the console was cut short\n{}",
+        run.tail()
+    );
+    let guest = stack_hist(
+        run.stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("GUEST "))
+            .map(str::to_owned),
+    );
+    let host = stack_hist(
+        run.stdout
+            .lines()
+            .skip_while(|l| !l.starts_with("==> events/ana/write/hist <=="))
+            .map(str::to_owned),
+    );
+    assert!(!guest.is_empty(), "{}", run.tail());
+    // The guest's stacks start with its kprobe's own frames and the function at +0x5.
+    let below = |frames: &[String]| -> Vec<String> {
+        let at = frames
+            .iter()
+            .position(|f| function(f) == "vfs_write")
+            .unwrap_or_else(|| panic!("vfs_write is not in {frames:?}"));
+        frames[at + 1..].to_vec()
+    };
+    let guest: Vec<(Vec<String>, u64)> = guest.iter().map(|(f, n)| (below(f), *n)).collect();
+    let host: Vec<(Vec<String>, u64)> = host
+        .iter()
+        .map(|(f, n)| {
+            assert!(f[0].starts_with("vfs_write+0x0/"), "{f:?}");
+            (f[1..].to_vec(), *n)
+        })
+        .collect();
+    assert_eq!(host, guest, "\n{}", run.tail());
+    assert_eq!(host.iter().map(|(_, n)| n).sum::<u64>(), 3);
+}

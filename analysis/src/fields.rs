@@ -74,6 +74,9 @@ pub enum FieldSource {
     Comm,
     /// `cpu`/`CPU`: the (v)CPU that hit.
     Cpu,
+    /// The `stacktrace` hist key: the kernel stack the probe engine unwound at the hit
+    /// (only a hist key names it; it is no field of filters).
+    Stacktrace,
 }
 
 /// One field of an event, resolved by name.
@@ -191,6 +194,7 @@ impl Field {
             FieldSource::CommonPid => FieldValue::Number(i64::from(hit.pid) as u64),
             FieldSource::Comm => FieldValue::Str(hit.comm.as_bytes()),
             FieldSource::Cpu => FieldValue::Number(hit.cpu as u64),
+            FieldSource::Stacktrace => FieldValue::Missing,
         }
     }
 }

@@ -11,6 +11,9 @@
 //!   `.log2` (the bucket `order_base_2(value)`, printed `~ 2^N`), `.buckets=N` (the value
 //!   rounded down to a multiple of N). `common_cpu` (or `cpu`) keys on the CPU. `comm` is
 //!   accepted as a string key too (6.1 refuses it; use `common_pid.execname` there).
+//!   `stacktrace` keys on the event's kernel stack (its first 16 frames, which the probe
+//!   engine unwinds at each hit), printed a frame per line as the kernel prints it; it
+//!   sorts as equal to every other stack (`tracing_map_cmp_none`).
 //! - Up to 2 values (`val=`, `vals=`, `values=`) besides `hitcount`, which is always
 //!   there; a value is a numeric field, summed, optionally `.hex`.
 //! - Up to 2 sort keys, each `hitcount` or a key's or a value's field name; default
@@ -24,8 +27,7 @@
 //!   as in the kernel (triggers run before the event filter).
 //! - Not supported (refused with the reason): variables, expressions, actions (`onmatch`,
 //!   `onmax`, `onchange`), `name=`, `clock=`, `pause`/`cont`/`clear`, `common_timestamp`,
-//!   `.syscall`, `.usecs`, `.percent`, `.graph`, and `stacktrace` keys (the host does not
-//!   unwind kernel stacks yet).
+//!   `.syscall`, `.usecs`, `.percent`, `.graph`.
 //!
 //! A faulted fetch counts as 0 (numbers) or the empty string in a key or a value.
 
@@ -54,8 +56,14 @@ pub const MAX_SORT_KEYS: usize = 2;
 const STRING_KEY_SIZE: usize = 256;
 /// Bytes of a `comm` key (`TASK_COMM_LEN`).
 const COMM_KEY_SIZE: usize = 16;
+/// Frames of a `stacktrace` key (`HIST_STACKTRACE_DEPTH`).
+const STACK_KEY_FRAMES: usize = 16;
+/// Bytes of a `stacktrace` key: its frames' addresses, zero after the last.
+const STACK_KEY_SIZE: usize = STACK_KEY_FRAMES * 8;
 /// Most bytes all keys of a trigger may take (`HIST_KEY_SIZE_MAX`: a string and a stack).
-const MAX_KEY_SIZE: usize = STRING_KEY_SIZE + 16 * 8;
+const MAX_KEY_SIZE: usize = STRING_KEY_SIZE + STACK_KEY_SIZE;
+/// The key that is the event's kernel stack.
+const STACKTRACE: &str = "stacktrace";
 
 /// A key's modifier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,8 +95,10 @@ impl KeyModifier {
 pub enum HistErrorKind {
     #[error("`{0}` triggers are not supported: only `hist:...` and `stacktrace`")]
     UnsupportedTrigger(String),
-    #[error("`stacktrace` as a hist key is not supported (the `stacktrace` trigger is)")]
+    #[error("`stacktrace` is a key, not a value")]
     Stacktrace,
+    #[error("the `stacktrace` key takes no modifier")]
+    StacktraceModifier,
     #[error("bad count `{0}`: expected a number above 0")]
     BadCount(String),
     #[error("a hist trigger needs `keys=`")]
@@ -393,6 +403,17 @@ fn parse_keys(list: &str, list_at: usize) -> Result<Vec<KeySpec>, HistError> {
             return Err(HistError::at(at, HistErrorKind::TooManyKeys));
         }
         let (name, modifier) = split_modifier(text);
+        if name == STACKTRACE {
+            if modifier.is_some() {
+                return Err(HistError::at(at + name.len(), HistErrorKind::StacktraceModifier));
+            }
+            keys.push(KeySpec {
+                name: name.to_owned(),
+                modifier: None,
+                at,
+            });
+            continue;
+        }
         check_plain(name, at)?;
         let modifier = match modifier {
             None => None,
@@ -521,6 +542,19 @@ fn lookup(fields: &EventFields, name: &str, at: usize) -> Result<Field, HistErro
 }
 
 fn bind_key(k: &KeySpec, fields: &EventFields, offset: usize) -> Result<KeyField, HistError> {
+    if k.name == STACKTRACE {
+        return Ok(KeyField {
+            field: Field {
+                name: STACKTRACE.to_owned(),
+                source: FieldSource::Stacktrace,
+                ty: FieldType::Number { size: 8, signed: false },
+            },
+            modifier: None,
+            offset,
+            size: STACK_KEY_SIZE,
+            compare: KeyCompare::Stack,
+        });
+    }
     let field = lookup(fields, &k.name, k.at)?;
     if k.modifier == Some(KeyModifier::Execname) && field.source != FieldSource::CommonPid {
         return Err(HistError::at(k.at, HistErrorKind::ExecnameNotPid(k.name.clone())));
@@ -585,6 +619,8 @@ enum KeyCompare {
     Number(FieldType),
     /// `strcmp`.
     String,
+    /// Not at all (`tracing_map_cmp_none`): a stack sorts as equal to every other.
+    Stack,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -608,6 +644,11 @@ enum SortTarget {
 }
 
 impl HistTrigger {
+    /// Whether a key is the `stacktrace`: the event's probe must unwind at every hit.
+    pub fn needs_stack(&self) -> bool {
+        self.keys.iter().any(|k| k.compare == KeyCompare::Stack)
+    }
+
     /// Most entries (`size=`).
     pub fn capacity(&self) -> usize {
         1 << self.size_bits
@@ -708,6 +749,15 @@ impl Histogram {
         self.scratch.fill(0);
         for key in &trigger.keys {
             let bytes = &mut self.scratch[key.offset..key.offset + key.size];
+            if key.compare == KeyCompare::Stack {
+                for (slot, frame) in bytes
+                    .chunks_exact_mut(8)
+                    .zip(hit.stack.iter().flatten().take(STACK_KEY_FRAMES))
+                {
+                    slot.copy_from_slice(&frame.address.0.to_le_bytes());
+                }
+                continue;
+            }
             match key.field.value(hit) {
                 FieldValue::Str(s) => {
                     let n = s.iter().position(|&c| c == 0).unwrap_or(s.len()).min(key.size - 1);
@@ -798,6 +848,7 @@ impl Histogram {
                 let key = &self.trigger.keys[k];
                 let (x, y) = (key_bytes(a.0, key), key_bytes(b.0, key));
                 match key.compare {
+                    KeyCompare::Stack => Ordering::Equal,
                     KeyCompare::String => until_nul(x).cmp(until_nul(y)),
                     KeyCompare::Number(ty) => {
                         let (x, y) = (ty.normalize(number(x)), ty.normalize(number(y)));
@@ -855,7 +906,9 @@ impl Histogram {
                 }
                 self.render_key(&mut out, k, key_bytes(key, k), data, symbols);
             }
-            out.push_str(" }");
+            // A stack's lines end with their newline: no blank before the brace then.
+            let multiline = self.trigger.keys.iter().any(|k| k.compare == KeyCompare::Stack);
+            out.push_str(if multiline { "}" } else { " }" });
             let _ = write!(out, " hitcount: {:>10}", data.sums[0]);
             for (i, v) in self.trigger.values.iter().enumerate() {
                 let sum = data.sums[i + 1];
@@ -886,6 +939,14 @@ impl Histogram {
         symbols: Option<&SymbolTable>,
     ) {
         let label = &k.field.name;
+        if k.compare == KeyCompare::Stack {
+            // `hist_trigger_stacktrace_print`: a line per frame, `%pS` after 9 blanks.
+            out.push_str("stacktrace:\n");
+            for address in stack_frames(bytes) {
+                let _ = writeln!(out, "{:9}{}", "", symbol_offset(symbols, address));
+            }
+            return;
+        }
         if k.compare == KeyCompare::String {
             let _ = write!(out, "{label}: {:<50}", String::from_utf8_lossy(until_nul(bytes)));
             return;
@@ -917,7 +978,13 @@ impl Histogram {
                 let mut keys = Map::new();
                 for k in &self.trigger.keys {
                     let bytes = key_bytes(key, k);
-                    let value = if k.compare == KeyCompare::String {
+                    let value = if k.compare == KeyCompare::Stack {
+                        Value::from(
+                            stack_frames(bytes)
+                                .map(|a| json!({"address": format!("{a:#x}"), "symbol": symbol_offset(symbols, a)}))
+                                .collect::<Vec<_>>(),
+                        )
+                    } else if k.compare == KeyCompare::String {
                         Value::from(String::from_utf8_lossy(until_nul(bytes)).into_owned())
                     } else {
                         let v = number(bytes);
@@ -962,6 +1029,14 @@ fn number(bytes: &[u8]) -> u64 {
     let mut b = [0u8; 8];
     b.copy_from_slice(&bytes[..8]);
     u64::from_le_bytes(b)
+}
+
+/// The frames of a `stacktrace` key, up to the first zero.
+fn stack_frames(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+        .take_while(|&a| a != 0)
 }
 
 fn until_nul(bytes: &[u8]) -> &[u8] {

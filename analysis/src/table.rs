@@ -218,10 +218,15 @@ impl AnalysisTable {
         }
     }
 
-    /// Whether `GRP/EVENT` has a `stacktrace` trigger: its probe must record the kernel
-    /// stack at every hit.
+    /// Whether `GRP/EVENT` has a `stacktrace` trigger or a hist keyed by `stacktrace`: its
+    /// probe must unwind the kernel stack at every hit.
     pub fn wants_stacks(&self, group: &str, event: &str) -> bool {
-        self.get(group, event).is_some_and(|a| !a.stacktraces.is_empty())
+        self.get(group, event).is_some_and(|a| {
+            !a.stacktraces.is_empty()
+                || a.hists
+                    .iter()
+                    .any(|h| h.lock().unwrap_or_else(|e| e.into_inner()).trigger().needs_stack())
+        })
     }
 
     /// The events with a filter or a trigger, in the order they were given.

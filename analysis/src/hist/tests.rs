@@ -262,7 +262,14 @@ fn parse_errors_say_what_and_where() {
         error("stacktrace"),
         (0, HistErrorKind::UnsupportedTrigger("stacktrace".into()))
     );
-    assert_eq!(error("hist:keys=stacktrace"), (10, HistErrorKind::Stacktrace));
+    assert_eq!(
+        error("hist:keys=count:vals=stacktrace"),
+        (21, HistErrorKind::Stacktrace)
+    );
+    assert_eq!(
+        error("hist:keys=stacktrace.hex"),
+        (20, HistErrorKind::StacktraceModifier)
+    );
     assert_eq!(error("hist:vals=bytes"), (5, HistErrorKind::MissingKeys));
     assert_eq!(error("hist:keys="), (5, HistErrorKind::EmptyAssignment("keys=".into())));
     assert_eq!(
@@ -367,5 +374,60 @@ fn json_has_the_entries_keys_values_and_totals() {
             }],
             "totals": {"hits": 2, "entries": 1, "dropped": 0},
         })
+    );
+}
+
+#[test]
+fn a_stacktrace_key_counts_each_stack_and_prints_a_frame_per_line() {
+    use hvprobe_arch::Gva;
+    use hvprobe_probes::output::StackFrame;
+    let table = hvprobe_introspection::symbols::SymbolTable::parse_system_map(
+        "ffffffff81000000 T vfs_write\nffffffff81000100 T ksys_write\nffffffff81000200 T do_syscall_64\nffffffff81000300 T next_function\n",
+    )
+    .unwrap();
+    let mut hist = Histogram::new(trigger("hist:keys=stacktrace"));
+    assert!(hist.trigger().needs_stack());
+    let with_stack = |frames: &[u64]| {
+        let mut hit = read_hit("sh", 1, 4, 0);
+        hit.stack = Some(
+            frames
+                .iter()
+                .map(|&a| StackFrame {
+                    address: Gva(a),
+                    symbol: None,
+                })
+                .collect(),
+        );
+        hit
+    };
+    let deep: Vec<u64> = (0..20).map(|i| 0xffff_ffff_8100_0200 + i).collect();
+    for frames in [
+        &[0xffff_ffff_8100_0000, 0xffff_ffff_8100_0110][..],
+        &[0xffff_ffff_8100_0000, 0xffff_ffff_8100_0110][..],
+        &deep[..],
+    ] {
+        hist.record(&with_stack(frames));
+    }
+    let text = hist.render(Some(&table));
+    assert!(
+        text.contains(
+            "{ stacktrace:\n         vfs_write+0x0/0x100\n         ksys_write+0x10/0x100\n} hitcount:          2\n"
+        ),
+        "{text}"
+    );
+    // At most 16 frames, as the kernel's HIST_STACKTRACE_DEPTH.
+    assert!(text.contains("do_syscall_64+0xf/"), "{text}");
+    assert!(!text.contains("do_syscall_64+0x10/"), "{text}");
+    assert!(text.contains("    Hits: 3\n    Entries: 2\n"), "{text}");
+    let json = hist.to_json(Some(&table));
+    let first = &json["entries"][0]["keys"]["stacktrace"];
+    assert!(first.is_array(), "{json}");
+    assert!(
+        json["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["keys"]["stacktrace"][1]["symbol"] == "ksys_write+0x10/0x100"),
+        "{json}"
     );
 }
