@@ -743,15 +743,7 @@ impl KernelStacks {
                     continue;
                 }
             }
-            let at = add("__per_cpu_offset", layout.per_cpu_offset, u64::from(cpu) * 8)?;
-            let base = r.u64("__per_cpu_offset", at)?;
-            if !is_kernel_address(base) {
-                return Err(StacksError::BadPointer {
-                    what: "__per_cpu_offset",
-                    at,
-                    value: base,
-                });
-            }
+            let base = per_cpu_base(&r, layout, cpu)?.0;
             let var = |what, off| add(what, Gva(base), off);
             let current = r.ptr("current_task", var("current_task", layout.current_task)?)?;
             // NULL until the CPU's idle task is forked (CPU 0's is init_task, scanned anyway).
@@ -1094,16 +1086,7 @@ pub fn cpu_stacks(
     cpu: u32,
 ) -> Result<CpuStacks, StacksError> {
     let r = Reader { mem };
-    let at = add("__per_cpu_offset", layout.per_cpu_offset, u64::from(cpu) * 8)?;
-    let base = r.u64("__per_cpu_offset", at)?;
-    if !is_kernel_address(base) {
-        return Err(StacksError::BadPointer {
-            what: "__per_cpu_offset",
-            at,
-            value: base,
-        });
-    }
-    let base = Gva(base);
+    let base = per_cpu_base(&r, layout, cpu)?;
     let task = r.ptr("current_task", add("current_task", base, layout.current_task)?)?;
     let mut stacks = Vec::new();
     if let Some(bounds) = task_stack(&r, layout, task)? {
@@ -1142,6 +1125,18 @@ fn task_stack<M: GuestVirtRead + ?Sized>(
         });
     }
     Ok(Some(stack..add("task stack", stack, layout.thread_size)?))
+}
+
+/// `__per_cpu_offset[cpu]`: where CPU `cpu`'s per-CPU variables are (a kernel address).
+fn per_cpu_base<M: GuestVirtRead + ?Sized>(
+    r: &Reader<'_, M>,
+    layout: &StacksLayout,
+    cpu: u32,
+) -> Result<Gva, StacksError> {
+    r.ptr(
+        "__per_cpu_offset",
+        add("__per_cpu_offset", layout.per_cpu_offset, u64::from(cpu) * 8)?,
+    )
 }
 
 /// What [`cpu_stacks`] found.
