@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Builds the nested-SVM lane under ~/.cache/hvprobe/l1, each part keyed by its inputs:
+#   - QEMU 10.0.2 with qemu-svm-int3-intercept.patch (build-qemu.sh);
+#   - virtiofsd (crates.io, pinned), which shares the host's files with the L1;
+#   - the L1 kernel, Debian's linux-image-cloud-amd64, and an initramfs of busybox, this
+#     directory's init and the modules it loads (kvm_amd, virtio-fs, overlay).
+# Writes lane.env (the parts' paths) and prints its path on stdout. Warm, it only checks.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cache="${HVPROBE_CACHE:-$HOME/.cache/hvprobe}/l1"
+VIRTIOFSD_VERSION=1.14.0
+KERNEL_PACKAGE=linux-image-cloud-amd64
+# The modules the L1's init loads, dependencies first.
+MODULES=(virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko
+         drivers/virtio/virtio_ring.ko drivers/virtio/virtio.ko
+         drivers/virtio/virtio_pci_modern_dev.ko drivers/virtio/virtio_pci_legacy_dev.ko
+         drivers/virtio/virtio_pci.ko fs/fuse/fuse.ko fs/fuse/virtiofs.ko
+         fs/overlayfs/overlay.ko)
+log() { echo "hvprobe-l1: $*" >&2; }
+mkdir -p "$cache"
+
+qemu=$("$here/build-qemu.sh")
+
+virtiofsd="$cache/virtiofsd-$VIRTIOFSD_VERSION/bin/virtiofsd"
+if [ ! -x "$virtiofsd" ]; then
+    log "building virtiofsd $VIRTIOFSD_VERSION (crates.io)"
+    cargo install virtiofsd --version "=$VIRTIOFSD_VERSION" --locked --quiet \
+        --root "$cache/virtiofsd-$VIRTIOFSD_VERSION.tmp" \
+        --target-dir "$cache/virtiofsd-target"
+    rm -rf "$cache/virtiofsd-$VIRTIOFSD_VERSION" "$cache/virtiofsd-target"
+    mv "$cache/virtiofsd-$VIRTIOFSD_VERSION.tmp" "$cache/virtiofsd-$VIRTIOFSD_VERSION"
+fi
+
+# The kernel package the metapackage points at now, and its version: the L1 kernel's key.
+image_package=$(apt-cache depends "$KERNEL_PACKAGE" 2>/dev/null \
+    | sed -n 's/^ *Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
+[ -n "$image_package" ] || { log "apt knows no $KERNEL_PACKAGE (run guest/l1/install-deps.sh)"; exit 1; }
+image_version=$(apt-cache policy "$image_package" | sed -n 's/^ *Candidate: //p')
+kernel_dir="$cache/kernel-${image_package}_$image_version"
+if [ ! -f "$kernel_dir/vmlinuz" ]; then
+    log "downloading $image_package $image_version"
+    work=$(mktemp -d "$cache/kernel.XXXXXX")
+    (cd "$work" && apt-get download -q "$image_package=$image_version" >/dev/null 2>&1) \
+        || { rm -rf "$work"; log "apt-get download $image_package=$image_version failed"; exit 1; }
+    dpkg-deb -x "$work"/*.deb "$work/root"
+    release=${image_package#linux-image-}
+    mkdir -p "$work/out"
+    cp "$work/root/boot/vmlinuz-$release" "$work/out/vmlinuz"
+    cp "$work/root/boot/System.map-$release" "$work/out/System.map"
+    cp "$work/root/boot/config-$release" "$work/out/config"
+    mkdir -p "$work/out/modules"
+    for m in "${MODULES[@]}"; do
+        cp "$work/root/lib/modules/$release/kernel/$m" "$work/out/modules/"
+    done
+    echo "$image_version" > "$work/out/version"
+    rm -rf "$kernel_dir"
+    mv "$work/out" "$kernel_dir"
+    rm -rf "$work"
+fi
+
+initramfs_key=$( { cat "$here/init" "$0" /bin/busybox; echo "$kernel_dir"; } | sha256sum | cut -c1-16)
+initramfs="$cache/initramfs-$initramfs_key.cpio"
+if [ ! -f "$initramfs" ]; then
+    log "building the L1 initramfs"
+    work=$(mktemp -d "$cache/initramfs.XXXXXX")
+    mkdir -p "$work"/{bin,dev,proc,sys,modules}
+    cp /bin/busybox "$work/bin/busybox"
+    ln -s busybox "$work/bin/sh"
+    install -m 0755 "$here/init" "$work/init"
+    cp "$kernel_dir"/modules/*.ko "$work/modules/"
+    for m in "${MODULES[@]}"; do basename "$m"; done > "$work/modules.order"
+    (cd "$work" && find . | sort | cpio --quiet -o -H newc -R 0:0) > "$initramfs.tmp"
+    mv "$initramfs.tmp" "$initramfs"
+    rm -rf "$work"
+fi
+
+cat > "$cache/lane.env" <<ENV
+HVPROBE_L1_QEMU=$qemu
+HVPROBE_L1_VIRTIOFSD=$virtiofsd
+HVPROBE_L1_KERNEL=$kernel_dir/vmlinuz
+HVPROBE_L1_KERNEL_VERSION="$image_package $image_version"
+HVPROBE_L1_INITRAMFS=$initramfs
+ENV
+echo "$cache/lane.env"
