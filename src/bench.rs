@@ -93,7 +93,7 @@ fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Durati
     let vm = Vm::new_code_blob(&CodeBlob {
         code: loop_blob(iterations, matches!(variant, BlobVariant::Floor)),
         cpus: 1,
-        breakpoint_handler: None,
+        handlers: Vec::new(),
     })?;
     let handler: Arc<dyn DebugHandler> = match variant {
         BlobVariant::Baseline => Arc::new(NoProbes),

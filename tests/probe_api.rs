@@ -218,7 +218,7 @@ fn blob_vm(mut code: Vec<u8>) -> Vm {
     Vm::new_code_blob(&CodeBlob {
         code,
         cpus: 1,
-        breakpoint_handler: None,
+        handlers: Vec::new(),
     })
     .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"))
 }

@@ -353,7 +353,7 @@ fn vm(cpus: u8, iterations: u64) -> Vm {
     let vm = Vm::new_code_blob(&CodeBlob {
         code: blob(cpus, iterations),
         cpus,
-        breakpoint_handler: None,
+        handlers: Vec::new(),
     })
     .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
     // The second page directory covers 1..2 GiB: its first 2 MiB page is the area.

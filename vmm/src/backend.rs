@@ -52,6 +52,18 @@ impl Backend {
         }
     }
 
+    /// Whether a guest-owned #BP goes back to the guest as a *pending* exception (with
+    /// `KVM_CAP_EXCEPTION_PAYLOAD` on the VM) rather than as an injected one. On hardware
+    /// KVM the re-injected #BP is a software exception, and KVM moves RIP past the int3
+    /// when it delivers it: without next-RIP saving (SVM without nrips, as under nested
+    /// virtualization) through its emulator, which drops an *injected* exception, so an
+    /// interrupt pending at that entry took its place and the int3 was lost (the guest's
+    /// boot-time int3 self-test died with `invalid opcode`). A pending exception is
+    /// delivered by KVM's own event logic, which injects nothing else in that entry.
+    pub fn reinjects_breakpoints_as_pending(self) -> bool {
+        self == Backend::Hardware
+    }
+
     /// Whether a guest int3 at CPL0 reaches us as an emulation failure (and not as a
     /// debug exit), with RIP pointing at the int3.
     pub fn int3_is_emulation_failure(self) -> bool {

@@ -632,15 +632,23 @@ pub fn reinject_breakpoint(vcpu: &VcpuFd, backend: Backend, at: Gva) -> Result<(
         regs.rip = at.0 + 1;
         vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
     }
-    // On hardware KVM the #BP is injected as a software exception and KVM advances RIP
+    // On hardware KVM the #BP is delivered as a software exception and KVM advances RIP
     // by the instruction length itself.
     let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
-    events.exception.injected = 1;
-    events.exception.pending = 0;
+    let pending = backend.reinjects_breakpoints_as_pending();
+    events.exception.injected = u8::from(!pending);
+    events.exception.pending = u8::from(pending);
     events.exception.nr = 3;
     events.exception.has_error_code = 0;
     events.exception.error_code = 0;
-    events.flags = 0;
+    events.exception_has_payload = 0;
+    events.exception_payload = 0;
+    // Without KVM_VCPUEVENT_VALID_PAYLOAD, KVM ignores `pending`.
+    events.flags = if pending {
+        kvm_bindings::KVM_VCPUEVENT_VALID_PAYLOAD
+    } else {
+        0
+    };
     vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
 }
 

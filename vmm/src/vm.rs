@@ -39,8 +39,9 @@ const CODE_BLOB_STACKS: u64 = 0x8_0000;
 pub struct CodeBlob {
     pub code: Vec<u8>,
     pub cpus: u8,
-    /// Offset in `code` of the guest's own #BP handler, if it has one.
-    pub breakpoint_handler: Option<u64>,
+    /// The guest's own interrupt and exception handlers: (vector, offset in `code`), each
+    /// a 64-bit interrupt gate (interrupts off in the handler).
+    pub handlers: Vec<(u8, u64)>,
 }
 
 /// What to boot and how.
@@ -149,8 +150,8 @@ impl Vm {
                 .map_err(|e| Error::GuestMemory(format!("code blob: {e}")))
         };
         write(&blob.code, CODE_BLOB_START)?;
-        if let Some(handler) = blob.breakpoint_handler {
-            // A 64-bit interrupt gate for vector 3 (#BP), DPL 0, code selector 8.
+        for &(vector, handler) in &blob.handlers {
+            // A 64-bit interrupt gate, DPL 0, code selector 8.
             let target = CODE_BLOB_START + handler;
             let mut gate = [0u8; 16];
             gate[0..2].copy_from_slice(&(target as u16).to_le_bytes());
@@ -158,7 +159,7 @@ impl Vm {
             gate[5] = 0x8e;
             gate[6..8].copy_from_slice(&((target >> 16) as u16).to_le_bytes());
             gate[8..12].copy_from_slice(&((target >> 32) as u32).to_le_bytes());
-            write(&gate, CODE_BLOB_IDT + 3 * 16)?;
+            write(&gate, CODE_BLOB_IDT + u64::from(vector) * 16)?;
         }
         for (cpu, vcpu) in vm.vcpus.iter().enumerate() {
             let entry = regs::EntryMode::Linux64 { entry: CODE_BLOB_START };
@@ -420,6 +421,18 @@ pub(crate) fn create_machine(kvm: Option<Kvm>) -> Result<(Kvm, VmFd, Backend), E
         None => Kvm::new().map_err(Error::OpenKvm)?,
     };
     let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+    if backend.reinjects_breakpoints_as_pending() {
+        // See reinject_breakpoint: a #BP queued as pending keeps KVM from injecting an
+        // interrupt over it in the same entry. Linux has had this capability since 4.20.
+        let cap = kvm_bindings::kvm_enable_cap {
+            cap: kvm_bindings::KVM_CAP_EXCEPTION_PAYLOAD,
+            args: [1, 0, 0, 0],
+            ..Default::default()
+        };
+        vm_fd
+            .enable_cap(&cap)
+            .map_err(kvm_err("KVM_ENABLE_CAP(KVM_CAP_EXCEPTION_PAYLOAD)"))?;
+    }
     if let Err(e) = vm_fd.set_tss_address(0xfffb_d000) {
         tracing::debug!("KVM_SET_TSS_ADDR: {e} (ignored)");
     }

@@ -5,14 +5,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hvprobe_vmm::{Backend, CodeBlob, NoProbes, StopReason, Vm, CODE_BLOB_START};
+use hvprobe_arch::Gva;
+use hvprobe_vmm::{BreakpointDisposition, CodeBlob, DebugHandler, NoProbes, StopReason, Vm, CODE_BLOB_START};
+use kvm_ioctls::VcpuFd;
 use vm_memory::{Bytes, GuestAddress};
 
-fn blob_vm(code: &[u8], cpus: u8, breakpoint_handler: Option<u64>) -> Vm {
+fn blob_vm(code: &[u8], cpus: u8, handlers: &[(u8, u64)]) -> Vm {
     Vm::new_code_blob(&CodeBlob {
         code: code.to_vec(),
         cpus,
-        breakpoint_handler,
+        handlers: handlers.to_vec(),
     })
     .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"))
 }
@@ -39,27 +41,134 @@ const BREAKPOINT_BLOB: &[u8] = &[
 #[test]
 fn guest_owned_int3_reaches_the_guest_handler_with_the_native_return_address() {
     assert_eq!(CODE_BLOB_START + 1, 0x100001, "the blob hard-codes its load address");
-    let vm = blob_vm(BREAKPOINT_BLOB, 1, Some(0x10));
+    let vm = blob_vm(BREAKPOINT_BLOB, 1, &[(BP_VECTOR, 0x10)]);
     let backend = vm.backend();
-    let outcome = run_with_watchdog(vm, Duration::from_secs(20));
+    let handler = GuestOwnsEveryInt3 {
+        raise_on_breakpoint: None,
+    };
+    let outcome = run_with_watchdog(vm, handler, Duration::from_secs(20));
     assert_eq!(
         outcome.reason,
         StopReason::GuestExit(0x41),
-        "guest #BP handler saw the wrong return address"
+        "guest #BP handler saw the wrong return address ({backend})"
     );
-    if backend == Backend::Pvm {
-        // On kvm_pvm every CPL0 int3 exits to us; we must have re-injected this one.
-        assert_eq!(outcome.breakpoints_reinjected, 1);
+    // The int3 exited to us (on hardware KVM because we asked for int3 exits) and we gave
+    // it back.
+    assert_eq!(outcome.breakpoints_reinjected, 1);
+}
+
+const BP_VECTOR: u8 = 3;
+const PENDING_VECTOR: u8 = 0x30;
+
+/// An int3 given back to the guest while an interrupt is pending, as when the guest's
+/// timer fires while its vCPU is out to us on the int3. The blob enables its local APIC
+/// (x2APIC), runs with interrupts on, hits an int3, waits for one interrupt on vector 0x30
+/// and reports `0x10 * interrupts + BL`, BL as in BREAKPOINT_BLOB (0x41: the #BP handler
+/// ran and saw the return address after the int3). The test's handler makes vector 0x30
+/// pending in the APIC during the int3's exit. Under nested SVM without nrips, an
+/// *injected* #BP was dropped by KVM's instruction skip and the interrupt delivered in
+/// its place: 0x10. The blob touches the #BP gate, the GDT and its stack first: a nested page
+/// fault while the #BP is being delivered makes KVM (6.1) requeue it as injected by
+/// itself, where the same loss happens out of our reach (see the README).
+const BREAKPOINT_WITH_PENDING_IRQ_BLOB: &[u8] = &[
+    0xfa, // 0x00: cli
+    0xb9, 0x1b, 0x00, 0x00, 0x00, // mov    $0x1b,%ecx  (IA32_APIC_BASE)
+    0x0f, 0x32, // rdmsr
+    0x0d, 0x00, 0x0c, 0x00, 0x00, // or     $0xc00,%eax  (enabled, x2APIC mode)
+    0x0f, 0x30, // wrmsr
+    0xb9, 0x0f, 0x08, 0x00, 0x00, // mov    $0x80f,%ecx  (x2APIC SVR)
+    0xb8, 0xff, 0x01, 0x00, 0x00, // mov    $0x1ff,%eax  (software-enabled)
+    0x31, 0xd2, // xor    %edx,%edx
+    0x0f, 0x30, // wrmsr
+    0x31, 0xdb, // xor    %ebx,%ebx
+    0x31, 0xf6, // xor    %esi,%esi  (interrupts taken)
+    0x48, 0x8b, 0x04, 0x25, 0x30, 0x10, 0x00, 0x00, // mov    0x1030,%rax  (touch the #BP gate,
+    0x48, 0x8b, 0x04, 0x25, 0x08, 0x05, 0x00, 0x00, // mov    0x508,%rax   the GDT,
+    0x50, // push   %rax   and the stack)
+    0x58, // pop    %rax
+    0xfb, // sti
+    0x90, // nop  (out of the STI shadow)
+    0xcc, // 0x35: int3
+    0x85, 0xf6, // 0x36: test   %esi,%esi
+    0x74, 0xfc, // je     0x36
+    0x89, 0xf0, // mov    %esi,%eax
+    0xc1, 0xe0, 0x04, // shl    $0x4,%eax
+    0x00, 0xd8, // add    %bl,%al
+    0x66, 0xba, 0xf1, 0x0e, // mov    $0xef1,%dx  (guest exit port)
+    0xee, // out    %al,(%dx)
+    0xf4, // hlt
+    0, 0, 0, 0, 0, 0, 0, 0, 0, // pad
+    0x48, 0x8b, 0x04, 0x24, // 0x50: mov    (%rsp),%rax  (#BP handler: the pushed RIP)
+    0x48, 0xc7, 0xc1, 0x36, 0x00, 0x10, 0x00, // mov    $0x100036,%rcx
+    0x31, 0xdb, // xor    %ebx,%ebx
+    0x48, 0x39, 0xc8, // cmp    %rcx,%rax
+    0x0f, 0x94, 0xc3, // sete   %bl
+    0x80, 0xc3, 0x40, // add    $0x40,%bl
+    0x48, 0xcf, // iretq
+    0, 0, 0, 0, 0, 0, 0, 0, // pad
+    0xff, 0xc6, // 0x70: inc    %esi  (interrupt handler)
+    0xb9, 0x0b, 0x08, 0x00, 0x00, // mov    $0x80b,%ecx  (x2APIC EOI)
+    0x31, 0xc0, // xor    %eax,%eax
+    0x31, 0xd2, // xor    %edx,%edx
+    0x0f, 0x30, // wrmsr
+    0x48, 0xcf, // iretq
+];
+
+#[test]
+fn guest_owned_int3_with_an_interrupt_pending_reaches_the_guest_before_the_interrupt() {
+    assert_eq!(BREAKPOINT_WITH_PENDING_IRQ_BLOB[0x35], 0xcc, "the blob's layout moved");
+    assert_eq!(BREAKPOINT_WITH_PENDING_IRQ_BLOB[0x50], 0x48, "the blob's layout moved");
+    assert_eq!(BREAKPOINT_WITH_PENDING_IRQ_BLOB[0x70], 0xff, "the blob's layout moved");
+    for run in 0..20 {
+        let vm = blob_vm(
+            BREAKPOINT_WITH_PENDING_IRQ_BLOB,
+            1,
+            &[(BP_VECTOR, 0x50), (PENDING_VECTOR, 0x70)],
+        );
+        let handler = GuestOwnsEveryInt3 {
+            raise_on_breakpoint: Some(PENDING_VECTOR),
+        };
+        let outcome = run_with_watchdog(vm, handler, Duration::from_secs(20));
+        assert_eq!(
+            outcome.reason,
+            StopReason::GuestExit(0x51),
+            "run {run}: want the #BP handler with the native return address (0x41) and one \
+             interrupt (+0x10); 0x10 means the #BP was lost to the interrupt"
+        );
+        assert_eq!(outcome.breakpoints_reinjected, 1, "run {run}");
     }
 }
 
-/// Runs a VM to its end, stopping it if it has not ended after `limit` (a re-injection
-/// bug can loop on the int3 forever).
-fn run_with_watchdog(vm: Vm, limit: Duration) -> hvprobe_vmm::VmOutcome {
+/// Asks for every int3 (as a probe engine does) and gives each back to the guest; first
+/// makes `raise_on_breakpoint` pending in the vCPU's local APIC, if set.
+struct GuestOwnsEveryInt3 {
+    raise_on_breakpoint: Option<u8>,
+}
+
+impl DebugHandler for GuestOwnsEveryInt3 {
+    fn on_breakpoint(&self, _cpu: usize, vcpu: &mut VcpuFd, _at: Gva) -> BreakpointDisposition {
+        if let Some(vector) = self.raise_on_breakpoint {
+            // The APIC's IRR: 8 registers of 32 bits, 16 bytes apart, from offset 0x200.
+            let mut lapic = vcpu.get_lapic().expect("KVM_GET_LAPIC");
+            let offset = 0x200 + usize::from(vector / 32) * 0x10;
+            let mut irr = u32::from_le_bytes(std::array::from_fn(|i| lapic.regs[offset + i] as u8));
+            irr |= 1 << (vector % 32);
+            for (i, b) in irr.to_le_bytes().into_iter().enumerate() {
+                lapic.regs[offset + i] = b as _;
+            }
+            vcpu.set_lapic(&lapic).expect("KVM_SET_LAPIC");
+        }
+        BreakpointDisposition::GuestOwned
+    }
+}
+
+/// Runs a VM to its end with int3 exits on, stopping it if it has not ended after `limit`
+/// (a re-injection bug can loop on the int3 forever).
+fn run_with_watchdog(vm: Vm, handler: GuestOwnsEveryInt3, limit: Duration) -> hvprobe_vmm::VmOutcome {
     let control = vm.control();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     let runner = std::thread::spawn(move || {
-        let outcome = vm.run(Arc::new(NoProbes));
+        let outcome = vm.run(Arc::new(handler));
         let _ = done_tx.send(());
         outcome
     });
@@ -92,7 +201,7 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 
 #[test]
 fn pause_parks_both_spinning_vcpus_and_resume_restarts_them() {
-    let vm = blob_vm(SPIN_BLOB, 2, None);
+    let vm = blob_vm(SPIN_BLOB, 2, &[]);
     let mem = vm.memory().clone();
     let control = vm.control();
     let runner = std::thread::spawn(move || vm.run(Arc::new(NoProbes)));
@@ -129,7 +238,7 @@ fn pause_parks_both_spinning_vcpus_and_resume_restarts_them() {
 
 #[test]
 fn nested_pauses_keep_vcpus_parked_until_the_last_resume() {
-    let vm = blob_vm(SPIN_BLOB, 2, None);
+    let vm = blob_vm(SPIN_BLOB, 2, &[]);
     let mem = vm.memory().clone();
     let control = vm.control();
     let runner = std::thread::spawn(move || vm.run(Arc::new(NoProbes)));

@@ -61,7 +61,7 @@ fn panicking_handler_stops_the_vm(blob: &[u8], cpus: u8, expected: &str) {
     let vm = Vm::new_code_blob(&CodeBlob {
         code: blob.to_vec(),
         cpus,
-        breakpoint_handler: None,
+        handlers: Vec::new(),
     })
     .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
     let (outcome, took) = run_with_limit(vm, Duration::from_secs(10));
