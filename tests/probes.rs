@@ -214,7 +214,13 @@ fn listing(run: &Run) -> Vec<(String, u64, u64)> {
 fn host_and_guest_kprobes_see_the_same_hits_and_values_on_one_vcpu() {
     let dir = snapshot(1);
     let probes = probe_file("oracle1", HOST_PROBES);
-    let run = restore_with(&dir, 1, &oracle_workload(1), &["--probes", probes.to_str().unwrap()]);
+    // The int3 path (hardware KVM optimizes by default).
+    let run = restore_with(
+        &dir,
+        1,
+        &oracle_workload(1),
+        &["--probes", probes.to_str().unwrap(), "--no-optimize"],
+    );
     let loop_hits = check_oracle(&run, 1) as u64;
 
     let (hits, emulated, stepped, int3, steps) = exit_counts(&run);
@@ -235,7 +241,12 @@ fn host_and_guest_kprobes_see_the_same_hits_and_values_on_one_vcpu() {
 fn host_and_guest_kprobes_see_the_same_hits_on_two_vcpus() {
     let dir = snapshot(2);
     let probes = probe_file("oracle2", HOST_PROBES);
-    let run = restore_with(&dir, 2, &oracle_workload(2), &["--probes", probes.to_str().unwrap()]);
+    let run = restore_with(
+        &dir,
+        2,
+        &oracle_workload(2),
+        &["--probes", probes.to_str().unwrap(), "--no-optimize"],
+    );
     check_oracle(&run, 2);
     let cpus: std::collections::BTreeSet<&str> = run
         .stdout
@@ -249,7 +260,7 @@ fn host_and_guest_kprobes_see_the_same_hits_on_two_vcpus() {
 
 #[test]
 fn host_and_guest_kprobes_agree_under_kaslr() {
-    let run = kaslr_oracle_run("kaslr", HOST_PROBES, &oracle_workload(1), &[]);
+    let run = kaslr_oracle_run("kaslr", HOST_PROBES, &oracle_workload(1), &["--no-optimize"]);
     check_oracle(&run, 1);
 }
 
@@ -290,7 +301,7 @@ fn the_kernel_text_after_probes_hashes_like_a_run_without_them() {
         &dir,
         1,
         workload,
-        &["--probes", probes.to_str().unwrap(), "--text-hash"],
+        &["--probes", probes.to_str().unwrap(), "--text-hash", "--no-optimize"],
     );
     let without = restore_with(&dir, 1, workload, &["--text-hash"]);
     assert!(listing(&with).iter().all(|(_, hits, _)| *hits >= 5), "{}", with.tail());
@@ -367,7 +378,12 @@ fn host_and_guest_return_probes_see_the_same_returns_and_values() {
          while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; \
          while read l; do case $l in *' gr: '*) echo \"GUEST $l\";; esac; done < $T/trace"
     );
-    let run = restore_with(&dir, 1, &workload, &["--probes", probes.to_str().unwrap()]);
+    let run = restore_with(
+        &dir,
+        1,
+        &workload,
+        &["--probes", probes.to_str().unwrap(), "--no-optimize"],
+    );
     assert_eq!(run.code, Some(0), "{}", run.tail());
     let profile = run.stdout.lines().find_map(|l| l.strip_prefix("PROFILE ")).unwrap();
     assert_eq!(profile.split_whitespace().nth(1), Some(LOOP_CALLS.to_string().as_str()));

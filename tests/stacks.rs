@@ -50,7 +50,8 @@ fn workload(ticks: bool) -> String {
                  echo 'common_pid < 0' > $T/events/kprobes/gt/filter; \
                  echo 'stacktrace:{TICKS}' > $T/events/kprobes/gt/trigger; echo 1 > $T/events/kprobes/gt/enable; "
             ),
-            "echo 0 > $T/events/kprobes/gt/enable; ",
+            // The loop takes milliseconds on hardware KVM: wait for the ticks.
+            "sleep 1; echo 0 > $T/events/kprobes/gt/enable; ",
         )
     } else {
         (String::new(), "")

@@ -2,7 +2,8 @@
 /*
  * hvprobe-init: /init of hvprobe's bundled guest.
  *
- * Guest -> VMM protocol (1-byte writes through /dev/port):
+ * Guest -> VMM protocol (1-byte writes through /dev/port, or `out` after
+ * ioperm() on kernels without /dev/port):
  *   port 0x0ef0  event: 1 = "/init reached", 2 = "workload started",
  *                3 = "ready for a workload" (wait mode, see below)
  *   port 0x0ef1  exit status 0..255: the VMM stops the VM with that status
@@ -28,6 +29,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/io.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
@@ -63,11 +65,26 @@ static void port_open(void)
 		port_fd = open("/dev/port", O_RDWR | O_CLOEXEC);
 }
 
+/*
+ * Kernels without /dev/port (Debian's, CONFIG_DEVPORT off) still let root
+ * have the two ports with ioperm() (CONFIG_X86_IOPL_IOPERM): an `out` then.
+ */
+static int port_ioperm(void)
+{
+	static int granted = -1;
+
+	if (granted < 0)
+		granted = ioperm(PORT_EVENT, 2, 1) == 0;
+	return granted;
+}
+
 static void port_write(unsigned int port, unsigned char val)
 {
 	port_open();
 	if (port_fd >= 0)
 		(void)!pwrite(port_fd, &val, 1, port);
+	else if (port_ioperm())
+		__asm__ volatile("outb %0, %w1" : : "a"(val), "Nd"(port));
 }
 
 /* Tell the VMM to stop with `status`; if nobody listens, reset the machine. */
@@ -252,8 +269,8 @@ int main(int argc, char **argv)
 		port_open();
 	}
 	port_write(PORT_EVENT, EV_INIT_REACHED);
-	if (port_fd < 0)
-		say("hvprobe-init: cannot open /dev/port; the VMM will not see events\n");
+	if (port_fd < 0 && !port_ioperm())
+		say("hvprobe-init: no /dev/port and no ioperm(); the VMM will not see events\n");
 
 	mount("devtmpfs", "/dev", "devtmpfs", 0, NULL); /* EBUSY if done above */
 	mount("proc", "/proc", "proc", 0, NULL);

@@ -16,7 +16,7 @@ use hvprobe_introspection::stacks::{Extent, KernelStacks, StackOwner, StacksLayo
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_introspection::task::select_per_cpu_base;
 use hvprobe_live::{kernel_memory, live_memory, load_symbols, narrow_to_vcpus, SymbolsFrom};
-use hvprobe_vmm::{ConsoleOutput, Vm, SNAPSHOT_FORMAT_VERSION};
+use hvprobe_vmm::{snapshot_cache_name, Backend, ConsoleOutput, Vm};
 
 /// The bundled guest's `cpus`-vCPU snapshot directory, or a panic that says how to get one.
 fn snapshot_dir(cpus: u8) -> PathBuf {
@@ -44,7 +44,7 @@ fn snapshot_dir(cpus: u8) -> PathBuf {
     };
     let dir = cache
         .join("snapshots")
-        .join(format!("{key}-{cpus}cpu-v{SNAPSHOT_FORMAT_VERSION}"));
+        .join(snapshot_cache_name(&key, cpus, Backend::detect()));
     assert!(
         dir.join("state").exists(),
         "no snapshot of the bundled guest at {}: create it with `cargo run -- snapshot create --out {} --cpus {cpus}` \

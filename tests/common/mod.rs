@@ -111,7 +111,7 @@ pub fn snapshot(cpus: u8) -> PathBuf {
         .unwrap()
         .to_string_lossy()
         .into_owned();
-    let name = format!("{key}-{cpus}cpu-v{}", hvprobe::vmm::SNAPSHOT_FORMAT_VERSION);
+    let name = hvprobe::vmm::snapshot_cache_name(&key, cpus, hvprobe::vmm::Backend::detect());
     let root = cache_dir().join("snapshots");
     std::fs::create_dir_all(&root).unwrap();
     let dir = root.join(&name);

@@ -35,6 +35,14 @@ impl Backend {
         }
     }
 
+    /// A one-word name, for file names: `hardware` or `pvm`.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Backend::Hardware => "hardware",
+            Backend::Pvm => "pvm",
+        }
+    }
+
     /// Kernel command-line options a Linux guest needs on this backend.
     ///
     /// On kvm_pvm the guest's CPUID instruction does not return what KVM_SET_CPUID2 set for

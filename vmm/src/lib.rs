@@ -5,6 +5,7 @@
 
 mod backend;
 mod boot;
+mod breakpoint;
 pub mod console;
 mod cpuid;
 mod devices;
@@ -25,7 +26,7 @@ pub use devices::{GuestEvent, GUEST_EVENT_PORT, GUEST_EXIT_PORT};
 pub(crate) use error::kvm_err;
 pub use error::Error;
 pub use mptable::MAX_CPUS;
-pub use snapshot::{SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
+pub use snapshot::{snapshot_cache_name, SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
 pub use vcpu::{
     reinject_breakpoint, set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus,
     StopReason, VcpuControl, VcpuState,

@@ -54,6 +54,16 @@ use crate::{kvm_err, Error, Vm};
 
 /// Version of the snapshot format this build writes and reads.
 pub const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+
+/// The directory name under which tools and tests cache a snapshot of the guest built
+/// with key `guest_key`: one per vCPU count, format and backend (a snapshot restores only
+/// on the backend that took it).
+pub fn snapshot_cache_name(guest_key: &str, cpus: u8, backend: Backend) -> String {
+    format!(
+        "{guest_key}-{cpus}cpu-v{SNAPSHOT_FORMAT_VERSION}-{}",
+        backend.short_name()
+    )
+}
 /// The state file in a snapshot directory.
 pub const STATE_FILE: &str = "state";
 /// The guest memory file in a snapshot directory.

@@ -1,0 +1,242 @@
+//! Delivering a guest-owned #BP on hardware KVM without KVM's event injection.
+//!
+//! KVM delivers a re-injected #BP as a software exception: on SVM without next-RIP saving
+//! (nested virtualization, some clouds) it skips the int3 with its instruction emulator,
+//! which empties its exception queue. An interrupt pending at that entry was then injected
+//! in the #BP's place (RIP already past the int3), and so was one pending when the #BP's
+//! own delivery exited (a nested page fault on the IDT or the stack: KVM 6.1 re-queues the
+//! #BP itself, out of our reach). The guest's boot-time int3 self-test died of it with
+//! `invalid opcode`.
+//!
+//! So for the case that matters, an int3 in the kernel (CPL 0, 64-bit mode, an interrupt
+//! or trap gate in the same code segment), the VMM does what the CPU does: it pushes the
+//! 64-bit interrupt frame on the (IST) stack, clears the flags the gate clears and jumps to
+//! the handler. Nothing is injected, so nothing can be lost. Anything else (user mode, a
+//! gate that changes CS, an unmapped stack) goes back to KVM as a pending exception.
+
+use kvm_bindings::{kvm_regs, kvm_sregs};
+
+const BP_VECTOR: u64 = 3;
+const IDT_GATE_SIZE: u64 = 16;
+const EFER_LMA: u64 = 1 << 10;
+const RFLAGS_TF: u64 = 1 << 8;
+const RFLAGS_IF: u64 = 1 << 9;
+const RFLAGS_NT: u64 = 1 << 14;
+const RFLAGS_RF: u64 = 1 << 16;
+const RFLAGS_VM: u64 = 1 << 17;
+const GATE_INTERRUPT: u8 = 0xe;
+const GATE_TRAP: u8 = 0xf;
+/// Offset of IST1 in the 64-bit TSS.
+const TSS_IST1: u64 = 0x24;
+
+/// Where the #BP's gate descriptor is, for the caller to read.
+pub(crate) fn bp_gate_address(sregs: &kvm_sregs) -> Option<u64> {
+    let end = BP_VECTOR * IDT_GATE_SIZE + IDT_GATE_SIZE - 1;
+    (u64::from(sregs.idt.limit) >= end).then(|| sregs.idt.base + BP_VECTOR * IDT_GATE_SIZE)
+}
+
+/// Where IST entry `ist` (1..=7) of the TSS is, for the caller to read.
+pub(crate) fn ist_address(sregs: &kvm_sregs, ist: u8) -> u64 {
+    sregs.tr.base + TSS_IST1 + 8 * u64::from(ist - 1)
+}
+
+/// What delivering the #BP of the int3 at `int3` does: the frame the CPU pushes (RIP, CS,
+/// RFLAGS, RSP, SS, from its lowest address up) at `frame_at`, and the registers after.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct BreakpointDelivery {
+    pub frame_at: u64,
+    pub frame: [u64; 5],
+    pub rip: u64,
+    pub rsp: u64,
+    pub rflags: u64,
+}
+
+impl BreakpointDelivery {
+    pub fn frame_bytes(&self) -> [u8; 40] {
+        let mut bytes = [0u8; 40];
+        for (slot, value) in bytes.chunks_exact_mut(8).zip(self.frame) {
+            slot.copy_from_slice(&value.to_le_bytes());
+        }
+        bytes
+    }
+}
+
+/// The delivery of the #BP for the int3 at `int3`, given the vCPU's registers, the #BP
+/// gate's 16 bytes and a reader of the TSS's IST entries; `None` when it is not a case
+/// done here (see the module's comment).
+pub(crate) fn breakpoint_delivery(
+    int3: u64,
+    regs: &kvm_regs,
+    sregs: &kvm_sregs,
+    gate: [u8; 16],
+    ist_stack: impl FnOnce(u8) -> Option<u64>,
+) -> Option<BreakpointDelivery> {
+    let long_mode = sregs.efer & EFER_LMA != 0 && sregs.cs.l == 1;
+    let cpl = sregs.cs.selector & 3;
+    if !long_mode || cpl != 0 || regs.rip != int3 {
+        return None;
+    }
+    let present = gate[5] & 0x80 != 0;
+    let kind = gate[5] & 0x0f;
+    let selector = u16::from_le_bytes([gate[2], gate[3]]);
+    if !present || !(kind == GATE_INTERRUPT || kind == GATE_TRAP) || selector != sregs.cs.selector {
+        return None;
+    }
+    let handler = u64::from(u16::from_le_bytes([gate[0], gate[1]]))
+        | u64::from(u16::from_le_bytes([gate[6], gate[7]])) << 16
+        | u64::from(u32::from_le_bytes([gate[8], gate[9], gate[10], gate[11]])) << 32;
+    let ist = gate[4] & 7;
+    let stack = if ist == 0 { regs.rsp } else { ist_stack(ist)? };
+    // 64-bit mode aligns the new stack pointer to 16 bytes before it pushes the frame.
+    let frame_at = (stack & !0xf).checked_sub(40)?;
+    let mut rflags = regs.rflags & !(RFLAGS_TF | RFLAGS_NT | RFLAGS_RF | RFLAGS_VM);
+    if kind == GATE_INTERRUPT {
+        rflags &= !RFLAGS_IF;
+    }
+    Some(BreakpointDelivery {
+        frame_at,
+        frame: [
+            int3 + 1,
+            u64::from(sregs.cs.selector),
+            regs.rflags,
+            regs.rsp,
+            u64::from(sregs.ss.selector),
+        ],
+        rip: handler,
+        rsp: frame_at,
+        rflags,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CS: u16 = 0x10;
+    const SS: u16 = 0x18;
+
+    fn kernel(rip: u64, rsp: u64, rflags: u64) -> (kvm_regs, kvm_sregs) {
+        let regs = kvm_regs {
+            rip,
+            rsp,
+            rflags,
+            ..Default::default()
+        };
+        let mut sregs = kvm_sregs {
+            efer: EFER_LMA | (1 << 8),
+            ..Default::default()
+        };
+        sregs.cs.selector = CS;
+        sregs.cs.l = 1;
+        sregs.ss.selector = SS;
+        sregs.idt.base = 0xffff_fe00_0000_0000;
+        sregs.idt.limit = 0xfff;
+        sregs.tr.base = 0xffff_fe00_0000_3000;
+        (regs, sregs)
+    }
+
+    fn gate(handler: u64, selector: u16, kind: u8, ist: u8) -> [u8; 16] {
+        let mut g = [0u8; 16];
+        g[0..2].copy_from_slice(&(handler as u16).to_le_bytes());
+        g[2..4].copy_from_slice(&selector.to_le_bytes());
+        g[4] = ist;
+        g[5] = 0x80 | (3 << 5) | kind;
+        g[6..8].copy_from_slice(&((handler >> 16) as u16).to_le_bytes());
+        g[8..12].copy_from_slice(&((handler >> 32) as u32).to_le_bytes());
+        g
+    }
+
+    const INT3: u64 = 0xffff_ffff_8100_1234;
+    const HANDLER: u64 = 0xffff_ffff_81a0_0bc0;
+
+    #[test]
+    fn an_interrupt_gate_pushes_the_64_bit_frame_on_the_aligned_stack_and_clears_if() {
+        let (regs, sregs) = kernel(INT3, 0xffff_c900_0001_3f58, 0x246 | RFLAGS_TF | RFLAGS_RF);
+        let d = breakpoint_delivery(INT3, &regs, &sregs, gate(HANDLER, CS, GATE_INTERRUPT, 0), |_| None).unwrap();
+        assert_eq!(
+            d.frame_at,
+            0xffff_c900_0001_3f50 - 40,
+            "aligned down to 16, then 5 slots"
+        );
+        assert_eq!(d.frame, [INT3 + 1, u64::from(CS), regs.rflags, regs.rsp, u64::from(SS)]);
+        assert_eq!((d.rip, d.rsp), (HANDLER, d.frame_at));
+        assert_eq!(d.rflags, 0x46, "IF, TF and RF cleared; the rest kept");
+        assert_eq!(&d.frame_bytes()[..8], &(INT3 + 1).to_le_bytes());
+    }
+
+    #[test]
+    fn a_trap_gate_keeps_if() {
+        let (regs, sregs) = kernel(INT3, 0xffff_c900_0001_3f50, 0x246);
+        let d = breakpoint_delivery(INT3, &regs, &sregs, gate(HANDLER, CS, GATE_TRAP, 0), |_| None).unwrap();
+        assert_eq!(d.rflags, 0x246);
+        assert_eq!(d.frame_at, 0xffff_c900_0001_3f50 - 40);
+    }
+
+    #[test]
+    fn an_ist_gate_switches_to_the_ist_stack() {
+        let (regs, sregs) = kernel(INT3, 0xffff_c900_0001_3f58, 0x246);
+        let mut asked = None;
+        let d = breakpoint_delivery(INT3, &regs, &sregs, gate(HANDLER, CS, GATE_INTERRUPT, 2), |ist| {
+            asked = Some(ist);
+            Some(0xffff_fe00_0000_8000)
+        })
+        .unwrap();
+        assert_eq!(asked, Some(2));
+        assert_eq!(d.frame_at, 0xffff_fe00_0000_8000 - 40);
+        assert_eq!(d.frame[3], regs.rsp, "the interrupted stack pointer is saved");
+        assert_eq!(ist_address(&sregs, 2), sregs.tr.base + 0x24 + 8);
+    }
+
+    #[test]
+    fn what_is_not_a_kernel_int3_through_a_same_segment_gate_goes_to_kvm() {
+        let (regs, sregs) = kernel(INT3, 0xffff_c900_0001_3f58, 0x246);
+        let good = gate(HANDLER, CS, GATE_INTERRUPT, 0);
+        let none = |_| None;
+        assert!(breakpoint_delivery(INT3, &regs, &sregs, good, none).is_some());
+
+        let mut user = sregs;
+        user.cs.selector = 0x33;
+        assert_eq!(breakpoint_delivery(INT3, &regs, &user, good, none), None, "CPL 3");
+        let mut compat = sregs;
+        compat.cs.l = 0;
+        assert_eq!(
+            breakpoint_delivery(INT3, &regs, &compat, good, none),
+            None,
+            "not 64-bit code"
+        );
+        let mut absent = good;
+        absent[5] &= 0x7f;
+        assert_eq!(
+            breakpoint_delivery(INT3, &regs, &sregs, absent, none),
+            None,
+            "gate not present"
+        );
+        let call_gate = gate(HANDLER, CS, 0xc, 0);
+        assert_eq!(
+            breakpoint_delivery(INT3, &regs, &sregs, call_gate, none),
+            None,
+            "not an interrupt gate"
+        );
+        let other_cs = gate(HANDLER, 0x8, GATE_INTERRUPT, 0);
+        assert_eq!(
+            breakpoint_delivery(INT3, &regs, &sregs, other_cs, none),
+            None,
+            "reloads CS"
+        );
+        assert_eq!(
+            breakpoint_delivery(INT3 + 1, &regs, &sregs, good, none),
+            None,
+            "RIP not on the int3"
+        );
+        let ist = gate(HANDLER, CS, GATE_INTERRUPT, 1);
+        assert_eq!(
+            breakpoint_delivery(INT3, &regs, &sregs, ist, none),
+            None,
+            "unreadable IST"
+        );
+        let mut short_idt = sregs;
+        short_idt.idt.limit = 3 * 16 + 14;
+        assert_eq!(bp_gate_address(&short_idt), None, "vector 3 past the IDT's limit");
+        assert_eq!(bp_gate_address(&sregs), Some(sregs.idt.base + 48));
+    }
+}
