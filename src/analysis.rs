@@ -86,8 +86,47 @@ pub fn hist_report(table: &AnalysisTable, format: OutputFormat, symbols: Option<
     }
 }
 
-/// How long a report waits for the guest's console to finish its line.
-const CONSOLE_LINE_WAIT: Duration = Duration::from_millis(100);
+/// How long stdout waits for the guest's console to finish its line after the console's
+/// last byte (a shell prompt never finishes its line), and at most in all. A line still
+/// growing is waited for: an emulated console can take longer than the quiet time for one
+/// line (one exit per byte), and a hit line printed into it would split it.
+const CONSOLE_LINE_QUIET: Duration = Duration::from_millis(100);
+const CONSOLE_LINE_LIMIT: Duration = Duration::from_secs(2);
+
+/// Takes stdout's lock once the guest's console, which shares stdout, is at the start of a
+/// line by `at_line_start`, waiting while its line still grows (see CONSOLE_LINE_QUIET).
+/// The flag is whether it got there; if not, the caller starts a line of its own.
+pub fn lock_stdout_at_line(
+    console: &ConsoleLog,
+    at_line_start: impl Fn() -> bool,
+) -> (std::io::StdoutLock<'static>, bool) {
+    lock_stdout_at_line_within(console, at_line_start, CONSOLE_LINE_QUIET, CONSOLE_LINE_LIMIT)
+}
+
+fn lock_stdout_at_line_within(
+    console: &ConsoleLog,
+    at_line_start: impl Fn() -> bool,
+    quiet: Duration,
+    limit: Duration,
+) -> (std::io::StdoutLock<'static>, bool) {
+    let started = Instant::now();
+    let (mut seen, mut last_progress) = (console.written(), started);
+    loop {
+        let out = std::io::stdout().lock();
+        if at_line_start() {
+            return (out, true);
+        }
+        let now = Instant::now();
+        if console.written() != seen {
+            (seen, last_progress) = (console.written(), now);
+        }
+        if now - last_progress >= quiet || now - started >= limit {
+            return (out, false);
+        }
+        drop(out);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
 
 /// Writes `text` to stdout, which the guest's console shares, starting on a line of its
 /// own.
@@ -95,14 +134,8 @@ pub fn print_on_own_lines(text: &str, console: &ConsoleLog) {
     if text.is_empty() {
         return;
     }
-    let waiting = Instant::now();
-    let mut out = std::io::stdout().lock();
-    while !console.at_line_start() && waiting.elapsed() < CONSOLE_LINE_WAIT {
-        drop(out);
-        std::thread::sleep(Duration::from_millis(1));
-        out = std::io::stdout().lock();
-    }
-    let lead = if console.at_line_start() { "" } else { "\n" };
+    let (mut out, at_line_start) = lock_stdout_at_line(console, || console.at_line_start());
+    let lead = if at_line_start { "" } else { "\n" };
     let _ = write!(out, "{lead}{text}");
     let _ = out.flush();
 }
@@ -110,6 +143,59 @@ pub fn print_on_own_lines(text: &str, console: &ConsoleLog) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A console writing `parts` with `gap` between them, from its own thread.
+    fn slow_console(parts: Vec<&'static str>, gap: Duration) -> (ConsoleLog, std::thread::JoinHandle<()>) {
+        let log = ConsoleLog::default();
+        let mut writer = hvprobe_vmm::console::ConsoleWriter::new(log.clone(), hvprobe_vmm::ConsoleOutput::Discard);
+        let thread = std::thread::spawn(move || {
+            for part in parts {
+                writer.write_all(part.as_bytes()).unwrap();
+                std::thread::sleep(gap);
+            }
+        });
+        (log, thread)
+    }
+
+    #[test]
+    fn stdout_waits_for_a_console_line_that_grows_longer_than_the_quiet_time() {
+        // Ten pieces 30 ms apart: 300 ms for the line, three times the quiet time.
+        let mut parts = vec!["GUEST hvprobe-loop-23 [000] "; 9];
+        parts.push("gk: (x)\n");
+        let (console, writer) = slow_console(parts, Duration::from_millis(30));
+        std::thread::sleep(Duration::from_millis(5));
+        let started = Instant::now();
+        let (out, at_line) = lock_stdout_at_line_within(
+            &console,
+            || console.at_line_start(),
+            Duration::from_millis(100),
+            Duration::from_secs(5),
+        );
+        drop(out);
+        assert!(at_line, "the line was split after {:?}", started.elapsed());
+        assert!(console.contents().ends_with("gk: (x)\n"));
+        writer.join().unwrap();
+    }
+
+    #[test]
+    fn stdout_breaks_a_console_line_that_stops_growing() {
+        let (console, writer) = slow_console(vec!["~ # "], Duration::ZERO);
+        writer.join().unwrap();
+        let started = Instant::now();
+        let (out, at_line) = lock_stdout_at_line_within(
+            &console,
+            || console.at_line_start(),
+            Duration::from_millis(50),
+            Duration::from_secs(5),
+        );
+        drop(out);
+        let waited = started.elapsed();
+        assert!(!at_line, "a prompt never ends its line");
+        assert!(
+            waited >= Duration::from_millis(50) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
+    }
 
     #[test]
     fn request_lines_leave_blank_lines_so_the_probes_keep_their_numbers() {

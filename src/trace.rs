@@ -28,7 +28,9 @@ use hvprobe_probes::spec::{
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
-use crate::analysis::{error_line, hist_report, origin_line, print_on_own_lines, take_request_lines, AnalysisFlags};
+use crate::analysis::{
+    error_line, hist_report, lock_stdout_at_line, origin_line, print_on_own_lines, take_request_lines, AnalysisFlags,
+};
 use crate::cli::{HitOutputs, OutputFormat};
 use crate::perfetto::{PerfettoError, PerfettoFile};
 
@@ -1066,10 +1068,6 @@ pub fn event_line(event: &HitEvent, format: OutputFormat, sym_offset: bool) -> S
     }
 }
 
-/// How long a batch of hit lines waits for the guest's console to finish its line (a
-/// shell prompt never does) before it starts on a new line of its own.
-const CONSOLE_LINE_WAIT: Duration = Duration::from_millis(100);
-
 /// Prints events as they come, a batch of lines at a time, and writes them to the Perfetto
 /// trace (if any), which is finished when the queue ends (the run's end, however it ends).
 fn print_events(
@@ -1156,14 +1154,8 @@ impl StdoutPrinter {
         let console = &self.console;
         let broke_line_at = self.broke_line_at;
         let at_line_start = || console.at_line_start() || broke_line_at == Some(console.written());
-        let waiting = Instant::now();
-        let mut out = std::io::stdout().lock();
-        while !at_line_start() && waiting.elapsed() < CONSOLE_LINE_WAIT {
-            drop(out);
-            std::thread::sleep(Duration::from_millis(1));
-            out = std::io::stdout().lock();
-        }
-        if !at_line_start() {
+        let (mut out, at_line) = lock_stdout_at_line(console, at_line_start);
+        if !at_line {
             self.batch.insert(0, '\n');
             self.broke_line_at = Some(console.written());
         }
