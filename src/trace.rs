@@ -663,9 +663,12 @@ impl TraceSession {
             Ok(analysis) => analysis,
             Err(problems) => return spec_result(&self.source(), problems),
         };
-        // An event with a `stacktrace` trigger has its probe unwind the stack at each hit.
+        // An event with a `stacktrace` trigger has its probe unwind the stack at each hit;
+        // an event detour runs what it can of its event's filter in the guest.
         for p in &mut armed {
-            p.request.stack_trace = analysis.wants_stacks(&p.request.group, &p.request.event);
+            let r = &mut p.request;
+            r.stack_trace = analysis.wants_stacks(&r.group, &r.event);
+            r.filter = analysis.record_filter(&r.group, &r.event, &r.args);
         }
         if !analysis.is_empty() {
             let _ = self.events.analysis.set(Arc::new(analysis));
@@ -959,11 +962,12 @@ impl TraceSession {
             .listing()
             .iter()
             .map(|e| {
-                // A filtered-out hit is a hit (as in kprobe_profile) that went no further.
+                // A filtered-out hit is a hit (as in kprobe_profile) that went no further,
+                // discarded on the host or already in the guest by an event detour.
                 let filtered = analysis
                     .and_then(|a| e.event.split_once('/').and_then(|(g, ev)| a.get(g, ev)))
                     .and_then(|a| a.filtered())
-                    .map(|n| format!(" filtered={n}"))
+                    .map(|n| format!(" filtered={}", n + e.filtered_in_guest))
                     .unwrap_or_default();
                 format!("{}{filtered}\n", listing_line(e))
             })
@@ -1000,9 +1004,10 @@ impl TraceSession {
         if let Some(analysis) = self.events.analysis.get() {
             let with_filter = analysis.events().filter(|a| a.filtered().is_some()).count();
             if with_filter > 0 {
+                let in_guest = tracer.stats.filtered_in_guest.load(Ordering::Relaxed);
                 eprintln!(
-                    "hvprobe: filters on {with_filter} event(s) discarded {} hits",
-                    analysis.total_filtered()
+                    "hvprobe: filters on {with_filter} event(s) discarded {} hits ({in_guest} of them in the guest, by event detours)",
+                    analysis.total_filtered() + in_guest
                 );
             }
         }
