@@ -2110,3 +2110,52 @@ fn ring_misses_are_folded_into_each_probes_nmissed() {
     assert_eq!(listed("b").2, 8, "b's count is b's alone");
     t.unregister_many(&[a, b]).unwrap();
 }
+
+/// Hits an event detour's filter discards in the guest are hits, counted apart: from the
+/// detour's entry of the filter table, at every drain, into the probe's hits and
+/// `filtered_in_guest` and the engine's totals; a guest that writes over the entry adds
+/// nothing.
+#[test]
+fn hits_an_event_detours_filter_discards_are_hits_counted_apart() {
+    use crate::detour::event::filter::{NumberOp, RecordCheck, RecordField, RecordFilter, RecordTest};
+    use crate::detour::ring::RingMemory;
+    let (m, t, _events) = event_tracer();
+    t.set_optimization(true);
+    let on_cpu_1 = RecordFilter::Test(RecordTest {
+        field: RecordField::Cpu,
+        check: RecordCheck::Number {
+            op: NumberOp::Eq,
+            value: 1,
+            size: 4,
+            signed: true,
+        },
+    });
+    let id = t
+        .register(KprobeRequest {
+            filter: Some(on_cpu_1),
+            ..KprobeRequest::event(at("func", 0), "g", "ev", Vec::new())
+        })
+        .unwrap();
+    let slot = miss_slot(&t, PUSH);
+    let rings = *t.event_rings().unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    let entry = Gpa(rings.gpa().0 + rings.geometry().probe_filtered_offset(slot).unwrap());
+    let listed = || {
+        let e = t.listing().into_iter().next().unwrap();
+        (e.optimized, e.hits, e.filtered_in_guest, e.nmissed)
+    };
+    assert_eq!(listed(), (true, 0, 0, 0));
+    mem.store_u64_release(entry, 5).unwrap();
+    let mut record = vec![0u8; 24];
+    record[0..4].copy_from_slice(&id.0.to_le_bytes());
+    assert!(mem.guest_record(&rings, 0, slot, &record).unwrap());
+    assert_eq!(listed(), (true, 6, 5, 0), "5 discarded and 1 recorded hit");
+    assert_eq!(listed(), (true, 6, 5, 0), "counted once");
+    assert_eq!(t.stats.filtered_in_guest.load(Ordering::Relaxed), 5);
+    assert_eq!(t.stats.hits.load(Ordering::Relaxed), 6);
+    mem.store_u64_release(entry, 2).unwrap();
+    assert_eq!(listed(), (true, 6, 5, 0), "nothing added");
+    mem.store_u64_release(entry, 3).unwrap();
+    assert_eq!(listed(), (true, 7, 6, 0), "counted on from the value written");
+    t.unregister(id).unwrap();
+}
