@@ -8,6 +8,7 @@ use super::*;
 use crate::insn::HexBytes;
 use crate::machine::{KernelMemory, Machine, PausedView, Vcpu, VcpuError};
 use crate::output::{listing_line, ListKind};
+use hvprobe_arch::regs::rflags;
 use hvprobe_arch::{Gpa, INT3};
 use hvprobe_introspection::memory::MemoryError;
 
@@ -1161,7 +1162,7 @@ fn an_exception_or_nmi_during_a_step_returns_to_the_probe_with_the_guests_flags(
             t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
             BreakpointOutcome::Handled
         ));
-        assert_eq!(cpu.regs.rflags & insn::RFLAGS_IF, 0, "IF cleared for the step");
+        assert_eq!(cpu.regs.rflags & rflags::IF, 0, "IF cleared for the step");
         // The copy faulted (or an NMI came): the CPU pushed a frame on the handler's stack
         // and the step trap reports the handler's first instruction.
         let frame_at = STACK_TOP - 0x800;
@@ -1172,11 +1173,7 @@ fn an_exception_or_nmi_during_a_step_returns_to_the_probe_with_the_guests_flags(
         assert!(!cpu.stepping);
         assert_eq!(cpu.regs.rip, 0xffff_ffff_8180_0000, "the handler runs on");
         assert_eq!(m.read_u64(Gva(frame)).unwrap(), MOV_RIP, "it returns to the probe");
-        assert_eq!(
-            m.read_u64(Gva(frame + 16)).unwrap() & insn::RFLAGS_IF,
-            insn::RFLAGS_IF,
-            "with IF"
-        );
+        assert_eq!(m.read_u64(Gva(frame + 16)).unwrap() & rflags::IF, rflags::IF, "with IF");
         assert_eq!(posts.load(Ordering::Relaxed), 0, "the instruction did not complete");
         assert_eq!(t.stats.steps_interrupted.load(Ordering::Relaxed), 1);
     }
