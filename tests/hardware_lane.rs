@@ -101,16 +101,7 @@ fn suite_in_l1(name: &str, args: &str, at_least: usize) -> Run {
 }
 
 fn tail(run: &Run) -> String {
-    let last = |s: &str, n: usize| {
-        let lines: Vec<&str> = s.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
-    };
-    format!(
-        "exit code {:?}\n--- output, last 80 lines ---\n{}\n--- guest/l1/run, last 40 lines ---\n{}",
-        run.code,
-        last(&run.stdout, 80),
-        last(&run.stderr, 40)
-    )
+    run.tail_of(("output", 80), ("guest/l1/run", 40))
 }
 
 /// The number after `key` in `text`, e.g. 7.01 in `boot to /init 7.01 s`.
