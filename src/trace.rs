@@ -446,6 +446,14 @@ fn bind_requests(requests: &[Request], probes: &[SpecProbe]) -> Result<AnalysisT
 /// Expands wildcards and checks every probe against the kernel: `(what to arm, one line
 /// per wildcard with its counts)`, or every refusal. A wildcard's functions that cannot be
 /// probed are skipped and counted; a wildcard that matches nothing is a refusal.
+/// What the run's filters and triggers ask of the probe of `request`'s event: an event
+/// with a `stacktrace` trigger has its probe unwind the stack at each hit; an event detour
+/// runs what it can of its event's filter in the guest.
+fn with_analysis(request: &mut KprobeRequest, analysis: &AnalysisTable) {
+    request.stack_trace = analysis.wants_stacks(&request.group, &request.event);
+    request.filter = analysis.record_filter(&request.group, &request.event, &request.args);
+}
+
 fn plan(
     tracer: &Tracer,
     symbols: &SymbolTable,
@@ -663,12 +671,8 @@ impl TraceSession {
             Ok(analysis) => analysis,
             Err(problems) => return spec_result(&self.source(), problems),
         };
-        // An event with a `stacktrace` trigger has its probe unwind the stack at each hit;
-        // an event detour runs what it can of its event's filter in the guest.
         for p in &mut armed {
-            let r = &mut p.request;
-            r.stack_trace = analysis.wants_stacks(&r.group, &r.event);
-            r.filter = analysis.record_filter(&r.group, &r.event, &r.args);
+            with_analysis(&mut p.request, &analysis);
         }
         if !analysis.is_empty() {
             let _ = self.events.analysis.set(Arc::new(analysis));
@@ -824,7 +828,13 @@ impl TraceSession {
                 .unregister_many(&ids)
                 .map_err(|e| self.probe_error(&to_remove, e))?;
         }
-        let (armed, wildcards) = plan(&tracer, symbols, source, &probes)?;
+        let (mut armed, wildcards) = plan(&tracer, symbols, source, &probes)?;
+        // An event of the run's filters and triggers keeps them, also when added again.
+        if let Some(analysis) = self.events.analysis.get() {
+            for p in &mut armed {
+                with_analysis(&mut p.request, analysis);
+            }
+        }
         let requests = armed.iter().map(|p| p.request.clone()).collect();
         let pauses = || {
             self.kernel
