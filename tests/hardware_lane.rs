@@ -126,6 +126,13 @@ fn kprobe_oracle_on_kvm_amd() {
     suite_in_l1("probes", "--skip optimized_probes_see --skip optimized_probes_agree", 7);
 }
 
+/// SIGINT and SIGTERM in a busy trace: every hit taken is printed, and what an event
+/// detour's ring could not hold at hardware speed is counted (the loop outruns the drain).
+#[test]
+fn a_busy_trace_stops_cleanly_on_kvm_amd() {
+    suite_in_l1("stop", "", 2);
+}
+
 #[test]
 fn snapshots_and_restore_on_kvm_amd() {
     suite_in_l1("snapshot", "", 6);
