@@ -29,8 +29,10 @@ use crate::detour::event::{EventLayout, GuestKernelFacts};
 use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingMemory, RingReader};
 use crate::regs::Regs;
 
-/// Records per CPU ring.
-const RING_CAPACITY: u32 = 256;
+/// Records per CPU ring, at most: halved until every CPU's ring fits the budget (a quarter
+/// of the out-of-line area, at most [`MAX_RINGS_BYTES`]): 1024 for one CPU in a 2 MiB area,
+/// 512 each for two.
+const RING_CAPACITY: u32 = 1024;
 /// Bytes per record: the header, the task stamp, and room for the arguments.
 const RECORD_SIZE: u32 = 512;
 /// The rings take at most this much of the out-of-line area.
