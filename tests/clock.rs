@@ -19,6 +19,12 @@
 //! - The stamp follows the guest's own reading by what runs between (the exit, or a few
 //!   dozen emulated instructions: 55–75 µs measured for a record, 200–290 µs for a return
 //!   that also runs the event detour at +5): the median must stay under [`MEDIAN_LAG_NS`].
+//!   In the nested-SVM lane (`guest/l1/run`, which hands COMMAND the lane's `HVPROBE_L1_*`
+//!   variables) hvprobe itself runs under QEMU's TCG: a trapped hit's exit and our handling
+//!   before the stamp took 0.5–1.3 ms there (median 0.75–1.26 ms with this debug build,
+//!   0.12–0.13 ms with a release build, while records, which involve no exit, stayed
+//!   3–15 µs after the guest's reading), so there the median may reach
+//!   [`LANE_MEDIAN_LAG_NS`]. The other bounds are the same everywhere.
 
 mod common;
 
@@ -32,6 +38,16 @@ const PRINT_RESOLUTION_NS: i64 = 1_000;
 const TRAPPED_SKEW_NS: i64 = 20_000;
 const RECORD_SKEW_NS: i64 = 5_000;
 const MEDIAN_LAG_NS: i64 = 1_000_000;
+const LANE_MEDIAN_LAG_NS: i64 = 5_000_000;
+
+/// The bound on the median lag: TCG time inside the nested-SVM lane, else the host's.
+fn median_lag_bound() -> i64 {
+    if std::env::var_os("HVPROBE_L1_QEMU").is_some() {
+        LANE_MEDIAN_LAG_NS
+    } else {
+        MEDIAN_LAG_NS
+    }
+}
 
 /// The busybox loop's writes: one `echo` each, one `ksys_write` → `vfs_write` each.
 const WORDS: [&str; 6] = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff"];
@@ -165,7 +181,7 @@ fn check_interleaving(run: &Run) {
 }
 
 /// `stamp − the guest's own sched_clock() at the same call`, in ns, for every line:
-/// never below `-skew`, and the median under [`MEDIAN_LAG_NS`].
+/// never below `-skew`, and the median under [`median_lag_bound`].
 fn check_lag(what: &str, lags: &mut [i64], skew: i64) {
     assert!(!lags.is_empty(), "{what}: no hits");
     lags.sort();
@@ -181,9 +197,10 @@ fn check_lag(what: &str, lags: &mut [i64], skew: i64) {
         "{what}: a stamp {} ns before the guest's own clock read at the same call (allowed: {skew} ns)",
         -lags[0]
     );
+    let bound = median_lag_bound();
     assert!(
-        median <= MEDIAN_LAG_NS,
-        "{what}: the median stamp is {median} ns after the guest's own reading"
+        median <= bound,
+        "{what}: the median stamp is {median} ns after the guest's own reading (allowed: {bound} ns)"
     );
 }
 
