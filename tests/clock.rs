@@ -21,7 +21,7 @@
 //!   that also runs the event detour at +5): the median must stay under [`MEDIAN_LAG_NS`].
 //!   In the nested-SVM lane (`guest/l1/run`, which hands COMMAND the lane's `HVPROBE_L1_*`
 //!   variables) hvprobe itself runs under QEMU's TCG: a trapped hit's exit and our handling
-//!   before the stamp took 0.5–1.3 ms there (median 0.75–1.26 ms with this debug build,
+//!   before the stamp took 0.5–1.3 ms there (medians 0.54–1.26 ms with this debug build,
 //!   0.12–0.13 ms with a release build, while records, which involve no exit, stayed
 //!   3–15 µs after the guest's reading), so there the median may reach
 //!   [`LANE_MEDIAN_LAG_NS`]. The other bounds are the same everywhere.
