@@ -138,15 +138,19 @@ struct GuestVariant {
     /// The host probes only record (event probes with four register/stack fetch-args):
     /// optimized, their detours write each hit into a ring in the guest.
     record: bool,
+    /// The event filter of the recording probes (their detours run it in the guest), and
+    /// whether it discards every call's hit (else it keeps every one).
+    filter: Option<(&'static str, bool)>,
 }
 
-const GUEST_VARIANTS: [GuestVariant; 9] = [
+const GUEST_VARIANTS: [GuestVariant; 11] = [
     GuestVariant {
         label: "no probe",
         host_probes: &[],
         guest_event: None,
         optimize: false,
         record: false,
+        filter: None,
     },
     GuestVariant {
         label: "guest's own kprobe event on __x64_sys_getppid+0 (ftrace-based)",
@@ -154,6 +158,7 @@ const GUEST_VARIANTS: [GuestVariant; 9] = [
         guest_event: Some("gk"),
         optimize: false,
         record: false,
+        filter: None,
     },
     GuestVariant {
         label: "host probe on __x64_sys_getppid+0 (int3 at +5, stepped out of line)",
@@ -161,6 +166,7 @@ const GUEST_VARIANTS: [GuestVariant; 9] = [
         guest_event: None,
         optimize: false,
         record: false,
+        filter: None,
     },
     GuestVariant {
         label: "host probe on __task_pid_nr_ns+0 (int3 at +5, push emulated)",
@@ -168,6 +174,7 @@ const GUEST_VARIANTS: [GuestVariant; 9] = [
         guest_event: None,
         optimize: false,
         record: false,
+        filter: None,
     },
     GuestVariant {
         label: "optimized sync host probe on __x64_sys_getppid+0 (jump at +5 to a detour, one exit)",
@@ -175,6 +182,7 @@ const GUEST_VARIANTS: [GuestVariant; 9] = [
         guest_event: None,
         optimize: true,
         record: false,
+        filter: None,
     },
     GuestVariant {
         label: "optimized sync host probe on __task_pid_nr_ns+0 (jump at +5 to a detour, one exit)",
@@ -182,6 +190,7 @@ const GUEST_VARIANTS: [GuestVariant; 9] = [
         guest_event: None,
         optimize: true,
         record: false,
+        filter: None,
     },
     GuestVariant {
         label: "optimized event host probe on __x64_sys_getppid+0, 4 fetch-args (recorded in the guest, no exit)",
@@ -189,6 +198,23 @@ const GUEST_VARIANTS: [GuestVariant; 9] = [
         guest_event: None,
         optimize: true,
         record: true,
+        filter: None,
+    },
+    GuestVariant {
+        label: "the same, filter `di != 0` run in the detour (keeps every hit)",
+        host_probes: &[("__x64_sys_getppid", 0)],
+        guest_event: None,
+        optimize: true,
+        record: true,
+        filter: Some(("di != 0", false)),
+    },
+    GuestVariant {
+        label: "the same, filter `di == 0` run in the detour (discards every hit in the guest: no record)",
+        host_probes: &[("__x64_sys_getppid", 0)],
+        guest_event: None,
+        optimize: true,
+        record: true,
+        filter: Some(("di == 0", true)),
     },
     GuestVariant {
         label: "guest's own kprobe event on __task_pid_nr_ns+0x32 (mid-function: its optprobe, a jump)",
@@ -196,6 +222,7 @@ const GUEST_VARIANTS: [GuestVariant; 9] = [
         guest_event: Some("go"),
         optimize: false,
         record: false,
+        filter: None,
     },
     GuestVariant {
         label: "optimized event host probe on __task_pid_nr_ns+0x32, 4 fetch-args (recorded in the guest, no exit)",
@@ -203,6 +230,7 @@ const GUEST_VARIANTS: [GuestVariant; 9] = [
         guest_event: None,
         optimize: true,
         record: true,
+        filter: None,
     },
 ];
 
@@ -251,8 +279,17 @@ fn run_guest(
             } else {
                 Vec::new()
             };
+            let filter = match variant.filter {
+                Some((text, _)) => {
+                    let fields = hvprobe_analysis::fields::EventFields::new(&args);
+                    let bound = hvprobe_analysis::filter::FilterExpr::parse(text).and_then(|f| f.bind(&fields))?;
+                    Some(bound.record_filter(&args))
+                }
+                None => None,
+            };
             let id = tracer.register(KprobeRequest {
                 emit_events: variant.record,
+                filter,
                 ..KprobeRequest::event(point, "bench", name, args)
             })?;
             if let (true, Some(why)) = (variant.optimize, tracer.why_not_optimized(id)) {
@@ -292,14 +329,24 @@ fn run_guest(
         )
         .into());
     }
-    let (hits, handling) = tracer_used.map_or((0, Duration::ZERO), |t| {
+    let (hits, handling, filtered_in_guest) = tracer_used.map_or((0, Duration::ZERO, 0), |t| {
         use std::sync::atomic::Ordering::Relaxed;
         t.drain_events();
         (
             t.stats.hits.load(Relaxed),
             Duration::from_nanos(t.stats.handling_ns.load(Relaxed)),
+            t.stats.filtered_in_guest.load(Relaxed),
         )
     });
+    if let Some((text, discards_all)) = variant.filter {
+        let expected = if discards_all { hits } else { 0 };
+        if hits < u64::from(calls) || filtered_in_guest != expected {
+            return Err(format!(
+                "filter `{text}`: {filtered_in_guest} of {hits} hits discarded in the guest, expected {expected} of at least {calls}"
+            )
+            .into());
+        }
+    }
     let loop_us: u64 = console
         .contents()
         .lines()

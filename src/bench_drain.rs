@@ -66,6 +66,7 @@ fn layout(rings: &EventRings) -> Result<EventLayout, Box<dyn std::error::Error>>
         symbols: &symbols(),
         string_size: 32,
         record_task: true,
+        filter: None,
         displaced: &|_| Ok(vec![0xc3]),
     })?;
     Ok(detour.layout)

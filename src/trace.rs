@@ -446,6 +446,14 @@ fn bind_requests(requests: &[Request], probes: &[SpecProbe]) -> Result<AnalysisT
 /// Expands wildcards and checks every probe against the kernel: `(what to arm, one line
 /// per wildcard with its counts)`, or every refusal. A wildcard's functions that cannot be
 /// probed are skipped and counted; a wildcard that matches nothing is a refusal.
+/// What the run's filters and triggers ask of the probe of `request`'s event: an event
+/// with a `stacktrace` trigger has its probe unwind the stack at each hit; an event detour
+/// runs what it can of its event's filter in the guest.
+fn with_analysis(request: &mut KprobeRequest, analysis: &AnalysisTable) {
+    request.stack_trace = analysis.wants_stacks(&request.group, &request.event);
+    request.filter = analysis.record_filter(&request.group, &request.event, &request.args);
+}
+
 fn plan(
     tracer: &Tracer,
     symbols: &SymbolTable,
@@ -663,9 +671,8 @@ impl TraceSession {
             Ok(analysis) => analysis,
             Err(problems) => return spec_result(&self.source(), problems),
         };
-        // An event with a `stacktrace` trigger has its probe unwind the stack at each hit.
         for p in &mut armed {
-            p.request.stack_trace = analysis.wants_stacks(&p.request.group, &p.request.event);
+            with_analysis(&mut p.request, &analysis);
         }
         if !analysis.is_empty() {
             let _ = self.events.analysis.set(Arc::new(analysis));
@@ -821,7 +828,13 @@ impl TraceSession {
                 .unregister_many(&ids)
                 .map_err(|e| self.probe_error(&to_remove, e))?;
         }
-        let (armed, wildcards) = plan(&tracer, symbols, source, &probes)?;
+        let (mut armed, wildcards) = plan(&tracer, symbols, source, &probes)?;
+        // An event of the run's filters and triggers keeps them, also when added again.
+        if let Some(analysis) = self.events.analysis.get() {
+            for p in &mut armed {
+                with_analysis(&mut p.request, analysis);
+            }
+        }
         let requests = armed.iter().map(|p| p.request.clone()).collect();
         let pauses = || {
             self.kernel
@@ -959,11 +972,12 @@ impl TraceSession {
             .listing()
             .iter()
             .map(|e| {
-                // A filtered-out hit is a hit (as in kprobe_profile) that went no further.
+                // A filtered-out hit is a hit (as in kprobe_profile) that went no further,
+                // discarded on the host or already in the guest by an event detour.
                 let filtered = analysis
                     .and_then(|a| e.event.split_once('/').and_then(|(g, ev)| a.get(g, ev)))
                     .and_then(|a| a.filtered())
-                    .map(|n| format!(" filtered={n}"))
+                    .map(|n| format!(" filtered={}", n + e.filtered_in_guest))
                     .unwrap_or_default();
                 format!("{}{filtered}\n", listing_line(e))
             })
@@ -1000,9 +1014,10 @@ impl TraceSession {
         if let Some(analysis) = self.events.analysis.get() {
             let with_filter = analysis.events().filter(|a| a.filtered().is_some()).count();
             if with_filter > 0 {
+                let in_guest = tracer.stats.filtered_in_guest.load(Ordering::Relaxed);
                 eprintln!(
-                    "hvprobe: filters on {with_filter} event(s) discarded {} hits",
-                    analysis.total_filtered()
+                    "hvprobe: filters on {with_filter} event(s) discarded {} hits ({in_guest} of them in the guest, by event detours)",
+                    analysis.total_filtered() + in_guest
                 );
             }
         }

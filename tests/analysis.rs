@@ -84,8 +84,10 @@ fn counts(lines: impl Iterator<Item = String>, event: &str) -> Vec<u64> {
         .collect()
 }
 
-#[test]
-fn filters_keep_the_hits_the_guests_own_filter_keeps() {
+/// The host's filter and the guest's own on the same event and workload, with `extra`
+/// options: the same hits kept; every other write a hit the filter discarded, counted
+/// apart. Returns the listing's `filtered=` and the run.
+fn filter_oracle(name: &str, extra: &[&str]) -> (u64, Run) {
     let dir = snapshot(1);
     let filter = "comm == \"busybox\" && count > 3 && !(count >= 32 && count < 64)";
     // The host prints the loop's hits (the only ones its filter keeps) on the stdout the
@@ -97,15 +99,11 @@ fn filters_keep_the_hits_the_guests_own_filter_keeps() {
          while read -r l; do case $l in *' gw: '*) echo \"GUEST $l\";; esac; done < $T/trace; {CONSOLE_DRAIN}",
         write_loop()
     );
-    let probes = probe_file("filter", HOST_PROBES);
+    let probes = probe_file(name, HOST_PROBES);
     let host_filter = format!("ana/write:{filter}");
-    let run = restore_with(
-        &dir,
-        1,
-        &workload,
-        &["--probes", probes.to_str().unwrap(), "--filter", &host_filter],
-        RESTORE_TIMEOUT,
-    );
+    let mut args = vec!["--probes", probes.to_str().unwrap(), "--filter", &host_filter];
+    args.extend_from_slice(extra);
+    let run = restore_with(&dir, 1, &workload, &args, RESTORE_TIMEOUT);
     let _ = std::fs::remove_file(probes);
     assert_eq!(run.code, Some(0), "{}", run.tail());
     guest_problems(&run);
@@ -142,28 +140,65 @@ fn filters_keep_the_hits_the_guests_own_filter_keeps() {
     );
 
     // Every other write of the run was a hit the filter discarded, counted apart.
-    let listing = run
-        .stderr
-        .lines()
-        .find(|l| l.contains("event=ana/write"))
-        .unwrap_or_else(|| panic!("no listing line\n{}", run.tail()));
-    let number = |key: &str| -> u64 {
-        listing
-            .split(key)
-            .nth(1)
-            .and_then(|v| v.split_whitespace().next())
-            .unwrap_or_else(|| panic!("no {key} in {listing}"))
-            .parse()
-            .unwrap()
-    };
-    let (hits, filtered, missed) = (number("hits="), number("filtered="), number("nmissed="));
+    let listing = listing_line(&run);
+    let (hits, filtered, missed) = (
+        number_in(&listing, "hits="),
+        number_in(&listing, "filtered="),
+        number_in(&listing, "nmissed="),
+    );
     assert_eq!(missed, 0, "{listing}");
     assert!(filtered > 0, "{listing}");
     assert_eq!(hits, filtered + host.len() as u64, "{listing}");
     assert!(
         run.stderr
-            .contains(&format!("hvprobe: filters on 1 event(s) discarded {filtered} hits")),
+            .contains(&format!("hvprobe: filters on 1 event(s) discarded {filtered} hits (")),
         "{}",
+        run.tail()
+    );
+    (filtered, run)
+}
+
+/// The listing line of the probe of `ana/write`.
+fn listing_line(run: &Run) -> String {
+    run.stderr
+        .lines()
+        .find(|l| l.contains("event=ana/write"))
+        .unwrap_or_else(|| panic!("no listing line\n{}", run.tail()))
+        .to_owned()
+}
+
+/// The number after `key` in `line`.
+fn number_in(line: &str, key: &str) -> u64 {
+    line.split(key)
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {line}"))
+}
+
+#[test]
+fn filters_keep_the_hits_the_guests_own_filter_keeps() {
+    let (filtered, run) = filter_oracle("filter", &["--no-optimize"]);
+    assert!(
+        run.stderr
+            .contains(&format!("discarded {filtered} hits (0 of them in the guest")),
+        "on the int3 path the host filters every hit\n{}",
+        run.tail()
+    );
+}
+
+/// The same filter run by the probe's event detour: every field it tests is in the
+/// detour's record, so every hit it discards is discarded in the guest (no record, no
+/// drain), and the hits it keeps are the guest's own filter's.
+#[test]
+fn filters_run_in_event_detours_keep_the_hits_the_guests_own_filter_keeps() {
+    let (filtered, run) = filter_oracle("filter-detour", &["--optimize"]);
+    let listing = listing_line(&run);
+    assert!(listing.contains("[OPTIMIZED]"), "{listing}");
+    assert!(
+        run.stderr
+            .contains(&format!("discarded {filtered} hits ({filtered} of them in the guest")),
+        "every discarded hit was discarded in the guest\n{}",
         run.tail()
     );
 }
@@ -265,11 +300,7 @@ fn hist_triggers_count_recorded_in_guest_hits_and_print_json() {
             "ana/write:comm == \"busybox\"",
         ],
     );
-    let listing = run
-        .stderr
-        .lines()
-        .find(|l| l.contains("event=ana/write"))
-        .unwrap_or_else(|| panic!("no listing line\n{}", run.tail()));
+    let listing = listing_line(&run);
     assert!(listing.contains("[OPTIMIZED]"), "{listing}");
     let guest = guest_hist(&run);
     let hists: Vec<serde_json::Value> = run

@@ -550,3 +550,85 @@ fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_
         "the text is as a run without probes leaves it"
     );
 }
+
+/// An event of the run's probe file removed and added again live keeps what the run gave
+/// it by name: its `stacktrace` trigger still gets a kernel stack at every hit, and its
+/// filter still runs in its event detour (every hit of `re/pid` is discarded, all of them
+/// in the guest).
+#[test]
+fn an_event_added_again_live_keeps_its_stack_trigger_and_its_filter_in_the_detour() {
+    let dir = snapshot(1);
+    let probes = std::env::temp_dir().join(format!("hvprobe-control-{}-readd.probes", std::process::id()));
+    std::fs::write(
+        &probes,
+        "p:re/gp __x64_sys_getppid\np:re/pid __task_pid_nr_ns\n\
+         trigger re/gp stacktrace\nfilter re/pid comm == \"no-such-task\"\n",
+    )
+    .unwrap();
+    let workload = "stty -echo < /dev/ttyS0; for w in 1 2; do echo \"WAIT $w\"; read -r go < /dev/ttyS0; \
+                    hvprobe-loop 5; echo \"WINDOW $w\"; done; echo DONE";
+    let mut live = LiveRun::start(
+        &dir,
+        1,
+        "readd",
+        workload,
+        &["--probes", probes.to_str().unwrap(), "--optimize"],
+    );
+    live.wait_for("WAIT 1");
+    live.go();
+    live.wait_for("WINDOW 1");
+    live.wait_for("WAIT 2");
+    for command in [
+        &["remove", "re/"][..],
+        &["add", "p:re/gp __x64_sys_getppid"],
+        &["add", "p:re/pid __task_pid_nr_ns"],
+    ] {
+        let run = live.probe(command);
+        assert_eq!(run.code, Some(0), "{command:?}\n{}", run.tail());
+    }
+    live.go();
+    live.wait_for("DONE");
+    let run = live.finish();
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    // The loop's hits of re/gp in each window, each followed by its stack.
+    let window = |w: usize| -> &str {
+        let start = if w == 1 {
+            run.stdout.find("WAIT 1").unwrap()
+        } else {
+            run.stdout.find("WINDOW 1").unwrap()
+        };
+        let end = run.stdout.find(&format!("WINDOW {w}")).unwrap();
+        &run.stdout[start..end]
+    };
+    for w in [1, 2] {
+        let text = window(w);
+        let hits = text
+            .lines()
+            .filter(|l| l.contains(" gp: (") && l.trim_start().starts_with("hvprobe-loop-"))
+            .count();
+        let stacks = text.lines().filter(|l| l.ends_with("<stack trace>")).count();
+        assert_eq!(hits, 5, "window {w}: hits of re/gp from the loop\n{}", run.tail());
+        assert!(
+            stacks >= hits,
+            "window {w}: {stacks} stacks for {hits} hits of re/gp\n{text}"
+        );
+    }
+    // Every discarded hit (the filter keeps none) was discarded in the guest.
+    let summary = run
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("hvprobe: filters on 1 event(s) discarded "))
+        .unwrap_or_else(|| panic!("no filter summary\n{}", run.tail()));
+    let number = |text: &str| -> u64 {
+        text.split_whitespace()
+            .next()
+            .unwrap()
+            .trim_start_matches('(')
+            .parse()
+            .unwrap()
+    };
+    let (discarded, in_guest) = (number(summary), number(summary.split("hits ").nth(1).unwrap()));
+    assert!(discarded >= 10, "{summary}");
+    assert_eq!(in_guest, discarded, "{summary}\n{}", run.tail());
+}

@@ -145,7 +145,7 @@ fn check_oracle(run: &Run, loops: usize) -> usize {
     assert!(host.iter().all(|l| l.args["comm"] == "\"hvprobe-loop\""), "host $comm");
     // The guest's trace buffer keeps every hit (a few hundred bytes each, far below its
     // size); per task, the sequences of fetched values must be equal.
-    assert_eq!(guest.len(), expected, "guest trace lines");
+    assert_eq!(guest.len(), expected, "guest trace lines\n{}", run.stdout);
     assert_eq!(by_task(host), by_task(guest), "fetched values differ");
 
     for bad in ["ftrace bug", "ftrace faulted", "WARNING:", "BUG:", "Oops"] {

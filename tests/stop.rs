@@ -84,7 +84,18 @@ fn stop_a_busy_trace_with(signal: i32, expected_status: i32) {
     };
     let printed = lines.iter().filter(|l| l.contains(" vfs_read: (")).count() as u64;
     assert!(field("hits=") >= 20, "{tail}");
-    assert_eq!(field("nmissed="), 0, "{tail}");
+    // Nothing taken was dropped on the way to stdout. What an event detour's ring could not
+    // hold is counted too (the guest's ring misses): none on kvm_pvm, where the guest runs
+    // a read in milliseconds; on hardware KVM this loop outruns the drain.
+    let ring_missed: u64 = stderr
+        .split("records the guest's rings missed ")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no ring misses in the summary\n{tail}"));
+    assert_eq!(field("nmissed="), ring_missed, "only the rings missed hits\n{tail}");
+    if hvprobe_vmm::Backend::detect() == hvprobe_vmm::Backend::Pvm {
+        assert_eq!(ring_missed, 0, "{tail}");
+    }
     assert_eq!(
         printed,
         field("hits="),

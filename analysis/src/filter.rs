@@ -29,7 +29,10 @@
 //! Errors carry the byte offset in the expression where they are, for the caller to turn
 //! into a column.
 
-use crate::fields::{EventFields, Field, FieldError, FieldType, FieldValue};
+use hvprobe_probes::detour::event::filter::{NumberOp, RecordCheck, RecordField, RecordFilter, RecordTest};
+use hvprobe_probes::spec::FetchArg;
+
+use crate::fields::{EventFields, Field, FieldError, FieldSource, FieldType, FieldValue};
 
 /// Longest quoted string operand, NUL included (the kernel's `MAX_FILTER_STR_VAL`).
 pub const MAX_STRING_OPERAND: usize = 256;
@@ -620,6 +623,78 @@ impl Filter {
     /// Whether `hit` passes.
     pub fn matches(&self, hit: &hvprobe_probes::output::HitRecord) -> bool {
         eval(&self.root, hit)
+    }
+
+    /// This filter for the event detour of a probe with `args`: the comparisons a record
+    /// holds the answer to, the others [`RecordFilter::HostOnly`] (a glob other than a
+    /// prefix, a field the probe's args do not have with the bound type). The detour runs
+    /// what it can of it; this filter still decides on the host.
+    pub fn record_filter(&self, args: &[FetchArg]) -> RecordFilter {
+        record_node(&self.root, args)
+    }
+}
+
+fn record_node(node: &Node<Test>, args: &[FetchArg]) -> RecordFilter {
+    let both = |a: &Node<Test>, b: &Node<Test>| (Box::new(record_node(a, args)), Box::new(record_node(b, args)));
+    match node {
+        Node::Or(a, b) => {
+            let (a, b) = both(a, b);
+            RecordFilter::Or(a, b)
+        }
+        Node::And(a, b) => {
+            let (a, b) = both(a, b);
+            RecordFilter::And(a, b)
+        }
+        Node::Not(a) => RecordFilter::Not(Box::new(record_node(a, args))),
+        Node::Leaf(test) => test
+            .record_test(args)
+            .map_or(RecordFilter::HostOnly, RecordFilter::Test),
+    }
+}
+
+impl Test {
+    fn record_test(&self, args: &[FetchArg]) -> Option<RecordTest> {
+        let field = match self.field.source {
+            // By name, in the probe's own args, with the type the filter was bound to.
+            FieldSource::Arg(_) => RecordField::Arg(args.iter().position(|a| {
+                a.name == self.field.name && a.array_len.is_none() && FieldType::of_arg_type(a.ty) == self.field.ty
+            })?),
+            FieldSource::CommonPid => RecordField::Pid,
+            FieldSource::Comm => RecordField::Comm,
+            FieldSource::Cpu => RecordField::Cpu,
+            FieldSource::Stacktrace => return None,
+        };
+        let check = match (&self.check, self.field.ty) {
+            (&Check::Number { op, value, .. }, FieldType::Number { size, signed }) => RecordCheck::Number {
+                op: match op {
+                    Op::Eq => NumberOp::Eq,
+                    Op::Ne => NumberOp::Ne,
+                    Op::Lt => NumberOp::Lt,
+                    Op::Le => NumberOp::Le,
+                    Op::Gt => NumberOp::Gt,
+                    Op::Ge => NumberOp::Ge,
+                    Op::BitAnd => NumberOp::BitAnd,
+                    Op::Glob => return None,
+                },
+                value,
+                size,
+                signed,
+            },
+            (Check::String { pattern, negate }, FieldType::String) => {
+                let (pattern, whole) = match pattern {
+                    StringPattern::Full(p) => (p, true),
+                    StringPattern::Prefix(p) => (p, false),
+                    _ => return None,
+                };
+                RecordCheck::Bytes {
+                    pattern: pattern.clone(),
+                    whole,
+                    negate: *negate,
+                }
+            }
+            _ => return None,
+        };
+        Some(RecordTest { field, check })
     }
 }
 

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_probes::detour::event::filter::RecordFilter;
 use hvprobe_probes::output::HitRecord;
 use hvprobe_probes::spec::FetchArg;
 
@@ -216,6 +217,18 @@ impl AnalysisTable {
             Some(a) => a.observe(hit),
             None => true,
         }
+    }
+
+    /// The filter of `GRP/EVENT` as the event detour of its probe (with `args`) can run it
+    /// in the guest ([`Filter::record_filter`]); `None` without a filter, and when the event
+    /// has a trigger: a trigger sees every hit, also those the filter discards, so they
+    /// must all reach the host.
+    pub fn record_filter(&self, group: &str, event: &str, args: &[FetchArg]) -> Option<RecordFilter> {
+        let a = self.get(group, event)?;
+        if !a.hists.is_empty() || !a.stacktraces.is_empty() {
+            return None;
+        }
+        Some(a.filter.as_ref()?.record_filter(args))
     }
 
     /// Whether `GRP/EVENT` has a `stacktrace` trigger or a hist keyed by `stacktrace`: its

@@ -7,6 +7,7 @@
 use std::fmt;
 
 pub mod paging;
+pub mod regs;
 pub mod tsc;
 
 /// A guest physical address.

@@ -31,6 +31,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use hvprobe_arch::regs::rflags::{AF, CF, OF, PF, SF, ZF};
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::MemoryError;
 use hvprobe_probes::insn::{
@@ -68,12 +69,6 @@ const GPRS: [Gpr; 16] = [
 ];
 const RSP: usize = 4;
 
-const CF: u64 = 1 << 0;
-const PF: u64 = 1 << 2;
-const AF: u64 = 1 << 4;
-const ZF: u64 = 1 << 6;
-const SF: u64 = 1 << 7;
-const OF: u64 = 1 << 11;
 /// The status flags, in the order the input's flags byte gives them (bits 0..6).
 const STATUS: [u64; 6] = [CF, PF, AF, ZF, SF, OF];
 /// IF and the always-one bit 1, as user mode runs.

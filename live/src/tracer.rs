@@ -112,20 +112,34 @@ fn enable_event_detours(tracer: &Arc<Tracer>, cpus: u32, facts: GuestKernelFacts
         tracing::info!("no event detours: {e}");
         return;
     }
+    let capacity = tracer.event_rings().map_or(0, |r| r.geometry().capacity());
     let weak = Arc::downgrade(tracer);
     let _ = std::thread::Builder::new().name("event-drain".into()).spawn(move || {
-        // Records wait at most this long in a ring: short enough for a live trace, long
-        // enough to take many per drain.
         while let Some(tracer) = weak.upgrade() {
-            tracer.drain_events();
+            let taken = tracer.drain_events();
             drop(tracer);
-            std::thread::sleep(EVENT_DRAIN_PERIOD);
+            std::thread::sleep(drain_pause(taken, capacity));
         }
     });
 }
 
+/// How long the drain thread waits after a drain that took `taken` records from rings of
+/// `capacity` records per CPU: [`EVENT_DRAIN_PERIOD`], short enough for a live trace and
+/// long enough to take many records per drain; [`EVENT_DRAIN_PERIOD_BUSY`] after a drain
+/// that found a quarter of a ring's worth or more, so that a guest hitting faster than the
+/// rings hold per period (hardware KVM runs a hit in well under a microsecond) finds room.
+fn drain_pause(taken: usize, capacity: u32) -> std::time::Duration {
+    if taken as u64 >= u64::from(capacity / 4).max(1) {
+        EVENT_DRAIN_PERIOD_BUSY
+    } else {
+        EVENT_DRAIN_PERIOD
+    }
+}
+
 /// How often the rings of event detours are drained.
 const EVENT_DRAIN_PERIOD: std::time::Duration = std::time::Duration::from_millis(2);
+/// How soon they are drained again after a busy drain.
+const EVENT_DRAIN_PERIOD_BUSY: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// Where [`code_blob_tracer`] maps the out-of-line area: a code blob's page tables
 /// identity-map the first 4 GiB, and the area's own address (3.25 GiB) is beyond a rel32's

@@ -15,15 +15,19 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hvprobe_analysis::fields::EventFields;
+use hvprobe_analysis::filter::FilterExpr;
 use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::facts::ExceptionTable;
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{GuestPhys, CODE_BLOB_OOL_VA};
+use hvprobe_probes::detour::event::filter::{FilterInGuest, RecordFilter};
 use hvprobe_probes::detour::event::{event_detour, EventDetour, EventDetourParams, GuestKernelFacts, TaskStamp};
 use hvprobe_probes::detour::ring::{EventBatch, EventRings, RingGeometry, RingReader};
 use hvprobe_probes::detour::{plan_region, relocate, Code, DetourFacts, FunctionText, IndirectThunks};
 use hvprobe_probes::engine::PatchSites;
 use hvprobe_probes::fetch::ArgValue;
+use hvprobe_probes::output::HitRecord;
 use hvprobe_probes::spec::{parse_line, FetchArg, ProbeSpec};
 use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START, PDE_START};
 use hvprobe_vmm::{CodeBlob, StopReason, Vm, VmOutcome, CODE_BLOB_START};
@@ -372,7 +376,7 @@ struct Armed {
 /// patches `jmp rel32` over the function's first instructions.
 fn arm(vm: &Vm, spec: &str, cpus: u32, capacity: u32, record_task: bool) -> Armed {
     let rings = new_rings(vm, cpus, capacity);
-    let detour = arm_probe(vm, &rings, FUNC, 7, 0, DETOUR_OFFSET, spec, record_task);
+    let detour = arm_probe(vm, &rings, FUNC, 7, 0, DETOUR_OFFSET, spec, record_task, None);
     Armed { detour, rings }
 }
 
@@ -390,8 +394,8 @@ fn new_rings(vm: &Vm, cpus: u32, capacity: u32) -> EventRings {
     rings
 }
 
-/// Generates the event detour of probe `probe_id` (miss-table entry `miss_slot`) on the
-/// function at `func` for `spec`, writes it at `detour_offset` of the out-of-line area and
+/// Generates the event detour of probe `probe_id` (slot `miss_slot` of the miss and
+/// filter tables) on the function at `func` for `spec` (and `filter`), writes it at `detour_offset` of the out-of-line area and
 /// patches `jmp rel32` over the function's first instructions (lea + RIP-relative mov).
 #[allow(clippy::too_many_arguments)]
 fn arm_probe(
@@ -403,6 +407,7 @@ fn arm_probe(
     detour_offset: u64,
     spec: &str,
     record_task: bool,
+    filter: Option<&RecordFilter>,
 ) -> EventDetour {
     let mem = vm.memory();
     let code = blob(rings.geometry().cpus() as u8, 1);
@@ -439,6 +444,7 @@ fn arm_probe(
         symbols: &symbols,
         string_size: 32,
         record_task,
+        filter,
         displaced: &displaced,
     })
     .unwrap();
@@ -823,8 +829,18 @@ fn a_full_ring_counts_each_probes_misses_in_its_own_entry() {
     let vm = vm(1, ITERATIONS);
     vm.memory().write_obj(1u64, GuestAddress(CALL2)).unwrap();
     let rings = new_rings(&vm, 1, capacity);
-    let a = arm_probe(&vm, &rings, FUNC, a_id, a_slot, DETOUR_OFFSET, "%di", false);
-    let b = arm_probe(&vm, &rings, FUNC2, b_id, b_slot, DETOUR_OFFSET + 0x1000, "%di", false);
+    let a = arm_probe(&vm, &rings, FUNC, a_id, a_slot, DETOUR_OFFSET, "%di", false, None);
+    let b = arm_probe(
+        &vm,
+        &rings,
+        FUNC2,
+        b_id,
+        b_slot,
+        DETOUR_OFFSET + 0x1000,
+        "%di",
+        false,
+        None,
+    );
     let (_, mem) = run(vm);
     let phys = GuestPhys(mem.clone());
     let mut reader = RingReader::new(rings);
@@ -918,6 +934,7 @@ fn full_rings_in_guest_memory_drain_and_decode_whole() {
         symbols: &symbols,
         string_size: 32,
         record_task: true,
+        filter: None,
         displaced: &|_| Ok(vec![0xc3]),
     })
     .unwrap();
@@ -955,4 +972,131 @@ fn full_rings_in_guest_memory_drain_and_decode_whole() {
         assert_eq!(values, 4 * summary.records);
     }
     assert_eq!(drained, rounds * u64::from(cpus * capacity));
+}
+
+/// The host's view of a drained record: what its filter is given.
+fn hit_of(decoded: &Decoded) -> HitRecord {
+    let (_, cpu, _, values, task) = decoded;
+    let task = task.as_ref().expect("records carry the task stamp");
+    HitRecord {
+        comm: String::from_utf8_lossy(&task.comm).into_owned(),
+        pid: task.pid,
+        cpu: *cpu as usize,
+        timestamp_ns: 0,
+        group: "blob".into(),
+        event: "func".into(),
+        location: "func+0x0/0x100".into(),
+        retprobe_caller: None,
+        args: values.clone(),
+        entry_timestamp_ns: None,
+        stack: None,
+    }
+}
+
+/// The iteration a record of FULL_SPEC is from (its `i`).
+fn iteration(decoded: &Decoded) -> u64 {
+    match &decoded.3[0] {
+        (name, ArgValue::Unsigned(i)) if name == "i" => *i,
+        other => panic!("the first arg is i: {other:?}"),
+    }
+}
+
+/// Filters of FULL_SPEC's fields, and how much of each the detour runs: numbers of every
+/// width and signedness, 64-bit constants, `&`, a fetch-arg that faults on odd iterations
+/// (every test on it false, also under `!`), strings whole and by prefix, `$comm`, the task
+/// stamp's pid, the CPU, and globs the guest leaves to the host.
+const GUEST_FILTERS: &[(&str, Option<FilterInGuest>)] = &[
+    ("i < 1000", Some(FilterInGuest::Exact)),
+    ("nm == \"hello-from-the-blob\"", Some(FilterInGuest::Exact)),
+    ("i > 10 && i <= 40", Some(FilterInGuest::Exact)),
+    ("dx < 30 || i == 63", Some(FilterInGuest::Exact)),
+    (
+        "dx >= -1 && i < 0x8000000000000000 && i >= 60",
+        Some(FilterInGuest::Exact),
+    ),
+    ("bad == 0xcafebabe12345678", Some(FilterInGuest::Exact)),
+    ("!(bad == 0xcafebabe12345678) && i < 20", Some(FilterInGuest::Exact)),
+    ("i & 4", Some(FilterInGuest::Exact)),
+    ("i == 5 || (i > 50 && !(i & 1))", Some(FilterInGuest::Exact)),
+    (
+        "st1 == 0x5151 && st2 >= 100 && a == 0x55667788",
+        Some(FilterInGuest::Exact),
+    ),
+    ("comm == \"blob-cpu0\" && i < 3", Some(FilterInGuest::Exact)),
+    ("comm != \"blob-cpu0\"", Some(FilterInGuest::Exact)),
+    ("nm ~ \"hello*\" && i >= 30", Some(FilterInGuest::Exact)),
+    ("nm != \"hello-from-the-blob\"", Some(FilterInGuest::Exact)),
+    ("nm == \"hello-from-the-blob\" && i < 4", Some(FilterInGuest::Exact)),
+    ("common_pid == 100 && cpu == 0 && i < 5", Some(FilterInGuest::Exact)),
+    ("common_pid != 100 || cpu > 0", Some(FilterInGuest::Exact)),
+    ("nm ~ \"*blob\" && i < 2", Some(FilterInGuest::Partial)),
+    ("nm ~ \"*blob\" || i < 2", None),
+];
+
+/// The filters above, each run by the detour, against the host's own filter on every hit
+/// of an unfiltered run: the records the detour keeps are exactly the hits the host's filter
+/// keeps (a superset the host then filters, for a filter the guest runs in part), and the
+/// others are counted in the detour's filter-table entry.
+#[test]
+fn a_filter_in_the_detour_keeps_exactly_the_hits_the_hosts_filter_keeps() {
+    let vm0 = vm(1, ITERATIONS);
+    let armed = arm(&vm0, FULL_SPEC, 1, 128, true);
+    let (unfiltered, mem) = run(vm0);
+    let every_hit: Vec<HitRecord> = drain_all(&armed, &mem).iter().map(hit_of).collect();
+    assert_eq!(every_hit.len() as u64, ITERATIONS);
+    let spec_args = args(FULL_SPEC);
+    let fields = EventFields::new(&spec_args);
+    for &(text, in_guest) in GUEST_FILTERS {
+        let filter = FilterExpr::parse(text).and_then(|f| f.bind(&fields)).unwrap();
+        let host_keeps: Vec<u64> = (0..ITERATIONS)
+            .filter(|&i| filter.matches(&every_hit[i as usize]))
+            .collect();
+        let record_filter = filter.record_filter(&spec_args);
+
+        let vm = vm(1, ITERATIONS);
+        let rings = new_rings(&vm, 1, 128);
+        let detour = arm_probe(
+            &vm,
+            &rings,
+            FUNC,
+            7,
+            0,
+            DETOUR_OFFSET,
+            FULL_SPEC,
+            true,
+            Some(&record_filter),
+        );
+        assert_eq!(detour.filter, in_guest, "{text}");
+        let (filtered_run, mem) = run(vm);
+        let armed = Armed { detour, rings };
+        let records = drain_all(&armed, &mem);
+        let guest_keeps: Vec<u64> = records.iter().map(iteration).collect();
+        let after_host: Vec<u64> = records
+            .iter()
+            .filter(|r| filter.matches(&hit_of(r)))
+            .map(iteration)
+            .collect();
+        assert_eq!(after_host, host_keeps, "{text}: the host's filter after the guest's");
+        if in_guest == Some(FilterInGuest::Exact) {
+            assert_eq!(guest_keeps, host_keeps, "{text}: the records the detour kept");
+        }
+        let ring_memory = GuestPhys(mem.clone());
+        let filtered = armed.rings.probe_filtered(&ring_memory, 0).unwrap();
+        assert_eq!(
+            filtered + records.len() as u64,
+            ITERATIONS,
+            "{text}: every hit recorded or counted as filtered"
+        );
+        assert_eq!(armed.rings.missed(&ring_memory).unwrap().total(), 0, "{text}");
+        // Guest instructions (exact on kvm_pvm) against the unfiltered detour's: what the
+        // filter adds, less the fetches a discarded hit skips.
+        let per_hit = |o: &VmOutcome| o.instructions_emulated as f64 / ITERATIONS as f64;
+        eprintln!(
+            "{text}: host keeps {} of {ITERATIONS}, the detour recorded {} ({:?}); guest instructions per hit {:+.1}",
+            host_keeps.len(),
+            records.len(),
+            armed.detour.filter,
+            per_hit(&filtered_run) - per_hit(&unfiltered)
+        );
+    }
 }

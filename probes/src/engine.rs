@@ -34,6 +34,7 @@ use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::symbols::SymbolTable;
 
 use crate::clock::GuestClock;
+use crate::detour::event::filter::RecordFilter;
 use crate::insn;
 use crate::machine::{KernelMemory, Machine, PausedView};
 use crate::output::HitRecord;
@@ -180,6 +181,11 @@ pub struct KprobeRequest {
     /// stack is only there while the vCPU is stopped, so such a probe always traps: it is
     /// never optimized into an event detour (a sync detour traps, and is fine).
     pub stack_trace: bool,
+    /// The event's filter as an event detour can run it in the guest (see
+    /// [`crate::detour::event::filter`]); a hit it discards never becomes a record and is
+    /// counted in [`crate::output::ListEntry::filtered_in_guest`]. Only for a probe whose every hit is
+    /// filtered so on the host too: it must discard no hit the host would keep.
+    pub filter: Option<RecordFilter>,
 }
 
 impl KprobeRequest {
@@ -197,6 +203,7 @@ impl KprobeRequest {
             disabled: false,
             data_size: 0,
             stack_trace: false,
+            filter: None,
         }
     }
 }
@@ -286,6 +293,8 @@ pub struct EngineStats {
     /// Records an event detour could not write: its CPU's ring was full, or the hit came
     /// while that CPU was writing another record (an NMI). Counted by the guest.
     pub ring_missed: AtomicU64,
+    /// Hits an event detour's filter discarded in the guest (counted in `hits` too).
+    pub filtered_in_guest: AtomicU64,
     pub emulated: AtomicU64,
     pub stepped: AtomicU64,
     pub skipped: AtomicU64,

@@ -13,6 +13,7 @@
 
 use std::fmt;
 
+use hvprobe_arch::regs::rflags;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::MemoryError;
 use iced_x86::{
@@ -24,20 +25,6 @@ use crate::regs::Regs;
 
 /// The longest x86 instruction.
 pub const MAX_INSN_LEN: usize = 15;
-
-/// The trap flag in RFLAGS.
-pub const RFLAGS_TF: u64 = 1 << 8;
-/// The interrupt flag in RFLAGS.
-pub const RFLAGS_IF: u64 = 1 << 9;
-
-const RFLAGS_CF: u64 = 1 << 0;
-const RFLAGS_PF: u64 = 1 << 2;
-const RFLAGS_AF: u64 = 1 << 4;
-const RFLAGS_ZF: u64 = 1 << 6;
-const RFLAGS_SF: u64 = 1 << 7;
-const RFLAGS_OF: u64 = 1 << 11;
-/// The status flags an arithmetic instruction writes; the others (TF, IF, DF, ...) survive.
-const RFLAGS_STATUS: u64 = RFLAGS_CF | RFLAGS_PF | RFLAGS_AF | RFLAGS_ZF | RFLAGS_SF | RFLAGS_OF;
 
 /// Bytes printed as `0f 1f 44 00 00` in error messages.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -399,11 +386,11 @@ impl Condition {
 
     /// Whether the condition holds for these RFLAGS.
     pub fn holds(self, rflags: u64) -> bool {
-        let cf = rflags & RFLAGS_CF != 0;
-        let pf = rflags & RFLAGS_PF != 0;
-        let zf = rflags & RFLAGS_ZF != 0;
-        let sf = rflags & RFLAGS_SF != 0;
-        let of = rflags & RFLAGS_OF != 0;
+        let cf = rflags & rflags::CF != 0;
+        let pf = rflags & rflags::PF != 0;
+        let zf = rflags & rflags::ZF != 0;
+        let sf = rflags & rflags::SF != 0;
+        let of = rflags & rflags::OF != 0;
         match self {
             Condition::Overflow => of,
             Condition::NotOverflow => !of,
@@ -544,7 +531,7 @@ impl Emulation {
             Emulation::ArithImm { op, dst, imm } => {
                 let (result, flags) = arith_flags(op, dst.get(regs), imm);
                 dst.set(&mut new, result);
-                new.rflags = (regs.rflags & !RFLAGS_STATUS) | flags;
+                new.rflags = (regs.rflags & !rflags::STATUS) | flags;
             }
             Emulation::LoadAddress { dst, base, index, disp } => {
                 let base = base.map_or(0, |b| b.get(regs));
@@ -554,7 +541,7 @@ impl Emulation {
             Emulation::Zero { dst } => {
                 dst.set(&mut new, 0);
                 // CF = OF = SF = 0, ZF = PF = 1; AF is undefined and we clear it.
-                new.rflags = (regs.rflags & !RFLAGS_STATUS) | RFLAGS_ZF | RFLAGS_PF;
+                new.rflags = (regs.rflags & !rflags::STATUS) | rflags::ZF | rflags::PF;
             }
             Emulation::Call { target } => {
                 let at = regs.rsp.wrapping_sub(8);
@@ -569,7 +556,7 @@ impl Emulation {
                 }
             }
             Emulation::Counted { kind, target } => {
-                let zf = regs.rflags & RFLAGS_ZF != 0;
+                let zf = regs.rflags & rflags::ZF != 0;
                 let taken = if kind == CountedBranch::JumpIfRcxZero {
                     regs.rcx == 0
                 } else {
@@ -590,7 +577,7 @@ impl Emulation {
                 new.rip = stack.read_u64(Gva(at)).map_err(|m| stack_error(at, m))?;
                 new.rsp = at.wrapping_add(8).wrapping_add(u64::from(release));
             }
-            Emulation::DisableInterrupts => new.rflags &= !RFLAGS_IF,
+            Emulation::DisableInterrupts => new.rflags &= !rflags::IF,
         }
         *regs = new;
         Ok(())
@@ -613,24 +600,24 @@ fn arith_flags(op: ArithOp, a: u64, b: u64) -> (u64, u64) {
     };
     let mut flags = 0;
     if carry {
-        flags |= RFLAGS_CF;
+        flags |= rflags::CF;
     }
     // PF: even number of set bits in the low byte only.
     if (result as u8).count_ones() & 1 == 0 {
-        flags |= RFLAGS_PF;
+        flags |= rflags::PF;
     }
     // AF: carry or borrow out of bit 3, visible as bit 4 of a ^ b ^ result.
     if (a ^ b ^ result) & 0x10 != 0 {
-        flags |= RFLAGS_AF;
+        flags |= rflags::AF;
     }
     if result == 0 {
-        flags |= RFLAGS_ZF;
+        flags |= rflags::ZF;
     }
     if result >> 63 != 0 {
-        flags |= RFLAGS_SF;
+        flags |= rflags::SF;
     }
     if overflow {
-        flags |= RFLAGS_OF;
+        flags |= rflags::OF;
     }
     (result, flags)
 }
@@ -754,7 +741,7 @@ impl OutOfLine {
                     let at = regs.rsp;
                     let flags = stack.read_u64(Gva(at)).map_err(|m| stack_error(at, m))?;
                     stack
-                        .write_u64(Gva(at), flags & !RFLAGS_TF)
+                        .write_u64(Gva(at), flags & !rflags::TF)
                         .map_err(|m| stack_error(at, m))?;
                 }
                 regs.rip = insn.next_addr().0;

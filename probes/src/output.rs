@@ -187,6 +187,9 @@ pub struct ListEntry {
     pub optimized: bool,
     pub hits: u64,
     pub nmissed: u64,
+    /// Hits the probe's event detour discarded in the guest with the event's filter
+    /// (counted in `hits`, as every filtered-out hit).
+    pub filtered_in_guest: u64,
     /// `GRP/EVENT`, the name the probe was registered under.
     pub event: String,
     /// Why the probe is not jump-optimized, while optimization is on.

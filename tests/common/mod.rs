@@ -19,15 +19,25 @@ pub struct Run {
 impl Run {
     /// The end of both streams, for assertion messages.
     pub fn tail(&self) -> String {
+        self.tail_of(("stdout (guest console)", 40), ("stderr", 20))
+    }
+
+    /// The exit code and the last lines of each stream, each under its name: `(name,
+    /// lines)` for stdout, then for stderr.
+    pub fn tail_of(&self, stdout: (&str, usize), stderr: (&str, usize)) -> String {
         let last = |s: &str, n: usize| {
             let lines: Vec<&str> = s.lines().collect();
             lines[lines.len().saturating_sub(n)..].join("\n")
         };
         format!(
-            "exit code {:?}\n--- stdout (guest console), last 40 lines ---\n{}\n--- stderr, last 20 lines ---\n{}",
+            "exit code {:?}\n--- {}, last {} lines ---\n{}\n--- {}, last {} lines ---\n{}",
             self.code,
-            last(&self.stdout, 40),
-            last(&self.stderr, 20)
+            stdout.0,
+            stdout.1,
+            last(&self.stdout, stdout.1),
+            stderr.0,
+            stderr.1,
+            last(&self.stderr, stderr.1)
         )
     }
 

@@ -14,16 +14,11 @@
 //! the handler. Nothing is injected, so nothing can be lost. Anything else (user mode, a
 //! gate that changes CS, an unmapped stack) goes back to KVM as a pending exception.
 
+use hvprobe_arch::regs::{efer, rflags};
 use kvm_bindings::{kvm_regs, kvm_sregs};
 
 const BP_VECTOR: u64 = 3;
 const IDT_GATE_SIZE: u64 = 16;
-const EFER_LMA: u64 = 1 << 10;
-const RFLAGS_TF: u64 = 1 << 8;
-const RFLAGS_IF: u64 = 1 << 9;
-const RFLAGS_NT: u64 = 1 << 14;
-const RFLAGS_RF: u64 = 1 << 16;
-const RFLAGS_VM: u64 = 1 << 17;
 const GATE_INTERRUPT: u8 = 0xe;
 const GATE_TRAP: u8 = 0xf;
 /// Offset of IST1 in the 64-bit TSS.
@@ -71,7 +66,7 @@ pub(crate) fn breakpoint_delivery(
     gate: [u8; 16],
     ist_stack: impl FnOnce(u8) -> Option<u64>,
 ) -> Option<BreakpointDelivery> {
-    let long_mode = sregs.efer & EFER_LMA != 0 && sregs.cs.l == 1;
+    let long_mode = sregs.efer & efer::LMA != 0 && sregs.cs.l == 1;
     let cpl = sregs.cs.selector & 3;
     if !long_mode || cpl != 0 || regs.rip != int3 {
         return None;
@@ -89,9 +84,9 @@ pub(crate) fn breakpoint_delivery(
     let stack = if ist == 0 { regs.rsp } else { ist_stack(ist)? };
     // 64-bit mode aligns the new stack pointer to 16 bytes before it pushes the frame.
     let frame_at = (stack & !0xf).checked_sub(40)?;
-    let mut rflags = regs.rflags & !(RFLAGS_TF | RFLAGS_NT | RFLAGS_RF | RFLAGS_VM);
+    let mut flags = regs.rflags & !(rflags::TF | rflags::NT | rflags::RF | rflags::VM);
     if kind == GATE_INTERRUPT {
-        rflags &= !RFLAGS_IF;
+        flags &= !rflags::IF;
     }
     Some(BreakpointDelivery {
         frame_at,
@@ -104,7 +99,7 @@ pub(crate) fn breakpoint_delivery(
         ],
         rip: handler,
         rsp: frame_at,
-        rflags,
+        rflags: flags,
     })
 }
 
@@ -123,7 +118,7 @@ mod tests {
             ..Default::default()
         };
         let mut sregs = kvm_sregs {
-            efer: EFER_LMA | (1 << 8),
+            efer: efer::LMA | efer::LME,
             ..Default::default()
         };
         sregs.cs.selector = CS;
@@ -151,7 +146,7 @@ mod tests {
 
     #[test]
     fn an_interrupt_gate_pushes_the_64_bit_frame_on_the_aligned_stack_and_clears_if() {
-        let (regs, sregs) = kernel(INT3, 0xffff_c900_0001_3f58, 0x246 | RFLAGS_TF | RFLAGS_RF);
+        let (regs, sregs) = kernel(INT3, 0xffff_c900_0001_3f58, 0x246 | rflags::TF | rflags::RF);
         let d = breakpoint_delivery(INT3, &regs, &sregs, gate(HANDLER, CS, GATE_INTERRUPT, 0), |_| None).unwrap();
         assert_eq!(
             d.frame_at,

@@ -1,6 +1,7 @@
 //! Entry state of the boot vCPU for the two boot protocols, and the set-up every vCPU
 //! needs (MSRs, FPU, LAPIC local interrupts).
 
+use hvprobe_arch::regs::{cr0, cr4, efer};
 use hvprobe_arch::tsc::{host_tsc, TscSample};
 use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, kvm_sregs, Msrs};
 use kvm_ioctls::VcpuFd;
@@ -8,13 +9,6 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::layout::*;
 use crate::{kvm_err, Error};
-
-const X86_CR0_PE: u64 = 1 << 0;
-const X86_CR0_ET: u64 = 1 << 4;
-const X86_CR0_PG: u64 = 1 << 31;
-const X86_CR4_PAE: u64 = 1 << 5;
-const EFER_LME: u64 = 1 << 8;
-const EFER_LMA: u64 = 1 << 10;
 
 /// How the boot vCPU enters the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,7 +101,7 @@ pub fn setup_boot_vcpu(vcpu: &VcpuFd, mem: &GuestMemoryMmap, mode: EntryMode, bo
     };
     match mode {
         EntryMode::Pvh { entry } => {
-            sregs.cr0 = X86_CR0_PE | X86_CR0_ET;
+            sregs.cr0 = cr0::PE | cr0::ET;
             sregs.cr4 = 0;
             sregs.efer = 0;
             regs.rip = entry;
@@ -116,9 +110,9 @@ pub fn setup_boot_vcpu(vcpu: &VcpuFd, mem: &GuestMemoryMmap, mode: EntryMode, bo
         EntryMode::Linux64 { entry } => {
             write_identity_page_tables(mem)?;
             sregs.cr3 = PML4_START;
-            sregs.cr4 = X86_CR4_PAE;
-            sregs.cr0 = X86_CR0_PE | X86_CR0_ET | X86_CR0_PG;
-            sregs.efer = EFER_LME | EFER_LMA;
+            sregs.cr4 = cr4::PAE;
+            sregs.cr0 = cr0::PE | cr0::ET | cr0::PG;
+            sregs.efer = efer::LME | efer::LMA;
             regs.rip = entry;
             regs.rsi = boot_info;
             regs.rsp = BOOT_STACK_POINTER;

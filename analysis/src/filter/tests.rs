@@ -231,3 +231,68 @@ fn a_glob_operand_is_classified_as_filter_parse_regex_does() {
     assert_eq!(g("!ab?"), (StringPattern::Glob(b"ab?".to_vec()), true));
     assert_eq!(g("1*"), (StringPattern::Full(b"1*".to_vec()), false));
 }
+
+/// What an event detour is given: each comparison with its field and operand as the host
+/// binds them, and what only the host can test (globs beyond a prefix, args the probe
+/// lays out otherwise) as `HostOnly`.
+#[test]
+fn the_record_filter_is_the_bound_filter_with_host_only_tests_marked() {
+    let args = args_of(EVENT);
+    let filter = bind("delta < -2 && (comm ~ \"hvp*\" || name ~ \"*passwd\") && !(cpu == 1 || common_pid != 25)")
+        .unwrap()
+        .record_filter(&args);
+    let number = |field, op, value, size, signed| {
+        RecordFilter::Test(RecordTest {
+            field,
+            check: RecordCheck::Number {
+                op,
+                value,
+                size,
+                signed,
+            },
+        })
+    };
+    let and = |a, b| RecordFilter::And(Box::new(a), Box::new(b));
+    let or = |a, b| RecordFilter::Or(Box::new(a), Box::new(b));
+    let expected = and(
+        and(
+            number(RecordField::Arg(2), NumberOp::Lt, (-2i64) as u64, 4, true),
+            or(
+                RecordFilter::Test(RecordTest {
+                    field: RecordField::Comm,
+                    check: RecordCheck::Bytes {
+                        pattern: b"hvp".to_vec(),
+                        whole: false,
+                        negate: false,
+                    },
+                }),
+                RecordFilter::HostOnly,
+            ),
+        ),
+        RecordFilter::Not(Box::new(or(
+            number(RecordField::Cpu, NumberOp::Eq, 1, 4, true),
+            number(RecordField::Pid, NumberOp::Ne, 25, 4, true),
+        ))),
+    );
+    assert_eq!(filter, expected);
+    // An arg found by name in the probe's own args; one with another type is the host's.
+    let name_first = args_of("p:g/e f name=+0(%r8):string delta=%dx:s32");
+    let name_eq = RecordFilter::Test(RecordTest {
+        field: RecordField::Arg(0),
+        check: RecordCheck::Bytes {
+            pattern: b"/etc".to_vec(),
+            whole: true,
+            negate: true,
+        },
+    });
+    assert_eq!(bind("name != \"/etc\"").unwrap().record_filter(&name_first), name_eq);
+    let retyped = args_of("p:g/e f delta=%dx:u32");
+    assert_eq!(
+        bind("delta < 0").unwrap().record_filter(&retyped),
+        RecordFilter::HostOnly
+    );
+    assert_eq!(
+        bind("flags & 0x8000").unwrap().record_filter(&[]),
+        RecordFilter::HostOnly
+    );
+}

@@ -19,7 +19,11 @@
 //!    see [`super::ring`]): the host adds it to the probe's `nmissed`. Only the miss paths
 //!    do; a recorded hit runs no instruction more for it.
 //! 5. The record: probe id, CPU, `rdtsc`, the fault mask (zeroed when an argument can
-//!    fault), one value per fetch-arg, then `head += 1` (publish) and `busy = 0`.
+//!    fault), one value per fetch-arg, then `head += 1` (publish) and `busy = 0`. With an
+//!    event filter ([`filter`]), the filter runs on the record as soon as the last
+//!    fetch-arg it reads is in it; a hit it discards is counted in the detour's entry of
+//!    the filter table (`lock inc`) and not published (`busy = 0`), and the fetch-args
+//!    after that one are not fetched.
 //! 6. Restores every register it saved and then the flags (`popfq`: IF, DF, the arithmetic
 //!    flags as at the probe address), runs the displaced instructions and jumps back.
 //!
@@ -61,6 +65,7 @@ use hvprobe_introspection::task::TaskLayout;
 use iced_x86::code_asm::*;
 use iced_x86::{BlockEncoderOptions, Decoder, DecoderOptions, FlowControl, Instruction, Mnemonic};
 
+use self::filter::{plan_filter, FilterInGuest, RecordFilter};
 use super::ring::{
     EventRings, BUSY, CPU_HEADER_SIZE, GLOBAL_BAD_CPU, GLOBAL_HEADER_SIZE, HEAD, MISSED_FULL, MISSED_NESTED,
     RECORD_CPU, RECORD_FAULTS, RECORD_HEADER_SIZE, RECORD_PROBE, RECORD_TSC, TAIL,
@@ -181,6 +186,9 @@ pub struct EventDetourParams<'a> {
     /// after the header, 7 instructions): what a printed hit shows as `comm-pid`. Needs
     /// `current_task`, `pid_offset` and `comm_offset`.
     pub record_task: bool,
+    /// The event's filter, as far as the detour can run it ([`filter`]): a hit it discards
+    /// is counted in the detour's entry of the rings' filter table, not recorded.
+    pub filter: Option<&'a RecordFilter>,
     pub displaced: DisplacedAt<'a>,
 }
 
@@ -193,6 +201,8 @@ pub struct EventDetour {
     pub layout: EventLayout,
     /// The common path, counted statically.
     pub hot_path: HotPath,
+    /// How much of [`EventDetourParams::filter`] the detour runs; `None` when none of it.
+    pub filter: Option<FilterInGuest>,
 }
 
 /// The instructions of the detour a hit executes when the ring has room, nothing faults
@@ -865,17 +875,22 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
     if !thread_size.is_power_of_two() || !(4096..=(1 << 30)).contains(&thread_size) {
         return Err(DetourCodeError::BadThreadSize(thread_size));
     }
-    match p.rings.probe_missed_gva(p.miss_slot) {
-        None => {
-            return Err(DetourCodeError::BadMissSlot {
-                slot: p.miss_slot,
-                slots: p.rings.geometry().probe_slots(),
-            })
+    for entry in [
+        p.rings.probe_missed_gva(p.miss_slot),
+        p.rings.probe_filtered_gva(p.miss_slot),
+    ] {
+        match entry {
+            None => {
+                return Err(DetourCodeError::BadMissSlot {
+                    slot: p.miss_slot,
+                    slots: p.rings.geometry().probe_slots(),
+                })
+            }
+            Some(entry) if disp(entry.0).is_none() && !rel32_reaches(p.detour_ip, entry, CODE_SPAN) => {
+                return Err(DetourCodeError::RingsOutOfReach(p.rings.gva()))
+            }
+            Some(_) => {}
         }
-        Some(entry) if disp(entry.0).is_none() && !rel32_reaches(p.detour_ip, entry, CODE_SPAN) => {
-            return Err(DetourCodeError::RingsOutOfReach(p.rings.gva()))
-        }
-        Some(_) => {}
     }
     let plans = p
         .args
@@ -974,14 +989,29 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
             .collect(),
     };
 
+    let filter = p.filter.and_then(|f| plan_filter(f, &layout));
+    let record = Record {
+        plans: &plans,
+        slots: &slots,
+        fallible,
+        task_fields,
+        layout: &layout,
+        filter: filter.as_ref().map(|(f, _, last_arg)| (f, *last_arg)),
+    };
+
     // The displaced instructions' length, then assemble until their address is stable.
     let mut displaced = (p.displaced)(p.detour_ip)?;
     for _ in 0..8 {
-        let (code, displaced_ip) = assemble(p, &plans, &slots, fallible, task_fields, &displaced)?;
+        let (code, displaced_ip) = assemble(p, &record, &displaced)?;
         let again = (p.displaced)(displaced_ip)?;
         if again == displaced {
             let hot_path = count_hot_path(&code, p.detour_ip);
-            return Ok(EventDetour { code, layout, hot_path });
+            return Ok(EventDetour {
+                code,
+                layout,
+                hot_path,
+                filter: filter.map(|(_, how, _)| how),
+            });
         }
         displaced = again;
     }
@@ -990,16 +1020,34 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
     ))
 }
 
+/// What one probe's records hold and how the detour writes them.
+struct Record<'r> {
+    plans: &'r [Plan],
+    slots: &'r [Slot],
+    /// Some argument can fault (the record's fault mask is written).
+    fallible: bool,
+    /// `current_task`, `task_struct.pid`, `task_struct.comm`.
+    task_fields: Option<(i32, u32, u32)>,
+    layout: &'r EventLayout,
+    /// The filter the detour runs, and the last fetch-arg it reads.
+    filter: Option<(&'r RecordFilter, Option<usize>)>,
+}
+
 /// Assembles the detour with `displaced` in place; returns the code and where the
 /// displaced instructions landed.
 fn assemble(
     p: &EventDetourParams<'_>,
-    plans: &[Plan],
-    slots: &[Slot],
-    fallible: bool,
-    task_fields: Option<(i32, u32, u32)>,
+    record: &Record<'_>,
     displaced: &[u8],
 ) -> Result<(Vec<u8>, Gva), DetourCodeError> {
+    let Record {
+        plans,
+        slots,
+        fallible,
+        task_fields,
+        layout,
+        filter,
+    } = *record;
     let calls = plans.iter().any(Plan::needs_call);
     let frame = Frame::new(calls);
     let mut g = Gen {
@@ -1017,6 +1065,7 @@ fn assemble(
     let mut unbusy = g.a().create_label();
     let mut restore = g.a().create_label();
     let mut displaced_label = g.a().create_label();
+    let mut filtered = g.a().create_label();
 
     // 1-2. Flags, interrupts, registers.
     g.a().pushfq()?;
@@ -1081,6 +1130,10 @@ fn assemble(
         g.a().mov(qword_ptr(rec + (at + 8)), rdx)?;
         g.a().mov(rdx, qword_ptr(rax + (comm + 8)))?;
         g.a().mov(qword_ptr(rec + (at + 16)), rdx)?;
+    }
+    // A filter on no fetch-arg runs before any is fetched.
+    if let Some((f, None)) = filter {
+        g.branch_on_filter(f, layout, filtered, false)?;
     }
 
     // Direct stack words first, under one check (rdx = the probe's rsp within its stack
@@ -1180,6 +1233,12 @@ fn assemble(
         }
         g.a().set_label(&mut next)?;
         g.a().zero_bytes()?;
+        // The filter runs once the last fetch-arg it reads is in the record.
+        if let Some((f, Some(last))) = filter {
+            if last == i {
+                g.branch_on_filter(f, layout, filtered, false)?;
+            }
+        }
         if let Some(bit) = s.fault_bit {
             g.cold.push(Cold::Fault {
                 label: fault,
@@ -1224,6 +1283,18 @@ fn assemble(
     g.a().inc(qword_ptr(rbx + MISSED_FULL as i32))?;
     g.inc_counter(probe_missed.0, true)?;
     g.a().jmp(unbusy)?;
+    if filter.is_some() {
+        let probe_filtered = p
+            .rings
+            .probe_filtered_gva(p.miss_slot)
+            .ok_or(DetourCodeError::BadMissSlot {
+                slot: p.miss_slot,
+                slots: geometry.probe_slots(),
+            })?;
+        g.a().set_label(&mut filtered)?;
+        g.inc_counter(probe_filtered.0, true)?;
+        g.a().jmp(unbusy)?;
+    }
     let cold = std::mem::take(&mut g.cold);
     for c in cold {
         match c {
@@ -1305,5 +1376,6 @@ pub fn count_hot_path(code: &[u8], ip: Gva) -> HotPath {
     count
 }
 
+pub mod filter;
 #[cfg(test)]
 mod tests;

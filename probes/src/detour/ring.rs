@@ -28,6 +28,11 @@
 //!                       *miss slot*, given by the host), shared by all CPUs
 //!           u64 missed      guest: hits of that detour's probe not recorded, for any reason
 //!                           (full ring, nested, bad CPU)
+//! +64 + cpus * stride + round64(8 * probe slots)   the filter table: `probe slots` u64s, at
+//!                       the same slots as the miss table
+//!           u64 filtered    guest: hits of that detour's probe its event filter discarded
+//!                           (written only by detours that run a filter, see
+//!                           [`super::event::filter`])
 //! ```
 //!
 //! A record starts with a 24-byte header — `u32 probe id`, `u32 cpu` (the guest's
@@ -79,6 +84,14 @@
 //! as its starting point (it never writes the table after [`EventRings::init`]). Only the
 //! miss paths touch the table: a recorded hit runs the same instructions as without it.
 //!
+//! # Per-probe filtered hits
+//!
+//! A detour that runs its event's filter ([`super::event::filter`]) and finds a hit
+//! filtered out publishes no record and counts the hit in its entry of the filter table,
+//! the way misses are counted (`lock inc`, the detour's own slot). The host adds it to the
+//! probe's hits (a filtered-out hit is a hit, as in `kprobe_profile`) and to its filtered
+//! count. Only that path touches the table.
+//!
 //! # The host treats ring memory as hostile
 //!
 //! The guest can write anything anywhere in the rings. The reader keeps `tail` itself,
@@ -94,7 +107,7 @@ use hvprobe_arch::{Gpa, Gva};
 
 /// `"HVEV"`, little-endian.
 pub const RING_MAGIC: u32 = u32::from_le_bytes(*b"HVEV");
-pub const RING_VERSION: u32 = 2;
+pub const RING_VERSION: u32 = 3;
 
 /// Bytes of the global header before the first ring.
 pub const GLOBAL_HEADER_SIZE: u64 = 64;
@@ -243,7 +256,12 @@ impl RingGeometry {
 
     /// Bytes all of it takes.
     pub fn total_size(&self) -> u64 {
-        self.miss_table_offset() + (8 * u64::from(self.probe_slots)).next_multiple_of(64)
+        self.filter_table_offset() + self.table_size()
+    }
+
+    /// Bytes of the miss table, and of the filter table (a multiple of 64).
+    fn table_size(&self) -> u64 {
+        (8 * u64::from(self.probe_slots)).next_multiple_of(64)
     }
 
     /// Offset of the miss table from the start (after the last ring).
@@ -254,6 +272,16 @@ impl RingGeometry {
     /// Offset of miss-table entry `slot` from the start, if there is one.
     pub fn probe_missed_offset(&self, slot: u32) -> Option<u64> {
         (slot < self.probe_slots).then(|| self.miss_table_offset() + 8 * u64::from(slot))
+    }
+
+    /// Offset of the filter table from the start (after the miss table).
+    pub fn filter_table_offset(&self) -> u64 {
+        self.miss_table_offset() + self.table_size()
+    }
+
+    /// Offset of filter-table entry `slot` from the start, if there is one.
+    pub fn probe_filtered_offset(&self, slot: u32) -> Option<u64> {
+        (slot < self.probe_slots).then(|| self.filter_table_offset() + 8 * u64::from(slot))
     }
 
     /// Offset of CPU `cpu`'s ring from the start.
@@ -372,6 +400,22 @@ impl EventRings {
     /// The guest-virtual address of miss-table entry `slot` (what a detour increments).
     pub fn probe_missed_gva(&self, slot: u32) -> Option<Gva> {
         let offset = self.geometry.probe_missed_offset(slot)?;
+        Some(Gva(self.gva.0 + offset))
+    }
+
+    /// Filter-table entry `slot`: the hits its detour's filter discarded, as the guest
+    /// counted them (a number the guest wrote).
+    pub fn probe_filtered(&self, mem: &dyn RingMemory, slot: u32) -> Result<u64, RingError> {
+        let offset = self
+            .geometry
+            .probe_filtered_offset(slot)
+            .ok_or_else(|| RingError::Geometry(format!("filter slot {slot} of {}", self.geometry.probe_slots)))?;
+        load(mem, "a filter-table entry", self.at(offset))
+    }
+
+    /// The guest-virtual address of filter-table entry `slot` (what a detour increments).
+    pub fn probe_filtered_gva(&self, slot: u32) -> Option<Gva> {
+        let offset = self.geometry.probe_filtered_offset(slot)?;
         Some(Gva(self.gva.0 + offset))
     }
 }

@@ -2,15 +2,17 @@
 //! with its probe's hit counted, or is counted as missed — a hit the guest could not
 //! record (a full ring, a nested hit, a CPU with no ring) in its probe's `nmissed` (from
 //! the detour's own entry of the rings' miss table) and, per CPU, in
-//! [`EngineStats::ring_missed`]; a record the sink refused in its probe's `nmissed`**; the
-//! host takes records and reads the counters without pausing the guest, at every drain
-//! (every 2 ms, and before every listing and removal).
+//! [`EngineStats::ring_missed`]; a record the sink refused in its probe's `nmissed`** —
+//! **or is counted as filtered out: a hit the detour's filter discarded in the guest, in
+//! its probe's hits and `filtered_in_guest` (from the detour's entry of the filter
+//! table)**; the host takes records and reads the counters without pausing the guest, at
+//! every drain (every 2 ms, and before every listing and removal).
 //!
-//! A miss-table entry belongs to one event detour's code from when the code is made until
-//! the code is reclaimed (nothing can run it any more; a detour the guest may have copied
-//! is never reclaimed): only then is it given to another, whose count starts from what the
-//! entry holds then. A retired detour that still runs (a CPU was inside it) counts for the
-//! probe it was made for.
+//! A detour's slot (its entry of the miss table and of the filter table) belongs to one
+//! event detour's code from when the code is made until the code is reclaimed (nothing can
+//! run it any more; a detour the guest may have copied is never reclaimed): only then is it
+//! given to another, whose counts start from what the entries hold then. A retired detour
+//! that still runs (a CPU was inside it) counts for the probe it was made for.
 //!
 //! [`EngineStats::ring_missed`]: super::EngineStats::ring_missed
 
@@ -27,8 +29,10 @@ use crate::detour::event::{EventLayout, GuestKernelFacts};
 use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingMemory, RingReader};
 use crate::regs::Regs;
 
-/// Records per CPU ring.
-const RING_CAPACITY: u32 = 256;
+/// Records per CPU ring, at most: halved until every CPU's ring fits the budget (a quarter
+/// of the out-of-line area, at most [`MAX_RINGS_BYTES`]): 1024 for one CPU in a 2 MiB area,
+/// 512 each for two.
+const RING_CAPACITY: u32 = 1024;
 /// Bytes per record: the header, the task stamp, and room for the arguments.
 const RECORD_SIZE: u32 = 512;
 /// The rings take at most this much of the out-of-line area.
@@ -52,23 +56,44 @@ pub(super) struct EventSetup {
     miss_owners: Mutex<Vec<Option<MissOwner>>>,
 }
 
-/// The probe an entry of the miss table counts for: its counters (shared with the
-/// registry, so that a count taken after the probe went harms nothing), and the entry's
-/// value last added to them.
+/// The probe a slot of the miss and filter tables counts for: its counters (shared with
+/// the registry, so that a count taken after the probe went harms nothing), and the
+/// entries' values last added to them.
 struct MissOwner {
     counters: Arc<Counters>,
-    seen: u64,
+    seen: SlotCounts,
+}
+
+/// A slot's entries: its miss-table and filter-table counts.
+#[derive(Clone, Copy, Default)]
+struct SlotCounts {
+    missed: u64,
+    filtered: u64,
+}
+
+impl EventRings {
+    fn slot_counts(&self, mem: &dyn RingMemory, slot: u32) -> Result<SlotCounts, RingError> {
+        Ok(SlotCounts {
+            missed: self.probe_missed(mem, slot)?,
+            filtered: self.probe_filtered(mem, slot)?,
+        })
+    }
 }
 
 impl MissOwner {
-    /// Adds to `nmissed` what the guest counted since the last time. The entry only grows
+    /// Adds to `nmissed`, and to the hits and `filtered_in_guest`, what the guest counted
+    /// since the last time; returns the hits filtered out since then. An entry only grows
     /// in a well-behaved guest; a smaller value (a guest that wrote over it) is taken as
     /// the new starting point and adds nothing.
-    fn fold(&mut self, now: u64) {
-        if now > self.seen {
-            self.counters.nmissed.fetch_add(now - self.seen, COUNT);
-        }
+    fn fold(&mut self, now: SlotCounts) -> u64 {
+        let grown = |now: u64, seen: u64| now.saturating_sub(seen);
+        let missed = grown(now.missed, self.seen.missed);
+        let filtered = grown(now.filtered, self.seen.filtered);
+        self.counters.nmissed.fetch_add(missed, COUNT);
+        self.counters.hits.fetch_add(filtered, COUNT);
+        self.counters.filtered_in_guest.fetch_add(filtered, COUNT);
         self.seen = now;
+        filtered
     }
 }
 
@@ -144,7 +169,7 @@ impl Tracer {
             })?;
         let seen = setup
             .rings
-            .probe_missed(mem, slot as u32)
+            .slot_counts(mem, slot as u32)
             .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
         owners[slot] = Some(MissOwner {
             counters: counters.clone(),
@@ -161,24 +186,34 @@ impl Tracer {
         };
         let mut owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(owner) = owners.get_mut(slot as usize) {
-            if let (Some(o), Ok(now)) = (owner.as_mut(), setup.rings.probe_missed(mem, slot)) {
-                o.fold(now);
+            if let (Some(o), Ok(now)) = (owner.as_mut(), setup.rings.slot_counts(mem, slot)) {
+                let filtered = o.fold(now);
+                self.count_filtered_in_guest(filtered);
             }
             *owner = None;
         }
     }
 
     /// Adds to each event probe's `nmissed` the hits its detours counted in the miss table
-    /// since the last time.
+    /// since the last time, and to its hits and `filtered_in_guest` those they counted in
+    /// the filter table.
     fn fold_probe_misses(&self, setup: &EventSetup, mem: &dyn RingMemory) {
         let mut owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
         for (slot, owner) in owners.iter_mut().enumerate() {
             let Some(owner) = owner else { continue };
-            match setup.rings.probe_missed(mem, slot as u32) {
-                Ok(now) => owner.fold(now),
+            match setup.rings.slot_counts(mem, slot as u32) {
+                Ok(now) => {
+                    let filtered = owner.fold(now);
+                    self.count_filtered_in_guest(filtered);
+                }
                 Err(e) => tracing::error!("event rings: {e}"),
             }
         }
+    }
+
+    fn count_filtered_in_guest(&self, hits: u64) {
+        self.stats.hits.fetch_add(hits, COUNT);
+        self.stats.filtered_in_guest.fetch_add(hits, COUNT);
     }
 
     /// Takes every record the event detours wrote since the last drain and sends each as

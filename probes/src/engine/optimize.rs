@@ -24,6 +24,7 @@ use hvprobe_arch::{Gva, INT3};
 use super::placement::compiler_bytes;
 use super::registry::{Counters, Registry, Role, Site};
 use super::{ProbeId, ProbeKind, Tracer, COUNT};
+use crate::detour::event::filter::RecordFilter;
 use crate::detour::event::{event_detour, EventDetourParams, EventLayout, DEFAULT_STRING_SIZE};
 use crate::detour::{
     check_probe, jump_bytes, plan_region, relocate, Code, DetourFacts, DetourRegion, FunctionText, IndirectThunks,
@@ -134,6 +135,7 @@ struct EventProbe {
     id: ProbeId,
     address: Gva,
     args: Vec<crate::spec::FetchArg>,
+    filter: Option<RecordFilter>,
     counters: Arc<Counters>,
 }
 
@@ -402,6 +404,7 @@ impl Tracer {
             id: *id,
             address: probe.address,
             args: probe.args.clone(),
+            filter: probe.filter.clone(),
             counters: probe.counters.clone(),
         })
     }
@@ -428,6 +431,7 @@ impl Tracer {
             symbols: &self.view.symbols,
             string_size: DEFAULT_STRING_SIZE,
             record_task: facts.current_task.is_some() && facts.pid_offset.is_some() && facts.comm_offset.is_some(),
+            filter: probe.filter.as_ref(),
             displaced: &displaced,
         })
         .map_err(|e| WhyNotOptimized::EventCode(e.to_string()))?;

@@ -12,6 +12,7 @@ use hvprobe_arch::{Gva, INT3};
 use super::optimize::{jump_intact, unoptimize, Detour, DetourCodes, WhyNotOptimized};
 use super::placement::Placement;
 use super::{hex, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT};
+use crate::detour::event::filter::RecordFilter;
 use crate::insn::{self, Execution, ProbedInsn};
 use crate::machine::{KernelMemory, PausedView};
 use crate::output::{ListEntry, ListKind};
@@ -22,6 +23,8 @@ use crate::spec::FetchArg;
 pub(super) struct Counters {
     pub hits: AtomicU64,
     pub nmissed: AtomicU64,
+    /// Hits its event detour's filter discarded in the guest (counted in `hits` too).
+    pub filtered_in_guest: AtomicU64,
 }
 
 /// What a registered probe is for.
@@ -53,6 +56,8 @@ pub(super) struct Probe {
     pub data_size: usize,
     /// Events carry the guest's kernel stack (see [`KprobeRequest::stack_trace`]).
     pub stack_trace: bool,
+    /// See [`KprobeRequest::filter`].
+    pub filter: Option<RecordFilter>,
     pub enabled: bool,
     pub counters: Arc<Counters>,
     /// `sym+0xoff/0xsize` of `address`, as hit events show it (`%pS`).
@@ -327,6 +332,7 @@ impl Tracer {
                     },
                     hits: p.counters.hits.load(COUNT),
                     nmissed: p.counters.nmissed.load(COUNT),
+                    filtered_in_guest: p.counters.filtered_in_guest.load(COUNT),
                     event: format!("{}/{}", p.group, p.event),
                 }
             })
@@ -452,6 +458,7 @@ impl Tracer {
                 post: request.post.clone(),
                 data_size: request.data_size,
                 stack_trace: request.stack_trace,
+                filter: request.filter.clone(),
                 enabled: !request.disabled,
                 counters: Arc::default(),
                 trace_location: placement.trace_location.clone(),

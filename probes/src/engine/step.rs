@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+use hvprobe_arch::regs::rflags;
 use hvprobe_arch::{Gva, INT3};
 
 use super::optimize::DETOUR_BLOCK;
@@ -192,9 +193,9 @@ impl Tracer {
         // Interrupts stay out of the step the way Linux keeps them out of its own: IF
         // cleared for one instruction. (KVM_GUESTDBG_BLOCKIRQ would do it too, but
         // toggling it flips a VM-wide APICv inhibit at every step.)
-        let saved_if = regs.rflags & insn::RFLAGS_IF;
+        let saved_if = regs.rflags & rflags::IF;
         let mut stepping = *regs;
-        stepping.rflags &= !insn::RFLAGS_IF;
+        stepping.rflags &= !rflags::IF;
         stepping.rip = slot.0;
         vcpu.set_regs(&stepping).map_err(fault)?;
         if let Err(e) = vcpu.set_single_step(true) {
@@ -266,11 +267,11 @@ impl Tracer {
                 });
             }
         }
-        regs.rflags = (regs.rflags & !insn::RFLAGS_IF) | pending.saved_if;
+        regs.rflags = (regs.rflags & !rflags::IF) | pending.saved_if;
         if pending.step.kind == insn::StepKind::PushFlags {
             let mut stack = super::KernelStack(kernel);
             let pushed = insn::StackAccess::read_u64(&mut stack, Gva(regs.rsp))
-                .map(|w| (w & !insn::RFLAGS_IF) | pending.saved_if)
+                .map(|w| (w & !rflags::IF) | pending.saved_if)
                 .and_then(|w| insn::StackAccess::write_u64(&mut stack, Gva(regs.rsp), w));
             if let Err(source) = pushed {
                 let _ = vcpu.set_single_step(false);
@@ -335,7 +336,7 @@ impl Tracer {
             if rip != pending.slot.0 || !kernel_cs {
                 continue;
             }
-            let rflags = (rflags & !(insn::RFLAGS_IF | insn::RFLAGS_TF)) | pending.saved_if;
+            let rflags = (rflags & !(rflags::IF | rflags::TF)) | pending.saved_if;
             let rewritten = kernel
                 .write_virt(Gva(frame + FRAME_RIP), &pending.site.0.to_le_bytes())
                 .and_then(|()| kernel.write_virt(Gva(frame + FRAME_RFLAGS), &rflags.to_le_bytes()));

@@ -8,6 +8,7 @@ use super::*;
 use crate::insn::HexBytes;
 use crate::machine::{KernelMemory, Machine, PausedView, Vcpu, VcpuError};
 use crate::output::{listing_line, ListKind};
+use hvprobe_arch::regs::rflags;
 use hvprobe_arch::{Gpa, INT3};
 use hvprobe_introspection::memory::MemoryError;
 
@@ -1161,7 +1162,7 @@ fn an_exception_or_nmi_during_a_step_returns_to_the_probe_with_the_guests_flags(
             t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
             BreakpointOutcome::Handled
         ));
-        assert_eq!(cpu.regs.rflags & insn::RFLAGS_IF, 0, "IF cleared for the step");
+        assert_eq!(cpu.regs.rflags & rflags::IF, 0, "IF cleared for the step");
         // The copy faulted (or an NMI came): the CPU pushed a frame on the handler's stack
         // and the step trap reports the handler's first instruction.
         let frame_at = STACK_TOP - 0x800;
@@ -1172,11 +1173,7 @@ fn an_exception_or_nmi_during_a_step_returns_to_the_probe_with_the_guests_flags(
         assert!(!cpu.stepping);
         assert_eq!(cpu.regs.rip, 0xffff_ffff_8180_0000, "the handler runs on");
         assert_eq!(m.read_u64(Gva(frame)).unwrap(), MOV_RIP, "it returns to the probe");
-        assert_eq!(
-            m.read_u64(Gva(frame + 16)).unwrap() & insn::RFLAGS_IF,
-            insn::RFLAGS_IF,
-            "with IF"
-        );
+        assert_eq!(m.read_u64(Gva(frame + 16)).unwrap() & rflags::IF, rflags::IF, "with IF");
         assert_eq!(posts.load(Ordering::Relaxed), 0, "the instruction did not complete");
         assert_eq!(t.stats.steps_interrupted.load(Ordering::Relaxed), 1);
     }
@@ -2109,4 +2106,53 @@ fn ring_misses_are_folded_into_each_probes_nmissed() {
     assert_eq!(listed("a").2, 6);
     assert_eq!(listed("b").2, 8, "b's count is b's alone");
     t.unregister_many(&[a, b]).unwrap();
+}
+
+/// Hits an event detour's filter discards in the guest are hits, counted apart: from the
+/// detour's entry of the filter table, at every drain, into the probe's hits and
+/// `filtered_in_guest` and the engine's totals; a guest that writes over the entry adds
+/// nothing.
+#[test]
+fn hits_an_event_detours_filter_discards_are_hits_counted_apart() {
+    use crate::detour::event::filter::{NumberOp, RecordCheck, RecordField, RecordFilter, RecordTest};
+    use crate::detour::ring::RingMemory;
+    let (m, t, _events) = event_tracer();
+    t.set_optimization(true);
+    let on_cpu_1 = RecordFilter::Test(RecordTest {
+        field: RecordField::Cpu,
+        check: RecordCheck::Number {
+            op: NumberOp::Eq,
+            value: 1,
+            size: 4,
+            signed: true,
+        },
+    });
+    let id = t
+        .register(KprobeRequest {
+            filter: Some(on_cpu_1),
+            ..KprobeRequest::event(at("func", 0), "g", "ev", Vec::new())
+        })
+        .unwrap();
+    let slot = miss_slot(&t, PUSH);
+    let rings = *t.event_rings().unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    let entry = Gpa(rings.gpa().0 + rings.geometry().probe_filtered_offset(slot).unwrap());
+    let listed = || {
+        let e = t.listing().into_iter().next().unwrap();
+        (e.optimized, e.hits, e.filtered_in_guest, e.nmissed)
+    };
+    assert_eq!(listed(), (true, 0, 0, 0));
+    mem.store_u64_release(entry, 5).unwrap();
+    let mut record = vec![0u8; 24];
+    record[0..4].copy_from_slice(&id.0.to_le_bytes());
+    assert!(mem.guest_record(&rings, 0, slot, &record).unwrap());
+    assert_eq!(listed(), (true, 6, 5, 0), "5 discarded and 1 recorded hit");
+    assert_eq!(listed(), (true, 6, 5, 0), "counted once");
+    assert_eq!(t.stats.filtered_in_guest.load(Ordering::Relaxed), 5);
+    assert_eq!(t.stats.hits.load(Ordering::Relaxed), 6);
+    mem.store_u64_release(entry, 2).unwrap();
+    assert_eq!(listed(), (true, 6, 5, 0), "nothing added");
+    mem.store_u64_release(entry, 3).unwrap();
+    assert_eq!(listed(), (true, 7, 6, 0), "counted on from the value written");
+    t.unregister(id).unwrap();
 }

@@ -1,17 +1,12 @@
 use std::collections::HashMap;
 
+use hvprobe_arch::regs::rflags::{AF, CF, OF, PF, SF, TF, ZF};
+
 use super::*;
 
 const FUNC: Gva = Gva(0xffff_ffff_8123_4560);
 const SLOT: Gva = Gva(0xffff_ffff_8200_1000);
 
-const CF: u64 = 1 << 0;
-const PF: u64 = 1 << 2;
-const AF: u64 = 1 << 4;
-const ZF: u64 = 1 << 6;
-const SF: u64 = 1 << 7;
-const TF: u64 = 1 << 8;
-const OF: u64 = 1 << 11;
 /// IF and the always-one bit 1: what the kernel usually runs with.
 const BASE_FLAGS: u64 = 0x202;
 

@@ -169,6 +169,7 @@ fn entry() -> ListEntry {
         optimized: false,
         hits: 3,
         nmissed: 0,
+        filtered_in_guest: 0,
         event: "kprobes/p_do_sys_open_0".into(),
         not_optimized: None,
     }

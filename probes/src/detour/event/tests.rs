@@ -12,10 +12,10 @@ use crate::engine::PatchSites;
 use crate::spec::{parse_line, ProbeSpec};
 
 const FUNC: u64 = 0xffff_ffff_8100_0000;
-const DETOUR: u64 = 0xffff_ffff_8260_1000;
+pub(super) const DETOUR: u64 = 0xffff_ffff_8260_1000;
 const RINGS: u64 = 0xffff_ffff_8261_0000;
 const COPY: u64 = 0xffff_ffff_8120_0000;
-const STRNCPY: u64 = 0xffff_ffff_8120_0100;
+pub(super) const STRNCPY: u64 = 0xffff_ffff_8120_0100;
 const DATA_SYM: u64 = 0xffff_ffff_8180_0000;
 
 /// `push rbp; mov rbp, rsp; push r12; push rbx; mov rbx, rdi; ... ret`
@@ -28,7 +28,7 @@ const FUNCTION: &[u8] = &[
     0x5b, 0x41, 0x5c, 0x5d, 0xc3, // pop rbx; pop r12; pop rbp; ret
 ];
 
-fn facts() -> GuestKernelFacts {
+pub(super) fn facts() -> GuestKernelFacts {
     GuestKernelFacts {
         cpu_number: 0x1_f9a8,
         current_task: Some(0x1_f9b0),
@@ -57,7 +57,7 @@ fn args(spec: &str) -> Vec<FetchArg> {
     }
 }
 
-fn rings(record_size: u32) -> EventRings {
+pub(super) fn rings(record_size: u32) -> EventRings {
     let g = RingGeometry::new(2, 64, record_size).unwrap();
     EventRings::new(g, Gva(RINGS), Gpa(0xd001_0000), g.total_size()).unwrap()
 }
@@ -84,7 +84,15 @@ fn region() -> crate::detour::DetourRegion {
     plan_region(Gva(FUNC), &function, &facts, &[]).unwrap()
 }
 
-fn generate_with(spec: &str, record_size: u32, kernel: &GuestKernelFacts) -> Result<EventDetour, DetourCodeError> {
+/// The detour of `spec` on `func`, with probe id 42 and slot 3 of rings of `record_size`
+/// bytes per record.
+pub(super) fn generate_params(
+    spec: &str,
+    record_size: u32,
+    kernel: &GuestKernelFacts,
+    record_task: bool,
+    filter: Option<&RecordFilter>,
+) -> Result<EventDetour, DetourCodeError> {
     let region = region();
     let displaced = |ip: Gva| relocate(&region, ip, region.end());
     let (args, rings, symbols) = (args(spec), rings(record_size), symbols());
@@ -98,9 +106,14 @@ fn generate_with(spec: &str, record_size: u32, kernel: &GuestKernelFacts) -> Res
         kernel,
         symbols: &symbols,
         string_size: 32,
-        record_task: false,
+        record_task,
+        filter,
         displaced: &displaced,
     })
+}
+
+fn generate_with(spec: &str, record_size: u32, kernel: &GuestKernelFacts) -> Result<EventDetour, DetourCodeError> {
+    generate_params(spec, record_size, kernel, false, None)
 }
 
 fn generate(spec: &str) -> Result<EventDetour, DetourCodeError> {
@@ -108,22 +121,7 @@ fn generate(spec: &str) -> Result<EventDetour, DetourCodeError> {
 }
 
 fn generate_stamped(spec: &str, kernel: &GuestKernelFacts) -> Result<EventDetour, DetourCodeError> {
-    let region = region();
-    let displaced = |ip: Gva| relocate(&region, ip, region.end());
-    let (args, rings, symbols) = (args(spec), rings(256), symbols());
-    event_detour(&EventDetourParams {
-        probe_id: 42,
-        miss_slot: 3,
-        probe_address: Gva(FUNC),
-        detour_ip: Gva(DETOUR),
-        args: &args,
-        rings: &rings,
-        kernel,
-        symbols: &symbols,
-        string_size: 32,
-        record_task: true,
-        displaced: &displaced,
-    })
+    generate_params(spec, 256, kernel, true, None)
 }
 
 fn decode(code: &[u8]) -> Vec<Instruction> {
@@ -273,6 +271,7 @@ fn rings_and_calls_are_reached_from_wherever_the_detour_is() {
         symbols: &symbols,
         string_size: 32,
         record_task: false,
+        filter: None,
         displaced: &displaced,
     };
     // The jump back to the probe's function is out of reach from there.
@@ -369,6 +368,7 @@ fn each_miss_path_counts_the_probes_entry_with_a_locked_increment() {
         symbols: &symbols,
         string_size: 32,
         record_task: false,
+        filter: None,
         displaced: &displaced,
     };
     assert_eq!(

@@ -55,14 +55,17 @@ fn geometry_is_checked_and_laid_out_in_cache_lines() {
     // The miss table follows the last ring, in whole cache lines.
     assert_eq!(g.miss_table_offset(), 64 + 2 * g.stride());
     assert_eq!(g.probe_slots(), DEFAULT_PROBE_SLOTS);
-    assert_eq!(
-        g.total_size(),
-        g.miss_table_offset() + 8 * u64::from(DEFAULT_PROBE_SLOTS)
-    );
+    // The filter table follows the miss table, with as many entries.
+    let table = 8 * u64::from(DEFAULT_PROBE_SLOTS);
+    assert_eq!(g.filter_table_offset(), g.miss_table_offset() + table);
+    assert_eq!(g.total_size(), g.miss_table_offset() + 2 * table);
     let small = g.with_probe_slots(3).unwrap();
-    assert_eq!(small.total_size(), small.miss_table_offset() + 64);
+    assert_eq!(small.filter_table_offset(), small.miss_table_offset() + 64);
+    assert_eq!(small.total_size(), small.miss_table_offset() + 128);
     assert_eq!(small.probe_missed_offset(2), Some(small.miss_table_offset() + 16));
     assert_eq!(small.probe_missed_offset(3), None);
+    assert_eq!(small.probe_filtered_offset(2), Some(small.filter_table_offset() + 16));
+    assert_eq!(small.probe_filtered_offset(3), None);
     assert!(g.with_probe_slots(0).is_err());
     assert!(g.with_probe_slots(MAX_PROBE_SLOTS + 1).is_err());
     let (rings, mem) = rings(2, 4, 40);
