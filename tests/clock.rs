@@ -19,6 +19,12 @@
 //! - The stamp follows the guest's own reading by what runs between (the exit, or a few
 //!   dozen emulated instructions: 55–75 µs measured for a record, 200–290 µs for a return
 //!   that also runs the event detour at +5): the median must stay under [`MEDIAN_LAG_NS`].
+//!   In the nested-SVM lane (`guest/l1/run`, which hands COMMAND the lane's `HVPROBE_L1_*`
+//!   variables) hvprobe itself runs under QEMU's TCG: a trapped hit's exit and our handling
+//!   before the stamp took 0.5–1.3 ms there (medians 0.54–1.26 ms with this debug build,
+//!   0.12–0.13 ms with a release build, while records, which involve no exit, stayed
+//!   3–15 µs after the guest's reading), so there the median may reach
+//!   [`LANE_MEDIAN_LAG_NS`]. The other bounds are the same everywhere.
 
 mod common;
 
@@ -32,6 +38,32 @@ const PRINT_RESOLUTION_NS: i64 = 1_000;
 const TRAPPED_SKEW_NS: i64 = 20_000;
 const RECORD_SKEW_NS: i64 = 5_000;
 const MEDIAN_LAG_NS: i64 = 1_000_000;
+const LANE_MEDIAN_LAG_NS: i64 = 5_000_000;
+
+/// Fails, with the reason, on a host that does not keep time with its TSC: KVM then runs
+/// without its master clock and, once the host has marked its TSC unstable, moves each
+/// vCPU's TSC offset at every entry, which stamps taken from the host's TSC cannot follow
+/// (the lane's L1 without `HVPROBE_L1_TSC_RELIABLE=1`: trapped hits 170–202 ms early).
+fn require_a_tsc_clocksource() {
+    let path = "/sys/devices/system/clocksource/clocksource0/current_clocksource";
+    let current = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    assert_eq!(
+        current.trim(),
+        "tsc",
+        "this host keeps time with {}, not its TSC: KVM's guest clock is not a function of the host's \
+         TSC there (in the nested-SVM lane, run with HVPROBE_L1_TSC_RELIABLE=1, see guest/l1/run)",
+        current.trim()
+    );
+}
+
+/// The bound on the median lag: TCG time inside the nested-SVM lane, else the host's.
+fn median_lag_bound() -> i64 {
+    if std::env::var_os("HVPROBE_L1_QEMU").is_some() {
+        LANE_MEDIAN_LAG_NS
+    } else {
+        MEDIAN_LAG_NS
+    }
+}
 
 /// The busybox loop's writes: one `echo` each, one `ksys_write` → `vfs_write` each.
 const WORDS: [&str; 6] = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff"];
@@ -165,7 +197,7 @@ fn check_interleaving(run: &Run) {
 }
 
 /// `stamp − the guest's own sched_clock() at the same call`, in ns, for every line:
-/// never below `-skew`, and the median under [`MEDIAN_LAG_NS`].
+/// never below `-skew`, and the median under [`median_lag_bound`].
 fn check_lag(what: &str, lags: &mut [i64], skew: i64) {
     assert!(!lags.is_empty(), "{what}: no hits");
     lags.sort();
@@ -181,9 +213,10 @@ fn check_lag(what: &str, lags: &mut [i64], skew: i64) {
         "{what}: a stamp {} ns before the guest's own clock read at the same call (allowed: {skew} ns)",
         -lags[0]
     );
+    let bound = median_lag_bound();
     assert!(
-        median <= MEDIAN_LAG_NS,
-        "{what}: the median stamp is {median} ns after the guest's own reading"
+        median <= bound,
+        "{what}: the median stamp is {median} ns after the guest's own reading (allowed: {bound} ns)"
     );
 }
 
@@ -202,6 +235,7 @@ fn summary_count(run: &Run, key: &str) -> u64 {
 
 #[test]
 fn trapped_hits_merge_with_the_guests_own_events_on_its_trace_clock() {
+    require_a_tsc_clocksource();
     let dir = snapshot(1);
     // The return of `kvm_sched_clock_read` (the guest's `sched_clock()`, its trace clock):
     // `$retval` is the guest's own reading, which the host's stamp of that return follows.
@@ -236,6 +270,7 @@ fn trapped_hits_merge_with_the_guests_own_events_on_its_trace_clock() {
 
 #[test]
 fn event_detour_records_carry_their_hits_own_time_on_the_guests_trace_clock() {
+    require_a_tsc_clocksource();
     let dir = snapshot(1);
     // `kvm_sched_clock_read+5` is `sub kvm_sched_clock_offset(%rip),%rax` right after the
     // call that read the kvm-clock: `raw - off` is the guest's own `sched_clock()` there.
@@ -282,6 +317,7 @@ fn event_detour_records_carry_their_hits_own_time_on_the_guests_trace_clock() {
 
 #[test]
 fn the_global_clock_lines_up_with_the_guests_dmesg() {
+    require_a_tsc_clocksource();
     let dir = snapshot(1);
     let probes = probe_file("clock-global", "p:clk/ppid __x64_sys_getppid\n");
     // Two messages in the guest's printk log (stamped with its local_clock()) around one
@@ -328,6 +364,7 @@ fn cpu_of(line: &str) -> Option<usize> {
 
 #[test]
 fn on_two_vcpus_each_cpus_stamps_follow_its_own_clock_reads() {
+    require_a_tsc_clocksource();
     let dir = snapshot(2);
     // Both kinds on both vCPUs: the return traps (a `call` at +0 cannot be displaced), the
     // probe at +5 is an event detour writing into its CPU's ring.
