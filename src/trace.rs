@@ -998,6 +998,11 @@ impl TraceSession {
     pub fn finish(&self) {
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         self.finished.store(true, Ordering::Release);
+        // The last records of event detours go to the printer and the streams before they
+        // close: drained after, they would be hits that nobody printed.
+        if let Some(tracer) = self.handler.tracer() {
+            tracer.drain_events();
+        }
         self.events.close();
         let printer = self.printer.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(printer) = printer {

@@ -559,9 +559,31 @@ fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_
         .lines()
         .filter(|l| l.contains(" gp: (") && l.trim_start().starts_with("hvprobe-loop-"))
         .count();
+    // What the host's probe did not take is counted: at hardware speed its event detour's
+    // ring overflows (its misses are nmissed); on kvm_pvm nothing is missed.
+    let listing = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("event=s/gp"))
+        .unwrap_or_else(|| panic!("no listing line of s/gp\n{}", run.tail()));
+    let nmissed: usize = listing
+        .split("nmissed=")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no nmissed= in {listing}"));
+    if hvprobe_vmm::Backend::detect() == hvprobe_vmm::Backend::Pvm {
+        assert_eq!(nmissed, 0, "{listing}");
+    }
     assert_eq!(
-        host, guest,
-        "the host's probe, optimized and not by turns, saw each call once"
+        host + nmissed,
+        guest,
+        "the host's probe, optimized and not by turns, saw each call once or counted it missed ({listing}); \
+         hit lines of other tasks or broken: {:?}",
+        run.stdout
+            .lines()
+            .filter(|l| l.contains("gp: (") && !l.trim_start().starts_with("hvprobe-loop-"))
+            .take(5)
+            .collect::<Vec<_>>()
     );
     for bad in ["WARNING:", "BUG:", "Oops", "general protection", "invalid opcode"] {
         assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
