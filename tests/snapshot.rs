@@ -160,10 +160,18 @@ fn a_two_vcpu_snapshot_restores_with_both_cpus_running() {
     let stat = "while read l; do case $l in cpu0*|cpu1*) echo $l;; esac; done < /proc/stat";
     let workload = format!(
         "nproc; echo BEFORE; {stat}; hvprobe-spin 3 >/dev/null & hvprobe-spin 3 >/dev/null & wait; \
-         echo AFTER; {stat}; exit 0"
+         echo AFTER; {stat}; echo CONSOLE-END; sleep 2; exit 0"
     );
     let run = restore(&dir, 2, &workload);
     assert_eq!(run.code, Some(0), "{}", run.tail());
+    // The guest's end stops the VM at once, while its tty may still hold lines for the
+    // serial port (under the lane's TCG the last /proc/stat line was cut): a marker, then
+    // time for the port to drain.
+    assert!(
+        run.console_has_line("CONSOLE-END"),
+        "the guest's console output was cut before its end\n{}",
+        run.tail()
+    );
     assert!(run.console_has_line("2"), "nproc did not print 2\n{}", run.tail());
     let before = user_ticks(&run, "BEFORE");
     let after = user_ticks(&run, "AFTER");
