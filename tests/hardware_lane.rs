@@ -124,7 +124,7 @@ fn suite_in_l1(name: &str, args: &str, at_least: usize, env: &[(&str, &str)]) ->
 }
 
 fn tail(run: &Run) -> String {
-    run.tail_of(("output", 80), ("guest/l1/run", 40))
+    run.tail_of(("output", 80), ("guest/l1/run", 90))
 }
 
 /// The number after `key` in `text`, e.g. 7.01 in `boot to /init 7.01 s`.
