@@ -10,7 +10,9 @@ use hvprobe_introspection::unwind::{CpuStackView, GuestRethooks, StackBounds};
 
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::task::TaskInfo;
-use hvprobe_probes::machine::{KernelMemory, Machine, PausedView, SegmentSelectors, StackScanError, Vcpu, VcpuError};
+use hvprobe_probes::machine::{
+    InterruptTable, KernelMemory, Machine, PausedView, SegmentSelectors, StackScanError, Vcpu, VcpuError,
+};
 use hvprobe_probes::regs::Regs;
 use hvprobe_vmm::{set_guest_debug, Backend, VcpuControl, VcpuState};
 use kvm_ioctls::VcpuFd;
@@ -322,6 +324,33 @@ impl Vcpu for HitVcpu<'_> {
             ioctl: "KVM_SET_GUEST_DEBUG",
             source: std::io::Error::other(e.to_string()),
         })
+    }
+
+    fn interrupt_table(&mut self) -> Result<InterruptTable, VcpuError> {
+        let s = self
+            .vcpu
+            .get_sregs()
+            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))?;
+        Ok(InterruptTable {
+            base: Gva(s.idt.base),
+            limit: s.idt.limit,
+        })
+    }
+
+    fn set_interrupt_table(&mut self, table: InterruptTable) -> Result<(), VcpuError> {
+        let mut s = self
+            .vcpu
+            .get_sregs()
+            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))?;
+        s.idt.base = table.base.0;
+        s.idt.limit = table.limit;
+        self.vcpu
+            .set_sregs(&s)
+            .map_err(|e| VcpuError::new("KVM_SET_SREGS", e.errno()))?;
+        if let Some(state) = &mut self.state {
+            state.sregs.idt = s.idt;
+        }
+        Ok(())
     }
 
     fn current_task(&mut self) -> Option<TaskInfo> {

@@ -17,6 +17,8 @@
 //! - [`step`]: an out-of-line step ends at the instruction after the probe, or — when an
 //!   exception or NMI interrupted it — the guest's handler returns to the probe address with
 //!   its own flags; slots are reused only when no vCPU can be in them;
+//! - [`step_guard`]: an exception or NMI during a step reaches the host before the guest's
+//!   handler runs, on both backends;
 //! - [`returns`]: every followed call returns to its own caller, through per-stack chains;
 //! - [`events`]: what a hit records, and that a record not taken is counted as missed;
 //! - [`stamps`]: every hit is stamped with the one chosen clock (the guest's trace clock, or
@@ -52,6 +54,7 @@ mod sites;
 mod stack;
 mod stamps;
 mod step;
+mod step_guard;
 #[cfg(test)]
 mod tests;
 
@@ -349,6 +352,19 @@ pub enum EngineFault {
         source: Box<insn::InsnError>,
     },
     #[error(
+        "vCPU {cpu}: probe at {at}: exception vector {vector} during its out-of-line step, but its frame at \
+         {frame:#x} {found} (an engine bug)"
+    )]
+    StepGuard {
+        cpu: usize,
+        at: Gva,
+        vector: u8,
+        frame: u64,
+        found: String,
+    },
+    #[error("vCPU {cpu}: probe at {at}: the IDT its out-of-line step runs on cannot be made: {source}")]
+    StepGuardMemory { cpu: usize, at: Gva, source: MemoryError },
+    #[error(
         "vCPU {cpu}: probe at {at}: the host cannot emulate {insn} ({source}) and has no out-of-line copy to step"
     )]
     NoFallback {
@@ -395,6 +411,10 @@ pub struct Tracer {
     /// return probe and kept for as long as the tracer lives (calls in flight return
     /// through it even after their probe is gone).
     trampoline: OnceLock<Gva>,
+    /// The IDT out-of-line steps run on ([`step_guard`]), made with the first stepped
+    /// site, and the guest IDT bytes it was last built from.
+    step_guard: OnceLock<step_guard::StepGuard>,
+    step_guard_built_from: Mutex<Vec<u8>>,
     returns: Mutex<returns::ReturnChains>,
     /// The guest's own return trampoline (`arch_rethook_trampoline`), which its kretprobes
     /// swap in: a slot holding it may hold a call we follow too.
@@ -443,6 +463,8 @@ impl Tracer {
             slots: Mutex::new(step::Slots::new(ool)),
             stepping: Mutex::default(),
             trampoline: OnceLock::new(),
+            step_guard: OnceLock::new(),
+            step_guard_built_from: Mutex::default(),
             returns: Mutex::default(),
             guest_return_trampoline,
             sink,

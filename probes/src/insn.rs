@@ -880,6 +880,8 @@ fn refusal(instruction: &Instruction) -> Option<&'static str> {
         // shadow pending on the copy's successor (VMX also rejects a VM entry with STI
         // blocking and TF set without a pending BS), and emulating it would lose the shadow.
         Mnemonic::Sti => "sti's interrupt shadow cannot be carried across a step or emulated",
+        // While a copy runs, the IDTR holds the step guard's IDT (engine::step_guard).
+        Mnemonic::Sidt | Mnemonic::Lidt => "reads or loads the IDTR, which an out-of-line step points elsewhere",
         _ => return None,
     })
 }

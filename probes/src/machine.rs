@@ -92,6 +92,14 @@ pub struct SegmentSelectors {
     pub ss: u16,
 }
 
+/// A vCPU's interrupt descriptor table register (IDTR): where its IDT is and its limit
+/// (the offset of its last byte).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InterruptTable {
+    pub base: Gva,
+    pub limit: u16,
+}
+
 /// The vCPU that hit a probe, for the duration of the hit.
 pub trait Vcpu {
     fn regs(&mut self) -> Result<Regs, VcpuError>;
@@ -100,6 +108,10 @@ pub trait Vcpu {
     fn segment_selectors(&mut self) -> Result<SegmentSelectors, VcpuError>;
     /// Turns single-stepping on or off for this vCPU.
     fn set_single_step(&mut self, on: bool) -> Result<(), VcpuError>;
+    /// The vCPU's IDTR.
+    fn interrupt_table(&mut self) -> Result<InterruptTable, VcpuError>;
+    /// Points the vCPU's IDTR at `table` (an out-of-line step runs on the step guard's).
+    fn set_interrupt_table(&mut self, table: InterruptTable) -> Result<(), VcpuError>;
     /// The task running on this vCPU (`$comm`, pid), when the guest's layout is known.
     fn current_task(&mut self) -> Option<TaskInfo>;
     /// The vCPU's whole address space (user half included), for `+u0(...)` and `ustring`.

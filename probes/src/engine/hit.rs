@@ -49,8 +49,15 @@ impl Tracer {
                 let site = code.site;
                 return self.detour_hit(cpu, vcpu, at, site, &reg);
             }
-            // Only the trampoline and the detours' int3s are ours there; the guest has no
-            // code there. A #BP injected here would take the guest down in its own handler.
+            drop(reg);
+            match self.step_guard_breakpoint(cpu, vcpu, at) {
+                Some(StepOutcome::Fatal(fault)) => return BreakpointOutcome::Fatal(fault),
+                Some(_) => return BreakpointOutcome::Handled,
+                None => {}
+            }
+            // Only the trampoline, the detours' and the step guard's int3s are ours there;
+            // the guest has no code there. A #BP injected here would take the guest down in
+            // its own handler.
             return BreakpointOutcome::Fatal(EngineFault::UnknownOutOfLineBreakpoint { cpu, at });
         }
         let reg = self.read_registry();

@@ -610,6 +610,7 @@ impl Tracer {
                 None
             }
             Some(step) => {
+                self.make_step_guard(what)?;
                 let slot = self.allocate_slot(what)?;
                 let written = step
                     .copy_for(&insn, slot)

@@ -5,7 +5,9 @@
 //! - The step ends at the instruction after the probe — or, when an exception or NMI was
 //!   delivered instead of (or before) the copy, the guest's handler finds in its exception
 //!   frame the probe address and the guest's own flags, never the copy with IF cleared
-//!   (what Linux's kprobe fault handler does to `regs->ip` and the flags).
+//!   (what Linux's kprobe fault handler does to `regs->ip` and the flags). The step runs
+//!   on the step guard's IDT ([`step_guard`]), so that such a delivery comes to the host
+//!   before the guest's handler runs; the guest's IDTR is back when the step ends.
 //! - A slot is handed out again only once no vCPU is in it: every vCPU between its int3
 //!   exit and its step exit has a pending step naming its slot, and a frame that pointed
 //!   into a slot was sent back to the probe address when the step ended.
@@ -16,15 +18,18 @@ use hvprobe_arch::regs::rflags;
 use hvprobe_arch::{Gva, INT3};
 
 use super::optimize::DETOUR_BLOCK;
+use super::step_guard::{self, StepGuard, GUARD_BYTES, IDT_BYTES};
 use super::{EngineFault, HitContext, OutOfLineArea, ProbeError, ProbeId, StepOutcome, Tracer, COUNT, SLOT_SIZE};
 use crate::insn::{self, OutOfLine, ProbedInsn, StepFixup};
-use crate::machine::{KernelMemory, PausedView, Vcpu};
+use crate::machine::{InterruptTable, PausedView, Vcpu, VcpuError};
 use crate::regs::Regs;
 
 /// The out-of-line area's slots: handed out from the start, and reused when freed.
 /// Detours are handed out from the area's end, in blocks of [`DETOUR_BLOCK`] bytes.
 pub(super) struct Slots {
+    /// The area less the step guard's place at its end.
     area: Option<OutOfLineArea>,
+    guard: Option<StepGuard>,
     next: u64,
     free: Vec<Gva>,
     /// Freed while a vCPU was still stepping in them: reusable once it is not.
@@ -37,8 +42,22 @@ pub(super) struct Slots {
 
 impl Slots {
     pub fn new(area: Option<OutOfLineArea>) -> Self {
+        let reserved = GUARD_BYTES.next_multiple_of(DETOUR_BLOCK);
+        let (area, guard) = match area {
+            Some(a) if a.size > reserved => (
+                Some(OutOfLineArea {
+                    start: a.start,
+                    size: a.size - reserved,
+                }),
+                Some(StepGuard {
+                    base: Gva(a.start.0 + a.size - reserved),
+                }),
+            ),
+            _ => (area, None),
+        };
         Slots {
             area,
+            guard,
             next: 0,
             free: Vec::new(),
             retired: Vec::new(),
@@ -62,6 +81,8 @@ pub(super) struct PendingStep {
     slot: Gva,
     /// The int3's address.
     site: Gva,
+    /// The guest's IDTR, put back when the step ends.
+    guest_idt: InterruptTable,
     /// Probes whose post-handlers run after the step, if they are still registered and
     /// enabled then, with the address each reports.
     posts: Vec<(ProbeId, Gva)>,
@@ -72,7 +93,6 @@ pub(super) type PendingSteps = HashMap<usize, PendingStep>;
 /// The fields of an x86-64 exception frame (what the CPU pushes when it delivers an
 /// exception or interrupt in 64-bit mode), from the interrupted RIP on.
 const FRAME_RIP: u64 = 0;
-const FRAME_CS: u64 = 8;
 const FRAME_RFLAGS: u64 = 16;
 
 impl Tracer {
@@ -174,6 +194,50 @@ impl Tracer {
         Ok(*self.trampoline.get_or_init(|| slot))
     }
 
+    /// The step guard (at the area's end, kept for it since the tracer was made), with its
+    /// stubs written by the first site that may be stepped.
+    pub(super) fn make_step_guard(&self, what: &str) -> Result<StepGuard, ProbeError> {
+        if let Some(guard) = self.step_guard.get() {
+            return Ok(*guard);
+        }
+        let Some(guard) = self.slots.lock().unwrap_or_else(|e| e.into_inner()).guard else {
+            return Err(ProbeError::Unprobeable {
+                what: what.to_string(),
+                reason: "it needs the out-of-line area and there is none (or it is too small)".into(),
+            });
+        };
+        self.machine
+            .kernel()
+            .write_virt(guard.stubs(), &StepGuard::stub_bytes())
+            .map_err(|source| ProbeError::Memory {
+                what: "the out-of-line step guard".into(),
+                source,
+            })?;
+        Ok(*self.step_guard.get_or_init(|| guard))
+    }
+
+    /// Points the vCPU's IDTR at the step guard's IDT, built from the guest's current one
+    /// (rebuilt only when the guest's changed); returns the guest's IDTR.
+    fn arm_step_guard(&self, vcpu: &mut dyn Vcpu, guard: StepGuard) -> Result<InterruptTable, StepGuardError> {
+        let guest_idt = vcpu.interrupt_table()?;
+        let len = (u64::from(guest_idt.limit) + 1).min(IDT_BYTES) as usize;
+        let mut bytes = vec![0u8; len];
+        let kernel = self.machine.kernel();
+        kernel.read_virt(guest_idt.base, &mut bytes)?;
+        {
+            let mut built_from = self.step_guard_built_from.lock().unwrap_or_else(|e| e.into_inner());
+            if *built_from != bytes {
+                kernel.write_virt(guard.idt(), &guard.idt_for(&bytes))?;
+                *built_from = bytes;
+            }
+        }
+        vcpu.set_interrupt_table(InterruptTable {
+            base: guard.idt(),
+            limit: guest_idt.limit,
+        })?;
+        Ok(guest_idt)
+    }
+
     /// Sends the vCPU into the copy at `slot` for one step. If single-stepping cannot be
     /// switched on, the vCPU's registers are put back (it stays on the int3) and the VM
     /// stops: the copy never runs untrapped. (RIP moves into the copy before the step is
@@ -197,9 +261,18 @@ impl Tracer {
         let mut stepping = *regs;
         stepping.rflags &= !rflags::IF;
         stepping.rip = slot.0;
-        vcpu.set_regs(&stepping).map_err(fault)?;
-        if let Err(e) = vcpu.set_single_step(true) {
-            if let Err(back) = vcpu.set_regs(regs) {
+        let guard = self
+            .step_guard
+            .get()
+            .copied()
+            .ok_or(EngineFault::UnknownOutOfLineBreakpoint { cpu, at: slot })?;
+        let guest_idt = self.arm_step_guard(vcpu, guard).map_err(|e| match e {
+            StepGuardError::Vcpu(source) => fault(source),
+            StepGuardError::Memory(source) => EngineFault::StepGuardMemory { cpu, at: site, source },
+        })?;
+        let started = vcpu.set_regs(&stepping).and_then(|()| vcpu.set_single_step(true));
+        if let Err(e) = started {
+            if let Err(back) = vcpu.set_regs(regs).and_then(|()| vcpu.set_interrupt_table(guest_idt)) {
                 tracing::error!("vCPU {cpu}: putting the registers back after a failed step: {back}");
             }
             return Err(fault(e));
@@ -213,6 +286,7 @@ impl Tracer {
                 step,
                 slot,
                 site,
+                guest_idt,
                 posts,
             },
         );
@@ -233,17 +307,10 @@ impl Tracer {
             Ok(r) => r,
             Err(e) => return StepOutcome::Fatal(fault(e)),
         };
-        let after_copy = pending.slot.0 + pending.insn.len as u64;
-        let ended_normally =
-            regs.rip == after_copy || (pending.step.kind == insn::StepKind::RepString && regs.rip == pending.slot.0);
-        if !ended_normally && self.send_handler_back(kernel, &regs, &pending) {
-            // An exception or NMI was delivered instead: the guest's handler runs on, and
-            // returns to the probe (which hits again, as in Linux).
-            self.stats.steps_interrupted.fetch_add(1, COUNT);
-            return match vcpu.set_single_step(false) {
-                Ok(()) => StepOutcome::Handled,
-                Err(e) => StepOutcome::Fatal(fault(e)),
-            };
+        // kvm_pvm reports the step trap at the first instruction of the handler an
+        // exception or NMI was delivered to: the guard's stub.
+        if let Some(vector) = self.step_guard.get().and_then(|g| g.vector_at(Gva(regs.rip))) {
+            return self.step_interrupted(cpu, vcpu, vector, regs, pending);
         }
         let fixup =
             pending
@@ -260,6 +327,7 @@ impl Tracer {
             Ok(StepFixup::Done) => {}
             Err(source) => {
                 let _ = vcpu.set_single_step(false);
+                let _ = vcpu.set_interrupt_table(pending.guest_idt);
                 return StepOutcome::Fatal(EngineFault::Insn {
                     cpu,
                     at: pending.site,
@@ -287,7 +355,10 @@ impl Tracer {
                 });
             }
         }
-        if let Err(e) = vcpu.set_single_step(false) {
+        if let Err(e) = vcpu
+            .set_single_step(false)
+            .and_then(|()| vcpu.set_interrupt_table(pending.guest_idt))
+        {
             return StepOutcome::Fatal(fault(e));
         }
         self.run_posts(cpu, &pending.posts, &mut regs);
@@ -321,39 +392,94 @@ impl Tracer {
         }
     }
 
-    /// When the step exit finds the vCPU elsewhere than after the copy: if an exception
-    /// frame on the stack says the copy was interrupted (its RIP is the slot, its CS the
-    /// kernel's), make the handler return to the probe address with the guest's own IF
-    /// and no TF. Returns whether it found and fixed such a frame.
-    fn send_handler_back(&self, kernel: &dyn KernelMemory, regs: &Regs, pending: &PendingStep) -> bool {
-        // With an error code the frame starts one word higher.
-        for frame in [regs.rsp, regs.rsp.wrapping_add(8)] {
-            let word = |off: u64| kernel.read_u64(Gva(frame.wrapping_add(off))).ok();
-            let (Some(rip), Some(cs), Some(rflags)) = (word(FRAME_RIP), word(FRAME_CS), word(FRAME_RFLAGS)) else {
-                continue;
-            };
-            let kernel_cs = cs != 0 && cs < 0x10000 && cs & 3 == 0;
-            if rip != pending.slot.0 || !kernel_cs {
-                continue;
+    /// An int3 exit at `at`, one of the step guard's stubs: on hardware KVM the step trap
+    /// does not stop at the handler an exception or NMI was delivered to, so the stub's
+    /// int3 reports it.
+    pub(super) fn step_guard_breakpoint(&self, cpu: usize, vcpu: &mut dyn Vcpu, at: Gva) -> Option<StepOutcome> {
+        let vector = self.step_guard.get()?.vector_at(at)?;
+        let pending = self.stepping.lock().unwrap_or_else(|e| e.into_inner()).remove(&cpu)?;
+        let regs = match vcpu.regs() {
+            Ok(r) => r,
+            Err(source) => {
+                return Some(StepOutcome::Fatal(EngineFault::Vcpu {
+                    cpu,
+                    at: pending.site,
+                    source,
+                }))
             }
-            let rflags = (rflags & !(rflags::IF | rflags::TF)) | pending.saved_if;
-            let rewritten = kernel
-                .write_virt(Gva(frame + FRAME_RIP), &pending.site.0.to_le_bytes())
-                .and_then(|()| kernel.write_virt(Gva(frame + FRAME_RFLAGS), &rflags.to_le_bytes()));
-            return match rewritten {
-                Ok(()) => {
-                    tracing::debug!(
-                        "the out-of-line step of {} was interrupted: the handler returns to the probe",
-                        pending.site
-                    );
-                    true
-                }
-                Err(e) => {
-                    tracing::error!("fixing the exception frame at {frame:#x}: {e}");
-                    false
-                }
-            };
-        }
-        false
+        };
+        Some(self.step_interrupted(cpu, vcpu, vector, regs, pending))
     }
+
+    /// Exception or NMI `vector` was delivered during the step, through the guard's gate:
+    /// its frame is where the guest's own gate would have put it. The frame is made to say
+    /// the probe address and the guest's own flags (no TF, its IF), the guest's IDTR goes
+    /// back, and the vCPU goes on in the guest's handler for `vector`, which returns to the
+    /// probe (it hits again, as in Linux).
+    fn step_interrupted(
+        &self,
+        cpu: usize,
+        vcpu: &mut dyn Vcpu,
+        vector: u8,
+        mut regs: Regs,
+        pending: PendingStep,
+    ) -> StepOutcome {
+        let kernel = self.machine.kernel();
+        let at = pending.site;
+        let vcpu_fault = |source| StepOutcome::Fatal(EngineFault::Vcpu { cpu, at, source });
+        // The step is over whatever follows: the vCPU must not go on with the guard's IDT.
+        if let Err(e) = vcpu
+            .set_single_step(false)
+            .and_then(|()| vcpu.set_interrupt_table(pending.guest_idt))
+        {
+            return vcpu_fault(e);
+        }
+        let frame = regs.rsp + if step_guard::has_error_code(vector) { 8 } else { 0 };
+        let guard_fault = |found: String| {
+            StepOutcome::Fatal(EngineFault::StepGuard {
+                cpu,
+                at,
+                vector,
+                frame,
+                found,
+            })
+        };
+        let (rip, flags) = match (
+            kernel.read_u64(Gva(frame + FRAME_RIP)),
+            kernel.read_u64(Gva(frame + FRAME_RFLAGS)),
+        ) {
+            (Ok(rip), Ok(flags)) => (rip, flags),
+            (Err(e), _) | (_, Err(e)) => return guard_fault(format!("cannot be read: {e}")),
+        };
+        if rip != pending.slot.0 {
+            return guard_fault(format!("says RIP {rip:#x}, not the copy at {}", pending.slot));
+        }
+        let flags = (flags & !(rflags::IF | rflags::TF)) | pending.saved_if;
+        let mut gate = [0u8; 16];
+        let rewritten = kernel
+            .write_virt(Gva(frame + FRAME_RIP), &at.0.to_le_bytes())
+            .and_then(|()| kernel.write_virt(Gva(frame + FRAME_RFLAGS), &flags.to_le_bytes()))
+            .and_then(|()| kernel.read_virt(step_guard::gate_address(pending.guest_idt.base, vector), &mut gate));
+        if let Err(e) = rewritten {
+            return guard_fault(format!("cannot be rewritten: {e}"));
+        }
+        regs.rip = step_guard::gate_handler(&gate).0;
+        if let Err(e) = vcpu.set_regs(&regs) {
+            return vcpu_fault(e);
+        }
+        self.stats.steps_interrupted.fetch_add(1, COUNT);
+        tracing::debug!(
+            "vCPU {cpu}: vector {vector} during the out-of-line step of {at}: its handler returns to the probe"
+        );
+        StepOutcome::Handled
+    }
+}
+
+/// Why the step guard could not be armed.
+#[derive(Debug, thiserror::Error)]
+enum StepGuardError {
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    #[error(transparent)]
+    Memory(#[from] hvprobe_introspection::memory::MemoryError),
 }

@@ -18,6 +18,18 @@ fn libc_einval() -> i32 {
 
 const FUNC: u64 = 0xffff_ffff_8100_0000;
 const OOL: u64 = 0xffff_ffff_8240_0000;
+/// 4 KiB for copies and detours, and the step guard's place after them.
+const OOL_SIZE: u64 = 0x1000 + 0x1100;
+/// The step guard's IDT, and its stubs (the int3 of vector `v` at `GUARD_STUBS + v`).
+const GUARD_IDT: u64 = OOL + 0x1000;
+const GUARD_STUBS: u64 = GUARD_IDT + 0x1000;
+/// The guest's IDT: every gate a 64-bit interrupt gate to `GUEST_HANDLERS + 0x10 * vector`
+/// (the NMI's on IST 2, as Linux has it).
+const GUEST_IDT: crate::machine::InterruptTable = crate::machine::InterruptTable {
+    base: Gva(0xffff_fe00_0000_0000),
+    limit: 0xfff,
+};
+const GUEST_HANDLERS: u64 = 0xffff_ffff_8180_0000;
 const STACK_TOP: u64 = 0xffff_8880_0010_0000;
 
 /// `func`: ftrace NOP; push %rbp; mov %rsp,%rbp; mov 0x10(%rip),%rax; pop %rbp; ret.
@@ -86,7 +98,19 @@ impl FakeMachine {
         m.write_virt(Gva(LOOPING), LOOPING_CODE).unwrap();
         m.write_virt(Gva(TRACED), &TRACED_CODE).unwrap();
         m.write_virt(Gva(STACK_TOP - 0x1000), &[0u8; 0x1000]).unwrap();
-        m.write_virt(Gva(OOL), &[0u8; 0x1000]).unwrap();
+        m.write_virt(Gva(OOL), &[0u8; OOL_SIZE as usize]).unwrap();
+        let mut idt = Vec::new();
+        for vector in 0..256u64 {
+            let handler = GUEST_HANDLERS + 0x10 * vector;
+            idt.extend((handler as u16).to_le_bytes());
+            idt.extend(0x10u16.to_le_bytes());
+            idt.push(if vector == 2 { 2 } else { 0 });
+            idt.push(0x8e);
+            idt.extend(((handler >> 16) as u16).to_le_bytes());
+            idt.extend(((handler >> 32) as u32).to_le_bytes());
+            idt.extend([0u8; 4]);
+        }
+        m.write_virt(GUEST_IDT.base, &idt).unwrap();
         Arc::new(m)
     }
 
@@ -166,6 +190,7 @@ impl PausedView for FakeMachine {
 struct FakeVcpu {
     regs: Regs,
     stepping: bool,
+    idt: crate::machine::InterruptTable,
     /// Make `set_single_step(true)` fail, as a KVM_SET_GUEST_DEBUG that fails would.
     step_fails: bool,
 }
@@ -181,6 +206,7 @@ impl FakeVcpu {
                 ..Default::default()
             },
             stepping: false,
+            idt: GUEST_IDT,
             step_fails: false,
         }
     }
@@ -202,6 +228,13 @@ impl Vcpu for FakeVcpu {
             return Err(VcpuError::new("KVM_SET_GUEST_DEBUG", libc_einval()));
         }
         self.stepping = on;
+        Ok(())
+    }
+    fn interrupt_table(&mut self) -> Result<crate::machine::InterruptTable, VcpuError> {
+        Ok(self.idt)
+    }
+    fn set_interrupt_table(&mut self, table: crate::machine::InterruptTable) -> Result<(), VcpuError> {
+        self.idt = table;
         Ok(())
     }
     fn current_task(&mut self) -> Option<hvprobe_introspection::task::TaskInfo> {
@@ -252,7 +285,7 @@ fn tracer_with(machine: &Arc<FakeMachine>, patch_sites: PatchSites, sink: Option
     };
     let ool = OutOfLineArea {
         start: Gva(OOL),
-        size: 0x1000,
+        size: OOL_SIZE,
     };
     Tracer::new(machine.clone(), view, Some(ool), sink)
 }
@@ -1144,39 +1177,137 @@ fn push_frame(m: &FakeMachine, at: u64, error_code: Option<u64>, rip: u64, rflag
     at + 8 * u64::from(error_code.is_some())
 }
 
+/// Which way the host hears of an exception or NMI delivered during a step.
+#[derive(Clone, Copy, Debug)]
+enum StepInterruption {
+    /// kvm_pvm: the step trap, at the first instruction of the handler (the guard's stub).
+    StepTrap,
+    /// Hardware KVM: the CPU runs the handler, the stub's int3 exits.
+    StubInt3,
+}
+
 #[test]
-fn an_exception_or_nmi_during_a_step_returns_to_the_probe_with_the_guests_flags() {
-    for error_code in [None, Some(2)] {
-        let m = FakeMachine::with_code();
-        let t = tracer(&m);
-        let posts = Arc::new(AtomicU64::new(0));
-        let p = posts.clone();
-        let mut req = plain(at("func", 9), "stepped");
-        req.post = Some(Arc::new(move |_: &mut HitContext| {
-            p.fetch_add(1, Ordering::Relaxed);
-        }));
-        t.register(req).unwrap();
-        let mut cpu = FakeVcpu::at(MOV_RIP);
-        cpu.regs.rflags = 0x202;
-        assert!(matches!(
-            t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
-            BreakpointOutcome::Handled
-        ));
-        assert_eq!(cpu.regs.rflags & rflags::IF, 0, "IF cleared for the step");
-        // The copy faulted (or an NMI came): the CPU pushed a frame on the handler's stack
-        // and the step trap reports the handler's first instruction.
-        let frame_at = STACK_TOP - 0x800;
-        let frame = push_frame(&m, frame_at, error_code, OOL, cpu.regs.rflags);
-        cpu.regs.rip = 0xffff_ffff_8180_0000;
-        cpu.regs.rsp = frame_at;
-        assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
-        assert!(!cpu.stepping);
-        assert_eq!(cpu.regs.rip, 0xffff_ffff_8180_0000, "the handler runs on");
-        assert_eq!(m.read_u64(Gva(frame)).unwrap(), MOV_RIP, "it returns to the probe");
-        assert_eq!(m.read_u64(Gva(frame + 16)).unwrap() & rflags::IF, rflags::IF, "with IF");
-        assert_eq!(posts.load(Ordering::Relaxed), 0, "the instruction did not complete");
-        assert_eq!(t.stats.steps_interrupted.load(Ordering::Relaxed), 1);
+fn an_exception_or_nmi_during_a_step_goes_to_the_guests_handler_returning_to_the_probe() {
+    for route in [StepInterruption::StepTrap, StepInterruption::StubInt3] {
+        // An NMI (no error code, the guest's gate on IST 2), #GP and #PF (error codes).
+        for vector in [2u8, 13, 14] {
+            let m = FakeMachine::with_code();
+            let t = tracer(&m);
+            let posts = Arc::new(AtomicU64::new(0));
+            let p = posts.clone();
+            let mut req = plain(at("func", 9), "stepped");
+            req.post = Some(Arc::new(move |_: &mut HitContext| {
+                p.fetch_add(1, Ordering::Relaxed);
+            }));
+            t.register(req).unwrap();
+            let mut cpu = FakeVcpu::at(MOV_RIP);
+            cpu.regs.rflags = 0x202;
+            assert!(matches!(
+                t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+                BreakpointOutcome::Handled
+            ));
+            assert_eq!(cpu.regs.rflags & rflags::IF, 0, "IF cleared for the step");
+            assert_eq!(
+                cpu.idt,
+                crate::machine::InterruptTable {
+                    base: Gva(GUARD_IDT),
+                    limit: GUEST_IDT.limit
+                },
+                "the step runs on the guard's IDT"
+            );
+            let gate = m.bytes(GUARD_IDT + 16 * u64::from(vector), 16);
+            let guest_gate = m.bytes(GUEST_IDT.base.0 + 16 * u64::from(vector), 16);
+            assert_eq!(gate[2..6], guest_gate[2..6], "the guest's selector, IST and type");
+            let stub = GUARD_STUBS + u64::from(vector);
+            let offset = u64::from(u16::from_le_bytes([gate[0], gate[1]]))
+                | u64::from(u16::from_le_bytes([gate[6], gate[7]])) << 16
+                | u64::from(u32::from_le_bytes(gate[8..12].try_into().unwrap())) << 32;
+            assert_eq!(offset, stub);
+            assert_eq!(m.bytes(stub, 1), [INT3]);
+            // The copy faulted (or an NMI came): the CPU pushed a frame through the guard's
+            // gate, where the guest's own would have.
+            let frame_at = STACK_TOP - 0x800;
+            let error_code = super::step_guard::has_error_code(vector).then_some(2);
+            let frame = push_frame(&m, frame_at, error_code, OOL, cpu.regs.rflags | rflags::TF);
+            cpu.regs.rip = stub;
+            cpu.regs.rsp = frame_at;
+            cpu.regs.rflags = 0x2;
+            match route {
+                StepInterruption::StepTrap => {
+                    assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled))
+                }
+                StepInterruption::StubInt3 => assert!(matches!(
+                    t.on_breakpoint(0, &mut cpu, Gva(stub)),
+                    BreakpointOutcome::Handled
+                )),
+            }
+            assert!(!cpu.stepping);
+            assert_eq!(cpu.idt, GUEST_IDT, "{route:?} {vector}: the guest's IDT back");
+            assert_eq!(
+                cpu.regs.rip,
+                GUEST_HANDLERS + 0x10 * u64::from(vector),
+                "the guest's handler runs"
+            );
+            assert_eq!(cpu.regs.rsp, frame_at, "on the frame the CPU pushed");
+            assert_eq!(m.read_u64(Gva(frame)).unwrap(), MOV_RIP, "it returns to the probe");
+            let flags = m.read_u64(Gva(frame + 16)).unwrap();
+            assert_eq!(flags & rflags::IF, rflags::IF, "with the guest's IF");
+            assert_eq!(flags & rflags::TF, 0, "and no TF");
+            assert_eq!(posts.load(Ordering::Relaxed), 0, "the instruction did not complete");
+            assert_eq!(t.stats.steps_interrupted.load(Ordering::Relaxed), 1);
+        }
     }
+}
+
+#[test]
+fn a_step_that_ends_normally_gives_the_guest_its_idt_back() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.register(plain(at("func", 9), "stepped")).unwrap();
+    let mut cpu = FakeVcpu::at(MOV_RIP);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.idt.base, Gva(GUARD_IDT));
+    cpu.regs.rip += 7; // past the copy of the 7-byte mov
+    assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
+    assert_eq!(cpu.idt, GUEST_IDT);
+    assert_eq!(cpu.regs.rip, MOV_RIP + 7);
+}
+
+#[test]
+fn a_stub_int3_whose_frame_is_not_from_the_copy_stops_the_vm_with_the_guests_idt_back() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    t.register(plain(at("func", 9), "stepped")).unwrap();
+    let mut cpu = FakeVcpu::at(MOV_RIP);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+        BreakpointOutcome::Handled
+    ));
+    let frame_at = STACK_TOP - 0x800;
+    push_frame(&m, frame_at, Some(0), 0xffff_ffff_8100_4321, 0x2);
+    cpu.regs.rip = GUARD_STUBS + 13;
+    cpu.regs.rsp = frame_at;
+    let outcome = t.on_breakpoint(0, &mut cpu, Gva(GUARD_STUBS + 13));
+    assert!(
+        matches!(
+            outcome,
+            BreakpointOutcome::Fatal(EngineFault::StepGuard { vector: 13, .. })
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(cpu.idt, GUEST_IDT);
+    // With no step pending, a stub's int3 is no int3 of ours.
+    let outcome = t.on_breakpoint(0, &mut cpu, Gva(GUARD_STUBS + 13));
+    assert!(
+        matches!(
+            outcome,
+            BreakpointOutcome::Fatal(EngineFault::UnknownOutOfLineBreakpoint { .. })
+        ),
+        "{outcome:?}"
+    );
 }
 
 #[test]

@@ -869,6 +869,9 @@ fn refused_instructions() {
         &[0xf3, 0x2e, 0xe0, 0x10], // rep cs loopne
         &[0xf2, 0xe2, 0x10],       // repne loop
         &[0xf3, 0xe3, 0x10],       // rep jrcxz
+        // The IDTR holds the step guard's IDT while a copy runs.
+        &[0x0f, 0x01, 0x0c, 0x24], // sidt (%rsp)
+        &[0x0f, 0x01, 0x1f],       // lidt (%rdi)
     ];
     for bytes in refused {
         let insn = analyze(bytes, FUNC).unwrap();
