@@ -175,7 +175,7 @@ fn live_control_on_kvm_amd() {
 
 #[test]
 fn snapshots_and_restore_on_kvm_amd() {
-    suite_in_l1("snapshot", "", 6, &[]);
+    suite_in_l1("snapshot", "", 7, &[]);
 }
 
 /// The library API (sync handlers, the async stream) on code blobs and the bundled guest,

@@ -151,6 +151,41 @@ fn a_two_vcpu_snapshot_restores_with_two_cpus() {
     assert_clean(&run);
 }
 
+/// Whether the guest's kvm-clock was flagged TSC-stable at the end of a restored run
+/// (KVM sets the flag while its master clock is on: every vCPU's TSC of one generation).
+fn kvm_clock_stable_after_restore(cpus: u8) -> bool {
+    let dir = snapshot(cpus);
+    let probes = std::env::temp_dir().join(format!("hvprobe-snapshot-clock-{}-{cpus}.probes", std::process::id()));
+    std::fs::write(&probes, "p:t/getppid __x64_sys_getppid\n").unwrap();
+    let run = common::restore_with(
+        &dir,
+        cpus,
+        "hvprobe-loop 2",
+        &["--probes", probes.to_str().unwrap()],
+        RESTORE_TIMEOUT,
+    );
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let end = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("guest trace clock at the end"))
+        .unwrap_or_else(|| panic!("no clock summary\n{}", run.tail()));
+    end.contains(" kHz, stable)")
+}
+
+/// A 2-vCPU guest restored vCPU by vCPU lost KVM's master clock (KVM took each vCPU's
+/// creation for a TSC write, after the earlier vCPU's restored TSC: a new TSC generation),
+/// so its kvm-clock was not flagged stable where a 1-vCPU restore's (and a fresh boot's)
+/// is. Where the host keeps no master clock at all (the lane's L1 unless its TSC is
+/// trusted), neither is.
+#[test]
+fn a_restored_two_vcpu_guest_keeps_the_master_clock_a_one_vcpu_guest_has() {
+    let one = kvm_clock_stable_after_restore(1);
+    let two = kvm_clock_stable_after_restore(2);
+    assert_eq!(two, one, "kvm-clock flagged stable: 2 vCPUs {two}, 1 vCPU {one}");
+}
+
 // The 252-byte workload message is longer than what Linux's 8250 driver reads per interrupt
 // (the FIFO refills meanwhile): it hung until the UART kept reporting pending data.
 #[test]

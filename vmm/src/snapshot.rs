@@ -914,11 +914,16 @@ impl Vm {
             Some(&state.serial),
             state.cmos_index,
         )?;
-        let mut vcpus = Vec::new();
-        for (cpu, record) in state.vcpus.iter().enumerate() {
-            let vcpu = vm_fd.create_vcpu(cpu as u64).map_err(kvm_err("KVM_CREATE_VCPU"))?;
-            restore_vcpu(cpu, &vcpu, record)?;
-            vcpus.push(vcpu);
+        // Every vCPU is created before any is restored, as firecracker and QEMU do: KVM
+        // takes a vCPU's creation (a TSC write of 0) for a TSC synchronization, which
+        // after an earlier vCPU's restored TSC started a new TSC generation for the next,
+        // and KVM's master clock stayed off (a restored 2-vCPU guest's kvm-clock was not
+        // flagged stable where a fresh boot's is).
+        let vcpus = (0..state.vcpus.len())
+            .map(|cpu| vm_fd.create_vcpu(cpu as u64).map_err(kvm_err("KVM_CREATE_VCPU")))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (cpu, (vcpu, record)) in vcpus.iter().zip(&state.vcpus).enumerate() {
+            restore_vcpu(cpu, vcpu, record)?;
         }
         Ok(Vm::from_parts(
             kvm,
