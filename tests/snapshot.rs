@@ -276,9 +276,13 @@ fn bad_snapshots_are_refused_before_anything_is_restored() {
     };
 
     let version = copy_with_state(&dir, "version", |s| s[8] += 1);
+    let current = hvprobe_vmm::snapshot::SNAPSHOT_FORMAT_VERSION;
     assert_refused(
         &quick(&version, "1"),
-        "has snapshot format version 2; this hvprobe reads version 1",
+        &format!(
+            "has snapshot format version {}; this hvprobe reads version {current}",
+            current + 1
+        ),
     );
 
     let truncated_state = copy_with_state(&dir, "short-state", |s| s.truncate(s.len() / 2));

@@ -27,6 +27,8 @@ pub mod efer {
     pub const LME: u64 = 1 << 8;
     /// Long mode active (set by the CPU once paging is on).
     pub const LMA: u64 = 1 << 10;
+    /// No-execute enabled: page-table entries' bit 63 means NX (reserved otherwise).
+    pub const NXE: u64 = 1 << 11;
 }
 
 /// CR0.

@@ -175,8 +175,14 @@ pub(crate) mod test_tables {
     pub const TWO_MIB: u64 = 2 << 20;
 
     /// 32 MiB of guest memory, all zero (no page mapped).
+    /// 32 MiB from 0, and the VMM's out-of-line area.
     pub fn memory() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 32 << 20)]).unwrap()
+        use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
+        GuestMemoryMmap::from_ranges(&[
+            (GuestAddress(0), 32 << 20),
+            (GuestAddress(OOL_AREA_START.0), OOL_AREA_SIZE as usize),
+        ])
+        .unwrap()
     }
 
     /// Writes `value` into the entry for `va` of the table at `table`, which is at `level`

@@ -1,12 +1,22 @@
-//! The out-of-line area (instruction copies, the return-probe trampoline): guest-physical
-//! memory the VMM withholds from the guest, mapped by the host into the kernel's own page
-//! tables in a free 2 MiB slot of the kernel image mapping, within ±2 GiB of all kernel text.
+//! The out-of-line area (instruction copies, the return-probe trampoline, detours, the step
+//! guard, event rings): guest-physical memory the VMM withholds from the guest, mapped by
+//! the host into the kernel's own page tables in two free 2 MiB slots of the kernel image
+//! mapping, within ±2 GiB of all kernel text.
+//!
+//! Invariant: no page of it is both writable and executable to the guest (a kernel with
+//! `CONFIG_DEBUG_WX` checks its mappings at boot and warns of any such page). Its first
+//! 2 MiB page (code) is read-only and executable (the host writes it through
+//! guest-physical memory), its second (rings) writable and not executable. Both are leaf
+//! entries of the kernel's page directory: a page table of ours would sit in memory the
+//! guest does not map, and its own page-table walkers (ptdump, the W+X check) would fault
+//! reading it.
 
-use hvprobe_arch::paging::{translate, WalkError};
+use hvprobe_arch::paging::{pte, translate, WalkError};
+use hvprobe_arch::regs::efer;
 use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_probes::engine::OutOfLineArea;
-use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
+use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START, OOL_CODE_SIZE};
 use hvprobe_vmm::VcpuState;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
 
@@ -19,9 +29,23 @@ const KERNEL_IMAGE_MAP_END: u64 = 0xffff_ffff_c000_0000;
 /// Where modules start without `CONFIG_RANDOMIZE_BASE` (a 512 MiB kernel image).
 const MODULES_START_WITHOUT_KASLR: u64 = 0xffff_ffff_a000_0000;
 const TWO_MIB: u64 = 2 << 20;
-/// A 2 MiB kernel page: present, writable, accessed, dirty, large, global; executable and
+/// The code's 2 MiB page: present, read-only, accessed, large, global; executable and
 /// supervisor-only.
-const OOL_PMD_FLAGS: u64 = 0x1 | 0x2 | 0x20 | 0x40 | 0x80 | 0x100;
+const CODE_PDE_FLAGS: u64 = pte::PRESENT | pte::ACCESSED | pte::HUGE | pte::GLOBAL;
+/// The rings' 2 MiB page: present, writable, accessed, dirty, large, global, supervisor-only;
+/// not executable where the guest has NX on (without it every page is executable, and
+/// there is no W+X to avoid).
+const RINGS_PDE_FLAGS: u64 = pte::PRESENT | pte::WRITABLE | pte::ACCESSED | pte::DIRTY | pte::HUGE | pte::GLOBAL;
+
+/// The area's parts when it is mapped at `va`.
+pub fn out_of_line_area_at(va: u64) -> OutOfLineArea {
+    OutOfLineArea {
+        start: Gva(va),
+        size: OOL_CODE_SIZE,
+        rings: Gva(va + OOL_CODE_SIZE),
+        rings_size: OOL_AREA_SIZE - OOL_CODE_SIZE,
+    }
+}
 
 /// Why the out-of-line area could not be mapped.
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +55,7 @@ pub enum OutOfLineError {
     #[error("cannot place the out-of-line area: {0}")]
     KernelTables(#[from] KernelTablesError),
     #[error(
-        "no free 2 MiB slot in the kernel image mapping ({KERNEL_IMAGE_MAP_START:#x}..{limit:#x}) outside the \
+        "no two free 2 MiB slots in the kernel image mapping ({KERNEL_IMAGE_MAP_START:#x}..{limit:#x}) outside the \
          kernel ({text:#x}..{end:#x})"
     )]
     NoFreeSlot { limit: u64, text: u64, end: u64 },
@@ -52,17 +76,24 @@ pub fn place_out_of_line_area(
     symbols: &SymbolTable,
 ) -> Result<OutOfLineArea, OutOfLineError> {
     let tables = KernelPageTables::find(mem, state, symbols)?;
-    map_out_of_line_area(&GuestPhys(mem.clone()), tables, symbols)
+    map_out_of_line_area(&GuestPhys(mem.clone()), tables, symbols, guest_has_nx(state))
+}
+
+/// Whether the guest turned NX on (page-table entries' bit 63 is reserved otherwise).
+pub fn guest_has_nx(state: &VcpuState) -> bool {
+    state.sregs.efer & efer::NXE != 0
 }
 
 /// Maps the VMM's out-of-line area into `tables`, in a free 2 MiB slot of the kernel image
-/// mapping outside the kernel (within ±2 GiB of all kernel text, below the module area).
-/// Returns the area's guest-virtual address. Idempotent: an area already mapped (a restored
-/// snapshot of a traced guest) is found again.
+/// mapping outside the kernel (within ±2 GiB of all kernel text, below the module area),
+/// with its rings not executable when `nx` (the guest's EFER.NXE). Returns where its parts
+/// are. Idempotent: an area already mapped (a restored snapshot of a traced guest) is
+/// found again.
 pub fn map_out_of_line_area(
     phys: &GuestPhys,
     tables: KernelPageTables,
     symbols: &SymbolTable,
+    nx: bool,
 ) -> Result<OutOfLineArea, OutOfLineError> {
     let bound = |name: &'static str| {
         symbols
@@ -80,29 +111,37 @@ pub fn map_out_of_line_area(
     // past its end (or before its start) is mistaken for free. Above the kernel first; a
     // randomized kernel near the top of its 1 GiB leaves room only below it.
     let above = (end.div_ceil(TWO_MIB) + 1) * TWO_MIB;
-    let below = (text / TWO_MIB).saturating_sub(2) * TWO_MIB;
-    let candidates = (above..limit.saturating_sub(TWO_MIB - 1))
+    let below = (text / TWO_MIB).saturating_sub(1 + OOL_AREA_SIZE / TWO_MIB) * TWO_MIB;
+    let candidates = (above..limit.saturating_sub(OOL_AREA_SIZE - 1))
         .step_by(TWO_MIB as usize)
         .chain((KERNEL_IMAGE_MAP_START..=below).rev().step_by(TWO_MIB as usize));
-    let area = |va| OutOfLineArea {
-        start: Gva(va),
-        size: OOL_AREA_SIZE,
-    };
+    let walk = |va: u64| translate(phys, tables.root().0, tables.mode(), Gva(va));
     for va in candidates {
-        match translate(phys, tables.root().0, tables.mode(), Gva(va)) {
-            Ok(t) if t.gpa == OOL_AREA_START => return Ok(area(va)),
-            Ok(_) => {}
+        let code_entry = match walk(va) {
+            Ok(t) if t.gpa == OOL_AREA_START => return Ok(out_of_line_area_at(va)),
             Err(WalkError::NotPresent {
                 level: 2, entry_gpa, ..
-            }) => {
-                let entry = OOL_AREA_START.0 | OOL_PMD_FLAGS;
-                phys.0
-                    .write_obj(entry, GuestAddress(entry_gpa.0))
-                    .map_err(|source| OutOfLineError::WriteEntry { entry_gpa, source })?;
-                return Ok(area(va));
-            }
-            Err(_) => {}
+            }) => entry_gpa,
+            _ => continue,
+        };
+        let Err(WalkError::NotPresent {
+            level: 2,
+            entry_gpa: rings_entry,
+            ..
+        }) = walk(va + OOL_CODE_SIZE)
+        else {
+            continue;
+        };
+        let rings_pde = (OOL_AREA_START.0 + OOL_CODE_SIZE) | RINGS_PDE_FLAGS | if nx { pte::NX } else { 0 };
+        for (entry_gpa, value) in [
+            (rings_entry, rings_pde),
+            (code_entry, OOL_AREA_START.0 | CODE_PDE_FLAGS),
+        ] {
+            phys.0
+                .write_obj(value, GuestAddress(entry_gpa.0))
+                .map_err(|source| OutOfLineError::WriteEntry { entry_gpa, source })?;
         }
+        return Ok(out_of_line_area_at(va));
     }
     Err(OutOfLineError::NoFreeSlot { limit, text, end })
 }
@@ -142,7 +181,7 @@ mod tests {
     fn the_out_of_line_area_goes_after_the_kernel_and_is_found_again() {
         let (text, end) = (0xffff_ffff_8100_0000, 0xffff_ffff_8230_0000);
         let (phys, tables) = kernel_tables(text, end);
-        let area = map_out_of_line_area(&phys, tables, &symbols(text, end)).unwrap();
+        let area = map_out_of_line_area(&phys, tables, &symbols(text, end), true).unwrap();
         assert_eq!(
             area.start,
             Gva(0xffff_ffff_8260_0000),
@@ -150,20 +189,48 @@ mod tests {
         );
         let t = translate(&phys, PML4, PagingMode::Level4, area.start).unwrap();
         assert_eq!(t.gpa, OOL_AREA_START);
-        assert!(t.permissions.executable && t.permissions.writable && !t.permissions.user);
-        let again = map_out_of_line_area(&phys, tables, &symbols(text, end)).unwrap();
+        let again = map_out_of_line_area(&phys, tables, &symbols(text, end), true).unwrap();
         assert_eq!(again.start, area.start);
+    }
+
+    /// The kernel's W+X check (CONFIG_DEBUG_WX) found the area when it was one 2 MiB
+    /// writable and executable page: a warning in a stock kernel's boot log.
+    #[test]
+    fn no_page_of_the_area_is_writable_and_executable() {
+        let (text, end) = (0xffff_ffff_8100_0000, 0xffff_ffff_8230_0000);
+        for nx in [true, false] {
+            let (phys, tables) = kernel_tables(text, end);
+            let area = map_out_of_line_area(&phys, tables, &symbols(text, end), nx).unwrap();
+            assert_eq!(area.start.0 + area.size, area.rings.0, "the rings right after the code");
+            assert_eq!(area.size + area.rings_size, OOL_AREA_SIZE);
+            for page in (0..OOL_AREA_SIZE).step_by(4096) {
+                let va = Gva(area.start.0 + page);
+                let t = translate(&phys, PML4, PagingMode::Level4, va).unwrap();
+                assert_eq!(t.gpa, Gpa(OOL_AREA_START.0 + page), "{va}");
+                assert!(!t.permissions.user, "{va}");
+                if area.contains(va) {
+                    assert!(t.permissions.executable, "{va}: a code page is executable");
+                    assert!(!t.permissions.writable, "{va}: a code page is read-only");
+                } else {
+                    assert!(t.permissions.writable, "{va}: a ring page is writable");
+                    assert_eq!(
+                        t.permissions.executable, !nx,
+                        "{va}: a ring page executes only without NX"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
     fn a_kernel_randomized_to_the_top_gets_the_area_below_it() {
         let (text, end) = (0xffff_ffff_be00_0000, 0xffff_ffff_bfe1_c000);
         let (phys, tables) = kernel_tables(text, end);
-        let area = map_out_of_line_area(&phys, tables, &symbols(text, end)).unwrap();
+        let area = map_out_of_line_area(&phys, tables, &symbols(text, end), true).unwrap();
         assert_eq!(
             area.start,
-            Gva(0xffff_ffff_bdc0_0000),
-            "below _text and one free 2 MiB page"
+            Gva(0xffff_ffff_bda0_0000),
+            "its 4 MiB below _text and one free 2 MiB page"
         );
         // Everything is taken: a clear error, nothing written.
         let (full, tables) = kernel_tables(KERNEL_IMAGE_MAP_START, KERNEL_IMAGE_MAP_END);
@@ -171,10 +238,11 @@ mod tests {
             &full,
             tables,
             &symbols(KERNEL_IMAGE_MAP_START + TWO_MIB, KERNEL_IMAGE_MAP_END - TWO_MIB),
+            true,
         )
         .unwrap_err();
         assert!(matches!(err, OutOfLineError::NoFreeSlot { .. }), "{err}");
-        assert!(err.to_string().contains("no free 2 MiB slot"), "{err}");
+        assert!(err.to_string().contains("no two free 2 MiB slots"), "{err}");
     }
 
     /// A vCPU parked in a user process: its CR3 is the process's, whose kernel half is a

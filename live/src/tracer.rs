@@ -18,7 +18,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
 use crate::clock::guest_clock;
 use crate::machine::VmMachine;
 use crate::memory::{GuestPhys, KernelPageTables, KernelTablesError, LiveKernel};
-use crate::ool::{map_out_of_line_area, OutOfLineError};
+use crate::ool::{guest_has_nx, map_out_of_line_area, out_of_line_area_at, OutOfLineError};
 
 /// Why a tracer could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +61,7 @@ pub fn build_tracer(
     let blacklist = KprobeBlacklist::read_live(&memory, symbols).map_err(TracerError::Blacklist)?;
     let ex_table = ExceptionTable::read(&memory, symbols).map_err(TracerError::ExceptionTable)?;
     let patch_sites = PatchSites::read(&memory, symbols).map_err(TracerError::PatchSites)?;
-    let ool = map_out_of_line_area(&GuestPhys(mem.clone()), tables, symbols)?;
+    let ool = map_out_of_line_area(&GuestPhys(mem.clone()), tables, symbols, guest_has_nx(state))?;
     tracing::info!(
         "probe engine: {} blacklisted functions, {} exception-table entries, {} patch sites, out-of-line area at {}",
         blacklist.symbols().len(),
@@ -148,16 +148,18 @@ pub const CODE_BLOB_OOL_VA: u64 = 1 << 30;
 
 /// A tracer for a code-blob VM ([`hvprobe_vmm::Vm::new_code_blob`]): the blob is the text
 /// symbol `blob` (`len` bytes), and the out-of-line area is mapped again at
-/// [`CODE_BLOB_OOL_VA`] with a 2 MiB page, as the VMM maps it next to a kernel.
+/// [`CODE_BLOB_OOL_VA`] with 2 MiB pages, as the VMM maps it next to a kernel.
 pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, TracerError> {
     let state = vm.vcpu_state(0).map_err(TracerError::VcpuState)?;
     let mem = vm.memory();
     // The blob's one set of page tables is its "kernel's": the second page directory
     // covers 1..2 GiB.
     let second_page_directory = hvprobe_vmm::layout::PDE_START + 0x1000;
-    let large_page = OOL_AREA_START.0 | 0x83;
-    mem.write_obj(large_page, GuestAddress(second_page_directory))
-        .map_err(TracerError::CodeBlobMapping)?;
+    for (i, offset) in (0..OOL_AREA_SIZE).step_by(2 << 20).enumerate() {
+        let large_page = (OOL_AREA_START.0 + offset) | 0x83;
+        mem.write_obj(large_page, GuestAddress(second_page_directory + 8 * i as u64))
+            .map_err(TracerError::CodeBlobMapping)?;
+    }
     let kernel = LiveKernel(PagedGuestMemory::new(
         GuestPhys(mem.clone()),
         state.sregs.cr3,
@@ -172,10 +174,9 @@ pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, T
         ex_table: ExceptionTable::default(),
         patch_sites: PatchSites::default(),
     };
-    let ool = OutOfLineArea {
-        start: Gva(CODE_BLOB_OOL_VA),
-        size: OOL_AREA_SIZE,
-    };
+    // Its parts as next to a kernel (writable and executable 2 MiB pages here: a code blob
+    // has no W+X check).
+    let ool = out_of_line_area_at(CODE_BLOB_OOL_VA);
     Ok(Arc::new(Tracer::new(
         Arc::new(VmMachine::new(vm.control(), kernel).without_kernel_stacks()),
         view,

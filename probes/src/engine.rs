@@ -271,12 +271,18 @@ pub struct KernelView {
     pub patch_sites: PatchSites,
 }
 
-/// The out-of-line area: guest-virtual memory mapped executable in the kernel's page tables
-/// and never used by the guest.
+/// The out-of-line area: guest-virtual memory mapped in the kernel's page tables and never
+/// used by the guest, in two parts no page of which is both writable and executable (a
+/// kernel's W+X check would report it).
 #[derive(Clone, Copy, Debug)]
 pub struct OutOfLineArea {
+    /// Copies, the trampoline, detours and the step guard: executable, read-only to the
+    /// guest (the host writes them through guest-physical memory).
     pub start: Gva,
     pub size: u64,
+    /// Event detours' rings: writable, not executable.
+    pub rings: Gva,
+    pub rings_size: u64,
 }
 
 impl OutOfLineArea {

@@ -38,11 +38,16 @@ pub const LOW_RAM_MAX_END: u64 = 0xc000_0000;
 /// Where RAM continues when the guest has more than [`LOW_RAM_MAX_END`].
 pub const HIGH_RAM_START: u64 = 0x1_0000_0000;
 
-/// The out-of-line area: guest-physical memory the VMM keeps for probe code
-/// (instruction copies, trampolines, detour buffers). The guest's memory map lists it as
-/// reserved, so the guest never uses it as RAM.
+/// The out-of-line area: guest-physical memory the VMM keeps for probe code (instruction
+/// copies, trampolines, detours) in its first 2 MiB, and for event detours' rings in its
+/// second (mapped as two 2 MiB pages: the code read-only and executable, the rings
+/// writable and not executable). The guest's memory map lists it as reserved, so the guest
+/// never uses it as RAM (nor maps it: a page table of ours in it would be one the guest's
+/// own page-table walkers cannot read).
 pub const OOL_AREA_START: Gpa = Gpa(0xd000_0000);
-pub const OOL_AREA_SIZE: u64 = 2 << 20;
+pub const OOL_AREA_SIZE: u64 = 4 << 20;
+/// The code part's size; the rings take the rest.
+pub const OOL_CODE_SIZE: u64 = 2 << 20;
 
 pub const IOAPIC_START: u64 = 0xfec0_0000;
 pub const LAPIC_START: u64 = 0xfee0_0000;

@@ -52,8 +52,9 @@ use crate::vcpu::StopReason;
 use crate::vm::{create_devices, create_machine, memory_ranges, register_guest_memory};
 use crate::{kvm_err, Error, Vm};
 
-/// Version of the snapshot format this build writes and reads.
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+/// Version of the snapshot format this build writes and reads (2: the out-of-line area
+/// became 4 MiB, so guest memory is laid out differently).
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 2;
 
 /// The directory name under which tools and tests cache a snapshot of the guest built
 /// with key `guest_key`: one per vCPU count, format and backend (a snapshot restores only
@@ -1023,11 +1024,11 @@ mod tests {
 
         let mut v = good.clone();
         v[VERSION_OFFSET] += 1;
-        assert!(
-            err(&v).contains("format version 2; this hvprobe reads version 1"),
-            "{}",
-            err(&v)
+        let expected = format!(
+            "format version {}; this hvprobe reads version {SNAPSHOT_FORMAT_VERSION}",
+            SNAPSHOT_FORMAT_VERSION + 1
         );
+        assert!(err(&v).contains(&expected), "{}", err(&v));
         assert!(err(&good[..good.len() - 10]).contains("truncated"));
         assert!(err(&good[..20]).contains("truncated"));
         assert!(err(b"hello").contains("no HVPSNAP magic"));

@@ -29,14 +29,13 @@ use crate::detour::event::{EventLayout, GuestKernelFacts};
 use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingMemory, RingReader};
 use crate::regs::Regs;
 
-/// Records per CPU ring, at most: halved until every CPU's ring fits the budget (a quarter
-/// of the out-of-line area, at most [`MAX_RINGS_BYTES`]): 1024 for one CPU in a 2 MiB area,
-/// 512 each for two.
+/// Records per CPU ring, at most: halved (down to [`MIN_RING_CAPACITY`]) until every CPU's
+/// ring and the tables fit the out-of-line area's writable part: 1024 for one CPU in the
+/// VMM's 640 KiB of rings, 512 each for two.
 const RING_CAPACITY: u32 = 1024;
+const MIN_RING_CAPACITY: u32 = 16;
 /// Bytes per record: the header, the task stamp, and room for the arguments.
 const RECORD_SIZE: u32 = 512;
-/// The rings take at most this much of the out-of-line area.
-const MAX_RINGS_BYTES: u64 = 1 << 20;
 /// Most entries of the miss table, i.e. event detours at once (32 KiB of table; fewer in a
 /// small out-of-line area, one per two detour blocks of it: no event detour is smaller).
 const MAX_MISS_SLOTS: u32 = 4096;
@@ -122,21 +121,23 @@ impl Tracer {
         gpa_of: &dyn Fn(Gva) -> Gpa,
     ) -> Result<(), EventSetupError> {
         let mem = self.machine.event_memory().ok_or(EventSetupError::NoRingMemory)?;
-        // At most a quarter of the out-of-line area (the rest is for copies and detours).
         let area = self.ool.map_or(0, |a| a.size);
-        let budget = MAX_RINGS_BYTES.min(area / 4);
-        let mut capacity = RING_CAPACITY;
-        while u64::from(cpus) * u64::from(capacity) * u64::from(RECORD_SIZE) > budget && capacity > 16 {
-            capacity /= 2;
-        }
         let slots = u32::try_from(area / (2 * DETOUR_BLOCK))
             .unwrap_or(u32::MAX)
             .clamp(1, MAX_MISS_SLOTS);
-        let geometry = RingGeometry::new(cpus.max(1), capacity, RECORD_SIZE)?.with_probe_slots(slots)?;
+        // The rings, with their miss and filter tables, in the area's writable part.
+        let (gva, room) = self.ool.map_or((Gva(0), 0), |a| (a.rings, a.rings_size));
+        let geometry = |capacity| RingGeometry::new(cpus.max(1), capacity, RECORD_SIZE)?.with_probe_slots(slots);
+        let mut capacity = RING_CAPACITY;
+        while geometry(capacity)?.total_size() > room && capacity > MIN_RING_CAPACITY {
+            capacity /= 2;
+        }
+        let geometry = geometry(capacity)?;
         let bytes = geometry.total_size();
-        let blocks = bytes.div_ceil(super::optimize::DETOUR_BLOCK);
-        let gva = self.allocate_detour(blocks).ok_or(EventSetupError::NoRoom { bytes })?;
-        let rings = EventRings::new(geometry, gva, gpa_of(gva), blocks * super::optimize::DETOUR_BLOCK)?;
+        if bytes > room {
+            return Err(EventSetupError::NoRoom { bytes });
+        }
+        let rings = EventRings::new(geometry, gva, gpa_of(gva), room)?;
         rings.init(mem)?;
         let setup = EventSetup {
             rings,

@@ -46,8 +46,8 @@ impl Slots {
         let (area, guard) = match area {
             Some(a) if a.size > reserved => (
                 Some(OutOfLineArea {
-                    start: a.start,
                     size: a.size - reserved,
+                    ..a
                 }),
                 Some(StepGuard {
                     base: Gva(a.start.0 + a.size - reserved),

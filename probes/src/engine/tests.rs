@@ -286,6 +286,8 @@ fn tracer_with(machine: &Arc<FakeMachine>, patch_sites: PatchSites, sink: Option
     let ool = OutOfLineArea {
         start: Gva(OOL),
         size: OOL_SIZE,
+        rings: Gva(OOL + OOL_SIZE),
+        rings_size: 0,
     };
     Tracer::new(machine.clone(), view, Some(ool), sink)
 }
@@ -1917,9 +1919,12 @@ fn event_tracer() -> (Arc<FakeMachine>, Tracer, Arc<Events>) {
         ex_table: ExceptionTable::default(),
         patch_sites: PatchSites::default(),
     };
+    // Half for code, half for the rings.
     let ool = OutOfLineArea {
         start: Gva(OOL),
-        size: BIG_OOL,
+        size: BIG_OOL / 2,
+        rings: Gva(OOL + BIG_OOL / 2),
+        rings_size: BIG_OOL / 2,
     };
     let sink: Arc<dyn EventSink> = events.clone();
     let t = Tracer::new(m.clone(), view, Some(ool), Some(sink));
