@@ -78,15 +78,27 @@ impl LiveRun {
         }
     }
 
-    /// Waits for a console line starting with `prefix`; returns it.
-    fn wait_for(&self, prefix: &str) -> String {
+    /// Waits for a console line starting with `prefix`; returns it. When none comes, the
+    /// VM is stopped and the failure shows its console and its log.
+    fn wait_for(&mut self, prefix: &str) -> String {
         loop {
             match self.lines.recv_timeout(TIMEOUT) {
                 Ok(line) if line.trim_end_matches('\r').starts_with(prefix) => {
                     return line.trim_end_matches('\r').to_string()
                 }
                 Ok(_) => {}
-                Err(e) => panic!("no console line {prefix:?}: {e}"),
+                Err(e) => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    let stdout = std::mem::replace(&mut self.stdout, std::thread::spawn(Vec::new));
+                    let stderr = std::mem::replace(&mut self.stderr, std::thread::spawn(String::new));
+                    let run = Run {
+                        code: None,
+                        stdout: stdout.join().unwrap_or_default().join("\n"),
+                        stderr: stderr.join().unwrap_or_default(),
+                    };
+                    panic!("no console line {prefix:?}: {e}\n{}", run.tail());
+                }
             }
         }
     }
@@ -521,13 +533,13 @@ fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_
                     args.extend_from_slice(&["--control", socket.to_str().unwrap()]);
                     let run = common::hvprobe(&args, TIMEOUT);
                     if run.code != Some(0) && !done.load(std::sync::atomic::Ordering::Relaxed) {
-                        panic!("{step:?} failed\n{}", run.tail());
+                        return Err(format!("{step:?} failed after {rounds} rounds\n{}", run.tail()));
                     }
                 }
                 rounds += 1;
                 rounds_done.store(rounds, std::sync::atomic::Ordering::Relaxed);
             }
-            rounds
+            Ok(rounds)
         })
     };
     // Three rounds of changes while the loops run, then the loops stop.
@@ -542,6 +554,8 @@ fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_
     let rounds = toggler.join().unwrap();
     live.wait_for("DONE");
     let run = live.finish();
+    // A change that failed: the run's own account of it.
+    let rounds = rounds.unwrap_or_else(|e| panic!("{e}\n--- the run:\n{}", run.tail()));
     let _ = std::fs::remove_file(&probes);
     assert_eq!(run.code, Some(0), "{}", run.tail());
     assert!(rounds >= 3, "only {rounds} rounds of changes while the loops ran");
