@@ -234,6 +234,12 @@ impl<'a> HitVcpu<'a> {
         }
     }
 
+    fn sregs(&mut self) -> Result<kvm_bindings::kvm_sregs, VcpuError> {
+        self.vcpu
+            .get_sregs()
+            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))
+    }
+
     fn state(&mut self) -> Option<VcpuState> {
         if self.state.is_none() {
             self.state = VcpuState::read(self.vcpu).ok();
@@ -309,10 +315,7 @@ impl Vcpu for HitVcpu<'_> {
                 ss: state.sregs.ss.selector,
             });
         }
-        let s = self
-            .vcpu
-            .get_sregs()
-            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))?;
+        let s = self.sregs()?;
         Ok(SegmentSelectors {
             cs: s.cs.selector,
             ss: s.ss.selector,
@@ -327,10 +330,7 @@ impl Vcpu for HitVcpu<'_> {
     }
 
     fn interrupt_table(&mut self) -> Result<InterruptTable, VcpuError> {
-        let s = self
-            .vcpu
-            .get_sregs()
-            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))?;
+        let s = self.sregs()?;
         Ok(InterruptTable {
             base: Gva(s.idt.base),
             limit: s.idt.limit,
@@ -338,10 +338,7 @@ impl Vcpu for HitVcpu<'_> {
     }
 
     fn set_interrupt_table(&mut self, table: InterruptTable) -> Result<(), VcpuError> {
-        let mut s = self
-            .vcpu
-            .get_sregs()
-            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))?;
+        let mut s = self.sregs()?;
         s.idt.base = table.base.0;
         s.idt.limit = table.limit;
         self.vcpu

@@ -1261,8 +1261,8 @@ fn an_exception_or_nmi_during_a_step_goes_to_the_guests_handler_returning_to_the
     }
 }
 
-#[test]
-fn a_step_that_ends_normally_gives_the_guest_its_idt_back() {
+/// A tracer with a probe on the RIP-relative `mov` (stepped), and a vCPU sent into its copy.
+fn stepping_the_mov() -> (Arc<FakeMachine>, Tracer, FakeVcpu) {
     let m = FakeMachine::with_code();
     let t = tracer(&m);
     t.register(plain(at("func", 9), "stepped")).unwrap();
@@ -1271,6 +1271,12 @@ fn a_step_that_ends_normally_gives_the_guest_its_idt_back() {
         t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
         BreakpointOutcome::Handled
     ));
+    (m, t, cpu)
+}
+
+#[test]
+fn a_step_that_ends_normally_gives_the_guest_its_idt_back() {
+    let (_m, t, mut cpu) = stepping_the_mov();
     assert_eq!(cpu.idt.base, Gva(GUARD_IDT));
     cpu.regs.rip += 7; // past the copy of the 7-byte mov
     assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
@@ -1280,14 +1286,7 @@ fn a_step_that_ends_normally_gives_the_guest_its_idt_back() {
 
 #[test]
 fn a_stub_int3_whose_frame_is_not_from_the_copy_stops_the_vm_with_the_guests_idt_back() {
-    let m = FakeMachine::with_code();
-    let t = tracer(&m);
-    t.register(plain(at("func", 9), "stepped")).unwrap();
-    let mut cpu = FakeVcpu::at(MOV_RIP);
-    assert!(matches!(
-        t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
-        BreakpointOutcome::Handled
-    ));
+    let (m, t, mut cpu) = stepping_the_mov();
     let frame_at = STACK_TOP - 0x800;
     push_frame(&m, frame_at, Some(0), 0xffff_ffff_8100_4321, 0x2);
     cpu.regs.rip = GUARD_STUBS + 13;
