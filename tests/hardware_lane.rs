@@ -213,6 +213,20 @@ fn kernel_stacks_on_kvm_amd() {
     );
 }
 
+/// Event detours on code blobs (records written by the guest at native speed, full rings,
+/// nested hits, two vCPUs, filters run in the detour), from `live/tests/event_detour.rs`.
+#[test]
+fn event_detours_on_kvm_amd() {
+    suite_in_l1("event_detour", "", 10, &[]);
+}
+
+/// Event filters and hist triggers against the guest's own, on the int3 path and in event
+/// detours.
+#[test]
+fn filters_and_hist_triggers_on_kvm_amd() {
+    suite_in_l1("analysis", "", 6, &[]);
+}
+
 #[test]
 fn snapshots_and_restore_on_kvm_amd() {
     suite_in_l1("snapshot", "", 7, &[]);
