@@ -87,9 +87,33 @@ static void port_write(unsigned int port, unsigned char val)
 		__asm__ volatile("outb %0, %w1" : : "a"(val), "Nd"(port));
 }
 
+static void on_alarm(int sig)
+{
+	(void)sig;
+}
+
+/*
+ * What the workload wrote to the console may still sit in its tty buffer, sent by
+ * the UART's interrupts: the VMM stops the VM at once on the exit port, so wait
+ * until it is out (at hardware speed, under heavy probing, a run's last lines
+ * were lost).  Bounded: an alarm interrupts tcdrain (no SA_RESTART).
+ */
+static void drain_console(void)
+{
+	struct sigaction sa;
+
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_alarm;
+	sigaction(SIGALRM, &sa, NULL);
+	alarm(2);
+	tcdrain(STDOUT_FILENO);
+	alarm(0);
+}
+
 /* Tell the VMM to stop with `status`; if nobody listens, reset the machine. */
 static void __attribute__((noreturn)) vm_exit(unsigned char status)
 {
+	drain_console();
 	port_write(PORT_EXIT, status);
 	/* Not reached under hvprobe's VMM.  Fall back to a reset. */
 	say("hvprobe-init: port 0xef1 did not stop the VM; resetting\n");
@@ -108,6 +132,7 @@ static int power_main(const char *name)
 		perror("reboot");
 		return 1;
 	}
+	drain_console();
 	port_write(PORT_EXIT, 0);
 	/* not reached under the VMM (or no /dev/port): try the kernel way */
 	reboot(RB_AUTOBOOT);
