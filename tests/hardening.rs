@@ -158,3 +158,59 @@ fn calls_of_exiting_tasks_never_use_up_maxactive() {
         "never returns, and never runs out of maxactive"
     );
 }
+
+#[test]
+fn a_guest_process_keeps_its_vector_registers_while_busybox_runs_beside_it() {
+    // On kvm_pvm the guest kernel runs with `noxsave` (its emulator cannot run XSAVE) and
+    // switches only x87/SSE state, while user mode sees the host's AVX: glibc's string
+    // functions in busybox then overwrote (VZEROUPPER) the YMM upper halves of whatever
+    // process shared the CPU; a new process's TLS copy came out corrupt now and then (a
+    // `general protection` in busybox in a storm run, `dmesg | grep` segfaults before).
+    let host_has_avx = std::fs::read_to_string("/proc/cpuinfo")
+        .map(|c| c.split_whitespace().any(|w| w == "avx"))
+        .unwrap_or(false);
+    let dir = snapshot(1);
+    let run = restore_with(
+        &dir,
+        1,
+        "hvprobe-vecstate 15 & p=$!; \
+         for i in 1 2 3 4 5 6; do busybox grep -c Linux /proc/version; \
+         busybox sed -n 1p /proc/version > /dev/null; done; wait $p; echo vecstate-status=$?",
+        &[],
+        TIMEOUT,
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert_guest_unhurt(&run);
+    let line = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("hvprobe-vecstate "))
+        .unwrap_or_else(|| panic!("no line from hvprobe-vecstate\n{}", run.tail()));
+    if line.contains("no-avx") {
+        assert!(
+            !host_has_avx,
+            "the host has AVX but the guest's user mode says not: {line}"
+        );
+        return;
+    }
+    let field = |name: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+    };
+    assert!(field("checks=") > 1000, "hvprobe-vecstate hardly ran: {line}");
+    assert_eq!(
+        field("clobbered="),
+        0,
+        "another process's vector state showed through: {line}\n{}",
+        run.tail()
+    );
+    assert!(run.stdout.contains("vecstate-status=0"), "{}", run.tail());
+    assert_eq!(
+        run.stdout.lines().filter(|l| l.trim() == "1").count(),
+        6,
+        "{}",
+        run.tail()
+    );
+}

@@ -142,23 +142,24 @@ static int power_main(const char *name)
 
 /* ---- wait mode --------------------------------------------------------- */
 
-/* Whether the kernel command line holds the word `hvprobe.wait`. */
-static int wait_mode_requested(void)
+/* Whether the kernel command line holds `word` (as a whole word). */
+static int cmdline_has(const char *word)
 {
 	static char cmdline[4096];
-	size_t len = strlen(WAIT_OPTION);
-	ssize_t n;
+	static int read_once;
+	size_t len = strlen(word);
 	char *p;
-	int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
 
-	if (fd < 0)
-		return 0;
-	n = read(fd, cmdline, sizeof(cmdline) - 1);
-	close(fd);
-	if (n <= 0)
-		return 0;
-	cmdline[n] = 0;
-	for (p = cmdline; (p = strstr(p, WAIT_OPTION)); p += len) {
+	if (!read_once) {
+		int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+		ssize_t n = fd < 0 ? -1 : read(fd, cmdline, sizeof(cmdline) - 1);
+
+		if (fd >= 0)
+			close(fd);
+		cmdline[n > 0 ? n : 0] = 0;
+		read_once = 1;
+	}
+	for (p = cmdline; (p = strstr(p, word)); p += len) {
 		if ((p == cmdline || p[-1] == ' ') &&
 		    (p[len] == 0 || p[len] == ' ' || p[len] == '\n'))
 			return 1;
@@ -254,13 +255,27 @@ static void on_signal(int sig)
 	}
 }
 
-static char *const child_env[] = {
+/*
+ * A kernel booted with `noxsave` (hvprobe's kvm_pvm fix-ups: KVM's emulator
+ * cannot run XSAVE at CPL0) saves and restores only the x87/SSE registers of
+ * a task, but user mode runs natively there and still sees AVX (CPUID and
+ * XCR0 are the host's): the upper halves of YMM/ZMM and the opmask
+ * registers would pass from one process to the next. glibc's string
+ * functions use them (busybox is static glibc), so keep glibc on its SSE2
+ * code.  A program that uses AVX by itself is not covered (README).
+ */
+#define NO_AVX_TUNABLES "GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX,-AVX2,-AVX512F,-AVX512CD," \
+	"-AVX512BW,-AVX512DQ,-AVX512ER,-AVX512PF,-AVX512VL,-AVX_Fast_Unaligned_Load," \
+	"-FMA,-FMA4,-XSAVEC"
+
+static char *child_env[] = {
 	"PATH=/sbin:/usr/sbin:/bin:/usr/bin",
 	"HOME=/root",
 	"TERM=vt100",
 	"SHELL=/bin/sh",
 	"USER=root",
 	"ENV=/etc/profile", /* interactive sub-shells get the functions too */
+	NULL, /* NO_AVX_TUNABLES when the kernel runs with noxsave */
 	NULL,
 };
 
@@ -310,11 +325,13 @@ int main(int argc, char **argv)
 	sigaction(SIGTERM, &sa, NULL);
 
 	interactive = stat(WORKLOAD, &st) != 0;
-	if (interactive && wait_mode_requested()) {
+	if (interactive && cmdline_has(WAIT_OPTION)) {
 		if (receive_workload() != 0)
 			vm_exit(125);
 		interactive = 0;
 	}
+	if (cmdline_has("noxsave"))
+		child_env[6] = NO_AVX_TUNABLES;
 	say(interactive ? "hvprobe-init: interactive shell\n"
 			: "hvprobe-init: running workload\n");
 

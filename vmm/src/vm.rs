@@ -129,7 +129,16 @@ impl Vm {
         let mut vm = Vm::create(config.cpus, mem_bytes, config.console_output, config.console_input)?;
         let cmdline = match vm.backend.kernel_cmdline_fixups() {
             "" => config.cmdline.clone(),
-            fixups => format!("{} {fixups}", config.cmdline),
+            fixups => {
+                // User mode runs natively with the host's CPUID and XCR0 there, so guest
+                // programs can use AVX that a `noxsave` kernel does not context-switch.
+                tracing::info!(
+                    "kvm_pvm: the guest kernel runs with `noxsave`; it saves only the x87/SSE \
+                     registers of its tasks, so guest programs that use AVX registers share \
+                     their upper halves (the bundled guest's init keeps glibc off AVX)"
+                );
+                format!("{} {fixups}", config.cmdline)
+            }
         };
         let kernel = boot::load(&vm.mem, mem_bytes, &config.kernel, &cmdline, &config.initrd)?;
         tracing::info!("kernel {} loaded as {}", config.kernel.display(), kernel.format);
