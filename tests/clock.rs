@@ -322,7 +322,8 @@ fn the_global_clock_lines_up_with_the_guests_dmesg() {
     let probes = probe_file("clock-global", "p:clk/ppid __x64_sys_getppid\n");
     // Two messages in the guest's printk log (stamped with its local_clock()) around one
     // getppid() call. (Through a file: `dmesg | grep` segfaulted in 2 of 5 restores here,
-    // with no probe at all; `dmesg > FILE` never did.)
+    // with no probe at all, before the bundled init kept glibc off the AVX registers a
+    // `noxsave` guest kernel does not switch; one process fewer all the same.)
     let workload = "echo clk-before > /dev/kmsg; hvprobe-loop 1; echo clk-after > /dev/kmsg; \
                     dmesg > /tmp/dmesg; grep clk- /tmp/dmesg; echo CONSOLE-END; sleep 2";
     let run = restore_with(
