@@ -31,7 +31,16 @@ fn returns(run: &Run) -> Vec<(String, String)> {
 }
 
 fn assert_guest_unhurt(run: &Run) {
-    for bad in ["Oops", "Kernel panic", "BUG:", "WARNING:", "general protection", "int3"] {
+    for bad in [
+        "Oops",
+        "Kernel panic",
+        "BUG:",
+        "WARNING:",
+        "general protection",
+        "int3",
+        "segfault at",
+        "traps:",
+    ] {
         assert!(!run.stdout.contains(bad), "the guest logged {bad:?}\n{}", run.tail());
     }
 }
