@@ -342,6 +342,8 @@ pub enum EngineFault {
     },
     #[error("vCPU {cpu}: int3 at {at} in the out-of-line area that is no copy or trampoline of ours (an engine bug)")]
     UnknownOutOfLineBreakpoint { cpu: usize, at: Gva },
+    #[error("vCPU {cpu}: the probe at {at} has an out-of-line copy but no step guard was written (an engine bug)")]
+    StepWithoutGuard { cpu: usize, at: Gva },
     #[error(
         "vCPU {cpu}: a return through the trampoline with no call on record for stack slot {slot:#x} (an engine bug)"
     )]

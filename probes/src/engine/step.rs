@@ -265,7 +265,7 @@ impl Tracer {
             .step_guard
             .get()
             .copied()
-            .ok_or(EngineFault::UnknownOutOfLineBreakpoint { cpu, at: slot })?;
+            .ok_or(EngineFault::StepWithoutGuard { cpu, at: site })?;
         let guest_idt = self.arm_step_guard(vcpu, guard).map_err(|e| match e {
             StepGuardError::Vcpu(source) => fault(source),
             StepGuardError::Memory(source) => EngineFault::StepGuardMemory { cpu, at: site, source },
