@@ -21,7 +21,9 @@ use common::Run;
 /// One L1 at a time: each takes both cores.
 static LANE: Mutex<()> = Mutex::new(());
 
-const LANE_TIMEOUT: Duration = Duration::from_secs(1800);
+/// Longest one L1 run may take: the longest suite takes about 3 minutes there (warm),
+/// so a hung L2 fails its suite in 15 minutes, not 30.
+const LANE_TIMEOUT: Duration = Duration::from_secs(900);
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -128,19 +130,107 @@ fn suite_of_binary_in_l1(binary: PathBuf, name: &str, args: &str, at_least: usiz
         "--test-threads=1"
     };
     let run = in_l1(&format!("{} {threads} --color never {args}", binary.display()), env);
-    let passed: usize = run
-        .stdout
-        .lines()
-        .filter_map(|l| l.strip_prefix("test result: ok. "))
-        .filter_map(|l| l.split_whitespace().next()?.parse::<usize>().ok())
-        .sum();
-    assert_eq!(run.code, Some(0), "{name} failed on kvm_amd in the L1\n{}", tail(&run));
+    let first = Verdicts::of(&run.stdout);
+    let mut passed = first.passed.len();
+    if run.code != Some(0) {
+        // A test that failed or never finished runs once more, alone, and must pass then:
+        // the lane itself is not reliable yet (an L2 that hangs or triple-faults about once
+        // in a full lane run, README). The first failure stays on the record below.
+        assert!(
+            !first.failed.is_empty() && first.failed.len() <= MAX_RERUNS,
+            "{name} failed on kvm_amd in the L1 ({} tests failed or did not finish: no rerun)\n{}",
+            first.failed.len(),
+            tail(&run)
+        );
+        eprintln!(
+            "hvprobe-lane: FLAKY? {name}: {:?} failed or did not finish on kvm_amd; running {} once more\n{}",
+            first.failed,
+            if first.failed.len() == 1 { "it" } else { "them" },
+            tail(&run)
+        );
+        let rerun = in_l1(
+            &format!(
+                "{} --test-threads=1 --color never --exact {}",
+                binary.display(),
+                first.failed.join(" ")
+            ),
+            env,
+        );
+        let again = Verdicts::of(&rerun.stdout);
+        assert!(
+            rerun.code == Some(0) && again.passed.len() == first.failed.len(),
+            "{name} failed on kvm_amd in the L1, and again when {:?} ran once more\n--- first run ---\n{}\n--- rerun ---\n{}",
+            first.failed,
+            tail(&run),
+            tail(&rerun)
+        );
+        passed += again.passed.len();
+    }
     assert!(
         passed >= at_least,
         "{name} ran {passed} tests in the L1, expected at least {at_least}\n{}",
         tail(&run)
     );
     run
+}
+
+/// At most this many failed tests of a suite run once more; more is no flake.
+const MAX_RERUNS: usize = 2;
+
+/// The tests of a libtest run (`--test-threads=1`) that passed, and those that failed or
+/// never finished (the last `test NAME ... ` line with no verdict, when the L1 died or
+/// timed out under it).
+#[derive(Debug, PartialEq)]
+struct Verdicts {
+    passed: Vec<String>,
+    failed: Vec<String>,
+}
+
+impl Verdicts {
+    fn of(output: &str) -> Verdicts {
+        let mut verdicts = Verdicts {
+            passed: Vec::new(),
+            failed: Vec::new(),
+        };
+        for line in output.lines() {
+            let Some(rest) = line.trim_end_matches('\r').strip_prefix("test ") else {
+                continue;
+            };
+            let Some((test, verdict)) = rest.split_once(" ... ") else {
+                continue;
+            };
+            match verdict.trim() {
+                "ok" => verdicts.passed.push(test.to_string()),
+                "ignored" => {}
+                v if v.starts_with("ignored,") => {}
+                _ => verdicts.failed.push(test.to_string()),
+            }
+        }
+        verdicts
+    }
+}
+
+#[test]
+fn the_lane_reads_which_tests_passed_failed_or_never_finished() {
+    let output = "running 4 tests\r\n\
+                  test a_first ... ok\r\n\
+                  test a_second ... FAILED\r\n\
+                  test an_ignored ... ignored, needs a thing\r\n\
+                  test the_hung_one ... \r\n";
+    assert_eq!(
+        Verdicts::of(output),
+        Verdicts {
+            passed: vec!["a_first".into()],
+            failed: vec!["a_second".into(), "the_hung_one".into()],
+        }
+    );
+    assert_eq!(
+        Verdicts::of("test result: ok. 3 passed; 0 failed"),
+        Verdicts {
+            passed: vec![],
+            failed: vec![]
+        }
+    );
 }
 
 /// The end of each stream, after every panic message of the suite in the L1 (a failing

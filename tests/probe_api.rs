@@ -33,8 +33,8 @@ fn restored(cpus: u8) -> (Vm, Arc<Tracer>, Arc<ProbeHandler>, SymbolTable) {
 
 /// Longest a test's guest may run: a guest that hangs is stopped then, and its test fails
 /// on the stop reason with the console's tail (in the lane a hung L2 held the whole suite
-/// until the lane's own 30-minute timeout, with nothing to show for it).
-const RUN_LIMIT: Duration = Duration::from_secs(600);
+/// until the lane's own timeout, with nothing to show for it).
+const RUN_LIMIT: Duration = Duration::from_secs(300);
 
 /// Stops the VM (`StopReason::Stopped`) if it still runs [`RUN_LIMIT`] after this was
 /// made; dropping it first calls that off.
