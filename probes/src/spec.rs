@@ -108,9 +108,38 @@ pub fn wildcard_matches(pattern: &str, name: &str) -> bool {
     brace_alternatives(pattern).is_some_and(|globs| globs.iter().any(|g| glob_matches(g, name)))
 }
 
+/// Most names a pattern's `{a,b}` lists may stand for: each list multiplies the others,
+/// so a few long lists would otherwise ask for more memory than there is (the spec fuzzer
+/// found one that did).
+pub const MAX_BRACE_ALTERNATIVES: usize = 1024;
+
+/// How many names a pattern's `{a,b}` lists stand for (the product of their lengths,
+/// saturating), without building them.
+fn brace_alternative_count(pattern: &str) -> usize {
+    let mut count = 1usize;
+    let mut rest = pattern;
+    while let Some(open) = rest.find('{') {
+        let Some(close) = rest[open..].find('}') else {
+            break;
+        };
+        let list = &rest[open + 1..open + close];
+        count = count.saturating_mul(list.split(',').count());
+        rest = &rest[open + close + 1..];
+    }
+    count
+}
+
 /// The globs a pattern's `{a,b}` lists stand for (the product of every list), or None
-/// when a brace is unbalanced or nested.
+/// when a brace is unbalanced or nested, or the lists stand for more than
+/// [`MAX_BRACE_ALTERNATIVES`] names.
 pub fn brace_alternatives(pattern: &str) -> Option<Vec<String>> {
+    if brace_alternative_count(pattern) > MAX_BRACE_ALTERNATIVES {
+        return None;
+    }
+    expand_braces(pattern)
+}
+
+fn expand_braces(pattern: &str) -> Option<Vec<String>> {
     let Some(open) = pattern.find('{') else {
         return (!pattern.contains('}')).then(|| vec![pattern.to_owned()]);
     };
@@ -119,7 +148,7 @@ pub fn brace_alternatives(pattern: &str) -> Option<Vec<String>> {
     if head.contains('}') || list.contains('{') {
         return None;
     }
-    let tails = brace_alternatives(tail)?;
+    let tails = expand_braces(tail)?;
     Some(
         list.split(',')
             .flat_map(|alt| tails.iter().map(move |t| format!("{head}{alt}{t}")))
@@ -390,6 +419,8 @@ pub enum SpecErrorKind {
     MissingTarget,
     #[error("bad probe target `{0}`: expected SYMBOL[+OFFSET] or an address")]
     BadTarget(String),
+    #[error("the `{{a,b}}` lists of `{0}` stand for more than {MAX_BRACE_ALTERNATIVES} names")]
+    TooManyAlternatives(String),
     #[error("bad offset `{0}` after the symbol: expected +N, 0 <= N <= 4294967295")]
     BadTargetOffset(String),
     #[error("module targets (`{0}`) are not supported yet")]
@@ -745,6 +776,9 @@ impl<'a> LineParser<'a> {
             }
             None => (symbol_part, 0),
         };
+        if brace_alternative_count(name) > MAX_BRACE_ALTERNATIVES {
+            return Err(self.err(name, SpecErrorKind::TooManyAlternatives(name.to_owned())));
+        }
         if !is_symbol_name(name) {
             return Err(self.err(text, SpecErrorKind::BadTarget(text.to_owned())));
         }

@@ -961,3 +961,21 @@ fn an_explicit_list_is_a_multi_probe_over_its_functions() {
         ["a_c", "a_d", "b_c", "b_d"].map(String::from)
     );
 }
+
+#[test]
+fn brace_lists_that_stand_for_too_many_names_are_refused_without_building_them() {
+    // Ten lists of two: 1024 names, the most there may be.
+    let most = "p:g/ f{a,b}{a,b}{a,b}{a,b}{a,b}{a,b}{a,b}{a,b}{a,b}{a,b}";
+    assert!(parse_line(most).is_ok(), "{:?}", parse_line(most));
+    let e = parse_line(&format!("{most}{{a,b}}")).unwrap_err();
+    assert!(matches!(e.kind, SpecErrorKind::TooManyAlternatives(_)), "{e:?}");
+    assert_eq!(e.column, 6, "the column of the symbol: {e:?}");
+    assert!(e.to_string().contains("more than 1024 names"), "{e}");
+    assert_eq!(brace_alternatives("{a,b}".repeat(11).as_str()), None);
+    assert!(!wildcard_matches(&"{a,b}".repeat(11), &"a".repeat(11)));
+    // What the spec fuzzer found: lists of ~40 empty alternatives, over 10^20 names (the
+    // parser ran out of memory building them).
+    let fuzzed = format!("r s{}", "{,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,}".repeat(12));
+    let e = parse_line(&fuzzed).unwrap_err();
+    assert!(matches!(e.kind, SpecErrorKind::TooManyAlternatives(_)), "{e:?}");
+}
