@@ -14,7 +14,7 @@ use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, code_blob_tracer, live_memory, load_symbols, ProbeHandler, SymbolsFrom};
 use hvprobe_probes::engine::{HitContext, KprobeRequest, PreAction, ProbePoint, Tracer};
-use hvprobe_vmm::{CodeBlob, ConsoleOutput, StopReason, VcpuControl, Vm, VmOutcome, CODE_BLOB_START};
+use hvprobe_vmm::{CodeBlob, ConsoleOutput, StopReason, Vm, VmOutcome, CODE_BLOB_START};
 use vm_memory::{Bytes, GuestAddress};
 
 /// A restored snapshot of the bundled guest with a tracer attached (nothing registered).
@@ -35,44 +35,6 @@ fn restored(cpus: u8) -> (Vm, Arc<Tracer>, Arc<ProbeHandler>, SymbolTable) {
 /// on the stop reason with the console's tail (in the lane a hung L2 held the whole suite
 /// until the lane's own timeout, with nothing to show for it).
 const RUN_LIMIT: Duration = Duration::from_secs(300);
-
-/// Stops the VM (`StopReason::Stopped`) if it still runs [`RUN_LIMIT`] after this was
-/// made; dropping it first calls that off.
-struct Watchdog {
-    finished: Option<std::sync::mpsc::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Watchdog {
-    fn new(control: Arc<VcpuControl>) -> Watchdog {
-        let (finished, wait) = std::sync::mpsc::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(RUN_LIMIT) {
-                eprintln!("the guest still ran after {RUN_LIMIT:?}: stopping it");
-                control.stop(StopReason::Stopped);
-            }
-        });
-        Watchdog {
-            finished: Some(finished),
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        drop(self.finished.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-/// Runs `vm` to its end, or until the watchdog stops it.
-fn run_bounded(vm: Vm, handler: Arc<ProbeHandler>) -> VmOutcome {
-    let _watchdog = Watchdog::new(vm.control());
-    vm.run(handler).unwrap()
-}
 
 fn point(name: &str) -> ProbePoint {
     ProbePoint::Symbol {
@@ -126,7 +88,7 @@ fn pre_handler_redirects_getppid(optimize: bool) {
     }
     vm.send_console_input(workload_message("echo PPID=$PPID; hvprobe-loop 3"));
     let console = vm.console_log();
-    let outcome = run_bounded(vm, handler);
+    let outcome = vm.run_for(handler, RUN_LIMIT).unwrap();
     assert_eq!(outcome.reason, StopReason::GuestExit(0), "{}", console.tail(20));
     assert!(
         console.contents().contains("PPID=4242"),
@@ -159,7 +121,7 @@ fn a_sync_detour_takes_one_exit_per_hit_even_for_an_instruction_stepped_today() 
     }
     vm.send_console_input(workload_message("hvprobe-loop 50"));
     let console = vm.console_log();
-    let outcome = run_bounded(vm, handler);
+    let outcome = vm.run_for(handler, RUN_LIMIT).unwrap();
     assert_eq!(outcome.reason, StopReason::GuestExit(0), "{}", console.tail(20));
     let hits = hits.load(Ordering::Relaxed);
     assert!(hits >= 100, "{hits} hits");
@@ -197,8 +159,7 @@ fn probes_removed_while_two_vcpus_hit_them_leave_a_working_guest_and_intact_text
     ));
     let console = vm.console_log();
     let control = vm.control();
-    let _watchdog = Watchdog::new(control.clone());
-    let runner = std::thread::spawn(move || vm.run(handler));
+    let runner = std::thread::spawn(move || vm.run_for(handler, RUN_LIMIT));
     let deadline = Instant::now() + Duration::from_secs(120);
     while hits.load(Ordering::Relaxed) < 100 {
         assert!(
@@ -295,7 +256,7 @@ fn on_a_code_blob_emulated_probes_take_one_exit_and_stepped_ones_two() {
     }
     let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), None);
-    let outcome = run_bounded(vm, handler);
+    let outcome = vm.run_for(handler, RUN_LIMIT).unwrap();
     assert_eq!(outcome.reason, StopReason::GuestExit(0));
     let got: u64 = mem.read_obj(GuestAddress(0x3000)).unwrap();
     assert_eq!(got, BLOB_DATA, "the stepped copy read the wrong address");
@@ -361,8 +322,7 @@ fn a_probe_on_the_guests_own_int3_runs_and_the_guests_kprobe_still_counts_every_
     let console = vm.console_log();
     let mem = vm.memory().clone();
     let input = vm.console_input();
-    let _watchdog = Watchdog::new(vm.control());
-    let runner = std::thread::spawn(move || vm.run(handler));
+    let runner = std::thread::spawn(move || vm.run_for(handler, RUN_LIMIT));
     let deadline = Instant::now() + Duration::from_secs(120);
     while !console.contents().contains("GUEST-ARMED") {
         assert!(
@@ -488,7 +448,7 @@ fn a_fault_in_a_stepped_copy_returns_to_the_probe_with_the_guests_flags() {
     tracer.register(req).unwrap();
     let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), None);
-    let outcome = run_bounded(vm, handler);
+    let outcome = vm.run_for(handler, RUN_LIMIT).unwrap();
     assert_eq!(outcome.reason, StopReason::GuestExit(0), "{outcome:?}");
     let loaded: u64 = mem.read_obj(GuestAddress(0x3000)).unwrap();
     assert_eq!(

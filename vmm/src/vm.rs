@@ -298,6 +298,26 @@ impl Vm {
         self.run_vcpus(debug)
     }
 
+    /// [`Vm::run`], stopping the VM (`StopReason::Stopped`) if it still runs after `limit`:
+    /// a guest that hangs ends the run instead of holding its caller.
+    pub fn run_for(self, debug: Arc<dyn DebugHandler>, limit: Duration) -> Result<VmOutcome, Error> {
+        let control = self.control();
+        let (finished, wait) = std::sync::mpsc::channel::<()>();
+        let watchdog = std::thread::Builder::new()
+            .name("vm-watchdog".into())
+            .spawn(move || {
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(limit) {
+                    tracing::warn!("the guest still ran after {limit:?}: stopping it");
+                    control.stop(StopReason::Stopped);
+                }
+            })
+            .map_err(Error::Thread)?;
+        let outcome = self.run(debug);
+        drop(finished);
+        let _ = watchdog.join();
+        outcome
+    }
+
     /// Runs the VM until the guest's init is ready for a workload (event 3 of the wait
     /// mode), then stops it with every vCPU out of KVM_RUN and no exit half-done. The VM
     /// keeps its vCPUs, so its state can be saved.

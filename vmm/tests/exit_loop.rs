@@ -46,7 +46,7 @@ fn guest_owned_int3_reaches_the_guest_handler_with_the_native_return_address() {
     let handler = GuestOwnsEveryInt3 {
         raise_on_breakpoint: None,
     };
-    let outcome = run_with_watchdog(vm, handler, Duration::from_secs(20));
+    let outcome = vm.run_for(Arc::new(handler), Duration::from_secs(20)).expect("run");
     assert_eq!(
         outcome.reason,
         StopReason::GuestExit(0x41),
@@ -123,7 +123,7 @@ fn guest_owned_int3_with_an_interrupt_pending_reaches_the_guest_before_the_inter
         let handler = GuestOwnsEveryInt3 {
             raise_on_breakpoint: Some(PENDING_VECTOR),
         };
-        let outcome = run_with_watchdog(vm, handler, Duration::from_secs(20));
+        let outcome = vm.run_for(Arc::new(handler), Duration::from_secs(20)).expect("run");
         assert_eq!(
             outcome.reason,
             StopReason::GuestExit(0x51),
@@ -155,22 +155,6 @@ impl DebugHandler for GuestOwnsEveryInt3 {
         }
         BreakpointDisposition::GuestOwned
     }
-}
-
-/// Runs a VM to its end with int3 exits on, stopping it if it has not ended after `limit`
-/// (a re-injection bug can loop on the int3 forever).
-fn run_with_watchdog(vm: Vm, handler: GuestOwnsEveryInt3, limit: Duration) -> hvprobe_vmm::VmOutcome {
-    let control = vm.control();
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let runner = std::thread::spawn(move || {
-        let outcome = vm.run(Arc::new(handler));
-        let _ = done_tx.send(());
-        outcome
-    });
-    if done_rx.recv_timeout(limit).is_err() {
-        control.stop(StopReason::Stopped);
-    }
-    runner.join().expect("run thread").expect("run")
 }
 
 /// Each vCPU increments its own counter at 0x3000 + 8 * index, forever.
