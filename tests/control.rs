@@ -90,14 +90,7 @@ impl LiveRun {
                 Err(e) => {
                     let _ = self.child.kill();
                     let _ = self.child.wait();
-                    let stdout = std::mem::replace(&mut self.stdout, std::thread::spawn(Vec::new));
-                    let stderr = std::mem::replace(&mut self.stderr, std::thread::spawn(String::new));
-                    let run = Run {
-                        code: None,
-                        stdout: stdout.join().unwrap_or_default().join("\n"),
-                        stderr: stderr.join().unwrap_or_default(),
-                    };
-                    panic!("no console line {prefix:?}: {e}\n{}", run.tail());
+                    panic!("no console line {prefix:?}: {e}\n{}", self.output(None).tail());
                 }
             }
         }
@@ -121,10 +114,15 @@ impl LiveRun {
     fn finish(mut self) -> Run {
         drop(self.stdin.take());
         let status = self.child.wait().unwrap();
+        self.output(status.code())
+    }
+
+    /// What the ended run printed, with its exit `code`.
+    fn output(&mut self, code: Option<i32>) -> Run {
         let stdout = std::mem::replace(&mut self.stdout, std::thread::spawn(Vec::new));
         let stderr = std::mem::replace(&mut self.stderr, std::thread::spawn(String::new));
         Run {
-            code: status.code(),
+            code,
             stdout: stdout.join().unwrap().join("\n"),
             stderr: stderr.join().unwrap(),
         }
