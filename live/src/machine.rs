@@ -216,6 +216,9 @@ pub(crate) struct HitVcpu<'a> {
     /// Control registers and MSRs, read once per exit when `$comm`, the pid or a user
     /// address needs them (four ioctls).
     state: Option<VcpuState>,
+    /// The segment registers of this exit, read once (a step's start asks for the IDT
+    /// and then sets it) and kept current by what we set.
+    sregs: Option<kvm_bindings::kvm_sregs>,
 }
 
 impl<'a> HitVcpu<'a> {
@@ -231,13 +234,20 @@ impl<'a> HitVcpu<'a> {
             mem,
             tasks,
             state: None,
+            sregs: None,
         }
     }
 
     fn sregs(&mut self) -> Result<kvm_bindings::kvm_sregs, VcpuError> {
-        self.vcpu
+        if let Some(s) = self.sregs.or(self.state.map(|state| state.sregs)) {
+            return Ok(s);
+        }
+        let s = self
+            .vcpu
             .get_sregs()
-            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))
+            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))?;
+        self.sregs = Some(s);
+        Ok(s)
     }
 
     fn state(&mut self) -> Option<VcpuState> {
@@ -309,12 +319,6 @@ impl Vcpu for HitVcpu<'_> {
     }
 
     fn segment_selectors(&mut self) -> Result<SegmentSelectors, VcpuError> {
-        if let Some(state) = self.state {
-            return Ok(SegmentSelectors {
-                cs: state.sregs.cs.selector,
-                ss: state.sregs.ss.selector,
-            });
-        }
         let s = self.sregs()?;
         Ok(SegmentSelectors {
             cs: s.cs.selector,
@@ -344,6 +348,7 @@ impl Vcpu for HitVcpu<'_> {
         self.vcpu
             .set_sregs(&s)
             .map_err(|e| VcpuError::new("KVM_SET_SREGS", e.errno()))?;
+        self.sregs = Some(s);
         if let Some(state) = &mut self.state {
             state.sregs.idt = s.idt;
         }
