@@ -7,7 +7,10 @@
 # nothing. Prints the installed qemu-system-x86_64's path on stdout.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-cache="${HVPROBE_CACHE:-$HOME/.cache/hvprobe}/l1"
+# shellcheck source=../cache.sh
+. "$here/../cache.sh"
+cache_stdout_is_the_result
+cache="$hvprobe_cache/l1"
 QEMU_VERSION=10.0.2
 TARBALL="qemu_${QEMU_VERSION}+ds.orig.tar.xz"
 TARBALL_URL="http://deb.debian.org/debian/pool/main/q/qemu/qemu_${QEMU_VERSION}%2bds.orig.tar.xz"
@@ -22,18 +25,23 @@ key=$( { echo "$TARBALL_SHA256"; cat "$PATCH" "$0"; echo "${CONFIGURE_FLAGS[*]}"
        | sha256sum | cut -c1-16)
 prefix="$cache/qemu-$key"
 if [ -x "$prefix/bin/qemu-system-x86_64" ]; then
-    echo "$prefix/bin/qemu-system-x86_64"
+    cache_result "$prefix/bin/qemu-system-x86_64"
+    exit 0
+fi
+cache_lock "$cache/.qemu.lock" 8 "the lane's QEMU"
+if [ -x "$prefix/bin/qemu-system-x86_64" ]; then
+    cache_result "$prefix/bin/qemu-system-x86_64"
     exit 0
 fi
 
 log() { echo "hvprobe-l1: $*" >&2; }
 mkdir -p "$cache/dl"
-if ! echo "$TARBALL_SHA256  $cache/dl/$TARBALL" | sha256sum -c --quiet 2>/dev/null; then
+if ! echo "$TARBALL_SHA256  $cache/dl/$TARBALL" | sha256sum -c --quiet >/dev/null 2>&1; then
     log "downloading $TARBALL_URL"
     curl -sSfL -o "$cache/dl/$TARBALL.part" "$TARBALL_URL"
     echo "$TARBALL_SHA256  $cache/dl/$TARBALL.part" | sha256sum -c --quiet \
         || { log "$TARBALL: checksum mismatch"; exit 1; }
-    mv "$cache/dl/$TARBALL.part" "$cache/dl/$TARBALL"
+    cache_publish "$cache/dl/$TARBALL.part" "$cache/dl/$TARBALL"
 fi
 
 work=$(mktemp -d "$cache/qemu-build.XXXXXX")
@@ -46,13 +54,13 @@ patch -d "$src" -p1 --quiet < "$PATCH"
 # bzip2 is installed. The lane boots with SeaBIOS from Debian's packages instead.
 sed -i 's/unpack_edk2_blobs = bzip2.found()/unpack_edk2_blobs = false/' "$src/meson.build"
 mkdir "$src/build"
+rm -rf "$prefix.tmp"
 (cd "$src/build" && ../configure --prefix="$prefix.tmp" "${CONFIGURE_FLAGS[@]}" >"$work/configure.log" 2>&1) \
     || { tail -40 "$work/configure.log" >&2; log "QEMU configure failed"; exit 1; }
 ninja -C "$src/build" -j"$(nproc)" >"$work/build.log" 2>&1 \
     || { tail -40 "$work/build.log" >&2; log "QEMU build failed"; exit 1; }
 ninja -C "$src/build" install >"$work/install.log" 2>&1 \
     || { tail -20 "$work/install.log" >&2; log "QEMU install failed"; exit 1; }
-rm -rf "$prefix"
-mv "$prefix.tmp" "$prefix"
+cache_publish "$prefix.tmp" "$prefix"
 log "QEMU built: $prefix"
-echo "$prefix/bin/qemu-system-x86_64"
+cache_result "$prefix/bin/qemu-system-x86_64"

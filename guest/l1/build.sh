@@ -7,7 +7,10 @@
 # Writes lane.env (the parts' paths) and prints its path on stdout. Warm, it only checks.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-cache="${HVPROBE_CACHE:-$HOME/.cache/hvprobe}/l1"
+# shellcheck source=../cache.sh
+. "$here/../cache.sh"
+cache_stdout_is_the_result
+cache="$hvprobe_cache/l1"
 VIRTIOFSD_VERSION=1.14.0
 KERNEL_PACKAGE=linux-image-cloud-amd64
 # The modules the L1's init loads, dependencies first.
@@ -17,7 +20,9 @@ MODULES=(virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko
          drivers/virtio/virtio_pci.ko fs/fuse/fuse.ko fs/fuse/virtiofs.ko
          fs/overlayfs/overlay.ko)
 log() { echo "hvprobe-l1: $*" >&2; }
-mkdir -p "$cache"
+# One builder of the lane at a time (build-qemu.sh takes a lock of its own); a second
+# waits, then finds the parts built.
+cache_lock "$cache/.lock" 9 "the lane"
 
 qemu=$("$here/build-qemu.sh")
 
@@ -27,8 +32,8 @@ if [ ! -x "$virtiofsd" ]; then
     cargo install virtiofsd --version "=$VIRTIOFSD_VERSION" --locked --quiet \
         --root "$cache/virtiofsd-$VIRTIOFSD_VERSION.tmp" \
         --target-dir "$cache/virtiofsd-target"
-    rm -rf "$cache/virtiofsd-$VIRTIOFSD_VERSION" "$cache/virtiofsd-target"
-    mv "$cache/virtiofsd-$VIRTIOFSD_VERSION.tmp" "$cache/virtiofsd-$VIRTIOFSD_VERSION"
+    rm -rf "$cache/virtiofsd-target"
+    cache_publish "$cache/virtiofsd-$VIRTIOFSD_VERSION.tmp" "$cache/virtiofsd-$VIRTIOFSD_VERSION"
 fi
 
 # The kernel package the metapackage points at now, and its version: the L1 kernel's key.
@@ -53,8 +58,7 @@ if [ ! -f "$kernel_dir/vmlinuz" ]; then
         cp "$work/root/lib/modules/$release/kernel/$m" "$work/out/modules/"
     done
     echo "$image_version" > "$work/out/version"
-    rm -rf "$kernel_dir"
-    mv "$work/out" "$kernel_dir"
+    cache_publish "$work/out" "$kernel_dir"
     rm -rf "$work"
 fi
 
@@ -70,15 +74,15 @@ if [ ! -f "$initramfs" ]; then
     cp "$kernel_dir"/modules/*.ko "$work/modules/"
     for m in "${MODULES[@]}"; do basename "$m"; done > "$work/modules.order"
     (cd "$work" && find . | sort | cpio --quiet -o -H newc -R 0:0) > "$initramfs.tmp"
-    mv "$initramfs.tmp" "$initramfs"
+    cache_publish "$initramfs.tmp" "$initramfs"
     rm -rf "$work"
 fi
 
-cat > "$cache/lane.env" <<ENV
+cache_write_file "$cache/lane.env" <<ENV
 HVPROBE_L1_QEMU=$qemu
 HVPROBE_L1_VIRTIOFSD=$virtiofsd
 HVPROBE_L1_KERNEL=$kernel_dir/vmlinuz
 HVPROBE_L1_KERNEL_VERSION="$image_package $image_version"
 HVPROBE_L1_INITRAMFS=$initramfs
 ENV
-echo "$cache/lane.env"
+cache_result "$cache/lane.env"
