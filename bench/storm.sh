@@ -24,18 +24,20 @@ guest_dir=$("$hvprobe" build-guest | tail -n 1)
 cache=${HVPROBE_CACHE:-$HOME/.cache/hvprobe}
 version=$(grep -oE 'SNAPSHOT_FORMAT_VERSION: u32 = [0-9]+' vmm/src/snapshot.rs | grep -oE '[0-9]+$')
 snap="$cache/snapshots/$(basename "$guest_dir")-${cpus}cpu-v$version"
-mkdir -p "$cache/snapshots"
-(
-    # The same lock as the tests' snapshot helper: one creator at a time.
-    flock 9
-    if [ ! -f "$snap/state" ]; then
-        echo "storm: creating the ${cpus}-vCPU snapshot (one boot)" >&2
-        rm -rf "$snap.tmp.$$"
-        "$hvprobe" snapshot create --out "$snap.tmp.$$" --cpus "$cpus" >/dev/null
-        rm -rf "$snap"
-        mv "$snap.tmp.$$" "$snap"
-    fi
-) 9> "$cache/snapshots/.lock-$(basename "$snap")"
+if [ ! -f "$snap/state" ]; then
+    (
+        # The same lock as the tests' snapshot helper: one creator at a time.
+        # shellcheck source=../guest/cache.sh
+        . guest/cache.sh
+        cache_lock "$cache/snapshots/.lock-$(basename "$snap")" 9 "the ${cpus}-vCPU snapshot"
+        if [ ! -f "$snap/state" ]; then
+            echo "storm: creating the ${cpus}-vCPU snapshot (one boot)" >&2
+            rm -rf "$snap.tmp.$$"
+            "$hvprobe" snapshot create --out "$snap.tmp.$$" --cpus "$cpus" >/dev/null
+            cache_publish "$snap.tmp.$$" "$snap"
+        fi
+    )
+fi
 
 cat > "$work/storm.probes" <<'PROBES'
 # scheduler
