@@ -6,7 +6,12 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "hvprobe", version, about = "Linux kernel probes run from outside the guest")]
+#[command(
+    name = "hvprobe",
+    version,
+    propagate_version = true,
+    about = "Linux kernel probes run from outside the guest"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Commands,
@@ -37,6 +42,26 @@ pub enum Commands {
     Bench {
         #[command(subcommand)]
         command: BenchCommand,
+    },
+    /// Print a shell completion script for hvprobe.
+    ///
+    /// bash: `hvprobe completions bash > ~/.local/share/bash-completion/completions/hvprobe`;
+    /// zsh: into a directory of `$fpath` as `_hvprobe`; fish: into
+    /// `~/.config/fish/completions/hvprobe.fish`.
+    Completions {
+        /// The shell to complete for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print hvprobe's manual page (roff), made from these help texts.
+    ///
+    /// `hvprobe man > hvprobe.1 && man ./hvprobe.1`; `hvprobe man --out-dir DIR` writes a
+    /// page per command (`hvprobe.1`, `hvprobe-run.1`, `hvprobe-probe-add.1`, …) to install
+    /// under a `man1` directory of `manpath`.
+    Man {
+        /// Write every command's page into this directory instead of the main page to stdout.
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<PathBuf>,
     },
 }
 

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use hvprobe::cli::{BenchCommand, Cli, Commands, SnapshotCommand, SymbolsArgs};
 use hvprobe::guest::BundledGuest;
 use hvprobe_introspection::symbols::SymbolTable;
@@ -40,6 +40,17 @@ fn main() -> ExitCode {
         Commands::Bench {
             command: BenchCommand::Filter(args),
         } => hvprobe::bench_filter::bench_filter(args),
+        Commands::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "hvprobe", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
+        Commands::Man { out_dir: None } => clap_mangen::Man::new(Cli::command())
+            .render(&mut std::io::stdout())
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(Into::into),
+        Commands::Man { out_dir: Some(dir) } => clap_mangen::generate_to(Cli::command(), &dir)
+            .map(|()| ExitCode::SUCCESS)
+            .map_err(|e| format!("cannot write the manual pages to {}: {e}", dir.display()).into()),
         Commands::BuildGuest => BundledGuest::ensure_built()
             .map(|g| {
                 println!("{}", g.dir.display());
