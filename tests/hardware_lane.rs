@@ -38,7 +38,10 @@ fn in_l1(command: &str, env: &[(&str, &str)]) -> Run {
     let _one_at_a_time = LANE.lock().unwrap_or_else(|e| e.into_inner());
     let run = in_l1_once(command, env);
     if run.code == Some(125) && run.stderr.contains("Kernel panic - not syncing") {
-        second_try(&format!("the L1 kernel panicked under `{}`", first_line(command)), &tail(&run));
+        second_try(
+            &format!("the L1 kernel panicked under `{}`", first_line(command)),
+            &tail(&run),
+        );
         return in_l1_once(command, env);
     }
     run
@@ -59,9 +62,15 @@ fn second_try(what: &str, evidence: &str) {
     use std::io::Write;
     let mut tries = SECOND_TRIES.lock().unwrap_or_else(|e| e.into_inner());
     tries.push(what.to_string());
-    let line = format!("hvprobe-lane: SECOND TRY {} of at most {MAX_SECOND_TRIES}: {what}", tries.len());
-    let _ = writeln!(std::io::stderr(), "{line}
-{evidence}");
+    let line = format!(
+        "hvprobe-lane: SECOND TRY {} of at most {MAX_SECOND_TRIES}: {what}",
+        tries.len()
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "{line}
+{evidence}"
+    );
     let record = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hvprobe-lane-second-tries.txt");
     if let Ok(mut file) = std::fs::OpenOptions::new().create(true).append(true).open(&record) {
         let _ = writeln!(file, "{line}");
@@ -171,7 +180,10 @@ fn suite_of_binary_in_l1(binary: PathBuf, name: &str, args: &str, at_least: usiz
             tail(&run)
         );
         for test in &first.failed {
-            second_try(&format!("{name}::{test} failed or did not finish on kvm_amd"), &tail(&run));
+            second_try(
+                &format!("{name}::{test} failed or did not finish on kvm_amd"),
+                &tail(&run),
+            );
         }
         let rerun = in_l1(
             &format!(
@@ -316,9 +328,19 @@ fn the_lane_builds_once_when_four_runs_start_it_together() {
     }
     let stdout = String::from_utf8_lossy(&outputs[0].stdout);
     let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines.len(), 1, "build.sh printed more than its result\n{}", show(&outputs[0]));
+    assert_eq!(
+        lines.len(),
+        1,
+        "build.sh printed more than its result\n{}",
+        show(&outputs[0])
+    );
     let env = std::fs::read_to_string(lines[0]).unwrap_or_else(|e| panic!("{}: {e}", lines[0]));
-    for var in ["HVPROBE_L1_QEMU", "HVPROBE_L1_VIRTIOFSD", "HVPROBE_L1_KERNEL", "HVPROBE_L1_INITRAMFS"] {
+    for var in [
+        "HVPROBE_L1_QEMU",
+        "HVPROBE_L1_VIRTIOFSD",
+        "HVPROBE_L1_KERNEL",
+        "HVPROBE_L1_INITRAMFS",
+    ] {
         let value = env
             .lines()
             .find_map(|l| l.strip_prefix(&format!("{var}=")))

@@ -63,7 +63,10 @@ fn a_lane_build_on_an_empty_cache_prints_nothing_but_its_result() {
             show(script, &out)
         );
     }
-    assert!(!cache.join("l1/lane.env").exists(), "a failed lane build wrote lane.env");
+    assert!(
+        !cache.join("l1/lane.env").exists(),
+        "a failed lane build wrote lane.env"
+    );
     let _ = std::fs::remove_dir_all(&cache);
     let _ = std::fs::remove_dir_all(&bin);
 }
@@ -141,7 +144,11 @@ cache_result "$part"
         );
     }
     let builds = std::fs::read_to_string(cache.join("builds")).unwrap();
-    assert_eq!(builds.lines().count(), 1, "the part was built more than once:\n{builds}");
+    assert_eq!(
+        builds.lines().count(),
+        1,
+        "the part was built more than once:\n{builds}"
+    );
     assert!(
         seen_half.is_empty(),
         "a reader saw the part half-written: {:?}",
@@ -182,12 +189,22 @@ fn four_guest_builds_at_once_build_the_guest_once() {
         .collect();
     assert!(dirs.iter().all(|d| d == &dirs[0]), "the builders disagree: {dirs:?}");
     let dir = Path::new(&dirs[0]);
-    for file in [".complete", "bzImage", "vmlinux", "System.map", "initramfs.cpio", "cmdline"] {
+    for file in [
+        ".complete",
+        "bzImage",
+        "vmlinux",
+        "System.map",
+        "initramfs.cpio",
+        "cmdline",
+    ] {
         assert!(dir.join(file).is_file(), "{} has no {file}", dir.display());
     }
     let kernel_builds = outputs
         .iter()
         .filter(|o| String::from_utf8_lossy(&o.stderr).contains("building kernel"))
         .count();
-    assert!(kernel_builds <= 1, "{kernel_builds} of the four builders built the kernel");
+    assert!(
+        kernel_builds <= 1,
+        "{kernel_builds} of the four builders built the kernel"
+    );
 }

@@ -936,10 +936,10 @@ impl VcpuRunner {
     /// `KVM_EXIT_INTERNAL_ERROR`: on kvm_pvm a guest int3 at CPL0 arrives this way.
     fn internal_error(&mut self) -> Next {
         let cpu = self.cpu;
-        // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, whose data is the union's
-        // `internal` member; `emulation_failure` overlays it for the emulation suberror.
         let (suberror, ndata, data) = {
             let run = self.vcpu.get_kvm_run();
+            // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, whose data is the union's
+            // `internal` member; `emulation_failure` overlays it for the emulation suberror.
             let internal = unsafe { run.__bindgen_anon_1.internal };
             (internal.suberror, internal.ndata, internal.data)
         };
