@@ -17,7 +17,7 @@ use hvprobe_probes::engine::{KprobeRequest, ProbePoint};
 use hvprobe_vmm::{BreakpointDisposition, CodeBlob, ConsoleOutput, DebugHandler, NoProbes, StopReason, Vm, VmOutcome};
 use kvm_ioctls::VcpuFd;
 
-use crate::cli::{CreateArgs, ProbeBenchArgs};
+use crate::cli::{CreateArgs, MachineArgs, ProbeBenchArgs};
 use crate::guest::workload_message;
 
 type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
@@ -59,11 +59,7 @@ pub(crate) fn bench_snapshot(
     eprintln!("hvprobe: booting the bundled guest once for a snapshot (use --snapshot DIR to skip)");
     crate::snapshot::create(CreateArgs {
         out: out.clone(),
-        kernel: None,
-        initrd: None,
-        cmdline: String::new(),
-        cpus,
-        mem: 128,
+        machine: MachineArgs::bundled_guest(cpus),
     })?;
     Ok(out)
 }

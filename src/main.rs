@@ -85,7 +85,7 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 fn symbols(args: SymbolsArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let table = match &args.system_map {
         Some(map) => SymbolTable::from_system_map_file(map)?,
-        None => SymbolTable::from_elf_file(&args.kernel)?,
+        None => SymbolTable::from_elf_file(&args.vmlinux)?,
     };
     let mut failed = false;
     for name in &args.names {

@@ -1,4 +1,4 @@
-//! `--output perfetto FILE`: probe hits as a Perfetto trace (a stream of `TracePacket`s in
+//! `--perfetto FILE`: probe hits as a Perfetto trace (a stream of `TracePacket`s in
 //! Perfetto's TrackEvent format), written as the hits come, for ui.perfetto.dev and Perfetto's
 //! trace processor.
 //!
@@ -17,7 +17,7 @@
 //!   slices go on one track per vCPU (`swapper/N (pid 0)`). A return whose task is unknown
 //!   (pid -1) cannot be placed safely and stays an instant on its vCPU's track, with its
 //!   entry time as an argument.
-//! - **Arguments** as debug annotations, the same fields as `--output json`: `comm`, `pid`,
+//! - **Arguments** as debug annotations, the same fields as `--format json`: `comm`, `pid`,
 //!   `cpu`, `location`, `caller` (return probes) and the fetch-args in a dictionary `args`
 //!   (so that a fetch-arg named `comm` stays apart): unsigned types as unsigned integers,
 //!   signed ones as integers, `x8..x64` as Perfetto's pointer values (integers it shows in
@@ -541,7 +541,7 @@ fn arg_annotation(value: &ArgValue) -> DebugAnnotation {
         },
         ArgValue::Symbol { .. } | ArgValue::Fault => string_annotation(value.to_string()),
         ArgValue::String(_) => match value.to_json() {
-            // The text `--output json` has: escapes for what is not UTF-8, no quotes.
+            // The text `--format json` has: escapes for what is not UTF-8, no quotes.
             serde_json::Value::String(text) => string_annotation(text),
             other => string_annotation(other.to_string()),
         },
@@ -552,7 +552,7 @@ fn arg_annotation(value: &ArgValue) -> DebugAnnotation {
     }
 }
 
-/// What writing `--output perfetto FILE` can fail with.
+/// What writing `--perfetto FILE` can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum PerfettoError {
     #[error("cannot create the Perfetto trace {path}: {source}")]
@@ -561,7 +561,7 @@ pub enum PerfettoError {
     Write { path: PathBuf, source: io::Error },
 }
 
-/// The trace file of `--output perfetto FILE`. A write that fails stops the trace (the file
+/// The trace file of `--perfetto FILE`. A write that fails stops the trace (the file
 /// keeps every packet written before) and is reported at the end; the run goes on.
 pub struct PerfettoFile {
     path: PathBuf,

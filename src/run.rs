@@ -26,11 +26,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             (Some(path), false) => ControlSocket::At(path.clone()),
             (None, false) => ControlSocket::Default,
         },
-        optimize: match (args.optimize, args.no_optimize) {
-            (true, _) => Some(true),
-            (_, true) => Some(false),
-            _ => None,
-        },
+        optimize: args.optimize.chosen(),
         analysis: AnalysisFlags {
             filters: args.filter.clone(),
             triggers: args.trigger.clone(),
@@ -38,48 +34,54 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         clock: args.clock.into(),
     };
     if let Some(dir) = &args.snapshot {
-        return crate::snapshot::run_restored(dir, args.cpus, args.workload.as_deref(), args.console_input, &trace);
+        return crate::snapshot::run_restored(
+            dir,
+            args.machine.cpus,
+            args.workload.as_deref(),
+            args.console_input,
+            &trace,
+        );
     }
     // Check what needs no guest build first, so bad input fails fast.
-    VmConfig::validate_machine(args.cpus, args.mem)?;
-    if let Some(kernel) = &args.kernel {
+    VmConfig::validate_machine(args.machine.cpus, args.machine.mem)?;
+    if let Some(kernel) = &args.machine.kernel {
         kernel_format(kernel)?;
     }
-    if let Some(initrd) = &args.initrd {
+    if let Some(initrd) = &args.machine.initrd {
         std::fs::metadata(initrd).map_err(|e| format!("cannot read initrd {}: {e}", initrd.display()))?;
     }
     for spec in &args.resolve {
         check_symbol_spec(spec)?;
     }
-    if args.kaslr && args.kernel.is_some() {
+    if args.kaslr && args.machine.kernel.is_some() {
         return Err(
             "--kaslr boots the bundled guest's bzImage; for your own kernel pass a bzImage with --kernel \
                     (KASLR is on unless its command line says nokaslr)"
                 .into(),
         );
     }
-    let bundled = if args.kernel.is_none() || args.initrd.is_none() {
+    let bundled = if args.machine.kernel.is_none() || args.machine.initrd.is_none() {
         Some(BundledGuest::ensure_built()?)
     } else {
         None
     };
-    let bundled_kernel = bundled.as_ref().filter(|_| args.kernel.is_none());
+    let bundled_kernel = bundled.as_ref().filter(|_| args.machine.kernel.is_none());
 
-    let kernel = match (&args.kernel, bundled_kernel) {
+    let kernel = match (&args.machine.kernel, bundled_kernel) {
         (Some(k), _) => k.clone(),
         (None, Some(g)) if args.kaslr => g.bzimage.clone(),
         (None, Some(g)) => g.vmlinux.clone(),
         (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
     };
-    let cmdline = kernel_cmdline(bundled_kernel, &args.cmdline);
-    let initrd_path = match (&args.initrd, &bundled) {
+    let cmdline = kernel_cmdline(bundled_kernel, &args.machine.cmdline);
+    let initrd_path = match (&args.machine.initrd, &bundled) {
         (Some(i), _) => i.clone(),
         (None, Some(g)) => g.initramfs.clone(),
         (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
     };
     let sources = symbol_sources(&args, bundled_kernel)?;
     match &args.probes {
-        Some(file) => check_probes_before_boot(file, args.cpus, &sources, &trace.analysis)?,
+        Some(file) => check_probes_before_boot(file, args.machine.cpus, &sources, &trace.analysis)?,
         None if !trace.analysis.is_empty() => return Err(crate::trace::SessionError::AnalysisWithoutProbes.into()),
         None => {}
     }
@@ -87,8 +89,8 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         kernel,
         initrd: initrd_with_workload(&initrd_path, args.workload.as_deref())?,
         cmdline,
-        cpus: args.cpus,
-        mem_mib: args.mem,
+        cpus: args.machine.cpus,
+        mem_mib: args.machine.mem,
         console_output: ConsoleOutput::Stdout,
         console_input: args.workload.is_none() || args.console_input,
     };
@@ -235,12 +237,12 @@ fn symbol_sources(
         .system_map
         .clone()
         .or_else(|| bundled.map(|g| g.system_map.clone()));
-    let kernel_is_elf = args.kernel.as_deref().map(kernel_format).transpose()? == Some(KernelFormat::ElfPvh);
+    let kernel_is_elf = args.machine.kernel.as_deref().map(kernel_format).transpose()? == Some(KernelFormat::ElfPvh);
     let vmlinux = args
         .vmlinux
         .clone()
         .or_else(|| bundled.map(|g| g.vmlinux.clone()))
-        .or_else(|| args.kernel.clone().filter(|_| kernel_is_elf));
+        .or_else(|| args.machine.kernel.clone().filter(|_| kernel_is_elf));
     for path in [&args.system_map, &args.vmlinux].into_iter().flatten() {
         std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     }

@@ -21,7 +21,7 @@ use crate::control::server::ControlServer;
 use crate::trace::TraceSession;
 use hvprobe_probes::clock::TraceClock;
 
-/// What a run traces and checks (`--probes`, `--output`, `--text-hash`, `--control`).
+/// What a run traces and checks (`--probes`, `--format`, `--perfetto`, `--text-hash`, `--control`).
 #[derive(Clone, Debug, Default)]
 pub struct TraceOptions {
     pub probes: Option<PathBuf>,
@@ -31,7 +31,7 @@ pub struct TraceOptions {
     /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
     pub text_hash: bool,
     pub control: ControlSocket,
-    /// Jump-optimize probes (`--optimize`/`--no-optimize`); `None`: the backend's default.
+    /// Jump-optimize probes (`--optimize on|off`); `None`: the backend's default (`auto`).
     pub optimize: Option<bool>,
     /// `--filter` and `--trigger`.
     pub analysis: AnalysisFlags,

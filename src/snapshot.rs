@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use hvprobe_live::{live_memory, load_symbols, SymbolsFrom, TaskContext};
 use hvprobe_vmm::{ConsoleLog, ConsoleOutput, StopReason, Vm, VmConfig, VmOutcome};
 
-use crate::cli::{CreateArgs, SnapshotBenchArgs};
+use crate::cli::{CreateArgs, MachineArgs, SnapshotBenchArgs};
 use crate::guest::{initrd_with_workload, kernel_cmdline, workload_message, BundledGuest, WAIT_OPTION};
 use crate::session::{RunSession, TraceOptions};
 
@@ -35,25 +35,25 @@ pub enum SnapshotCliError {
 
 /// The machine `snapshot create` boots.
 fn wait_mode_config(args: &CreateArgs, console_output: ConsoleOutput) -> Result<VmConfig, Box<dyn std::error::Error>> {
-    VmConfig::validate_machine(args.cpus, args.mem)?;
-    if let Some(kernel) = &args.kernel {
+    VmConfig::validate_machine(args.machine.cpus, args.machine.mem)?;
+    if let Some(kernel) = &args.machine.kernel {
         hvprobe_vmm::kernel_format(kernel)?;
     }
-    let bundled = if args.kernel.is_none() || args.initrd.is_none() {
+    let bundled = if args.machine.kernel.is_none() || args.machine.initrd.is_none() {
         Some(BundledGuest::ensure_built()?)
     } else {
         None
     };
-    let bundled_kernel = bundled.as_ref().filter(|_| args.kernel.is_none());
-    let kernel = match (&args.kernel, bundled_kernel) {
+    let bundled_kernel = bundled.as_ref().filter(|_| args.machine.kernel.is_none());
+    let kernel = match (&args.machine.kernel, bundled_kernel) {
         (Some(k), _) => k.clone(),
         (None, Some(g)) => g.vmlinux.clone(),
         (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
     };
-    let mut cmdline = kernel_cmdline(bundled_kernel, &args.cmdline);
+    let mut cmdline = kernel_cmdline(bundled_kernel, &args.machine.cmdline);
     cmdline.push(' ');
     cmdline.push_str(WAIT_OPTION);
-    let initrd_path = match (&args.initrd, &bundled) {
+    let initrd_path = match (&args.machine.initrd, &bundled) {
         (Some(i), _) => i.clone(),
         (None, Some(g)) => g.initramfs.clone(),
         (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
@@ -62,8 +62,8 @@ fn wait_mode_config(args: &CreateArgs, console_output: ConsoleOutput) -> Result<
         kernel,
         initrd: initrd_with_workload(&initrd_path, None)?,
         cmdline,
-        cpus: args.cpus,
-        mem_mib: args.mem,
+        cpus: args.machine.cpus,
+        mem_mib: args.machine.mem,
         console_output,
         console_input: false,
     })
@@ -215,11 +215,7 @@ pub fn bench(args: SnapshotBenchArgs) -> CliResult {
     }
     let create = CreateArgs {
         out: std::env::temp_dir().join(format!("hvprobe-bench-snapshot-{}", std::process::id())),
-        kernel: None,
-        initrd: None,
-        cmdline: String::new(),
-        cpus: args.cpus,
-        mem: 128,
+        machine: MachineArgs::bundled_guest(args.cpus),
     };
     let config = wait_mode_config(&create, ConsoleOutput::Discard)?;
     eprintln!(
@@ -268,7 +264,11 @@ fn bench_with(config: &VmConfig, dir: &Path, args: &SnapshotBenchArgs) -> CliRes
     first.sort();
     started.sort();
     let median = |v: &[Duration]| v[v.len() / 2];
-    println!("snapshot benchmark, bundled guest, {} vCPU(s), 128 MiB", args.cpus);
+    println!(
+        "snapshot benchmark, bundled guest, {} vCPU(s), {} MiB",
+        args.cpus,
+        MachineArgs::DEFAULT_MEM_MIB
+    );
     println!(
         "restore = host time from the start of Vm::restore (reading the snapshot's state file) until vCPU 0 \
          first enters KVM_RUN with the workload message already in the UART's receive FIFO: KVM VM and vCPUs \

@@ -60,7 +60,7 @@ pub enum SessionError {
     Probe { event: String, source: Box<ProbeError> },
     #[error("--filter and --trigger apply to the events of --probes FILE, and there is none")]
     AnalysisWithoutProbes,
-    #[error("--output perfetto records probe hits, and this run has no probes: give --probes FILE, or a control socket to add them")]
+    #[error("--perfetto records probe hits, and this run has no probes: give --probes FILE, or a control socket to add them")]
     PerfettoWithoutProbes,
     #[error(transparent)]
     Perfetto(#[from] PerfettoError),
@@ -191,7 +191,7 @@ impl EventSink for EventFanout {
         let printer = self.printer.lock().unwrap_or_else(|e| e.into_inner());
         match printer.as_ref() {
             Some(tx) => tx.try_send(event).is_ok(),
-            // Nobody prints (`--output none`): the event is delivered to whoever streams.
+            // Nobody prints (`--format none`): the event is delivered to whoever streams.
             None => true,
         }
     }
@@ -587,7 +587,7 @@ impl TraceSession {
             });
         }
         requests.extend(flag_requests);
-        let format = outputs.stdout;
+        let format = outputs.stdout();
         // Created now, so that a file that cannot be written fails before the guest runs.
         let perfetto = outputs.perfetto.as_deref().map(PerfettoFile::create).transpose()?;
         let (printer_tx, printer) = match (format, perfetto) {
@@ -984,7 +984,7 @@ impl TraceSession {
             .collect()
     }
 
-    /// The histograms of the hist triggers, as `--output` says (empty without any).
+    /// The histograms of the hist triggers, as `--format` says (empty without any).
     pub fn hist_report(&self) -> String {
         match self.events.analysis.get() {
             Some(analysis) => hist_report(analysis, self.format, self.kernel.get().map(|k| &k.symbols)),

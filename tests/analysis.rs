@@ -178,7 +178,7 @@ fn number_in(line: &str, key: &str) -> u64 {
 
 #[test]
 fn filters_keep_the_hits_the_guests_own_filter_keeps() {
-    let (filtered, run) = filter_oracle("filter", &["--no-optimize"]);
+    let (filtered, run) = filter_oracle("filter", &["--optimize=off"]);
     assert!(
         run.stderr
             .contains(&format!("discarded {filtered} hits (0 of them in the guest")),
@@ -192,7 +192,7 @@ fn filters_keep_the_hits_the_guests_own_filter_keeps() {
 /// drain), and the hits it keeps are the guest's own filter's.
 #[test]
 fn filters_run_in_event_detours_keep_the_hits_the_guests_own_filter_keeps() {
-    let (filtered, run) = filter_oracle("filter-detour", &["--optimize"]);
+    let (filtered, run) = filter_oracle("filter-detour", &["--optimize=on"]);
     let listing = listing_line(&run);
     assert!(listing.contains("[OPTIMIZED]"), "{listing}");
     assert!(
@@ -257,7 +257,7 @@ fn guest_hist(run: &Run) -> Vec<String> {
 #[test]
 fn hist_triggers_give_the_guests_histograms() {
     // No hit lines: the histograms are all the host prints on stdout.
-    let run = host_hist_run("hist", &["--output", "none"]);
+    let run = host_hist_run("hist", &["--format", "none"]);
     let guest = guest_hist(&run);
     let header = "==> events/ana/write/hist <==";
     let host: Vec<String> = run
@@ -293,8 +293,8 @@ fn hist_triggers_count_recorded_in_guest_hits_and_print_json() {
     let run = host_hist_run(
         "hist-json",
         &[
-            "--optimize",
-            "--output",
+            "--optimize=on",
+            "--format",
             "json",
             "--filter",
             "ana/write:comm == \"busybox\"",

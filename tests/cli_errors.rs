@@ -80,3 +80,36 @@ fn malformed_numbers_are_usage_errors() {
     assert_eq!(run.code, Some(2), "{}", run.tail());
     assert!(run.stderr.contains("invalid value 'two'"), "{}", run.tail());
 }
+
+/// A snapshot fixes the machine and the kernel: the flags that would choose them are
+/// refused with `--snapshot` (they were silently ignored), before anything is restored.
+#[test]
+fn flags_a_snapshot_fixes_are_refused_with_it() {
+    for (flag, value) in [
+        ("--mem", "256"),
+        ("--cmdline", "quiet"),
+        ("--vmlinux", "/boot/vmlinux"),
+        ("--system-map", "/boot/System.map"),
+        ("--kernel", "/boot/vmlinuz"),
+    ] {
+        let run = hvprobe(
+            &[
+                "run",
+                "--snapshot",
+                "/nonexistent/snapshot",
+                "--workload",
+                "true",
+                flag,
+                value,
+            ],
+            QUICK,
+        );
+        assert_eq!(run.code, Some(2), "{flag}\n{}", run.tail());
+        assert!(
+            run.stderr
+                .contains(&format!("'--snapshot <DIR>' cannot be used with '{flag} ")),
+            "{flag}\n{}",
+            run.tail()
+        );
+    }
+}

@@ -250,7 +250,7 @@ fn trapped_hits_merge_with_the_guests_own_events_on_its_trace_clock() {
         &dir,
         1,
         &merge_workload(),
-        &["--probes", probes.to_str().unwrap(), "--no-optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=off"],
         RESTORE_TIMEOUT,
     );
     let _ = std::fs::remove_file(probes);
@@ -285,7 +285,7 @@ fn event_detour_records_carry_their_hits_own_time_on_the_guests_trace_clock() {
         &dir,
         1,
         &merge_workload(),
-        &["--probes", probes.to_str().unwrap(), "--optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=on"],
         RESTORE_TIMEOUT,
     );
     let _ = std::fs::remove_file(probes);
@@ -383,7 +383,7 @@ fn on_two_vcpus_each_cpus_stamps_follow_its_own_clock_reads() {
         &dir,
         2,
         &workload,
-        &["--probes", probes.to_str().unwrap(), "--optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=on"],
         RESTORE_TIMEOUT,
     );
     let _ = std::fs::remove_file(probes);

@@ -193,7 +193,7 @@ fn probes_added_disabled_enabled_and_removed_live_count_what_the_guest_counts_pe
         (&["add", "p:live/gp __x64_sys_getppid"], Some(true)),
         (&["disable", "live/gp"], Some(false)),
         (&["enable", "live/"], Some(true)),
-        (&["disable"], Some(false)),
+        (&["disable", "--all"], Some(false)),
         (&["remove", "gp"], None),
     ];
     for (w, (command, counts)) in steps.iter().enumerate() {
@@ -227,7 +227,7 @@ fn probes_added_disabled_enabled_and_removed_live_count_what_the_guest_counts_pe
         }
         if w == 5 {
             // The global switch on again: the probe keeps its own state (enabled).
-            let run = live.probe(&["enable"]);
+            let run = live.probe(&["enable", "--all"]);
             assert_eq!(run.code, Some(0), "{}", run.tail());
             assert!(listed(&live.probe(&["list"])).iter().all(|(_, _, disabled)| !disabled));
         }
@@ -274,15 +274,15 @@ fn a_stream_that_does_not_read_drops_its_own_events_and_nobody_elses() {
         &[
             "--probes",
             probes.to_str().unwrap(),
-            "--output",
+            "--format",
             "none",
-            "--no-optimize",
+            "--optimize=off",
         ],
     );
     live.wait_for("WAIT");
     // The reader: `hvprobe trace`, JSON lines.
     let fast = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
-        .args(["trace", "--output", "json", "--control", live.socket.to_str().unwrap()])
+        .args(["trace", "--format", "json", "--control", live.socket.to_str().unwrap()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -502,7 +502,7 @@ fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_
         2,
         "stress",
         &workload,
-        &["--probes", probes.to_str().unwrap(), "--optimize", "--text-hash"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=on", "--text-hash"],
     );
     live.wait_for("WAIT");
     live.go();
@@ -637,7 +637,7 @@ fn an_event_added_again_live_keeps_its_stack_trigger_and_its_filter_in_the_detou
         1,
         "readd",
         workload,
-        &["--probes", probes.to_str().unwrap(), "--optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=on"],
     );
     live.wait_for("WAIT 1");
     live.go();

@@ -89,7 +89,7 @@ fn the_guests_own_return_probe_between_a_tail_call_and_ours_leaves_every_return_
     // probe on `__x64_sys_openat`, which tail-calls it) for its own, then ours on
     // `do_sys_open` swaps that for ours: the return goes through ours, the guest's, ours
     // again. It stopped the VM ("a return through the trampoline with no call on record").
-    for optimize in ["--no-optimize", "--optimize"] {
+    for optimize in ["--optimize=off", "--optimize=on"] {
         let dir = snapshot(1);
         let probes = probe_file(
             "guest-rethook",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what tests/perfetto_reader.py needs, the tests' independent reader of
-# `--output perfetto` traces: Perfetto's own generated trace protos (the `perfetto` PyPI
+# `--perfetto FILE` traces: Perfetto's own generated trace protos (the `perfetto` PyPI
 # package ships perfetto_trace_pb2) and Google's protobuf runtime, in a virtualenv in
 # hvprobe's cache (tests/perfetto.rs finds it there; HVPROBE_PYTHON overrides). Nothing
 # in it downloads at run time: the reader never starts Perfetto's trace processor.

@@ -218,7 +218,7 @@ fn offline_symbols_resolve_describe_and_reject_bad_names() {
     assert!(run.stdout.contains("= vfs_read+0x3/"), "{}", run.tail());
 
     let unknown = hvprobe(
-        &["symbols", "--kernel", vmlinux.to_str().unwrap(), "no_such_symbol_here"],
+        &["symbols", "--vmlinux", vmlinux.to_str().unwrap(), "no_such_symbol_here"],
         Duration::from_secs(60),
     );
     assert_eq!(unknown.code, Some(1), "{}", unknown.tail());
@@ -226,7 +226,7 @@ fn offline_symbols_resolve_describe_and_reject_bad_names() {
 
     for bad in ["vfs_read+zz", "vfs_read+", "+0x10", "vfs read"] {
         let run = hvprobe(
-            &["symbols", "--kernel", vmlinux.to_str().unwrap(), bad],
+            &["symbols", "--vmlinux", vmlinux.to_str().unwrap(), bad],
             Duration::from_secs(60),
         );
         assert_eq!(run.code, Some(1), "{bad:?}\n{}", run.tail());

@@ -1,4 +1,4 @@
-//! `--output perfetto FILE`, read back by an independent reader: `tests/perfetto_reader.py`,
+//! `--perfetto FILE`, read back by an independent reader: `tests/perfetto_reader.py`,
 //! which decodes the trace with the classes Perfetto generates from its own
 //! `perfetto_trace.proto` (the `perfetto` PyPI package) and pairs slices and resolves
 //! interned data as Perfetto's trace processor does. A missing reader fails the test with
@@ -277,10 +277,9 @@ fn a_perfetto_trace_of_a_restored_guest_holds_what_the_text_output_printed() {
         &[
             "--probes",
             probes.to_str().unwrap(),
-            "--output",
+            "--format",
             "text",
-            "--output",
-            "perfetto",
+            "--perfetto",
             path.to_str().unwrap(),
         ],
         RESTORE_TIMEOUT,
@@ -359,8 +358,7 @@ fn an_unwritable_trace_file_is_refused_before_the_guest_runs() {
         &[
             "--probes",
             probes.to_str().unwrap(),
-            "--output",
-            "perfetto",
+            "--perfetto",
             "/nonexistent-dir/t.pftrace",
         ],
         RESTORE_TIMEOUT,
@@ -390,7 +388,7 @@ fn sigterm_mid_run_leaves_a_complete_trace_of_every_hit_printed() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
         .args(["run", "--snapshot", dir.to_str().unwrap(), "--cpus", "1", "--probes"])
         .arg(&probes)
-        .args(["--output", "text", "--output", "perfetto"])
+        .args(["--format", "text", "--perfetto"])
         .arg(&path)
         .args(["--workload", "while true; do read -r l < /proc/version; done"])
         .stdin(Stdio::null())
@@ -507,7 +505,7 @@ fn hvprobe_trace_writes_the_same_trace_from_a_running_guest() {
         .starts_with("WAIT")
     {}
     let client = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
-        .args(["trace", "--output", "text", "--output", "perfetto"])
+        .args(["trace", "--format", "text", "--perfetto"])
         .arg(&path)
         .arg("--control")
         .arg(&socket)

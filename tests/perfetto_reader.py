@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An independent reader of hvprobe's `--output perfetto` traces, for the tests.
+"""An independent reader of hvprobe's `--perfetto FILE` traces, for the tests.
 
 It decodes the file with the classes Perfetto itself generates from its
 `perfetto_trace.proto` and ships in the `perfetto` PyPI package

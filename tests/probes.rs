@@ -230,7 +230,7 @@ fn host_and_guest_kprobes_see_the_same_hits_and_values_on_one_vcpu() {
         &dir,
         1,
         &oracle_workload(1),
-        &["--probes", probes.to_str().unwrap(), "--no-optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=off"],
     );
     let loop_hits = check_oracle(&run, 1) as u64;
 
@@ -260,7 +260,7 @@ fn host_and_guest_kprobes_see_the_same_hits_on_two_vcpus() {
         &dir,
         2,
         &oracle_workload(2),
-        &["--probes", probes.to_str().unwrap(), "--no-optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=off"],
     );
     check_oracle(&run, 2);
     let cpus: std::collections::BTreeSet<&str> = run
@@ -275,7 +275,7 @@ fn host_and_guest_kprobes_see_the_same_hits_on_two_vcpus() {
 
 #[test]
 fn host_and_guest_kprobes_agree_under_kaslr() {
-    let run = kaslr_oracle_run("kaslr", HOST_PROBES, &oracle_workload(1), &["--no-optimize"]);
+    let run = kaslr_oracle_run("kaslr", HOST_PROBES, &oracle_workload(1), &["--optimize=off"]);
     check_oracle(&run, 1);
 }
 
@@ -316,7 +316,7 @@ fn the_kernel_text_after_probes_hashes_like_a_run_without_them() {
         &dir,
         1,
         workload,
-        &["--probes", probes.to_str().unwrap(), "--text-hash", "--no-optimize"],
+        &["--probes", probes.to_str().unwrap(), "--text-hash", "--optimize=off"],
     );
     let without = restore_with(&dir, 1, workload, &["--text-hash"]);
     assert!(listing(&with).iter().all(|(_, hits, _)| *hits >= 5), "{}", with.tail());
@@ -332,7 +332,7 @@ fn json_output_has_one_object_per_hit() {
         &dir,
         1,
         "hvprobe-loop 3",
-        &["--probes", probes.to_str().unwrap(), "--output", "json"],
+        &["--probes", probes.to_str().unwrap(), "--format", "json"],
     );
     assert_eq!(run.code, Some(0), "{}", run.tail());
     let hits: Vec<serde_json::Value> = run
@@ -397,7 +397,7 @@ fn host_and_guest_return_probes_see_the_same_returns_and_values() {
         &dir,
         1,
         &workload,
-        &["--probes", probes.to_str().unwrap(), "--no-optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=off"],
     );
     assert_eq!(run.code, Some(0), "{}", run.tail());
     let profile = run.stdout.lines().find_map(|l| l.strip_prefix("PROFILE ")).unwrap();
@@ -479,7 +479,7 @@ fn optimized_workload(loops: usize, which: GuestEvents) -> String {
     oracle_workload_with(loops, &optimized_guest_events(which))
 }
 
-/// The oracle with every probe jump-optimized (`--optimize`): the same hits and values as
+/// The oracle with every probe jump-optimized (`--optimize on`): the same hits and values as
 /// the guest's own kprobe events. The kprobes only record, so their detours are event
 /// ones: every hit written into a ring by the guest itself, no exit at all. The return
 /// probe's entry is a sync detour (one exit) and its return one more.
@@ -621,7 +621,7 @@ fn optimized_probes_see_what_the_guest_sees_with_one_exit_per_hit_on_one_vcpu() 
         &dir,
         1,
         &optimized_workload(1, GuestEvents::All),
-        &["--probes", probes.to_str().unwrap(), "--optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=on"],
     );
     check_optimized(&run, 1, GuestEvents::All);
     let _ = std::fs::remove_file(probes);
@@ -635,7 +635,7 @@ fn optimized_probes_see_what_the_guest_sees_on_two_vcpus() {
         &dir,
         2,
         &optimized_workload(2, GuestEvents::EntryOnly),
-        &["--probes", probes.to_str().unwrap(), "--optimize"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=on"],
     );
     check_optimized(&run, 2, GuestEvents::EntryOnly);
     let _ = std::fs::remove_file(probes);
@@ -647,7 +647,7 @@ fn optimized_probes_agree_under_kaslr() {
         "optimized-kaslr",
         &optimized_probes(),
         &optimized_workload(1, GuestEvents::All),
-        &["--optimize"],
+        &["--optimize=on"],
     );
     check_optimized(&run, 1, GuestEvents::All);
 }
@@ -668,7 +668,7 @@ fn the_kernel_text_after_optimized_probes_hashes_like_a_run_without_them() {
         &dir,
         1,
         "hvprobe-loop 5",
-        &["--probes", probes.to_str().unwrap(), "--optimize", "--text-hash"],
+        &["--probes", probes.to_str().unwrap(), "--optimize=on", "--text-hash"],
     );
     assert!(with.stderr.contains("[OPTIMIZED]"), "{}", with.tail());
     let without = restore_with(&dir, 1, "hvprobe-loop 5", &["--text-hash"]);

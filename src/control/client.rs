@@ -112,12 +112,7 @@ pub fn probe(command: ProbeCommand) -> Result<ExitCode, Box<dyn std::error::Erro
         ProbeCommand::Enable(args) => (args.control.control, Request::Enable { events: args.events }),
         ProbeCommand::Disable(args) => (args.control.control, Request::Disable { events: args.events }),
         ProbeCommand::List(args) => (args.control, Request::List),
-        ProbeCommand::Optimize(args) => (
-            args.control.control,
-            Request::Optimize {
-                on: args.switch == crate::cli::Switch::On,
-            },
-        ),
+        ProbeCommand::Optimize(args) => (args.control.control, Request::Optimize { on: args.mode.chosen() }),
     };
     let mut connection = Connection::open(control.as_deref())?;
     Ok(report(connection.request(&request)?))
@@ -143,12 +138,12 @@ fn add_text(args: &ProbeAddArgs) -> Result<(String, String), Box<dyn std::error:
 }
 
 /// `hvprobe trace`: prints the run's hit events as they come, until it ends; then how
-/// many this client missed by reading too slowly (on stderr). With `--output perfetto
+/// many this client missed by reading too slowly (on stderr). With `--perfetto
 /// FILE` it asks for whole records and writes the trace itself (and prints them too, when
 /// a stdout format is also given); the file is created before anything is asked.
 pub fn trace(args: TraceArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let mut perfetto = args.output.perfetto.as_deref().map(PerfettoFile::create).transpose()?;
-    let stdout_format = args.output.stdout;
+    let stdout_format = args.output.stdout();
     let format = match (&perfetto, stdout_format) {
         (None, OutputFormat::Text) => StreamFormat::Text,
         (None, OutputFormat::Json) => StreamFormat::Json,

@@ -33,8 +33,9 @@ pub enum Request {
     Enable { events: Vec<String> },
     /// Disable these events; none: the global switch.
     Disable { events: Vec<String> },
-    /// The optimization switch (the seed's `debug.kprobes_optimization`).
-    Optimize { on: bool },
+    /// The optimization switch (Linux's `debug.kprobes_optimization`); `None`: the
+    /// backend's default.
+    Optimize { on: Option<bool> },
     /// The listing.
     List,
     /// Stream hit events in `format` (`text` or `json`), holding up to `queue` for a slow
@@ -50,7 +51,7 @@ pub enum StreamFormat {
     /// One JSON object per line.
     Json,
     /// One [`record::WireRecord`] per line: every field of the hit, typed, for a client
-    /// that writes the hits itself (`hvprobe trace --output perfetto FILE`).
+    /// that writes the hits itself (`hvprobe trace --perfetto FILE`).
     #[value(skip)]
     Record,
 }

@@ -1,7 +1,7 @@
 //! A hit as the control socket streams it to a client that writes it itself
-//! ([`StreamFormat::Record`](super::StreamFormat::Record): `hvprobe trace --output perfetto
+//! ([`StreamFormat::Record`](super::StreamFormat::Record): `hvprobe trace --perfetto
 //! FILE`): every field of [`HitRecord`], each fetch-arg with its type, so that the client
-//! holds the same record the run's own printer does (`--output json` prints values as text
+//! holds the same record the run's own printer does (`--format json` prints values as text
 //! and leaves out the entry time and the stack).
 
 use hvprobe_arch::Gva;

@@ -263,10 +263,13 @@ fn answer(session: &TraceSession, request: Request) -> Response {
         },
         Request::Enable { events } => toggle(session, &events, true),
         Request::Disable { events } => toggle(session, &events, false),
-        Request::Optimize { on } => match session.set_optimization(on) {
-            Ok(()) => Response::ok(vec![format!("optimization {}", if on { "on" } else { "off" })]),
-            Err(e) => Response::error(e),
-        },
+        Request::Optimize { on } => {
+            let on = on.unwrap_or_else(|| crate::session::optimize_by_default(hvprobe_vmm::Backend::detect()));
+            match session.set_optimization(on) {
+                Ok(()) => Response::ok(vec![format!("optimization {}", if on { "on" } else { "off" })]),
+                Err(e) => Response::error(e),
+            }
+        }
         Request::List => {
             let mut lines: Vec<String> = session.listing().lines().map(str::to_owned).collect();
             if !session.is_armed() {

@@ -1,4 +1,4 @@
-//! The part of Perfetto's trace format that `--output perfetto` writes, as prost messages.
+//! The part of Perfetto's trace format that `--perfetto FILE` writes, as prost messages.
 //!
 //! Each message mirrors its namesake in Perfetto's `protos/perfetto/trace/` (package
 //! `perfetto.protos`: `trace.proto`, `trace_packet.proto`, `track_event/track_event.proto`,
