@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 
 use crate::cpio::{append_archive, CpioWriter};
 
+pub mod inputs;
 pub mod progress;
 
 /// Options the VMM's own devices need on every kernel command line.
@@ -55,6 +56,14 @@ pub enum GuestError {
     },
     #[error("building the bundled guest failed ({status}); its messages are above")]
     BuildFailed { status: std::process::ExitStatus },
+    #[error("no cache directory for the bundled guest: set HVPROBE_CACHE or HOME")]
+    NoCache,
+    #[error("cannot write the bundled guest's build inputs at {path}: {source}")]
+    Inputs {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("the guest build printed no artefact directory")]
     NoOutput,
     #[error("the bundled guest in {dir} lacks {file}")]
@@ -79,9 +88,14 @@ pub struct BundledGuest {
     pub cmdline: String,
 }
 
-/// The `guest/` directory of this source tree.
-pub fn guest_source_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("guest")
+/// hvprobe's cache, `${HVPROBE_CACHE:-$HOME/.cache/hvprobe}` as `guest/build.sh` reads it
+/// (an empty variable counts as unset there too).
+pub fn cache_dir() -> Option<PathBuf> {
+    let nonempty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    match nonempty("HVPROBE_CACHE") {
+        Some(dir) => Some(PathBuf::from(dir)),
+        None => Some(PathBuf::from(nonempty("HOME")?).join(".cache/hvprobe")),
+    }
 }
 
 impl BundledGuest {
@@ -89,7 +103,8 @@ impl BundledGuest {
     /// steps on stderr, and this the kernel build's progress: [`progress`]) and returns its
     /// files.
     pub fn ensure_built() -> Result<BundledGuest, GuestError> {
-        let script = guest_source_dir().join("build.sh");
+        let cache = cache_dir().ok_or(GuestError::NoCache)?;
+        let script = inputs::ensure_written(&cache)?.join("build.sh");
         let child = Command::new("bash")
             .arg(&script)
             .stdin(Stdio::null())

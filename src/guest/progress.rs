@@ -154,12 +154,7 @@ pub fn progress_line(compiled: u64, total: Option<u64>, elapsed: Duration) -> St
 
 /// The guest cache `guest/build.sh` uses: `${HVPROBE_CACHE:-$HOME/.cache/hvprobe}/guest`.
 pub fn guest_cache_dir() -> Option<PathBuf> {
-    let nonempty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
-    let cache = match nonempty("HVPROBE_CACHE") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(nonempty("HOME")?).join(".cache/hvprobe"),
-    };
-    Some(cache.join("guest"))
+    Some(super::cache_dir()?.join("guest"))
 }
 
 /// Follows a growing log file from its start; a file that shrank (the script empties it
