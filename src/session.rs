@@ -218,8 +218,8 @@ impl RunSession {
     }
 }
 
-/// Whether probes are jump-optimized unless the user says (see the README's "Optimized
-/// probes" for the measurements behind it): on hardware KVM the displaced instructions run
+/// Whether probes are jump-optimized unless the user says (docs/optimized-probes.md has the
+/// measurements behind it): on hardware KVM the displaced instructions run
 /// natively in the detour, so a hit never costs more than one exit and a stepped one saves
 /// its second; on kvm_pvm they are emulated like all guest kernel code, and for the most
 /// common probe (`push %rbp` after a function's ftrace NOP, which the host emulates in the

@@ -906,7 +906,7 @@ impl TraceSession {
     }
 
     /// Enables or disables the probes of the events `patterns` name; with no pattern, the
-    /// global switch (the seed's debugfs `kprobes/enabled`), which keeps each probe's own
+    /// global switch (Linux's kprobes' debugfs `kprobes/enabled`), which keeps each probe's own
     /// state.
     pub fn set_enabled(&self, patterns: &[String], enabled: bool) -> Result<Vec<String>, SessionError> {
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());

@@ -161,7 +161,7 @@ fn suite_of_binary_in_l1(binary: PathBuf, name: &str, args: &str, at_least: usiz
     // The L1 runs COMMAND on a serial port, which libtest takes for a terminal.
     // One test, so one L2 guest, at a time: the restored L2s that triple-faulted in lane
     // runs ran beside another L2 (25 restores in a row alone did not fail), and the L1's
-    // own panics show QEMU's nested SVM mixing up its guests' state and its own (README).
+    // own panics show QEMU's nested SVM mixing up its guests' state and its own (docs/known-issues.md).
     let threads = if args.contains("--test-threads") {
         ""
     } else {
@@ -173,7 +173,7 @@ fn suite_of_binary_in_l1(binary: PathBuf, name: &str, args: &str, at_least: usiz
     if run.code != Some(0) {
         // A test that failed or never finished runs once more, alone, and must pass then:
         // the lane itself is not reliable yet (an L2 that hangs or triple-faults about once
-        // in a full lane run, README). Each such test is a second try of the lane's few.
+        // in a full lane run, docs/known-issues.md). Each such test is a second try of the lane's few.
         assert!(
             !first.failed.is_empty(),
             "{name} failed on kvm_amd in the L1 with no test failing: no second try\n{}",
@@ -395,7 +395,7 @@ fn guest_clock_stamps_on_kvm_amd() {
 /// streams, optimization switched in a loop under two busy vCPUs.
 #[test]
 fn live_control_on_kvm_amd() {
-    // Skipped here, with the reason in the README ("hardware KVM"): the two-streams test
+    // Skipped here, with the reason in docs/known-issues.md: the two-streams test
     // hung twice in full lane runs (its L2 looping on #PF injections from the L1's KVM),
     // the optimize-loop stress test failed in 3 of 4 full lane runs; both pass alone there
     // and run on kvm_pvm in tests/control.rs. Not diagnosed.
@@ -412,7 +412,7 @@ fn live_control_on_kvm_amd() {
 /// that also compare the timer tick's stacks are skipped: on hardware KVM the guest's own
 /// `stacktrace:5` trigger on its tick kprobe records 1 or 2 stacks for its 5 fires, with no
 /// host probe at all (its kprobe_profile counts 127-130 hits, 0 missed, and the trigger's
-/// count reaches 0), so there is nothing to compare with (README: "hardware KVM").
+/// count reaches 0), so there is nothing to compare with (docs/known-issues.md).
 #[test]
 fn kernel_stacks_on_kvm_amd() {
     // tests/stacks.rs, not live/tests/stacks.rs.

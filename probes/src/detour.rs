@@ -16,7 +16,7 @@
 //! place. Every check below serves one of the two; a refusal is a [`NotOptimizable`] whose
 //! text names the addresses, for the per-probe "why not optimized" of the listing.
 //!
-//! What [`plan_region`] checks (the seed's safety checks, as Linux's
+//! What [`plan_region`] checks (Linux's kprobes' safety checks, as Linux's
 //! `arch/x86/kernel/kprobes/opt.c` makes them, plus what the host can see and Linux does not
 //! look at):
 //! - the region is whole instructions from the probe address covering at least 5 bytes, and
@@ -45,15 +45,15 @@
 //!   falls through (after `ret`/`jmp` for straight-line speculation, or as padding), so an int3
 //!   right after an instruction that falls through is someone else's breakpoint (the guest's
 //!   own kprobe, its debugger) and refuses the function;
-//! - every displaced instruction can run in the detour ([`Undisplaceable`]): no `call` (the
-//!   seed's limitation: the callee would return into the detour, which would then have to
+//! - every displaced instruction can run in the detour ([`Undisplaceable`]): no `call` (Linux's
+//!   limitation too: the callee would return into the detour, which would then have to
 //!   outlive every task sleeping below it), no trap raised on purpose (int3, `int`, `ud2`: the
 //!   guest's handler looks the address up), and nothing Linux's `can_boost()` refuses, except
 //!   relative `jmp`/`jcc`, which iced re-encodes for the detour. A region also ends at a `jmp`
 //!   or `ret`: an instruction after one is reached only by jumps, and only some are visible;
 //! - the region is clear of the guest's patch sites (the ftrace site, jump labels, static
 //!   calls): the guest checks those bytes before it rewrites them;
-//! - no other probe lies strictly inside the region (the seed's pre-optimization condition;
+//! - no other probe lies strictly inside the region (Linux's kprobes' pre-optimization condition;
 //!   temporary, like the probe-state conditions of [`check_probe`]).
 //!
 //! Decisions:
@@ -73,7 +73,7 @@
 //!
 //! What the caller still owns: the function's text must be the compiler's (our own int3s
 //! and jumps replaced by the original bytes); a probe at an address inside an optimized
-//! region blocks that region, which must be unoptimized first (the seed's "blocked by another
+//! region blocks that region, which must be unoptimized first (Linux's kprobes' "blocked by another
 //! kprobe"); the jump is written with every vCPU paused and no vCPU or task interrupted
 //! inside the region (DESIGN.md); the bytes after the 5-byte jump stay as they are (nothing
 //! can reach them); the detour's entry must be within rel32 reach of the probe
@@ -363,7 +363,7 @@ pub enum NotOptimizable {
 }
 
 impl NotOptimizable {
-    /// Whether the reason may go away while the text stays as it is (the seed's
+    /// Whether the reason may go away while the text stays as it is (Linux's kprobes'
     /// pre-optimization conditions): the probe may be optimized later.
     pub fn is_temporary(&self) -> bool {
         matches!(
@@ -373,14 +373,14 @@ impl NotOptimizable {
     }
 }
 
-/// The state of a probe that the seed's pre-optimization conditions look at.
+/// The state of a probe that Linux's kprobes' pre-optimization conditions look at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProbeConditions {
     pub has_post_handler: bool,
     pub enabled: bool,
 }
 
-/// The seed's pre-optimization conditions that depend on the probe rather than the text: no
+/// Linux's kprobes' pre-optimization conditions that depend on the probe rather than the text: no
 /// post-handler (it runs after a single-step, and a jumped-over instruction is not stepped)
 /// and enabled. Both are temporary ([`NotOptimizable::is_temporary`]). The third condition,
 /// no other probe inside the region, is [`plan_region`]'s.

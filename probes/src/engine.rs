@@ -177,7 +177,7 @@ pub struct KprobeRequest {
     /// Registered but disabled (`KPROBE_FLAG_DISABLED`).
     pub disabled: bool,
     /// For a return probe: bytes of private data per followed call, shared by its entry
-    /// and return handlers ([`HitContext::data`]; the seed's `data_size`).
+    /// and return handlers ([`HitContext::data`]; Linux's kprobes' `data_size`).
     pub data_size: usize,
     /// Each event carries the guest's kernel stack at the hit ([`HitRecord::stack`],
     /// ftrace's `stacktrace` trigger), unwound on the host with the guest's ORC data. The

@@ -1,4 +1,4 @@
-//! Jump optimization of armed sites (the seed's optimized kprobes, done from the host).
+//! Jump optimization of armed sites (Linux's optimized kprobes, done from the host).
 //!
 //! Invariant: **a site's first five bytes hold our `jmp` to its detour only while the
 //! region planned for it (see [`crate::detour`]) is safe to jump over — every vCPU was
@@ -10,7 +10,7 @@
 //! only when no vCPU is in it and no kernel stack holds an address in it.**
 //!
 //! Optimization is tried at the end of every pause of the vCPUs, for every armed site
-//! that meets the seed's pre-optimization conditions (every probe of the site enabled,
+//! that meets Linux's kprobes' pre-optimization conditions (every probe of the site enabled,
 //! none with a post-handler, no other probe inside the region) while the switch
 //! ([`Tracer::set_optimization`]) is on; a site whose state changes is unoptimized before
 //! its bytes change. A site refused for a reason that can go away (a vCPU or a task inside
@@ -143,7 +143,7 @@ struct EventProbe {
 pub(super) type DetourCodes = BTreeMap<Gva, DetourCode>;
 
 impl Tracer {
-    /// The seed's `debug.kprobes_optimization`: on, every armed probe that can be is
+    /// Linux's kprobes' `debug.kprobes_optimization`: on, every armed probe that can be is
     /// jump-optimized; off, every optimized probe goes back to its int3. Takes effect in one
     /// pause of the vCPUs.
     pub fn set_optimization(&self, on: bool) {
@@ -248,7 +248,7 @@ impl Tracer {
         if !site.armed || site.gone || !reg.armed {
             return Some(WhyNotOptimized::NotArmed);
         }
-        // A site inside an optimized region blocks that region (the seed's "blocked by
+        // A site inside an optimized region blocks that region (Linux's kprobes' "blocked by
         // another kprobe"), whichever came first.
         if let Some(detour) = &site.detour {
             if let Some((&other, _)) = reg.sites.range(Gva(addr.0 + 1)..detour.region.end()).next() {
