@@ -77,11 +77,6 @@ impl<M: PhysRead> PagedGuestMemory<M> {
         }
     }
 
-    /// Walks with a walker configured by the caller (e.g. the guest CPU's MAXPHYADDR).
-    pub fn with_walker(phys: M, cr3: u64, walker: PageWalker) -> Self {
-        PagedGuestMemory { phys, cr3, walker }
-    }
-
     pub fn cr3(&self) -> u64 {
         self.cr3
     }

@@ -1,4 +1,5 @@
-//! Delivering a guest-owned #BP on hardware KVM without KVM's event injection.
+//! Delivering a guest-owned #BP: through KVM (kvm_pvm, user mode, unusual gates) or, on
+//! hardware KVM, by the VMM itself without KVM's event injection.
 //!
 //! KVM delivers a re-injected #BP as a software exception: on SVM without next-RIP saving
 //! (nested virtualization, some clouds) it skips the int3 with its instruction emulator,
@@ -15,7 +16,13 @@
 //! gate that changes CS, an unmapped stack) goes back to KVM as a pending exception.
 
 use hvprobe_arch::regs::{efer, rflags};
+use hvprobe_arch::Gva;
 use kvm_bindings::{kvm_regs, kvm_sregs};
+use kvm_ioctls::VcpuFd;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+
+use crate::backend::Backend;
+use crate::{kvm_err, Error};
 
 const BP_VECTOR: u64 = 3;
 const IDT_GATE_SIZE: u64 = 16;
@@ -101,6 +108,118 @@ pub(crate) fn breakpoint_delivery(
         rsp: frame_at,
         rflags: flags,
     })
+}
+
+/// Delivers a #BP to the guest for the int3 at `at`, as the CPU would have without a
+/// hypervisor watching. The two backends differ in who moves RIP past the int3; on
+/// hardware KVM a kernel int3's #BP is delivered by the VMM itself (see
+/// [`crate::breakpoint`]), and only the rest goes back through KVM.
+pub fn reinject_breakpoint(vcpu: &VcpuFd, mem: &GuestMemoryMmap, backend: Backend, at: Gva) -> Result<(), Error> {
+    if !backend.int3_is_emulation_failure() && deliver_breakpoint_in_place(vcpu, mem, at)? {
+        return Ok(());
+    }
+    if backend.int3_is_emulation_failure() {
+        // kvm_pvm leaves RIP on the int3 and injects the exception as is: the guest's
+        // handler expects RIP after the int3, as a trap would leave it.
+        let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+        regs.rip = at.0 + 1;
+        vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
+    }
+    // On hardware KVM the #BP is delivered as a software exception and KVM advances RIP
+    // by the instruction length itself.
+    let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+    let pending = backend.reinjects_breakpoints_as_pending();
+    events.exception.injected = u8::from(!pending);
+    events.exception.pending = u8::from(pending);
+    events.exception.nr = 3;
+    events.exception.has_error_code = 0;
+    events.exception.error_code = 0;
+    events.exception_has_payload = 0;
+    events.exception_payload = 0;
+    // Without KVM_VCPUEVENT_VALID_PAYLOAD, KVM ignores `pending`.
+    events.flags = if pending {
+        kvm_bindings::KVM_VCPUEVENT_VALID_PAYLOAD
+    } else {
+        0
+    };
+    vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
+}
+
+/// Pushes the #BP frame for the kernel int3 at `at` and enters the guest's handler, as the
+/// CPU does; false (nothing changed) when this is not a case for it or guest memory on the
+/// way is not mapped.
+fn deliver_breakpoint_in_place(vcpu: &VcpuFd, mem: &GuestMemoryMmap, at: Gva) -> Result<bool, Error> {
+    let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+    let sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+    let Some(gate_at) = bp_gate_address(&sregs) else {
+        return Ok(false);
+    };
+    let Some(gate) = read_virt::<16>(vcpu, mem, gate_at) else {
+        return Ok(false);
+    };
+    let delivery = breakpoint_delivery(at.0, &regs, &sregs, gate, |ist| {
+        read_virt::<8>(vcpu, mem, ist_address(&sregs, ist)).map(u64::from_le_bytes)
+    });
+    let Some(delivery) = delivery else {
+        return Ok(false);
+    };
+    if !write_virt(vcpu, mem, delivery.frame_at, &delivery.frame_bytes()) {
+        return Ok(false);
+    }
+    regs.rip = delivery.rip;
+    regs.rsp = delivery.rsp;
+    regs.rflags = delivery.rflags;
+    vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
+    Ok(true)
+}
+
+/// The guest-physical addresses of `len` bytes at `gva` through the vCPU's page tables,
+/// in at most two pieces (a page boundary); `None` if any byte is unmapped.
+fn virt_pieces(vcpu: &VcpuFd, gva: u64, len: usize) -> Option<Vec<(u64, usize)>> {
+    let mut pieces = Vec::new();
+    let (mut at, end) = (gva, gva.checked_add(len as u64)?);
+    while at < end {
+        let t = vcpu.translate_gva(at).ok()?;
+        if t.valid == 0 {
+            return None;
+        }
+        let in_page = (0x1000 - (at & 0xfff)).min(end - at);
+        pieces.push((t.physical_address, in_page as usize));
+        at += in_page;
+    }
+    Some(pieces)
+}
+
+fn read_virt<const N: usize>(vcpu: &VcpuFd, mem: &GuestMemoryMmap, gva: u64) -> Option<[u8; N]> {
+    let mut out = [0u8; N];
+    let mut done = 0;
+    for (gpa, len) in virt_pieces(vcpu, gva, N)? {
+        mem.read_slice(&mut out[done..done + len], GuestAddress(gpa)).ok()?;
+        done += len;
+    }
+    Some(out)
+}
+
+/// Writes `bytes` at `gva`, all or nothing as far as the mapping goes (every piece is
+/// translated before the first write).
+fn write_virt(vcpu: &VcpuFd, mem: &GuestMemoryMmap, gva: u64, bytes: &[u8]) -> bool {
+    let Some(pieces) = virt_pieces(vcpu, gva, bytes.len()) else {
+        return false;
+    };
+    if pieces
+        .iter()
+        .any(|&(gpa, len)| !mem.check_range(GuestAddress(gpa), len))
+    {
+        return false;
+    }
+    let mut done = 0;
+    for (gpa, len) in pieces {
+        if mem.write_slice(&bytes[done..done + len], GuestAddress(gpa)).is_err() {
+            return false;
+        }
+        done += len;
+    }
+    true
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ mod vm;
 
 pub use backend::Backend;
 pub use boot::{kernel_format, KernelFormat};
+pub use breakpoint::reinject_breakpoint;
 pub use console::{ConsoleLog, ConsoleOutput};
 pub use cpuid::PVM_HIDDEN_FEATURES;
 pub use devices::{GuestEvent, GUEST_EVENT_PORT, GUEST_EXIT_PORT};
@@ -28,7 +29,7 @@ pub use error::Error;
 pub use mptable::MAX_CPUS;
 pub use snapshot::{snapshot_cache_name, SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
 pub use vcpu::{
-    reinject_breakpoint, set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus,
-    StopReason, VcpuControl, VcpuState,
+    set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus, StopReason, VcpuControl,
+    VcpuState,
 };
 pub use vm::{CodeBlob, ConsoleInput, Vm, VmConfig, VmOutcome, CODE_BLOB_START, MAX_MEM_MIB, MIN_MEM_MIB};

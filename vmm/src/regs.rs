@@ -192,20 +192,6 @@ pub fn setup_msrs(vcpu: &VcpuFd) -> Result<(), Error> {
     Ok(())
 }
 
-/// Reads one MSR of a vCPU.
-pub fn read_msr(vcpu: &VcpuFd, index: u32) -> Result<u64, Error> {
-    let mut msrs = Msrs::from_entries(&[kvm_msr_entry {
-        index,
-        ..Default::default()
-    }])
-    .map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
-    let n = vcpu.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
-    if n != 1 {
-        return Err(Error::Config(format!("MSR {index:#x} is not readable")));
-    }
-    Ok(msrs.as_slice()[0].data)
-}
-
 /// `MSR_KVM_SYSTEM_TIME_NEW`: the guest-physical address of a vCPU's kvm-clock page.
 pub const MSR_KVM_SYSTEM_TIME_NEW: u32 = 0x4b56_4d01;
 

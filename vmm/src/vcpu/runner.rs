@@ -1,0 +1,382 @@
+//! One vCPU thread's exit loop: KVM_RUN, each exit handled (I/O to the devices,
+//! breakpoints and single steps to the [`DebugHandler`], kvm_pvm's emulation failures
+//! completed), checkpoints for pauses.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use hvprobe_arch::{Gva, INT3};
+use kvm_bindings::{KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use super::*;
+use crate::backend::Backend;
+use crate::breakpoint::reinject_breakpoint;
+use crate::devices::{GuestEvent, IoAction, PortDevices};
+use crate::stats::VcpuStats;
+use crate::{kvm_err, Error};
+
+/// Counters of the exit loop, for all vCPUs together.
+#[derive(Debug, Default)]
+pub struct ExitCounters {
+    pub exits: AtomicU64,
+    pub io_exits: AtomicU64,
+    pub breakpoints: AtomicU64,
+    pub breakpoints_reinjected: AtomicU64,
+    /// Single-step traps a debug handler took (out-of-line steps of probed instructions).
+    pub single_steps: AtomicU64,
+    /// Guest instructions KVM emulated (KVM's `insn_emulation` statistic; on kvm_pvm every
+    /// guest kernel instruction), summed over vCPUs when they stop.
+    pub instructions_emulated: AtomicU64,
+    /// VM exits as KVM counts them (its `exits` statistic: the ones KVM handles itself
+    /// too, which never reach this loop), summed over vCPUs when they stop.
+    pub kvm_exits: AtomicU64,
+    /// Pauses a kvm-clock guest was told about (`KVM_KVMCLOCK_CTRL` on a parking vCPU).
+    pub kvmclock_pauses: AtomicU64,
+    /// Pauses of every vCPU ([`VcpuControl::pause_all`], outermost ones only).
+    pub pauses: AtomicU64,
+}
+
+/// Everything one vCPU thread needs.
+pub struct VcpuRunner {
+    pub cpu: usize,
+    pub vcpu: VcpuFd,
+    pub backend: Backend,
+    pub control: Arc<VcpuControl>,
+    pub devices: Arc<PortDevices>,
+    pub debug: Arc<dyn DebugHandler>,
+    pub mem: GuestMemoryMmap,
+}
+
+/// What the loop does after an exit.
+enum Next {
+    Continue,
+    Stop(StopReason),
+}
+
+impl VcpuRunner {
+    /// Runs the vCPU until the VM stops; gives the vCPU back (a snapshot saves its state).
+    /// A panic in the loop stops the VM with its message instead of taking the thread down.
+    pub fn run(mut self) -> VcpuFd {
+        let immediate_exit = &mut self.vcpu.get_kvm_run().immediate_exit as *mut u8 as *const AtomicU8;
+        let kick = Kick {
+            immediate_exit,
+            // SAFETY: pthread_self has no preconditions.
+            thread: unsafe { libc::pthread_self() },
+        };
+        // Declared after `self`, so dropped before it (and its kvm_run mapping) even when
+        // unwinding.
+        let _registration = self.control.enter_vcpu_thread(self.cpu, Some(kick));
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| self.run_loop(immediate_exit))) {
+            self.control.stop(StopReason::VcpuError {
+                cpu: self.cpu,
+                message: format!("the exit loop panicked: {}", panic_message(payload.as_ref())),
+            });
+        }
+        self.vcpu
+    }
+
+    fn run_loop(&mut self, immediate_exit: *const AtomicU8) {
+        if self.debug.wants_breakpoints() && !self.backend.int3_is_emulation_failure() {
+            if let Err(e) = set_guest_debug(&self.vcpu, self.backend, false) {
+                tracing::error!("vCPU {}: int3 exits unavailable: {e}", self.cpu);
+            }
+        }
+        let stats = VcpuStats::open(&self.vcpu)
+            .map_err(|e| tracing::debug!("vCPU {}: no KVM statistics: {e}", self.cpu))
+            .ok();
+
+        loop {
+            // SAFETY: `immediate_exit` points into this vCPU's kvm_run page, alive as long
+            // as `self.vcpu`.
+            unsafe { (*immediate_exit).store(0, Ordering::SeqCst) };
+            if !self.control.checkpoint(self.cpu, || self.park()) {
+                break;
+            }
+            if self.cpu == 0 && self.control.first_entry.get().is_none() {
+                let _ = self.control.first_entry.set(Instant::now());
+            }
+            let next = self.run_once();
+            if let Next::Stop(reason) = next {
+                self.control.stop(reason);
+                break;
+            }
+        }
+
+        if let Some(stats) = stats {
+            let counters = &self.control.counters;
+            if let Some(emulated) = stats.get("insn_emulation") {
+                counters.instructions_emulated.fetch_add(emulated, Ordering::Relaxed);
+            }
+            if let Some(exits) = stats.get("exits") {
+                counters.kvm_exits.fetch_add(exits, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// What a vCPU does as it parks for a pause: tells a kvm-clock guest that it is paused
+    /// (the guest's RCU stall and soft-lockup detectors then forgive the time jump a long
+    /// pause makes, as they do for a paused QEMU or firecracker guest), and returns the
+    /// state it publishes while parked.
+    fn park(&self) -> Option<VcpuState> {
+        match self.vcpu.kvmclock_ctrl() {
+            Ok(()) => {
+                self.control.counters.kvmclock_pauses.fetch_add(1, Ordering::Relaxed);
+            }
+            // EINVAL: the guest has not enabled kvm-clock on this vCPU (a code blob, or
+            // a kernel still booting).
+            Err(e) => tracing::debug!("vCPU {}: KVM_KVMCLOCK_CTRL: {e}", self.cpu),
+        }
+        VcpuState::read_with_tsc(&self.vcpu).ok()
+    }
+
+    /// Calls the debug handler; a panic in it becomes [`StopReason::HandlerPanicked`]
+    /// (the vCPU's registers are wherever the handler left them: it must not run on).
+    fn call_handler<T>(
+        &mut self,
+        call: impl FnOnce(&dyn DebugHandler, usize, &mut VcpuFd) -> T,
+    ) -> Result<T, StopReason> {
+        let (debug, cpu, vcpu) = (&*self.debug, self.cpu, &mut self.vcpu);
+        catch_unwind(AssertUnwindSafe(|| call(debug, cpu, vcpu))).map_err(|payload| StopReason::HandlerPanicked {
+            cpu,
+            message: panic_message(payload.as_ref()),
+        })
+    }
+
+    fn run_once(&mut self) -> Next {
+        let cpu = self.cpu;
+        let exit = match self.vcpu.run() {
+            Ok(exit) => exit,
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => return Next::Continue,
+            Err(e) => {
+                return Next::Stop(StopReason::VcpuError {
+                    cpu,
+                    message: format!("KVM_RUN failed: {e}"),
+                })
+            }
+        };
+        self.control.counters.exits.fetch_add(1, Ordering::Relaxed);
+        match exit {
+            VcpuExit::IoOut(port, data) => {
+                self.control.counters.io_exits.fetch_add(1, Ordering::Relaxed);
+                match self.devices.write(port, data) {
+                    IoAction::Continue => Next::Continue,
+                    IoAction::Event(GuestEvent::ReadyForWorkload)
+                        if self.control.stop_at_ready.load(Ordering::SeqCst) =>
+                    {
+                        self.control.guest_event(GuestEvent::ReadyForWorkload);
+                        Next::Stop(StopReason::GuestReady)
+                    }
+                    IoAction::Event(e) => {
+                        self.control.guest_event(e);
+                        match self.call_handler(|debug, cpu, _| debug.on_guest_event(cpu, e)) {
+                            Ok(()) => Next::Continue,
+                            Err(reason) => Next::Stop(reason),
+                        }
+                    }
+                    IoAction::GuestExit(status) => Next::Stop(StopReason::GuestExit(status)),
+                    IoAction::Reset => Next::Stop(StopReason::Reset),
+                }
+            }
+            VcpuExit::IoIn(port, data) => {
+                self.control.counters.io_exits.fetch_add(1, Ordering::Relaxed);
+                self.devices.read(port, data);
+                Next::Continue
+            }
+            VcpuExit::MmioRead(addr, data) => {
+                tracing::debug!("vCPU {cpu}: read of unbacked guest-physical {addr:#x}");
+                data.fill(0xff);
+                Next::Continue
+            }
+            VcpuExit::MmioWrite(addr, _) => {
+                tracing::debug!("vCPU {cpu}: write to unbacked guest-physical {addr:#x}");
+                Next::Continue
+            }
+            VcpuExit::Hlt => Next::Continue,
+            VcpuExit::Shutdown => Next::Stop(StopReason::TripleFault),
+            VcpuExit::SystemEvent(kind, _) => match kind {
+                KVM_SYSTEM_EVENT_SHUTDOWN => Next::Stop(StopReason::PowerOff),
+                KVM_SYSTEM_EVENT_RESET => Next::Stop(StopReason::Reset),
+                other => Next::Stop(StopReason::VcpuError {
+                    cpu,
+                    message: format!("system event {other}"),
+                }),
+            },
+            VcpuExit::Debug(arch) => {
+                let (exception, pc) = (arch.exception, arch.pc);
+                if exception == 3 {
+                    return self.breakpoint(Gva(pc));
+                }
+                let stepped = exception == 1 && {
+                    match self.call_handler(|debug, cpu, vcpu| debug.on_single_step(cpu, vcpu)) {
+                        Ok(taken) => taken,
+                        Err(reason) => return Next::Stop(reason),
+                    }
+                };
+                if stepped {
+                    self.control.counters.single_steps.fetch_add(1, Ordering::Relaxed);
+                    Next::Continue
+                } else {
+                    Next::Stop(StopReason::VcpuError {
+                        cpu,
+                        message: format!("unexpected debug exit: exception {exception} at {pc:#x}"),
+                    })
+                }
+            }
+            VcpuExit::InternalError => self.internal_error(),
+            VcpuExit::FailEntry(reason, hw_cpu) => Next::Stop(StopReason::VcpuError {
+                cpu,
+                message: format!("VM entry failed: hardware reason {reason:#x} on host CPU {hw_cpu}"),
+            }),
+            other => Next::Stop(StopReason::VcpuError {
+                cpu,
+                message: format!("unexpected exit: {other:?}"),
+            }),
+        }
+    }
+
+    /// `KVM_EXIT_INTERNAL_ERROR`: on kvm_pvm a guest int3 at CPL0 arrives this way.
+    fn internal_error(&mut self) -> Next {
+        let cpu = self.cpu;
+        let (suberror, ndata, data) = {
+            let run = self.vcpu.get_kvm_run();
+            // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, whose data is the union's
+            // `internal` member; `emulation_failure` overlays it for the emulation suberror.
+            let internal = unsafe { run.__bindgen_anon_1.internal };
+            (internal.suberror, internal.ndata, internal.data)
+        };
+        let rip = match self.vcpu.get_regs() {
+            Ok(r) => r.rip,
+            Err(e) => {
+                return Next::Stop(StopReason::VcpuError {
+                    cpu,
+                    message: format!("KVM_GET_REGS: {e}"),
+                })
+            }
+        };
+        if suberror != KVM_INTERNAL_ERROR_EMULATION {
+            return Next::Stop(StopReason::VcpuError {
+                cpu,
+                message: format!(
+                    "KVM internal error, suberror {suberror}, rip {rip:#x}, data {:x?}",
+                    &data[..(ndata as usize).min(16)]
+                ),
+            });
+        }
+        let mut insn = emulation_failure_bytes(ndata, &data);
+        if insn.is_empty() {
+            insn = self.bytes_at(rip);
+        }
+        if self.backend.int3_is_emulation_failure() && insn.first() == Some(&INT3) {
+            return self.breakpoint(Gva(rip));
+        }
+        if insn.first() == Some(&FWAIT) {
+            return match complete_fwait(&self.vcpu, rip) {
+                Ok(()) => Next::Continue,
+                Err(e) => Next::Stop(StopReason::VcpuError {
+                    cpu,
+                    message: format!("completing fwait: {e}"),
+                }),
+            };
+        }
+        Next::Stop(StopReason::EmulationFailure { cpu, rip, insn })
+    }
+
+    /// Up to 15 instruction bytes at a guest-virtual address, through KVM's translation
+    /// of the vCPU's current page tables (empty when unmapped).
+    fn bytes_at(&self, rip: u64) -> Vec<u8> {
+        let Ok(t) = self.vcpu.translate_gva(rip) else {
+            return Vec::new();
+        };
+        if t.valid == 0 {
+            return Vec::new();
+        }
+        let in_page = (0x1000 - (rip & 0xfff)).min(15) as usize;
+        let mut buf = vec![0u8; in_page];
+        match self.mem.read_slice(&mut buf, GuestAddress(t.physical_address)) {
+            Ok(()) => buf,
+            Err(_) => Vec::new(),
+        }
+    }
+
+    fn breakpoint(&mut self, at: Gva) -> Next {
+        self.control.counters.breakpoints.fetch_add(1, Ordering::Relaxed);
+        let disposition = match self.call_handler(|debug, cpu, vcpu| debug.on_breakpoint(cpu, vcpu, at)) {
+            Ok(d) => d,
+            Err(reason) => return Next::Stop(reason),
+        };
+        match disposition {
+            BreakpointDisposition::Handled => Next::Continue,
+            BreakpointDisposition::GuestOwned => {
+                self.control
+                    .counters
+                    .breakpoints_reinjected
+                    .fetch_add(1, Ordering::Relaxed);
+                match reinject_breakpoint(&self.vcpu, &self.mem, self.backend, at) {
+                    Ok(()) => Next::Continue,
+                    Err(e) => Next::Stop(StopReason::VcpuError {
+                        cpu: self.cpu,
+                        message: format!("re-injecting #BP: {e}"),
+                    }),
+                }
+            }
+        }
+    }
+}
+
+/// `fwait`/`wait`: KVM's emulator has no case for it, and Linux executes one in
+/// `fpu__drop()` on every exec and exit.
+const FWAIT: u8 = 0x9b;
+const X87_FSW_ES: u16 = 1 << 7;
+const MF_VECTOR: u8 = 16;
+
+/// Completes an `fwait` the emulator refused, as the CPU would: with no unmasked x87
+/// exception pending it does nothing; with one, it raises #MF.
+fn complete_fwait(vcpu: &VcpuFd, rip: u64) -> Result<(), Error> {
+    let fpu = vcpu.get_fpu().map_err(kvm_err("KVM_GET_FPU"))?;
+    if fpu.fsw & X87_FSW_ES != 0 {
+        let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+        events.exception.injected = 1;
+        events.exception.pending = 0;
+        events.exception.nr = MF_VECTOR;
+        events.exception.has_error_code = 0;
+        events.flags = 0;
+        return vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"));
+    }
+    let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+    regs.rip = rip + 1;
+    vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))
+}
+
+/// The instruction bytes KVM reports with an emulation failure
+/// (`struct kvm_run::emulation_failure`: flags, then insn_size and insn_bytes).
+fn emulation_failure_bytes(ndata: u32, data: &[u64; 16]) -> Vec<u8> {
+    const HAS_INSN_BYTES: u64 = 1;
+    if ndata < 3 || data[0] & HAS_INSN_BYTES == 0 {
+        return Vec::new();
+    }
+    let mut raw = [0u8; 16];
+    raw[..8].copy_from_slice(&data[1].to_le_bytes());
+    raw[8..].copy_from_slice(&data[2].to_le_bytes());
+    let size = (raw[0] as usize).min(15);
+    raw[1..1 + size].to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn emulation_failure_bytes_are_decoded_from_the_exit_data() {
+        let mut data = [0u64; 16];
+        data[0] = 1;
+        data[1] = u64::from_le_bytes([2, 0xcc, 0x90, 0, 0, 0, 0, 0]);
+        assert_eq!(emulation_failure_bytes(3, &data), vec![0xcc, 0x90]);
+        data[0] = 0;
+        assert!(emulation_failure_bytes(3, &data).is_empty());
+        assert!(emulation_failure_bytes(1, &data).is_empty());
+    }
+}

@@ -1,0 +1,58 @@
+//! The x86/KVM state of a vCPU that a parked vCPU publishes (registers, segment
+//! registers, its TSC beside the host's).
+
+use hvprobe_arch::tsc::TscSample;
+use kvm_bindings::{kvm_regs, kvm_sregs};
+use kvm_ioctls::VcpuFd;
+
+use crate::{kvm_err, Error};
+
+/// What a parked vCPU publishes about itself.
+#[derive(Clone, Copy, Debug)]
+pub struct VcpuState {
+    pub regs: kvm_regs,
+    pub sregs: kvm_sregs,
+    /// The syscall entry point; 0 until the guest kernel has set it up.
+    pub lstar: u64,
+    /// The GS base user mode sees while the kernel runs (swapped by `swapgs`); the kernel's
+    /// own GS base is `sregs.gs.base` while the vCPU is in kernel mode.
+    pub kernel_gs_base: u64,
+    /// `MSR_KVM_SYSTEM_TIME_NEW`: where the guest asked KVM to keep this vCPU's kvm-clock
+    /// (`pvclock_vcpu_time_info`), guest-physical, bit 0 = enabled; 0 when it did not (or
+    /// KVM would not say).
+    pub kvm_system_time: u64,
+    /// The vCPU's TSC as KVM reports it, between two reads of the host's (`None` when KVM
+    /// would not read it): how guest TSC values relate to host ones.
+    pub tsc: Option<TscSample>,
+}
+
+impl VcpuState {
+    /// Registers, control registers and MSRs; no TSC sample (`tsc` is `None`).
+    pub fn read(vcpu: &VcpuFd) -> Result<VcpuState, Error> {
+        let regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+        let sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+        let msrs = crate::regs::read_state_msrs(vcpu)?;
+        Ok(VcpuState {
+            regs,
+            sregs,
+            lstar: msrs.lstar,
+            kernel_gs_base: msrs.kernel_gs_base,
+            kvm_system_time: msrs.kvm_system_time,
+            tsc: None,
+        })
+    }
+
+    /// [`read`](Self::read) and a sample of the vCPU's TSC against the host's (a few more
+    /// ioctls: what a parked vCPU publishes, not what a hit needs).
+    pub fn read_with_tsc(vcpu: &VcpuFd) -> Result<VcpuState, Error> {
+        Ok(VcpuState {
+            tsc: crate::regs::sample_tsc(vcpu),
+            ..VcpuState::read(vcpu)?
+        })
+    }
+
+    /// Whether the vCPU was running guest kernel code (CPL 0).
+    pub fn in_kernel_mode(&self) -> bool {
+        self.sregs.cs.selector & 3 == 0
+    }
+}
