@@ -2,12 +2,16 @@
 //! nowhere, and always a tail buffer for error messages) and where input comes from.
 
 use std::collections::VecDeque;
-use std::io::{self, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::io::{self, IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// How much console output is kept for [`ConsoleLog::tail`].
 const TAIL_CAPACITY: usize = 256 * 1024;
+
+/// The longest partial line held back from a stdout that is not a terminal: a guest that
+/// writes more without a newline has it printed (the guest chooses what it writes).
+const PARTIAL_LINE_LIMIT: usize = 64 * 1024;
 
 /// The last bytes the guest wrote to its console, shareable across threads.
 #[derive(Clone, Default)]
@@ -15,6 +19,10 @@ pub struct ConsoleLog {
     bytes: Arc<Mutex<VecDeque<u8>>>,
     /// Bytes written since the start (the tail forgets; this does not).
     written: Arc<AtomicU64>,
+    /// Whether stdout gets whole lines only ([`WholeLines`]), and then whether what it
+    /// shows ends inside a line all the same (a partial line over the limit, or the end).
+    stdout_whole_lines: Arc<AtomicBool>,
+    stdout_mid_line: Arc<AtomicBool>,
 }
 
 impl ConsoleLog {
@@ -26,10 +34,14 @@ impl ConsoleLog {
         bytes.drain(..excess);
     }
 
-    /// Whether the output so far ends with a whole line (or there is none). With
-    /// [`ConsoleOutput::Stdout`], this is what stdout shows while its lock is held: the
-    /// writer logs and prints under that lock.
+    /// Whether the console's output on stdout ends with a whole line (or there is none):
+    /// what stdout shows while its lock is held (the writer logs and prints under that
+    /// lock), so that another printer knows whether it would split a guest line. Without
+    /// stdout, whether the output so far does.
     pub fn at_line_start(&self) -> bool {
+        if self.stdout_whole_lines.load(Ordering::Relaxed) {
+            return !self.stdout_mid_line.load(Ordering::Relaxed);
+        }
         let bytes = self.bytes.lock().unwrap_or_else(|e| e.into_inner());
         bytes.back().is_none_or(|&b| b == b'\n')
     }
@@ -63,15 +75,63 @@ pub enum ConsoleOutput {
     Discard,
 }
 
+/// The console's output for a stdout that is not a terminal (a pipe, a file: a program
+/// reads it): whole lines only, a partial line held back until its newline, the end of
+/// the run or [`PARTIAL_LINE_LIMIT`]. Probe hits printed meanwhile then never split a
+/// guest line, however long the guest takes to finish it (a line of a slow guest console
+/// is one exit per byte).
+#[derive(Debug, Default)]
+pub struct WholeLines {
+    pending: Vec<u8>,
+}
+
+impl WholeLines {
+    /// What to print of `buf` now: every line it completes, or everything held when the
+    /// partial line has grown past the limit.
+    pub fn take(&mut self, buf: &[u8]) -> Vec<u8> {
+        self.pending.extend_from_slice(buf);
+        if self.pending.len() > PARTIAL_LINE_LIMIT {
+            return std::mem::take(&mut self.pending);
+        }
+        match self.pending.iter().rposition(|&b| b == b'\n') {
+            Some(end) => self.pending.drain(..=end).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The partial line held back (at the end of the run).
+    pub fn rest(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.pending)
+    }
+}
+
 /// The serial device's writer.
 pub struct ConsoleWriter {
     log: ConsoleLog,
     output: ConsoleOutput,
+    /// `Some` when stdout is not a terminal.
+    whole_lines: Option<WholeLines>,
 }
 
 impl ConsoleWriter {
     pub fn new(log: ConsoleLog, output: ConsoleOutput) -> Self {
-        ConsoleWriter { log, output }
+        let whole_lines = (output == ConsoleOutput::Stdout && !io::stdout().is_terminal()).then(WholeLines::default);
+        log.stdout_whole_lines.store(whole_lines.is_some(), Ordering::Relaxed);
+        ConsoleWriter {
+            log,
+            output,
+            whole_lines,
+        }
+    }
+
+    /// Prints `bytes` under stdout's lock `out`, noting whether stdout now ends mid-line.
+    fn print(&self, out: &mut io::StdoutLock<'_>, bytes: &[u8]) -> io::Result<()> {
+        if let Some(&last) = bytes.last() {
+            out.write_all(bytes)?;
+            out.flush()?;
+            self.log.stdout_mid_line.store(last != b'\n', Ordering::Relaxed);
+        }
+        Ok(())
     }
 }
 
@@ -82,8 +142,11 @@ impl Write for ConsoleWriter {
             // hits) can tell from the log whether stdout is in the middle of a line.
             let mut out = io::stdout().lock();
             self.log.push(buf);
-            out.write_all(buf)?;
-            out.flush()?;
+            let now = match &mut self.whole_lines {
+                Some(lines) => lines.take(buf),
+                None => buf.to_vec(),
+            };
+            self.print(&mut out, &now)?;
         } else {
             self.log.push(buf);
         }
@@ -92,9 +155,19 @@ impl Write for ConsoleWriter {
 
     fn flush(&mut self) -> io::Result<()> {
         if self.output == ConsoleOutput::Stdout {
-            io::stdout().flush()?;
+            let mut out = io::stdout().lock();
+            let rest = self.whole_lines.as_mut().map(WholeLines::rest).unwrap_or_default();
+            self.print(&mut out, &rest)?;
+            out.flush()?;
         }
         Ok(())
+    }
+}
+
+impl Drop for ConsoleWriter {
+    /// The run's last partial line is printed too.
+    fn drop(&mut self) {
+        let _ = self.flush();
     }
 }
 
@@ -112,6 +185,32 @@ mod tests {
         assert_eq!(log.tail(10), "one\ntwo\nthree\nfour");
         w.write_all(&vec![b'x'; TAIL_CAPACITY + 10]).unwrap();
         assert_eq!(log.contents().len(), TAIL_CAPACITY);
+    }
+
+    /// A guest line written slowly, with probe hits printed in the middle of it: stdout (a
+    /// pipe) gets it whole. Before, the hit printer waited 100 ms for the line to grow and
+    /// then split it (a lane run lost one of its 60 guest trace lines so).
+    #[test]
+    fn a_slow_guest_line_reaches_a_pipe_whole() {
+        let mut lines = WholeLines::default();
+        assert_eq!(lines.take(b"GUEST loop-29 [000] gk: (__do_sys_ge"), b"");
+        assert_eq!(
+            lines.take(b"tppid+0x0/0x24) di=0x1\nGUEST lo"),
+            b"GUEST loop-29 [000] gk: (__do_sys_getppid+0x0/0x24) di=0x1\n"
+        );
+        assert_eq!(lines.take(b"op-30\n\n"), b"GUEST loop-30\n\n");
+        assert_eq!(lines.take(b"~ # "), b"");
+        assert_eq!(lines.rest(), b"~ # ");
+        assert_eq!(lines.rest(), b"");
+    }
+
+    /// The guest chooses what it writes: a line without end is printed past the limit.
+    #[test]
+    fn a_partial_line_is_held_back_no_further_than_the_limit() {
+        let mut lines = WholeLines::default();
+        assert!(lines.take(&vec![b'x'; PARTIAL_LINE_LIMIT]).is_empty());
+        assert_eq!(lines.take(b"y").len(), PARTIAL_LINE_LIMIT + 1);
+        assert!(lines.rest().is_empty());
     }
 
     #[test]
