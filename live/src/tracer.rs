@@ -6,11 +6,11 @@ use std::sync::Arc;
 use hvprobe_arch::paging::PagingMode;
 use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::facts::{ExceptionTable, FactsError, KprobeBlacklist};
-use hvprobe_introspection::memory::{MemoryError, PagedGuestMemory};
+use hvprobe_introspection::memory::PagedGuestMemory;
 use hvprobe_introspection::stacks::StacksLayout;
 use hvprobe_introspection::symbols::{SymbolError, SymbolTable};
 use hvprobe_probes::detour::event::GuestKernelFacts;
-use hvprobe_probes::engine::{EventSink, KernelView, OutOfLineArea, PatchSites, Tracer};
+use hvprobe_probes::engine::{EventSink, KernelView, OutOfLineArea, PatchSites, PatchSitesError, Tracer};
 use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
 use hvprobe_vmm::{VcpuControl, VcpuState};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap, GuestMemoryRegion};
@@ -30,7 +30,7 @@ pub enum TracerError {
     #[error("reading the guest's exception table: {0}")]
     ExceptionTable(#[source] FactsError),
     #[error("reading the guest's text patch sites: {0}")]
-    PatchSites(#[source] MemoryError),
+    PatchSites(#[source] PatchSitesError),
     #[error(transparent)]
     OutOfLine(#[from] OutOfLineError),
     #[error("reading the code blob's vCPU state: {0}")]

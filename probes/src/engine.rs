@@ -61,7 +61,7 @@ mod tests;
 pub use event_rings::EventSetupError;
 pub use optimize::WhyNotOptimized;
 pub use placement::resolve_symbol;
-pub use sites::{PatchSite, PatchSiteKind, PatchSites};
+pub use sites::{PatchSite, PatchSiteKind, PatchSites, PatchSitesError, MAX_SITE_TABLE_BYTES};
 
 /// The longest function the engine decodes to check an instruction boundary.
 const MAX_FUNCTION_BYTES: u64 = 256 << 10;
