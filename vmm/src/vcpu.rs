@@ -1042,7 +1042,8 @@ fn complete_fwait(vcpu: &VcpuFd, rip: u64) -> Result<(), Error> {
         return vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"));
     }
     let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
-    regs.rip = rip + 1;
+    // The guest's RIP: an fwait at the last byte of the address space wraps, as the CPU's.
+    regs.rip = rip.wrapping_add(1);
     vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))
 }
 

@@ -2291,3 +2291,29 @@ fn hits_an_event_detours_filter_discards_are_hits_counted_apart() {
     assert_eq!(listed(), (true, 7, 6, 0), "counted on from the value written");
     t.unregister(id).unwrap();
 }
+
+/// Issue 24, finding 8: RSP is the guest's. A guard stub hit with RSP near 2^64 overflowed
+/// the frame's address (a panic in a debug build); now the frame is unreadable, which is
+/// the guard's error, with the guest's IDT back.
+#[test]
+fn a_guard_frame_at_the_top_of_the_address_space_is_an_error_not_a_panic() {
+    for rsp in [u64::MAX - 7, u64::MAX - 3] {
+        let (_m, t, mut cpu) = stepping_the_mov();
+        cpu.regs.rip = GUARD_STUBS + 13;
+        cpu.regs.rsp = rsp;
+        let outcome = t.on_breakpoint(0, &mut cpu, Gva(GUARD_STUBS + 13));
+        assert!(
+            matches!(
+                outcome,
+                BreakpointOutcome::Fatal(EngineFault::StepGuard { vector: 13, .. })
+            ),
+            "{outcome:?}"
+        );
+        assert_eq!(cpu.idt, GUEST_IDT);
+    }
+    // The guest's IDT itself at the top: its gate's address wraps rather than panics.
+    assert_eq!(
+        super::step_guard::gate_address(Gva(u64::MAX - 15), 255),
+        Gva((u64::MAX - 15).wrapping_add(255 * 16))
+    );
+}
