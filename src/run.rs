@@ -89,7 +89,13 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         cmdline,
         cpus: args.cpus,
         mem_mib: args.mem,
-        console_output: ConsoleOutput::Stdout,
+        // Nobody types into a workload run: the guest's output is escaped, so that its
+        // programs cannot drive the terminal or forge hvprobe's lines (issue 24).
+        console_output: if args.workload.is_none() || args.console_input {
+            ConsoleOutput::Stdout
+        } else {
+            ConsoleOutput::StdoutEscaped
+        },
         console_input: args.workload.is_none() || args.console_input,
     };
     let vm = Vm::new(&config)?;
