@@ -625,7 +625,7 @@ impl KernelStack {
     }
 
     /// The stack's size (its bounds, scanned or not).
-    pub fn len(&self) -> u64 {
+    pub fn size(&self) -> u64 {
         self.bounds.end.0.saturating_sub(self.bounds.start.0)
     }
 }
@@ -956,7 +956,7 @@ impl KernelStacks {
                 scan,
                 extent,
             });
-            stack_bytes = stack_bytes.saturating_add(stacks.last().map_or(0, KernelStack::len));
+            stack_bytes = stack_bytes.saturating_add(stacks.last().map_or(0, KernelStack::size));
             if stack_bytes > layout.max_stack_bytes {
                 return Err(stack_bytes_over(layout));
             }
@@ -968,7 +968,7 @@ impl KernelStacks {
             per_cpu_stacks(mem, layout, c.cpu, Gva(c.per_cpu_base), &mut stacks)?;
             stack_bytes = stacks[before..]
                 .iter()
-                .fold(stack_bytes, |t, s| t.saturating_add(s.len()));
+                .fold(stack_bytes, |t, s| t.saturating_add(s.size()));
             if stack_bytes > layout.max_stack_bytes {
                 return Err(stack_bytes_over(layout));
             }
