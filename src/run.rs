@@ -156,6 +156,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         outcome.instructions_emulated,
         outcome.breakpoints_reinjected
     );
+    report_refused_ool_writes(&outcome);
     let introspection_failed = match &introspection {
         Ok(kernels) => {
             for k in kernels {
@@ -361,5 +362,17 @@ fn introspect_when_up(
             Err(IntrospectionFailure::Error(message))
         }
         None => Ok(kernels),
+    }
+}
+
+/// Says so when the guest wrote into hvprobe's out-of-line code (refused: the code half of
+/// the area is a read-only memory slot). A guest kernel does not do that by accident.
+pub(crate) fn report_refused_ool_writes(outcome: &hvprobe_vmm::VmOutcome) {
+    if outcome.ool_writes_refused > 0 {
+        eprintln!(
+            "hvprobe: the guest wrote into hvprobe's out-of-line code {} times; refused (the writers' RIP and CR3 \
+             are in the log)",
+            outcome.ool_writes_refused
+        );
     }
 }

@@ -199,6 +199,7 @@ pub fn run_restored(
         r.outcome.instructions_emulated,
         r.outcome.breakpoints_reinjected,
     );
+    crate::run::report_refused_ool_writes(&r.outcome);
     match r.outcome.reason {
         StopReason::GuestExit(status) => Ok(ExitCode::from(status)),
         StopReason::Signal(sig) => Ok(ExitCode::from(crate::session::exit_status_for_signal(sig))),
