@@ -331,11 +331,16 @@ impl SparseMemory {
     /// Writes `bytes` at `at`, creating (zeroed) pages as needed; bytes past 2^64 are
     /// dropped.
     pub fn write(&mut self, at: u64, bytes: &[u8]) {
-        for (i, &b) in bytes.iter().enumerate() {
-            let Some(a) = at.checked_add(i as u64) else {
+        let mut done = 0usize;
+        while done < bytes.len() {
+            let Some(a) = at.checked_add(done as u64) else {
                 return;
             };
-            self.pages.entry(a & !0xfff).or_insert_with(|| Box::new([0; 4096]))[(a & 0xfff) as usize] = b;
+            let off = (a & 0xfff) as usize;
+            let n = (0x1000 - off).min(bytes.len() - done);
+            let page = self.pages.entry(a & !0xfff).or_insert_with(|| Box::new([0; 4096]));
+            page[off..off + n].copy_from_slice(&bytes[done..done + n]);
+            done += n;
         }
     }
 
