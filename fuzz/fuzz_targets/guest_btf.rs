@@ -56,7 +56,13 @@ impl Builder {
 
     fn blob(&self) -> Vec<u8> {
         let mut b = vec![0x9f, 0xeb, 1, 0];
-        for w in [24u32, 0, self.types.len() as u32, self.types.len() as u32, self.strings.len() as u32] {
+        for w in [
+            24u32,
+            0,
+            self.types.len() as u32,
+            self.types.len() as u32,
+            self.strings.len() as u32,
+        ] {
             b.extend_from_slice(&w.to_le_bytes());
         }
         b.extend_from_slice(&self.types);
@@ -106,7 +112,11 @@ fn baseline() -> Vec<u8> {
         4,
         "cea_exception_stacks",
         32768,
-        &[("DF_stack", st, 8 * 4096), ("NMI_stack", st, 3 * 8 * 4096), ("DB_stack", st, 5 * 8 * 4096)],
+        &[
+            ("DF_stack", st, 8 * 4096),
+            ("NMI_stack", st, 3 * 8 * 4096),
+            ("DB_stack", st, 5 * 8 * 4096),
+        ],
     );
     b.agg(4, "cpumask", 8, &[("bits", long, 0)]);
     b.blob()

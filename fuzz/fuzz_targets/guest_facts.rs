@@ -70,7 +70,12 @@ fn build(mem: &mut SparseMemory) {
 
 fn symbols(lens: [u64; 4], flips: u8) -> SymbolTable {
     let at = |base: u64, bit: u8| if flips & (1 << bit) != 0 { TOP } else { base };
-    let (ex, bl, jt, sc) = (at(EX_TABLE, 0), at(BLACKLIST, 1), at(JUMP_TABLE, 2), at(STATIC_CALLS, 3));
+    let (ex, bl, jt, sc) = (
+        at(EX_TABLE, 0),
+        at(BLACKLIST, 1),
+        at(JUMP_TABLE, 2),
+        at(STATIC_CALLS, 3),
+    );
     let mut syms = vec![
         (TEXT, 'T', "_stext".to_string()),
         (ETEXT, 'T', "_etext".to_string()),
@@ -82,7 +87,11 @@ fn symbols(lens: [u64; 4], flips: u8) -> SymbolTable {
         (jt, 'D', "__start___jump_table".to_string()),
         (jt.wrapping_add(16 * lens[2]), 'D', "__stop___jump_table".to_string()),
         (sc, 'D', "__start_static_call_sites".to_string()),
-        (sc.wrapping_add(8 * lens[3]), 'D', "__stop_static_call_sites".to_string()),
+        (
+            sc.wrapping_add(8 * lens[3]),
+            'D',
+            "__stop_static_call_sites".to_string(),
+        ),
     ];
     for i in 0..6u64 {
         syms.push((function(i), 't', format!("f{i}")));
@@ -107,7 +116,16 @@ fuzz_target!(|data: &[u8]| {
     let flips = input.u8();
     input.patch(
         &mut mem,
-        &[EX_TABLE, BLACKLIST, LIST_HEAD, ENTRIES, JUMP_TABLE, STATIC_CALLS, TEXT, TOP],
+        &[
+            EX_TABLE,
+            BLACKLIST,
+            LIST_HEAD,
+            ENTRIES,
+            JUMP_TABLE,
+            STATIC_CALLS,
+            TEXT,
+            TOP,
+        ],
     );
     let syms = symbols(lens, flips);
     let _ = TextBounds::read(&syms);
@@ -117,7 +135,10 @@ fuzz_target!(|data: &[u8]| {
         }
         let _ = ex.in_range(Gva(TEXT)..Gva(ETEXT));
     }
-    for list in [KprobeBlacklist::read(&mem, &syms), KprobeBlacklist::read_live(&mem, &syms)] {
+    for list in [
+        KprobeBlacklist::read(&mem, &syms),
+        KprobeBlacklist::read_live(&mem, &syms),
+    ] {
         let Ok(list) = list else { continue };
         for (range, _) in list.symbols() {
             if range.start < range.end {

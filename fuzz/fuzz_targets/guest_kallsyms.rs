@@ -77,7 +77,9 @@ fn build(mem: &mut SparseMemory) -> KallsymsLayout {
     let a = names_at - 8;
     mem.write(names_at, &blob);
     mem.write(markers, &marks);
-    let seq_bytes: Vec<u8> = (0..n as u32).flat_map(|i| [(i >> 16) as u8, (i >> 8) as u8, i as u8]).collect();
+    let seq_bytes: Vec<u8> = (0..n as u32)
+        .flat_map(|i| [(i >> 16) as u8, (i >> 8) as u8, i as u8])
+        .collect();
     mem.write(seqs, &seq_bytes);
     mem.put_u32(a, n as u32);
     mem.put_u32(a + 4, 0);

@@ -63,7 +63,10 @@ fn build(mem: &mut SparseMemory) {
     mem.put_u64(PDPT_VMALLOC + 8 * index(STACK_VA, 3), PD_VMALLOC | P | W);
     mem.put_u64(PD_VMALLOC + 8 * index(STACK_VA, 2), PT_VMALLOC | P | W);
     for i in 0..4 {
-        mem.put_u64(PT_VMALLOC + 8 * (index(STACK_VA, 1) + i), (DATA + 0x1000 * (7 + 2 * i)) | P | W | NX);
+        mem.put_u64(
+            PT_VMALLOC + 8 * (index(STACK_VA, 1) + i),
+            (DATA + 0x1000 * (7 + 2 * i)) | P | W | NX,
+        );
     }
     for page in 0..16u64 {
         mem.write(DATA + 0x1000 * page, &[page as u8; 0x1000]);
@@ -77,7 +80,12 @@ fuzz_target!(|data: &[u8]| {
     let mode_byte = input.u8();
     let level5 = mode_byte & 1 != 0;
     let cr3_low = u64::from(input.u16()) & 0xfff;
-    let mut addrs = [KERNEL_VA + 0x123, DIRECT_VA + DATA + 0x20, STACK_VA + 0xff8, KERNEL_VA + (2 << 20) - 4];
+    let mut addrs = [
+        KERNEL_VA + 0x123,
+        DIRECT_VA + DATA + 0x20,
+        STACK_VA + 0xff8,
+        KERNEL_VA + (2 << 20) - 4,
+    ];
     for a in &mut addrs {
         *a ^= input.u64();
     }
@@ -87,7 +95,17 @@ fuzz_target!(|data: &[u8]| {
     }
     input.patch(
         &mut mem,
-        &[PML5, PML4, PDPT_KERNEL, PDPT_DIRECT, PD_KERNEL, PDPT_VMALLOC, PD_VMALLOC, PT_VMALLOC, DATA],
+        &[
+            PML5,
+            PML4,
+            PDPT_KERNEL,
+            PDPT_DIRECT,
+            PD_KERNEL,
+            PDPT_VMALLOC,
+            PD_VMALLOC,
+            PT_VMALLOC,
+            DATA,
+        ],
     );
     let mode = if level5 { PagingMode::Level5 } else { PagingMode::Level4 };
     let walker = PageWalker::new(mode).with_max_phys_bits(mode_byte >> 1);
@@ -99,7 +117,8 @@ fuzz_target!(|data: &[u8]| {
             // The frame it names holds the byte read through the walk.
             let mut through = [0u8; 1];
             let mut direct = [0u8; 1];
-            if guest.read_virt(Gva(addr), &mut through).is_ok() && snapshot.read_virt(Gva(t.gpa.0), &mut direct).is_ok() {
+            if guest.read_virt(Gva(addr), &mut through).is_ok() && snapshot.read_virt(Gva(t.gpa.0), &mut direct).is_ok()
+            {
                 assert_eq!(through, direct, "{addr:#x} -> {}", t.gpa);
             }
         }

@@ -155,7 +155,11 @@ fn build(mem: &mut SparseMemory) {
         task(mem, p, i as u32 + 1, signal, STACKS_AT + i as u64 * THREAD_SIZE);
     }
     task(mem, extra_thread, 10, SIGNALS_AT, STACKS_AT + 3 * THREAD_SIZE);
-    ring(mem, INIT_TASK + TASKS, &procs.iter().map(|p| p + TASKS).collect::<Vec<_>>());
+    ring(
+        mem,
+        INIT_TASK + TASKS,
+        &procs.iter().map(|p| p + TASKS).collect::<Vec<_>>(),
+    );
     ring(mem, INIT_SIGNAL + THREAD_HEAD, &[INIT_TASK + THREAD_NODE]);
     for (i, &p) in procs.iter().enumerate() {
         let mut nodes = vec![p + THREAD_NODE];
@@ -205,7 +209,9 @@ fuzz_target!(|data: &[u8]| {
         ],
     );
     let layout = layout();
-    let Ok(mut stacks) = KernelStacks::read(&mem, &layout) else { return };
+    let Ok(mut stacks) = KernelStacks::read(&mem, &layout) else {
+        return;
+    };
     assert!(stacks.cpus().len() <= VCPUS as usize);
     assert!(stacks.total_bytes() <= MEMORY);
     if let Some(cpu) = stacks.cpus().first().cloned() {

@@ -74,7 +74,7 @@ fuzz_target!(|data: &[u8]| {
     let span = match input.u8() % 4 {
         0 => 0x1_0000,
         1 => 0x100_0000,
-        2 => 0, // empty text
+        2 => 0,        // empty text
         _ => u64::MAX, // refused: larger than the kernel image mapping
     };
     let text = Gva(TEXT)..Gva(TEXT.saturating_add(span));
@@ -97,7 +97,13 @@ fuzz_target!(|data: &[u8]| {
     let rethooks = usize::from(input.u8() % 4);
     input.patch(
         &mut mem,
-        &[IP_TABLE, ORC_TABLE, sp - 0x40, TASK_STACK + STACK_SIZE - 0x200, IRQ_STACK + STACK_SIZE - 0x100],
+        &[
+            IP_TABLE,
+            ORC_TABLE,
+            sp - 0x40,
+            TASK_STACK + STACK_SIZE - 0x200,
+            IRQ_STACK + STACK_SIZE - 0x100,
+        ],
     );
     let mut ips = vec![0u8; 4 * rows];
     let mut orcs = vec![0u8; 6 * rows];

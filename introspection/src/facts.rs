@@ -661,7 +661,10 @@ mod tests {
         let (mut mem, syms) = live_blacklist(3);
         mem.put_u64(ENTRIES + 64, ENTRIES);
         let r = KprobeBlacklist::read_live(&mem, &syms);
-        assert!(matches!(&r, Err(FactsError::Corrupt(m)) if m.contains("loops")), "{r:?}");
+        assert!(
+            matches!(&r, Err(FactsError::Corrupt(m)) if m.contains("loops")),
+            "{r:?}"
+        );
         let (mem, syms) = live_blacklist((1 << 16) + 1);
         match KprobeBlacklist::read_live(&mem, &syms) {
             Err(FactsError::OverBudget { structure, limit, .. }) => {
