@@ -91,7 +91,13 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         cmdline,
         cpus: args.machine.cpus,
         mem_mib: args.machine.mem,
-        console_output: ConsoleOutput::Stdout,
+        // Nobody types into a workload run: the guest's output is escaped, so that its
+        // programs cannot drive the terminal or forge hvprobe's lines (issue 24).
+        console_output: if args.workload.is_none() || args.console_input {
+            ConsoleOutput::Stdout
+        } else {
+            ConsoleOutput::StdoutEscaped
+        },
         console_input: args.workload.is_none() || args.console_input,
     };
     let vm = Vm::new(&config)?;
@@ -152,6 +158,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         outcome.instructions_emulated,
         outcome.breakpoints_reinjected
     );
+    report_refused_ool_writes(&outcome);
     let introspection_failed = match &introspection {
         Ok(kernels) => {
             for k in kernels {
@@ -357,5 +364,17 @@ fn introspect_when_up(
             Err(IntrospectionFailure::Error(message))
         }
         None => Ok(kernels),
+    }
+}
+
+/// Says so when the guest wrote into hvprobe's out-of-line code (refused: the code half of
+/// the area is a read-only memory slot). A guest kernel does not do that by accident.
+pub(crate) fn report_refused_ool_writes(outcome: &hvprobe_vmm::VmOutcome) {
+    if outcome.ool_writes_refused > 0 {
+        eprintln!(
+            "hvprobe: the guest wrote into hvprobe's out-of-line code {} times; refused (the writers' RIP and CR3 \
+             are in the log)",
+            outcome.ool_writes_refused
+        );
     }
 }

@@ -86,8 +86,9 @@ pub fn task_report(samples: &[Sample], top: usize) -> String {
     let mut out = format!("hvprobe: {} user-mode samples; tasks:\n", user.len());
     for ((comm, pid), n) in ranked.into_iter().take(top) {
         out.push_str(&format!(
-            "{n:6} {:5.1}%  {comm} (pid {pid})\n",
-            100.0 * n as f64 / user.len().max(1) as f64
+            "{n:6} {:5.1}%  {} (pid {pid})\n",
+            100.0 * n as f64 / user.len().max(1) as f64,
+            hvprobe_probes::output::escape_guest_text(&comm),
         ));
     }
     if unnamed > 0 {

@@ -179,7 +179,13 @@ pub fn run_restored(
     trace: &TraceOptions,
 ) -> CliResult {
     let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
-    let r = restore_and_run(dir, cpus, workload, ConsoleOutput::Stdout, console_input, trace)?;
+    // As `run`: a workload nobody types into has its console output escaped.
+    let output = if console_input {
+        ConsoleOutput::Stdout
+    } else {
+        ConsoleOutput::StdoutEscaped
+    };
+    let r = restore_and_run(dir, cpus, workload, output, console_input, trace)?;
     eprintln!(
         "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
         r.outcome.reason,
@@ -193,6 +199,7 @@ pub fn run_restored(
         r.outcome.instructions_emulated,
         r.outcome.breakpoints_reinjected,
     );
+    crate::run::report_refused_ool_writes(&r.outcome);
     match r.outcome.reason {
         StopReason::GuestExit(status) => Ok(ExitCode::from(status)),
         StopReason::Signal(sig) => Ok(ExitCode::from(crate::session::exit_status_for_signal(sig))),

@@ -1047,6 +1047,14 @@ impl TraceSession {
             s.emulation_fallbacks.load(Relaxed),
             s.returns_abandoned.load(Relaxed)
         );
+        let rejected = s.ring_rejected.load(Relaxed);
+        if rejected > 0 {
+            eprintln!(
+                "hvprobe: the guest wrote {rejected} impossible things into the event rings (records naming \
+                 another CPU than their ring's, counters growing faster than its vCPUs can hit), refused: \
+                 the counts of probes recorded in the guest are not to be trusted (--no-optimize traps every hit)"
+            );
+        }
         let stacks = s.stacks_unwound.load(Relaxed);
         if stacks > 0 {
             eprintln!(

@@ -478,3 +478,43 @@ fn a_fault_in_a_stepped_copy_returns_to_the_probe_with_the_guests_flags() {
     assert_eq!(posts.load(Ordering::Relaxed), 1, "the instruction completed once");
     assert_eq!(tracer.stats.steps_interrupted.load(Ordering::Relaxed), 1);
 }
+
+/// Issue 24, finding 11: the out-of-line area's code half is in a read-only memory slot.
+/// A code blob (its page tables identity-map the area, as `/dev/mem` reaches it in a
+/// guest) writes into the code half and into the rings half, reading each back: the code
+/// write is refused, counted and the guest goes on; the rings take the write.
+#[test]
+fn guest_writes_into_the_out_of_line_code_are_refused_and_counted() {
+    use hvprobe_vmm::layout::{OOL_AREA_START, OOL_CODE_SIZE};
+    const CODE: &[u8] = &[
+        0xb8, 0xcc, 0xcc, 0xcc, 0xcc, // mov $0xcccccccc,%eax
+        0xbb, 0x00, 0x00, 0x00, 0xd0, // mov $0xd0000000,%ebx (the area's code)
+        0x89, 0x03, // mov %eax,(%rbx)
+        0x48, 0x8b, 0x0b, // mov (%rbx),%rcx
+        0x48, 0x89, 0x0c, 0x25, 0x00, 0x30, 0x00, 0x00, // mov %rcx,0x3000
+        0x89, 0x83, 0x00, 0x00, 0x20, 0x00, // mov %eax,0x200000(%rbx) (the rings)
+        0x48, 0x8b, 0x8b, 0x00, 0x00, 0x20, 0x00, // mov 0x200000(%rbx),%rcx
+        0x48, 0x89, 0x0c, 0x25, 0x08, 0x30, 0x00, 0x00, // mov %rcx,0x3008
+        0x66, 0xba, 0xf1, 0x0e, // mov $0xef1,%dx
+        0x30, 0xc0, // xor %al,%al
+        0xee, // out %al,(%dx)
+        0xf4, // hlt
+    ];
+    assert_eq!(OOL_AREA_START.0, 0xd000_0000);
+    assert_eq!(OOL_CODE_SIZE, 0x20_0000);
+    let vm = blob_vm(CODE.to_vec());
+    let mem = vm.memory().clone();
+    const OURS: u64 = 0x1122_3344_5566_7788;
+    mem.write_obj(OURS, GuestAddress(OOL_AREA_START.0)).unwrap();
+    mem.write_obj(0u64, GuestAddress(OOL_AREA_START.0 + OOL_CODE_SIZE))
+        .unwrap();
+    let outcome = vm.run_for(Arc::new(hvprobe_vmm::NoProbes), RUN_LIMIT).unwrap();
+    assert_eq!(outcome.reason, StopReason::GuestExit(0), "{outcome:?}");
+    let ours: u64 = mem.read_obj(GuestAddress(OOL_AREA_START.0)).unwrap();
+    assert_eq!(ours, OURS, "our code is unchanged");
+    let seen: u64 = mem.read_obj(GuestAddress(0x3000)).unwrap();
+    assert_eq!(seen, OURS, "the guest reads our code back, not its write");
+    assert_eq!(outcome.ool_writes_refused, 1);
+    let ring: u64 = mem.read_obj(GuestAddress(0x3008)).unwrap();
+    assert_eq!(ring, 0xcccc_cccc, "the rings stay guest-writable");
+}

@@ -14,6 +14,8 @@
 //! Nothing here trusts the input: every offset, length and count is checked, and malformed
 //! data gives a [`BtfError`], never a panic.
 
+use std::collections::HashSet;
+
 use hvprobe_arch::Gva;
 
 use crate::memory::{GuestVirtRead, MemoryError};
@@ -501,7 +503,7 @@ impl Btf {
                 base_bits = prev.bit_offset;
             }
             let (type_id, bits, bitfield_size) =
-                self.find_member(cur, part, 0)?
+                self.find_member(cur, part, 0, &mut HashSet::new())?
                     .ok_or_else(|| BtfError::MemberNotFound {
                         container: cur_name.clone(),
                         member: part.to_string(),
@@ -525,9 +527,24 @@ impl Btf {
 
     /// Finds a member named `name` in struct/union `id`, looking inside anonymous members.
     /// Returns (type, bit offset from the start of `id`, bitfield width).
-    fn find_member(&self, id: TypeId, name: &str, depth: usize) -> Result<Option<(TypeId, u64, u8)>, BtfError> {
+    ///
+    /// `searched` holds the aggregates already searched for `name` without a match: the
+    /// answer does not depend on where an aggregate is reached from, so each is searched
+    /// once. Without it, BTF from a hostile guest where every level holds three anonymous
+    /// members of the next costs 3^depth visits (30 levels in 1.5 KB take months, issue
+    /// 24); with it the search is linear in the number of members.
+    fn find_member(
+        &self,
+        id: TypeId,
+        name: &str,
+        depth: usize,
+        searched: &mut HashSet<TypeId>,
+    ) -> Result<Option<(TypeId, u64, u8)>, BtfError> {
         if depth > MAX_RESOLVE_DEPTH {
             return Err(BtfError::TooDeep(id));
+        }
+        if searched.contains(&id) {
+            return Ok(None);
         }
         let t = self.type_by_id(id)?;
         let TypeData::Members(members) = &t.data else {
@@ -541,12 +558,13 @@ impl Btf {
             if mname.is_empty() {
                 let rid = self.resolve(m.type_id)?;
                 if rid != 0 && matches!(self.type_by_id(rid)?.kind, Kind::Struct | Kind::Union) {
-                    if let Some((tid, bits, bf)) = self.find_member(rid, name, depth + 1)? {
+                    if let Some((tid, bits, bf)) = self.find_member(rid, name, depth + 1, searched)? {
                         return Ok(Some((tid, m.bit_offset as u64 + bits, bf)));
                     }
                 }
             }
         }
+        searched.insert(id);
         Ok(None)
     }
 }
@@ -1054,6 +1072,55 @@ mod tests {
         let btf = Btf::parse(&b.blob()).unwrap();
         assert_eq!(btf.type_size(a), Ok(8 * u32::MAX as u64));
         assert_eq!(btf.type_size(a + 1), Err(BtfError::SizeOverflow(a + 1)));
+    }
+
+    /// Issue 24, finding 1: anonymous members nest 30 levels deep, each level holding three
+    /// anonymous members of the next, and `comm` comes after them. An unmemoized search
+    /// visits 3^30 structs (months); the search must visit each struct once. Run on a
+    /// thread so that a regression fails the test on the deadline instead of hanging it.
+    #[test]
+    fn anonymous_member_breadth_blow_up_is_linear() {
+        let mut b = Builder::new();
+        let int = b.int("int", 4, 32, true);
+        const LEVELS: u32 = 30;
+        // Ids: int = 1, the innermost struct = 2, its container = 3, ... task_struct last.
+        let mut inner = b.aggregate(4, "", 4, false, &[("x", int, 0, 0)]);
+        for _ in 1..LEVELS {
+            inner = b.aggregate(
+                4,
+                "",
+                4,
+                false,
+                &[("", inner, 0, 0), ("", inner, 0, 0), ("", inner, 0, 0)],
+            );
+        }
+        b.aggregate(
+            4,
+            "task_struct",
+            8,
+            false,
+            &[
+                ("", inner, 0, 0),
+                ("", inner, 0, 0),
+                ("", inner, 0, 0),
+                ("comm", int, 32, 0),
+            ],
+        );
+        let blob = b.blob();
+        assert!(blob.len() < 2048, "the attack is small: {} bytes", blob.len());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let btf = Btf::parse(&blob).unwrap();
+            let _ = tx.send((
+                btf.member_offset("task_struct", "comm"),
+                btf.member_offset("task_struct", "nope"),
+            ));
+        });
+        let (comm, missing) = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("the member search took more than 5 s on 1.5 KB of BTF");
+        assert_eq!(comm.unwrap().offset, 4);
+        assert!(matches!(missing, Err(BtfError::MemberNotFound { .. })));
     }
 
     /// xorshift64*: a small deterministic generator, so failures reproduce.

@@ -34,6 +34,13 @@ pub enum FactsError {
     Memory { what: &'static str, source: MemoryError },
     #[error("{0}")]
     Corrupt(String),
+    /// A hostile or corrupt guest structure is larger than any real kernel's.
+    #[error("{structure} is over its limit of {limit} {unit} (hostile or corrupt guest memory?)")]
+    OverBudget {
+        structure: &'static str,
+        limit: u64,
+        unit: &'static str,
+    },
 }
 
 /// No exception table or blacklist array comes near this; a larger one means the symbols
@@ -232,6 +239,55 @@ pub struct KprobeBlacklist {
     sections: Vec<(&'static str, Range<Gva>)>,
     /// Suffixed parts of blacklisted functions: (range, name, base name).
     suffixed: Vec<(Range<Gva>, String, String)>,
+    /// `symbols` as disjoint pieces, sorted, each with the index of the first entry that
+    /// covers it: a lookup is a binary search. A linear scan per lookup made
+    /// [`KprobeBlacklist::suffixed_parts`] quadratic (every dotted symbol times every
+    /// entry: 10^12 steps with a hostile guest's 1 M entries and symbols).
+    cover: Vec<(Range<Gva>, usize)>,
+    /// The same for `suffixed`.
+    suffixed_cover: Vec<(Range<Gva>, usize)>,
+}
+
+/// The index that `cover` (from [`disjoint_cover`]) gives `gva`.
+fn covering(cover: &[(Range<Gva>, usize)], gva: Gva) -> Option<usize> {
+    let piece = cover.partition_point(|(r, _)| r.end <= gva);
+    cover.get(piece).filter(|(r, _)| r.contains(&gva)).map(|&(_, i)| i)
+}
+
+/// Disjoint pieces of `ranges` (sorted by start), each naming the first range (in order)
+/// that covers it, by a sweep over their ends: O(n log n).
+fn disjoint_cover<'a>(ranges: impl ExactSizeIterator<Item = &'a Range<Gva>>) -> Vec<(Range<Gva>, usize)> {
+    let mut points: Vec<(Gva, bool, usize)> = Vec::with_capacity(2 * ranges.len());
+    for (i, r) in ranges.enumerate() {
+        if r.start < r.end {
+            points.push((r.start, true, i));
+            points.push((r.end, false, i));
+        }
+    }
+    points.sort_unstable_by_key(|&(at, opens, i)| (at, opens, i));
+    let mut active = std::collections::BTreeSet::new();
+    let mut cover: Vec<(Range<Gva>, usize)> = Vec::new();
+    let mut k = 0;
+    while k < points.len() {
+        let at = points[k].0;
+        while k < points.len() && points[k].0 == at {
+            let (_, opens, i) = points[k];
+            if opens {
+                active.insert(i);
+            } else {
+                active.remove(&i);
+            }
+            k += 1;
+        }
+        let (Some(&first), Some(&(next, _, _))) = (active.first(), points.get(k)) else {
+            continue;
+        };
+        match cover.last_mut() {
+            Some((r, owner)) if *owner == first && r.end == at => r.end = next,
+            _ => cover.push((at..next, first)),
+        }
+    }
+    cover
 }
 
 /// The range the kernel blacklists for a symbol: from the address to the next symbol
@@ -279,13 +335,7 @@ impl KprobeBlacklist {
             sections.push((section, range.start..end));
         }
 
-        let mut list = KprobeBlacklist {
-            symbols,
-            sections,
-            suffixed: Vec::new(),
-        };
-        list.suffixed = list.suffixed_parts(syms);
-        Ok(list)
+        Ok(KprobeBlacklist::new(symbols, sections, syms))
     }
 
     /// The blacklist of a running kernel: the `kprobe_blacklist` list it built at boot
@@ -294,8 +344,11 @@ impl KprobeBlacklist {
     /// lives in init data, which the kernel frees. An empty list (a kernel that has not
     /// built it yet) falls back to [`read`](Self::read).
     pub fn read_live<M: GuestVirtRead + ?Sized>(mem: &M, syms: &SymbolTable) -> Result<Self, FactsError> {
-        /// More entries than any kernel has: a corrupt list is not followed forever.
-        const MAX_ENTRIES: usize = 1 << 20;
+        /// More entries than any kernel has: one per NOKPROBE_SYMBOL and per symbol of
+        /// the blacklisted sections, a few thousand with its modules', so 64 Ki is over
+        /// ten times that. Each entry costs three reads through the guest's page tables
+        /// (a list of 1 Mi, the old limit, took seconds); lookups are logarithmic.
+        const MAX_ENTRIES: usize = 1 << 16;
         let head = symbol(syms, "kprobe_blacklist")?;
         let memory = |what: &'static str| move |source| FactsError::Memory { what, source };
         let mut next = Gva(mem.read_u64(head).map_err(memory("kprobe_blacklist"))?);
@@ -303,16 +356,30 @@ impl KprobeBlacklist {
             return Self::read(mem, syms);
         }
         let mut symbols = Vec::new();
+        // A list that comes back to one of its own entries instead of the head loops:
+        // an error at once rather than at the limit.
+        let mut visited = std::collections::HashSet::new();
         while next != head {
-            if symbols.len() == MAX_ENTRIES {
-                return Err(FactsError::Corrupt("the kprobe_blacklist list does not end".into()));
+            if !visited.insert(next) {
+                return Err(FactsError::Corrupt(format!(
+                    "the kprobe_blacklist list loops at {next} without coming back to its head"
+                )));
             }
-            let start = Gva(mem
-                .read_u64(Gva(next.0 + 16))
-                .map_err(memory("kprobe_blacklist entry"))?);
-            let end = Gva(mem
-                .read_u64(Gva(next.0 + 24))
-                .map_err(memory("kprobe_blacklist entry"))?);
+            if symbols.len() == MAX_ENTRIES {
+                return Err(FactsError::OverBudget {
+                    structure: "the kprobe_blacklist list",
+                    limit: MAX_ENTRIES as u64,
+                    unit: "entries",
+                });
+            }
+            // The guest's pointer: its fields' addresses may not wrap.
+            let field = |off: u64| {
+                next.0.checked_add(off).map(Gva).ok_or_else(|| {
+                    FactsError::Corrupt(format!("kprobe_blacklist entry at {next} runs past the address space"))
+                })
+            };
+            let start = Gva(mem.read_u64(field(16)?).map_err(memory("kprobe_blacklist entry"))?);
+            let end = Gva(mem.read_u64(field(24)?).map_err(memory("kprobe_blacklist entry"))?);
             let name = syms
                 .describe(start)
                 .map(|d| d.symbol.name.clone())
@@ -321,13 +388,22 @@ impl KprobeBlacklist {
             next = Gva(mem.read_u64(next).map_err(memory("kprobe_blacklist entry"))?);
         }
         symbols.sort_by_key(|(r, _)| r.start);
+        Ok(KprobeBlacklist::new(symbols, Vec::new(), syms))
+    }
+
+    /// The blacklist of `symbols` (sorted by start) and `sections`, with the suffixed parts
+    /// of its functions found in `syms`.
+    fn new(symbols: Vec<(Range<Gva>, String)>, sections: Vec<(&'static str, Range<Gva>)>, syms: &SymbolTable) -> Self {
         let mut list = KprobeBlacklist {
+            cover: disjoint_cover(symbols.iter().map(|(r, _)| r)),
             symbols,
-            sections: Vec::new(),
+            sections,
             suffixed: Vec::new(),
+            suffixed_cover: Vec::new(),
         };
         list.suffixed = list.suffixed_parts(syms);
-        Ok(list)
+        list.suffixed_cover = disjoint_cover(list.suffixed.iter().map(|(r, _, _)| r));
+        list
     }
 
     /// Compiler-made parts (`foo.cold`, ...) of blacklisted functions: the kernel's
@@ -353,9 +429,8 @@ impl KprobeBlacklist {
                 range: range.clone(),
             });
         }
-        self.symbols
-            .iter()
-            .find(|(r, _)| r.contains(&gva))
+        covering(&self.cover, gva)
+            .map(|i| &self.symbols[i])
             .map(|(range, name)| BlacklistReason::Symbol {
                 name: name.clone(),
                 range: range.clone(),
@@ -365,9 +440,8 @@ impl KprobeBlacklist {
     /// Why the guest would refuse to probe `gva`, or `None` if it would not.
     pub fn is_blacklisted(&self, gva: Gva) -> Option<BlacklistReason> {
         self.direct_reason(gva).or_else(|| {
-            self.suffixed
-                .iter()
-                .find(|(r, _, _)| r.contains(&gva))
+            covering(&self.suffixed_cover, gva)
+                .map(|i| &self.suffixed[i])
                 .map(|(_, name, base)| BlacklistReason::Suffixed {
                     name: name.clone(),
                     base: base.clone(),
@@ -508,5 +582,114 @@ mod tests {
             ExceptionTable::read(img, &unmapped),
             Err(FactsError::Memory { .. })
         ));
+    }
+
+    fn text_symbol(name: &str, addr: u64) -> Symbol {
+        Symbol {
+            name: name.into(),
+            addr: Gva(addr),
+            kind: 't',
+            size: Some(0x10),
+        }
+    }
+
+    const HEAD: u64 = 0xffff_ffff_8300_0000;
+    const ENTRIES: u64 = 0xffff_8880_0100_0000;
+    const TEXT: u64 = 0xffff_ffff_8100_0000;
+
+    /// A live `kprobe_blacklist` list of `n` entries (each 32 bytes: list_head, start, end)
+    /// over the first `n` text symbols `f{i}`, each with a `f{i}.cold` part.
+    fn live_blacklist(n: u64) -> (crate::memory::SparseMemory, SymbolTable) {
+        let mut mem = crate::memory::SparseMemory::new();
+        let mut syms = vec![data_symbol("kprobe_blacklist", HEAD)];
+        let mut next = HEAD;
+        for i in (0..n).rev() {
+            let e = ENTRIES + 32 * i;
+            let f = TEXT + 0x40 * i;
+            mem.put_u64(e, next);
+            mem.put_u64(e + 16, f);
+            mem.put_u64(e + 24, f + 0x10);
+            next = e;
+            syms.push(text_symbol(&format!("f{i}"), f));
+            syms.push(text_symbol(&format!("f{i}.cold"), f + 0x20));
+        }
+        mem.put_u64(HEAD, next);
+        (mem, SymbolTable::from_symbols(SymbolSource::Kallsyms, syms))
+    }
+
+    /// Issue 24, finding 6: every dotted symbol was checked against every blacklist entry
+    /// (here 40k x 40k; a guest can have 1 M entries and millions of symbols). Lookups are
+    /// logarithmic now.
+    #[test]
+    fn a_long_live_blacklist_and_many_dotted_symbols_are_not_quadratic() {
+        let (mem, syms) = live_blacklist(40_000);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(
+                KprobeBlacklist::read_live(&mem, &syms)
+                    .map(|b| (b.symbols().len(), b.is_blacklisted(Gva(TEXT + 0x40 * 39_999 + 0x24)))),
+            );
+        });
+        let (n, reason) = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("reading the blacklist took more than 10 s")
+            .unwrap();
+        assert_eq!(n, 40_000);
+        assert_eq!(
+            reason,
+            Some(BlacklistReason::Suffixed {
+                name: "f39999.cold".into(),
+                base: "f39999".into()
+            })
+        );
+    }
+
+    /// An entry near 2^64: its fields' addresses overflowed (a panic in a debug build).
+    #[test]
+    fn a_blacklist_entry_near_the_top_of_the_address_space_is_an_error() {
+        let (mut mem, syms) = live_blacklist(1);
+        mem.put_u64(HEAD, u64::MAX - 8);
+        mem.put_u64(u64::MAX - 8, HEAD);
+        assert!(KprobeBlacklist::read_live(&mem, &syms).is_err());
+    }
+
+    /// A list that loops without coming back to its head is an error at once (found by
+    /// the guest_facts fuzz target: 1 Mi reads before, seconds); one longer than the limit
+    /// is an error naming it.
+    #[test]
+    fn looping_and_overlong_blacklists_are_errors() {
+        let (mut mem, syms) = live_blacklist(3);
+        mem.put_u64(ENTRIES + 64, ENTRIES);
+        let r = KprobeBlacklist::read_live(&mem, &syms);
+        assert!(
+            matches!(&r, Err(FactsError::Corrupt(m)) if m.contains("loops")),
+            "{r:?}"
+        );
+        let (mem, syms) = live_blacklist((1 << 16) + 1);
+        match KprobeBlacklist::read_live(&mem, &syms) {
+            Err(FactsError::OverBudget { structure, limit, .. }) => {
+                assert_eq!((structure, limit), ("the kprobe_blacklist list", 1 << 16));
+            }
+            other => panic!("expected the entry limit, got {other:?}"),
+        }
+    }
+
+    /// Overlapping and nested entries: the first (by start) that covers an address names
+    /// it, as the linear scan did.
+    #[test]
+    fn the_disjoint_cover_names_the_first_covering_entry() {
+        let r = |a: u64, b: u64, n: &str| (Gva(a)..Gva(b), n.to_string());
+        let list = [
+            r(10, 50, "a"),
+            r(20, 30, "b"),
+            r(40, 70, "c"),
+            r(60, 60, "empty"),
+            r(80, 90, "d"),
+        ];
+        let cover = disjoint_cover(list.iter().map(|(x, _)| x));
+        for gva in 0..100 {
+            let linear = list.iter().position(|(x, _)| x.contains(&Gva(gva)));
+            assert_eq!(covering(&cover, Gva(gva)), linear, "at {gva}");
+        }
     }
 }

@@ -4,6 +4,8 @@
 //! blacklist), the current task (BTF-described `task_struct`), every kernel stack, and a
 //! kernel stack unwound with the guest's own ORC data.
 
+#[cfg(test)]
+mod alloc_cap;
 pub mod btf;
 pub mod facts;
 pub mod memory;

@@ -97,6 +97,18 @@ pub const MAX_CPUS: u32 = 8192;
 pub const DEFAULT_MAX_LIST_STEPS: usize = 10 << 20;
 /// The largest stack accepted: a larger size means the layout is not what we think.
 const MAX_STACK_SIZE: u64 = 1 << 20;
+/// The most IST stacks per CPU accepted from the BTF's `struct cea_exception_stacks`:
+/// x86-64 has six (DF, NMI, DB, MCE, VC, VC2); more than twice that is not that struct.
+pub const MAX_EXCEPTION_STACKS: usize = 16;
+/// Default bound on the bytes of all stacks one [`KernelStacks::read`] lists (each is
+/// scanned whole at worst), when the host has not bounded the layout by the guest's memory
+/// ([`StacksLayout::bounded_by_vm`]): 4 GiB, 256 Ki tasks' 16 KiB stacks.
+pub const DEFAULT_MAX_STACK_BYTES: u64 = 4 << 30;
+/// The most saved words one scan reports: a jump about to be written over a few bytes finds
+/// a handful of return addresses into them on a real kernel (one per task blocked there),
+/// so 64 Ki is far beyond any; past it, a guest filling its stacks with such words would
+/// make the host collect (and name) every one.
+pub const MAX_STACK_HITS: usize = 1 << 16;
 const PAGE_SIZE: u64 = 4096;
 
 /// Why the stacks could not be listed or scanned. Any of these means that nothing is proven:
@@ -132,6 +144,14 @@ pub enum StacksError {
     TooManyNodes { max: usize },
     #[error("task {task} has its stack at {stack}, which is not aligned to its {size:#x}-byte size")]
     MisalignedStack { task: Gva, stack: Gva, size: u64 },
+    /// A hostile or corrupt guest made the stack walk bigger than any real kernel's: the
+    /// caller proves nothing (jump optimization is not done in this pause).
+    #[error("{structure} is over its limit of {limit} {unit} (hostile or corrupt guest memory?)")]
+    OverBudget {
+        structure: &'static str,
+        limit: u64,
+        unit: &'static str,
+    },
 }
 
 /// How the threads of a process are linked.
@@ -225,6 +245,13 @@ pub struct StacksLayout {
     pub entry_stack: Option<(u64, u64)>,
     /// Bound on the nodes visited on all lists together.
     pub max_list_steps: usize,
+    /// The most CPUs whose per-CPU stacks are listed: the VM's vCPU count when the host
+    /// set it ([`StacksLayout::bounded_by_vm`]); a guest's `nr_cpu_ids` beyond it names
+    /// CPUs that cannot run, whose stacks hold nothing live.
+    pub max_cpus: u32,
+    /// Bound on the bytes of all stacks listed together (the guest's memory size when the
+    /// host set it: distinct stacks fit in it, only aliased ones could exceed it).
+    pub max_stack_bytes: u64,
     /// Where a task keeps the return addresses its kretprobes swapped out (a kernel with
     /// `CONFIG_RETHOOK`).
     pub rethooks: Option<RethookLayout>,
@@ -404,6 +431,13 @@ impl StacksLayout {
         if stacks.is_empty() {
             return Err(StacksError::Layout("cea_exception_stacks has no *_stack member".into()));
         }
+        if stacks.len() > MAX_EXCEPTION_STACKS {
+            return Err(StacksError::OverBudget {
+                structure: "struct cea_exception_stacks (its *_stack members)",
+                limit: MAX_EXCEPTION_STACKS as u64,
+                unit: "stacks",
+            });
+        }
         let exception = ExceptionStacksLayout {
             ptr: per_cpu_var(symbols, btf, "cea_exception_stacks")?,
             stacks,
@@ -440,6 +474,8 @@ impl StacksLayout {
             exception,
             entry_stack,
             max_list_steps: DEFAULT_MAX_LIST_STEPS,
+            max_cpus: MAX_CPUS,
+            max_stack_bytes: DEFAULT_MAX_STACK_BYTES,
             rethooks: match (
                 member("task_struct", "rethooks"),
                 member("rethook_node", "llist"),
@@ -471,6 +507,13 @@ impl StacksLayout {
             )));
         }
         checked_size("the IRQ stack", self.irq.size)?;
+        if self.exception.stacks.len() > MAX_EXCEPTION_STACKS {
+            return Err(StacksError::OverBudget {
+                structure: "exception stacks per CPU",
+                limit: MAX_EXCEPTION_STACKS as u64,
+                unit: "stacks",
+            });
+        }
         for slot in &self.exception.stacks {
             checked_size(&slot.name, slot.size)?;
         }
@@ -478,6 +521,17 @@ impl StacksLayout {
             checked_size("the entry stack", size)?;
         }
         Ok(())
+    }
+
+    /// Bounds the walk by what the host knows of the VM rather than by what the guest
+    /// says: its `vcpus` (per-CPU stacks of CPUs beyond them are not listed, whatever
+    /// `nr_cpu_ids` holds) and its `memory_bytes` (the stacks listed may not add up to
+    /// more: distinct stacks live in the guest's memory, so only aliased or made-up ones
+    /// could).
+    pub fn bounded_by_vm(mut self, vcpus: u32, memory_bytes: u64) -> StacksLayout {
+        self.max_cpus = vcpus.clamp(1, MAX_CPUS);
+        self.max_stack_bytes = memory_bytes;
+        self
     }
 
     /// Reads the guest kernel's BTF from its memory (`__start_BTF`..`__stop_BTF`) and takes
@@ -568,6 +622,11 @@ impl KernelStack {
 
     pub fn scan_len(&self) -> u64 {
         self.scan.end.0 - self.scan.start.0
+    }
+
+    /// The stack's size (its bounds, scanned or not).
+    pub fn size(&self) -> u64 {
+        self.bounds.end.0.saturating_sub(self.bounds.start.0)
     }
 }
 
@@ -724,6 +783,9 @@ impl KernelStacks {
         if ncpus > MAX_CPUS {
             return Err(StacksError::TooManyCpus(ncpus));
         }
+        // CPUs beyond the VM's vCPUs never run: their per-CPU stacks hold nothing live, and
+        // the guest's count of them is its own to make up.
+        let ncpus = ncpus.min(layout.max_cpus);
         let possible = match layout.possible_mask {
             Some(at) => {
                 let mut bits = vec![0u8; ncpus.div_ceil(64) as usize * 8];
@@ -853,6 +915,7 @@ impl KernelStacks {
             ..TaskCounts::default()
         };
         let mut stacks = Vec::new();
+        let mut stack_bytes = 0u64;
         for task in order {
             let info = task_info(&mem, &layout.task, task)?;
             let owner = StackOwner::Task {
@@ -893,11 +956,22 @@ impl KernelStacks {
                 scan,
                 extent,
             });
+            stack_bytes = stack_bytes.saturating_add(stacks.last().map_or(0, KernelStack::size));
+            if stack_bytes > layout.max_stack_bytes {
+                return Err(stack_bytes_over(layout));
+            }
         }
 
         // --- per-CPU stacks ---
         for c in &cpus {
+            let before = stacks.len();
             per_cpu_stacks(mem, layout, c.cpu, Gva(c.per_cpu_base), &mut stacks)?;
+            stack_bytes = stacks[before..]
+                .iter()
+                .fold(stack_bytes, |t, s| t.saturating_add(s.size()));
+            if stack_bytes > layout.max_stack_bytes {
+                return Err(stack_bytes_over(layout));
+            }
         }
         Ok(KernelStacks {
             stacks,
@@ -1062,6 +1136,13 @@ impl KernelStacks {
                 if v < lo || v >= hi || !ranges.iter().any(|r| r.contains(&v)) {
                     continue;
                 }
+                if hits.len() == MAX_STACK_HITS {
+                    return Err(StacksError::OverBudget {
+                        structure: "saved words found on the kernel stacks in one scan",
+                        limit: MAX_STACK_HITS as u64,
+                        unit: "words",
+                    });
+                }
                 hits.push(StackHit {
                     stack: index,
                     owner: stack.owner.clone(),
@@ -1071,6 +1152,14 @@ impl KernelStacks {
             }
         }
         Ok(hits)
+    }
+}
+
+fn stack_bytes_over(layout: &StacksLayout) -> StacksError {
+    StacksError::OverBudget {
+        structure: "the kernel stacks listed (their bytes together)",
+        limit: layout.max_stack_bytes,
+        unit: "bytes",
     }
 }
 

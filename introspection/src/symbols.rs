@@ -96,6 +96,14 @@ pub enum SymbolError {
     KallsymsNotFound { start: Gva, end: Gva, reason: String },
     #[error("kallsyms tables at {at} are inconsistent: {reason}")]
     KallsymsInvalid { at: Gva, reason: String },
+    /// A hostile or corrupt guest made the kallsyms search or decode do more work than any
+    /// real kernel needs: symbols from kallsyms are off for this run.
+    #[error("kallsyms: {structure} is over its limit of {limit} {unit} (a real kernel needs a fraction of that; hostile or corrupt guest memory?)")]
+    KallsymsOverBudget {
+        structure: &'static str,
+        limit: u64,
+        unit: &'static str,
+    },
     #[error("reading {what} from guest memory: {source}")]
     Memory { what: &'static str, source: MemoryError },
 }
@@ -284,8 +292,10 @@ impl SymbolTable {
     /// Finds kallsyms in `search` (a virtual range that holds the kernel's `.rodata`, e.g.
     /// a few tens of MiB from the start of kernel text) and decodes it.
     pub fn from_kallsyms<M: GuestVirtRead + ?Sized>(mem: &M, search: Range<Gva>) -> Result<Self, SymbolError> {
-        let layout = KallsymsLayout::locate(mem, search)?;
-        Self::from_kallsyms_layout(mem, &layout)
+        // The search validates a candidate by decoding it: keep those symbols rather than
+        // decoding (and holding) every name twice.
+        let (_, symbols) = KallsymsLayout::locate_and_decode(mem, search)?;
+        Ok(Self::from_symbols(SymbolSource::Kallsyms, symbols))
     }
 
     /// Decodes kallsyms whose tables were already located.

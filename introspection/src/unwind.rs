@@ -36,6 +36,11 @@ pub const MAX_FRAMES: usize = 128;
 /// has ~300,000), so a corrupt symbol pair cannot make the host read gigabytes.
 const MAX_ORC_ENTRIES: u64 = 8 << 20;
 const ORC_ENTRY_SIZE: u64 = 6;
+/// The largest `_stext.._etext` accepted: x86-64's kernel image mapping
+/// (`KERNEL_IMAGE_SIZE`) is 1 GiB, and all of the text is inside it. The lookup blocks are
+/// sized from this span (4 Mi blocks at most), and the symbols that give it are the guest's
+/// own in kallsyms mode.
+pub const MAX_KERNEL_TEXT: u64 = 1 << 30;
 
 /// `struct pt_regs` offsets (x86-64), in bytes.
 mod pt_regs {
@@ -139,6 +144,8 @@ pub enum OrcError {
     MissingSymbol(&'static str),
     #[error("the ORC tables are inconsistent: {0}")]
     Inconsistent(String),
+    #[error("_stext.._etext is {len:#x} bytes, more than the {limit:#x}-byte kernel image mapping")]
+    TextTooLarge { len: u64, limit: u64 },
     #[error("reading the {what} at {at}: {source}")]
     Memory {
         what: &'static str,
@@ -229,6 +236,13 @@ impl OrcTable {
         if !ip_bytes.len().is_multiple_of(4) || !(orc_bytes.len() as u64).is_multiple_of(ORC_ENTRY_SIZE) {
             return Err(OrcError::Inconsistent("table sizes are not whole entries".into()));
         }
+        let text_len = text.end.0.saturating_sub(text.start.0);
+        if text_len > MAX_KERNEL_TEXT {
+            return Err(OrcError::TextTooLarge {
+                len: text_len,
+                limit: MAX_KERNEL_TEXT,
+            });
+        }
         let ips: Vec<u64> = ip_bytes
             .chunks_exact(4)
             .enumerate()
@@ -294,8 +308,10 @@ impl OrcTable {
         // The rightmost entry at or below ip (duplicates: section terminators come first),
         // searched for between the entries that cover the start of ip's block and of the
         // next one.
-        let (lo, hi) = match ((ip.0 - self.text.start.0) / LOOKUP_BLOCK) as usize {
-            b if self.text.contains(&ip) && b + 1 < self.blocks.len() => {
+        // Init text may lie below the core text: its addresses have no block.
+        let block = ip.0.checked_sub(self.text.start.0).map(|o| (o / LOOKUP_BLOCK) as usize);
+        let (lo, hi) = match block {
+            Some(b) if self.text.contains(&ip) && b + 1 < self.blocks.len() => {
                 (self.blocks[b] as usize, self.blocks[b + 1] as usize + 1)
             }
             _ => (0, self.ips.len()),

@@ -59,6 +59,8 @@ pub enum OutOfLineError {
          kernel ({text:#x}..{end:#x})"
     )]
     NoFreeSlot { limit: u64, text: u64, end: u64 },
+    #[error("the kernel's _text {text:#x} .. _end {end:#x} is not inside the kernel image mapping {KERNEL_IMAGE_MAP_START:#x}..{KERNEL_IMAGE_MAP_END:#x}")]
+    KernelOutsideImageMap { text: u64, end: u64 },
     #[error("writing the out-of-line area's page-directory entry at {entry_gpa}")]
     WriteEntry {
         entry_gpa: Gpa,
@@ -102,6 +104,12 @@ pub fn map_out_of_line_area(
             .ok_or(OutOfLineError::MissingSymbol(name))
     };
     let (text, end) = (bound("_text")?, bound("_end")?);
+    // Both come from the guest in kallsyms mode: outside the image mapping, the slot
+    // arithmetic below overflowed (an `_end` near 2^64) or the search covered the user half.
+    if !(KERNEL_IMAGE_MAP_START..KERNEL_IMAGE_MAP_END).contains(&text) || !(text..=KERNEL_IMAGE_MAP_END).contains(&end)
+    {
+        return Err(OutOfLineError::KernelOutsideImageMap { text, end });
+    }
     let limit = if end < MODULES_START_WITHOUT_KASLR {
         MODULES_START_WITHOUT_KASLR
     } else {
@@ -219,6 +227,23 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Issue 24, finding 5: `_text`/`_end` are the guest's own symbols in kallsyms mode. An
+    /// `_end` near 2^64 overflowed the slot arithmetic (a panic in debug; in release a
+    /// search from near 0 over the user half), a `_text` in the user half put the search
+    /// there. Both are a clear error, with nothing written.
+    #[test]
+    fn kernel_bounds_outside_the_image_mapping_are_refused() {
+        let (text, end) = (0xffff_ffff_8100_0000, 0xffff_ffff_8230_0000);
+        for (t, e) in [(text, u64::MAX - 5), (0x40_0000, 0x80_0000), (end, text)] {
+            let (phys, tables) = kernel_tables(text, end);
+            let err = map_out_of_line_area(&phys, tables, &symbols(t, e), true).unwrap_err();
+            assert!(
+                matches!(err, OutOfLineError::KernelOutsideImageMap { text, end } if (text, end) == (t, e)),
+                "{err}"
+            );
         }
     }
 

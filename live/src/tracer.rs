@@ -6,14 +6,14 @@ use std::sync::Arc;
 use hvprobe_arch::paging::PagingMode;
 use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::facts::{ExceptionTable, FactsError, KprobeBlacklist};
-use hvprobe_introspection::memory::{MemoryError, PagedGuestMemory};
+use hvprobe_introspection::memory::PagedGuestMemory;
 use hvprobe_introspection::stacks::StacksLayout;
 use hvprobe_introspection::symbols::{SymbolError, SymbolTable};
 use hvprobe_probes::detour::event::GuestKernelFacts;
-use hvprobe_probes::engine::{EventSink, KernelView, OutOfLineArea, PatchSites, Tracer};
+use hvprobe_probes::engine::{EventSink, KernelView, OutOfLineArea, PatchSites, PatchSitesError, Tracer};
 use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
 use hvprobe_vmm::{VcpuControl, VcpuState};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::clock::guest_clock;
 use crate::machine::VmMachine;
@@ -30,7 +30,7 @@ pub enum TracerError {
     #[error("reading the guest's exception table: {0}")]
     ExceptionTable(#[source] FactsError),
     #[error("reading the guest's text patch sites: {0}")]
-    PatchSites(#[source] MemoryError),
+    PatchSites(#[source] PatchSitesError),
     #[error(transparent)]
     OutOfLine(#[from] OutOfLineError),
     #[error("reading the code blob's vCPU state: {0}")]
@@ -75,11 +75,14 @@ pub fn build_tracer(
         ex_table,
         patch_sites,
     };
-    let stacks = StacksLayout::from_guest(&memory, symbols);
+    let cpus = control.vcpu_count() as u32;
+    // The stack walk is bounded by what the host knows of the VM, not by the guest's
+    // nr_cpu_ids or its lists: the vCPUs that can run, and the memory stacks can live in.
+    let memory_bytes: u64 = mem.iter().map(|r| r.len()).sum();
+    let stacks = StacksLayout::from_guest(&memory, symbols).map(|l| l.bounded_by_vm(cpus, memory_bytes));
     if let Err(e) = &stacks {
         tracing::info!("jump optimization unavailable: the guest's kernel stacks cannot be found: {e}");
     }
-    let cpus = control.vcpu_count() as u32;
     let task = crate::task::TaskContext::read(&memory, symbols).ok();
     let facts = GuestKernelFacts::from_symbols(symbols, task.as_ref().map(|t| &t.layout));
     let clock = guest_clock(mem, &memory, symbols, cpus as usize, &[(0, *state)])

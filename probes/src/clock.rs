@@ -283,7 +283,8 @@ impl GuestClock {
                 if p.tsc_stable() { "stable" } else { "not flagged stable" },
                 self.sched_clock_offset,
                 match self.global_ns(1 << 62) {
-                    Ok(global) => format!("local_clock = sched_clock {:+} ns", global as i64 - (1 << 62)),
+                    // In i128: the offset is the guest's, anywhere in i64.
+                    Ok(global) => format!("local_clock = sched_clock {:+} ns", i128::from(global) - (1 << 62)),
                     Err(e) => format!("no local_clock: {e}"),
                 }
             ),

@@ -61,7 +61,7 @@ mod tests;
 pub use event_rings::EventSetupError;
 pub use optimize::WhyNotOptimized;
 pub use placement::resolve_symbol;
-pub use sites::{PatchSite, PatchSiteKind, PatchSites};
+pub use sites::{PatchSite, PatchSiteKind, PatchSites, PatchSitesError, MAX_SITE_TABLE_BYTES};
 
 /// The longest function the engine decodes to check an instruction boundary.
 const MAX_FUNCTION_BYTES: u64 = 256 << 10;
@@ -302,6 +302,11 @@ pub struct EngineStats {
     /// Records an event detour could not write: its CPU's ring was full, or the hit came
     /// while that CPU was writing another record (an NMI). Counted by the guest.
     pub ring_missed: AtomicU64,
+    /// What the host refused of the event rings, which the guest can write: records whose
+    /// CPU number is not their ring's (vCPU's), and counter steps no vCPU count could have
+    /// made since the last drain (one hit per nanosecond per vCPU). Only a misbehaving guest
+    /// kernel makes these; its optimized probes' counts are not to be trusted then.
+    pub ring_rejected: AtomicU64,
     /// Hits an event detour's filter discarded in the guest (counted in `hits` too).
     pub filtered_in_guest: AtomicU64,
     pub emulated: AtomicU64,

@@ -141,7 +141,7 @@ impl ArgValue {
 /// String bytes as ftrace's `"%s"` shows them, except that what would break a one-line
 /// record or is not text is escaped: control characters (C0, DEL, C1) and bytes that are
 /// not valid UTF-8 become `\xNN`. The kernel writes them raw.
-struct EscapedBytes<'a>(&'a [u8]);
+pub(crate) struct EscapedBytes<'a>(pub(crate) &'a [u8]);
 
 impl fmt::Display for EscapedBytes<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -13,7 +13,15 @@ use std::fmt::Write as _;
 
 use hvprobe_arch::Gva;
 
-use crate::fetch::ArgValue;
+use crate::fetch::{ArgValue, EscapedBytes};
+
+/// Guest text (a task's `comm`) as text output shows it: control characters (C0, DEL, C1)
+/// and invalid UTF-8 become `\xNN`, as in string fetch-args. Any guest process can name
+/// itself (`prctl(PR_SET_NAME)`) with a newline, to forge trace lines, or an ESC, to drive
+/// the analyst's terminal. JSON and Perfetto output encode these themselves.
+pub fn escape_guest_text(text: &str) -> String {
+    EscapedBytes(text.as_bytes()).to_string()
+}
 
 /// One probe hit, ready to print.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,7 +95,11 @@ fn context(hit: &HitRecord) -> String {
     let (secs, usecs) = (micros / 1_000_000, micros % 1_000_000);
     format!(
         "{:>16}-{:<7} [{:03}]  {:>5}.{:06}: ",
-        hit.comm, hit.pid, hit.cpu, secs, usecs
+        escape_guest_text(&hit.comm),
+        hit.pid,
+        hit.cpu,
+        secs,
+        usecs
     )
 }
 

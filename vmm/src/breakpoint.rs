@@ -34,12 +34,18 @@ const TSS_IST1: u64 = 0x24;
 /// Where the #BP's gate descriptor is, for the caller to read.
 pub(crate) fn bp_gate_address(sregs: &kvm_sregs) -> Option<u64> {
     let end = BP_VECTOR * IDT_GATE_SIZE + IDT_GATE_SIZE - 1;
-    (u64::from(sregs.idt.limit) >= end).then(|| sregs.idt.base + BP_VECTOR * IDT_GATE_SIZE)
+    // The base is the guest's IDTR: wrapping as the CPU's addressing does (a read there
+    // then fails) rather than overflowing.
+    (u64::from(sregs.idt.limit) >= end).then(|| sregs.idt.base.wrapping_add(BP_VECTOR * IDT_GATE_SIZE))
 }
 
 /// Where IST entry `ist` (1..=7) of the TSS is, for the caller to read.
 pub(crate) fn ist_address(sregs: &kvm_sregs, ist: u8) -> u64 {
-    sregs.tr.base + TSS_IST1 + 8 * u64::from(ist - 1)
+    // The TSS base is the guest's, and so is `ist` (a gate's 3 bits, 1..=7 when called).
+    sregs
+        .tr
+        .base
+        .wrapping_add(TSS_IST1 + 8 * u64::from(ist.saturating_sub(1)))
 }
 
 /// What delivering the #BP of the int3 at `int3` does: the frame the CPU pushes (RIP, CS,
@@ -98,7 +104,7 @@ pub(crate) fn breakpoint_delivery(
     Some(BreakpointDelivery {
         frame_at,
         frame: [
-            int3 + 1,
+            int3.wrapping_add(1),
             u64::from(sregs.cs.selector),
             regs.rflags,
             regs.rsp,
@@ -352,5 +358,25 @@ mod tests {
         short_idt.idt.limit = 3 * 16 + 14;
         assert_eq!(bp_gate_address(&short_idt), None, "vector 3 past the IDT's limit");
         assert_eq!(bp_gate_address(&sregs), Some(sregs.idt.base + 48));
+    }
+
+    /// Issue 24, finding 8: the IDT and TSS bases and the int3's address are the guest's.
+    /// Near 2^64 they overflowed (a panic in a debug build of the VMM).
+    #[test]
+    fn guest_bases_near_the_top_of_the_address_space_do_not_panic() {
+        let (regs, mut sregs) = kernel(u64::MAX, 0xffff_c900_0000_8000, 0x202);
+        sregs.idt.base = u64::MAX - 8;
+        sregs.tr.base = u64::MAX - 8;
+        assert_eq!(bp_gate_address(&sregs), Some((u64::MAX - 8).wrapping_add(48)));
+        assert_eq!(ist_address(&sregs, 7), (u64::MAX - 8).wrapping_add(0x24 + 48));
+        let d = breakpoint_delivery(
+            u64::MAX,
+            &regs,
+            &sregs,
+            gate(0xffff_ffff_8100_0000, CS, GATE_INTERRUPT, 0),
+            |_| None,
+        )
+        .unwrap();
+        assert_eq!(d.frame[0], 0, "the return address wraps as the CPU's RIP would");
     }
 }

@@ -60,18 +60,87 @@ impl ConsoleLog {
         String::from_utf8_lossy(&v).into_owned()
     }
 
-    /// The last `lines` lines of output.
+    /// The last `lines` lines of output, control bytes escaped ([`TerminalEscaper`]): the
+    /// tail goes into error messages on the user's terminal.
     pub fn tail(&self, lines: usize) -> String {
         let all = self.contents();
         let parts: Vec<&str> = all.split_inclusive('\n').collect();
-        parts[parts.len().saturating_sub(lines)..].concat()
+        let tail = parts[parts.len().saturating_sub(lines)..].concat();
+        let mut out = Vec::with_capacity(tail.len());
+        let mut escaper = TerminalEscaper::default();
+        escaper.push(tail.as_bytes(), &mut out);
+        escaper.finish(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
     }
+}
+
+/// Makes guest console bytes safe for the user's terminal when nobody is typing into the
+/// guest (`--workload`, error messages): a guest could otherwise clear the screen, move the
+/// cursor, retitle the window or rewrite earlier lines (ESC sequences, a lone carriage
+/// return, 8-bit C1 controls) or forge hvprobe's own lines. Control bytes become `\xNN`;
+/// newline, tab and the `\r\n` a serial tty ends its lines with stay. C1 controls
+/// (U+0080..U+009F, bytes `c2 80`..`c2 9f` in UTF-8) are escaped too; other UTF-8 text
+/// passes. Stateful, because the guest's UART hands its bytes over one by one.
+#[derive(Default, Debug)]
+pub struct TerminalEscaper {
+    /// A `\r` (kept if a `\n` follows) or a `0xc2` (escaped if a C1 control follows).
+    held: Option<u8>,
+}
+
+impl TerminalEscaper {
+    /// Appends `bytes`, made safe, to `out`.
+    pub fn push(&mut self, bytes: &[u8], out: &mut Vec<u8>) {
+        for &b in bytes {
+            match self.held.take() {
+                Some(b'\r') if b == b'\n' => {
+                    out.extend_from_slice(b"\r\n");
+                    continue;
+                }
+                Some(0xc2) if (0x80..=0x9f).contains(&b) => {
+                    escape_byte(0xc2, out);
+                    escape_byte(b, out);
+                    continue;
+                }
+                Some(held) => self.plain(held, out),
+                None => {}
+            }
+            match b {
+                b'\r' | 0xc2 => self.held = Some(b),
+                _ => self.plain(b, out),
+            }
+        }
+    }
+
+    /// Ends the stream: a byte still held is written (escaped if it is the `\r`).
+    pub fn finish(&mut self, out: &mut Vec<u8>) {
+        if let Some(held) = self.held.take() {
+            self.plain(held, out);
+        }
+    }
+
+    fn plain(&self, b: u8, out: &mut Vec<u8>) {
+        match b {
+            b'\n' | b'\t' => out.push(b),
+            0..=0x1f | 0x7f => escape_byte(b, out),
+            _ => out.push(b),
+        }
+    }
+}
+
+fn escape_byte(b: u8, out: &mut Vec<u8>) {
+    out.extend_from_slice(format!("\\x{b:02x}").as_bytes());
 }
 
 /// Where the guest's console output goes besides the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConsoleOutput {
+    /// To stdout as the guest wrote it: for an interactive console, where the guest's
+    /// shell and programs draw on the user's terminal on purpose.
     Stdout,
+    /// To stdout with control bytes escaped ([`TerminalEscaper`]): for a `--workload`
+    /// run nobody types into, so that a guest program cannot drive the terminal or forge
+    /// hvprobe's lines.
+    StdoutEscaped,
     Discard,
 }
 
@@ -109,19 +178,32 @@ impl WholeLines {
 pub struct ConsoleWriter {
     log: ConsoleLog,
     output: ConsoleOutput,
-    /// `Some` when stdout is not a terminal.
+    escaper: TerminalEscaper,
+    /// `Some` when the output goes to a stdout that is not a terminal.
     whole_lines: Option<WholeLines>,
 }
 
 impl ConsoleWriter {
     pub fn new(log: ConsoleLog, output: ConsoleOutput) -> Self {
-        let whole_lines = (output == ConsoleOutput::Stdout && !io::stdout().is_terminal()).then(WholeLines::default);
+        let whole_lines =
+            (output != ConsoleOutput::Discard && !io::stdout().is_terminal()).then(WholeLines::default);
         log.stdout_whole_lines.store(whole_lines.is_some(), Ordering::Relaxed);
         ConsoleWriter {
             log,
             output,
+            escaper: TerminalEscaper::default(),
             whole_lines,
         }
+    }
+
+    /// What is printed of `buf`: itself, or its escaped form.
+    fn printed(&mut self, buf: &[u8]) -> Vec<u8> {
+        if self.output != ConsoleOutput::StdoutEscaped {
+            return buf.to_vec();
+        }
+        let mut escaped = Vec::with_capacity(buf.len());
+        self.escaper.push(buf, &mut escaped);
+        escaped
     }
 
     /// Prints `bytes` under stdout's lock `out`, noting whether stdout now ends mid-line.
@@ -137,30 +219,42 @@ impl ConsoleWriter {
 
 impl Write for ConsoleWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        if self.output == ConsoleOutput::Stdout {
-            // Log and print under stdout's lock, so that whoever else prints there (probe
-            // hits) can tell from the log whether stdout is in the middle of a line.
-            let mut out = io::stdout().lock();
+        if self.output == ConsoleOutput::Discard {
             self.log.push(buf);
-            let now = match &mut self.whole_lines {
-                Some(lines) => lines.take(buf),
-                None => buf.to_vec(),
-            };
-            self.print(&mut out, &now)?;
-        } else {
-            self.log.push(buf);
+            return Ok(buf.len());
         }
+        // Log and print under stdout's lock, so that whoever else prints there (probe
+        // hits) can tell from the log whether stdout is in the middle of a line.
+        let mut out = io::stdout().lock();
+        self.log.push(buf);
+        let printed = self.printed(buf);
+        let now = match &mut self.whole_lines {
+            Some(lines) => lines.take(&printed),
+            None => printed,
+        };
+        self.print(&mut out, &now)?;
         Ok(buf.len())
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        if self.output == ConsoleOutput::Stdout {
-            let mut out = io::stdout().lock();
-            let rest = self.whole_lines.as_mut().map(WholeLines::rest).unwrap_or_default();
-            self.print(&mut out, &rest)?;
-            out.flush()?;
+        if self.output == ConsoleOutput::Discard {
+            return Ok(());
         }
-        Ok(())
+        let mut out = io::stdout().lock();
+        let mut rest = Vec::new();
+        if self.output == ConsoleOutput::StdoutEscaped {
+            self.escaper.finish(&mut rest);
+        }
+        let rest = match &mut self.whole_lines {
+            Some(lines) => {
+                let mut held = lines.take(&rest);
+                held.extend(lines.rest());
+                held
+            }
+            None => rest,
+        };
+        self.print(&mut out, &rest)?;
+        out.flush()
     }
 }
 
@@ -211,6 +305,36 @@ mod tests {
         assert!(lines.take(&vec![b'x'; PARTIAL_LINE_LIMIT]).is_empty());
         assert_eq!(lines.take(b"y").len(), PARTIAL_LINE_LIMIT + 1);
         assert!(lines.rest().is_empty());
+    }
+
+    fn escaped(chunks: &[&[u8]]) -> String {
+        let (mut e, mut out) = (TerminalEscaper::default(), Vec::new());
+        for c in chunks {
+            e.push(c, &mut out);
+        }
+        e.finish(&mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    /// Issue 24, finding 9: a guest program's ESC sequences, lone carriage returns and C1
+    /// controls reach the terminal escaped, byte by byte as the UART delivers them; text,
+    /// newlines and the tty's `\r\n` do not change.
+    #[test]
+    fn console_control_bytes_are_escaped_one_byte_at_a_time() {
+        let raw: &[u8] = b"ok\r\n\x1b[2Jx\rforged\x07\tt\x7f \xc2\x9b1m \xc3\xa9\xc2\xa0\r";
+        let want = "ok\r\n\\x1b[2Jx\\x0dforged\\x07\tt\\x7f \\xc2\\x9b1m \u{e9}\u{a0}\\x0d";
+        assert_eq!(escaped(&[raw]), want);
+        let bytes: Vec<&[u8]> = raw.chunks(1).collect();
+        assert_eq!(escaped(&bytes), want);
+    }
+
+    #[test]
+    fn the_tail_is_escaped() {
+        let log = ConsoleLog::default();
+        let mut w = ConsoleWriter::new(log.clone(), ConsoleOutput::Discard);
+        w.write_all(b"one\r\n\x1b]0;title\x07two\n").unwrap();
+        assert_eq!(log.tail(2), "one\r\n\\x1b]0;title\\x07two\n");
+        assert!(log.contents().contains('\x1b'), "the log itself keeps the bytes");
     }
 
     #[test]

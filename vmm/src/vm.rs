@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hvprobe_arch::Gpa;
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vm_superio::Serial;
 use vmm_sys_util::eventfd::EventFd;
@@ -16,7 +16,7 @@ use crate::backend::Backend;
 use crate::boot::{self, KernelFormat};
 use crate::console::{ConsoleLog, ConsoleOutput, ConsoleWriter};
 use crate::devices::{IrqLine, PortDevices, SERIAL_IRQ};
-use crate::layout::{ram_ranges, OOL_AREA_SIZE, OOL_AREA_START};
+use crate::layout::{ram_ranges, OOL_AREA_SIZE, OOL_AREA_START, OOL_CODE_SIZE};
 use crate::vcpu::{DebugHandler, StopReason, VcpuControl, VcpuRunner};
 use crate::{cpuid, kvm_err, mptable, regs, Error};
 
@@ -102,6 +102,8 @@ pub struct VmOutcome {
     /// VM exits as KVM counts them, in-kernel ones included (its `exits` statistic; 0 when
     /// KVM has no statistics).
     pub kvm_exits: u64,
+    /// Guest writes into the out-of-line area's code, refused (read-only memory slot).
+    pub ool_writes_refused: u64,
     /// `None` for a code blob.
     pub kernel_format: Option<KernelFormat>,
 }
@@ -399,6 +401,7 @@ impl Vm {
                 .instructions_emulated
                 .load(std::sync::atomic::Ordering::Relaxed),
             kvm_exits: counters.kvm_exits.load(std::sync::atomic::Ordering::Relaxed),
+            ool_writes_refused: counters.ool_writes_refused.load(std::sync::atomic::Ordering::Relaxed),
             kernel_format: self.kernel_format,
         })
     }
@@ -566,22 +569,48 @@ fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, 
     Ok(mem)
 }
 
-/// Gives KVM every region of `mem` as a memory slot.
+/// Gives KVM every region of `mem` as a memory slot. The out-of-line area's code half
+/// (copies, trampolines, the step guard, detours) gets a slot of its own, read-only to the
+/// guest where KVM can (`KVM_CAP_READONLY_MEM`): its page-table mapping is read-only too,
+/// but that is a bit in the guest's own tables, and a guest kernel (or a root process
+/// through `/dev/mem`, the area not being RAM) could otherwise rewrite our code. A guest
+/// write there exits as MMIO and is dropped ([`crate::vcpu`] counts and reports it); the
+/// host writes through its own mapping, which the flag does not affect. The rings half
+/// stays guest-writable: event detours write their records there.
 pub(crate) fn register_guest_memory(vm_fd: &VmFd, mem: &GuestMemoryMmap) -> Result<(), Error> {
-    for (slot, region) in mem.iter().enumerate() {
+    let readonly = vm_fd.check_extension(Cap::ReadonlyMem);
+    if !readonly {
+        tracing::warn!(
+            "KVM has no read-only memory slots here: the out-of-line area's code stays writable by the guest kernel"
+        );
+    }
+    let mut slot = 0u32;
+    for region in mem.iter() {
         let host = mem
             .get_host_address(region.start_addr())
             .map_err(|e| Error::GuestMemory(format!("host address of a region: {e}")))?;
-        let region = kvm_userspace_memory_region {
-            slot: slot as u32,
-            flags: 0,
-            guest_phys_addr: region.start_addr().0,
-            memory_size: region.len(),
-            userspace_addr: host as u64,
+        let (start, len) = (region.start_addr().0, region.len());
+        let pieces = if readonly && start == OOL_AREA_START.0 && len == OOL_AREA_SIZE {
+            vec![
+                (start, OOL_CODE_SIZE, KVM_MEM_READONLY),
+                (start + OOL_CODE_SIZE, len - OOL_CODE_SIZE, 0),
+            ]
+        } else {
+            vec![(start, len, 0)]
         };
-        // SAFETY: the region is mapped for the lifetime of `mem`, which the VM keeps (the
-        // vCPU threads hold clones of it while they run).
-        unsafe { vm_fd.set_user_memory_region(region) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+        for (gpa, size, flags) in pieces {
+            let region = kvm_userspace_memory_region {
+                slot,
+                flags,
+                guest_phys_addr: gpa,
+                memory_size: size,
+                userspace_addr: host as u64 + (gpa - start),
+            };
+            // SAFETY: the piece lies inside a region mapped for the lifetime of `mem`,
+            // which the VM keeps (the vCPU threads hold clones of it while they run).
+            unsafe { vm_fd.set_user_memory_region(region) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+            slot += 1;
+        }
     }
     Ok(())
 }

@@ -158,6 +158,8 @@ fn layout() -> StacksLayout {
         },
         entry_stack: Some((ENTRY, 0x1000)),
         max_list_steps: 1000,
+        max_cpus: MAX_CPUS,
+        max_stack_bytes: DEFAULT_MAX_STACK_BYTES,
         rethooks: None,
     }
 }
@@ -765,4 +767,87 @@ fn a_paused_vcpus_registers_narrow_its_current_tasks_scan() {
         stacks.narrow_to_vcpu(&w.mem, 0xffff_8880_dead_0000, 0, 0),
         Err(StacksError::Layout(_))
     ));
+}
+
+/// Issue 24, finding 3: a guest claiming many CPUs (`nr_cpu_ids`, up to 8192; 500 here,
+/// as many as this made-up guest has room for) whose per-CPU offsets all alias one area
+/// makes one CPU's IRQ, exception and entry stacks listed (and scanned at every pause) once
+/// per claimed CPU. The VM's vCPU count bounds the CPUs instead.
+#[test]
+fn the_vms_vcpu_count_bounds_the_guests_nr_cpu_ids() {
+    let mut w = World::new(2);
+    w.link();
+    const CLAIMED: u32 = 500;
+    w.mem.put_u32(NR_CPU_IDS, CLAIMED);
+    for cpu in 2..CLAIMED {
+        w.mem.put(PER_CPU_OFFSET + u64::from(cpu) * 8, per_cpu_area(1));
+    }
+    // What the guest's own count gives: every alias listed.
+    let unbounded = KernelStacks::read(&w.mem, &layout()).unwrap();
+    assert_eq!(unbounded.cpus().len(), CLAIMED as usize);
+    let stacks = KernelStacks::read(&w.mem, &layout().bounded_by_vm(2, 1 << 30)).unwrap();
+    assert_eq!(stacks.cpus().iter().map(|c| c.cpu).collect::<Vec<_>>(), [0, 1]);
+    assert!(stacks.stacks().len() < 16, "{} stacks", stacks.stacks().len());
+}
+
+/// The stacks listed may not add up to more than the guest's memory: distinct stacks fit
+/// in it, so only aliased or made-up ones could exceed it, and each may be scanned whole.
+#[test]
+fn the_stacks_listed_are_bounded_by_the_guests_memory() {
+    let mut w = World::new(2);
+    for pid in 1..=10 {
+        w.process(pid, "many");
+    }
+    w.link();
+    let total = KernelStacks::read(&w.mem, &layout()).unwrap().total_bytes();
+    assert!(KernelStacks::read(&w.mem, &layout().bounded_by_vm(2, total)).is_ok());
+    let err = KernelStacks::read(&w.mem, &layout().bounded_by_vm(2, total - 1)).unwrap_err();
+    match err {
+        StacksError::OverBudget { structure, limit, .. } => {
+            assert!(structure.contains("kernel stacks"), "{structure}");
+            assert_eq!(limit, total - 1);
+        }
+        other => panic!("expected the stack bytes budget, got {other}"),
+    }
+}
+
+/// More IST stacks per CPU than any `cea_exception_stacks` has is refused.
+#[test]
+fn exception_stacks_per_cpu_are_limited() {
+    let w = World::new(1);
+    let mut l = layout();
+    l.exception.stacks = (0..=MAX_EXCEPTION_STACKS as u64)
+        .map(|i| ExceptionStackSlot {
+            name: format!("S{i}"),
+            offset: i * 0x2000,
+            size: 0x1000,
+        })
+        .collect();
+    let err = KernelStacks::read(&w.mem, &l).unwrap_err();
+    assert!(
+        matches!(err, StacksError::OverBudget { limit, .. } if limit == MAX_EXCEPTION_STACKS as u64),
+        "{err}"
+    );
+}
+
+/// A 1 MiB exception stack filled with a word in the range: 128 Ki hits, each of which the
+/// scan would collect with its owner's name. Over the limit, the scan is an error (nothing
+/// proven, the jump is not written) rather than an unbounded list.
+#[test]
+fn saved_words_found_in_one_scan_are_limited() {
+    let mut w = World::new(1);
+    w.link();
+    let mut l = layout();
+    l.exception.stacks[1].size = 1 << 20;
+    let db = estacks(0) + l.exception.stacks[1].offset;
+    let words: Vec<u8> = std::iter::repeat_n(CODE.to_le_bytes(), (1 << 20) / 8)
+        .flatten()
+        .collect();
+    w.mem.write(db, &words);
+    let stacks = KernelStacks::read(&w.mem, &l).unwrap();
+    let err = stacks.saved_addresses_in(&w.mem, RANGE).unwrap_err();
+    assert!(
+        matches!(err, StacksError::OverBudget { limit, .. } if limit == MAX_STACK_HITS as u64),
+        "{err}"
+    );
 }

@@ -54,13 +54,54 @@ const SCAN_CHUNK: u64 = 4 << 20;
 const MAX_TABLES_SPAN: u64 = 64 << 20;
 /// `KSYM_NAME_LEN`: names are shorter.
 const KSYM_NAME_LEN: usize = 512;
-/// Far more symbols than any kernel has (a distro kernel has ~200k); a larger count is
-/// not `kallsyms_num_syms`, and refusing it keeps a bad layout from allocating gigabytes.
-const MAX_SYMS: u64 = 1 << 24;
+/// Far more symbols than any kernel has: a distro kernel has ~200k, this is 20 times that.
+/// A larger count is not `kallsyms_num_syms`,
+/// and refusing it keeps a bad layout from allocating gigabytes.
+const MAX_SYMS: u64 = 1 << 22;
+/// The decoded names of one table, in bytes: a distro kernel's ~200k names take ~6 MiB,
+/// so 128 MiB is 20 times that (and more than MAX_SYMS average-length names). Without it a
+/// guest could have 4 M names of 512 bytes (2 GiB) decoded.
+const MAX_NAME_BYTES: u64 = 128 << 20;
+/// What the whole search may read from the guest and decode, beyond one pass over the
+/// search range: a real kernel needs one backward scan (< MAX_TABLES_SPAN) and one decode
+/// (a few MiB) from its one token table; four spans leave room for a few false candidates.
+/// Without a budget every planted "0\01\0…9\0" started a 64 MiB scan and a decode.
+const EXTRA_WORK: u64 = 4 * MAX_TABLES_SPAN;
+/// The largest single token: the compressor builds tokens by merging pairs of common
+/// substrings, and a token longer than a name cannot occur in one.
+const MAX_TOKEN_LEN: usize = KSYM_NAME_LEN;
 const PAGE: u64 = 0x1000;
 
 fn align8(v: u64) -> u64 {
-    (v + 7) & !7
+    // Saturates: a guest-derived address near 2^64 gives a misaligned end, which no
+    // check accepts, instead of an overflow.
+    v.saturating_add(7) & !7
+}
+
+/// Bytes of guest memory the search may still read and decode: charged before each read
+/// or decode, so that an over-budget search stops before doing the work.
+struct Budget {
+    left: u64,
+    limit: u64,
+}
+
+impl Budget {
+    fn new(limit: u64) -> Budget {
+        Budget { left: limit, limit }
+    }
+
+    fn charge(&mut self, bytes: u64) -> Result<(), SymbolError> {
+        self.left = self.left.checked_sub(bytes).ok_or(SymbolError::KallsymsOverBudget {
+            structure: "the search (bytes of guest memory read and names decoded)",
+            limit: self.limit,
+            unit: "bytes",
+        })?;
+        Ok(())
+    }
+}
+
+fn over_budget(e: &SymbolError) -> bool {
+    matches!(e, SymbolError::KallsymsOverBudget { .. })
 }
 
 fn invalid(at: Gva, reason: impl Into<String>) -> SymbolError {
@@ -120,8 +161,13 @@ struct TokenTable {
 }
 
 /// Checks that the "0" token at `zero` is part of a real token table and reads it.
-fn token_table_at<M: GuestVirtRead + ?Sized>(mem: &M, zero: Gva) -> Result<TokenTable, SymbolError> {
+fn token_table_at<M: GuestVirtRead + ?Sized>(
+    mem: &M,
+    zero: Gva,
+    budget: &mut Budget,
+) -> Result<TokenTable, SymbolError> {
     // Tokens are short (the compressor merges pairs); 16 KiB holds the rest of any table.
+    budget.charge((16 << 10) + 512)?;
     let tail = read_lenient(mem, zero.0, 16 << 10);
     let mut nuls = 0;
     let mut end = None;
@@ -148,6 +194,7 @@ fn token_table_at<M: GuestVirtRead + ?Sized>(mem: &M, zero: Gva) -> Result<Token
     if index[0] != 0 || start % 8 != 0 {
         return Err(invalid(Gva(start), "token index does not start an aligned table"));
     }
+    budget.charge(end - start)?;
     let table = read(mem, "kallsyms_token_table", Gva(start), end - start)?;
     let mut tokens = Vec::with_capacity(256);
     for i in 0..256 {
@@ -156,7 +203,7 @@ fn token_table_at<M: GuestVirtRead + ?Sized>(mem: &M, zero: Gva) -> Result<Token
         let token = table
             .get(from..to)
             .and_then(|t| t.strip_suffix(&[0]))
-            .filter(|t| !t.is_empty() && t.iter().all(|b| b.is_ascii_graphic()))
+            .filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN_LEN && t.iter().all(|b| b.is_ascii_graphic()))
             .ok_or_else(|| {
                 invalid(
                     Gva(start),
@@ -185,10 +232,21 @@ impl KallsymsLayout {
         locate_and_decode(mem, search).map(|(layout, _)| layout)
     }
 
+    /// Finds the kallsyms tables inside `search` and returns their symbols too (the search
+    /// checks a candidate by decoding it).
+    pub fn locate_and_decode<M: GuestVirtRead + ?Sized>(
+        mem: &M,
+        search: Range<Gva>,
+    ) -> Result<(Self, Vec<Symbol>), SymbolError> {
+        locate_and_decode(mem, search)
+    }
+
     /// Decodes every symbol, checking the tables against each other on the way.
     pub fn decode<M: GuestVirtRead + ?Sized>(&self, mem: &M) -> Result<Vec<Symbol>, SymbolError> {
+        // One decode of known tables: the allowance the search has beyond its scan.
+        let mut budget = Budget::new(EXTRA_WORK);
         let tokens = read_tokens(mem, self.token_table, self.token_index)?;
-        decode_with(mem, self, &tokens).map(|(symbols, _)| symbols)
+        decode_with(mem, self, &tokens, &mut budget).map(|(symbols, _)| symbols)
     }
 }
 
@@ -207,7 +265,7 @@ fn read_tokens<M: GuestVirtRead + ?Sized>(mem: &M, table: Gva, index: Gva) -> Re
             bytes
                 .get(from..)
                 .and_then(|t| t.split(|&b| b == 0).next())
-                .filter(|t| !t.is_empty() && from + t.len() < bytes.len())
+                .filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN_LEN && from + t.len() < bytes.len())
                 .map(<[u8]>::to_vec)
                 .ok_or_else(|| invalid(table, format!("token {i:#x} is not a NUL-terminated string")))
         })
@@ -228,16 +286,23 @@ fn locate_and_decode<M: GuestVirtRead + ?Sized>(
     }
     let mut last_error = None;
     let mut found = None;
+    let mut stop = None;
     let overlap = DIGIT_TOKENS.len() as u64 - 1;
+    let mut budget = Budget::new((search.end.0 - search.start.0).saturating_add(EXTRA_WORK));
     let mut at = search.start.0;
-    while at < search.end.0 && found.is_none() {
+    while at < search.end.0 && found.is_none() && stop.is_none() {
         let len = SCAN_CHUNK.min(search.end.0 - at);
+        budget.charge(len)?;
         let chunk = read_lenient(mem, at, len);
         find_all(&chunk, DIGIT_TOKENS, |i| {
             let zero = Gva(at + i as u64);
-            match token_table_at(mem, zero).and_then(|tt| tables_before(mem, &search, &tt)) {
+            match token_table_at(mem, zero, &mut budget).and_then(|tt| tables_before(mem, &search, &tt, &mut budget)) {
                 Ok(r) => {
                     found = Some(r);
+                    true
+                }
+                Err(e) if over_budget(&e) => {
+                    stop = Some(e);
                     true
                 }
                 Err(e) => {
@@ -251,6 +316,9 @@ fn locate_and_decode<M: GuestVirtRead + ?Sized>(
             break;
         }
         at += len - overlap;
+    }
+    if let Some(e) = stop {
+        return Err(e);
     }
     found.ok_or_else(|| {
         not_found(match last_error {
@@ -266,6 +334,7 @@ fn tables_before<M: GuestVirtRead + ?Sized>(
     mem: &M,
     search: &Range<Gva>,
     tt: &TokenTable,
+    budget: &mut Budget,
 ) -> Result<(KallsymsLayout, Vec<Symbol>), SymbolError> {
     let t = tt.start.0;
     let floor = search.start.0.max(t.saturating_sub(MAX_TABLES_SPAN));
@@ -275,22 +344,25 @@ fn tables_before<M: GuestVirtRead + ?Sized>(
     // kallsyms_relative_base just below it.
     while hi > floor + 16 {
         let lo = hi.saturating_sub(1 << 20).max(floor);
+        budget.charge(hi - lo)?;
         let buf = read_lenient(mem, lo, hi - lo);
-        let word = |addr: u64, n: usize| -> u64 {
+        let word = |addr: u64| -> u64 {
             let o = (addr - lo) as usize;
-            buf[o..o + n].iter().rev().fold(0u64, |v, &b| (v << 8) | u64::from(b))
+            u64::from_le_bytes(buf[o..o + 8].try_into().expect("8 bytes"))
         };
         let mut a = (hi - 8) & !7;
         while a >= lo + 8 {
-            let n = word(a, 4);
-            let pad = word(a + 4, 4);
-            let base = word(a - 8, 8);
+            // The count in the low half, its padding (zero) in the high half. Checked
+            // first and cheaply: this loop runs for every 8 bytes of up to 64 MiB.
+            let count_and_pad = word(a);
+            let n = count_and_pad & 0xffff_ffff;
             // Each symbol costs at least two bytes of names, four of offsets, three of
             // sequence numbers.
-            if n != 0 && n <= MAX_SYMS && pad == 0 && base >= KERNEL_HALF && n * 2 < t - a {
+            if n != 0 && n <= MAX_SYMS && count_and_pad >> 32 == 0 && n * 2 < t - a && word(a - 8) >= KERNEL_HALF {
+                let base = word(a - 8);
                 for with_seqs in [true, false] {
                     match layout_from(a, n, base, t, tt, with_seqs) {
-                        Some(layout) => match decode_with(mem, &layout, &tt.tokens) {
+                        Some(layout) => match decode_with(mem, &layout, &tt.tokens, budget) {
                             Ok((symbols, absolute_percpu)) => {
                                 return Ok((
                                     KallsymsLayout {
@@ -300,6 +372,7 @@ fn tables_before<M: GuestVirtRead + ?Sized>(
                                     symbols,
                                 ));
                             }
+                            Err(e) if over_budget(&e) => return Err(e),
                             Err(e) => last_error = e,
                         },
                         None => continue,
@@ -345,6 +418,7 @@ fn decode_with<M: GuestVirtRead + ?Sized>(
     mem: &M,
     layout: &KallsymsLayout,
     tokens: &[Vec<u8>],
+    budget: &mut Budget,
 ) -> Result<(Vec<Symbol>, bool), SymbolError> {
     if u64::from(layout.num_syms) > MAX_SYMS {
         return Err(invalid(
@@ -366,6 +440,7 @@ fn decode_with<M: GuestVirtRead + ?Sized>(
     }
     // Cheap checks first: wrong candidates fail here before the names are read.
     let n_markers = n.div_ceil(256);
+    budget.charge(4 * n_markers as u64)?;
     let markers_raw = read(mem, "kallsyms_markers", layout.markers, 4 * n_markers as u64)?;
     let markers: Vec<u32> = markers_raw
         .chunks_exact(4)
@@ -377,10 +452,13 @@ fn decode_with<M: GuestVirtRead + ?Sized>(
             "kallsyms_markers is not an increasing table from 0",
         ));
     }
+    budget.charge(names_len)?;
     let names = read(mem, "kallsyms_names", layout.names, names_len)?;
 
     let mut pos = 0usize;
-    let mut decoded: Vec<(char, String)> = Vec::with_capacity(n);
+    let mut name_bytes = 0u64;
+    // Grown as names decode rather than sized from the guest's count up front.
+    let mut decoded: Vec<(char, String)> = Vec::new();
     let mut buf = Vec::with_capacity(KSYM_NAME_LEN);
     for i in 0..n {
         if i % 256 == 0 && markers[i / 256] as usize != pos {
@@ -407,13 +485,32 @@ fn decode_with<M: GuestVirtRead + ?Sized>(
         if len == 0 {
             return Err(bad("zero length"));
         }
-        buf.clear();
-        for &b in body {
-            buf.extend_from_slice(&tokens[usize::from(b)]);
-        }
-        if buf.len() < 2 || buf.len() > KSYM_NAME_LEN {
+        // Every token is at least a byte, so a longer body cannot make a name that fits;
+        // and the length is checked token by token, before joining (a body of 32767
+        // references to a 60 KB token would otherwise join ~2 GB first).
+        if len > KSYM_NAME_LEN {
             return Err(bad("name length out of range"));
         }
+        buf.clear();
+        for &b in body {
+            let token = &tokens[usize::from(b)];
+            if buf.len() + token.len() > KSYM_NAME_LEN {
+                return Err(bad("name length out of range"));
+            }
+            buf.extend_from_slice(token);
+        }
+        if buf.len() < 2 {
+            return Err(bad("name length out of range"));
+        }
+        name_bytes += buf.len() as u64;
+        if name_bytes > MAX_NAME_BYTES {
+            return Err(SymbolError::KallsymsOverBudget {
+                structure: "kallsyms_names (decoded)",
+                limit: MAX_NAME_BYTES,
+                unit: "bytes",
+            });
+        }
+        budget.charge(buf.len() as u64)?;
         let kind = char::from(buf[0]);
         // nm's '?' (type unknown) occurs for linker-script symbols.
         if !kind.is_ascii_alphabetic() && kind != '?' {
@@ -436,6 +533,7 @@ fn decode_with<M: GuestVirtRead + ?Sized>(
     }
 
     if let Some(seqs_at) = layout.seqs_of_names {
+        budget.charge(3 * n as u64)?;
         let raw = read(mem, "kallsyms_seqs_of_names", seqs_at, 3 * n as u64)?;
         let mut seen = vec![false; n];
         for c in raw.chunks_exact(3) {
@@ -447,6 +545,7 @@ fn decode_with<M: GuestVirtRead + ?Sized>(
         }
     }
 
+    budget.charge(4 * n as u64)?;
     let raw = read(mem, "kallsyms_offsets", layout.offsets, 4 * n as u64)?;
     let offsets: Vec<i32> = raw
         .chunks_exact(4)
@@ -480,4 +579,188 @@ fn decode_with<M: GuestVirtRead + ?Sized>(
         });
     }
     Ok((symbols, absolute_percpu))
+}
+
+#[cfg(test)]
+mod tests {
+    //! Kallsyms tables built by hand in a sparse guest memory, as a hostile guest kernel
+    //! could lay them out (issue 24, finding 2).
+
+    use super::*;
+    use crate::memory::SparseMemory;
+
+    const BASE: u64 = 0xffff_ffff_8100_0000;
+
+    /// 256 printable tokens with "0".."9" (and every other printable byte) at their own
+    /// index; `long` replaces token 1.
+    fn tokens(long: Option<Vec<u8>>) -> Vec<Vec<u8>> {
+        let mut t: Vec<Vec<u8>> = (0..256u32)
+            .map(|i| {
+                if (0x21..0x7f).contains(&i) {
+                    vec![i as u8]
+                } else {
+                    format!("t{i:02x}").into_bytes()
+                }
+            })
+            .collect();
+        if let Some(l) = long {
+            t[1] = l;
+        }
+        t
+    }
+
+    /// Writes a token table and index at `at` (8-aligned); returns the index's address.
+    fn put_token_table(mem: &mut SparseMemory, at: u64, tokens: &[Vec<u8>]) -> u64 {
+        let mut table = Vec::new();
+        let mut index = Vec::new();
+        for t in tokens {
+            index.extend_from_slice(&(table.len() as u16).to_le_bytes());
+            table.extend_from_slice(t);
+            table.push(0);
+        }
+        mem.write(at, &table);
+        let index_at = align8(at + table.len() as u64);
+        mem.write(index_at, &index);
+        index_at
+    }
+
+    /// A complete kallsyms layout whose names are `names` (token indices per name, the
+    /// first decoding to the type letter); the token table at `t`. Returns the layout.
+    fn put_kallsyms(mem: &mut SparseMemory, t: u64, tokens: &[Vec<u8>], names: &[Vec<u8>]) -> KallsymsLayout {
+        let n = names.len() as u64;
+        let index = put_token_table(mem, t, tokens);
+        let seqs = (t - 3 * n) & !7;
+        let markers = (seqs - 4 * n.div_ceil(256)) & !7;
+        let mut blob = Vec::new();
+        let mut marks = Vec::new();
+        for (i, name) in names.iter().enumerate() {
+            if i % 256 == 0 {
+                marks.extend_from_slice(&(blob.len() as u32).to_le_bytes());
+            }
+            let len = name.len();
+            if len < 0x80 {
+                blob.push(len as u8);
+            } else {
+                blob.extend_from_slice(&[(len as u8 & 0x7f) | 0x80, (len >> 7) as u8]);
+            }
+            blob.extend_from_slice(name);
+        }
+        let names_at = markers - align8(blob.len() as u64);
+        let a = names_at - 8;
+        mem.write(names_at, &blob);
+        mem.write(markers, &marks);
+        let seq_bytes: Vec<u8> = (0..n as u32)
+            .flat_map(|i| [(i >> 16) as u8, (i >> 8) as u8, i as u8])
+            .collect();
+        mem.write(seqs, &seq_bytes);
+        mem.put_u32(a, n as u32);
+        mem.put_u32(a + 4, 0);
+        mem.put_u64(a - 8, BASE);
+        let offsets = (a - 8 - 4 * n) & !7;
+        let offs: Vec<u8> = (0..n as u32).flat_map(|i| (i * 16).to_le_bytes()).collect();
+        mem.write(offsets, &offs);
+        KallsymsLayout {
+            offsets: Gva(offsets),
+            relative_base_addr: Gva(a - 8),
+            relative_base: BASE,
+            num_syms_addr: Gva(a),
+            num_syms: n as u32,
+            names: Gva(names_at),
+            markers: Gva(markers),
+            seqs_of_names: Some(Gva(seqs)),
+            token_table: Gva(t),
+            token_index: Gva(index),
+            absolute_percpu: false,
+        }
+    }
+
+    fn name(s: &str) -> Vec<u8> {
+        s.bytes().collect()
+    }
+
+    #[test]
+    fn synthetic_tables_are_found_and_decoded() {
+        let mut mem = SparseMemory::new();
+        let t = BASE + (1 << 20);
+        let layout = put_kallsyms(
+            &mut mem,
+            t,
+            &tokens(None),
+            &[name("T_text"), name("tfoo"), name("Dbar")],
+        );
+        let (found, symbols) = KallsymsLayout::locate_and_decode(&mem, Gva(BASE)..Gva(BASE + (2 << 20))).unwrap();
+        assert_eq!(found, layout);
+        let got: Vec<(char, &str, u64)> = symbols.iter().map(|s| (s.kind, s.name.as_str(), s.addr.0)).collect();
+        assert_eq!(
+            got,
+            [('T', "_text", BASE), ('t', "foo", BASE + 16), ('D', "bar", BASE + 32)]
+        );
+    }
+
+    /// One name of 32767 references to a 60 KB token: the old decoder joined ~2 GB before
+    /// checking the 512-byte limit. Every allocation of the decode is capped at 16 MiB.
+    #[test]
+    fn a_names_tokens_are_not_joined_past_the_name_limit() {
+        let mut mem = SparseMemory::new();
+        let toks = tokens(Some(vec![b'A'; 60_000]));
+        // The long name first, then enough short ones that the names' total length is
+        // plausible for the count.
+        let mut names = vec![vec![1u8; 0x7fff]];
+        names.extend((0..80).map(|_| name("tx")));
+        let layout = put_kallsyms(&mut mem, BASE + (4 << 20), &toks, &names);
+        let r = crate::alloc_cap::with_cap(16 << 20, || {
+            decode_with(&mem, &layout, &toks, &mut Budget::new(EXTRA_WORK))
+        });
+        match r {
+            Err(SymbolError::KallsymsInvalid { reason, .. }) => assert!(reason.contains("name length"), "{reason}"),
+            other => panic!("expected a name length error, got {other:?}"),
+        }
+    }
+
+    /// 300k names of 500 bytes each (150 MB decoded from 600 KB of names) is over the
+    /// decoded-names limit: a clear error, not 150 MB (or, at 4 M names, 2 GB) of strings.
+    #[test]
+    fn decoded_names_are_limited() {
+        let mut mem = SparseMemory::new();
+        let mut long = vec![b't'];
+        long.extend(std::iter::repeat_n(b'a', 499));
+        let toks = tokens(Some(long));
+        let names: Vec<Vec<u8>> = (0..300_000).map(|_| vec![1u8]).collect();
+        let layout = put_kallsyms(&mut mem, BASE + (8 << 20), &toks, &names);
+        let r = decode_with(&mem, &layout, &toks, &mut Budget::new(u64::MAX));
+        match r {
+            Err(SymbolError::KallsymsOverBudget { structure, limit, .. }) => {
+                assert_eq!((structure, limit), ("kallsyms_names (decoded)", MAX_NAME_BYTES));
+            }
+            other => panic!(
+                "expected the decoded-names limit, got {:?}",
+                other.map(|(s, _)| s.len())
+            ),
+        }
+    }
+
+    /// 300 copies of a valid token table (no tables below them) 64 MiB above the start of
+    /// the search: each started a 64 MiB backward scan (~20 GB of scanning in all). The
+    /// search must give up with the budget error within a few seconds.
+    #[test]
+    fn planted_token_tables_exhaust_a_budget_not_the_host() {
+        let mut mem = SparseMemory::new();
+        let toks = tokens(None);
+        let first = BASE + MAX_TABLES_SPAN;
+        for i in 0..300 {
+            put_token_table(&mut mem, first + i * 0x1000, &toks);
+        }
+        let search = Gva(BASE)..Gva(first + (2 << 20));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(KallsymsLayout::locate(&mem, search));
+        });
+        let r = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the kallsyms search ran for more than 10 s");
+        assert!(
+            matches!(r, Err(SymbolError::KallsymsOverBudget { .. })),
+            "expected the search budget error, got {r:?}"
+        );
+    }
 }

@@ -481,3 +481,39 @@ fn the_guests_own_kretprobe_trampoline_is_looked_up_in_the_tasks_rethook_list() 
     assert_eq!(u.frames, vec![Gva(LEAF), Gva(MID + 0x10)]);
     assert_eq!(u.end, UnwindEnd::NotText(Gva(0)));
 }
+
+/// Issue 24, finding 4: `_stext`/`_etext` come from guest symbols (kallsyms mode); a pair
+/// 2^64 apart sized the lookup blocks at 2^56 entries (a capacity overflow, or an abort on
+/// allocation). Text larger than the kernel image mapping is refused instead. Allocations
+/// on this thread are capped at 64 MiB, so the old code aborts the test.
+#[test]
+fn text_bounds_larger_than_the_kernel_image_are_refused() {
+    let (ip, orc) = (Vec::new(), Vec::new());
+    let r = crate::alloc_cap::with_cap(64 << 20, || {
+        OrcTable::from_tables(Gva(0), &ip, &orc, Gva(0x1000)..Gva(u64::MAX), None)
+    });
+    match r {
+        Err(OrcError::TextTooLarge { len, limit }) => {
+            assert_eq!((len, limit), (u64::MAX - 0x1000, MAX_KERNEL_TEXT));
+        }
+        other => panic!("expected the text size limit, got {other:?}"),
+    }
+}
+
+/// Finding 8 (unwind): an init text below the core text made the lookup subtract the
+/// core text's start from an address below it (a panic in a debug build).
+#[test]
+fn lookup_of_init_text_below_the_core_text_does_not_overflow() {
+    let text = Gva(0xffff_ffff_8100_0000)..Gva(0xffff_ffff_8200_0000);
+    let init = Gva(0xffff_ffff_8000_0000)..Gva(0xffff_ffff_8010_0000);
+    let ips = ((0xffff_ffff_8000_0100u64 as i64).wrapping_sub(0x1000i64) as i32).to_le_bytes();
+    let t = OrcTable::from_tables(
+        Gva(0x1000),
+        &ips,
+        &entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false),
+        text,
+        Some(init),
+    )
+    .unwrap();
+    assert!(t.find(Gva(0xffff_ffff_8000_0200)).is_some());
+}

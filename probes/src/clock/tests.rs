@@ -240,3 +240,27 @@ fn an_unchanged_version_reuses_the_last_read() {
     assert_eq!(clock.ns_at_guest_tsc(0, 2_000_000).unwrap(), first);
     assert_eq!(clock.stale_stamps(), 0);
 }
+
+/// Issue 24, finding 8: `__sched_clock_offset` is the guest's. Describing the clock with an
+/// offset near the top of the range overflowed the difference it prints (a panic in a
+/// debug build).
+#[test]
+fn describing_the_clock_survives_any_guest_offset() {
+    let mem = PageMemory::new(PAGE);
+    mem.write_page(PAGE + 64, &one_ghz(4));
+    let vars = LocalClockVars {
+        stable_key: Gpa(PAGE + 0x100),
+        offset: Gpa(PAGE + 0x108),
+    };
+    let clock = GuestClock::new(mem.clone(), u64::MAX, 1).with_local_clock_vars(vars);
+    clock.observe(0, input(PAGE + 64 + 1));
+    for offset in [i64::MAX, i64::MIN, -1, 0] {
+        {
+            let mut b = mem.bytes.lock().unwrap();
+            b[0x100..0x104].copy_from_slice(&1i32.to_le_bytes());
+            b[0x108..0x110].copy_from_slice(&offset.to_le_bytes());
+        }
+        let text = clock.describe();
+        assert!(text.contains("local_clock = sched_clock"), "{text}");
+    }
+}

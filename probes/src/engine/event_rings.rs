@@ -17,7 +17,9 @@
 //! [`EngineStats::ring_missed`]: super::EngineStats::ring_missed
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use hvprobe_arch::{Gpa, Gva};
 
@@ -48,8 +50,8 @@ pub(super) struct EventSetup {
     /// How each probe's records are laid out, by probe id. Lock order: the registry
     /// first, then this.
     pub layouts: RwLock<HashMap<u32, EventLayout>>,
-    /// The rings' missed counters last seen (full and nested, all CPUs).
-    missed_seen: Mutex<u64>,
+    /// The rings' missed counters last seen (full and nested, all CPUs), and when.
+    missed_seen: Mutex<(u64, Instant)>,
     /// Which probe each entry of the rings' miss table counts for. Lock order: the
     /// registry first, then this.
     miss_owners: Mutex<Vec<Option<MissOwner>>>,
@@ -61,6 +63,26 @@ pub(super) struct EventSetup {
 struct MissOwner {
     counters: Arc<Counters>,
     seen: SlotCounts,
+    /// When `seen` was read.
+    seen_at: Instant,
+}
+
+/// Counts every guest-written counter step up to this many without question (a drain
+/// can come late: a paused host thread, a busy machine).
+const PLAUSIBLE_STEP_SLACK: u64 = 1 << 20;
+
+/// How much a guest-written counter of hits on `cpus` vCPUs grew from `seen` to `now` in
+/// `elapsed`, or `None` when that is impossible: more than one hit per nanosecond per vCPU
+/// (no detour runs in under a nanosecond) beyond [`PLAUSIBLE_STEP_SLACK`]. A counter is
+/// the guest's to write: without the bound a hostile kernel adds 2^64 - 1 misses at once.
+/// A counter that went down (written over) grows by nothing.
+pub(super) fn plausible_step(now: u64, seen: u64, elapsed: Duration, cpus: u32) -> Option<u64> {
+    let step = now.saturating_sub(seen);
+    let bound = u64::try_from(elapsed.as_nanos())
+        .unwrap_or(u64::MAX)
+        .saturating_mul(u64::from(cpus.max(1)))
+        .saturating_add(PLAUSIBLE_STEP_SLACK);
+    (step <= bound).then_some(step)
 }
 
 /// A slot's entries: its miss-table and filter-table counts.
@@ -84,14 +106,25 @@ impl MissOwner {
     /// since the last time; returns the hits filtered out since then. An entry only grows
     /// in a well-behaved guest; a smaller value (a guest that wrote over it) is taken as
     /// the new starting point and adds nothing.
-    fn fold(&mut self, now: SlotCounts) -> u64 {
-        let grown = |now: u64, seen: u64| now.saturating_sub(seen);
+    ///
+    /// A step no `cpus` vCPUs can have made since the last time ([`plausible_step`]) adds
+    /// nothing either, and is counted in `rejected`.
+    fn fold(&mut self, now: SlotCounts, cpus: u32, rejected: &AtomicU64) -> u64 {
+        let at = Instant::now();
+        let elapsed = at.saturating_duration_since(self.seen_at);
+        let grown = |now: u64, seen: u64| {
+            plausible_step(now, seen, elapsed, cpus).unwrap_or_else(|| {
+                rejected.fetch_add(1, COUNT);
+                0
+            })
+        };
         let missed = grown(now.missed, self.seen.missed);
         let filtered = grown(now.filtered, self.seen.filtered);
         self.counters.nmissed.fetch_add(missed, COUNT);
         self.counters.hits.fetch_add(filtered, COUNT);
         self.counters.filtered_in_guest.fetch_add(filtered, COUNT);
         self.seen = now;
+        self.seen_at = at;
         filtered
     }
 }
@@ -144,7 +177,7 @@ impl Tracer {
             facts,
             reader: Mutex::new((RingReader::new(rings), EventBatch::new())),
             layouts: RwLock::new(HashMap::new()),
-            missed_seen: Mutex::new(0),
+            missed_seen: Mutex::new((0, Instant::now())),
             miss_owners: Mutex::new((0..slots).map(|_| None).collect()),
         };
         self.events.set(setup).map_err(|_| EventSetupError::AlreadySetUp)
@@ -175,6 +208,7 @@ impl Tracer {
         owners[slot] = Some(MissOwner {
             counters: counters.clone(),
             seen,
+            seen_at: Instant::now(),
         });
         Ok(slot as u32)
     }
@@ -188,7 +222,7 @@ impl Tracer {
         let mut owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(owner) = owners.get_mut(slot as usize) {
             if let (Some(o), Ok(now)) = (owner.as_mut(), setup.rings.slot_counts(mem, slot)) {
-                let filtered = o.fold(now);
+                let filtered = o.fold(now, setup.rings.geometry().cpus(), &self.stats.ring_rejected);
                 self.count_filtered_in_guest(filtered);
             }
             *owner = None;
@@ -204,7 +238,7 @@ impl Tracer {
             let Some(owner) = owner else { continue };
             match setup.rings.slot_counts(mem, slot as u32) {
                 Ok(now) => {
-                    let filtered = owner.fold(now);
+                    let filtered = owner.fold(now, setup.rings.geometry().cpus(), &self.stats.ring_rejected);
                     self.count_filtered_in_guest(filtered);
                 }
                 Err(e) => tracing::error!("event rings: {e}"),
@@ -237,11 +271,19 @@ impl Tracer {
         }
         if let Ok(missed) = setup.rings.missed(mem) {
             let total = missed.total();
+            let at = Instant::now();
             let mut seen = setup.missed_seen.lock().unwrap_or_else(|e| e.into_inner());
-            if total > *seen {
-                self.stats.ring_missed.fetch_add(total - *seen, COUNT);
-                *seen = total;
+            let elapsed = at.saturating_duration_since(seen.1);
+            match plausible_step(total, seen.0, elapsed, setup.rings.geometry().cpus()) {
+                Some(step) => {
+                    self.stats.ring_missed.fetch_add(step, COUNT);
+                }
+                None => {
+                    self.stats.ring_rejected.fetch_add(1, COUNT);
+                }
             }
+            // A total that went down (written over) or jumped is the new starting point.
+            *seen = (total, at);
         }
         if batch.is_empty() {
             return 0;
@@ -254,6 +296,14 @@ impl Tracer {
         let mut taken = 0;
         for i in batch.tsc_order() {
             let Some(raw) = batch.get(i) else { continue };
+            // The CPU number is the guest's to write; the ring is ours (one per vCPU). A
+            // record that names another CPU than its ring's is forged, or from a detour
+            // the guest rewrote: dropped, so that no CPU the VM does not have (a Perfetto
+            // track, a `[NNN]` column) is ever reported.
+            if raw.cpu != raw.ring {
+                self.stats.ring_rejected.fetch_add(1, COUNT);
+                continue;
+            }
             let id = ProbeId(raw.probe);
             let (Some(layout), Some(probe)) = (layouts.get(&raw.probe), reg.probes.get(&id)) else {
                 // A record of a probe already gone (written before its detour was retired).

@@ -434,7 +434,11 @@ impl Tracer {
         {
             return vcpu_fault(e);
         }
-        let frame = regs.rsp + if step_guard::has_error_code(vector) { 8 } else { 0 };
+        // RSP is the guest's: addresses wrap as the CPU's would, and a frame there is then
+        // unreadable (the guard's error) rather than an overflow.
+        let frame = regs
+            .rsp
+            .wrapping_add(if step_guard::has_error_code(vector) { 8 } else { 0 });
         let guard_fault = |found: String| {
             StepOutcome::Fatal(EngineFault::StepGuard {
                 cpu,
@@ -445,8 +449,8 @@ impl Tracer {
             })
         };
         let (rip, flags) = match (
-            kernel.read_u64(Gva(frame + FRAME_RIP)),
-            kernel.read_u64(Gva(frame + FRAME_RFLAGS)),
+            kernel.read_u64(Gva(frame.wrapping_add(FRAME_RIP))),
+            kernel.read_u64(Gva(frame.wrapping_add(FRAME_RFLAGS))),
         ) {
             (Ok(rip), Ok(flags)) => (rip, flags),
             (Err(e), _) | (_, Err(e)) => return guard_fault(format!("cannot be read: {e}")),
@@ -457,8 +461,8 @@ impl Tracer {
         let flags = (flags & !(rflags::IF | rflags::TF)) | pending.saved_if;
         let mut gate = [0u8; 16];
         let rewritten = kernel
-            .write_virt(Gva(frame + FRAME_RIP), &at.0.to_le_bytes())
-            .and_then(|()| kernel.write_virt(Gva(frame + FRAME_RFLAGS), &flags.to_le_bytes()))
+            .write_virt(Gva(frame.wrapping_add(FRAME_RIP)), &at.0.to_le_bytes())
+            .and_then(|()| kernel.write_virt(Gva(frame.wrapping_add(FRAME_RFLAGS)), &flags.to_le_bytes()))
             .and_then(|()| kernel.read_virt(step_guard::gate_address(pending.guest_idt.base, vector), &mut gate));
         if let Err(e) = rewritten {
             return guard_fault(format!("cannot be rewritten: {e}"));

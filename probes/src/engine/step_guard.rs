@@ -82,7 +82,8 @@ pub(super) fn gate_handler(gate: &[u8; 16]) -> Gva {
 
 /// Where gate `vector` is in an IDT at `base`.
 pub(super) fn gate_address(base: Gva, vector: u8) -> Gva {
-    Gva(base.0 + u64::from(vector) * GATE_BYTES)
+    // The base is the guest's IDTR: wrapping, as the CPU's own addressing does.
+    Gva(base.0.wrapping_add(u64::from(vector) * GATE_BYTES))
 }
 
 /// Whether the CPU pushes an error code when it delivers `vector` (#DF, #TS, #NP, #SS, #GP,

@@ -2291,3 +2291,90 @@ fn hits_an_event_detours_filter_discards_are_hits_counted_apart() {
     assert_eq!(listed(), (true, 7, 6, 0), "counted on from the value written");
     t.unregister(id).unwrap();
 }
+
+/// Issue 24, finding 8: RSP is the guest's. A guard stub hit with RSP near 2^64 overflowed
+/// the frame's address (a panic in a debug build); now the frame is unreadable, which is
+/// the guard's error, with the guest's IDT back.
+#[test]
+fn a_guard_frame_at_the_top_of_the_address_space_is_an_error_not_a_panic() {
+    for rsp in [u64::MAX - 7, u64::MAX - 3] {
+        let (_m, t, mut cpu) = stepping_the_mov();
+        cpu.regs.rip = GUARD_STUBS + 13;
+        cpu.regs.rsp = rsp;
+        let outcome = t.on_breakpoint(0, &mut cpu, Gva(GUARD_STUBS + 13));
+        assert!(
+            matches!(
+                outcome,
+                BreakpointOutcome::Fatal(EngineFault::StepGuard { vector: 13, .. })
+            ),
+            "{outcome:?}"
+        );
+        assert_eq!(cpu.idt, GUEST_IDT);
+    }
+    // The guest's IDT itself at the top: its gate's address wraps rather than panics.
+    assert_eq!(
+        super::step_guard::gate_address(Gva(u64::MAX - 15), 255),
+        Gva((u64::MAX - 15).wrapping_add(255 * 16))
+    );
+}
+
+/// Issue 24, finding 10: the event rings are the guest's to write. A record whose CPU
+/// number is not its ring's (here CPU 4000 on the one vCPU's ring) would have become a
+/// `[4000]` column and a Perfetto track of its own; a loss counter set to 2^64 - 1 would
+/// have added that many misses. Both are refused and counted in `ring_rejected`; honest
+/// records and counts go on as before.
+#[test]
+fn forged_ring_records_and_counter_jumps_are_rejected() {
+    use crate::detour::ring::RingMemory as _;
+    let (m, t, events) = event_tracer();
+    t.set_optimization(true);
+    let id = t
+        .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
+        .unwrap();
+    assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
+    let rings = *t.event_rings().unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    let record = |cpu: u32, tsc: u64| {
+        let mut r = vec![0u8; 24];
+        r[0..4].copy_from_slice(&id.0.to_le_bytes());
+        r[4..8].copy_from_slice(&cpu.to_le_bytes());
+        r[8..16].copy_from_slice(&tsc.to_le_bytes());
+        r
+    };
+    for (cpu, tsc) in [(0, 10), (4000, 20), (0, 30)] {
+        assert!(mem.guest_record(&rings, 0, 0, &record(cpu, tsc)).unwrap());
+    }
+    assert_eq!(t.drain_events(), 2);
+    let got = events.got.lock().unwrap().clone();
+    assert!(got.iter().all(|e| e.record.cpu == 0), "{got:?}");
+    assert_eq!(t.stats.ring_rejected.load(Ordering::Relaxed), 1);
+    assert_eq!(t.listing()[0].hits, 2);
+
+    // The guest sets its CPU's full-ring counter to 2^64 - 1, and the probe's miss-table
+    // entry too.
+    let ring = rings.gpa().0 + rings.geometry().ring_offset(0);
+    mem.store_u64_release(Gpa(ring + crate::detour::ring::MISSED_FULL), u64::MAX)
+        .unwrap();
+    let slot = rings.geometry().probe_missed_offset(0).unwrap();
+    mem.store_u64_release(Gpa(rings.gpa().0 + slot), u64::MAX).unwrap();
+    t.drain_events();
+    assert_eq!(t.stats.ring_missed.load(Ordering::Relaxed), 0);
+    assert_eq!(t.listing()[0].nmissed, 0);
+    assert_eq!(t.stats.ring_rejected.load(Ordering::Relaxed), 3);
+    t.unregister(id).unwrap();
+}
+
+#[test]
+fn a_plausible_step_is_at_most_one_hit_per_nanosecond_per_vcpu() {
+    use super::event_rings::plausible_step;
+    use std::time::Duration;
+    let ms = Duration::from_millis(1);
+    assert_eq!(plausible_step(10, 4, ms, 2), Some(6));
+    assert_eq!(plausible_step(3, 4, ms, 2), Some(0), "written over: nothing");
+    assert_eq!(
+        plausible_step(2_000_000 + (1 << 20), 0, ms, 2),
+        Some(2_000_000 + (1 << 20))
+    );
+    assert_eq!(plausible_step(2_000_001 + (1 << 20), 0, ms, 2), None);
+    assert_eq!(plausible_step(u64::MAX, 0, Duration::MAX, u32::MAX), Some(u64::MAX));
+}

@@ -238,3 +238,28 @@ fn listing_lines_append_the_counters() {
     assert_eq!(ListKind::Kprobe.letter(), 'k');
     assert_eq!(ListKind::Kretprobe.letter(), 'r');
 }
+
+/// Issue 24, finding 9: a guest task named `e<ESC>[2Jx` (run at daf5f30: the raw ESC
+/// reached the terminal) or with a newline (a forged trace line) is escaped in text
+/// output, with the stack entry's context too; JSON encodes the same name itself.
+#[test]
+fn a_guest_comm_with_control_bytes_is_escaped_in_text() {
+    let hit = HitRecord {
+        comm: "e\u{1b}[2Jx\nfake-1 [000]\u{9b}".into(),
+        stack: Some(vec![]),
+        ..kprobe_hit()
+    };
+    let text = ftrace_text(&hit, false);
+    assert!(
+        text.starts_with("e\\x1b[2Jx\\x0afake-1 [000]\\xc2\\x9b-1447    [001]"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines().count(),
+        2,
+        "the event and its stack entry, no forged line: {text}"
+    );
+    assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+    let parsed: serde_json::Value = serde_json::from_str(&json_line(&hit)).unwrap();
+    assert_eq!(parsed["comm"], hit.comm);
+}
