@@ -20,6 +20,8 @@ use std::fmt;
 
 use hvprobe_arch::Gva;
 
+pub mod check;
+
 /// The group of a probe whose spec names none, as in the kernel.
 pub const DEFAULT_GROUP: &str = "kprobes";
 /// Most fetch-args one probe may have (`MAX_TRACE_ARGS`).
