@@ -566,14 +566,20 @@ pub enum SpecErrorKind {
     #[error("`.` on a parameter: only a pointer parameter's fields can be read (`->`)")]
     DotOnParam,
     // What needs the kernel's symbols, text or BTF (see `check`).
-    #[error("no function `{0}` in the kernel")]
+    // The same words as the engine's refusals of the running kernel.
+    #[error("unknown symbol {0:?}")]
     UnknownProbeSymbol(String),
-    #[error("`{name}` names {count} functions in the kernel, not one")]
+    #[error("symbol {name:?} is not unique ({count} symbols have that name): give an address instead")]
     NotUniqueSymbol { name: String, count: usize },
-    #[error("{what} is beyond the end of {function} ({size:#x} bytes)")]
+    #[error("{what} is outside {function} ({size:#x} bytes)")]
     OffsetBeyondFunction { what: String, function: String, size: u64 },
-    #[error("{what} is not an instruction boundary in the kernel's text")]
-    NotInstructionBoundary { what: String },
+    #[error("{what} is not an instruction boundary in {function} (instructions start at {before} and {after})")]
+    NotInstructionBoundary {
+        what: String,
+        function: String,
+        before: String,
+        after: String,
+    },
     #[error("no symbol `{0}` in the kernel (for `@{0}`)")]
     UnknownDataSymbol(String),
     #[error("the kernel's BTF is not available: parameter names and $arg* need it")]

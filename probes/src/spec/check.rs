@@ -12,6 +12,7 @@
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::btf::{Btf, BtfType, Kind, TypeData, TypeId};
+use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::{Symbol, SymbolTable};
 
 use super::{
@@ -22,12 +23,6 @@ use crate::insn;
 
 /// The longest function decoded to check an instruction boundary (as the engine does).
 const MAX_FUNCTION_BYTES: u64 = 256 << 10;
-
-/// Bytes of the kernel's text, by virtual address (the vmlinux file's, before boot).
-pub trait KernelText {
-    /// Fills `buf` from `addr`; false if any of it is not text this knows.
-    fn read_text(&self, addr: Gva, buf: &mut [u8]) -> bool;
-}
 
 /// What is known of the kernel's BTF.
 #[derive(Clone, Copy)]
@@ -43,8 +38,9 @@ pub enum BtfKnowledge<'a> {
 #[derive(Clone, Copy)]
 pub struct Kernel<'a> {
     pub symbols: &'a SymbolTable,
-    /// Its text, to check instruction boundaries; `None` leaves them to the engine.
-    pub text: Option<&'a dyn KernelText>,
+    /// Its memory (the vmlinux file's segments, before boot), to check instruction
+    /// boundaries in its text; `None` leaves them to the engine.
+    pub text: Option<&'a dyn GuestVirtRead>,
     pub btf: BtfKnowledge<'a>,
 }
 
@@ -196,14 +192,14 @@ fn function_symbol<'s>(symbols: &'s SymbolTable, name: &str, offset: u64) -> Res
 /// can not be read or decoded says nothing (the engine checks again on the live kernel).
 fn check_boundary(
     symbols: &SymbolTable,
-    text: &dyn KernelText,
+    text: &dyn GuestVirtRead,
     symbol: &Symbol,
     name: &str,
     offset: u64,
 ) -> Result<(), SpecErrorKind> {
     let size = symbols.size_of(symbol).unwrap_or(0).min(MAX_FUNCTION_BYTES);
     let mut code = vec![0u8; size as usize];
-    if !text.read_text(symbol.addr, &mut code) {
+    if text.read_virt(symbol.addr, &mut code).is_err() {
         return Ok(());
     }
     let address = Gva(symbol.addr.0 + offset);
@@ -211,8 +207,16 @@ fn check_boundary(
         return Ok(());
     };
     if starts.binary_search(&address).is_err() {
+        let show = |a: &Gva| format!("{name}+{:#x}", a.0 - symbol.addr.0);
+        let i = starts.partition_point(|a| *a < address);
         return Err(SpecErrorKind::NotInstructionBoundary {
             what: format!("{name}+{offset:#x}"),
+            function: name.to_owned(),
+            before: i
+                .checked_sub(1)
+                .and_then(|j| starts.get(j))
+                .map_or_else(|| "the start".to_owned(), show),
+            after: starts.get(i).map_or_else(|| "the end".to_owned(), show),
         });
     }
     Ok(())

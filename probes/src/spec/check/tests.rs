@@ -1,4 +1,5 @@
 use hvprobe_introspection::btf::{BTF_MAGIC, BTF_VERSION};
+use hvprobe_introspection::memory::MemoryError;
 use hvprobe_introspection::symbols::SymbolSource;
 
 use super::*;
@@ -171,15 +172,15 @@ const VFS_READ_CODE: [u8; 13] = [
     0xf3, 0x0f, 0x1e, 0xfa, 0xe8, 0x00, 0x00, 0x00, 0x00, 0x55, 0x48, 0x89, 0xe5,
 ];
 
-impl KernelText for Text {
-    fn read_text(&self, addr: Gva, buf: &mut [u8]) -> bool {
-        if addr != Gva(VFS_READ) {
-            return false;
+impl GuestVirtRead for Text {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
+        if gva != Gva(VFS_READ) {
+            return Err(MemoryError::Unmapped(gva));
         }
         buf.fill(0x90);
         let n = buf.len().min(VFS_READ_CODE.len());
         buf[..n].copy_from_slice(&VFS_READ_CODE[..n]);
-        true
+        Ok(())
     }
 }
 
@@ -272,6 +273,16 @@ fn the_selftest_refusals_that_need_the_kernel() {
             Ok(spec) => panic!("{marked:?} accepted: {spec}"),
         }
     }
+}
+
+#[test]
+fn a_split_instruction_is_named_with_its_neighbours() {
+    let e = with_btf("p vfs_read+3").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "1:3: vfs_read+0x3 is not an instruction boundary in vfs_read (instructions start at vfs_read+0x0 and \
+         vfs_read+0x4)"
+    );
 }
 
 #[test]
