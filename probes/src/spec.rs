@@ -573,13 +573,8 @@ pub enum SpecErrorKind {
     NotUniqueSymbol { name: String, count: usize },
     #[error("{what} is outside {function} ({size:#x} bytes)")]
     OffsetBeyondFunction { what: String, function: String, size: u64 },
-    #[error("{what} is not an instruction boundary in {function} (instructions start at {before} and {after})")]
-    NotInstructionBoundary {
-        what: String,
-        function: String,
-        before: String,
-        after: String,
-    },
+    #[error("{0}")]
+    NotInstructionBoundary(Box<SplitInstruction>),
     #[error("no symbol `{0}` in the kernel (for `@{0}`)")]
     UnknownDataSymbol(String),
     #[error("the kernel's BTF is not available: parameter names and $arg* need it")]
@@ -598,6 +593,16 @@ pub enum SpecErrorKind {
     BadBtfType(String),
     #[error("the type of `{0}` can not be shown as a string (only char arrays and char pointers)")]
     BadTypeForString(String),
+}
+
+/// A probe point inside an instruction, with the instructions around it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{what} is not an instruction boundary in {function} (instructions start at {before} and {after})")]
+pub struct SplitInstruction {
+    pub what: String,
+    pub function: String,
+    pub before: String,
+    pub after: String,
 }
 
 /// The error codes of Linux's probe parser (`kernel/trace/trace_probe.h`), those a
@@ -736,7 +741,7 @@ impl SpecErrorKind {
             K::DoubleVarArgs => L::DOUBLE_ARGS,
             K::BadHyphen => L::BAD_HYPHEN,
             K::DotOnParam => L::NOSUP_DAT_ARG,
-            K::NotInstructionBoundary { .. } => L::BAD_INSN_BNDRY,
+            K::NotInstructionBoundary(_) => L::BAD_INSN_BNDRY,
             K::NoBtf => L::NOSUP_BTFARG,
             K::NoBtfEntry(_) => L::NO_BTF_ENTRY,
             K::NoSuchParam { .. } => L::NO_BTFARG,

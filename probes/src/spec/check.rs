@@ -17,7 +17,7 @@ use hvprobe_introspection::symbols::{Symbol, SymbolTable};
 
 use super::{
     is_good_name, ArgType, BtfBase, BtfRef, FetchArg, FetchExpr, LineParser, ProbeSpec, SpecError, SpecErrorKind,
-    Target, MAX_ARGS,
+    SplitInstruction, Target, MAX_ARGS,
 };
 use crate::insn;
 
@@ -209,7 +209,7 @@ fn check_boundary(
     if starts.binary_search(&address).is_err() {
         let show = |a: &Gva| format!("{name}+{:#x}", a.0 - symbol.addr.0);
         let i = starts.partition_point(|a| *a < address);
-        return Err(SpecErrorKind::NotInstructionBoundary {
+        return Err(SpecErrorKind::NotInstructionBoundary(Box::new(SplitInstruction {
             what: format!("{name}+{offset:#x}"),
             function: name.to_owned(),
             before: i
@@ -217,7 +217,7 @@ fn check_boundary(
                 .and_then(|j| starts.get(j))
                 .map_or_else(|| "the start".to_owned(), show),
             after: starts.get(i).map_or_else(|| "the end".to_owned(), show),
-        });
+        })));
     }
     Ok(())
 }
