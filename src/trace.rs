@@ -23,7 +23,7 @@ use hvprobe_probes::engine::{
     default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer,
 };
 use hvprobe_probes::output::{ftrace_text, json_line, listing_line};
-use hvprobe_probes::spec::check::{check_spec, has_btf_args, BtfKnowledge, Kernel};
+use hvprobe_probes::spec::check::{check_spec, has_btf_args, resolve_btf_args, BtfKnowledge, Kernel};
 use hvprobe_probes::spec::{
     default_event_name, is_wildcard_pattern, parse_file_all_errors, parse_line, wildcard_matches, FetchExpr, ProbeSpec,
     Target,
@@ -570,8 +570,40 @@ fn expand_and_check(
             }
         }
     }
-    let requests: Vec<KprobeRequest> = expanded.iter().map(|p| p.request.clone()).collect();
     let mut skipped: BTreeMap<usize, BTreeMap<&'static str, usize>> = BTreeMap::new();
+    // BTF fetch-args (parameter names, `$arg*`, `->` fields) become plain fetches typed
+    // from the guest's BTF, for each function (a wildcard's each: one without such a
+    // parameter is skipped).
+    let matched_from = from_wildcard.clone();
+    let mut kept = Vec::with_capacity(expanded.len());
+    let mut kept_from = Vec::with_capacity(expanded.len());
+    for (mut p, wildcard) in expanded.into_iter().zip(from_wildcard) {
+        if let (true, ProbePoint::Symbol { name, .. }) = (has_btf_args(&p.request.args), &p.request.point) {
+            match resolve_btf_args(name, &p.request.args, tracer.kernel_btf().map(|b| b.as_ref())) {
+                Ok(args) => p.request.args = args,
+                Err(e) => {
+                    match wildcard {
+                        Some(w) => {
+                            *skipped
+                                .entry(w)
+                                .or_default()
+                                .entry("without those BTF arguments")
+                                .or_default() += 1
+                        }
+                        None => problems.push((
+                            p.line,
+                            format!("{source}:{}: {}/{}: {e}", p.line, p.request.group, p.request.event),
+                        )),
+                    }
+                    continue;
+                }
+            }
+        }
+        kept.push(p);
+        kept_from.push(wildcard);
+    }
+    let (expanded, from_wildcard) = (kept, kept_from);
+    let requests: Vec<KprobeRequest> = expanded.iter().map(|p| p.request.clone()).collect();
     let mut refused = vec![false; expanded.len()];
     for (i, e) in tracer.check_all(&requests) {
         match from_wildcard[i] {
@@ -585,7 +617,7 @@ fn expand_and_check(
     let mut notes = Vec::new();
     for (index, p) in probes.iter().enumerate() {
         let Some(pattern) = wildcard_of(p) else { continue };
-        let matched = from_wildcard.iter().filter(|w| **w == Some(index)).count();
+        let matched = matched_from.iter().filter(|w| **w == Some(index)).count();
         let reasons = skipped.get(&index);
         let n_skipped: usize = reasons.map(|r| r.values().sum()).unwrap_or(0);
         let why = reasons
