@@ -23,10 +23,12 @@ use hvprobe_probes::engine::{
     default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer,
 };
 use hvprobe_probes::output::{ftrace_text, json_line, listing_line};
-use hvprobe_probes::spec::check::{check_spec, has_btf_args, resolve_btf_args, BtfKnowledge, Kernel};
+use hvprobe_probes::spec::check::{
+    check_spec, has_btf_args, resolve_btf_args, unknown_fetch_symbol, BtfKnowledge, Kernel,
+};
 use hvprobe_probes::spec::{
     default_event_name, is_wildcard_pattern, parse_file_all_errors, parse_line, wildcard_matches, FetchExpr, ProbeSpec,
-    Target,
+    SpecErrorKind, Target,
 };
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
@@ -555,6 +557,22 @@ fn expand_and_check(
     let mut expanded = Vec::new();
     let mut from_wildcard = Vec::new();
     for (index, p) in probes.iter().enumerate() {
+        // Checked before boot too when the symbols were known; `probe add` and runs on
+        // the guest's kallsyms only learn them here.
+        if let Some((arg, name)) = unknown_fetch_symbol(&p.request.args, symbols) {
+            problems.push((
+                p.line,
+                format!(
+                    "{source}:{}: {}/{}: argument {}: {}",
+                    p.line,
+                    p.request.group,
+                    p.request.event,
+                    arg + 1,
+                    SpecErrorKind::UnknownDataSymbol(name.to_owned())
+                ),
+            ));
+            continue;
+        }
         match wildcard_of(p) {
             Some(pattern) => {
                 let functions = expand_wildcard(p, pattern, symbols);

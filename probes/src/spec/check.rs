@@ -222,6 +222,14 @@ fn check_boundary(
     Ok(())
 }
 
+/// The first fetch-arg (its index) with an `@SYM` the kernel has no symbol for, and that
+/// name: a probe with one would only ever record faults.
+pub fn unknown_fetch_symbol<'a>(args: &'a [FetchArg], symbols: &SymbolTable) -> Option<(usize, &'a str)> {
+    args.iter()
+        .enumerate()
+        .find_map(|(i, a)| unknown_data_symbol(&a.expr, symbols).map(|name| (i, name)))
+}
+
 /// The first `@SYM` of `expr` the kernel has no symbol for.
 fn unknown_data_symbol<'e>(expr: &'e FetchExpr, symbols: &SymbolTable) -> Option<&'e str> {
     match expr {

@@ -434,3 +434,11 @@ fn resolved_specs_keep_their_other_args() {
     assert_eq!(args[1].name, "count");
     assert!(!has_btf_args(&args));
 }
+
+#[test]
+fn a_fetch_arg_symbol_is_found_through_dereferences() {
+    let symbols = kernel_symbols();
+    let args = args_of(parse_line("p f %ax @jiffies +0(+8(@nosuch-8)):u8").unwrap().unwrap());
+    assert_eq!(unknown_fetch_symbol(&args, &symbols), Some((2, "nosuch")));
+    assert_eq!(unknown_fetch_symbol(&args[..2], &symbols), None);
+}
