@@ -497,7 +497,8 @@ fn resolve_ref(
         bit_offset = bits % 8;
         current = container;
     }
-    let last = real_type(btf, current).map_err(|k| (at, k))?;
+    // Linux points at the fetch-arg when its parameter's own type is bad.
+    let last = real_type(btf, current).map_err(|k| (if r.fields.is_empty() { 0 } else { at }, k))?;
     let ty = match given {
         Some(ArgType::String | ArgType::UString) => {
             let Some((_, t)) = last else {

@@ -14,7 +14,7 @@ pub(super) fn caret(marked: &str) -> (String, usize) {
 }
 
 /// The selftest's refused lines that the syntax alone decides, with Linux's code.
-const REFUSED: &[(&str, LinuxError)] = &[
+pub(super) const REFUSED: &[(&str, LinuxError)] = &[
     ("p^100 vfs_read", LinuxError::BAD_MAXACT_TYPE),
     ("r^1a111 vfs_read", LinuxError::BAD_MAXACT),
     ("r^100000 vfs_read", LinuxError::MAXACT_TOO_BIG),
@@ -78,6 +78,22 @@ const REFUSED: &[(&str, LinuxError)] = &[
     ("p vfs_read+20 ^$arg*", LinuxError::NOFENTRY_ARGS),
 ];
 
+/// More refusals, one for each code the selftest has no line for (the caret where Linux's
+/// parser puts it).
+pub(super) const MORE_REFUSED: &[(&str, LinuxError)] = &[
+    ("p vfs_read file.^f_pos", LinuxError::NOSUP_DAT_ARG),
+    ("p vfs_read file^-f_pos", LinuxError::BAD_HYPHEN),
+    ("p vfs_read file->f_path^-dentry", LinuxError::BAD_HYPHEN),
+    ("p vfs_read $stack:^symstr", LinuxError::BAD_SYMSTRING),
+    ("p vfs_read $comm:^u32", LinuxError::NEED_STRING_TYPE),
+    ("p vfs_read \\\"abc\":^u8", LinuxError::NEED_STRING_TYPE),
+    ("p vfs_read +0(^\\\"abc\")", LinuxError::COMM_CANT_DEREF),
+    ("p vfs_read %ax:^string", LinuxError::BAD_STRING),
+    ("p vfs_read+4 ^count", LinuxError::NOFENTRY_ARGS),
+    ("r vfs_read ^count", LinuxError::NOFENTRY_ARGS),
+    ("p vfs_read ^$retval->f", LinuxError::RETVAL_ON_PROBE),
+];
+
 /// Lines Linux accepts, from its kprobes documentation and its selftests' valid forms.
 const ACCEPTED: &[&str] = &[
     "p:myprobe do_sys_open dfd=%ax filename=%dx flags=%cx mode=+4($stack)",
@@ -112,6 +128,29 @@ fn the_selftest_refusals_have_linux_codes_and_columns() {
             Ok(spec) => panic!("{marked:?} accepted: {spec:?}"),
         }
     }
+}
+
+#[test]
+fn more_refusals_have_linux_codes_and_columns() {
+    for (marked, code) in MORE_REFUSED {
+        let (line, column) = caret(marked);
+        match parse_line(&line) {
+            Err(e) => {
+                assert_eq!(e.kind.linux_error(), Some(*code), "{marked:?}: {e}");
+                assert_eq!(e.column, column, "{marked:?}: {e}");
+            }
+            Ok(spec) => panic!("{marked:?} accepted: {spec:?}"),
+        }
+    }
+    // More arguments than Linux takes, and more data than one event holds.
+    let many: Vec<String> = (0..=MAX_ARGS).map(|i| format!("a{i}=%ax")).collect();
+    let line = format!("p f {}", many.join(" "));
+    let e = parse_line(&line).unwrap_err();
+    assert_eq!(e.kind.linux_error(), Some(LinuxError::TOO_MANY_ARGS));
+    assert_eq!(e.column, line.rfind(' ').unwrap() + 2);
+    let seven: Vec<String> = (0..7).map(|i| format!("a{i}=+0(%ax):x64[64]")).collect();
+    let e = parse_line(&format!("p f {}", seven.join(" "))).unwrap_err();
+    assert_eq!(e.kind.linux_error(), Some(LinuxError::EVENT_TOO_BIG));
 }
 
 #[test]

@@ -136,6 +136,8 @@ fn kernel_btf() -> Btf {
     let void_ptr = b.ptr(0);
     b.func("kfree", 0, &[("objp", void_ptr)]);
     b.func("noparams", int, &[]);
+    // A parameter whose type is no type of this BTF.
+    b.func("broken", int, &[("x", 999)]);
     b.btf()
 }
 
@@ -157,6 +159,7 @@ fn kernel_symbols() -> SymbolTable {
             symbol("vfs_read", VFS_READ, 'T', 0x40),
             symbol("kfree", VFS_READ + 0x40, 'T', 0x20),
             symbol("noparams", VFS_READ + 0x60, 'T', 0x20),
+            symbol("broken", VFS_READ + 0xa0, 'T', 0x20),
             symbol("dup", VFS_READ + 0x80, 't', 0x10),
             symbol("dup", VFS_READ + 0x90, 't', 0x10),
             symbol("_sdata", 0xffff_ffff_8200_0000, 'D', 0),
@@ -207,71 +210,73 @@ fn args_of(spec: ProbeSpec) -> Vec<FetchArg> {
     }
 }
 
-/// The refused lines of Linux's selftest that need the kernel: code and caret column.
+/// What a case's kernel knows of BTF.
+#[derive(Clone, Copy)]
+enum Btfs {
+    Known,
+    Absent,
+    Unknown,
+}
+
+/// The refused lines of Linux's selftest that need the kernel, and hvprobe's own for the
+/// codes it has none for: code and caret column.
+const KERNEL_REFUSED: &[(&str, Btfs, LinuxError)] = &[
+    ("p ^non_exist_func", Btfs::Known, LinuxError::BAD_PROBE_ADDR),
+    ("p ^vfs_read+3", Btfs::Known, LinuxError::BAD_INSN_BNDRY),
+    ("p vfs_read ^hoge", Btfs::Known, LinuxError::NO_BTFARG),
+    ("p kfree ^$arg10", Btfs::Known, LinuxError::NO_BTFARG),
+    ("r kfree ^$retval", Btfs::Known, LinuxError::NO_RETVAL),
+    ("p vfs_read ^$arg*", Btfs::Absent, LinuxError::NOSUP_BTFARG),
+    // hvprobe's own: what Linux refuses when it registers the probe.
+    ("p:b/x vfs_read ^@nosuchsymbol", Btfs::Unknown, LinuxError::BAD_MEM_ADDR),
+    ("p:b/y vfs_read ^@_sdata*10", Btfs::Unknown, LinuxError::BAD_MEM_ADDR),
+    (
+        "p:b/y vfs_read +8(^@nosuch+8):u32",
+        Btfs::Unknown,
+        LinuxError::BAD_MEM_ADDR,
+    ),
+    ("p ^dup", Btfs::Unknown, LinuxError::NON_UNIQ_SYMBOL),
+    ("p ^vfs_read+0x40", Btfs::Unknown, LinuxError::BAD_PROBE_ADDR),
+    ("p vfs_read file->^f_nope", Btfs::Known, LinuxError::NO_BTF_FIELD),
+    ("p vfs_read count->^x", Btfs::Known, LinuxError::NO_PTR_STRCT),
+    ("p vfs_read ^count:string", Btfs::Known, LinuxError::BAD_TYPE4STR),
+    ("p noparams ^$arg*", Btfs::Known, LinuxError::NO_BTF_ENTRY),
+    ("p vfs_read count ^$arg*", Btfs::Known, LinuxError::USED_ARG_NAME),
+    ("r kfree ^$retval->x", Btfs::Known, LinuxError::NO_RETVAL),
+    ("p broken ^x", Btfs::Known, LinuxError::BAD_BTF_TID),
+];
+
 #[test]
-fn the_selftest_refusals_that_need_the_kernel() {
+fn the_refusals_that_need_the_kernel() {
     let btf = kernel_btf();
-    let cases: &[(&str, BtfKnowledge, LinuxError)] = &[
-        (
-            "p ^non_exist_func",
-            BtfKnowledge::Known(&btf),
-            LinuxError::BAD_PROBE_ADDR,
-        ),
-        ("p ^vfs_read+3", BtfKnowledge::Known(&btf), LinuxError::BAD_INSN_BNDRY),
-        ("p vfs_read ^hoge", BtfKnowledge::Known(&btf), LinuxError::NO_BTFARG),
-        ("p kfree ^$arg10", BtfKnowledge::Known(&btf), LinuxError::NO_BTFARG),
-        ("r kfree ^$retval", BtfKnowledge::Known(&btf), LinuxError::NO_RETVAL),
-        ("p vfs_read ^$arg*", BtfKnowledge::Absent, LinuxError::NOSUP_BTFARG),
-        // hvprobe's own: what Linux refuses when it registers the probe.
-        (
-            "p:b/x vfs_read ^@nosuchsymbol",
-            BtfKnowledge::Unknown,
-            LinuxError::BAD_MEM_ADDR,
-        ),
-        (
-            "p:b/y vfs_read ^@_sdata*10",
-            BtfKnowledge::Unknown,
-            LinuxError::BAD_MEM_ADDR,
-        ),
-        (
-            "p:b/y vfs_read +8(^@nosuch+8):u32",
-            BtfKnowledge::Unknown,
-            LinuxError::BAD_MEM_ADDR,
-        ),
-        ("p ^dup", BtfKnowledge::Unknown, LinuxError::NON_UNIQ_SYMBOL),
-        ("p ^vfs_read+0x40", BtfKnowledge::Unknown, LinuxError::BAD_PROBE_ADDR),
-        (
-            "p vfs_read file->^f_nope",
-            BtfKnowledge::Known(&btf),
-            LinuxError::NO_BTF_FIELD,
-        ),
-        (
-            "p vfs_read count->^x",
-            BtfKnowledge::Known(&btf),
-            LinuxError::NO_PTR_STRCT,
-        ),
-        (
-            "p vfs_read ^count:string",
-            BtfKnowledge::Known(&btf),
-            LinuxError::BAD_TYPE4STR,
-        ),
-        ("p noparams ^$arg*", BtfKnowledge::Known(&btf), LinuxError::NO_BTF_ENTRY),
-        (
-            "p vfs_read count ^$arg*",
-            BtfKnowledge::Known(&btf),
-            LinuxError::USED_ARG_NAME,
-        ),
-        ("r kfree ^$retval->x", BtfKnowledge::Known(&btf), LinuxError::NO_RETVAL),
-    ];
-    for (marked, btf, code) in cases {
+    for (marked, btfs, code) in KERNEL_REFUSED {
         let (line, column) = caret(marked);
-        match check(&line, *btf) {
+        let knowledge = match btfs {
+            Btfs::Known => BtfKnowledge::Known(&btf),
+            Btfs::Absent => BtfKnowledge::Absent,
+            Btfs::Unknown => BtfKnowledge::Unknown,
+        };
+        match check(&line, knowledge) {
             Err(e) => {
                 assert_eq!(e.kind.linux_error(), Some(*code), "{marked:?}: {e}");
                 assert_eq!(e.column, column, "{marked:?}: {e}");
             }
             Ok(spec) => panic!("{marked:?} accepted: {spec}"),
         }
+    }
+}
+
+/// Every code of Linux's a kprobe_events line can hit has a line refused with it, checked
+/// with its column (here, in the conformance tables, or for the two limits there).
+#[test]
+fn every_linux_code_has_a_refused_line() {
+    use crate::spec::conformance::{MORE_REFUSED, REFUSED};
+    let limits = [LinuxError::TOO_MANY_ARGS, LinuxError::EVENT_TOO_BIG];
+    for code in LinuxError::ALL {
+        let tested = REFUSED.iter().chain(MORE_REFUSED).any(|(_, c)| *c == code)
+            || KERNEL_REFUSED.iter().any(|(_, _, c)| *c == code)
+            || limits.contains(&code);
+        assert!(tested, "no refused line for {code:?}");
     }
 }
 
