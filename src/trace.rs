@@ -439,12 +439,17 @@ pub fn check_before_boot(
             events.extend(functions);
         } else {
             let line = lines.get(p.line - 1).copied().unwrap_or_default();
+            let mut event = p.clone();
             if let Ok(Some(spec)) = parse_line(line) {
-                if let Err(e) = check_spec(line, p.line, Some(&source), &spec, &kernel) {
-                    problems.push((p.line, e.to_string()));
+                match check_spec(line, p.line, Some(&source), &spec, &kernel) {
+                    // The filters and triggers bind to the fields as they will be armed
+                    // (`$arg*` and `$argN` named after the parameters).
+                    Ok(ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. }) => event.request.args = args,
+                    Ok(ProbeSpec::Remove { .. }) => {}
+                    Err(e) => problems.push((p.line, e.to_string())),
                 }
             }
-            events.push(p.clone());
+            events.push(event);
         }
     }
     if let Err(errors) = bind_requests(&requests, &events) {

@@ -1144,6 +1144,7 @@ impl<'a> LineParser<'a> {
 
     /// `[NAME=]FETCHARG[:TYPE[[N]]]`, the `index`th (from 0) argument.
     fn parse_arg(&self, text: &'a str, index: usize, context: ProbeContext) -> Parsed<FetchArg> {
+        let named = text.contains('=');
         let (name, body) = match text.find('=') {
             Some(equals) => {
                 let name = &text[..equals];
@@ -1209,7 +1210,16 @@ impl<'a> LineParser<'a> {
             None if is_comm => ArgType::String,
             None => ArgType::X64,
         };
-        let expr = self.parse_expr(expr_text, context)?;
+        let expr = match self.parse_expr(expr_text, context)? {
+            // Linux 6.5+ reads an unnamed `$argN` argument as the Nth parameter, named
+            // and typed from BTF when BTF knows the function's parameters, else as the
+            // register or stack slot: which, is known once the kernel is.
+            FetchExpr::Arg(n) if !named => FetchExpr::Btf(BtfRef {
+                base: BtfBase::Arg(n),
+                fields: Vec::new(),
+            }),
+            expr => expr,
+        };
         let type_at = type_name.unwrap_or(body);
         let is_btf = matches!(expr, FetchExpr::Btf(_));
         // A BTF fetch-arg's type is checked against its BTF type once that is known.
@@ -1724,10 +1734,15 @@ impl fmt::Display for BtfRef {
 
 impl fmt::Display for FetchArg {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.expr == FetchExpr::AllArgs {
-            return f.write_str("$arg*");
+        match &self.expr {
+            FetchExpr::AllArgs => return f.write_str("$arg*"),
+            // Unnamed, as it was written: a name would make it the plain register.
+            FetchExpr::Btf(BtfRef {
+                base: BtfBase::Arg(_),
+                fields,
+            }) if fields.is_empty() => write!(f, "{}", self.expr)?,
+            _ => write!(f, "{}={}", self.name, self.expr)?,
         }
-        write!(f, "{}={}", self.name, self.expr)?;
         // The default type is left out so that the text never outgrows the kernel's
         // 63-character limit when the input fit in it.
         let default_type = if matches!(self.expr, FetchExpr::Comm | FetchExpr::ImmString(_)) {

@@ -101,22 +101,6 @@ pub fn check_spec(
     if let Some(proto) = btf.and_then(|b| FuncProto::find(b, function)) {
         for (i, arg) in args.iter().enumerate() {
             match arg.expr {
-                // Linux 6.5+ reads a `$argN` argument as the Nth parameter when BTF knows
-                // the function's parameters, so it must have one.
-                FetchExpr::Arg(n)
-                    if !proto.params.is_empty()
-                        && n as usize > proto.params.len()
-                        && tokens(line).get(i + 2).is_some_and(|t| t.1.starts_with("$arg")) =>
-                {
-                    return Err(located(
-                        i + 2,
-                        0,
-                        SpecErrorKind::NoSuchParam {
-                            name: format!("$arg{n}"),
-                            function: function.to_owned(),
-                        },
-                    ));
-                }
                 FetchExpr::Retval if proto.returns == 0 => {
                     return Err(located(i + 2, 0, SpecErrorKind::NoRetval(function.to_owned())));
                 }
@@ -132,7 +116,16 @@ pub fn check_spec(
             .and_then(|a| token.strip_prefix(a.name.as_str()))
             .filter(|rest| rest.starts_with('='))
             .map_or(0, |_| args[e.arg].name.len() + 1);
-        located(token_index, body_start + e.at, e.kind)
+        // The parser's type rules point at the type, as Linux does.
+        let type_rule = matches!(
+            e.kind,
+            SpecErrorKind::StringNotOnMemory(_) | SpecErrorKind::ArrayNotOnMemory | SpecErrorKind::SymstrBadFetch
+        );
+        let at = match token[body_start.min(token.len())..].find(':') {
+            Some(colon) if type_rule => colon + 1,
+            _ => e.at,
+        };
+        located(token_index, body_start + at, e.kind)
     })?;
     let mut spec = spec.clone();
     if let ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. } = &mut spec {
@@ -276,6 +269,19 @@ pub fn resolve_btf_args(function: &str, args: &[FetchArg], btf: Option<&Btf>) ->
             origin.push(i);
             continue;
         };
+        if let FetchExpr::Btf(BtfRef {
+            base: BtfBase::Arg(n),
+            fields,
+        }) = &arg.expr
+        {
+            if fields.is_empty() {
+                let resolved = resolve_plain_arg(function, arg, *n, btf).map_err(|(at, k)| fail(i, at, k))?;
+                check_resolved_type(&resolved).map_err(|k| fail(i, 0, k))?;
+                out.push(resolved);
+                origin.push(i);
+                continue;
+            }
+        }
         let Some(btf) = btf else {
             return Err(fail(i, 0, SpecErrorKind::NoBtf));
         };
@@ -332,6 +338,48 @@ pub fn resolve_btf_args(function: &str, args: &[FetchArg], btf: Option<&Btf>) ->
         }
     }
     Ok(out)
+}
+
+/// An unnamed `$argN` as Linux 6.5+ reads it: the Nth parameter, named after it and typed
+/// from BTF, when BTF knows the function's parameters; else the register or stack slot
+/// (`argI`, `x64` unless typed), as before BTF arguments.
+fn resolve_plain_arg(function: &str, arg: &FetchArg, n: u32, btf: Option<&Btf>) -> Result<FetchArg, Failed> {
+    let proto = btf
+        .and_then(|b| FuncProto::find(b, function).map(|p| (b, p)))
+        .filter(|(_, p)| !p.params.is_empty());
+    let Some((btf, proto)) = proto else {
+        return Ok(FetchArg {
+            expr: FetchExpr::Arg(n),
+            typed: false,
+            ..arg.clone()
+        });
+    };
+    let param = proto.params.get(n as usize - 1).ok_or_else(|| {
+        (
+            0,
+            SpecErrorKind::NoSuchParam {
+                name: format!("$arg{n}"),
+                function: function.to_owned(),
+            },
+        )
+    })?;
+    let name = if is_good_name(&param.name, false) {
+        param.name.clone()
+    } else {
+        arg.name.clone()
+    };
+    let r = BtfRef {
+        base: BtfBase::Arg(n),
+        fields: Vec::new(),
+    };
+    let (expr, ty) = resolve_ref(btf, &proto, &r, arg.typed.then_some(arg.ty), function)?;
+    Ok(FetchArg {
+        name,
+        expr,
+        ty,
+        array_len: arg.array_len,
+        typed: false,
+    })
 }
 
 /// The parser's type rules, on a resolved BTF fetch-arg (a type given to a parameter may

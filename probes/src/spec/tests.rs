@@ -304,13 +304,22 @@ fn variables() {
     assert_eq!(expr("$stack"), FetchExpr::StackPointer);
     assert_eq!(expr("$stack0"), FetchExpr::StackEntry(0));
     assert_eq!(expr("$stack2048"), FetchExpr::StackEntry(2048));
-    assert_eq!(expr("$arg1"), FetchExpr::Arg(1));
-    assert_eq!(expr("$arg2048"), FetchExpr::Arg(2048));
+    // Named, the register or stack slot; unnamed, the parameter as BTF has it, if it has
+    // (see `check::resolve_btf_args`).
+    assert_eq!(expr("a=$arg1"), FetchExpr::Arg(1));
+    assert_eq!(expr("a=$arg2048"), FetchExpr::Arg(2048));
+    let plain = |n| {
+        FetchExpr::Btf(BtfRef {
+            base: BtfBase::Arg(n),
+            fields: Vec::new(),
+        })
+    };
+    assert_eq!(expr("$arg1"), plain(1));
     assert_eq!(expr("$comm"), FetchExpr::Comm);
     assert_eq!(expr("$COMM"), FetchExpr::Comm);
     assert_eq!(arg("$comm").ty, ArgType::String);
     assert_eq!(args("r f $retval")[0].expr, FetchExpr::Retval);
-    assert_eq!(args("p f+0 $arg3")[0].expr, FetchExpr::Arg(3));
+    assert_eq!(args("p f+0 $arg3")[0].expr, plain(3));
 }
 
 #[test]

@@ -447,3 +447,34 @@ fn a_fetch_arg_symbol_is_found_through_dereferences() {
     assert_eq!(unknown_fetch_symbol(&args, &symbols), Some((2, "nosuch")));
     assert_eq!(unknown_fetch_symbol(&args[..2], &symbols), None);
 }
+
+#[test]
+fn an_unnamed_arg_n_is_the_parameter_when_btf_knows_it() {
+    let args = args_of(with_btf("p vfs_read $arg3 $arg2:string a=$arg1").unwrap());
+    assert_eq!(
+        (args[0].name.as_str(), &args[0].expr, args[0].ty),
+        ("count", &FetchExpr::Arg(3), ArgType::U64)
+    );
+    assert_eq!(
+        (args[1].name.as_str(), &args[1].expr, args[1].ty),
+        ("buf", &deref(0, FetchExpr::Arg(2)), ArgType::String)
+    );
+    // Named, it stays the register, untyped, as Linux keeps it.
+    assert_eq!(
+        (args[2].name.as_str(), &args[2].expr, args[2].ty),
+        ("a", &FetchExpr::Arg(1), ArgType::X64)
+    );
+    // Without BTF, or without parameters in it: the register or stack slot, as before.
+    let plain = args_of(check("p vfs_read $arg3", BtfKnowledge::Absent).unwrap());
+    assert_eq!(
+        (plain[0].name.as_str(), &plain[0].expr, plain[0].ty),
+        ("arg1", &FetchExpr::Arg(3), ArgType::X64)
+    );
+    let btf = kernel_btf();
+    let none = args_of(check("p noparams $arg7:u32", BtfKnowledge::Known(&btf)).unwrap());
+    assert_eq!((&none[0].expr, none[0].ty), (&FetchExpr::Arg(7), ArgType::U32));
+    // Then a string needs memory, as Linux says without BTF.
+    let e = check("p vfs_read $arg2:string", BtfKnowledge::Absent).unwrap_err();
+    assert_eq!(e.kind.linux_error(), Some(LinuxError::BAD_STRING), "{e}");
+    assert_eq!(e.column, 18, "at the type: {e}");
+}
