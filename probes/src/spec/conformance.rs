@@ -76,6 +76,8 @@ pub(super) const REFUSED: &[(&str, LinuxError)] = &[
     ("p vfs_read +0(^$arg*)", LinuxError::BAD_VAR_ARGS),
     ("p vfs_read $arg* ^$arg*", LinuxError::DOUBLE_ARGS),
     ("p vfs_read+20 ^$arg*", LinuxError::NOFENTRY_ARGS),
+    // (Kernels whose return probes take entry arguments accept this one.)
+    ("r vfs_read ^$arg*", LinuxError::NOFENTRY_ARGS),
 ];
 
 /// More refusals, one for each code the selftest has no line for (the caret where Linux's

@@ -1000,3 +1000,20 @@ fn brace_lists_that_stand_for_too_many_names_are_refused_without_building_them()
     let e = parse_line(&fuzzed).unwrap_err();
     assert!(matches!(e.kind, SpecErrorKind::TooManyAlternatives(_)), "{e:?}");
 }
+
+/// The spec fuzzer's seeds (`fuzz/corpus/spec_parser`) hold the properties above, line by
+/// line, without cargo-fuzz.
+#[test]
+fn the_fuzzers_seeds_hold_the_properties() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/spec_parser");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        for line in text.lines() {
+            check_any_line(line).unwrap();
+        }
+        seen += 1;
+    }
+    assert!(seen >= 16, "{seen} seeds in {}", dir.display());
+}
