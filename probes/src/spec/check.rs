@@ -99,13 +99,12 @@ pub fn check_spec(
         return Ok(spec.clone());
     };
     if let Some(proto) = btf.and_then(|b| FuncProto::find(b, function)) {
-        for (i, arg) in args.iter().enumerate() {
-            match arg.expr {
-                FetchExpr::Retval if proto.returns == 0 => {
-                    return Err(located(i + 2, 0, SpecErrorKind::NoRetval(function.to_owned())));
-                }
-                _ => {}
-            }
+        // Linux 6.5+ reads `$retval` through BTF too: a `void` function has none.
+        if let Some(i) = args
+            .iter()
+            .position(|a| a.expr == FetchExpr::Retval && proto.returns == 0)
+        {
+            return Err(located(i + 2, 0, SpecErrorKind::NoRetval(function.to_owned())));
         }
     }
     let resolved = resolve_btf_args(function, args, btf).map_err(|e| {
