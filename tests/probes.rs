@@ -723,16 +723,38 @@ fn optimized_btf_arguments_fetch_what_the_guests_own_event_fetches() {
 }
 
 fn check_btf_arguments(extra: &[&str]) -> Run {
-    let dir = snapshot(1);
     let (f_pos, f_flags) = bundled_file_offsets();
-    let probes = probe_file(
-        "btf-args",
-        "p:host/rd vfs_read $arg* fpos=file->f_pos flags=file->f_flags\n",
-    );
     let guest_event = format!(
         "p:grd vfs_read file=%di:x64 buf=%si:x64 count=%dx:u64 pos=%cx:x64 fpos=+{f_pos}(%di):s64 \
          flags=+{f_flags}(%di):u32"
     );
+    compare_vfs_reads(
+        "p:host/rd vfs_read $arg* fpos=file->f_pos flags=file->f_flags",
+        &guest_event,
+        extra,
+    )
+}
+
+/// Immediate strings, bitfields and arrays (which the 6.1 guest has too) fetch and print
+/// what the guest's own event does.
+#[test]
+fn immediate_strings_bitfields_and_arrays_print_as_the_guests_own_event() {
+    let (f_pos, _) = bundled_file_offsets();
+    let args = "s=\\\"hello\" c=+0(%di):b4@2/32 a=+0(%di):x8[4] u=+u0(%si):x8 count=%dx:u64";
+    compare_vfs_reads(
+        &format!("p:host/rd vfs_read {args} fpos=file->f_pos"),
+        &format!("p:grd vfs_read {args} fpos=+{f_pos}(%di):s64"),
+        &[],
+    );
+}
+
+/// Three shells each read `/proc/version` one byte at a time, with the host's probe `host`
+/// (event `rd`, on `vfs_read`) armed and the guest's own `guest` (event `grd`) enabled
+/// around them: each read's values, keyed by the file position (`fpos`), are the same.
+fn compare_vfs_reads(host: &str, guest_event: &str, extra: &[&str]) -> Run {
+    let dir = snapshot(1);
+    let probes = probe_file("vfs-reads", &format!("{host}\n"));
+    let arg_count = guest_event.split_whitespace().count() - 2;
     let workload = format!(
         "T=/sys/kernel/tracing; echo '{guest_event}' > $T/kprobe_events; echo 1 > $T/events/kprobes/grd/enable; \
          i=0; while [ $i -lt 3 ]; do sh -c 'read -r l < /proc/version'; i=$((i+1)); done; \
@@ -783,7 +805,7 @@ fn check_btf_arguments(extra: &[&str]) -> Run {
                 .find(|h| h.get("fpos").map(String::as_str) == Some(fpos))
                 .cloned()
         };
-        let whole: Vec<&BTreeMap<String, String>> = guest_hits.iter().filter(|g| g.len() == 6).collect();
+        let whole: Vec<&BTreeMap<String, String>> = guest_hits.iter().filter(|g| g.len() == arg_count).collect();
         for g in &whole {
             assert_eq!(
                 at(host_hits, &g["fpos"]).as_ref(),
