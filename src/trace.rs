@@ -24,7 +24,7 @@ use hvprobe_probes::engine::{
 };
 use hvprobe_probes::output::{ftrace_text, json_line, listing_line};
 use hvprobe_probes::spec::check::{
-    check_spec, has_btf_args, resolve_btf_args, unknown_fetch_symbol, BtfKnowledge, Kernel,
+    check_spec, has_btf_args, locate_btf_error, resolve_btf_args, unknown_fetch_symbol, BtfKnowledge, Kernel,
 };
 use hvprobe_probes::spec::{
     default_event_name, is_wildcard_pattern, parse_file_all_errors, parse_line, wildcard_matches, FetchExpr, ProbeSpec,
@@ -75,6 +75,8 @@ pub enum SessionError {
 #[derive(Clone)]
 struct SpecProbe {
     line: usize,
+    /// The line's text, for errors at their column found once the kernel is known.
+    text: String,
     request: KprobeRequest,
 }
 
@@ -219,6 +221,7 @@ fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Ve
     let mut problems: Vec<(usize, String)> = errors.iter().map(|e| (e.line, e.to_string())).collect();
     let mut probes: Vec<SpecProbe> = Vec::new();
     let mut removals = Vec::new();
+    let lines: Vec<&str> = text.lines().collect();
     for (line, spec) in specs {
         let (group, event, target, args, kind) = match spec {
             ProbeSpec::Kprobe {
@@ -266,6 +269,7 @@ fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Ve
         };
         probes.push(SpecProbe {
             line,
+            text: lines.get(line - 1).copied().unwrap_or_default().to_owned(),
             request: KprobeRequest {
                 kind,
                 ..KprobeRequest::event(point, &group, &event, args)
@@ -371,7 +375,11 @@ fn expand_wildcard(p: &SpecProbe, pattern: &str, symbols: &SymbolTable) -> Vec<S
                 name: function.to_string(),
                 offset: 0,
             };
-            SpecProbe { line: p.line, request }
+            SpecProbe {
+                line: p.line,
+                text: p.text.clone(),
+                request,
+            }
         })
         .collect()
 }
@@ -615,7 +623,7 @@ fn expand_and_check(
                         }
                         None => problems.push((
                             p.line,
-                            format!("{source}:{}: {}/{}: {e}", p.line, p.request.group, p.request.event),
+                            locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string(),
                         )),
                     }
                     continue;

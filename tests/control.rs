@@ -715,8 +715,9 @@ fn btf_arguments_added_live_are_resolved_against_the_guests_btf() {
     live.wait_for("WAIT");
     let bad = live.probe(&["add", "p:b/bad vfs_read hoge"]);
     assert_eq!(bad.code, Some(1), "{}", bad.tail());
+    // At Linux's column: `hoge`'s, in "p:b/bad vfs_read hoge".
     assert!(
-        bad.stderr.contains("`hoge` is not a parameter of vfs_read"),
+        bad.stderr.contains(":1:18: `hoge` is not a parameter of vfs_read"),
         "{}",
         bad.stderr
     );

@@ -107,30 +107,41 @@ pub fn check_spec(
             return Err(located(i + 2, 0, SpecErrorKind::NoRetval(function.to_owned())));
         }
     }
-    let resolved = resolve_btf_args(function, args, btf).map_err(|e| {
-        let token_index = e.arg + 2;
-        let token = tokens(line).get(token_index).map_or("", |t| t.1);
-        let body_start = args
-            .get(e.arg)
-            .and_then(|a| token.strip_prefix(a.name.as_str()))
-            .filter(|rest| rest.starts_with('='))
-            .map_or(0, |_| args[e.arg].name.len() + 1);
-        // The parser's type rules point at the type, as Linux does.
-        let type_rule = matches!(
-            e.kind,
-            SpecErrorKind::StringNotOnMemory(_) | SpecErrorKind::ArrayNotOnMemory | SpecErrorKind::SymstrBadFetch
-        );
-        let at = match token[body_start.min(token.len())..].find(':') {
-            Some(colon) if type_rule => colon + 1,
-            _ => e.at,
-        };
-        located(token_index, body_start + at, e.kind)
-    })?;
+    let resolved = resolve_btf_args(function, args, btf).map_err(|e| locate_btf_error(line, number, file, args, e))?;
     let mut spec = spec.clone();
     if let ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. } = &mut spec {
         *args = resolved;
     }
     Ok(spec)
+}
+
+/// A BTF fetch-arg's error at Linux's column of `line`, the text `args` were parsed from
+/// (`number` and `file` as for [`SpecError`]).
+pub fn locate_btf_error(line: &str, number: usize, file: Option<&str>, args: &[FetchArg], e: BtfArgError) -> SpecError {
+    let tokens = tokens(line);
+    let token_index = e.arg + 2;
+    let (start, token) = tokens.get(token_index).copied().unwrap_or((line.len(), ""));
+    let body_start = args
+        .get(e.arg)
+        .and_then(|a| token.strip_prefix(a.name.as_str()))
+        .filter(|rest| rest.starts_with('='))
+        .map_or(0, |_| args[e.arg].name.len() + 1);
+    // The parser's type rules point at the type, as Linux does.
+    let type_rule = matches!(
+        e.kind,
+        SpecErrorKind::StringNotOnMemory(_) | SpecErrorKind::ArrayNotOnMemory | SpecErrorKind::SymstrBadFetch
+    );
+    let at = match token[body_start.min(token.len())..].find(':') {
+        Some(colon) if type_rule => colon + 1,
+        _ => e.at,
+    };
+    let byte = (start + (body_start + at).min(token.len())).min(line.len());
+    SpecError {
+        file: file.map(str::to_owned),
+        line: number,
+        column: line[..byte].chars().count() + 1,
+        kind: e.kind,
+    }
 }
 
 /// The whitespace-separated tokens of a line (before any `#`), with their byte offsets:
