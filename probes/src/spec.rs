@@ -1,13 +1,16 @@
 //! The probe-spec parser: the kernel's `kprobe_events` syntax, one probe a line.
 //!
 //! Users paste what they already write into `/sys/kernel/tracing/kprobe_events`, so the
-//! rules follow the Linux 6.1 parser (`kernel/trace/trace_kprobe.c`, `trace_probe.c`) for
-//! x86-64: the same names, limits and defaults, and the same combinations rejected. Where
-//! the kernel silently ignores junk (text after a deref's `)`, letters after `p`), this
-//! parser reports it instead, because a typo in a file should not change what is probed.
+//! rules follow Linux's parser (`kernel/trace/trace_kprobe.c`, `trace_probe.c`, up to its
+//! 6.5+ BTF arguments and 6.6 `char`) for x86-64: the same names, limits and defaults, the
+//! same combinations rejected, each refusal with Linux's error code
+//! ([`SpecErrorKind::linux_error`]) at the column of Linux's error-log caret. Where the
+//! kernel silently ignores junk (text after a deref's `)`, letters after `p`), this parser
+//! reports it instead, because a typo in a file should not change what is probed.
 //!
-//! Parsing is purely syntactic: symbols are not resolved and `+0` is not checked to be a
-//! real function entry; that needs the guest's symbol table and comes later.
+//! Parsing is purely syntactic: symbols are not resolved, `+0` is not checked to be a real
+//! function entry, and BTF fetch-args (parameter names, `$arg*`, `->` fields) are kept as
+//! written; [`check`] does that against the kernel's symbols, text and BTF.
 //!
 //! ```text
 //! p[:[GRP/][EVENT]] SYM[+offs]|MEMADDR [FETCHARGS]
