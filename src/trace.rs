@@ -24,7 +24,8 @@ use hvprobe_probes::engine::{
 };
 use hvprobe_probes::output::{ftrace_text, json_line, listing_line};
 use hvprobe_probes::spec::check::{
-    check_spec, has_btf_args, locate_btf_error, resolve_btf_args, unknown_fetch_symbol, BtfKnowledge, Kernel,
+    check_spec, has_btf_args, locate_btf_error, resolve_btf_args, unknown_fetch_symbol, void_retval, BtfKnowledge,
+    Kernel,
 };
 use hvprobe_probes::spec::{
     default_event_name, is_wildcard_pattern, parse_file_all_errors, parse_line, wildcard_matches, FetchExpr, ProbeSpec,
@@ -609,6 +610,24 @@ fn expand_and_check(
     let mut kept = Vec::with_capacity(expanded.len());
     let mut kept_from = Vec::with_capacity(expanded.len());
     for (mut p, wildcard) in expanded.into_iter().zip(from_wildcard) {
+        // A return probe's `$retval` of a `void` function, as Linux 6.5+ refuses it.
+        let is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
+        let retval = p.request.args.iter().any(|a| a.expr == FetchExpr::Retval);
+        if let (true, true, ProbePoint::Symbol { name, .. }) = (is_return, retval, &p.request.point) {
+            if let Some(e) = tracer
+                .kernel_btf()
+                .and_then(|btf| void_retval(name, &p.request.args, btf))
+            {
+                match wildcard {
+                    Some(w) => *skipped.entry(w).or_default().entry("returning void").or_default() += 1,
+                    None => problems.push((
+                        p.line,
+                        locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string(),
+                    )),
+                }
+                continue;
+            }
+        }
         if let (true, ProbePoint::Symbol { name, .. }) = (has_btf_args(&p.request.args), &p.request.point) {
             match resolve_btf_args(name, &p.request.args, tracer.kernel_btf().map(|b| b.as_ref())) {
                 Ok(args) => p.request.args = args,

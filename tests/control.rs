@@ -699,8 +699,8 @@ fn an_event_added_again_live_keeps_its_stack_trigger_and_its_filter_in_the_detou
 }
 
 /// BTF arguments added live are resolved against the guest's own BTF: a parameter by name
-/// and a field through a pointer are fetched; a name the function lacks, or a fetch-arg
-/// symbol the kernel lacks, is refused with the reason; a wildcard's function without the
+/// and a field through a pointer are fetched; a name the function lacks, the `$retval` of
+/// a `void` function, or a fetch-arg symbol the kernel lacks, is refused with the reason; a wildcard's function without the
 /// parameter is skipped and counted.
 #[test]
 fn btf_arguments_added_live_are_resolved_against_the_guests_btf() {
@@ -718,6 +718,13 @@ fn btf_arguments_added_live_are_resolved_against_the_guests_btf() {
     // At Linux's column: `hoge`'s, in "p:b/bad vfs_read hoge".
     assert!(
         bad.stderr.contains(":1:18: `hoge` is not a parameter of vfs_read"),
+        "{}",
+        bad.stderr
+    );
+    let bad = live.probe(&["add", "r:b/void kfree $retval"]);
+    assert_eq!(bad.code, Some(1), "{}", bad.tail());
+    assert!(
+        bad.stderr.contains(":1:16: kfree returns void: there is no $retval"),
         "{}",
         bad.stderr
     );

@@ -98,14 +98,8 @@ pub fn check_spec(
     let Some(function) = function else {
         return Ok(spec.clone());
     };
-    if let Some(proto) = btf.and_then(|b| FuncProto::find(b, function)) {
-        // Linux 6.5+ reads `$retval` through BTF too: a `void` function has none.
-        if let Some(i) = args
-            .iter()
-            .position(|a| a.expr == FetchExpr::Retval && proto.returns == 0)
-        {
-            return Err(located(i + 2, 0, SpecErrorKind::NoRetval(function.to_owned())));
-        }
+    if let Some(e) = btf.and_then(|b| void_retval(function, args, b)) {
+        return Err(locate_btf_error(line, number, file, args, e));
     }
     let resolved = resolve_btf_args(function, args, btf).map_err(|e| locate_btf_error(line, number, file, args, e))?;
     let mut spec = spec.clone();
@@ -250,6 +244,20 @@ pub struct BtfArgError {
     pub arg: usize,
     pub at: usize,
     pub kind: SpecErrorKind,
+}
+
+/// A `$retval` of a function BTF says returns `void` (Linux 6.5+ reads `$retval` through
+/// BTF too, and refuses it there).
+pub fn void_retval(function: &str, args: &[FetchArg], btf: &Btf) -> Option<BtfArgError> {
+    let proto = FuncProto::find(btf, function)?;
+    let arg = args
+        .iter()
+        .position(|a| a.expr == FetchExpr::Retval && proto.returns == 0)?;
+    Some(BtfArgError {
+        arg,
+        at: 0,
+        kind: SpecErrorKind::NoRetval(function.to_owned()),
+    })
 }
 
 /// Whether any fetch-arg needs BTF.
