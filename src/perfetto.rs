@@ -539,7 +539,7 @@ fn arg_annotation(value: &ArgValue) -> DebugAnnotation {
             pointer_value: Some(*v),
             ..Default::default()
         },
-        ArgValue::Symbol { .. } | ArgValue::Fault => string_annotation(value.to_string()),
+        ArgValue::Symbol { .. } | ArgValue::Char(_) | ArgValue::Fault => string_annotation(value.to_string()),
         ArgValue::String(_) => match value.to_json() {
             // The text `--format json` has: escapes for what is not UTF-8, no quotes.
             serde_json::Value::String(text) => string_annotation(text),

@@ -81,7 +81,13 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let sources = symbol_sources(&args, bundled_kernel)?;
     match &args.probes {
-        Some(file) => check_probes_before_boot(file, args.machine.cpus, &sources, &trace.analysis)?,
+        Some(file) => check_probes_before_boot(
+            file,
+            args.machine.cpus,
+            &sources,
+            vmlinux_of(&args, bundled_kernel)?.as_deref(),
+            &trace.analysis,
+        )?,
         None if !trace.analysis.is_empty() => return Err(crate::trace::SessionError::AnalysisWithoutProbes.into()),
         None => {}
     }
@@ -213,6 +219,7 @@ fn check_probes_before_boot(
     file: &std::path::Path,
     cpus: u8,
     sources: &[SymbolsFrom],
+    vmlinux: Option<&std::path::Path>,
     analysis: &AnalysisFlags,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let table = sources
@@ -223,7 +230,7 @@ fn check_probes_before_boot(
             SymbolsFrom::Kallsyms => None,
         })
         .transpose()?;
-    crate::trace::check_before_boot(file, usize::from(cpus), table.as_ref(), analysis)?;
+    crate::trace::check_before_boot(file, usize::from(cpus), table.as_ref(), vmlinux, analysis)?;
     Ok(())
 }
 
@@ -235,6 +242,20 @@ fn check_symbol_spec(spec: &str) -> Result<(), SymbolError> {
     }
 }
 
+/// The run's vmlinux ELF, if it has one: `--vmlinux`, the bundled guest's, or `--kernel`
+/// when that is an ELF.
+fn vmlinux_of(
+    args: &RunArgs,
+    bundled: Option<&BundledGuest>,
+) -> Result<Option<std::path::PathBuf>, Box<dyn std::error::Error>> {
+    let kernel_is_elf = args.machine.kernel.as_deref().map(kernel_format).transpose()? == Some(KernelFormat::ElfPvh);
+    Ok(args
+        .vmlinux
+        .clone()
+        .or_else(|| bundled.map(|g| g.vmlinux.clone()))
+        .or_else(|| args.machine.kernel.clone().filter(|_| kernel_is_elf)))
+}
+
 /// The symbol sources of a run, in the order asked for (or the default).
 fn symbol_sources(
     args: &RunArgs,
@@ -244,12 +265,7 @@ fn symbol_sources(
         .system_map
         .clone()
         .or_else(|| bundled.map(|g| g.system_map.clone()));
-    let kernel_is_elf = args.machine.kernel.as_deref().map(kernel_format).transpose()? == Some(KernelFormat::ElfPvh);
-    let vmlinux = args
-        .vmlinux
-        .clone()
-        .or_else(|| bundled.map(|g| g.vmlinux.clone()))
-        .or_else(|| args.machine.kernel.clone().filter(|_| kernel_is_elf));
+    let vmlinux = vmlinux_of(args, bundled)?;
     for path in [&args.system_map, &args.vmlinux].into_iter().flatten() {
         std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     }

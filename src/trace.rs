@@ -14,16 +14,22 @@ use std::time::{Duration, Instant};
 
 use hvprobe_analysis::request::Request;
 use hvprobe_analysis::table::{AnalysisTable, EventSchema};
+use hvprobe_introspection::btf::Btf;
+use hvprobe_introspection::memory::{ElfImage, GuestVirtRead};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
 use hvprobe_probes::clock::TraceClock;
 use hvprobe_probes::engine::{
-    default_maxactive, resolve_symbol, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint,
-    Tracer,
+    default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer,
 };
 use hvprobe_probes::output::{ftrace_text, json_line, listing_line};
+use hvprobe_probes::spec::check::{
+    check_spec, has_btf_args, locate_btf_error, resolve_btf_args, unknown_fetch_symbol, void_retval, BtfKnowledge,
+    Kernel,
+};
 use hvprobe_probes::spec::{
-    default_event_name, is_wildcard_pattern, parse_file_all_errors, wildcard_matches, ProbeSpec, Target,
+    default_event_name, is_wildcard_pattern, parse_file_all_errors, parse_line, wildcard_matches, FetchExpr, ProbeSpec,
+    SpecErrorKind, Target,
 };
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
@@ -70,6 +76,8 @@ pub enum SessionError {
 #[derive(Clone)]
 struct SpecProbe {
     line: usize,
+    /// The line's text, for errors at their column found once the kernel is known.
+    text: String,
     request: KprobeRequest,
 }
 
@@ -214,6 +222,7 @@ fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Ve
     let mut problems: Vec<(usize, String)> = errors.iter().map(|e| (e.line, e.to_string())).collect();
     let mut probes: Vec<SpecProbe> = Vec::new();
     let mut removals = Vec::new();
+    let lines: Vec<&str> = text.lines().collect();
     for (line, spec) in specs {
         let (group, event, target, args, kind) = match spec {
             ProbeSpec::Kprobe {
@@ -261,6 +270,7 @@ fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Ve
         };
         probes.push(SpecProbe {
             line,
+            text: lines.get(line - 1).copied().unwrap_or_default().to_owned(),
             request: KprobeRequest {
                 kind,
                 ..KprobeRequest::event(point, &group, &event, args)
@@ -366,7 +376,11 @@ fn expand_wildcard(p: &SpecProbe, pattern: &str, symbols: &SymbolTable) -> Vec<S
                 name: function.to_string(),
                 offset: 0,
             };
-            SpecProbe { line: p.line, request }
+            SpecProbe {
+                line: p.line,
+                text: p.text.clone(),
+                request,
+            }
         })
         .collect()
 }
@@ -385,9 +399,12 @@ fn wildcard_of(p: &SpecProbe) -> Option<&str> {
 }
 
 /// Checks a spec file before the guest boots: its syntax, and with the kernel's symbols,
-/// that every symbol exists, is unique and holds its offset, and that every wildcard
-/// matches some function. (Raw addresses wait for the guest: KASLR may move them.) All
-/// problems at once.
+/// that every symbol exists, is unique and holds its offset, that every `@SYM` of a
+/// fetch-arg exists, and that every wildcard matches some function; with its vmlinux
+/// (`vmlinux`), that offsets are instruction boundaries of its text and that BTF
+/// fetch-args (parameter names, `$arg*`, `->` fields) name what its BTF has. (Raw
+/// addresses wait for the guest: KASLR may move them.) All problems at once, each at
+/// Linux's column.
 ///
 /// The filters and triggers (the file's and `flags`) are checked too: their syntax, and
 /// with the symbols, that each names an event of the file and fields it has.
@@ -395,15 +412,31 @@ pub fn check_before_boot(
     file: &Path,
     cpus: usize,
     symbols: Option<&SymbolTable>,
+    vmlinux: Option<&Path>,
     flags: &AnalysisFlags,
 ) -> Result<(), SessionError> {
     let source = file.display().to_string();
     let (probes, mut requests, mut problems) = read_spec_file_all(file, cpus)?;
+    // The lines again, to check each probe's against the kernel at its columns.
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
     let (flag_requests, flag_errors) = flags.parse();
     problems.extend(flag_errors.iter().map(|e| (error_line(e), e.to_string())));
     requests.extend(flag_requests);
     let Some(symbols) = symbols else {
         return spec_result(&source, problems);
+    };
+    let files = vmlinux
+        .filter(|_| probes.iter().any(|p| needs_kernel_files(&p.request)))
+        .and_then(|path| KernelFiles::load(path, symbols));
+    let kernel = Kernel {
+        symbols,
+        text: files.as_ref().map(|f| &f.image as &dyn GuestVirtRead),
+        btf: match files.as_ref().map(|f| &f.btf) {
+            Some(FileBtf::Known(btf)) => BtfKnowledge::Known(btf),
+            Some(FileBtf::Absent) => BtfKnowledge::Absent,
+            Some(FileBtf::Unreadable) | None => BtfKnowledge::Unknown,
+        },
     };
     let mut events = Vec::new();
     for p in &probes {
@@ -414,18 +447,80 @@ pub fn check_before_boot(
             }
             events.extend(functions);
         } else {
-            if let ProbePoint::Symbol { name, offset } = &p.request.point {
-                if let Err(e) = resolve_symbol(symbols, name, *offset) {
-                    problems.push((p.line, refusal(&source, p, &e)));
+            let line = lines.get(p.line - 1).copied().unwrap_or_default();
+            let mut event = p.clone();
+            if let Ok(Some(spec)) = parse_line(line) {
+                match check_spec(line, p.line, Some(&source), &spec, &kernel) {
+                    // The filters and triggers bind to the fields as they will be armed
+                    // (`$arg*` and `$argN` named after the parameters).
+                    Ok(ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. }) => event.request.args = args,
+                    Ok(ProbeSpec::Remove { .. }) => {}
+                    Err(e) => problems.push((p.line, e.to_string())),
                 }
             }
-            events.push(p.clone());
+            events.push(event);
         }
     }
     if let Err(errors) = bind_requests(&requests, &events) {
         problems.extend(errors);
     }
     spec_result(&source, problems)
+}
+
+/// Whether checking a probe before boot needs the kernel's vmlinux: for an offset's
+/// instruction boundary, or for BTF (parameter names, `$arg*`, and the `$argN` and
+/// `$retval` Linux checks against the function's prototype).
+fn needs_kernel_files(request: &KprobeRequest) -> bool {
+    matches!(request.point, ProbePoint::Symbol { offset: 1.., .. })
+        || has_btf_args(&request.args)
+        || request
+            .args
+            .iter()
+            .any(|a| matches!(a.expr, FetchExpr::Arg(_) | FetchExpr::Retval))
+}
+
+/// What a vmlinux file tells before boot: its text (the loadable segments) and its BTF.
+struct KernelFiles {
+    image: ElfImage,
+    btf: FileBtf,
+}
+
+/// A vmlinux's BTF.
+enum FileBtf {
+    Known(Btf),
+    /// The kernel has none (no `__start_BTF`/`__stop_BTF`).
+    Absent,
+    /// It could not be read: BTF fetch-args wait for the running kernel.
+    Unreadable,
+}
+
+impl KernelFiles {
+    /// The vmlinux at `path`; `None` (with the reason logged) when it cannot be read, so
+    /// that what it would check waits for the running kernel.
+    fn load(path: &Path, symbols: &SymbolTable) -> Option<KernelFiles> {
+        let image = ElfImage::open(path)
+            .map_err(|e| {
+                tracing::warn!(
+                    "{}: {e}; its text and BTF are checked once the guest is up",
+                    path.display()
+                )
+            })
+            .ok()?;
+        let btf = match (symbols.lookup("__start_BTF"), symbols.lookup("__stop_BTF")) {
+            (Some(start), Some(stop)) => match Btf::from_guest(&image, start.addr, stop.addr) {
+                Ok(btf) => FileBtf::Known(btf),
+                Err(e) => {
+                    tracing::warn!(
+                        "{}: its BTF: {e}; BTF arguments are checked once the guest is up",
+                        path.display()
+                    );
+                    FileBtf::Unreadable
+                }
+            },
+            _ => FileBtf::Absent,
+        };
+        Some(KernelFiles { image, btf })
+    }
 }
 
 /// The filters and triggers bound to the events of `probes`, or every problem with its
@@ -476,6 +571,22 @@ fn expand_and_check(
     let mut expanded = Vec::new();
     let mut from_wildcard = Vec::new();
     for (index, p) in probes.iter().enumerate() {
+        // Checked before boot too when the symbols were known; `probe add` and runs on
+        // the guest's kallsyms only learn them here.
+        if let Some((arg, name)) = unknown_fetch_symbol(&p.request.args, symbols) {
+            problems.push((
+                p.line,
+                format!(
+                    "{source}:{}: {}/{}: argument {}: {}",
+                    p.line,
+                    p.request.group,
+                    p.request.event,
+                    arg + 1,
+                    SpecErrorKind::UnknownDataSymbol(name.to_owned())
+                ),
+            ));
+            continue;
+        }
         match wildcard_of(p) {
             Some(pattern) => {
                 let functions = expand_wildcard(p, pattern, symbols);
@@ -491,8 +602,58 @@ fn expand_and_check(
             }
         }
     }
-    let requests: Vec<KprobeRequest> = expanded.iter().map(|p| p.request.clone()).collect();
     let mut skipped: BTreeMap<usize, BTreeMap<&'static str, usize>> = BTreeMap::new();
+    // BTF fetch-args (parameter names, `$arg*`, `->` fields) become plain fetches typed
+    // from the guest's BTF, for each function (a wildcard's each: one without such a
+    // parameter is skipped).
+    let matched_from = from_wildcard.clone();
+    let mut kept = Vec::with_capacity(expanded.len());
+    let mut kept_from = Vec::with_capacity(expanded.len());
+    for (mut p, wildcard) in expanded.into_iter().zip(from_wildcard) {
+        // A return probe's `$retval` of a `void` function, as Linux 6.5+ refuses it.
+        let is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
+        let retval = p.request.args.iter().any(|a| a.expr == FetchExpr::Retval);
+        if let (true, true, ProbePoint::Symbol { name, .. }) = (is_return, retval, &p.request.point) {
+            if let Some(e) = tracer
+                .kernel_btf()
+                .and_then(|btf| void_retval(name, &p.request.args, btf))
+            {
+                match wildcard {
+                    Some(w) => *skipped.entry(w).or_default().entry("returning void").or_default() += 1,
+                    None => problems.push((
+                        p.line,
+                        locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string(),
+                    )),
+                }
+                continue;
+            }
+        }
+        if let (true, ProbePoint::Symbol { name, .. }) = (has_btf_args(&p.request.args), &p.request.point) {
+            match resolve_btf_args(name, &p.request.args, tracer.kernel_btf().map(|b| b.as_ref())) {
+                Ok(args) => p.request.args = args,
+                Err(e) => {
+                    match wildcard {
+                        Some(w) => {
+                            *skipped
+                                .entry(w)
+                                .or_default()
+                                .entry("without those BTF arguments")
+                                .or_default() += 1
+                        }
+                        None => problems.push((
+                            p.line,
+                            locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string(),
+                        )),
+                    }
+                    continue;
+                }
+            }
+        }
+        kept.push(p);
+        kept_from.push(wildcard);
+    }
+    let (expanded, from_wildcard) = (kept, kept_from);
+    let requests: Vec<KprobeRequest> = expanded.iter().map(|p| p.request.clone()).collect();
     let mut refused = vec![false; expanded.len()];
     for (i, e) in tracer.check_all(&requests) {
         match from_wildcard[i] {
@@ -506,7 +667,7 @@ fn expand_and_check(
     let mut notes = Vec::new();
     for (index, p) in probes.iter().enumerate() {
         let Some(pattern) = wildcard_of(p) else { continue };
-        let matched = from_wildcard.iter().filter(|w| **w == Some(index)).count();
+        let matched = matched_from.iter().filter(|w| **w == Some(index)).count();
         let reasons = skipped.get(&index);
         let n_skipped: usize = reasons.map(|r| r.values().sum()).unwrap_or(0);
         let why = reasons
@@ -1227,6 +1388,64 @@ mod tests {
             [(3, "gone")]
         );
         assert_eq!(problems.iter().map(|(l, _)| *l).collect::<Vec<_>>(), [5]);
+    }
+
+    /// A made-up kernel: two functions and a data symbol.
+    fn symbols() -> SymbolTable {
+        use hvprobe_arch::Gva;
+        use hvprobe_introspection::symbols::{Symbol, SymbolSource};
+        let symbol = |name: &str, addr: u64, kind: char| Symbol {
+            name: name.to_owned(),
+            addr: Gva(addr),
+            kind,
+            size: Some(0x40),
+        };
+        SymbolTable::from_symbols(
+            SymbolSource::SystemMap,
+            vec![
+                symbol("vfs_read", 0xffff_ffff_8100_0000, 'T'),
+                symbol("vfs_write", 0xffff_ffff_8100_0040, 'T'),
+                symbol("_sdata", 0xffff_ffff_8200_0000, 'D'),
+            ],
+        )
+    }
+
+    fn check_file(name: &str, text: &str) -> Result<(), SessionError> {
+        let path = std::env::temp_dir().join(format!("hvprobe-trace-{}-{name}.probes", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let result = check_before_boot(&path, 1, Some(&symbols()), None, &AnalysisFlags::default());
+        let _ = std::fs::remove_file(&path);
+        result
+    }
+
+    #[test]
+    fn a_fetch_arg_symbol_the_kernel_lacks_is_refused_before_boot_at_its_column() {
+        let e = check_file(
+            "data-symbols",
+            "p:b/ok vfs_read @_sdata\np:b/x vfs_read @nosuchsymbol\np:b/y vfs_read a=+0(@_sdata*10):u32\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("2 problems in "), "{e}");
+        assert!(
+            e.contains(".probes:2:16: no symbol `nosuchsymbol` in the kernel"),
+            "{e}"
+        );
+        assert!(e.contains(".probes:3:21: no symbol `_sdata*10` in the kernel"), "{e}");
+    }
+
+    #[test]
+    fn probe_points_are_checked_before_boot_at_linux_columns() {
+        let e = check_file("points", "p:a/ok vfs_read\np:a/typo vfs_raed\np:a/far vfs_read+0x100\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(".probes:2:10: unknown symbol \"vfs_raed\""), "{e}");
+        assert!(e.contains(".probes:3:9: vfs_read+0x100 is outside vfs_read"), "{e}");
+        check_file(
+            "fine",
+            "p:a/ok vfs_read @_sdata+8 count $arg*\nr:a/r vfs_write $retval\n",
+        )
+        .unwrap();
     }
 
     #[test]

@@ -697,3 +697,67 @@ fn an_event_added_again_live_keeps_its_stack_trigger_and_its_filter_in_the_detou
     assert!(discarded >= 10, "{summary}");
     assert_eq!(in_guest, discarded, "{summary}\n{}", run.tail());
 }
+
+/// BTF arguments added live are resolved against the guest's own BTF: a parameter by name
+/// and a field through a pointer are fetched; a name the function lacks, the `$retval` of
+/// a `void` function, or a fetch-arg symbol the kernel lacks, is refused with the reason; a wildcard's function without the
+/// parameter is skipped and counted.
+#[test]
+fn btf_arguments_added_live_are_resolved_against_the_guests_btf() {
+    let dir = snapshot(1);
+    let mut live = LiveRun::start(
+        &dir,
+        1,
+        "btf-live",
+        "echo WAIT; read -r go < /dev/ttyS0; read -r l < /proc/version; echo DONE",
+        &[],
+    );
+    live.wait_for("WAIT");
+    let bad = live.probe(&["add", "p:b/bad vfs_read hoge"]);
+    assert_eq!(bad.code, Some(1), "{}", bad.tail());
+    // At Linux's column: `hoge`'s, in "p:b/bad vfs_read hoge".
+    assert!(
+        bad.stderr.contains(":1:18: `hoge` is not a parameter of vfs_read"),
+        "{}",
+        bad.stderr
+    );
+    let bad = live.probe(&["add", "r:b/void kfree $retval"]);
+    assert_eq!(bad.code, Some(1), "{}", bad.tail());
+    assert!(
+        bad.stderr.contains(":1:16: kfree returns void: there is no $retval"),
+        "{}",
+        bad.stderr
+    );
+    let bad = live.probe(&["add", "p:b/sym vfs_read @nosuchsymbol"]);
+    assert_eq!(bad.code, Some(1), "{}", bad.tail());
+    assert!(
+        bad.stderr.contains("no symbol `nosuchsymbol` in the kernel"),
+        "{}",
+        bad.stderr
+    );
+    let good = live.probe(&[
+        "add",
+        "p:b/rd vfs_read count pos=file->f_pos",
+        "p:w/ {vfs_read,kfree} count",
+    ]);
+    assert_eq!(good.code, Some(0), "{}", good.tail());
+    assert!(
+        good.stdout
+            .contains("2 functions match, 1 to arm, 1 skipped (1 without those BTF arguments)"),
+        "{}",
+        good.stdout
+    );
+    live.go();
+    live.wait_for("DONE");
+    let run = live.finish();
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    // The shell's `read` reads one byte at a time: count=1, the position moving on.
+    let positions: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter(|l| l.contains(" rd: (vfs_read+0x0/") && l.contains(" count=1 "))
+        .filter_map(|l| l.split(" pos=").nth(1))
+        .collect();
+    assert!(positions.len() > 10, "{}", run.tail());
+    assert!(positions.windows(2).any(|w| w[0] != w[1]), "{positions:?}");
+}

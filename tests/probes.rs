@@ -675,3 +675,161 @@ fn the_kernel_text_after_optimized_probes_hashes_like_a_run_without_them() {
     assert_eq!(hash(&with), hash(&without));
     let _ = std::fs::remove_file(probes);
 }
+
+/// The byte offsets of `struct file`'s `f_pos` and `f_flags` in the bundled guest, from its
+/// vmlinux's BTF (to give the guest's own 6.1 event, which has no BTF arguments, the same
+/// fetches by offset).
+fn bundled_file_offsets() -> (u64, u64) {
+    use hvprobe_introspection::btf::Btf;
+    use hvprobe_introspection::memory::ElfImage;
+    use hvprobe_introspection::symbols::SymbolTable;
+    let built = hvprobe(&["build-guest"], common::SNAPSHOT_BOOT_TIMEOUT);
+    assert_eq!(built.code, Some(0), "build-guest failed\n{}", built.tail());
+    let guest_dir = PathBuf::from(
+        built
+            .stdout
+            .lines()
+            .last()
+            .expect("build-guest prints its directory")
+            .trim(),
+    );
+    let bytes = std::fs::read(guest_dir.join("vmlinux")).unwrap();
+    let symbols = SymbolTable::parse_elf(&bytes).unwrap();
+    let image = ElfImage::from_bytes(bytes).unwrap();
+    let start = symbols.lookup("__start_BTF").unwrap().addr;
+    let stop = symbols.lookup("__stop_BTF").unwrap().addr;
+    let btf = Btf::from_guest(&image, start, stop).unwrap();
+    let offset = |member: &str| btf.member_offset("file", member).unwrap().offset;
+    (offset("f_pos"), offset("f_flags"))
+}
+
+/// BTF arguments (Linux 6.5+: parameters by name, `$arg*`, `->` fields), resolved against
+/// the guest's own BTF when armed, fetch what the guest's own 6.1 kprobe event fetches
+/// with the registers and offsets they stand for, hit for hit, printed alike.
+#[test]
+fn btf_arguments_fetch_what_the_guests_own_event_fetches_by_register_and_offset() {
+    check_btf_arguments(&[]);
+}
+
+/// The same with the probe jump-optimized: the resolved fetches run in the event detour.
+#[test]
+fn optimized_btf_arguments_fetch_what_the_guests_own_event_fetches() {
+    let run = check_btf_arguments(&["--optimize"]);
+    assert!(
+        run.stderr.contains("optimized: recorded in the guest ") && !run.stderr.contains("recorded in the guest 0,"),
+        "the detour recorded the hits\n{}",
+        run.tail()
+    );
+}
+
+fn check_btf_arguments(extra: &[&str]) -> Run {
+    let (f_pos, f_flags) = bundled_file_offsets();
+    let guest_event = format!(
+        "p:grd vfs_read file=%di:x64 buf=%si:x64 count=%dx:u64 pos=%cx:x64 fpos=+{f_pos}(%di):s64 \
+         flags=+{f_flags}(%di):u32"
+    );
+    compare_vfs_reads(
+        "p:host/rd vfs_read $arg* fpos=file->f_pos flags=file->f_flags",
+        &guest_event,
+        extra,
+    )
+}
+
+/// Immediate strings, bitfields and arrays (which the 6.1 guest has too) fetch and print
+/// what the guest's own event does.
+#[test]
+fn immediate_strings_bitfields_and_arrays_print_as_the_guests_own_event() {
+    let (f_pos, _) = bundled_file_offsets();
+    let args = "s=\\\"hello\" c=+0(%di):b4@2/32 a=+0(%di):x8[4] u=+u0(%si):x8 count=%dx:u64";
+    compare_vfs_reads(
+        &format!("p:host/rd vfs_read {args} fpos=file->f_pos"),
+        &format!("p:grd vfs_read {args} fpos=+{f_pos}(%di):s64"),
+        &[],
+    );
+}
+
+/// Three shells each read `/proc/version` one byte at a time, with the host's probe `host`
+/// (event `rd`, on `vfs_read`) armed and the guest's own `guest` (event `grd`) enabled
+/// around them: each read's values, keyed by the file position (`fpos`), are the same.
+fn compare_vfs_reads(host: &str, guest_event: &str, extra: &[&str]) -> Run {
+    let dir = snapshot(1);
+    let probes = probe_file("vfs-reads", &format!("{host}\n"));
+    let arg_count = guest_event.split_whitespace().count() - 2;
+    let workload = format!(
+        "T=/sys/kernel/tracing; echo '{guest_event}' > $T/kprobe_events; echo 1 > $T/events/kprobes/grd/enable; \
+         i=0; while [ $i -lt 3 ]; do sh -c 'read -r l < /proc/version'; i=$((i+1)); done; \
+         echo 0 > $T/events/kprobes/grd/enable; \
+         busybox grep ' grd: ' $T/trace | busybox sed 's/^/GUEST /'"
+    );
+    let mut args = vec!["--probes", probes.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let run = restore_with(&dir, 1, &workload, &args);
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let lines = |guest: bool| -> Vec<TraceLine> {
+        run.stdout
+            .lines()
+            .filter(|l| l.starts_with("GUEST ") == guest)
+            .filter_map(parse_trace_line)
+            .filter(|l| l.event == if guest { "grd" } else { "rd" })
+            .collect()
+    };
+    let pid = |task: &str| task.rsplit('-').next().unwrap().to_string();
+    // The child shells (forked, run and gone inside the guest's window): every read of
+    // theirs, in order, with the same values.
+    let guest = lines(true);
+    let children: std::collections::BTreeSet<String> = guest
+        .iter()
+        .filter(|l| l.args.get("count").map(String::as_str) == Some("1"))
+        .map(|l| pid(&l.task))
+        .collect();
+    assert!(children.len() >= 3, "three shells read /proc/version\n{}", run.tail());
+    let by_pid = |lines: Vec<TraceLine>| {
+        let mut m: BTreeMap<String, Vec<BTreeMap<String, String>>> = BTreeMap::new();
+        for l in lines {
+            if children.contains(&pid(&l.task)) {
+                m.entry(pid(&l.task)).or_default().push(l.args);
+            }
+        }
+        m
+    };
+    let (host, guest) = (by_pid(lines(false)), by_pid(guest));
+    assert_eq!(host.keys().collect::<Vec<_>>(), guest.keys().collect::<Vec<_>>());
+    for (pid, guest_hits) in &guest {
+        let host_hits = &host[pid];
+        // The guest's console lines can be cut by the host's own output (printed as it
+        // comes): each whole one is compared with the host's hit at the same file position
+        // (one byte per read, so each read has its own), and nearly all must be whole.
+        let at = |hits: &Vec<BTreeMap<String, String>>, fpos: &str| {
+            hits.iter()
+                .find(|h| h.get("fpos").map(String::as_str) == Some(fpos))
+                .cloned()
+        };
+        let whole: Vec<&BTreeMap<String, String>> = guest_hits.iter().filter(|g| g.len() == arg_count).collect();
+        for g in &whole {
+            assert_eq!(
+                at(host_hits, &g["fpos"]).as_ref(),
+                Some(*g),
+                "pid {pid}\n{}",
+                run.tail()
+            );
+        }
+        assert!(guest_hits.len() <= host_hits.len(), "pid {pid}\n{}", run.tail());
+        assert!(
+            whole.len() * 10 >= host_hits.len() * 9,
+            "pid {pid}: {} of the host's {} hits in whole guest lines",
+            whole.len(),
+            host_hits.len()
+        );
+    }
+    // The file position moves as the shell reads its one byte at a time.
+    let positions: Vec<&str> = guest
+        .values()
+        .next()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.get("fpos").map(String::as_str))
+        .collect();
+    assert!(positions.windows(2).any(|w| w[0] != w[1]), "{positions:?}");
+    run
+}

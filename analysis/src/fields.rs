@@ -187,6 +187,7 @@ impl Field {
                         FieldValue::Number(*v)
                     }
                     (Some(ArgValue::Signed(v)), FieldType::Number { .. }) => FieldValue::Number(*v as u64),
+                    (Some(ArgValue::Char(c)), FieldType::Number { .. }) => FieldValue::Number(u64::from(*c)),
                     (Some(ArgValue::Symbol { address, .. }), FieldType::Number { .. }) => FieldValue::Number(*address),
                     _ => FieldValue::Missing,
                 }

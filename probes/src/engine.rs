@@ -446,6 +446,8 @@ pub struct Tracer {
     events: OnceLock<event_rings::EventSetup>,
     /// The guest's ORC data, read when a stack is first asked for.
     orc: OnceLock<Option<Arc<hvprobe_introspection::unwind::OrcTable>>>,
+    /// The guest's BTF, read when a probe first names a parameter ([`Tracer::kernel_btf`]).
+    btf: OnceLock<Option<Arc<hvprobe_introspection::btf::Btf>>>,
     /// Stack frames described so far (`func+0xoff/0xsize` by address): the same return
     /// addresses come back hit after hit.
     frame_names: Mutex<HashMap<Gva, Option<String>>>,
@@ -488,6 +490,7 @@ impl Tracer {
             thunks: OnceLock::new(),
             events: OnceLock::new(),
             orc: OnceLock::new(),
+            btf: OnceLock::new(),
             frame_names: Mutex::default(),
             stats: EngineStats::default(),
         }
@@ -495,6 +498,31 @@ impl Tracer {
 
     pub fn symbols(&self) -> &SymbolTable {
         &self.view.symbols
+    }
+
+    /// The guest kernel's BTF (`__start_BTF`..`__stop_BTF`), read from its memory on first
+    /// use (a run whose probes name no parameter never reads it); `None`, logged once,
+    /// when the kernel has none or it cannot be read.
+    pub fn kernel_btf(&self) -> Option<&Arc<hvprobe_introspection::btf::Btf>> {
+        self.btf
+            .get_or_init(|| {
+                let symbols = &self.view.symbols;
+                let (Some(start), Some(stop)) = (symbols.lookup("__start_BTF"), symbols.lookup("__stop_BTF")) else {
+                    tracing::info!("the guest kernel has no BTF (no __start_BTF/__stop_BTF)");
+                    return None;
+                };
+                match hvprobe_introspection::btf::Btf::from_guest(&self.machine.kernel(), start.addr, stop.addr) {
+                    Ok(btf) => {
+                        tracing::info!("the guest kernel's BTF: {} types", btf.len());
+                        Some(Arc::new(btf))
+                    }
+                    Err(e) => {
+                        tracing::warn!("the guest kernel's BTF cannot be read: {e}");
+                        None
+                    }
+                }
+            })
+            .as_ref()
     }
 
     fn read_registry(&self) -> std::sync::RwLockReadGuard<'_, registry::Registry> {

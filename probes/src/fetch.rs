@@ -72,6 +72,8 @@ pub enum ArgValue {
     Signed(i64),
     /// `x8`..`x64`: printed `0x%x`, lowercase, **not** zero-padded.
     Hex(u64),
+    /// `char`: printed `'%c'`.
+    Char(u8),
     /// `symbol`: printed `%pS`, i.e. `description` (`sym+0xoff/0xsize`), or `0x<hex>` when
     /// no symbol covers the address.
     Symbol { address: u64, description: Option<String> },
@@ -90,6 +92,8 @@ impl fmt::Display for ArgValue {
             ArgValue::Unsigned(v) => write!(f, "{v}"),
             ArgValue::Signed(v) => write!(f, "{v}"),
             ArgValue::Hex(v) => write!(f, "{v:#x}"),
+            // A byte that is not printable is escaped, as in strings (Linux writes it raw).
+            ArgValue::Char(c) => write!(f, "'{}'", EscapedBytes(&[*c])),
             ArgValue::Symbol {
                 description: Some(d), ..
             } => f.write_str(d),
@@ -122,6 +126,7 @@ impl ArgValue {
             ArgValue::Unsigned(v) => Value::from(*v),
             ArgValue::Signed(v) => Value::from(*v),
             ArgValue::Hex(_) | ArgValue::Symbol { .. } => Value::String(self.to_string()),
+            ArgValue::Char(c) => Value::String(json_text(&[*c])),
             ArgValue::String(bytes) => Value::String(json_text(bytes)),
             ArgValue::Fault => Value::Null,
             ArgValue::Array(items) => Value::Array(items.iter().map(ArgValue::to_json).collect()),
@@ -190,6 +195,11 @@ enum Place {
 /// Evaluates one fetch-arg at a hit. Never panics: anything unreadable is
 /// [`ArgValue::Fault`] (or a fault element in an array).
 pub fn evaluate(arg: &FetchArg, ctx: &FetchContext) -> ArgValue {
+    if let FetchExpr::ImmString(text) = &arg.expr {
+        // The parser allows it the type `string` only, and no array.
+        let bytes = text.as_bytes();
+        return ArgValue::String(bytes[..bytes.len().min(MAX_STRING_SIZE - 1)].to_vec());
+    }
     let place = locate(&arg.expr, ctx);
     match arg.ty {
         ArgType::String | ArgType::UString => evaluate_string(arg, place, ctx),
@@ -283,6 +293,10 @@ fn locate(expr: &FetchExpr, ctx: &FetchContext) -> Option<Place> {
             addr: value_of(base, ctx)?.wrapping_add_signed(*offset),
             user: *user,
         },
+        // An immediate string is no place (`evaluate` takes it); BTF fetch-args are
+        // resolved into the forms above before a probe is armed (`spec::check`), so an
+        // unresolved one has no value to give.
+        FetchExpr::ImmString(_) | FetchExpr::Btf(_) | FetchExpr::AllArgs => return None,
     })
 }
 
@@ -370,6 +384,7 @@ pub(crate) fn convert(ty: ArgType, raw: Option<u64>, symbols: &SymbolTable) -> A
             ArgValue::Signed(((truncated << shift) as i64) >> shift)
         }
         ArgType::X8 | ArgType::X16 | ArgType::X32 | ArgType::X64 => ArgValue::Hex(truncated),
+        ArgType::Char => ArgValue::Char(truncated as u8),
         ArgType::Bitfield { width, offset, .. } => {
             let shifted = truncated.checked_shr(u32::from(offset)).unwrap_or(0);
             let mask = if width >= 64 { u64::MAX } else { (1u64 << width) - 1 };

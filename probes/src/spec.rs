@@ -1,13 +1,16 @@
 //! The probe-spec parser: the kernel's `kprobe_events` syntax, one probe a line.
 //!
 //! Users paste what they already write into `/sys/kernel/tracing/kprobe_events`, so the
-//! rules follow the Linux 6.1 parser (`kernel/trace/trace_kprobe.c`, `trace_probe.c`) for
-//! x86-64: the same names, limits and defaults, and the same combinations rejected. Where
-//! the kernel silently ignores junk (text after a deref's `)`, letters after `p`), this
-//! parser reports it instead, because a typo in a file should not change what is probed.
+//! rules follow Linux's parser (`kernel/trace/trace_kprobe.c`, `trace_probe.c`, up to its
+//! 6.5+ BTF arguments and 6.6 `char`) for x86-64: the same names, limits and defaults, the
+//! same combinations rejected, each refusal with Linux's error code
+//! ([`SpecErrorKind::linux_error`]) at the column of Linux's error-log caret. Where the
+//! kernel silently ignores junk (text after a deref's `)`, letters after `p`), this parser
+//! reports it instead, because a typo in a file should not change what is probed.
 //!
-//! Parsing is purely syntactic: symbols are not resolved and `+0` is not checked to be a
-//! real function entry; that needs the guest's symbol table and comes later.
+//! Parsing is purely syntactic: symbols are not resolved, `+0` is not checked to be a real
+//! function entry, and BTF fetch-args (parameter names, `$arg*`, `->` fields) are kept as
+//! written; [`check`] does that against the kernel's symbols, text and BTF.
 //!
 //! ```text
 //! p[:[GRP/][EVENT]] SYM[+offs]|MEMADDR [FETCHARGS]
@@ -19,6 +22,8 @@
 use std::fmt;
 
 use hvprobe_arch::Gva;
+
+pub mod check;
 
 /// The group of a probe whose spec names none, as in the kernel.
 pub const DEFAULT_GROUP: &str = "kprobes";
@@ -190,6 +195,9 @@ pub struct FetchArg {
     pub ty: ArgType,
     /// `TYPE[N]`: N consecutive elements in memory (1 ..= 64).
     pub array_len: Option<u32>,
+    /// A BTF fetch-arg ([`FetchExpr::Btf`]) whose spec gave its type: without one it takes
+    /// the type BTF gives it. Always false for other fetch-args (their default is `x64`).
+    pub typed: bool,
 }
 
 /// Where a fetch-arg's value comes from.
@@ -213,6 +221,14 @@ pub enum FetchExpr {
     Comm,
     /// `\IMM`: a constant.
     Immediate(u64),
+    /// `\"TEXT"`: a constant string (type `string` only).
+    ImmString(String),
+    /// A function parameter by name or `$argN`, with `->`/`.` fields through its type, as
+    /// Linux 6.5+ reads them from BTF: resolved into plain fetches by
+    /// [`check::resolve_btf_args`] once the kernel's BTF is known.
+    Btf(BtfRef),
+    /// `$arg*`: every parameter of the function, by name, from BTF.
+    AllArgs,
     /// `+|-[u]OFFS(FETCHARG)`: the memory at the inner value plus `offset`; `user` when the
     /// address is a user-space one (`u`).
     Deref {
@@ -220,6 +236,32 @@ pub enum FetchExpr {
         user: bool,
         base: Box<FetchExpr>,
     },
+}
+
+/// What a BTF fetch-arg starts from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BtfBase {
+    /// A parameter named in the spec (`count`).
+    Param(String),
+    /// `$argN->...`: the Nth parameter (from 1), through its BTF type.
+    Arg(u32),
+    /// `$retval->...`: the return value, through the function's BTF return type.
+    Retval,
+}
+
+/// One `->NAME` or `.NAME` step of a BTF fetch-arg.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BtfField {
+    pub name: String,
+    /// `->`: through a pointer (a read); `.`: a member of the struct reached so far.
+    pub arrow: bool,
+}
+
+/// A BTF fetch-arg before its resolution: a base and its field steps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BtfRef {
+    pub base: BtfBase,
+    pub fields: Vec<BtfField>,
 }
 
 /// A fetch-arg's type, the element type when it is an array.
@@ -245,6 +287,8 @@ pub enum ArgType {
     Symbol,
     /// An address turned into the string `symbol+offset/size`.
     SymStr,
+    /// One byte shown as a character (`'c'`), Linux 6.6+.
+    Char,
     /// `b<width>@<offset>/<container bits>`: `width` bits from bit `offset` of a
     /// `container_bits`-wide (8, 16, 32 or 64) unsigned value.
     Bitfield {
@@ -365,6 +409,7 @@ impl ArgType {
             "ustring" => ArgType::UString,
             "symbol" => ArgType::Symbol,
             "symstr" => ArgType::SymStr,
+            "char" => ArgType::Char,
             _ => return None,
         })
     }
@@ -372,7 +417,7 @@ impl ArgType {
     /// Bytes one value takes in the event record (strings are a 4-byte `__data_loc`).
     pub const fn record_size(self) -> u32 {
         match self {
-            ArgType::U8 | ArgType::S8 | ArgType::X8 => 1,
+            ArgType::U8 | ArgType::S8 | ArgType::X8 | ArgType::Char => 1,
             ArgType::U16 | ArgType::S16 | ArgType::X16 => 2,
             ArgType::U32 | ArgType::S32 | ArgType::X32 => 4,
             ArgType::U64 | ArgType::S64 | ArgType::X64 | ArgType::Symbol => 8,
@@ -387,7 +432,9 @@ impl ArgType {
     }
 }
 
-/// What is wrong with a spec line.
+/// What is wrong with a spec line: a syntax error, or (from [`check`]) a name the kernel
+/// does not have. Each maps to the code of Linux's probe parser that refuses the same
+/// thing ([`SpecErrorKind::linux_error`]), except hvprobe's own extensions and limits.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SpecErrorKind {
     #[error(
@@ -403,6 +450,8 @@ pub enum SpecErrorKind {
     MaxactiveOnKprobe,
     #[error("bad MAXACTIVE `{0}`: expected a number from 1 to {MAX_MAXACTIVE}")]
     BadMaxactive(String),
+    #[error("MAXACTIVE `{0}` is too big: at most {MAX_MAXACTIVE}")]
+    MaxactiveTooBig(String),
     #[error("empty group name before `/`")]
     NoGroupName,
     #[error("bad group name `{0}`: expected [A-Za-z_][A-Za-z0-9_-]*")]
@@ -457,7 +506,7 @@ pub enum SpecErrorKind {
     FileOffsetOnKprobe,
     #[error("bad symbol `{0}` in `@SYM[+|-OFFS]`")]
     BadMemorySymbol(String),
-    #[error("unknown variable `${0}` (expected $stack, $stackN, $argN, $retval or $comm)")]
+    #[error("unknown variable `${0}` (expected $stack, $stackN, $argN, $arg*, $retval or $comm)")]
     UnknownVariable(String),
     #[error("bad stack index `{0}`: expected 0 to {MAX_STACK_INDEX}")]
     BadStackIndex(String),
@@ -475,13 +524,15 @@ pub enum SpecErrorKind {
     DerefNotClosed,
     #[error("unexpected `{0}` after the dereference's `)`")]
     JunkAfterDeref(String),
-    #[error("$comm can not be dereferenced")]
+    #[error("$comm and immediate strings can not be dereferenced")]
     CommDeref,
     #[error("bad immediate value `{0}`")]
     BadImmediate(String),
-    #[error("immediate strings (`\\\"...\"`) are not supported yet")]
-    ImmediateStringNotSupported,
-    #[error("unknown fetch-arg `{0}` (expected %REG, @ADDR, @SYM, $VAR, \\IMM or +|-OFFS(FETCHARG))")]
+    #[error("immediate string not closed with `\"`")]
+    ImmStringNotClosed,
+    #[error(
+        "unknown fetch-arg `{0}` (expected %REG, @ADDR, @SYM, $VAR, \\IMM, +|-OFFS(FETCHARG) or a parameter name)"
+    )]
     BadFetchArg(String),
     #[error("fetch-arg too complex: needs {0} fetch operations, the kernel allows {MAX_FETCH_OPS}")]
     TooManyFetchOps(usize),
@@ -495,16 +546,280 @@ pub enum SpecErrorKind {
     JunkAfterArray(String),
     #[error("bad array length `{0}`: expected 1 to {MAX_ARRAY_LEN}")]
     BadArrayLen(String),
+    #[error("array length `{0}` is too big: at most {MAX_ARRAY_LEN}")]
+    ArrayTooBig(String),
     #[error("arrays are only for memory fetch-args (@ADDR, @SYM, +|-OFFS(...)) of non-symstr types")]
     ArrayNotOnMemory,
     #[error("`{0}` is only for memory fetch-args (@ADDR, @SYM, +|-OFFS(...), \\IMM) and $comm")]
     StringNotOnMemory(&'static str),
     #[error("symstr is only for %REG, $stackN, $argN, $retval, @ADDR, @SYM and kernel dereferences")]
     SymstrBadFetch,
-    #[error("the type of $comm can only be `string`")]
+    #[error("the type of $comm and of an immediate string can only be `string`")]
     CommNotString,
     #[error("event data too big: {0} bytes, at most {MAX_EVENT_DATA_SIZE}")]
     EventTooBig(u32),
+    #[error("$arg* stands alone: no name, type or dereference")]
+    VarArgsNotAlone,
+    #[error("$arg* may be used only once in a probe")]
+    DoubleVarArgs,
+    #[error("$arg* and parameter names only work on a kprobe at a function entry (SYMBOL or SYMBOL+0)")]
+    BtfArgNotOnEntry,
+    #[error("`-` without `>`: a field is reached with `->` or `.`")]
+    BadHyphen,
+    #[error("`.` on a parameter: only a pointer parameter's fields can be read (`->`)")]
+    DotOnParam,
+    // What needs the kernel's symbols, text or BTF (see `check`).
+    // The same words as the engine's refusals of the running kernel.
+    #[error("unknown symbol {0:?}")]
+    UnknownProbeSymbol(String),
+    #[error("symbol {name:?} is not unique ({count} symbols have that name): give an address instead")]
+    NotUniqueSymbol { name: String, count: usize },
+    #[error("{what} is outside {function} ({size:#x} bytes)")]
+    OffsetBeyondFunction { what: String, function: String, size: u64 },
+    #[error("{0}")]
+    NotInstructionBoundary(Box<SplitInstruction>),
+    #[error("no symbol `{0}` in the kernel (for `@{0}`)")]
+    UnknownDataSymbol(String),
+    #[error("the kernel's BTF is not available: parameter names and $arg* need it")]
+    NoBtf,
+    #[error("no BTF entry for function `{0}`")]
+    NoBtfEntry(String),
+    #[error("`{name}` is not a parameter of {function}")]
+    NoSuchParam { name: String, function: String },
+    #[error("{0} returns void: there is no $retval")]
+    NoRetval(String),
+    #[error("`{0}` is not a pointer to a struct or union")]
+    NotPointerToStruct(String),
+    #[error("no field `{field}` in {container}")]
+    NoSuchField { field: String, container: String },
+    #[error("bad BTF type: {0}")]
+    BadBtfType(String),
+    #[error("the type of `{0}` can not be shown as a string (only char arrays and char pointers)")]
+    BadTypeForString(String),
+}
+
+/// A probe point inside an instruction, with the instructions around it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{what} is not an instruction boundary in {function} (instructions start at {before} and {after})")]
+pub struct SplitInstruction {
+    pub what: String,
+    pub function: String,
+    pub before: String,
+    pub after: String,
+}
+
+/// The error codes of Linux's probe parser (`kernel/trace/trace_probe.h`), those a
+/// `kprobe_events` line can hit. Each [`SpecErrorKind`] maps to one of them, or to none
+/// where hvprobe refuses what Linux has no code for (its extensions, its limits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)]
+pub enum LinuxError {
+    BAD_MAXACT_TYPE,
+    BAD_MAXACT,
+    MAXACT_TOO_BIG,
+    BAD_PROBE_ADDR,
+    NON_UNIQ_SYMBOL,
+    BAD_RETPROBE,
+    BAD_ADDR_SUFFIX,
+    NO_GROUP_NAME,
+    GROUP_TOO_LONG,
+    BAD_GROUP_NAME,
+    NO_EVENT_NAME,
+    EVENT_TOO_LONG,
+    BAD_EVENT_NAME,
+    RETVAL_ON_PROBE,
+    NO_RETVAL,
+    BAD_STACK_NUM,
+    BAD_ARG_NUM,
+    BAD_VAR,
+    BAD_REG_NAME,
+    BAD_MEM_ADDR,
+    BAD_IMM,
+    IMMSTR_NO_CLOSE,
+    FILE_ON_KPROBE,
+    TOO_MANY_OPS,
+    DEREF_NEED_BRACE,
+    BAD_DEREF_OFFS,
+    DEREF_OPEN_BRACE,
+    COMM_CANT_DEREF,
+    BAD_FETCH_ARG,
+    ARRAY_NO_CLOSE,
+    BAD_ARRAY_SUFFIX,
+    BAD_ARRAY_NUM,
+    ARRAY_TOO_BIG,
+    BAD_TYPE,
+    BAD_STRING,
+    BAD_SYMSTRING,
+    BAD_BITFIELD,
+    ARG_NAME_TOO_LONG,
+    NO_ARG_NAME,
+    BAD_ARG_NAME,
+    USED_ARG_NAME,
+    ARG_TOO_LONG,
+    NO_ARG_BODY,
+    BAD_INSN_BNDRY,
+    NOSUP_BTFARG,
+    NO_BTFARG,
+    NO_BTF_ENTRY,
+    BAD_VAR_ARGS,
+    NOFENTRY_ARGS,
+    DOUBLE_ARGS,
+    NO_PTR_STRCT,
+    NOSUP_DAT_ARG,
+    BAD_HYPHEN,
+    NO_BTF_FIELD,
+    BAD_BTF_TID,
+    BAD_TYPE4STR,
+    NEED_STRING_TYPE,
+    TOO_MANY_ARGS,
+    EVENT_TOO_BIG,
+}
+
+impl LinuxError {
+    /// Every code, in `trace_probe.h`'s order.
+    pub const ALL: [LinuxError; 59] = [
+        LinuxError::BAD_MAXACT_TYPE,
+        LinuxError::BAD_MAXACT,
+        LinuxError::MAXACT_TOO_BIG,
+        LinuxError::BAD_PROBE_ADDR,
+        LinuxError::NON_UNIQ_SYMBOL,
+        LinuxError::BAD_RETPROBE,
+        LinuxError::BAD_ADDR_SUFFIX,
+        LinuxError::NO_GROUP_NAME,
+        LinuxError::GROUP_TOO_LONG,
+        LinuxError::BAD_GROUP_NAME,
+        LinuxError::NO_EVENT_NAME,
+        LinuxError::EVENT_TOO_LONG,
+        LinuxError::BAD_EVENT_NAME,
+        LinuxError::RETVAL_ON_PROBE,
+        LinuxError::NO_RETVAL,
+        LinuxError::BAD_STACK_NUM,
+        LinuxError::BAD_ARG_NUM,
+        LinuxError::BAD_VAR,
+        LinuxError::BAD_REG_NAME,
+        LinuxError::BAD_MEM_ADDR,
+        LinuxError::BAD_IMM,
+        LinuxError::IMMSTR_NO_CLOSE,
+        LinuxError::FILE_ON_KPROBE,
+        LinuxError::TOO_MANY_OPS,
+        LinuxError::DEREF_NEED_BRACE,
+        LinuxError::BAD_DEREF_OFFS,
+        LinuxError::DEREF_OPEN_BRACE,
+        LinuxError::COMM_CANT_DEREF,
+        LinuxError::BAD_FETCH_ARG,
+        LinuxError::ARRAY_NO_CLOSE,
+        LinuxError::BAD_ARRAY_SUFFIX,
+        LinuxError::BAD_ARRAY_NUM,
+        LinuxError::ARRAY_TOO_BIG,
+        LinuxError::BAD_TYPE,
+        LinuxError::BAD_STRING,
+        LinuxError::BAD_SYMSTRING,
+        LinuxError::BAD_BITFIELD,
+        LinuxError::ARG_NAME_TOO_LONG,
+        LinuxError::NO_ARG_NAME,
+        LinuxError::BAD_ARG_NAME,
+        LinuxError::USED_ARG_NAME,
+        LinuxError::ARG_TOO_LONG,
+        LinuxError::NO_ARG_BODY,
+        LinuxError::BAD_INSN_BNDRY,
+        LinuxError::NOSUP_BTFARG,
+        LinuxError::NO_BTFARG,
+        LinuxError::NO_BTF_ENTRY,
+        LinuxError::BAD_VAR_ARGS,
+        LinuxError::NOFENTRY_ARGS,
+        LinuxError::DOUBLE_ARGS,
+        LinuxError::NO_PTR_STRCT,
+        LinuxError::NOSUP_DAT_ARG,
+        LinuxError::BAD_HYPHEN,
+        LinuxError::NO_BTF_FIELD,
+        LinuxError::BAD_BTF_TID,
+        LinuxError::BAD_TYPE4STR,
+        LinuxError::NEED_STRING_TYPE,
+        LinuxError::TOO_MANY_ARGS,
+        LinuxError::EVENT_TOO_BIG,
+    ];
+}
+
+impl SpecErrorKind {
+    /// The code Linux's probe parser gives the same mistake; `None` for what Linux has no
+    /// code for: hvprobe's extensions (wildcards, brace lists), what it does not support
+    /// (modules, uprobes), and junk Linux silently ignores but hvprobe refuses.
+    pub fn linux_error(&self) -> Option<LinuxError> {
+        use LinuxError as L;
+        use SpecErrorKind as K;
+        Some(match self {
+            K::NamedWildcard
+            | K::TooManyAlternatives(_)
+            | K::UnknownProbeType(_)
+            | K::JunkAfterProbeType(_)
+            | K::MissingTarget
+            | K::ModuleTargetNotSupported(_)
+            | K::UprobeNotSupported(_)
+            | K::ArgsOnRemove
+            | K::JunkAfterDeref(_) => return None,
+            K::MaxactiveOnKprobe => L::BAD_MAXACT_TYPE,
+            K::BadMaxactive(_) => L::BAD_MAXACT,
+            K::MaxactiveTooBig(_) => L::MAXACT_TOO_BIG,
+            K::NoGroupName => L::NO_GROUP_NAME,
+            K::BadGroupName(_) => L::BAD_GROUP_NAME,
+            K::GroupNameTooLong => L::GROUP_TOO_LONG,
+            K::NoEventName => L::NO_EVENT_NAME,
+            K::BadEventName(_) => L::BAD_EVENT_NAME,
+            K::EventNameTooLong => L::EVENT_TOO_LONG,
+            K::BadTarget(_) | K::BadTargetOffset(_) | K::UnknownProbeSymbol(_) | K::OffsetBeyondFunction { .. } => {
+                L::BAD_PROBE_ADDR
+            }
+            K::NotUniqueSymbol { .. } => L::NON_UNIQ_SYMBOL,
+            K::BadTargetSuffix(_) => L::BAD_ADDR_SUFFIX,
+            K::RetprobeNotOnEntry(_) => L::BAD_RETPROBE,
+            K::TooManyArgs => L::TOO_MANY_ARGS,
+            K::NoArgName => L::NO_ARG_NAME,
+            K::ArgNameTooLong => L::ARG_NAME_TOO_LONG,
+            K::BadArgName(_) => L::BAD_ARG_NAME,
+            K::DuplicateArgName(_) | K::ReservedArgName(_) => L::USED_ARG_NAME,
+            K::NoArgBody => L::NO_ARG_BODY,
+            K::ArgTooLong => L::ARG_TOO_LONG,
+            K::UnknownRegister { .. } => L::BAD_REG_NAME,
+            K::BadMemoryAddress(_) | K::BadMemorySymbol(_) | K::UnknownDataSymbol(_) => L::BAD_MEM_ADDR,
+            K::FileOffsetOnKprobe => L::FILE_ON_KPROBE,
+            K::UnknownVariable(_) => L::BAD_VAR,
+            K::BadStackIndex(_) => L::BAD_STACK_NUM,
+            K::BadArgNumber(_) => L::BAD_ARG_NUM,
+            K::ArgNotOnEntry | K::BtfArgNotOnEntry => L::NOFENTRY_ARGS,
+            K::RetvalOnKprobe => L::RETVAL_ON_PROBE,
+            K::DerefNeedsParen => L::DEREF_NEED_BRACE,
+            K::BadDerefOffset(_) => L::BAD_DEREF_OFFS,
+            K::DerefNotClosed => L::DEREF_OPEN_BRACE,
+            K::CommDeref => L::COMM_CANT_DEREF,
+            K::BadImmediate(_) => L::BAD_IMM,
+            K::ImmStringNotClosed => L::IMMSTR_NO_CLOSE,
+            K::BadFetchArg(_) => L::BAD_FETCH_ARG,
+            K::TooManyFetchOps(_) => L::TOO_MANY_OPS,
+            K::UnknownType(_) => L::BAD_TYPE,
+            K::BadBitfield(_) => L::BAD_BITFIELD,
+            K::ArrayNotClosed => L::ARRAY_NO_CLOSE,
+            K::JunkAfterArray(_) => L::BAD_ARRAY_SUFFIX,
+            K::BadArrayLen(_) => L::BAD_ARRAY_NUM,
+            K::ArrayTooBig(_) => L::ARRAY_TOO_BIG,
+            K::ArrayNotOnMemory | K::StringNotOnMemory(_) => L::BAD_STRING,
+            K::SymstrBadFetch => L::BAD_SYMSTRING,
+            K::CommNotString => L::NEED_STRING_TYPE,
+            K::EventTooBig(_) => L::EVENT_TOO_BIG,
+            K::VarArgsNotAlone => L::BAD_VAR_ARGS,
+            K::DoubleVarArgs => L::DOUBLE_ARGS,
+            K::BadHyphen => L::BAD_HYPHEN,
+            K::DotOnParam => L::NOSUP_DAT_ARG,
+            K::NotInstructionBoundary(_) => L::BAD_INSN_BNDRY,
+            K::NoBtf => L::NOSUP_BTFARG,
+            K::NoBtfEntry(_) => L::NO_BTF_ENTRY,
+            K::NoSuchParam { .. } => L::NO_BTFARG,
+            K::NoRetval(_) => L::NO_RETVAL,
+            K::NotPointerToStruct(_) => L::NO_PTR_STRCT,
+            K::NoSuchField { .. } => L::NO_BTF_FIELD,
+            K::BadBtfType(_) => L::BAD_BTF_TID,
+            K::BadTypeForString(_) => L::BAD_TYPE4STR,
+        })
+    }
 }
 
 /// A spec error, with where it is (1-based line and column, in characters).
@@ -659,6 +974,12 @@ impl<'a> LineParser<'a> {
         } else {
             match parse_unsigned(maxactive_text) {
                 Some(n) if (1..=u64::from(MAX_MAXACTIVE)).contains(&n) => Some(n as u32),
+                Some(1..) => {
+                    return Err(self.err(
+                        maxactive_text,
+                        SpecErrorKind::MaxactiveTooBig(maxactive_text.to_owned()),
+                    ))
+                }
                 _ => return Err(self.err(maxactive_text, SpecErrorKind::BadMaxactive(maxactive_text.to_owned()))),
             }
         };
@@ -771,7 +1092,8 @@ impl<'a> LineParser<'a> {
                     Some(offset) if (0..=i64::from(u32::MAX)).contains(&offset) => {
                         (&symbol_part[..sign], offset as u64)
                     }
-                    _ => return Err(self.err(offset_text, SpecErrorKind::BadTargetOffset(offset_text.to_owned()))),
+                    // Linux points at the whole target: its offset is part of the address.
+                    _ => return Err(self.err(text, SpecErrorKind::BadTargetOffset(offset_text.to_owned()))),
                 }
             }
             None => (symbol_part, 0),
@@ -798,6 +1120,15 @@ impl<'a> LineParser<'a> {
         let mut args: Vec<FetchArg> = Vec::with_capacity(texts.len());
         let mut data_size = 0u32;
         for (index, &text) in texts.iter().enumerate() {
+            // Linux looks for `$arg*` before it parses any argument.
+            if text.starts_with("$arg*") {
+                if !context.at_function_entry || context.is_return {
+                    return Err(self.err(text, SpecErrorKind::BtfArgNotOnEntry));
+                }
+                if args.iter().any(|a| a.expr == FetchExpr::AllArgs) {
+                    return Err(self.err(text, SpecErrorKind::DoubleVarArgs));
+                }
+            }
             let arg = self.parse_arg(text, index, context)?;
             if RESERVED_ARG_NAMES.contains(&arg.name.as_str()) {
                 return Err(self.err(text, SpecErrorKind::ReservedArgName(arg.name)));
@@ -816,6 +1147,7 @@ impl<'a> LineParser<'a> {
 
     /// `[NAME=]FETCHARG[:TYPE[[N]]]`, the `index`th (from 0) argument.
     fn parse_arg(&self, text: &'a str, index: usize, context: ProbeContext) -> Parsed<FetchArg> {
+        let named = text.contains('=');
         let (name, body) = match text.find('=') {
             Some(equals) => {
                 let name = &text[..equals];
@@ -830,7 +1162,18 @@ impl<'a> LineParser<'a> {
                 }
                 (name.to_owned(), &text[equals + 1..])
             }
-            None => (format!("arg{}", index + 1), text),
+            // Linux 6.5+ names an unnamed argument by its text when that is a name (a BTF
+            // parameter: `count`), else by its position.
+            None => {
+                let before_type = text.split(':').next().unwrap_or(text);
+                if text == "$arg*" {
+                    ("$arg*".to_owned(), text)
+                } else if is_good_name(before_type, false) {
+                    (before_type.to_owned(), text)
+                } else {
+                    (format!("arg{}", index + 1), text)
+                }
+            }
         };
         if body.is_empty() {
             return Err(self.err(body, SpecErrorKind::NoArgBody));
@@ -838,6 +1181,15 @@ impl<'a> LineParser<'a> {
         // Checked before the recursive descent, which this bounds.
         if body.len() > MAX_ARG_BODY_LEN {
             return Err(self.err(body, SpecErrorKind::ArgTooLong));
+        }
+        if body == "$arg*" && name == "$arg*" {
+            return Ok(FetchArg {
+                name,
+                expr: FetchExpr::AllArgs,
+                ty: ArgType::X64,
+                array_len: None,
+                typed: false,
+            });
         }
         let (expr_text, type_text) = match body.find(':') {
             Some(colon) => (&body[..colon], Some(&body[colon + 1..])),
@@ -850,7 +1202,9 @@ impl<'a> LineParser<'a> {
             }
             None => (None, None),
         };
-        let is_comm = expr_text == "$comm" || expr_text == "$COMM";
+        // $comm and immediate strings are strings, and nothing else (Linux's check is on
+        // the text, before the fetch-arg is parsed).
+        let is_comm = expr_text == "$comm" || expr_text == "$COMM" || expr_text.starts_with("\\\"");
         if is_comm && (array_len.is_some() || type_name.is_some_and(|t| t != "string")) {
             return Err(self.err(type_name.unwrap_or(body), SpecErrorKind::CommNotString));
         }
@@ -859,14 +1213,28 @@ impl<'a> LineParser<'a> {
             None if is_comm => ArgType::String,
             None => ArgType::X64,
         };
-        let expr = self.parse_expr(expr_text, context)?;
+        let expr = match self.parse_expr(expr_text, context)? {
+            // Linux 6.5+ reads an unnamed `$argN` argument as the Nth parameter, named
+            // and typed from BTF when BTF knows the function's parameters, else as the
+            // register or stack slot: which, is known once the kernel is.
+            FetchExpr::Arg(n) if !named => FetchExpr::Btf(BtfRef {
+                base: BtfBase::Arg(n),
+                fields: Vec::new(),
+            }),
+            expr => expr,
+        };
         let type_at = type_name.unwrap_or(body);
-        self.check_type_fits(&expr, ty, array_len, type_at, body)?;
+        let is_btf = matches!(expr, FetchExpr::Btf(_));
+        // A BTF fetch-arg's type is checked against its BTF type once that is known.
+        if !is_btf {
+            self.check_type_fits(&expr, ty, array_len, type_at, body)?;
+        }
         Ok(FetchArg {
             name,
             expr,
             ty,
             array_len,
+            typed: is_btf && type_name.is_some(),
         })
     }
 
@@ -886,6 +1254,7 @@ impl<'a> LineParser<'a> {
         let len_text = &inside_and_rest[..close];
         match parse_unsigned(len_text) {
             Some(n) if (1..=u64::from(MAX_ARRAY_LEN)).contains(&n) => Ok((&text[..open], Some(n as u32))),
+            Some(1..) => Err(self.err(len_text, SpecErrorKind::ArrayTooBig(len_text.to_owned()))),
             _ => Err(self.err(len_text, SpecErrorKind::BadArrayLen(len_text.to_owned()))),
         }
     }
@@ -895,6 +1264,12 @@ impl<'a> LineParser<'a> {
             return Ok(ty);
         }
         if let Some(spec) = text.strip_prefix('b') {
+            // Linux first finds the type by the container size after `/`: without a good
+            // one the type is unknown; with one, the rest must be a good bitfield.
+            let container = spec.split_once('/').and_then(|(_, c)| parse_unsigned(c));
+            if !matches!(container, Some(8 | 16 | 32 | 64)) {
+                return Err(self.err(text, SpecErrorKind::UnknownType(text.to_owned())));
+            }
             return parse_bitfield(spec).ok_or_else(|| self.err(text, SpecErrorKind::BadBitfield(text.to_owned())));
         }
         Err(self.err(text, SpecErrorKind::UnknownType(text.to_owned())))
@@ -913,7 +1288,13 @@ impl<'a> LineParser<'a> {
             expr,
             FetchExpr::Deref { .. } | FetchExpr::Memory(_) | FetchExpr::SymbolMemory { .. }
         );
-        if ty.is_memory_string() && !(reads_memory || matches!(expr, FetchExpr::Immediate(_) | FetchExpr::Comm)) {
+        if ty.is_memory_string()
+            && !(reads_memory
+                || matches!(
+                    expr,
+                    FetchExpr::Immediate(_) | FetchExpr::Comm | FetchExpr::ImmString(_)
+                ))
+        {
             let name = if ty == ArgType::String { "string" } else { "ustring" };
             return Err(self.err(type_at, SpecErrorKind::StringNotOnMemory(name)));
         }
@@ -938,7 +1319,12 @@ impl<'a> LineParser<'a> {
         // Count the kernel's fetch instructions: the fetch itself, then a store op unless the
         // last deref becomes the store, then one each for a bitfield and an array loop.
         let store_needs_slot = if ty.is_memory_string() || ty == ArgType::SymStr {
-            ty == ArgType::SymStr || matches!(expr, FetchExpr::Immediate(_) | FetchExpr::Comm) || array_len.is_some()
+            ty == ArgType::SymStr
+                || matches!(
+                    expr,
+                    FetchExpr::Immediate(_) | FetchExpr::Comm | FetchExpr::ImmString(_)
+                )
+                || array_len.is_some()
         } else {
             !reads_memory
         };
@@ -947,7 +1333,12 @@ impl<'a> LineParser<'a> {
             + usize::from(matches!(ty, ArgType::Bitfield { .. }))
             + usize::from(array_len.is_some());
         if ops > MAX_FETCH_OPS {
-            return Err(self.err(body, SpecErrorKind::TooManyFetchOps(ops)));
+            // Linux finds it out in the outermost dereference, after its `(`.
+            let at = match expr {
+                FetchExpr::Deref { .. } => body.find('(').map_or(body, |open| &body[open + 1..]),
+                _ => body,
+            };
+            return Err(self.err(at, SpecErrorKind::TooManyFetchOps(ops)));
         }
         Ok(())
     }
@@ -973,8 +1364,47 @@ impl<'a> LineParser<'a> {
             b'$' => self.parse_variable(text, context),
             b'+' | b'-' => self.parse_deref(text, context),
             b'\\' => self.parse_immediate(text),
+            b if b.is_ascii_alphabetic() || b == b'_' => {
+                let name_len = text.find(['-', '.']).unwrap_or(text.len());
+                self.parse_btf_ref(
+                    text,
+                    BtfBase::Param(text[..name_len].to_owned()),
+                    &text[name_len..],
+                    context,
+                )
+            }
             _ => Err(self.err(text, SpecErrorKind::BadFetchArg(text.to_owned()))),
         }
+    }
+
+    /// The `->`/`.` steps of a BTF fetch-arg after its base (`text` is the whole of it,
+    /// `fields` its tail). Linux 6.5+ reads these only at a function entry.
+    fn parse_btf_ref(&self, text: &'a str, base: BtfBase, fields: &'a str, context: ProbeContext) -> Parsed<FetchExpr> {
+        let on_return = matches!(base, BtfBase::Retval);
+        if !on_return && (context.is_return || !context.at_function_entry) {
+            return Err(self.err(text, SpecErrorKind::BtfArgNotOnEntry));
+        }
+        let mut steps = Vec::new();
+        let mut rest = fields;
+        while !rest.is_empty() {
+            let (arrow, after) = if let Some(after) = rest.strip_prefix("->") {
+                (true, after)
+            } else if let Some(after) = rest.strip_prefix('.') {
+                (false, after)
+            } else {
+                return Err(self.err(rest, SpecErrorKind::BadHyphen));
+            };
+            if steps.is_empty() && !arrow {
+                return Err(self.err(after, SpecErrorKind::DotOnParam));
+            }
+            let len = after.find(['-', '.']).unwrap_or(after.len());
+            steps.push(BtfField {
+                name: after[..len].to_owned(),
+                arrow,
+            });
+            rest = &after[len..];
+        }
+        Ok(FetchExpr::Btf(BtfRef { base, fields: steps }))
     }
 
     /// `@ADDR` or `@SYM[+|-OFFS]`.
@@ -983,7 +1413,7 @@ impl<'a> LineParser<'a> {
         match spec.as_bytes().first() {
             Some(b) if b.is_ascii_digit() => parse_unsigned(spec)
                 .map(|a| FetchExpr::Memory(Gva(a)))
-                .ok_or_else(|| self.err(spec, SpecErrorKind::BadMemoryAddress(spec.to_owned()))),
+                .ok_or_else(|| self.err(text, SpecErrorKind::BadMemoryAddress(spec.to_owned()))),
             Some(b'+') => Err(self.err(text, SpecErrorKind::FileOffsetOnKprobe)),
             _ => {
                 let (name, offset) = match spec.find(['+', '-']) {
@@ -1010,6 +1440,27 @@ impl<'a> LineParser<'a> {
     /// `$stack`, `$stackN`, `$argN`, `$retval`, `$comm`.
     fn parse_variable(&self, text: &'a str, context: ProbeContext) -> Parsed<FetchExpr> {
         let name = &text[1..];
+        if name == "arg*" {
+            // Only as an argument of its own (see `parse_args`).
+            return Err(self.err(text, SpecErrorKind::VarArgsNotAlone));
+        }
+        // `$argN->field`, `$retval->field`: BTF fields through the parameter's type.
+        if let Some(sep) = name.find(['-', '.']) {
+            let base = &name[..sep];
+            let fields = &name[sep..];
+            if base == "retval" {
+                if !context.is_return {
+                    return Err(self.err(text, SpecErrorKind::RetvalOnKprobe));
+                }
+                return self.parse_btf_ref(text, BtfBase::Retval, fields, context);
+            }
+            if let Some(number) = base.strip_prefix("arg").and_then(parse_decimal) {
+                return match number {
+                    1..=MAX_STACK_INDEX_U64 => self.parse_btf_ref(text, BtfBase::Arg(number as u32), fields, context),
+                    _ => Err(self.err(text, SpecErrorKind::BadArgNumber(base[3..].to_owned()))),
+                };
+            }
+        }
         match name {
             "retval" if context.is_return => return Ok(FetchExpr::Retval),
             "retval" => return Err(self.err(text, SpecErrorKind::RetvalOnKprobe)),
@@ -1023,7 +1474,7 @@ impl<'a> LineParser<'a> {
         {
             return match parse_decimal(index_text) {
                 Some(n) if n <= u64::from(MAX_STACK_INDEX) => Ok(FetchExpr::StackEntry(n as u32)),
-                _ => Err(self.err(index_text, SpecErrorKind::BadStackIndex(index_text.to_owned()))),
+                _ => Err(self.err(text, SpecErrorKind::BadStackIndex(index_text.to_owned()))),
             };
         }
         if let Some(number_text) = name.strip_prefix("arg").filter(|n| !n.is_empty()) {
@@ -1035,7 +1486,7 @@ impl<'a> LineParser<'a> {
             }
             return match number {
                 1..=MAX_STACK_INDEX_U64 => Ok(FetchExpr::Arg(number as u32)),
-                _ => Err(self.err(number_text, SpecErrorKind::BadArgNumber(number_text.to_owned()))),
+                _ => Err(self.err(text, SpecErrorKind::BadArgNumber(number_text.to_owned()))),
             };
         }
         Err(self.err(text, SpecErrorKind::UnknownVariable(name.to_owned())))
@@ -1063,7 +1514,7 @@ impl<'a> LineParser<'a> {
                 }
             });
         let Some(offset) = magnitude else {
-            return Err(self.err(offset_text, SpecErrorKind::BadDerefOffset(offset_text.to_owned())));
+            return Err(self.err(text, SpecErrorKind::BadDerefOffset(offset_text.to_owned())));
         };
         let inner_and_rest = &number_start[open + 1..];
         // The innermost `(` pairs with the last `)`, as in the kernel (strrchr).
@@ -1076,7 +1527,7 @@ impl<'a> LineParser<'a> {
         }
         let inner = &inner_and_rest[..close];
         let base = self.parse_expr(inner, context)?;
-        if base == FetchExpr::Comm {
+        if matches!(base, FetchExpr::Comm | FetchExpr::ImmString(_)) {
             return Err(self.err(inner, SpecErrorKind::CommDeref));
         }
         Ok(FetchExpr::Deref {
@@ -1089,8 +1540,12 @@ impl<'a> LineParser<'a> {
     /// `\IMM`: a number, with an optional sign as the kernel's `str_to_immediate` takes.
     fn parse_immediate(&self, text: &'a str) -> Parsed<FetchExpr> {
         let value_text = &text[1..];
-        if value_text.starts_with('"') {
-            return Err(self.err(text, SpecErrorKind::ImmediateStringNotSupported));
+        if let Some(quoted) = value_text.strip_prefix('"') {
+            // The last character closes it: what is between is the string, `"`s and all.
+            return match quoted.strip_suffix('"') {
+                Some(string) => Ok(FetchExpr::ImmString(string.to_owned())),
+                None => Err(self.err(self.end_of(text), SpecErrorKind::ImmStringNotClosed)),
+            };
         }
         let value = match value_text.as_bytes().first() {
             Some(b) if b.is_ascii_digit() => parse_unsigned(value_text),
@@ -1265,17 +1720,41 @@ impl fmt::Display for Target {
     }
 }
 
+impl fmt::Display for BtfRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.base {
+            BtfBase::Param(name) => f.write_str(name)?,
+            BtfBase::Arg(n) => write!(f, "$arg{n}")?,
+            BtfBase::Retval => f.write_str("$retval")?,
+        }
+        for field in &self.fields {
+            let sep = if field.arrow { "->" } else { "." };
+            write!(f, "{sep}{}", field.name)?;
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for FetchArg {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}={}", self.name, self.expr)?;
+        match &self.expr {
+            FetchExpr::AllArgs => return f.write_str("$arg*"),
+            // Unnamed, as it was written: a name would make it the plain register.
+            FetchExpr::Btf(BtfRef {
+                base: BtfBase::Arg(_),
+                fields,
+            }) if fields.is_empty() => write!(f, "{}", self.expr)?,
+            _ => write!(f, "{}={}", self.name, self.expr)?,
+        }
         // The default type is left out so that the text never outgrows the kernel's
         // 63-character limit when the input fit in it.
-        let default_type = if self.expr == FetchExpr::Comm {
+        let default_type = if matches!(self.expr, FetchExpr::Comm | FetchExpr::ImmString(_)) {
             ArgType::String
         } else {
             ArgType::X64
         };
-        if self.ty != default_type || self.array_len.is_some() {
+        let btf = matches!(self.expr, FetchExpr::Btf(_));
+        if (btf && self.typed) || (!btf && self.ty != default_type) || self.array_len.is_some() {
             write!(f, ":{}", self.ty)?;
         }
         if let Some(n) = self.array_len {
@@ -1307,6 +1786,9 @@ impl fmt::Display for FetchExpr {
                 let user = if *user { "u" } else { "" };
                 write!(f, "{sign}{user}{}({base})", Number(offset.unsigned_abs()))
             }
+            FetchExpr::ImmString(text) => write!(f, "\\\"{text}\""),
+            FetchExpr::Btf(r) => write!(f, "{r}"),
+            FetchExpr::AllArgs => f.write_str("$arg*"),
         }
     }
 }
@@ -1358,6 +1840,7 @@ impl fmt::Display for ArgType {
             ArgType::UString => "ustring",
             ArgType::Symbol => "symbol",
             ArgType::SymStr => "symstr",
+            ArgType::Char => "char",
             ArgType::Bitfield {
                 width,
                 offset,
@@ -1372,3 +1855,6 @@ impl fmt::Display for ArgType {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod conformance;

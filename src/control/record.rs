@@ -32,6 +32,7 @@ pub enum WireArg {
     Unsigned(u64),
     Signed(i64),
     Hex(u64),
+    Char(u8),
     Symbol { address: u64, description: Option<String> },
     String(Vec<u8>),
     Fault,
@@ -44,6 +45,7 @@ impl From<&ArgValue> for WireArg {
             ArgValue::Unsigned(v) => WireArg::Unsigned(*v),
             ArgValue::Signed(v) => WireArg::Signed(*v),
             ArgValue::Hex(v) => WireArg::Hex(*v),
+            ArgValue::Char(c) => WireArg::Char(*c),
             ArgValue::Symbol { address, description } => WireArg::Symbol {
                 address: *address,
                 description: description.clone(),
@@ -61,6 +63,7 @@ impl From<WireArg> for ArgValue {
             WireArg::Unsigned(v) => ArgValue::Unsigned(v),
             WireArg::Signed(v) => ArgValue::Signed(v),
             WireArg::Hex(v) => ArgValue::Hex(v),
+            WireArg::Char(c) => ArgValue::Char(c),
             WireArg::Symbol { address, description } => ArgValue::Symbol { address, description },
             WireArg::String(bytes) => ArgValue::String(bytes),
             WireArg::Fault => ArgValue::Fault,

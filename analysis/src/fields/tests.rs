@@ -96,3 +96,13 @@ fn normalize_cuts_to_the_size_and_extends_the_sign() {
     assert_eq!(u16.normalize(0x1_0001), 1);
     assert_eq!(FieldType::String.normalize(5), 5);
 }
+
+/// A `char` (Linux 6.6+) is an unsigned byte to filters and keys, as in Linux.
+#[test]
+fn a_char_is_an_unsigned_byte() {
+    let fields = EventFields::new(&args_of("p:g/e f c=+0(%di):char"));
+    let field = fields.lookup("c").unwrap();
+    assert_eq!(field.ty, FieldType::Number { size: 1, signed: false });
+    let record = hit("sh", 1, 0, vec![("c", ArgValue::Char(b'A'))]);
+    assert_eq!(field.value(&record), FieldValue::Number(65));
+}

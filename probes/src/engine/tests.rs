@@ -2378,3 +2378,36 @@ fn a_plausible_step_is_at_most_one_hit_per_nanosecond_per_vcpu() {
     assert_eq!(plausible_step(2_000_001 + (1 << 20), 0, ms, 2), None);
     assert_eq!(plausible_step(u64::MAX, 0, Duration::MAX, u32::MAX), Some(u64::MAX));
 }
+
+/// The guest's BTF is read from its memory between `__start_BTF` and `__stop_BTF` when
+/// first asked for; a kernel without those symbols has none.
+#[test]
+fn the_guests_btf_is_read_from_its_memory_once() {
+    use hvprobe_introspection::btf::{BTF_MAGIC, BTF_VERSION};
+    let machine = FakeMachine::with_code();
+    assert!(tracer(&machine).kernel_btf().is_none(), "no __start_BTF: no BTF");
+    // An empty BTF: the header, no types, the empty string.
+    let mut blob = Vec::new();
+    blob.extend(BTF_MAGIC.to_le_bytes());
+    blob.extend([BTF_VERSION, 0]);
+    for word in [24u32, 0, 0, 0, 1] {
+        blob.extend(word.to_le_bytes());
+    }
+    blob.push(0);
+    let at = FUNC + 0x2000;
+    machine.write_virt(Gva(at), &blob).unwrap();
+    let map = format!(
+        "{FUNC:016x} T func\n{at:016x} R __start_BTF\n{:016x} R __stop_BTF\n",
+        at + blob.len() as u64
+    );
+    let view = KernelView {
+        symbols: Arc::new(SymbolTable::parse_system_map(&map).unwrap()),
+        blacklist: KprobeBlacklist::default(),
+        ex_table: ExceptionTable::default(),
+        patch_sites: PatchSites::default(),
+    };
+    let t = Tracer::new(machine.clone(), view, None, None);
+    let btf = t.kernel_btf().expect("the BTF is read");
+    assert!(btf.is_empty());
+    assert!(Arc::ptr_eq(btf, t.kernel_btf().unwrap()), "read once");
+}

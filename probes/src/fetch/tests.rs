@@ -442,3 +442,24 @@ fn json_forms() {
     assert_eq!(ArgValue::Array(vec![]).to_string(), "{}");
     assert!(!ArgValue::Array(vec![]).is_fault());
 }
+
+/// `char` (Linux 6.6+) is one byte shown as Linux's `'%c'`; arrays of them as `{'a','b'}`.
+#[test]
+fn chars_are_one_byte_shown_in_quotes() {
+    let mut w = World::new();
+    w.regs.rdi = 0xffff_8880_0000_1000;
+    w.kernel.write(0xffff_8880_0000_1000, b"hi\x07");
+    assert_eq!(w.eval("+0(%di):char"), ArgValue::Char(b'h'));
+    assert_eq!(w.show("+0(%di):char[3]"), "{'h','i','\\x07'}");
+    assert_eq!(w.show("%di:char"), "'\\x00'");
+    assert_eq!(ArgValue::Char(b'x').to_json(), serde_json::json!("x"));
+}
+
+/// `\"TEXT"` is the text itself, as a string (Linux's immediate string).
+#[test]
+fn immediate_strings_are_their_text() {
+    let w = World::new();
+    assert_eq!(w.show("\\\"hello\""), "\"hello\"");
+    // Shown as Linux shows it: between quotes, its own quotes as they are.
+    assert_eq!(w.show("\\\"a\"b\":string"), "\"a\"b\"");
+}

@@ -50,9 +50,11 @@ fn symbols() -> SymbolTable {
     .unwrap()
 }
 
+/// The fetch-args of `spec` as the engine gets them: resolved, on a kernel without BTF
+/// (an unnamed `$argN` is then its register or stack slot).
 fn args(spec: &str) -> Vec<FetchArg> {
     match parse_line(&format!("p:g/e func {spec}")).unwrap() {
-        Some(ProbeSpec::Kprobe { args, .. }) => args,
+        Some(ProbeSpec::Kprobe { args, .. }) => crate::spec::check::resolve_btf_args("func", &args, None).unwrap(),
         other => panic!("{other:?}"),
     }
 }
