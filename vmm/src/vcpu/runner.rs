@@ -16,6 +16,7 @@ use super::*;
 use crate::backend::Backend;
 use crate::breakpoint::reinject_breakpoint;
 use crate::devices::{GuestEvent, IoAction, PortDevices};
+use crate::layout::{OOL_AREA_START, OOL_CODE_SIZE};
 use crate::stats::VcpuStats;
 use crate::{kvm_err, Error};
 
@@ -38,6 +39,9 @@ pub struct ExitCounters {
     pub kvmclock_pauses: AtomicU64,
     /// Pauses of every vCPU ([`VcpuControl::pause_all`], outermost ones only).
     pub pauses: AtomicU64,
+    /// Guest writes into the out-of-line area's code half, which its read-only memory slot
+    /// turned into MMIO exits: dropped (issue 24).
+    pub ool_writes_refused: AtomicU64,
 }
 
 /// Everything one vCPU thread needs.
@@ -191,6 +195,11 @@ impl VcpuRunner {
                 data.fill(0xff);
                 Next::Continue
             }
+            VcpuExit::MmioWrite(addr, data) if OOL_CODE.contains(&addr) => {
+                let len = data.len();
+                self.ool_write_refused(cpu, addr, len);
+                Next::Continue
+            }
             VcpuExit::MmioWrite(addr, _) => {
                 tracing::debug!("vCPU {cpu}: write to unbacked guest-physical {addr:#x}");
                 Next::Continue
@@ -236,6 +245,31 @@ impl VcpuRunner {
                 message: format!("unexpected exit: {other:?}"),
             }),
         }
+    }
+
+    /// A guest write of `len` bytes at `addr`, inside the out-of-line area's read-only code:
+    /// dropped (KVM has not written it), counted, and the first few reported with the
+    /// writer's RIP (past the instruction, which KVM completed as MMIO) and CR3. The run
+    /// goes on: our code is unchanged, so the probes keep working.
+    fn ool_write_refused(&mut self, cpu: usize, addr: u64, len: usize) {
+        let n = self.control.counters.ool_writes_refused.fetch_add(1, Ordering::Relaxed) + 1;
+        if n > OOL_WRITES_LOGGED {
+            return;
+        }
+        let rip = self.vcpu.get_regs().map(|r| r.rip).ok();
+        let cr3 = self.vcpu.get_sregs().map(|s| s.cr3).ok();
+        let shown = |v: Option<u64>| v.map_or_else(|| "?".to_string(), |v| format!("{v:#x}"));
+        tracing::warn!(
+            "vCPU {cpu}: the guest wrote {len} bytes at {addr:#x}, into hvprobe's out-of-line code: refused \
+             (RIP after the write {}, CR3 {}){}",
+            shown(rip),
+            shown(cr3),
+            if n == OOL_WRITES_LOGGED {
+                "; further ones are only counted"
+            } else {
+                ""
+            }
+        );
     }
 
     /// `KVM_EXIT_INTERNAL_ERROR`: on kvm_pvm a guest int3 at CPL0 arrives this way.
@@ -327,6 +361,12 @@ impl VcpuRunner {
     }
 }
 
+/// The out-of-line area's code half, guest-physical: read-only to the guest (see
+/// `register_guest_memory`), so a guest write there exits as MMIO.
+const OOL_CODE: std::ops::Range<u64> = OOL_AREA_START.0..OOL_AREA_START.0 + OOL_CODE_SIZE;
+/// How many refused writes into it are logged one by one (all are counted).
+const OOL_WRITES_LOGGED: u64 = 8;
+
 /// `fwait`/`wait`: KVM's emulator has no case for it, and Linux executes one in
 /// `fpu__drop()` on every exec and exit.
 const FWAIT: u8 = 0x9b;
@@ -347,7 +387,8 @@ fn complete_fwait(vcpu: &VcpuFd, rip: u64) -> Result<(), Error> {
         return vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"));
     }
     let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
-    regs.rip = rip + 1;
+    // The guest's RIP: an fwait at the last byte of the address space wraps, as the CPU's.
+    regs.rip = rip.wrapping_add(1);
     vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))
 }
 
