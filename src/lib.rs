@@ -5,20 +5,15 @@
 //! (`hvprobe-probes`) runs on a VM (`hvprobe-vmm`) through `hvprobe-live`, which host tools
 //! use directly.
 
-pub mod analysis;
-pub mod bench;
-pub mod bench_arm;
-pub mod bench_drain;
-pub mod bench_filter;
 pub mod cli;
+pub mod cmd;
 pub mod control;
 pub mod cpio;
+pub mod filters_and_triggers;
 pub mod guest;
 pub mod perfetto;
-pub mod run;
 pub mod sampler;
 pub mod session;
-pub mod snapshot;
 pub mod trace;
 
 pub use hvprobe_vmm as vmm;

@@ -15,9 +15,9 @@ use hvprobe_vmm::{DebugHandler, NoProbes, StopReason, VcpuControl, VcpuState, Vm
 use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
-use crate::analysis::AnalysisFlags;
 use crate::cli::HitOutputs;
 use crate::control::server::ControlServer;
+use crate::filters_and_triggers::AnalysisFlags;
 use crate::trace::TraceSession;
 use hvprobe_probes::clock::TraceClock;
 

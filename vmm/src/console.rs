@@ -185,8 +185,7 @@ pub struct ConsoleWriter {
 
 impl ConsoleWriter {
     pub fn new(log: ConsoleLog, output: ConsoleOutput) -> Self {
-        let whole_lines =
-            (output != ConsoleOutput::Discard && !io::stdout().is_terminal()).then(WholeLines::default);
+        let whole_lines = (output != ConsoleOutput::Discard && !io::stdout().is_terminal()).then(WholeLines::default);
         log.stdout_whole_lines.store(whole_lines.is_some(), Ordering::Relaxed);
         ConsoleWriter {
             log,

@@ -26,7 +26,7 @@ use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use crate::cli::DrainBenchArgs;
 
-type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
+use crate::cmd::CliResult;
 
 const RINGS_GPA: Gpa = Gpa(0x10_0000);
 const RINGS_GVA: Gva = Gva(0xffff_ffff_8240_0000);

@@ -1,88 +1,113 @@
-//! The run's event filters and hist triggers (`--filter`, `--trigger`, and the probe file's
-//! `filter`/`trigger` lines; the grammar and the aggregation are `hvprobe-analysis`): read
-//! with the probe file, bound to its events before any probe is armed, applied by the
-//! trace session to every hit as it reaches the host, printed at the end and on SIGUSR1.
+//! The run's printer: hit lines on stdout, which the guest's console shares, never inside
+//! a guest line.
 
-use std::io::Write as _;
 use std::time::{Duration, Instant};
 
-use hvprobe_analysis::request::{self, Request, RequestError, RequestKind};
-use hvprobe_analysis::table::AnalysisTable;
-use hvprobe_introspection::symbols::SymbolTable;
-use hvprobe_vmm::ConsoleLog;
+use super::*;
 
-use crate::cli::OutputFormat;
-
-/// The `--filter` and `--trigger` values of a run, unparsed.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct AnalysisFlags {
-    pub filters: Vec<String>,
-    pub triggers: Vec<String>,
-}
-
-impl AnalysisFlags {
-    pub fn is_empty(&self) -> bool {
-        self.filters.is_empty() && self.triggers.is_empty()
-    }
-
-    /// Every flag parsed, or every flag's error.
-    pub fn parse(&self) -> (Vec<Request>, Vec<RequestError>) {
-        let flags = self
-            .filters
-            .iter()
-            .map(|f| (RequestKind::Filter, f))
-            .chain(self.triggers.iter().map(|t| (RequestKind::Trigger, t)));
-        let (mut requests, mut errors) = (Vec::new(), Vec::new());
-        for (kind, value) in flags {
-            match request::parse_flag(kind, value) {
-                Ok(r) => requests.push(r),
-                Err(e) => errors.push(e),
-            }
-        }
-        (requests, errors)
-    }
-}
-
-/// A probe file's text with its `filter`/`trigger` lines blanked (so the kprobe_events
-/// parser's line numbers stay the file's), and those lines parsed.
-pub fn take_request_lines(text: &str, source: &str) -> (String, Vec<Request>, Vec<RequestError>) {
-    let (mut probes, mut requests, mut errors) = (String::with_capacity(text.len()), Vec::new(), Vec::new());
-    for (index, line) in text.lines().enumerate() {
-        if request::is_request_line(line) {
-            match request::parse_line(source, index + 1, line) {
-                Ok(r) => requests.push(r),
-                Err(e) => errors.push(e),
-            }
-        } else {
-            probes.push_str(line);
-        }
-        probes.push('\n');
-    }
-    (probes, requests, errors)
-}
-
-/// The line a request error is on (0 for a flag: flags are reported first).
-pub fn error_line(e: &RequestError) -> usize {
-    origin_line(&e.origin)
-}
-
-/// The spec file's line of a request (0 for a flag).
-pub fn origin_line(origin: &request::Origin) -> usize {
-    match origin {
-        request::Origin::File { line, .. } => *line,
-        request::Origin::Flag { .. } => 0,
-    }
-}
-
-/// The histograms as the run prints them: the `hist` files (text), or one JSON line each.
-pub fn hist_report(table: &AnalysisTable, format: OutputFormat, symbols: Option<&SymbolTable>) -> String {
+/// One hit in `format`, without the last newline: a line, or for a text hit with a kernel
+/// stack the event's line and the stack's lines (frames with offsets with `sym_offset`).
+pub fn event_line(event: &HitEvent, format: OutputFormat, sym_offset: bool) -> String {
     match format {
-        OutputFormat::Json => table
-            .hist_json_lines(symbols)
-            .into_iter()
-            .map(|l| format!("{l}\n"))
-            .collect(),
-        OutputFormat::Text | OutputFormat::None => table.hist_files(symbols),
+        OutputFormat::Json => json_line(&event.record),
+        OutputFormat::Text | OutputFormat::None => ftrace_text(&event.record, sym_offset),
+    }
+}
+
+/// Prints events as they come, a batch of lines at a time, and writes them to the Perfetto
+/// trace (if any), which is finished when the queue ends (the run's end, however it ends).
+pub(super) fn print_events(
+    rx: Receiver<HitEvent>,
+    format: OutputFormat,
+    sym_offset: bool,
+    console: ConsoleLog,
+    mut perfetto: Option<PerfettoFile>,
+) {
+    let mut stdout = (format != OutputFormat::None).then(|| StdoutPrinter::new(format, sym_offset, console));
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        let mut taken = 0;
+        while let Some(event) = next {
+            if let Some(printer) = &mut stdout {
+                printer.push(&event);
+            }
+            if let Some(file) = &mut perfetto {
+                file.write_hit(&event.record);
+            }
+            taken += 1;
+            // A batch is printed (and the trace flushed) at 64 KiB of text or 4096 hits.
+            let full = taken >= 4096 || stdout.as_ref().is_some_and(|p| p.batch.len() >= 1 << 16);
+            next = if full { None } else { rx.try_recv().ok() };
+        }
+        if let Some(printer) = &mut stdout {
+            if !printer.flush() {
+                if perfetto.is_none() {
+                    // stdout is gone (a closed pipe): the hits from now on are missed.
+                    return;
+                }
+                // The trace file still takes every hit.
+                stdout = None;
+            }
+        }
+        if let Some(file) = &mut perfetto {
+            file.flush();
+        }
+    }
+    if let Some(file) = perfetto {
+        let path = file.path().display().to_string();
+        match file.finish() {
+            Ok(summary) => eprintln!("hvprobe: {}", crate::perfetto::summary_line(&path, &summary)),
+            Err(e) => eprintln!("hvprobe: error: {e}"),
+        }
+    }
+}
+
+/// Hit lines for stdout, a batch at a time. stdout is shared with the guest's console,
+/// which prints a byte at a time: a batch goes out under stdout's lock, only when the
+/// console is at the start of a line, so neither splits the other's lines.
+pub(super) struct StdoutPrinter {
+    format: OutputFormat,
+    /// `--sym-offset`: stack frames with their offsets.
+    sym_offset: bool,
+    console: ConsoleLog,
+    batch: String,
+    /// The console's byte count when a batch of ours last broke one of its lines: as long
+    /// as it has printed nothing since, stdout is at the start of a line (ours).
+    broke_line_at: Option<u64>,
+}
+
+impl StdoutPrinter {
+    fn new(format: OutputFormat, sym_offset: bool, console: ConsoleLog) -> Self {
+        StdoutPrinter {
+            format,
+            sym_offset,
+            console,
+            batch: String::new(),
+            broke_line_at: None,
+        }
+    }
+
+    fn push(&mut self, event: &HitEvent) {
+        self.batch.push_str(&event_line(event, self.format, self.sym_offset));
+        self.batch.push('\n');
+    }
+
+    /// Prints the batch; false when stdout cannot be written any more.
+    fn flush(&mut self) -> bool {
+        if self.batch.is_empty() {
+            return true;
+        }
+        let console = &self.console;
+        let broke_line_at = self.broke_line_at;
+        let at_line_start = || console.at_line_start() || broke_line_at == Some(console.written());
+        let (mut out, at_line) = lock_stdout_at_line(console, at_line_start);
+        if !at_line {
+            self.batch.insert(0, '\n');
+            self.broke_line_at = Some(console.written());
+        }
+        let written = out.write_all(self.batch.as_bytes()).and_then(|()| out.flush()).is_ok();
+        self.batch.clear();
+        written
     }
 }
 
@@ -195,29 +220,5 @@ mod tests {
             waited >= Duration::from_millis(50) && waited < Duration::from_secs(2),
             "{waited:?}"
         );
-    }
-
-    #[test]
-    fn request_lines_leave_blank_lines_so_the_probes_keep_their_numbers() {
-        let text = "p:g/a f\nfilter g/a cpu == 0\n# trigger g/a hist:keys=cpu\ntrigger g/a hist:keys=cpu\np:g/b h\n";
-        let (probes, requests, errors) = take_request_lines(text, "f");
-        assert_eq!(probes, "p:g/a f\n\n# trigger g/a hist:keys=cpu\n\np:g/b h\n");
-        assert_eq!(requests.len(), 2);
-        assert!(errors.is_empty());
-        assert_eq!(origin_line(&requests[1].origin), 4);
-        let (_, _, errors) = take_request_lines("p:g/a f\n\nfilter g/a cpu = 0\n", "f");
-        assert_eq!(errors.iter().map(error_line).collect::<Vec<_>>(), [3]);
-    }
-
-    #[test]
-    fn flags_parse_each_and_report_each() {
-        let flags = AnalysisFlags {
-            filters: vec!["g/a:cpu == 0".into(), "nocolon".into()],
-            triggers: vec!["g/a:hist:keys=cpu".into()],
-        };
-        let (requests, errors) = flags.parse();
-        assert_eq!(requests.len(), 2);
-        assert_eq!(errors.len(), 1);
-        assert_eq!(error_line(&errors[0]), 0);
     }
 }

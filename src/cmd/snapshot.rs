@@ -14,11 +14,11 @@ use std::time::{Duration, Instant};
 use hvprobe_live::{live_memory, load_symbols, SymbolsFrom, TaskContext};
 use hvprobe_vmm::{ConsoleLog, ConsoleOutput, StopReason, Vm, VmConfig, VmOutcome};
 
-use crate::cli::{CreateArgs, MachineArgs, SnapshotBenchArgs};
+use crate::cli::CreateArgs;
 use crate::guest::{initrd_with_workload, kernel_cmdline, workload_message, BundledGuest, WAIT_OPTION};
 use crate::session::{RunSession, TraceOptions};
 
-type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
+use crate::cmd::CliResult;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotCliError {
@@ -34,7 +34,10 @@ pub enum SnapshotCliError {
 }
 
 /// The machine `snapshot create` boots.
-fn wait_mode_config(args: &CreateArgs, console_output: ConsoleOutput) -> Result<VmConfig, Box<dyn std::error::Error>> {
+pub(crate) fn wait_mode_config(
+    args: &CreateArgs,
+    console_output: ConsoleOutput,
+) -> Result<VmConfig, Box<dyn std::error::Error>> {
     VmConfig::validate_machine(args.machine.cpus, args.machine.mem)?;
     if let Some(kernel) = &args.machine.kernel {
         hvprobe_vmm::kernel_format(kernel)?;
@@ -70,7 +73,7 @@ fn wait_mode_config(args: &CreateArgs, console_output: ConsoleOutput) -> Result<
 }
 
 /// Boots until the guest is ready and saves it; returns the boot's outcome.
-fn boot_and_save(
+pub(crate) fn boot_and_save(
     config: &VmConfig,
     out: &Path,
 ) -> Result<(VmOutcome, hvprobe_vmm::SnapshotInfo), Box<dyn std::error::Error>> {
@@ -112,17 +115,17 @@ pub fn create(args: CreateArgs) -> CliResult {
 }
 
 /// What one restore did, with its timings.
-struct Restored {
-    outcome: VmOutcome,
-    console: ConsoleLog,
+pub(crate) struct Restored {
+    pub(crate) outcome: VmOutcome,
+    pub(crate) console: ConsoleLog,
     /// From the start of the restore to vCPU 0's first KVM_RUN.
-    to_first_entry: Option<Duration>,
+    pub(crate) to_first_entry: Option<Duration>,
     /// From the start of the restore to the guest's "workload started" event.
-    to_workload_started: Option<Duration>,
-    total: Duration,
+    pub(crate) to_workload_started: Option<Duration>,
+    pub(crate) total: Duration,
 }
 
-fn restore_and_run(
+pub(crate) fn restore_and_run(
     dir: &Path,
     cpus: u8,
     workload: &str,
@@ -199,7 +202,7 @@ pub fn run_restored(
         r.outcome.instructions_emulated,
         r.outcome.breakpoints_reinjected,
     );
-    crate::run::report_refused_ool_writes(&r.outcome);
+    crate::cmd::run::report_refused_ool_writes(&r.outcome);
     match r.outcome.reason {
         StopReason::GuestExit(status) => Ok(ExitCode::from(status)),
         StopReason::Signal(sig) => Ok(ExitCode::from(crate::session::exit_status_for_signal(sig))),
@@ -209,97 +212,4 @@ pub fn run_restored(
         }
         .into()),
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-/// `hvprobe bench snapshot`.
-pub fn bench(args: SnapshotBenchArgs) -> CliResult {
-    if args.runs == 0 {
-        return Err("--runs must be at least 1".into());
-    }
-    let create = CreateArgs {
-        out: std::env::temp_dir().join(format!("hvprobe-bench-snapshot-{}", std::process::id())),
-        machine: MachineArgs::bundled_guest(args.cpus),
-    };
-    let config = wait_mode_config(&create, ConsoleOutput::Discard)?;
-    eprintln!(
-        "hvprobe: cold boot of the bundled guest ({} vCPU(s)) to its ready point",
-        args.cpus
-    );
-    let result = bench_with(&config, &create.out, &args);
-    let _ = std::fs::remove_dir_all(&create.out);
-    result
-}
-
-fn bench_with(config: &VmConfig, dir: &Path, args: &SnapshotBenchArgs) -> CliResult {
-    let (boot, _) = boot_and_save(config, dir)?;
-    let cold = boot.boot_to_init.ok_or("the cold boot never signalled /init")?;
-    let mut first = Vec::new();
-    let mut started = Vec::new();
-    for i in 0..args.runs {
-        let r = restore_and_run(
-            dir,
-            args.cpus,
-            "exit 0",
-            ConsoleOutput::Discard,
-            false,
-            &TraceOptions::default(),
-        )?;
-        if r.outcome.reason != StopReason::GuestExit(0) {
-            return Err(SnapshotCliError::WorkloadFailed {
-                reason: r.outcome.reason,
-                tail: r.console.tail(30),
-            }
-            .into());
-        }
-        let t = r.to_first_entry.ok_or("vCPU 0 never entered the guest")?;
-        eprintln!(
-            "hvprobe: restore {}: {:.2} ms to the first guest instruction, {:.0} ms to workload start, {:.0} ms to its exit",
-            i + 1,
-            ms(t),
-            r.to_workload_started.map(ms).unwrap_or(f64::NAN),
-            ms(r.total)
-        );
-        first.push(t);
-        if let Some(w) = r.to_workload_started {
-            started.push(w);
-        }
-    }
-    first.sort();
-    started.sort();
-    let median = |v: &[Duration]| v[v.len() / 2];
-    println!(
-        "snapshot benchmark, bundled guest, {} vCPU(s), {} MiB",
-        args.cpus,
-        MachineArgs::DEFAULT_MEM_MIB
-    );
-    println!(
-        "restore = host time from the start of Vm::restore (reading the snapshot's state file) until vCPU 0 \
-         first enters KVM_RUN with the workload message already in the UART's receive FIFO: KVM VM and vCPUs \
-         created, guest memory mapped copy-on-write, all vCPU/VM/device state set, workload delivered. The \
-         guest's first instruction follows immediately. Snapshot files in the page cache (after the first run)."
-    );
-    println!("cold boot to /init (1 boot):   {:9.1} ms", ms(cold));
-    println!(
-        "restore, {} runs:              median {:.2} ms, min {:.2} ms, max {:.2} ms",
-        first.len(),
-        ms(median(&first)),
-        ms(first[0]),
-        ms(first[first.len() - 1])
-    );
-    println!(
-        "cold boot / median restore:    {:9.0}x",
-        cold.as_secs_f64() / median(&first).as_secs_f64()
-    );
-    if !started.is_empty() {
-        println!(
-            "for reference, restore to the guest's \"workload started\" event (init reads the message, writes \
-             the script, vfork+exec of /bin/sh; emulated guest code on kvm_pvm): median {:.0} ms",
-            ms(median(&started))
-        );
-    }
-    Ok(ExitCode::SUCCESS)
 }

@@ -17,10 +17,10 @@ use hvprobe_probes::engine::{KprobeRequest, ProbePoint};
 use hvprobe_vmm::{BreakpointDisposition, CodeBlob, ConsoleOutput, DebugHandler, NoProbes, StopReason, Vm, VmOutcome};
 use kvm_ioctls::VcpuFd;
 
-use crate::cli::{CreateArgs, MachineArgs, ProbeBenchArgs};
+use crate::cli::ProbeBenchArgs;
 use crate::guest::workload_message;
 
-type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
+use crate::cmd::CliResult;
 
 /// The blob's loop: `mov $N,%ecx`, then per iteration `nop` (an `int3` for the floor),
 /// `push %rbp` (emulated), `mov disp(%rip),%rax` (stepped), `pop %rbp`, `dec %ecx`, `jnz`.
@@ -43,26 +43,6 @@ fn loop_blob(iterations: u32, with_int3: bool) -> Vec<u8> {
 const LOOP_BLOB_LEN: u64 = 0x1b;
 const PUSH_OFFSET: u64 = 0x06;
 const LOAD_OFFSET: u64 = 0x07;
-
-/// The snapshot a guest benchmark restores: `given`, or one made now by booting the
-/// bundled guest with `cpus` vCPUs into a temporary directory (the caller removes it when
-/// `given` is `None`).
-pub(crate) fn bench_snapshot(
-    given: Option<&std::path::Path>,
-    cpus: u8,
-    bench: &str,
-) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
-    if let Some(dir) = given {
-        return Ok(dir.to_path_buf());
-    }
-    let out = std::env::temp_dir().join(format!("hvprobe-bench-{bench}-{}", std::process::id()));
-    eprintln!("hvprobe: booting the bundled guest once for a snapshot (use --snapshot DIR to skip)");
-    crate::snapshot::create(CreateArgs {
-        out: out.clone(),
-        machine: MachineArgs::bundled_guest(cpus),
-    })?;
-    Ok(out)
-}
 
 /// The floor: an int3 nobody owns, passed over by moving RIP (what every hit needs at least).
 struct SkipInt3;
@@ -424,7 +404,7 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     }
 
     println!();
-    let dir = bench_snapshot(args.snapshot.as_deref(), 1, "probes")?;
+    let dir = super::bench_snapshot(args.snapshot.as_deref(), 1, "probes")?;
     println!(
         "bundled guest, a getppid() loop of {} calls timed by the guest itself, median of {} runs (variants \
          interleaved); per hit = (variant - no probe in the same round) / calls:",

@@ -12,7 +12,7 @@ use hvprobe_vmm::{ConsoleOutput, StopReason, Vm};
 use crate::cli::ArmBenchArgs;
 use crate::guest::workload_message;
 
-type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;
+use crate::cmd::CliResult;
 
 /// A probe on `name+0` that only counts.
 fn counting(name: &str) -> KprobeRequest {
@@ -33,7 +33,7 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
         .copied()
         .max()
         .ok_or("--counts needs at least one number")?;
-    let dir = crate::bench::bench_snapshot(args.snapshot.as_deref(), args.cpus, "arm")?;
+    let dir = super::bench_snapshot(args.snapshot.as_deref(), args.cpus, "arm")?;
     let mut vm = Vm::restore(&dir, Some(args.cpus), ConsoleOutput::Discard)?;
     let state = vm.vcpu_state(0)?;
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?.table;

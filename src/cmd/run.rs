@@ -9,8 +9,8 @@ use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
 use hvprobe_live::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
 use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuControl, Vm, VmConfig};
 
-use crate::analysis::AnalysisFlags;
 use crate::cli::{RunArgs, SourceArg};
+use crate::filters_and_triggers::AnalysisFlags;
 use crate::guest::{initrd_with_workload, kernel_cmdline, BundledGuest};
 use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOptions};
 
@@ -34,7 +34,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         clock: args.clock.into(),
     };
     if let Some(dir) = &args.snapshot {
-        return crate::snapshot::run_restored(
+        return crate::cmd::snapshot::run_restored(
             dir,
             args.machine.cpus,
             args.workload.as_deref(),

@@ -1,0 +1,483 @@
+//! Reading a run's spec text (a `--probes` file, a `probe add`): parsing, wildcard
+//! expansion, binding `filter`/`trigger` lines to their events, and the check before
+//! boot against the kernel's files.
+
+use super::*;
+
+/// Parses a spec text: syntax, and what this version supports. `-:` lines remove a probe
+/// defined above them in the same text; those that name none are returned apart.
+pub(super) fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Vec<Removal>, LineProblems) {
+    // Every problem at once, in line order: one round of fixing.
+    let (specs, errors) = parse_file_all_errors(text, source);
+    let mut problems: Vec<(usize, String)> = errors.iter().map(|e| (e.line, e.to_string())).collect();
+    let mut probes: Vec<SpecProbe> = Vec::new();
+    let mut removals = Vec::new();
+    let lines: Vec<&str> = text.lines().collect();
+    for (line, spec) in specs {
+        let (group, event, target, args, kind) = match spec {
+            ProbeSpec::Kprobe {
+                group,
+                event,
+                target,
+                args,
+            } => (group, event, target, args, ProbeKind::Kprobe),
+            ProbeSpec::Kretprobe {
+                group,
+                event,
+                target,
+                maxactive,
+                args,
+            } => {
+                let maxactive = maxactive.unwrap_or_else(|| default_maxactive(cpus));
+                (group, event, target, args, ProbeKind::Kretprobe { maxactive })
+            }
+            ProbeSpec::Remove { group, event } => {
+                let before = probes.len();
+                probes.retain(|p| !(p.request.event == event && group.as_ref().is_none_or(|g| *g == p.request.group)));
+                if probes.len() == before {
+                    removals.push(Removal { line, group, event });
+                }
+                continue;
+            }
+        };
+        // (A wildcard's events are named per function, once the kernel is known.)
+        if let Some(other) = probes
+            .iter()
+            .find(|p| !event.is_empty() && p.request.group == group && p.request.event == event)
+        {
+            problems.push((
+                line,
+                format!(
+                    "{source}:{line}: event {group}/{event} is already defined on line {}",
+                    other.line
+                ),
+            ));
+            continue;
+        }
+        let point = match target {
+            Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
+            Target::Address(a) => ProbePoint::Address(a),
+        };
+        probes.push(SpecProbe {
+            line,
+            text: lines.get(line - 1).copied().unwrap_or_default().to_owned(),
+            request: KprobeRequest {
+                kind,
+                ..KprobeRequest::event(point, &group, &event, args)
+            },
+        });
+    }
+    (probes, removals, problems)
+}
+
+/// Reads and checks a spec file: syntax, and what this version supports. Its probes and
+/// its `filter`/`trigger` lines.
+pub(super) fn read_spec_file(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, Vec<Request>), SessionError> {
+    let (probes, requests, problems) = read_spec_file_all(path, cpus)?;
+    spec_result(&path.display().to_string(), problems).map(|()| (probes, requests))
+}
+
+/// Problems of a spec text, each with its line (to report them in line order).
+type LineProblems = Vec<(usize, String)>;
+
+/// A spec file's probes, its `filter`/`trigger` lines and its problems with their lines (a
+/// `-:` line must name a probe above it); an error only when it cannot be read.
+pub(super) fn read_spec_file_all(
+    path: &Path,
+    cpus: usize,
+) -> Result<(Vec<SpecProbe>, Vec<Request>, LineProblems), SessionError> {
+    let source = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| SessionError::Spec {
+        origin: source.clone(),
+        problems: vec![format!("cannot read probe file {source}: {e}")],
+    })?;
+    let (text, requests, request_errors) = take_request_lines(&text, &source);
+    let (probes, removals, mut problems) = parse_spec_text(&text, &source, cpus);
+    problems.extend(request_errors.iter().map(|e| (error_line(e), e.to_string())));
+    for r in removals {
+        problems.push((
+            r.line,
+            format!(
+                "{source}:{}: -:{}{}: no such event defined above",
+                r.line,
+                r.group.map(|g| format!("{g}/")).unwrap_or_default(),
+                r.event
+            ),
+        ));
+    }
+    Ok((probes, requests, problems))
+}
+
+pub(super) fn spec_result(source: &str, mut problems: LineProblems) -> Result<(), SessionError> {
+    if problems.is_empty() {
+        return Ok(());
+    }
+    problems.sort_by_key(|(line, _)| *line);
+    Err(SessionError::Spec {
+        origin: source.to_owned(),
+        problems: problems.into_iter().map(|(_, p)| p).collect(),
+    })
+}
+
+/// A short name for why a wildcard's function is skipped, for the count.
+pub(super) fn refusal_kind(e: &ProbeError) -> &'static str {
+    match e {
+        ProbeError::Blacklisted { .. } => "blacklisted",
+        ProbeError::PatchSite { .. } => "on a guest patch site",
+        ProbeError::MovedOntoBranchTarget { .. } => "entered by a jump",
+        ProbeError::AmbiguousSymbol { .. } => "not a unique name",
+        ProbeError::DuplicateEvent { .. } => "already probed by that name",
+        ProbeError::Unprobeable { .. } | ProbeError::Decode { .. } => "instruction not probeable",
+        _ => "other",
+    }
+}
+
+/// Several problems of one spec text as one message: a count, then one per line.
+pub(super) fn all_problems(source: &str, problems: &[String]) -> String {
+    match problems {
+        [one] => one.clone(),
+        many => format!("{} problems in {source}:\n{}", many.len(), many.join("\n")),
+    }
+}
+
+/// `SOURCE:LINE: GRP/EVENT: reason`, for a probe the engine refused.
+pub(super) fn refusal(source: &str, p: &SpecProbe, e: &ProbeError) -> String {
+    format!("{source}:{}: {}/{}: {e}", p.line, p.request.group, p.request.event)
+}
+
+/// The text functions a wildcard line matches, each as its own probe.
+pub(super) fn expand_wildcard(p: &SpecProbe, pattern: &str, symbols: &SymbolTable) -> Vec<SpecProbe> {
+    let is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
+    let mut functions: Vec<&str> = symbols
+        .symbols()
+        .iter()
+        .filter(|s| s.is_text() && wildcard_matches(pattern, &s.name))
+        .map(|s| s.name.as_str())
+        .collect();
+    functions.sort_unstable();
+    functions.dedup();
+    functions
+        .into_iter()
+        .map(|function| {
+            let target = Target::Symbol {
+                name: function.to_string(),
+                offset: 0,
+            };
+            let mut request = p.request.clone();
+            request.event = default_event_name(is_return, &target);
+            request.point = ProbePoint::Symbol {
+                name: function.to_string(),
+                offset: 0,
+            };
+            SpecProbe {
+                line: p.line,
+                text: p.text.clone(),
+                request,
+            }
+        })
+        .collect()
+}
+
+/// `SOURCE:LINE: PATTERN: matches no kernel function`, for a wildcard with nothing to arm.
+pub(super) fn matches_nothing(source: &str, line: usize, pattern: &str) -> String {
+    format!("{source}:{line}: {pattern}: matches no kernel function")
+}
+
+/// The wildcard pattern of a probe, if it has one.
+pub(super) fn wildcard_of(p: &SpecProbe) -> Option<&str> {
+    match &p.request.point {
+        ProbePoint::Symbol { name, .. } if is_wildcard_pattern(name) => Some(name),
+        _ => None,
+    }
+}
+
+/// Checks a spec file before the guest boots: its syntax, and with the kernel's symbols,
+/// that every symbol exists, is unique and holds its offset, that every `@SYM` of a
+/// fetch-arg exists, and that every wildcard matches some function; with its vmlinux
+/// (`vmlinux`), that offsets are instruction boundaries of its text and that BTF
+/// fetch-args (parameter names, `$arg*`, `->` fields) name what its BTF has. (Raw
+/// addresses wait for the guest: KASLR may move them.) All problems at once, each at
+/// Linux's column.
+///
+/// The filters and triggers (the file's and `flags`) are checked too: their syntax, and
+/// with the symbols, that each names an event of the file and fields it has.
+pub fn check_before_boot(
+    file: &Path,
+    cpus: usize,
+    symbols: Option<&SymbolTable>,
+    vmlinux: Option<&Path>,
+    flags: &AnalysisFlags,
+) -> Result<(), SessionError> {
+    let source = file.display().to_string();
+    let (probes, mut requests, mut problems) = read_spec_file_all(file, cpus)?;
+    // The lines again, to check each probe's against the kernel at its columns.
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let (flag_requests, flag_errors) = flags.parse();
+    problems.extend(flag_errors.iter().map(|e| (error_line(e), e.to_string())));
+    requests.extend(flag_requests);
+    let Some(symbols) = symbols else {
+        return spec_result(&source, problems);
+    };
+    let files = vmlinux
+        .filter(|_| probes.iter().any(|p| needs_kernel_files(&p.request)))
+        .and_then(|path| KernelFiles::load(path, symbols));
+    let kernel = Kernel {
+        symbols,
+        text: files.as_ref().map(|f| &f.image as &dyn GuestVirtRead),
+        btf: match files.as_ref().map(|f| &f.btf) {
+            Some(FileBtf::Known(btf)) => BtfKnowledge::Known(btf),
+            Some(FileBtf::Absent) => BtfKnowledge::Absent,
+            Some(FileBtf::Unreadable) | None => BtfKnowledge::Unknown,
+        },
+    };
+    let mut events = Vec::new();
+    for p in &probes {
+        if let Some(pattern) = wildcard_of(p) {
+            let functions = expand_wildcard(p, pattern, symbols);
+            if functions.is_empty() {
+                problems.push((p.line, matches_nothing(&source, p.line, pattern)));
+            }
+            events.extend(functions);
+        } else {
+            let line = lines.get(p.line - 1).copied().unwrap_or_default();
+            let mut event = p.clone();
+            if let Ok(Some(spec)) = parse_line(line) {
+                match check_spec(line, p.line, Some(&source), &spec, &kernel) {
+                    // The filters and triggers bind to the fields as they will be armed
+                    // (`$arg*` and `$argN` named after the parameters).
+                    Ok(ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. }) => event.request.args = args,
+                    Ok(ProbeSpec::Remove { .. }) => {}
+                    Err(e) => problems.push((p.line, e.to_string())),
+                }
+            }
+            events.push(event);
+        }
+    }
+    if let Err(errors) = bind_requests(&requests, &events) {
+        problems.extend(errors);
+    }
+    spec_result(&source, problems)
+}
+
+/// Whether checking a probe before boot needs the kernel's vmlinux: for an offset's
+/// instruction boundary, or for BTF (parameter names, `$arg*`, and the `$argN` and
+/// `$retval` Linux checks against the function's prototype).
+pub(super) fn needs_kernel_files(request: &KprobeRequest) -> bool {
+    matches!(request.point, ProbePoint::Symbol { offset: 1.., .. })
+        || has_btf_args(&request.args)
+        || request
+            .args
+            .iter()
+            .any(|a| matches!(a.expr, FetchExpr::Arg(_) | FetchExpr::Retval))
+}
+
+/// What a vmlinux file tells before boot: its text (the loadable segments) and its BTF.
+pub(super) struct KernelFiles {
+    image: ElfImage,
+    btf: FileBtf,
+}
+
+/// A vmlinux's BTF.
+pub(super) enum FileBtf {
+    Known(Btf),
+    /// The kernel has none (no `__start_BTF`/`__stop_BTF`).
+    Absent,
+    /// It could not be read: BTF fetch-args wait for the running kernel.
+    Unreadable,
+}
+
+impl KernelFiles {
+    /// The vmlinux at `path`; `None` (with the reason logged) when it cannot be read, so
+    /// that what it would check waits for the running kernel.
+    fn load(path: &Path, symbols: &SymbolTable) -> Option<KernelFiles> {
+        let image = ElfImage::open(path)
+            .map_err(|e| {
+                tracing::warn!(
+                    "{}: {e}; its text and BTF are checked once the guest is up",
+                    path.display()
+                )
+            })
+            .ok()?;
+        let btf = match (symbols.lookup("__start_BTF"), symbols.lookup("__stop_BTF")) {
+            (Some(start), Some(stop)) => match Btf::from_guest(&image, start.addr, stop.addr) {
+                Ok(btf) => FileBtf::Known(btf),
+                Err(e) => {
+                    tracing::warn!(
+                        "{}: its BTF: {e}; BTF arguments are checked once the guest is up",
+                        path.display()
+                    );
+                    FileBtf::Unreadable
+                }
+            },
+            _ => FileBtf::Absent,
+        };
+        Some(KernelFiles { image, btf })
+    }
+}
+
+/// The filters and triggers bound to the events of `probes`, or every problem with its
+/// line.
+pub(super) fn bind_requests(requests: &[Request], probes: &[SpecProbe]) -> Result<AnalysisTable, LineProblems> {
+    let schemas: Vec<EventSchema> = probes
+        .iter()
+        .map(|p| EventSchema {
+            group: &p.request.group,
+            event: &p.request.event,
+            args: &p.request.args,
+        })
+        .collect();
+    AnalysisTable::build(requests, &schemas)
+        .map_err(|errors| errors.iter().map(|e| (error_line(e), e.to_string())).collect())
+}
+
+/// Expands wildcards and checks every probe against the kernel: `(what to arm, one line
+/// per wildcard with its counts)`, or every refusal. A wildcard's functions that cannot be
+/// probed are skipped and counted; a wildcard that matches nothing is a refusal.
+/// What the run's filters and triggers ask of the probe of `request`'s event: an event
+/// with a `stacktrace` trigger has its probe unwind the stack at each hit; an event detour
+/// runs what it can of its event's filter in the guest.
+pub(super) fn with_analysis(request: &mut KprobeRequest, analysis: &AnalysisTable) {
+    request.stack_trace = analysis.wants_stacks(&request.group, &request.event);
+    request.filter = analysis.record_filter(&request.group, &request.event, &request.args);
+}
+
+pub(super) fn plan(
+    tracer: &Tracer,
+    symbols: &SymbolTable,
+    source: &str,
+    probes: &[SpecProbe],
+) -> Result<(Vec<SpecProbe>, Vec<String>), SessionError> {
+    let (armed, notes, problems) = expand_and_check(tracer, symbols, source, probes);
+    spec_result(source, problems)?;
+    Ok((armed, notes))
+}
+
+/// [`plan`]'s work: what to arm, the wildcard notes, and every refusal with its line.
+pub(super) fn expand_and_check(
+    tracer: &Tracer,
+    symbols: &SymbolTable,
+    source: &str,
+    probes: &[SpecProbe],
+) -> (Vec<SpecProbe>, Vec<String>, LineProblems) {
+    let mut problems = Vec::new();
+    let mut expanded = Vec::new();
+    let mut from_wildcard = Vec::new();
+    for (index, p) in probes.iter().enumerate() {
+        // Checked before boot too when the symbols were known; `probe add` and runs on
+        // the guest's kallsyms only learn them here.
+        if let Some((arg, name)) = unknown_fetch_symbol(&p.request.args, symbols) {
+            problems.push((
+                p.line,
+                format!(
+                    "{source}:{}: {}/{}: argument {}: {}",
+                    p.line,
+                    p.request.group,
+                    p.request.event,
+                    arg + 1,
+                    SpecErrorKind::UnknownDataSymbol(name.to_owned())
+                ),
+            ));
+            continue;
+        }
+        match wildcard_of(p) {
+            Some(pattern) => {
+                let functions = expand_wildcard(p, pattern, symbols);
+                if functions.is_empty() {
+                    problems.push((p.line, matches_nothing(source, p.line, pattern)));
+                }
+                from_wildcard.extend(std::iter::repeat_n(Some(index), functions.len()));
+                expanded.extend(functions);
+            }
+            None => {
+                expanded.push(p.clone());
+                from_wildcard.push(None);
+            }
+        }
+    }
+    let mut skipped: BTreeMap<usize, BTreeMap<&'static str, usize>> = BTreeMap::new();
+    // BTF fetch-args (parameter names, `$arg*`, `->` fields) become plain fetches typed
+    // from the guest's BTF, for each function (a wildcard's each: one without such a
+    // parameter is skipped).
+    let matched_from = from_wildcard.clone();
+    let mut kept = Vec::with_capacity(expanded.len());
+    let mut kept_from = Vec::with_capacity(expanded.len());
+    for (mut p, wildcard) in expanded.into_iter().zip(from_wildcard) {
+        // A return probe's `$retval` of a `void` function, as Linux 6.5+ refuses it.
+        let is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
+        let retval = p.request.args.iter().any(|a| a.expr == FetchExpr::Retval);
+        if let (true, true, ProbePoint::Symbol { name, .. }) = (is_return, retval, &p.request.point) {
+            if let Some(e) = tracer
+                .kernel_btf()
+                .and_then(|btf| void_retval(name, &p.request.args, btf))
+            {
+                match wildcard {
+                    Some(w) => *skipped.entry(w).or_default().entry("returning void").or_default() += 1,
+                    None => problems.push((
+                        p.line,
+                        locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string(),
+                    )),
+                }
+                continue;
+            }
+        }
+        if let (true, ProbePoint::Symbol { name, .. }) = (has_btf_args(&p.request.args), &p.request.point) {
+            match resolve_btf_args(name, &p.request.args, tracer.kernel_btf().map(|b| b.as_ref())) {
+                Ok(args) => p.request.args = args,
+                Err(e) => {
+                    match wildcard {
+                        Some(w) => {
+                            *skipped
+                                .entry(w)
+                                .or_default()
+                                .entry("without those BTF arguments")
+                                .or_default() += 1
+                        }
+                        None => problems.push((
+                            p.line,
+                            locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string(),
+                        )),
+                    }
+                    continue;
+                }
+            }
+        }
+        kept.push(p);
+        kept_from.push(wildcard);
+    }
+    let (expanded, from_wildcard) = (kept, kept_from);
+    let requests: Vec<KprobeRequest> = expanded.iter().map(|p| p.request.clone()).collect();
+    let mut refused = vec![false; expanded.len()];
+    for (i, e) in tracer.check_all(&requests) {
+        match from_wildcard[i] {
+            Some(w) => {
+                *skipped.entry(w).or_default().entry(refusal_kind(&e)).or_default() += 1;
+                refused[i] = true;
+            }
+            None => problems.push((expanded[i].line, refusal(source, &expanded[i], &e))),
+        }
+    }
+    let mut notes = Vec::new();
+    for (index, p) in probes.iter().enumerate() {
+        let Some(pattern) = wildcard_of(p) else { continue };
+        let matched = matched_from.iter().filter(|w| **w == Some(index)).count();
+        let reasons = skipped.get(&index);
+        let n_skipped: usize = reasons.map(|r| r.values().sum()).unwrap_or(0);
+        let why = reasons
+            .map(|r| r.iter().map(|(k, n)| format!("{n} {k}")).collect::<Vec<_>>().join(", "))
+            .map(|why| format!(" ({why})"))
+            .unwrap_or_default();
+        notes.push(format!(
+            "{source}:{}: {pattern}: {matched} functions match, {} to arm, {n_skipped} skipped{why}",
+            p.line,
+            matched - n_skipped,
+        ));
+    }
+    let armed = expanded
+        .into_iter()
+        .zip(refused)
+        .filter(|(_, r)| !r)
+        .map(|(p, _)| p)
+        .collect();
+    (armed, notes, problems)
+}
