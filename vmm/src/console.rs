@@ -174,35 +174,74 @@ impl WholeLines {
     }
 }
 
+/// What reaches stdout of the guest's console bytes: escaped ([`TerminalEscaper`]) for
+/// [`ConsoleOutput::StdoutEscaped`], whole lines only ([`WholeLines`]) when stdout is not a
+/// terminal. Both hold bytes back between writes (a `\r`, a partial line), and only the
+/// end of the run ([`ConsoleFilter::finish`]) lets them go: the serial device flushes its
+/// writer after every byte.
+#[derive(Debug, Default)]
+pub struct ConsoleFilter {
+    escaper: Option<TerminalEscaper>,
+    whole_lines: Option<WholeLines>,
+}
+
+impl ConsoleFilter {
+    pub fn new(escape: bool, whole_lines: bool) -> Self {
+        ConsoleFilter {
+            escaper: escape.then(TerminalEscaper::default),
+            whole_lines: whole_lines.then(WholeLines::default),
+        }
+    }
+
+    /// What to print now of `buf`, the guest's next bytes.
+    pub fn take(&mut self, buf: &[u8]) -> Vec<u8> {
+        let printed = match &mut self.escaper {
+            Some(escaper) => {
+                let mut escaped = Vec::with_capacity(buf.len());
+                escaper.push(buf, &mut escaped);
+                escaped
+            }
+            None => buf.to_vec(),
+        };
+        match &mut self.whole_lines {
+            Some(lines) => lines.take(&printed),
+            None => printed,
+        }
+    }
+
+    /// What is still held, at the end of the run.
+    pub fn finish(&mut self) -> Vec<u8> {
+        let mut rest = Vec::new();
+        if let Some(escaper) = &mut self.escaper {
+            escaper.finish(&mut rest);
+        }
+        match &mut self.whole_lines {
+            Some(lines) => {
+                let mut held = lines.take(&rest);
+                held.extend(lines.rest());
+                held
+            }
+            None => rest,
+        }
+    }
+}
+
 /// The serial device's writer.
 pub struct ConsoleWriter {
     log: ConsoleLog,
     output: ConsoleOutput,
-    escaper: TerminalEscaper,
-    /// `Some` when the output goes to a stdout that is not a terminal.
-    whole_lines: Option<WholeLines>,
+    filter: ConsoleFilter,
 }
 
 impl ConsoleWriter {
     pub fn new(log: ConsoleLog, output: ConsoleOutput) -> Self {
-        let whole_lines = (output != ConsoleOutput::Discard && !io::stdout().is_terminal()).then(WholeLines::default);
-        log.stdout_whole_lines.store(whole_lines.is_some(), Ordering::Relaxed);
+        let whole_lines = output != ConsoleOutput::Discard && !io::stdout().is_terminal();
+        log.stdout_whole_lines.store(whole_lines, Ordering::Relaxed);
         ConsoleWriter {
             log,
             output,
-            escaper: TerminalEscaper::default(),
-            whole_lines,
+            filter: ConsoleFilter::new(output == ConsoleOutput::StdoutEscaped, whole_lines),
         }
-    }
-
-    /// What is printed of `buf`: itself, or its escaped form.
-    fn printed(&mut self, buf: &[u8]) -> Vec<u8> {
-        if self.output != ConsoleOutput::StdoutEscaped {
-            return buf.to_vec();
-        }
-        let mut escaped = Vec::with_capacity(buf.len());
-        self.escaper.push(buf, &mut escaped);
-        escaped
     }
 
     /// Prints `bytes` under stdout's lock `out`, noting whether stdout now ends mid-line.
@@ -226,41 +265,28 @@ impl Write for ConsoleWriter {
         // hits) can tell from the log whether stdout is in the middle of a line.
         let mut out = io::stdout().lock();
         self.log.push(buf);
-        let printed = self.printed(buf);
-        let now = match &mut self.whole_lines {
-            Some(lines) => lines.take(&printed),
-            None => printed,
-        };
-        self.print(&mut out, &now)?;
-        Ok(buf.len())
+        let now = self.filter.take(buf);
+        self.print(&mut out, &now).map(|()| buf.len())
     }
 
+    /// Flushes stdout only: the serial device calls this after every byte, and what the
+    /// filter holds must wait for the bytes that follow.
     fn flush(&mut self) -> io::Result<()> {
-        if self.output == ConsoleOutput::Discard {
-            return Ok(());
+        if self.output != ConsoleOutput::Discard {
+            io::stdout().flush()?;
         }
-        let mut out = io::stdout().lock();
-        let mut rest = Vec::new();
-        if self.output == ConsoleOutput::StdoutEscaped {
-            self.escaper.finish(&mut rest);
-        }
-        let rest = match &mut self.whole_lines {
-            Some(lines) => {
-                let mut held = lines.take(&rest);
-                held.extend(lines.rest());
-                held
-            }
-            None => rest,
-        };
-        self.print(&mut out, &rest)?;
-        out.flush()
+        Ok(())
     }
 }
 
 impl Drop for ConsoleWriter {
-    /// The run's last partial line is printed too.
+    /// The end of the run: what the filter held is printed too.
     fn drop(&mut self) {
-        let _ = self.flush();
+        if self.output != ConsoleOutput::Discard {
+            let mut out = io::stdout().lock();
+            let rest = self.filter.finish();
+            let _ = self.print(&mut out, &rest);
+        }
     }
 }
 
@@ -295,6 +321,23 @@ mod tests {
         assert_eq!(lines.take(b"~ # "), b"");
         assert_eq!(lines.rest(), b"~ # ");
         assert_eq!(lines.rest(), b"");
+    }
+
+    /// The serial device hands over one byte at a time and flushes after each: a `\r\n`
+    /// split across writes stays a line end (it came out as `\x0d` when a flush ended the
+    /// escaper's held `\r`), and a line is printed whole.
+    #[test]
+    fn bytes_one_at_a_time_are_escaped_and_printed_as_whole_lines() {
+        let mut filter = ConsoleFilter::new(true, true);
+        let mut printed = Vec::new();
+        for b in b"hi\r\n\x1b[2Jx\r\npartial" {
+            printed.extend(filter.take(&[*b]));
+        }
+        assert_eq!(printed, b"hi\r\n\\x1b[2Jx\r\n");
+        assert_eq!(filter.finish(), b"partial");
+        let mut plain = ConsoleFilter::new(false, false);
+        assert_eq!(plain.take(b"a\r"), b"a\r");
+        assert_eq!(plain.finish(), b"");
     }
 
     /// The guest chooses what it writes: a line without end is printed past the limit.
