@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+pub mod idt;
 pub mod paging;
 pub mod regs;
 pub mod tsc;

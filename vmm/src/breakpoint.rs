@@ -15,6 +15,7 @@
 //! the handler. Nothing is injected, so nothing can be lost. Anything else (user mode, a
 //! gate that changes CS, an unmapped stack) goes back to KVM as a pending exception.
 
+use hvprobe_arch::idt::{gate_address, Gate, GateKind, GATE_BYTES};
 use hvprobe_arch::regs::{efer, rflags};
 use hvprobe_arch::Gva;
 use kvm_bindings::{kvm_regs, kvm_sregs};
@@ -24,19 +25,16 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use crate::backend::Backend;
 use crate::{kvm_err, Error};
 
-const BP_VECTOR: u64 = 3;
-const IDT_GATE_SIZE: u64 = 16;
-const GATE_INTERRUPT: u8 = 0xe;
-const GATE_TRAP: u8 = 0xf;
+const BP_VECTOR: u8 = 3;
 /// Offset of IST1 in the 64-bit TSS.
 const TSS_IST1: u64 = 0x24;
 
 /// Where the #BP's gate descriptor is, for the caller to read.
 pub(crate) fn bp_gate_address(sregs: &kvm_sregs) -> Option<u64> {
-    let end = BP_VECTOR * IDT_GATE_SIZE + IDT_GATE_SIZE - 1;
-    // The base is the guest's IDTR: wrapping as the CPU's addressing does (a read there
-    // then fails) rather than overflowing.
-    (u64::from(sregs.idt.limit) >= end).then(|| sregs.idt.base.wrapping_add(BP_VECTOR * IDT_GATE_SIZE))
+    let end = (u64::from(BP_VECTOR) + 1) * GATE_BYTES - 1;
+    // The base is the guest's IDTR: gate_address wraps as the CPU's addressing does (a
+    // read there then fails) rather than overflowing.
+    (u64::from(sregs.idt.limit) >= end).then(|| gate_address(Gva(sregs.idt.base), BP_VECTOR).0)
 }
 
 /// Where IST entry `ist` (1..=7) of the TSS is, for the caller to read.
@@ -84,21 +82,18 @@ pub(crate) fn breakpoint_delivery(
     if !long_mode || cpl != 0 || regs.rip != int3 {
         return None;
     }
-    let present = gate[5] & 0x80 != 0;
-    let kind = gate[5] & 0x0f;
-    let selector = u16::from_le_bytes([gate[2], gate[3]]);
-    if !present || !(kind == GATE_INTERRUPT || kind == GATE_TRAP) || selector != sregs.cs.selector {
+    let gate = Gate::decode(&gate);
+    let kind = gate.usable()?;
+    if gate.selector != sregs.cs.selector {
         return None;
     }
-    let handler = u64::from(u16::from_le_bytes([gate[0], gate[1]]))
-        | u64::from(u16::from_le_bytes([gate[6], gate[7]])) << 16
-        | u64::from(u32::from_le_bytes([gate[8], gate[9], gate[10], gate[11]])) << 32;
-    let ist = gate[4] & 7;
+    let handler = gate.handler.0;
+    let ist = gate.ist;
     let stack = if ist == 0 { regs.rsp } else { ist_stack(ist)? };
     // 64-bit mode aligns the new stack pointer to 16 bytes before it pushes the frame.
     let frame_at = (stack & !0xf).checked_sub(40)?;
     let mut flags = regs.rflags & !(rflags::TF | rflags::NT | rflags::RF | rflags::VM);
-    if kind == GATE_INTERRUPT {
+    if kind == GateKind::Interrupt {
         flags &= !rflags::IF;
     }
     Some(BreakpointDelivery {
@@ -255,6 +250,10 @@ mod tests {
         (regs, sregs)
     }
 
+    /// The type nibbles of a 64-bit interrupt and trap gate.
+    const GATE_INTERRUPT: u8 = 0xe;
+    const GATE_TRAP: u8 = 0xf;
+
     fn gate(handler: u64, selector: u16, kind: u8, ist: u8) -> [u8; 16] {
         let mut g = [0u8; 16];
         g[0..2].copy_from_slice(&(handler as u16).to_le_bytes());
@@ -313,6 +312,16 @@ mod tests {
         let good = gate(HANDLER, CS, GATE_INTERRUPT, 0);
         let none = |_| None;
         assert!(breakpoint_delivery(INT3, &regs, &sregs, good, none).is_some());
+
+        // The S bit set (a code or data descriptor where the gate should be): no gate, the
+        // CPU would fault on it (the type nibble alone, 0xe, read as an interrupt gate).
+        let mut not_a_gate = good;
+        not_a_gate[5] |= 0x10;
+        assert_eq!(
+            breakpoint_delivery(INT3, &regs, &sregs, not_a_gate, none),
+            None,
+            "S bit"
+        );
 
         let mut user = sregs;
         user.cs.selector = 0x33;

@@ -14,17 +14,14 @@
 //! on kvm_pvm, the step trap reports the stub), and the host rewrites the frame and sends
 //! the vCPU on into the guest's own handler, with the guest's IDTR back.
 
+pub(super) use hvprobe_arch::idt::gate_address;
+use hvprobe_arch::idt::{set_handler, Gate, GATE_BYTES};
 use hvprobe_arch::{Gva, INT3};
 
 /// A 64-bit IDT's size: 256 gates of 16 bytes.
 pub(super) const IDT_BYTES: u64 = 256 * GATE_BYTES;
-const GATE_BYTES: u64 = 16;
 /// The guard's bytes in the out-of-line area: its IDT, then one int3 per vector.
 pub(super) const GUARD_BYTES: u64 = IDT_BYTES + 256;
-
-const GATE_PRESENT: u8 = 0x80;
-const GATE_INTERRUPT: u8 = 0xe;
-const GATE_TRAP: u8 = 0xf;
 
 /// Where the guard lives: its IDT at `base`, the stub of vector `v` at `base + 4096 + v`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,14 +57,11 @@ impl StepGuard {
     pub fn idt_for(&self, guest_idt: &[u8]) -> Vec<u8> {
         let mut idt = guest_idt.to_vec();
         for (vector, gate) in idt.chunks_exact_mut(GATE_BYTES as usize).enumerate() {
-            let kind = gate[5] & 0x1f;
-            if gate[5] & GATE_PRESENT == 0 || !(kind == GATE_INTERRUPT || kind == GATE_TRAP) {
+            let bytes: &[u8; 16] = (&*gate).try_into().expect("chunks of a gate's size");
+            if Gate::decode(bytes).usable().is_none() {
                 continue;
             }
-            let stub = self.stubs().0 + vector as u64;
-            gate[0..2].copy_from_slice(&(stub as u16).to_le_bytes());
-            gate[6..8].copy_from_slice(&((stub >> 16) as u16).to_le_bytes());
-            gate[8..12].copy_from_slice(&((stub >> 32) as u32).to_le_bytes());
+            set_handler(gate, Gva(self.stubs().0 + vector as u64));
         }
         idt
     }
@@ -75,15 +69,7 @@ impl StepGuard {
 
 /// The handler a 64-bit gate leads to.
 pub(super) fn gate_handler(gate: &[u8; 16]) -> Gva {
-    Gva(u64::from(u16::from_le_bytes([gate[0], gate[1]]))
-        | u64::from(u16::from_le_bytes([gate[6], gate[7]])) << 16
-        | u64::from(u32::from_le_bytes([gate[8], gate[9], gate[10], gate[11]])) << 32)
-}
-
-/// Where gate `vector` is in an IDT at `base`.
-pub(super) fn gate_address(base: Gva, vector: u8) -> Gva {
-    // The base is the guest's IDTR: wrapping, as the CPU's own addressing does.
-    Gva(base.0.wrapping_add(u64::from(vector) * GATE_BYTES))
+    Gate::decode(gate).handler
 }
 
 /// Whether the CPU pushes an error code when it delivers `vector` (#DF, #TS, #NP, #SS, #GP,
