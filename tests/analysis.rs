@@ -63,9 +63,7 @@ fn probe_file(name: &str, text: &str) -> PathBuf {
 }
 
 fn guest_problems(run: &Run) {
-    for bad in ["ftrace bug", "WARNING:", "BUG:", "Oops"] {
-        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
-    }
+    common::assert_guest_healthy(run, &[]);
 }
 
 /// The `count=` of trace lines of `event` (ftrace's `trace` layout), in order.

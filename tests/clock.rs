@@ -137,9 +137,7 @@ fn probe_file(name: &str, text: &str) -> PathBuf {
 
 fn run_ok(run: &Run) {
     assert_eq!(run.code, Some(0), "{}", run.tail());
-    for bad in ["ftrace bug", "WARNING:", "BUG:", "Oops"] {
-        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
-    }
+    common::assert_guest_healthy(run, &[]);
     assert!(
         run.console_has_line("CONSOLE-END"),
         "the guest's console output was cut before its end\n{}",

@@ -6,7 +6,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::{hvprobe, require_kvm, Run};
+use common::{bundled_guest_dir, hvprobe, require_kvm, Run};
 
 const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -26,12 +26,6 @@ const SYMBOLS: [&str; 12] = [
     "jiffies_64",
     "saved_command_line",
 ];
-
-fn bundled_guest_dir() -> std::path::PathBuf {
-    let run = hvprobe(&["build-guest"], Duration::from_secs(1800));
-    assert_eq!(run.code, Some(0), "{}", run.tail());
-    std::path::PathBuf::from(run.stdout.lines().last().expect("guest dir").trim())
-}
 
 /// `SYM = 0xADDR (source)` lines hvprobe printed, by source.
 fn resolved(run: &Run) -> HashMap<String, HashMap<String, u64>> {

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -50,9 +49,7 @@ fn system_map_address(map: &str, symbol: &str) -> u64 {
 #[test]
 fn a_long_host_pause_during_a_grace_period_raises_no_rcu_stall_warning() {
     let dir = common::snapshot(2);
-    let built = common::hvprobe(&["build-guest"], common::SNAPSHOT_BOOT_TIMEOUT);
-    let guest_dir = built.stdout.lines().last().expect("build-guest prints its directory");
-    let map = std::fs::read_to_string(Path::new(guest_dir.trim()).join("System.map")).unwrap();
+    let map = std::fs::read_to_string(common::bundled_guest_dir().join("System.map")).unwrap();
 
     let mut vm = Vm::restore(&dir, Some(2), ConsoleOutput::Discard).expect("restore");
     // `rcu_state.gp_seq`: its two low bits are nonzero while a grace period is in progress.

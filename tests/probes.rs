@@ -148,9 +148,7 @@ fn check_oracle(run: &Run, loops: usize) -> usize {
     assert_eq!(guest.len(), expected, "guest trace lines\n{}", run.stdout);
     assert_eq!(by_task(host), by_task(guest), "fetched values differ");
 
-    for bad in ["ftrace bug", "ftrace faulted", "WARNING:", "BUG:", "Oops"] {
-        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
-    }
+    common::assert_guest_healthy(run, &[]);
     expected
 }
 
@@ -683,16 +681,7 @@ fn bundled_file_offsets() -> (u64, u64) {
     use hvprobe_introspection::btf::Btf;
     use hvprobe_introspection::memory::ElfImage;
     use hvprobe_introspection::symbols::SymbolTable;
-    let built = hvprobe(&["build-guest"], common::SNAPSHOT_BOOT_TIMEOUT);
-    assert_eq!(built.code, Some(0), "build-guest failed\n{}", built.tail());
-    let guest_dir = PathBuf::from(
-        built
-            .stdout
-            .lines()
-            .last()
-            .expect("build-guest prints its directory")
-            .trim(),
-    );
+    let guest_dir = common::bundled_guest_dir();
     let bytes = std::fs::read(guest_dir.join("vmlinux")).unwrap();
     let symbols = SymbolTable::parse_elf(&bytes).unwrap();
     let image = ElfImage::from_bytes(bytes).unwrap();

@@ -150,9 +150,7 @@ fn check_run(run: &Run, ticks: bool) {
         "the console was cut short\n{}",
         run.tail()
     );
-    for bad in ["ftrace bug", "WARNING:", "BUG:", "Oops"] {
-        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
-    }
+    common::assert_guest_healthy(run, &[]);
     let (host, guest) = host_and_guest_stacks(run);
     for s in &host {
         let first = s.frames.first().map(String::as_str).unwrap_or("");

@@ -110,17 +110,49 @@ pub fn cache_dir() -> PathBuf {
     }
 }
 
+/// The bundled guest's directory (`hvprobe build-guest`, which builds it if the cache
+/// lacks it).
+pub fn bundled_guest_dir() -> PathBuf {
+    let built = hvprobe(&["build-guest"], Duration::from_secs(1800));
+    assert_eq!(built.code, Some(0), "build-guest failed\n{}", built.tail());
+    PathBuf::from(
+        built
+            .stdout
+            .lines()
+            .last()
+            .expect("build-guest prints its directory")
+            .trim(),
+    )
+}
+
+/// What a guest console must never show: a kernel oops, panic, BUG or WARNING splat, a
+/// fault that killed a guest process, a complaint of the guest's own ftrace.
+pub const SICK_GUEST: &[&str] = &[
+    "Kernel panic",
+    "Oops",
+    "BUG:",
+    "WARNING:",
+    "general protection",
+    "invalid opcode",
+    "segfault at",
+    "traps:",
+    "ftrace bug",
+    "ftrace faulted",
+];
+
+/// Fails when the guest's console (the run's stdout) shows any of [`SICK_GUEST`], or of
+/// `also` (what a test knows to be wrong besides).
+pub fn assert_guest_healthy(run: &Run, also: &[&str]) {
+    for bad in SICK_GUEST.iter().chain(also) {
+        assert!(!run.stdout.contains(bad), "the guest printed {bad:?}\n{}", run.tail());
+    }
+}
+
 /// The snapshot of the bundled guest with `cpus` vCPUs, created if the cache lacks it.
 pub fn snapshot(cpus: u8) -> PathBuf {
     require_kvm();
-    let built = hvprobe(&["build-guest"], SNAPSHOT_BOOT_TIMEOUT);
-    assert_eq!(built.code, Some(0), "build-guest failed\n{}", built.tail());
-    let guest_dir = built.stdout.lines().last().expect("build-guest prints its directory");
-    let key = Path::new(guest_dir.trim())
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .into_owned();
+    let guest_dir = bundled_guest_dir();
+    let key = guest_dir.file_name().unwrap().to_string_lossy().into_owned();
     let name = hvprobe::vmm::snapshot_cache_name(&key, cpus, hvprobe::vmm::Backend::detect());
     let root = cache_dir().join("snapshots");
     std::fs::create_dir_all(&root).unwrap();
