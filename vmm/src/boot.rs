@@ -113,13 +113,12 @@ pub fn load(
         source,
     };
 
-    let mut kernel_cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| Error::Config(e.to_string()))?;
+    let mut kernel_cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(Error::Cmdline)?;
     kernel_cmdline.insert_str(cmdline).map_err(|_| Error::CmdlineTooLong {
         len: cmdline.len() + 1,
         max: CMDLINE_MAX_SIZE,
     })?;
-    load_cmdline(mem, GuestAddress(CMDLINE_START), &kernel_cmdline)
-        .map_err(|e| Error::BootParams(format!("command line: {e}")))?;
+    load_cmdline(mem, GuestAddress(CMDLINE_START), &kernel_cmdline).map_err(Error::CmdlineWrite)?;
 
     match format {
         KernelFormat::ElfPvh => {
@@ -190,7 +189,7 @@ pub fn load(
                 &BootParams::new::<boot_params>(&params, GuestAddress(ZERO_PAGE_START)),
                 mem,
             )
-            .map_err(|e| Error::BootParams(e.to_string()))?;
+            .map_err(Error::BootParams)?;
             Ok(LoadedKernel {
                 format,
                 entry: EntryMode::Linux64 {
@@ -221,7 +220,7 @@ fn place_initrd(
         limit: top,
     })?;
     mem.write_slice(initrd, GuestAddress(at))
-        .map_err(|e| Error::GuestMemory(format!("initrd: {e}")))?;
+        .map_err(crate::error::mem_err("writing the initrd"))?;
     Ok(Some(at))
 }
 
@@ -258,5 +257,5 @@ fn write_pvh_start_info(mem: &GuestMemoryMmap, mem_bytes: u64, initrd: Option<(u
             GuestAddress(PVH_MODLIST_START),
         );
     }
-    PvhBootConfigurator::write_bootparams::<GuestMemoryMmap>(&params, mem).map_err(|e| Error::BootParams(e.to_string()))
+    PvhBootConfigurator::write_bootparams::<GuestMemoryMmap>(&params, mem).map_err(Error::BootParams)
 }

@@ -11,8 +11,28 @@ pub enum Error {
         #[source]
         source: kvm_ioctls::Error,
     },
-    #[error("invalid VM configuration: {0}")]
-    Config(String),
+    #[error("{cpus} vCPUs requested: 1 to {max} are supported")]
+    CpuCount { cpus: u8, max: u8 },
+    #[error("{mib} MiB of guest memory requested: {min} to {max} MiB are supported")]
+    MemorySize { mib: u64, min: u64, max: u64 },
+    #[error("no vCPU {0} (or it is running)")]
+    NoSuchVcpu(usize),
+    #[error("a vCPU thread panicked; its state is lost")]
+    VcpuStateLost,
+    #[error("vCPU {cpu} exited with {exit} while its pending exit was completed")]
+    PendingExit { cpu: usize, exit: String },
+    #[error("vCPU {0} kept exiting while its pending exit was completed")]
+    PendingExitLoop(usize),
+    #[error("a list of {what} for KVM: {source}")]
+    KvmList {
+        what: &'static str,
+        #[source]
+        source: vmm_sys_util::fam::Error,
+    },
+    #[error("MSR {0:#x} is not readable")]
+    MsrUnreadable(u32),
+    #[error("the snapshot's serial port state is refused: {0}")]
+    SerialState(String),
     #[error("cannot read kernel {path}: {source}")]
     KernelFile {
         path: PathBuf,
@@ -37,16 +57,46 @@ pub enum Error {
     InitrdTooBig { size: usize, limit: u64 },
     #[error("kernel command line too long: {len} bytes, the limit is {max}")]
     CmdlineTooLong { len: usize, max: usize },
-    #[error("cannot set up guest memory: {0}")]
-    GuestMemory(String),
-    #[error("cannot write boot parameters: {0}")]
-    BootParams(String),
+    #[error("cannot allocate guest memory: {0}")]
+    GuestMemoryAlloc(#[source] vm_memory::mmap::FromRangesError),
+    #[error("cannot lay out guest memory: {0}")]
+    GuestMemoryLayout(#[source] vm_memory::GuestRegionCollectionError),
+    #[error("cannot map guest memory from {path}: {source}")]
+    GuestMemoryMap {
+        path: PathBuf,
+        #[source]
+        source: vm_memory::mmap::MmapRegionError,
+    },
+    #[error("a guest memory region at {0:#x} overflows the address space")]
+    RegionOverflow(u64),
+    #[error("guest memory, {what}: {source}")]
+    GuestMemory {
+        what: &'static str,
+        #[source]
+        source: vm_memory::GuestMemoryError,
+    },
+    #[error("the kernel command line: {0}")]
+    Cmdline(#[source] linux_loader::cmdline::Error),
+    #[error("cannot write the kernel command line: {0}")]
+    CmdlineWrite(#[source] linux_loader::loader::Error),
+    #[error("cannot write the boot parameters: {0}")]
+    BootParams(#[source] linux_loader::configurator::Error),
     #[error("cannot start vCPU thread: {0}")]
     Thread(#[source] std::io::Error),
     #[error("signal set-up failed: {0}")]
     Signal(#[source] vmm_sys_util::errno::Error),
     #[error("console: {0}")]
     Console(#[source] std::io::Error),
+}
+
+/// Adapter for `map_err` on guest memory accesses: names what was read or written.
+pub(crate) fn mem_err(what: &'static str) -> impl FnOnce(vm_memory::GuestMemoryError) -> Error {
+    move |source| Error::GuestMemory { what, source }
+}
+
+/// Adapter for `map_err` on building a list for KVM (MSRs, CPUID entries).
+pub(crate) fn list_err(what: &'static str) -> impl FnOnce(vmm_sys_util::fam::Error) -> Error {
+    move |source| Error::KvmList { what, source }
 }
 
 /// Adapter for `map_err` on KVM ioctls: names the ioctl in the error.

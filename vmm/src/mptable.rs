@@ -82,14 +82,15 @@ pub fn mptable_bytes(cpu_count: u8) -> Vec<u8> {
 
 pub fn write_mptable(mem: &GuestMemoryMmap, cpu_count: u8) -> Result<(), Error> {
     if cpu_count == 0 || cpu_count > MAX_CPUS {
-        return Err(Error::Config(format!(
-            "{cpu_count} vCPUs: 1 to {MAX_CPUS} are supported"
-        )));
+        return Err(Error::CpuCount {
+            cpus: cpu_count,
+            max: MAX_CPUS,
+        });
     }
     let bytes = mptable_bytes(cpu_count);
     debug_assert!(bytes.len() <= MPTABLE_MAX_SIZE);
     mem.write_slice(&bytes, GuestAddress(MPTABLE_START))
-        .map_err(|e| Error::BootParams(format!("MP table: {e}")))
+        .map_err(crate::error::mem_err("writing the MP table"))
 }
 
 #[cfg(test)]

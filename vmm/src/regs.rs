@@ -79,7 +79,7 @@ pub fn setup_boot_vcpu(vcpu: &VcpuFd, mem: &GuestMemoryMmap, mode: EntryMode, bo
     };
     for (i, e) in gdt.iter().enumerate() {
         mem.write_obj(*e, GuestAddress(GDT_START + i as u64 * 8))
-            .map_err(|e| Error::BootParams(format!("GDT: {e}")))?;
+            .map_err(crate::error::mem_err("writing the GDT"))?;
     }
     let mut sregs: kvm_sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
     sregs.gdt.base = GDT_START;
@@ -128,7 +128,7 @@ pub fn setup_boot_vcpu(vcpu: &VcpuFd, mem: &GuestMemoryMmap, mode: EntryMode, bo
 fn write_identity_page_tables(mem: &GuestMemoryMmap) -> Result<(), Error> {
     let w = |v: u64, at: u64| {
         mem.write_obj(v, GuestAddress(at))
-            .map_err(|e| Error::BootParams(format!("page tables: {e}")))
+            .map_err(crate::error::mem_err("writing the boot page tables"))
     };
     w(PDPTE_START | 0x3, PML4_START)?;
     for gib in 0..4u64 {
@@ -180,7 +180,7 @@ pub fn setup_msrs(vcpu: &VcpuFd) -> Result<(), Error> {
         entry(MSR_IA32_MISC_ENABLE, 1),
         entry(MSR_MTRR_DEF_TYPE, (1 << 11) | 6),
     ];
-    let msrs = Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+    let msrs = Msrs::from_entries(&entries).map_err(crate::error::list_err("MSRs"))?;
     let written = vcpu.set_msrs(&msrs).map_err(kvm_err("KVM_SET_MSRS"))?;
     if written != entries.len() {
         tracing::debug!(
@@ -212,14 +212,11 @@ pub fn read_state_msrs(vcpu: &VcpuFd) -> Result<StateMsrs, Error> {
         index,
         ..Default::default()
     });
-    let mut msrs = Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+    let mut msrs = Msrs::from_entries(&entries).map_err(crate::error::list_err("MSRs"))?;
     let n = vcpu.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
     let values: Vec<u64> = msrs.as_slice()[..n.min(indices.len())].iter().map(|e| e.data).collect();
     if values.len() < 2 {
-        return Err(Error::Config(format!(
-            "MSR {:#x} is not readable",
-            indices[values.len()]
-        )));
+        return Err(Error::MsrUnreadable(indices[values.len()]));
     }
     Ok(StateMsrs {
         lstar: values[0],

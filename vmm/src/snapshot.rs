@@ -581,7 +581,7 @@ fn readable_msrs(vcpu: &VcpuFd, indices: &[u32]) -> Result<Vec<(u32, u64)>, Erro
                 ..Default::default()
             })
             .collect();
-        let mut msrs = Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+        let mut msrs = Msrs::from_entries(&entries).map_err(crate::error::list_err("MSRs"))?;
         let n = vcpu.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
         out.extend(msrs.as_slice()[..n].iter().map(|e| (e.index, e.data)));
         if n < chunk.len() {
@@ -607,7 +607,7 @@ fn write_msrs(cpu: usize, vcpu: &VcpuFd, msrs: &[(u32, u64)]) -> Result<(), Erro
                 ..Default::default()
             })
             .collect();
-        let list = Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+        let list = Msrs::from_entries(&entries).map_err(crate::error::list_err("MSRs"))?;
         let n = vcpu.set_msrs(&list).map_err(kvm_err("KVM_SET_MSRS"))?;
         if n < chunk.len() {
             tracing::warn!(
@@ -667,7 +667,7 @@ fn save_vcpu(kvm: &Kvm, vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuRecord
 /// state, then the LAPIC, and the TSC deadline again after it (KVM ignores that MSR while
 /// the LAPIC timer is not in deadline mode), pending events, mp_state, debug registers.
 fn restore_vcpu(cpu: usize, vcpu: &VcpuFd, v: &VcpuRecord) -> Result<(), Error> {
-    let cpuid = CpuId::from_entries(&v.cpuid).map_err(|e| Error::Config(format!("CPUID: {e:?}")))?;
+    let cpuid = CpuId::from_entries(&v.cpuid).map_err(crate::error::list_err("CPUID entries"))?;
     vcpu.set_cpuid2(&cpuid).map_err(kvm_err("KVM_SET_CPUID2"))?;
     write_msrs(cpu, vcpu, &v.msrs)?;
     vcpu.set_sregs(&v.sregs).map_err(kvm_err("KVM_SET_SREGS"))?;
@@ -710,7 +710,7 @@ fn write_memory(mem: &GuestMemoryMmap, regions: &[RegionRecord], path: &Path) ->
         while done < r.len {
             let n = (r.len - done).min(CHUNK as u64) as usize;
             mem.read_slice(&mut buf[..n], GuestAddress(r.guest_addr + done))
-                .map_err(|e| Error::GuestMemory(format!("reading guest memory for the snapshot: {e}")))?;
+                .map_err(crate::error::mem_err("reading it for the snapshot"))?;
             // Runs of non-zero pages are written; zero pages stay holes.
             let mut page = 0;
             while page < n {
@@ -891,13 +891,15 @@ impl Vm {
                 .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
                 .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
                 .build()
-                .map_err(|e| Error::GuestMemory(format!("mapping {}: {e}", memory_path.display())))?;
+                .map_err(|source| Error::GuestMemoryMap {
+                    path: memory_path.clone(),
+                    source,
+                })?;
             regions.push(
-                GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
-                    .ok_or_else(|| Error::GuestMemory(format!("region at {:#x} overflows", r.guest_addr)))?,
+                GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr)).ok_or(Error::RegionOverflow(r.guest_addr))?,
             );
         }
-        let mem = GuestMemoryMmap::from_regions(regions).map_err(|e| Error::GuestMemory(e.to_string()))?;
+        let mem = GuestMemoryMmap::from_regions(regions).map_err(Error::GuestMemoryLayout)?;
         register_guest_memory(&vm_fd, &mem)?;
 
         // VM-wide state first, as firecracker does: the PIT, the clock, the interrupt

@@ -69,15 +69,17 @@ impl VmConfig {
     /// Checks a vCPU count and memory size.
     pub fn validate_machine(cpus: u8, mem_mib: u64) -> Result<(), Error> {
         if cpus == 0 || cpus > mptable::MAX_CPUS {
-            return Err(Error::Config(format!(
-                "{cpus} vCPUs requested: 1 to {} are supported",
-                mptable::MAX_CPUS
-            )));
+            return Err(Error::CpuCount {
+                cpus,
+                max: mptable::MAX_CPUS,
+            });
         }
         if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&mem_mib) {
-            return Err(Error::Config(format!(
-                "{mem_mib} MiB of guest memory requested: {MIN_MEM_MIB} to {MAX_MEM_MIB} MiB are supported"
-            )));
+            return Err(Error::MemorySize {
+                mib: mem_mib,
+                min: MIN_MEM_MIB,
+                max: MAX_MEM_MIB,
+            });
         }
         Ok(())
     }
@@ -158,7 +160,7 @@ impl Vm {
         let write = |bytes: &[u8], at: u64| {
             vm.mem
                 .write_slice(bytes, GuestAddress(at))
-                .map_err(|e| Error::GuestMemory(format!("code blob: {e}")))
+                .map_err(crate::error::mem_err("writing the code blob"))
         };
         write(&blob.code, CODE_BLOB_START)?;
         for &(vector, handler) in &blob.handlers {
@@ -263,10 +265,7 @@ impl Vm {
     /// running (before [`run`](Self::run), e.g. after a restore), and its TSC against the
     /// host's.
     pub fn vcpu_state(&self, cpu: usize) -> Result<crate::VcpuState, Error> {
-        let vcpu = self
-            .vcpus
-            .get(cpu)
-            .ok_or_else(|| Error::Config(format!("no vCPU {cpu} (or it is running)")))?;
+        let vcpu = self.vcpus.get(cpu).ok_or(Error::NoSuchVcpu(cpu))?;
         crate::VcpuState::read_with_tsc(vcpu)
     }
 
@@ -328,7 +327,7 @@ impl Vm {
         let outcome = self.run_vcpus(Arc::new(crate::vcpu::NoProbes))?;
         if outcome.reason == StopReason::GuestReady {
             if self.vcpus.len() != self.control.vcpu_count() {
-                return Err(Error::Config("a vCPU thread panicked; its state is lost".into()));
+                return Err(Error::VcpuStateLost);
             }
             for (cpu, vcpu) in self.vcpus.iter_mut().enumerate() {
                 complete_pending_exit(cpu, vcpu, &self.devices)?;
@@ -429,18 +428,17 @@ fn complete_pending_exit(cpu: usize, vcpu: &mut VcpuFd, devices: &PortDevices) -
                 devices.read(port, data);
                 Ok(false)
             }
-            Ok(other) => Err(Error::Config(format!(
-                "vCPU {cpu} exited with {other:?} while its pending exit was completed"
-            ))),
+            Ok(other) => Err(Error::PendingExit {
+                cpu,
+                exit: format!("{other:?}"),
+            }),
         };
         vcpu.set_kvm_immediate_exit(0);
         if result? {
             return Ok(());
         }
     }
-    Err(Error::Config(format!(
-        "vCPU {cpu} kept exiting while its pending exit was completed"
-    )))
+    Err(Error::PendingExitLoop(cpu))
 }
 
 /// The KVM objects of a VM with the in-kernel irqchip and PIT, no memory and no vCPUs
@@ -494,7 +492,7 @@ pub(crate) fn create_devices(
     let serial = match serial_state {
         None => Serial::new(IrqLine(serial_irq), writer),
         Some(state) => Serial::from_state(state, IrqLine(serial_irq), vm_superio::serial::NoEvents, writer)
-            .map_err(|e| Error::Config(format!("serial state: {e:?}")))?,
+            .map_err(|e| Error::SerialState(format!("{e:?}")))?,
     };
     Ok(Arc::new(PortDevices::with_cmos_index(serial, cmos_index)))
 }
@@ -564,7 +562,7 @@ pub(crate) fn memory_ranges(mem_bytes: u64) -> Vec<(GuestAddress, usize)> {
 }
 
 fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, Error> {
-    let mem = GuestMemoryMmap::from_ranges(&memory_ranges(mem_bytes)).map_err(|e| Error::GuestMemory(e.to_string()))?;
+    let mem = GuestMemoryMmap::from_ranges(&memory_ranges(mem_bytes)).map_err(Error::GuestMemoryAlloc)?;
     register_guest_memory(vm_fd, &mem)?;
     Ok(mem)
 }
@@ -588,7 +586,7 @@ pub(crate) fn register_guest_memory(vm_fd: &VmFd, mem: &GuestMemoryMmap) -> Resu
     for region in mem.iter() {
         let host = mem
             .get_host_address(region.start_addr())
-            .map_err(|e| Error::GuestMemory(format!("host address of a region: {e}")))?;
+            .map_err(crate::error::mem_err("the host address of a region"))?;
         let (start, len) = (region.start_addr().0, region.len());
         let pieces = if readonly && start == OOL_AREA_START.0 && len == OOL_AREA_SIZE {
             vec![
