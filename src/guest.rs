@@ -196,3 +196,53 @@ pub fn initrd_with_workload(base: &Path, workload: Option<&str>) -> Result<Vec<u
     }
     Ok(initrd)
 }
+
+/// The files a machine boots from: the user's `--kernel`/`--initrd`, or the bundled
+/// guest's for those not given (built first if its cache entry is missing).
+pub struct MachineFiles {
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    /// The kernel command line: the VMM's options, the bundled kernel's own when it boots,
+    /// the user's `--cmdline`.
+    pub cmdline: String,
+    bundled: Option<BundledGuest>,
+    bundled_boots: bool,
+}
+
+impl MachineFiles {
+    /// The files of `machine`; `bzimage` boots the bundled guest's bzImage (KASLR) rather
+    /// than its vmlinux.
+    pub fn of(machine: &crate::cli::MachineArgs, bzimage: bool) -> Result<MachineFiles, GuestError> {
+        let bundled = match (&machine.kernel, &machine.initrd) {
+            (Some(_), Some(_)) => None,
+            _ => Some(BundledGuest::ensure_built()?),
+        };
+        let bundled_kernel = bundled.as_ref().filter(|_| machine.kernel.is_none());
+        let kernel = match (&machine.kernel, bundled_kernel) {
+            (Some(k), _) => k.clone(),
+            (None, Some(g)) if bzimage => g.bzimage.clone(),
+            (None, Some(g)) => g.vmlinux.clone(),
+            (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
+        };
+        let initrd = match (&machine.initrd, &bundled) {
+            (Some(i), _) => i.clone(),
+            (None, Some(g)) => g.initramfs.clone(),
+            (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
+        };
+        let cmdline = kernel_cmdline(bundled_kernel, &machine.cmdline);
+        let bundled_boots = bundled_kernel.is_some();
+        Ok(MachineFiles {
+            kernel,
+            initrd,
+            cmdline,
+            bundled,
+            bundled_boots,
+        })
+    }
+
+    /// The bundled guest, when its kernel is the one that boots (its symbol files then
+    /// describe the running kernel).
+    pub fn bundled_kernel(&self) -> Option<&BundledGuest> {
+        self.bundled.as_ref().filter(|_| self.bundled_boots)
+    }
+}

@@ -11,7 +11,7 @@ use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuCo
 
 use crate::cli::{RunArgs, SourceArg};
 use crate::filters_and_triggers::AnalysisFlags;
-use crate::guest::{initrd_with_workload, kernel_cmdline, BundledGuest};
+use crate::guest::{initrd_with_workload, BundledGuest, MachineFiles};
 use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOptions};
 
 /// `hvprobe run`: boots the guest, or restores it with `--snapshot`.
@@ -60,25 +60,8 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .into(),
         );
     }
-    let bundled = if args.machine.kernel.is_none() || args.machine.initrd.is_none() {
-        Some(BundledGuest::ensure_built()?)
-    } else {
-        None
-    };
-    let bundled_kernel = bundled.as_ref().filter(|_| args.machine.kernel.is_none());
-
-    let kernel = match (&args.machine.kernel, bundled_kernel) {
-        (Some(k), _) => k.clone(),
-        (None, Some(g)) if args.kaslr => g.bzimage.clone(),
-        (None, Some(g)) => g.vmlinux.clone(),
-        (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
-    };
-    let cmdline = kernel_cmdline(bundled_kernel, &args.machine.cmdline);
-    let initrd_path = match (&args.machine.initrd, &bundled) {
-        (Some(i), _) => i.clone(),
-        (None, Some(g)) => g.initramfs.clone(),
-        (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
-    };
+    let files = MachineFiles::of(&args.machine, args.kaslr)?;
+    let bundled_kernel = files.bundled_kernel();
     let sources = symbol_sources(&args, bundled_kernel)?;
     match &args.probes {
         Some(file) => check_probes_before_boot(
@@ -92,9 +75,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None => {}
     }
     let config = VmConfig {
-        kernel,
-        initrd: initrd_with_workload(&initrd_path, args.workload.as_deref())?,
-        cmdline,
+        kernel: files.kernel.clone(),
+        initrd: initrd_with_workload(&files.initrd, args.workload.as_deref())?,
+        cmdline: files.cmdline.clone(),
         cpus: args.machine.cpus,
         mem_mib: args.machine.mem,
         // Nobody types into a workload run: the guest's output is escaped, so that its

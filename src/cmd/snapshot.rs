@@ -15,7 +15,7 @@ use hvprobe_live::{live_memory, load_symbols, SymbolsFrom, TaskContext};
 use hvprobe_vmm::{ConsoleLog, ConsoleOutput, StopReason, Vm, VmConfig, VmOutcome};
 
 use crate::cli::CreateArgs;
-use crate::guest::{initrd_with_workload, kernel_cmdline, workload_message, BundledGuest, WAIT_OPTION};
+use crate::guest::{initrd_with_workload, workload_message, MachineFiles, WAIT_OPTION};
 use crate::session::{RunSession, TraceOptions};
 
 use crate::cmd::CliResult;
@@ -42,28 +42,11 @@ pub(crate) fn wait_mode_config(
     if let Some(kernel) = &args.machine.kernel {
         hvprobe_vmm::kernel_format(kernel)?;
     }
-    let bundled = if args.machine.kernel.is_none() || args.machine.initrd.is_none() {
-        Some(BundledGuest::ensure_built()?)
-    } else {
-        None
-    };
-    let bundled_kernel = bundled.as_ref().filter(|_| args.machine.kernel.is_none());
-    let kernel = match (&args.machine.kernel, bundled_kernel) {
-        (Some(k), _) => k.clone(),
-        (None, Some(g)) => g.vmlinux.clone(),
-        (None, None) => unreachable!("the bundled guest is built when no kernel is given"),
-    };
-    let mut cmdline = kernel_cmdline(bundled_kernel, &args.machine.cmdline);
-    cmdline.push(' ');
-    cmdline.push_str(WAIT_OPTION);
-    let initrd_path = match (&args.machine.initrd, &bundled) {
-        (Some(i), _) => i.clone(),
-        (None, Some(g)) => g.initramfs.clone(),
-        (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
-    };
+    let files = MachineFiles::of(&args.machine, false)?;
+    let cmdline = format!("{} {WAIT_OPTION}", files.cmdline);
     Ok(VmConfig {
-        kernel,
-        initrd: initrd_with_workload(&initrd_path, None)?,
+        kernel: files.kernel,
+        initrd: initrd_with_workload(&files.initrd, None)?,
         cmdline,
         cpus: args.machine.cpus,
         mem_mib: args.machine.mem,
