@@ -2,7 +2,8 @@
 //!
 //! The typed addresses that every other crate uses, so that a guest virtual address can
 //! never be passed where a guest physical one is expected, and the page-table formats and
-//! walk ([`paging`]). Instruction analysis comes with the probe issues.
+//! walk ([`paging`]), IDT gates ([`idt`]), registers' bits ([`regs`]) and the TSC
+//! ([`tsc`]). Instruction decoding lives with the probes (`hvprobe-probes`' `insn`).
 
 use std::fmt;
 

@@ -2,9 +2,11 @@
 //! kernel's text by the host, the probe-spec parser (kprobe_events syntax), fetch-args,
 //! counters, the listing, and the sync and async handler APIs.
 //!
-//! Jump-optimized probes are not built yet: [`detour`] has their safety checks, the
-//! relocation of the displaced instructions, and the event detour (guest code recording
-//! hits into per-CPU rings that the host drains), which the engine does not use so far.
+//! The engine ([`engine`]) runs on an abstract machine ([`machine`]: the VMM side
+//! implements it over KVM, the tests over a fake), so that everything here is tested
+//! without KVM. Jump optimization's safety checks, the relocation of displaced
+//! instructions and the event detours (guest code that records hits into per-CPU rings
+//! the host drains) are [`detour`].
 
 pub mod clock;
 pub mod detour;

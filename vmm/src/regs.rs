@@ -203,9 +203,9 @@ pub struct StateMsrs {
     pub kvm_system_time: u64,
 }
 
-/// Reads LSTAR, the kernel GS base and the kvm-clock MSR in one `KVM_GET_MSRS` (one ioctl
-/// where two used to read the first two). KVM stops at the first MSR it refuses: the first
-/// two are required, the kvm-clock one reads 0 when refused.
+/// Reads LSTAR, the kernel GS base and the kvm-clock MSR in one `KVM_GET_MSRS` (a pause
+/// reads them for every vCPU). KVM stops at the first MSR it refuses: the first two are
+/// required, the kvm-clock one reads 0 when refused.
 pub fn read_state_msrs(vcpu: &VcpuFd) -> Result<StateMsrs, Error> {
     let indices = [MSR_LSTAR, MSR_KERNEL_GS_BASE, MSR_KVM_SYSTEM_TIME_NEW];
     let entries = indices.map(|index| kvm_msr_entry {
