@@ -12,25 +12,47 @@ use std::fmt;
 
 use crate::{Gpa, Gva};
 
-/// Reads guest-physical memory. The error is a description of why the read failed (out of
-/// guest RAM, backend failure…); the walk wraps it with the address and level.
+/// Why guest-physical memory could not be read or written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PhysAccessError {
+    /// Some of the bytes are not guest memory: no RAM or device memory backs them.
+    #[error("{len} bytes at {gpa} are not guest memory")]
+    NotMemory { gpa: Gpa, len: usize },
+    /// The memory's backend failed, for the reason it gave.
+    #[error("{0}")]
+    Backend(String),
+}
+
+impl From<String> for PhysAccessError {
+    fn from(reason: String) -> Self {
+        PhysAccessError::Backend(reason)
+    }
+}
+
+impl From<&str> for PhysAccessError {
+    fn from(reason: &str) -> Self {
+        PhysAccessError::Backend(reason.to_string())
+    }
+}
+
+/// Reads guest-physical memory; the walk wraps a failure with the address and level.
 pub trait PhysRead {
-    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String>;
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), PhysAccessError>;
 }
 
 /// Writes guest-physical memory (text patching goes through the page walk to here).
 pub trait PhysWrite {
-    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), String>;
+    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), PhysAccessError>;
 }
 
 impl<T: PhysRead + ?Sized> PhysRead for &T {
-    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String> {
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), PhysAccessError> {
         (**self).read_phys(gpa, buf)
     }
 }
 
 impl<T: PhysWrite + ?Sized> PhysWrite for &T {
-    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), String> {
+    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), PhysAccessError> {
         (**self).write_phys(gpa, data)
     }
 }
@@ -183,12 +205,13 @@ pub enum WalkError {
     },
     #[error("virtual address {gva}: CR3 {cr3:#x} has reserved bits {bits:#x} set")]
     ReservedCr3 { gva: Gva, cr3: u64, bits: u64 },
-    #[error("virtual address {gva}: reading the {} entry at {entry_gpa} failed: {reason}", level_name(*.level))]
+    #[error("virtual address {gva}: reading the {} entry at {entry_gpa} failed: {source}", level_name(*.level))]
     PhysRead {
         gva: Gva,
         level: u8,
         entry_gpa: Gpa,
-        reason: String,
+        #[source]
+        source: PhysAccessError,
     },
 }
 
@@ -269,11 +292,11 @@ impl PageWalker {
             let entry_gpa = Gpa(table + index * 8);
             let mut raw = [0u8; 8];
             mem.read_phys(entry_gpa, &mut raw)
-                .map_err(|reason| WalkError::PhysRead {
+                .map_err(|source| WalkError::PhysRead {
                     gva,
                     level,
                     entry_gpa,
-                    reason,
+                    source,
                 })?;
             let entry = u64::from_le_bytes(raw);
             if entry & pte::PRESENT == 0 {
@@ -365,16 +388,16 @@ mod tests {
     }
 
     impl PhysRead for FakeMem {
-        fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String> {
+        fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), PhysAccessError> {
             if gpa.0 & 7 != 0 || buf.len() != 8 {
-                return Err(format!("unaligned read of {} bytes at {gpa}", buf.len()));
+                return Err(format!("unaligned read of {} bytes at {gpa}", buf.len()).into());
             }
             match self.words.borrow().get(&gpa.0) {
                 Some(w) => {
                     buf.copy_from_slice(&w.to_le_bytes());
                     Ok(())
                 }
-                None => Err(format!("{gpa} is outside the fake memory")),
+                None => Err(PhysAccessError::NotMemory { gpa, len: buf.len() }),
             }
         }
     }
@@ -682,7 +705,11 @@ mod tests {
         let index = (KERNEL_VA >> 39) & 0x1ff;
         m.set(root, index, 0xdead_0000 | P | W); // points at memory that does not exist
         match translate(&m, root, PagingMode::Level4, Gva(KERNEL_VA)) {
-            Err(WalkError::PhysRead { level: 3, reason, .. }) => assert!(reason.contains("outside"), "{reason}"),
+            Err(WalkError::PhysRead {
+                level: 3,
+                source: PhysAccessError::NotMemory { .. },
+                ..
+            }) => {}
             r => panic!("expected a PDPT read failure, got {r:?}"),
         }
     }

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use goblin::elf::program_header::PT_LOAD;
 use goblin::elf::Elf;
-use hvprobe_arch::paging::{PageWalker, PagingMode, PhysRead, PhysWrite, Translation, WalkError};
+use hvprobe_arch::paging::{PageWalker, PagingMode, PhysAccessError, PhysRead, PhysWrite, Translation, WalkError};
 use hvprobe_arch::{Gpa, Gva};
 
 /// Why a guest-virtual read failed.
@@ -22,8 +22,13 @@ pub enum MemoryError {
     OutsideMemory(u64, Gva),
     #[error("page walk failed: {0}")]
     Walk(#[from] WalkError),
-    #[error("accessing guest physical {gpa} (for virtual {gva}) failed: {reason}")]
-    PhysAccess { gpa: Gpa, gva: Gva, reason: String },
+    #[error("accessing guest physical {gpa} (for virtual {gva}) failed: {source}")]
+    PhysAccess {
+        gpa: Gpa,
+        gva: Gva,
+        #[source]
+        source: PhysAccessError,
+    },
     #[error("a {len}-byte access at {gva} wraps around the end of the address space")]
     Wraps { gva: Gva, len: usize },
     #[error("{0}")]
@@ -77,6 +82,12 @@ impl<M: PhysRead> PagedGuestMemory<M> {
         }
     }
 
+    /// Walks with a walker configured by the caller (e.g. a MAXPHYADDR of its own: the
+    /// `guest_pagewalk` fuzz target).
+    pub fn with_walker(phys: M, cr3: u64, walker: PageWalker) -> Self {
+        PagedGuestMemory { phys, cr3, walker }
+    }
+
     pub fn cr3(&self) -> u64 {
         self.cr3
     }
@@ -119,7 +130,7 @@ impl<M: PhysRead> GuestVirtRead for PagedGuestMemory<M> {
         for (gpa, at, range) in self.pieces(gva, buf.len())? {
             self.phys
                 .read_phys(gpa, &mut buf[range])
-                .map_err(|reason| MemoryError::PhysAccess { gpa, gva: at, reason })?;
+                .map_err(|source| MemoryError::PhysAccess { gpa, gva: at, source })?;
         }
         Ok(())
     }
@@ -134,7 +145,7 @@ impl<M: PhysRead + PhysWrite> PagedGuestMemory<M> {
         for (gpa, at, range) in self.pieces(gva, data.len())? {
             self.phys
                 .write_phys(gpa, &data[range])
-                .map_err(|reason| MemoryError::PhysAccess { gpa, gva: at, reason })?;
+                .map_err(|source| MemoryError::PhysAccess { gpa, gva: at, source })?;
         }
         Ok(())
     }
@@ -392,7 +403,7 @@ mod tests {
     }
 
     impl PhysRead for Frames {
-        fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String> {
+        fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
             let frames = self.0.borrow();
             let f = frames.get(&(gpa.0 & !0xfff)).ok_or(format!("no frame at {gpa}"))?;
             let o = (gpa.0 & 0xfff) as usize;
@@ -405,7 +416,7 @@ mod tests {
     }
 
     impl PhysWrite for Frames {
-        fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), String> {
+        fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
             let mut frames = self.0.borrow_mut();
             let f = frames.get_mut(&(gpa.0 & !0xfff)).ok_or(format!("no frame at {gpa}"))?;
             let o = (gpa.0 & 0xfff) as usize;

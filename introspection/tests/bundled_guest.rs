@@ -578,7 +578,7 @@ fn kallsyms_decoded_offline_matches_system_map() {
 struct Ram(Vec<u8>);
 
 impl hvprobe_arch::paging::PhysRead for Ram {
-    fn read_phys(&self, gpa: hvprobe_arch::Gpa, buf: &mut [u8]) -> Result<(), String> {
+    fn read_phys(&self, gpa: hvprobe_arch::Gpa, buf: &mut [u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
         let src = usize::try_from(gpa.0)
             .ok()
             .and_then(|start| self.0.get(start..start.checked_add(buf.len())?))

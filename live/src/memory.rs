@@ -2,7 +2,7 @@
 //! the page tables a vCPU has loaded, or through the kernel's own (`init_top_pgt`), which
 //! map all of the kernel for as long as the kernel lives.
 
-use hvprobe_arch::paging::{translate, PagingMode, PhysRead, PhysWrite, WalkError};
+use hvprobe_arch::paging::{translate, PagingMode, PhysAccessError, PhysRead, PhysWrite, WalkError};
 use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError, PagedGuestMemory};
 use hvprobe_introspection::symbols::SymbolTable;
@@ -11,19 +11,32 @@ use hvprobe_probes::machine::KernelMemory;
 use hvprobe_vmm::VcpuState;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
+/// vm-memory's error for `len` bytes at `gpa`, as the page walker's: an address outside
+/// every region is not guest memory, the rest the backend's failure.
+fn phys_error(gpa: Gpa, len: usize, e: vm_memory::GuestMemoryError) -> PhysAccessError {
+    match e {
+        vm_memory::GuestMemoryError::InvalidGuestAddress(_) => PhysAccessError::NotMemory { gpa, len },
+        other => PhysAccessError::Backend(other.to_string()),
+    }
+}
+
 /// Guest-physical memory as the page walker reads and writes it.
 #[derive(Clone)]
 pub struct GuestPhys(pub GuestMemoryMmap);
 
 impl PhysRead for GuestPhys {
-    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String> {
-        self.0.read_slice(buf, GuestAddress(gpa.0)).map_err(|e| e.to_string())
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
+        self.0
+            .read_slice(buf, GuestAddress(gpa.0))
+            .map_err(|e| phys_error(gpa, buf.len(), e))
     }
 }
 
 impl PhysWrite for GuestPhys {
-    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), String> {
-        self.0.write_slice(data, GuestAddress(gpa.0)).map_err(|e| e.to_string())
+    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
+        self.0
+            .write_slice(data, GuestAddress(gpa.0))
+            .map_err(|e| phys_error(gpa, data.len(), e))
     }
 }
 
@@ -31,16 +44,16 @@ impl PhysWrite for GuestPhys {
 /// (vm-memory's `load`/`store` on the mmap), so neither the guest nor the host sees one
 /// torn: see `hvprobe_probes::detour::ring` for the ordering contract.
 impl RingMemory for GuestPhys {
-    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, String> {
+    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, hvprobe_arch::paging::PhysAccessError> {
         self.0
             .load::<u64>(GuestAddress(gpa.0), std::sync::atomic::Ordering::Acquire)
-            .map_err(|e| e.to_string())
+            .map_err(|e| phys_error(gpa, 8, e))
     }
 
-    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), String> {
+    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
         self.0
             .store(value, GuestAddress(gpa.0), std::sync::atomic::Ordering::Release)
-            .map_err(|e| e.to_string())
+            .map_err(|e| phys_error(gpa, 8, e))
     }
 }
 

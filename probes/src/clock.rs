@@ -28,7 +28,7 @@
 use std::sync::atomic::{compiler_fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use hvprobe_arch::paging::PhysRead;
+use hvprobe_arch::paging::{PhysAccessError, PhysRead};
 use hvprobe_arch::tsc::{host_tsc, TscSample};
 use hvprobe_arch::Gpa;
 
@@ -62,8 +62,13 @@ pub enum ClockError {
     NoKvmClock,
     #[error("no vCPU's TSC has been read against the host's yet")]
     NoTscSample,
-    #[error("vCPU {cpu}: its kvm-clock page at {gpa} cannot be read: {reason}")]
-    Unreadable { cpu: usize, gpa: Gpa, reason: String },
+    #[error("vCPU {cpu}: its kvm-clock page at {gpa} cannot be read: {source}")]
+    Unreadable {
+        cpu: usize,
+        gpa: Gpa,
+        #[source]
+        source: PhysAccessError,
+    },
     #[error("vCPU {cpu}: its kvm-clock page at {gpa} changed under {tries} reads in a row")]
     Torn { cpu: usize, gpa: Gpa, tries: u32 },
     #[error("vCPU {cpu}: its kvm-clock page at {gpa} is no clock: {source}")]
@@ -303,7 +308,7 @@ fn reference_vcpu(vcpus: &[VcpuClock]) -> Result<usize, ClockError> {
 }
 
 /// The page's version word.
-fn read_version(memory: &dyn PhysRead, gpa: Gpa) -> Result<u32, String> {
+fn read_version(memory: &dyn PhysRead, gpa: Gpa) -> Result<u32, PhysAccessError> {
     let mut bytes = [0u8; 4];
     memory.read_phys(gpa, &mut bytes)?;
     Ok(u32::from_le_bytes(bytes))
@@ -314,7 +319,7 @@ fn read_version(memory: &dyn PhysRead, gpa: Gpa) -> Result<u32, String> {
 /// change. (x86 keeps loads in order; the fences keep the compiler from merging or moving
 /// the three reads.)
 fn read_page(memory: &dyn PhysRead, cpu: usize, gpa: Gpa) -> Result<PvclockTimeInfo, ClockError> {
-    let unreadable = |reason: String| ClockError::Unreadable { cpu, gpa, reason };
+    let unreadable = |source: PhysAccessError| ClockError::Unreadable { cpu, gpa, source };
     let version = || read_version(memory, gpa).map_err(unreadable);
     for _ in 0..READ_TRIES {
         let before = version()?;

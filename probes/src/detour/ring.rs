@@ -152,11 +152,12 @@ pub enum RingError {
     Geometry(String),
     #[error("the rings ({size:#x} bytes) do not fit the {available:#x} bytes given at {gpa}")]
     TooLarge { size: u64, available: u64, gpa: Gpa },
-    #[error("{what} at {gpa}: {reason}")]
+    #[error("{what} at {gpa}: {source}")]
     Memory {
         what: &'static str,
         gpa: Gpa,
-        reason: String,
+        #[source]
+        source: hvprobe_arch::paging::PhysAccessError,
     },
 }
 
@@ -165,16 +166,16 @@ pub enum RingError {
 /// `tail` (a byte-wise copy could tear them).
 pub trait RingMemory: PhysRead + PhysWrite {
     /// One atomic load of the aligned `u64` at `gpa`, with acquire ordering.
-    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, String>;
+    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, hvprobe_arch::paging::PhysAccessError>;
     /// One atomic store of the aligned `u64` at `gpa`, with release ordering.
-    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), String>;
+    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), hvprobe_arch::paging::PhysAccessError>;
 }
 
 impl<T: RingMemory + ?Sized> RingMemory for &T {
-    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, String> {
+    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, hvprobe_arch::paging::PhysAccessError> {
         (**self).load_u64_acquire(gpa)
     }
-    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), String> {
+    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
         (**self).store_u64_release(gpa, value)
     }
 }
@@ -422,12 +423,12 @@ impl EventRings {
 
 fn write(mem: &dyn RingMemory, what: &'static str, gpa: Gpa, data: &[u8]) -> Result<(), RingError> {
     mem.write_phys(gpa, data)
-        .map_err(|reason| RingError::Memory { what, gpa, reason })
+        .map_err(|source| RingError::Memory { what, gpa, source })
 }
 
 fn load(mem: &dyn RingMemory, what: &'static str, gpa: Gpa) -> Result<u64, RingError> {
     mem.load_u64_acquire(gpa)
-        .map_err(|reason| RingError::Memory { what, gpa, reason })
+        .map_err(|source| RingError::Memory { what, gpa, source })
 }
 
 /// Hits the guest counted instead of recording them.
@@ -619,10 +620,10 @@ impl RingReader {
                 batch.bytes.resize(from + run as usize * record_size, 0);
                 let gpa = self.rings.at(g.record_offset(cpu, index));
                 mem.read_phys(gpa, &mut batch.bytes[from..])
-                    .map_err(|reason| RingError::Memory {
+                    .map_err(|source| RingError::Memory {
                         what: "records",
                         gpa,
-                        reason,
+                        source,
                     })?;
                 batch.meta.extend((0..run).map(|i| Meta {
                     ring: cpu,
@@ -638,10 +639,10 @@ impl RingReader {
 
     fn publish(&mut self, mem: &dyn RingMemory, cpu: u32, tail: u64) -> Result<(), RingError> {
         let gpa = self.rings.at(self.rings.geometry.ring_offset(cpu) + TAIL);
-        mem.store_u64_release(gpa, tail).map_err(|reason| RingError::Memory {
+        mem.store_u64_release(gpa, tail).map_err(|source| RingError::Memory {
             what: "a ring's tail",
             gpa,
-            reason,
+            source,
         })?;
         self.tails[cpu as usize] = tail;
         Ok(())
@@ -664,7 +665,7 @@ impl HostRingMemory {
     }
 
     /// The word index and byte shift of `gpa`, if `len` bytes from it are inside.
-    fn locate(&self, gpa: Gpa, len: usize) -> Result<(usize, usize), String> {
+    fn locate(&self, gpa: Gpa, len: usize) -> Result<(usize, usize), hvprobe_arch::paging::PhysAccessError> {
         let off = gpa
             .0
             .checked_sub(self.base.0)
@@ -672,12 +673,18 @@ impl HostRingMemory {
                 off.checked_add(len as u64)
                     .is_some_and(|end| end <= self.words.len() as u64 * 8)
             })
-            .ok_or_else(|| format!("{len} bytes at {gpa} are outside the host ring memory"))?;
+            .ok_or(hvprobe_arch::paging::PhysAccessError::NotMemory { gpa, len })?;
         Ok(((off / 8) as usize, (off % 8) as usize))
     }
 
     /// Plays the guest's detour on this memory: [`EventRings::record_as_guest`].
-    pub fn guest_record(&self, rings: &EventRings, cpu: u32, miss_slot: u32, record: &[u8]) -> Result<bool, String> {
+    pub fn guest_record(
+        &self,
+        rings: &EventRings,
+        cpu: u32,
+        miss_slot: u32,
+        record: &[u8],
+    ) -> Result<bool, hvprobe_arch::paging::PhysAccessError> {
         rings.record_as_guest(self, cpu, miss_slot, record)
     }
 }
@@ -694,7 +701,7 @@ impl EventRings {
         cpu: u32,
         miss_slot: u32,
         record: &[u8],
-    ) -> Result<bool, String> {
+    ) -> Result<bool, hvprobe_arch::paging::PhysAccessError> {
         let g = self.geometry();
         let ring = self.gpa().0 + g.ring_offset(cpu);
         let head = mem.load_u64_acquire(Gpa(ring + HEAD))?;
@@ -717,7 +724,7 @@ impl EventRings {
 }
 
 impl PhysRead for HostRingMemory {
-    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), String> {
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
         let (mut word, shift) = self.locate(gpa, buf.len())?;
         let mut done = 0;
         let mut skip = shift;
@@ -734,7 +741,7 @@ impl PhysRead for HostRingMemory {
 }
 
 impl PhysWrite for HostRingMemory {
-    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), String> {
+    fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
         let (mut word, shift) = self.locate(gpa, data.len())?;
         let mut done = 0;
         let mut skip = shift;
@@ -752,20 +759,20 @@ impl PhysWrite for HostRingMemory {
 }
 
 impl RingMemory for HostRingMemory {
-    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, String> {
+    fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, hvprobe_arch::paging::PhysAccessError> {
         match self.locate(gpa, 8)? {
             (word, 0) => Ok(self.words[word].load(Ordering::Acquire)),
-            _ => Err(format!("{gpa} is not 8-byte aligned")),
+            _ => Err(format!("{gpa} is not 8-byte aligned").into()),
         }
     }
 
-    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), String> {
+    fn store_u64_release(&self, gpa: Gpa, value: u64) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
         match self.locate(gpa, 8)? {
             (word, 0) => {
                 self.words[word].store(value, Ordering::Release);
                 Ok(())
             }
-            _ => Err(format!("{gpa} is not 8-byte aligned")),
+            _ => Err(format!("{gpa} is not 8-byte aligned").into()),
         }
     }
 }
