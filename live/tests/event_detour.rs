@@ -29,7 +29,7 @@ use hvprobe_probes::engine::PatchSites;
 use hvprobe_probes::fetch::ArgValue;
 use hvprobe_probes::output::HitRecord;
 use hvprobe_probes::spec::{parse_line, FetchArg, ProbeSpec};
-use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START, PDE_START};
+use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START, OOL_CODE_SIZE, PDE_START};
 use hvprobe_vmm::{CodeBlob, StopReason, Vm, VmOutcome, CODE_BLOB_START};
 use iced_x86::code_asm::*;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -75,7 +75,9 @@ const BAD: u64 = B + 0xf_f000;
 const EFAULT: i64 = -14;
 /// Where the detour and the rings go in the out-of-line area.
 const DETOUR_OFFSET: u64 = 0x1000;
-const RINGS_OFFSET: u64 = 0x1_0000;
+/// The rings live in the area's second half, the one the guest may write (the code half's
+/// memory slot is read-only to it).
+const RINGS_OFFSET: u64 = OOL_CODE_SIZE;
 const ITERATIONS: u64 = 64;
 
 fn require_kvm() {
@@ -360,10 +362,16 @@ fn vm(cpus: u8, iterations: u64) -> Vm {
         handlers: Vec::new(),
     })
     .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
-    // The second page directory covers 1..2 GiB: its first 2 MiB page is the area.
-    vm.memory()
-        .write_obj(OOL_AREA_START.0 | 0x83, GuestAddress(PDE_START + 0x1000))
-        .unwrap();
+    // The second page directory covers 1..2 GiB: its first two 2 MiB pages are the area,
+    // its code half (read-only to the guest: its own memory slot) and its rings half.
+    for (i, half) in [0, OOL_CODE_SIZE].into_iter().enumerate() {
+        vm.memory()
+            .write_obj(
+                (OOL_AREA_START.0 + half) | 0x83,
+                GuestAddress(PDE_START + 0x1000 + 8 * i as u64),
+            )
+            .unwrap();
+    }
     vm
 }
 
