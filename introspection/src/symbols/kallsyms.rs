@@ -265,9 +265,18 @@ fn read_tokens<M: GuestVirtRead + ?Sized>(mem: &M, table: Gva, index: Gva) -> Re
             bytes
                 .get(from..)
                 .and_then(|t| t.split(|&b| b == 0).next())
-                .filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN_LEN && from + t.len() < bytes.len())
+                // Printable, as the search checks them: names are printed on the user's
+                // terminal, and each is at most KSYM_NAME_LEN bytes once decoded (found by
+                // the guest_kallsyms fuzz target: a non-UTF-8 token tripled a name's length
+                // and could carry control bytes).
+                .filter(|t| {
+                    !t.is_empty()
+                        && t.len() <= MAX_TOKEN_LEN
+                        && from + t.len() < bytes.len()
+                        && t.iter().all(|b| b.is_ascii_graphic())
+                })
                 .map(<[u8]>::to_vec)
-                .ok_or_else(|| invalid(table, format!("token {i:#x} is not a NUL-terminated string")))
+                .ok_or_else(|| invalid(table, format!("token {i:#x} is not a printable NUL-terminated string")))
         })
         .collect()
 }
@@ -763,6 +772,30 @@ mod tests {
         assert!(
             matches!(r, Err(SymbolError::KallsymsOverBudget { .. })),
             "expected the search budget error, got {r:?}"
+        );
+    }
+
+    /// Found by the guest_kallsyms fuzz target: decoding at a known layout (as after a
+    /// restore) took the guest's tokens without the search's printable check, so a token of
+    /// control or non-UTF-8 bytes made names with escape sequences, three times as long
+    /// once decoded.
+    #[test]
+    fn tokens_of_known_tables_must_be_printable() {
+        let mut mem = SparseMemory::new();
+        let layout = put_kallsyms(
+            &mut mem,
+            BASE + (1 << 20),
+            &tokens(None),
+            &[name("T_text"), name("tfoo")],
+        );
+        assert_eq!(layout.decode(&mem).unwrap().len(), 2);
+        let mut bad = tokens(None);
+        bad[1] = b"\x1b[2J\xff".to_vec();
+        let layout = put_kallsyms(&mut mem, BASE + (1 << 20), &bad, &[name("T_text"), name("tfoo")]);
+        let r = layout.decode(&mem);
+        assert!(
+            matches!(&r, Err(SymbolError::KallsymsInvalid { reason, .. }) if reason.contains("printable")),
+            "{r:?}"
         );
     }
 }
