@@ -684,7 +684,7 @@ impl TraceSession {
             eprintln!(
                 "hvprobe: the guest wrote {rejected} impossible things into the event rings (records naming \
                  another CPU than their ring's, counters growing faster than its vCPUs can hit), refused: \
-                 the counts of probes recorded in the guest are not to be trusted (--no-optimize traps every hit)"
+                 the counts of probes recorded in the guest are not to be trusted (--optimize off traps every hit)"
             );
         }
         let stacks = s.stacks_unwound.load(Relaxed);

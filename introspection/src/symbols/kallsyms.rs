@@ -265,9 +265,18 @@ fn read_tokens<M: GuestVirtRead + ?Sized>(mem: &M, table: Gva, index: Gva) -> Re
             bytes
                 .get(from..)
                 .and_then(|t| t.split(|&b| b == 0).next())
-                .filter(|t| !t.is_empty() && t.len() <= MAX_TOKEN_LEN && from + t.len() < bytes.len())
+                // Printable, as the search checks them: names are printed on the user's
+                // terminal, and each is at most KSYM_NAME_LEN bytes once decoded (found by
+                // the guest_kallsyms fuzz target: a non-UTF-8 token tripled a name's length
+                // and could carry control bytes).
+                .filter(|t| {
+                    !t.is_empty()
+                        && t.len() <= MAX_TOKEN_LEN
+                        && from + t.len() < bytes.len()
+                        && t.iter().all(|b| b.is_ascii_graphic())
+                })
                 .map(<[u8]>::to_vec)
-                .ok_or_else(|| invalid(table, format!("token {i:#x} is not a NUL-terminated string")))
+                .ok_or_else(|| invalid(table, format!("token {i:#x} is not a printable NUL-terminated string")))
         })
         .collect()
 }
@@ -739,28 +748,54 @@ mod tests {
         }
     }
 
-    /// 300 copies of a valid token table (no tables below them) 64 MiB above the start of
-    /// the search: each started a 64 MiB backward scan (~20 GB of scanning in all). The
-    /// search must give up with the budget error within a few seconds.
+    /// 2000 copies of a valid token table (no tables below them) 64 MiB above the start of
+    /// the search: each started a 64 MiB backward scan (128 GB of scanning in all, about
+    /// ten minutes of this debug build). The search must give up with the budget error
+    /// (~330 MiB of scanning, under two seconds here when the machine is idle; the
+    /// deadline leaves room for a loaded one).
     #[test]
     fn planted_token_tables_exhaust_a_budget_not_the_host() {
         let mut mem = SparseMemory::new();
         let toks = tokens(None);
         let first = BASE + MAX_TABLES_SPAN;
-        for i in 0..300 {
+        for i in 0..2000 {
             put_token_table(&mut mem, first + i * 0x1000, &toks);
         }
-        let search = Gva(BASE)..Gva(first + (2 << 20));
+        let search = Gva(BASE)..Gva(first + (10 << 20));
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let _ = tx.send(KallsymsLayout::locate(&mem, search));
         });
         let r = rx
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .expect("the kallsyms search ran for more than 10 s");
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the kallsyms search ran for more than 60 s");
         assert!(
             matches!(r, Err(SymbolError::KallsymsOverBudget { .. })),
             "expected the search budget error, got {r:?}"
+        );
+    }
+
+    /// Found by the guest_kallsyms fuzz target: decoding at a known layout (as after a
+    /// restore) took the guest's tokens without the search's printable check, so a token of
+    /// control or non-UTF-8 bytes made names with escape sequences, three times as long
+    /// once decoded.
+    #[test]
+    fn tokens_of_known_tables_must_be_printable() {
+        let mut mem = SparseMemory::new();
+        let layout = put_kallsyms(
+            &mut mem,
+            BASE + (1 << 20),
+            &tokens(None),
+            &[name("T_text"), name("tfoo")],
+        );
+        assert_eq!(layout.decode(&mem).unwrap().len(), 2);
+        let mut bad = tokens(None);
+        bad[1] = b"\x1b[2J\xff".to_vec();
+        let layout = put_kallsyms(&mut mem, BASE + (1 << 20), &bad, &[name("T_text"), name("tfoo")]);
+        let r = layout.decode(&mem);
+        assert!(
+            matches!(&r, Err(SymbolError::KallsymsInvalid { reason, .. }) if reason.contains("printable")),
+            "{r:?}"
         );
     }
 }
