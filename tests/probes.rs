@@ -703,7 +703,7 @@ fn btf_arguments_fetch_what_the_guests_own_event_fetches_by_register_and_offset(
 /// The same with the probe jump-optimized: the resolved fetches run in the event detour.
 #[test]
 fn optimized_btf_arguments_fetch_what_the_guests_own_event_fetches() {
-    let run = check_btf_arguments(&["--optimize"]);
+    let run = check_btf_arguments(&["--optimize=on"]);
     assert!(
         run.stderr.contains("optimized: recorded in the guest ") && !run.stderr.contains("recorded in the guest 0,"),
         "the detour recorded the hits\n{}",
