@@ -194,7 +194,7 @@ fn offline_symbols_resolve_describe_and_reject_bad_names() {
     let run = hvprobe(
         &[
             "symbols",
-            "--kernel",
+            "--vmlinux",
             vmlinux.to_str().unwrap(),
             "vfs_read",
             "vfs_read+0x10",
