@@ -8,11 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use clap::Parser;
+use common::repo;
 use hvprobe::cli::Cli;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// README.md and every page of docs/.
 fn pages() -> Vec<(PathBuf, String)> {

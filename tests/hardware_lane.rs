@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use common::Run;
+use common::{repo, Run};
 
 /// One L1 at a time: each takes both cores.
 static LANE: Mutex<()> = Mutex::new(());
@@ -24,10 +24,6 @@ static LANE: Mutex<()> = Mutex::new(());
 /// Longest one L1 run may take. The probe suite took about 10 minutes in a CI-equivalent
 /// run that also made the guest's snapshots, so this stays well above that.
 const LANE_TIMEOUT: Duration = Duration::from_secs(1800);
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// Runs `command` in the L1 with this build's `hvprobe` on its PATH; `env` goes to
 /// `guest/l1/run` (its `HVPROBE_L1_*` settings). When the L1 kernel itself panics (seen in

@@ -103,11 +103,14 @@ pub fn require_kvm() {
 /// Creating a snapshot boots the guest once (about a minute on kvm_pvm).
 pub const SNAPSHOT_BOOT_TIMEOUT: Duration = Duration::from_secs(420);
 
+/// The checkout's root (its scripts: `guest/`, `README.md`, `docs/`).
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// hvprobe's cache, as the binary and `guest/build.sh` find it.
 pub fn cache_dir() -> PathBuf {
-    match std::env::var_os("HVPROBE_CACHE") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/hvprobe"),
-    }
+    hvprobe::guest::cache_dir().expect("HVPROBE_CACHE or HOME is set")
 }
 
 /// The bundled guest's directory (`hvprobe build-guest`, which builds it if the cache
