@@ -786,9 +786,10 @@ fn compare_vfs_reads(host: &str, guest_event: &str, extra: &[&str]) -> Run {
     assert_eq!(host.keys().collect::<Vec<_>>(), guest.keys().collect::<Vec<_>>());
     for (pid, guest_hits) in &guest {
         let host_hits = &host[pid];
-        // The guest's console lines can be cut by the host's own output (printed as it
-        // comes): each whole one is compared with the host's hit at the same file position
-        // (one byte per read, so each read has its own), and nearly all must be whole.
+        // Each whole guest line is compared with the host's hit at the same file position
+        // (one byte per read, so each read has its own), and nearly all must be whole. The
+        // host's own output no longer cuts guest lines (a piped console is printed a whole
+        // line at a time); the tolerance stays until runs show nothing else cuts them.
         let at = |hits: &Vec<BTreeMap<String, String>>, fpos: &str| {
             hits.iter()
                 .find(|h| h.get("fpos").map(String::as_str) == Some(fpos))
