@@ -1744,6 +1744,9 @@ impl fmt::Display for FetchArg {
                 base: BtfBase::Arg(_),
                 fields,
             }) if fields.is_empty() => write!(f, "{}", self.expr)?,
+            // Only a name taken from a BTF parameter can be this long, and written as
+            // `NAME=` it would be refused: unnamed, the parameter names it again.
+            _ if self.name.len() > MAX_ARG_NAME_LEN => write!(f, "{}", self.expr)?,
             _ => write!(f, "{}={}", self.name, self.expr)?,
         }
         // The default type is left out so that the text never outgrows the kernel's

@@ -803,6 +803,19 @@ fn longest_fetcharg_survives_the_round_trip() {
     round_trip(&ok("p f \\18446744073709551615"));
 }
 
+#[test]
+fn a_parameter_named_longer_than_an_argument_name_may_be_round_trips() {
+    // Linux names an unnamed BTF argument after its parameter, of any length, but refuses
+    // an explicit name over MAX_ARG_NAME_LEN: such an argument is shown unnamed.
+    let long = format!("p f {} b=%ax", "p".repeat(MAX_ARG_NAME_LEN + 1));
+    let spec = ok(&long);
+    round_trip(&spec);
+    assert_eq!(
+        spec.to_string(),
+        format!("p:kprobes/p_f_0 f {} b=%ax", "p".repeat(MAX_ARG_NAME_LEN + 1))
+    );
+}
+
 // ---- properties ----
 
 /// What must hold for any input: no panic, errors inside the line, accepted lines round trip.
