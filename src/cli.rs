@@ -88,6 +88,39 @@ pub struct MachineArgs {
     /// Guest memory in MiB.
     #[arg(long, value_name = "MIB", default_value_t = MachineArgs::DEFAULT_MEM_MIB)]
     pub mem: u64,
+    /// A raw disk image for the guest, as a virtio-blk disk (repeatable: /dev/vda,
+    /// /dev/vdb, … in order); `,ro` attaches it read-only.
+    ///
+    /// The image must be a regular file (or a block device) of whole 512-byte sectors.
+    /// hvprobe locks it while it runs: exclusively, or shared with other read-only users
+    /// for `,ro`. A guest flush is an fsync of the image. A read-only disk fails the
+    /// guest's writes with an I/O error and is never written.
+    #[arg(long = "disk", value_name = "FILE[,ro]", value_parser = parse_disk)]
+    pub disks: Vec<hvprobe_vmm::DiskConfig>,
+    /// Run the workload (or the shell) with this disk's filesystem as `/`: /dev/vda for
+    /// the first --disk.
+    ///
+    /// The bundled init stays PID 1 and mounts it (ext4 and the other filesystems the
+    /// bundled kernel has; read-only when the disk is), with /proc, /sys, /dev, /tmp, /run
+    /// and tracefs inside; the workload is the disk's own `/bin/sh -c`. Needs the bundled
+    /// guest's init (the bundled initramfs, or one built from guest/init).
+    #[arg(long, value_name = "/dev/vdX", requires = "disks")]
+    pub root: Option<String>,
+}
+
+/// `FILE[,ro]`: a `,ro` at the end makes the disk read-only; anything else is the path.
+fn parse_disk(text: &str) -> Result<hvprobe_vmm::DiskConfig, String> {
+    let (path, read_only) = match text.strip_suffix(",ro") {
+        Some(path) => (path, true),
+        None => (text, false),
+    };
+    if path.is_empty() {
+        return Err("no image path before ,ro".into());
+    }
+    Ok(hvprobe_vmm::DiskConfig {
+        path: PathBuf::from(path),
+        read_only,
+    })
 }
 
 impl MachineArgs {
@@ -101,6 +134,8 @@ impl MachineArgs {
             cmdline: String::new(),
             cpus,
             mem: MachineArgs::DEFAULT_MEM_MIB,
+            disks: Vec::new(),
+            root: None,
         }
     }
 }
@@ -194,7 +229,7 @@ pub struct RunArgs {
     /// symbols come from the restored kernel's kallsyms.
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "mem", "kaslr", "resolve", "sample_ms", "symbol_sources",
-        "system_map", "vmlinux",
+        "system_map", "vmlinux", "disks", "root",
     ])]
     pub snapshot: Option<PathBuf>,
 }

@@ -37,6 +37,33 @@ pub fn kernel_cmdline(bundled_kernel: Option<&BundledGuest>, extra: &str) -> Str
     cmdline
 }
 
+/// The bundled init's option that mounts a disk as the workload's `/` (`--root`).
+pub const ROOT_OPTION: &str = "hvprobe.root";
+
+/// The guest's name of disk `index` (`/dev/vda` for the first `--disk`).
+pub fn disk_name(index: usize) -> Option<String> {
+    let letter = u8::try_from(index).ok().filter(|&i| i < 26)?;
+    Some(format!("/dev/vd{}", (b'a' + letter) as char))
+}
+
+fn disk_names(count: usize) -> String {
+    match count {
+        0 => "none (--disk adds one)".into(),
+        n => (0..n).filter_map(disk_name).collect::<Vec<_>>().join(", "),
+    }
+}
+
+/// The init option for `--root`, checked against the disks given.
+pub fn root_option(root: &str, disks: usize) -> Result<String, GuestError> {
+    if !(0..disks).filter_map(disk_name).any(|name| name == root) {
+        return Err(GuestError::NoSuchRoot {
+            root: root.to_owned(),
+            disks,
+        });
+    }
+    Ok(format!("{ROOT_OPTION}={root}"))
+}
+
 /// The message the waiting init reads from its console: `<length>\n<script>`. The script is
 /// the command and a newline, as the initrd workload file holds it.
 pub fn workload_message(command: &str) -> Vec<u8> {
@@ -74,6 +101,13 @@ pub enum GuestError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "--root {root}: not a disk of this guest; the disks are {}",
+        disk_names(*disks)
+    )]
+    NoSuchRoot { root: String, disks: usize },
+    #[error(transparent)]
+    Disk(#[from] hvprobe_vmm::DiskError),
 }
 
 /// The files of a built bundled guest.
@@ -213,6 +247,13 @@ impl MachineFiles {
     /// The files of `machine`; `bzimage` boots the bundled guest's bzImage (KASLR) rather
     /// than its vmlinux.
     pub fn of(machine: &crate::cli::MachineArgs, bzimage: bool) -> Result<MachineFiles, GuestError> {
+        // The devices first: a missing or busy image fails before a guest build.
+        let root = machine
+            .root
+            .as_deref()
+            .map(|root| root_option(root, machine.disks.len()))
+            .transpose()?;
+        drop(hvprobe_vmm::virtio::block::DiskImage::open_all(&machine.disks)?);
         let bundled = match (&machine.kernel, &machine.initrd) {
             (Some(_), Some(_)) => None,
             _ => Some(BundledGuest::ensure_built()?),
@@ -229,7 +270,10 @@ impl MachineFiles {
             (None, Some(g)) => g.initramfs.clone(),
             (None, None) => unreachable!("the bundled guest is built when no initrd is given"),
         };
-        let cmdline = kernel_cmdline(bundled_kernel, &machine.cmdline);
+        let mut cmdline = kernel_cmdline(bundled_kernel, &machine.cmdline);
+        if let Some(root) = root {
+            cmdline = format!("{cmdline} {root}");
+        }
         let bundled_boots = bundled_kernel.is_some();
         Ok(MachineFiles {
             kernel,

@@ -88,6 +88,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             ConsoleOutput::StdoutEscaped
         },
         console_input: args.workload.is_none() || args.console_input,
+        disks: args.machine.disks.clone(),
     };
     let vm = Vm::new(&config)?;
     let console = vm.console_log();

@@ -27,6 +27,11 @@ pub enum SnapshotCliError {
          hvprobe's wait mode? Console tail:\n{tail}"
     )]
     NeverReady { reason: StopReason, tail: String },
+    #[error(
+        "snapshots of a guest with disks are not supported yet (the disks' device and queue \
+         state is not saved): snapshot create takes no --disk or --root"
+    )]
+    Disks,
     #[error("a restored guest needs a workload: pass --workload CMD (the snapshotted init waits for one)")]
     NoWorkload,
     #[error("the restored guest did not finish its workload ({reason}); console tail:\n{tail}")]
@@ -39,6 +44,9 @@ pub(crate) fn wait_mode_config(
     console_output: ConsoleOutput,
 ) -> Result<VmConfig, Box<dyn std::error::Error>> {
     VmConfig::validate_machine(args.machine.cpus, args.machine.mem)?;
+    if !args.machine.disks.is_empty() || args.machine.root.is_some() {
+        return Err(SnapshotCliError::Disks.into());
+    }
     if let Some(kernel) = &args.machine.kernel {
         hvprobe_vmm::kernel_format(kernel)?;
     }
@@ -52,6 +60,7 @@ pub(crate) fn wait_mode_config(
         mem_mib: args.machine.mem,
         console_output,
         console_input: false,
+        disks: Vec::new(),
     })
 }
 

@@ -87,6 +87,14 @@ pub enum Error {
     Signal(#[source] vmm_sys_util::errno::Error),
     #[error("console: {0}")]
     Console(#[source] std::io::Error),
+    #[error(transparent)]
+    Disk(#[from] crate::virtio::block::DiskError),
+    #[error("{count} virtio devices requested: at most {max} are supported")]
+    TooManyDevices { count: usize, max: usize },
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(#[source] std::io::Error),
+    #[error("a virtio queue: {0}")]
+    VirtioQueue(virtio_queue::Error),
 }
 
 /// Adapter for `map_err` on guest memory accesses: names what was read or written.

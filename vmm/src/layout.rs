@@ -10,6 +10,7 @@
 //! 0x0010_0000  kernel (bzImage protected-mode part, or the ELF's own physical addresses)
 //! ...          RAM up to min(size, 3 GiB); the initrd sits at its top
 //! 0xd000_0000  out-of-line area: never RAM to the guest (reserved in the e820 map)
+//! 0xd100_0000  virtio-mmio register windows, 4 KiB each (announced on the command line)
 //! 0xfec0_0000  IOAPIC, 0xfee0_0000 LAPIC (in-kernel)
 //! 0x1_0000_0000 RAM above 3 GiB, if any
 //! ```
@@ -48,6 +49,10 @@ pub const OOL_AREA_START: Gpa = Gpa(0xd000_0000);
 pub const OOL_AREA_SIZE: u64 = 4 << 20;
 /// The code part's size; the rings take the rest.
 pub const OOL_CODE_SIZE: u64 = 2 << 20;
+
+/// The first virtio-mmio register window; device N's is N windows further.
+pub const VIRTIO_MMIO_START: u64 = 0xd100_0000;
+pub const VIRTIO_MMIO_WINDOW: u64 = 0x1000;
 
 pub const IOAPIC_START: u64 = 0xfec0_0000;
 pub const LAPIC_START: u64 = 0xfee0_0000;

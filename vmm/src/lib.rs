@@ -16,6 +16,7 @@ pub mod regs;
 pub mod snapshot;
 pub mod stats;
 mod vcpu;
+pub mod virtio;
 mod vm;
 
 pub use backend::Backend;
@@ -32,4 +33,5 @@ pub use vcpu::{
     set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus, StopReason, VcpuControl,
     VcpuState,
 };
+pub use virtio::block::{DiskConfig, DiskError};
 pub use vm::{CodeBlob, ConsoleInput, Vm, VmConfig, VmOutcome, CODE_BLOB_START, MAX_MEM_MIB, MIN_MEM_MIB};

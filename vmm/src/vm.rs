@@ -18,6 +18,8 @@ use crate::console::{ConsoleLog, ConsoleOutput, ConsoleWriter};
 use crate::devices::{IrqLine, PortDevices, SERIAL_IRQ};
 use crate::layout::{ram_ranges, OOL_AREA_SIZE, OOL_AREA_START, OOL_CODE_SIZE};
 use crate::vcpu::{DebugHandler, StopReason, VcpuControl, VcpuRunner};
+use crate::virtio::block::{Block, DiskConfig, DiskImage};
+use crate::virtio::{MmioDevices, VirtioDevice};
 use crate::{cpuid, kvm_err, mptable, regs, Error};
 
 /// Smallest guest the VMM accepts: the kernel, its initrd and early allocations need room.
@@ -56,6 +58,8 @@ pub struct VmConfig {
     pub console_output: ConsoleOutput,
     /// Feed the host's stdin to the guest console (raw mode on a terminal; Ctrl-A x quits).
     pub console_input: bool,
+    /// Disk images, as virtio-blk devices in this order (`/dev/vda`, `/dev/vdb`, …).
+    pub disks: Vec<DiskConfig>,
 }
 
 impl VmConfig {
@@ -117,6 +121,8 @@ pub struct Vm {
     pub(crate) mem: GuestMemoryMmap,
     pub(crate) vcpus: Vec<VcpuFd>,
     pub(crate) devices: Arc<PortDevices>,
+    /// The virtio devices (none for a code blob or a restored snapshot).
+    pub(crate) virtio: Arc<MmioDevices>,
     pub(crate) control: Arc<VcpuControl>,
     pub(crate) console_log: ConsoleLog,
     pub(crate) kernel_format: Option<KernelFormat>,
@@ -129,10 +135,22 @@ impl Vm {
     /// Creates the VM, loads the kernel and prepares every vCPU; nothing runs yet.
     pub fn new(config: &VmConfig) -> Result<Vm, Error> {
         config.validate()?;
+        // Opened and locked before KVM is touched: a bad or busy image is the first error.
+        let disks = DiskImage::open_all(&config.disks)?;
         let mem_bytes = config.mem_mib << 20;
         let mut vm = Vm::create(config.cpus, mem_bytes, config.console_output, config.console_input)?;
+        let devices: Vec<Box<dyn VirtioDevice>> = disks
+            .into_iter()
+            .map(|image| Box::new(Block::new(image)) as Box<dyn VirtioDevice>)
+            .collect();
+        vm.virtio = Arc::new(MmioDevices::attach(&vm.vm_fd, &vm.mem, devices)?);
+        let cmdline = match vm.virtio.cmdline() {
+            announcements if announcements.is_empty() => config.cmdline.clone(),
+            // Before the user's options, so that theirs come last.
+            announcements => format!("{announcements} {}", config.cmdline),
+        };
         let cmdline = match vm.backend.kernel_cmdline_fixups() {
-            "" => config.cmdline.clone(),
+            "" => cmdline,
             fixups => {
                 // User mode runs natively with the host's CPUID and XCR0 there, so guest
                 // programs can use AVX that a `noxsave` kernel does not context-switch.
@@ -141,7 +159,7 @@ impl Vm {
                      registers of its tasks, so guest programs that use AVX registers share \
                      their upper halves (the bundled guest's init keeps glibc off AVX)"
                 );
-                format!("{} {fixups}", config.cmdline)
+                format!("{cmdline} {fixups}")
             }
         };
         let kernel = boot::load(&vm.mem, mem_bytes, &config.kernel, &cmdline, &config.initrd)?;
@@ -235,6 +253,7 @@ impl Vm {
             mem,
             vcpus,
             devices,
+            virtio: Arc::new(MmioDevices::default()),
             control,
             console_log,
             kernel_format: None,
@@ -357,6 +376,7 @@ impl Vm {
                 backend: self.backend,
                 control: Arc::clone(&control),
                 devices: Arc::clone(&self.devices),
+                virtio: Arc::clone(&self.virtio),
                 debug: Arc::clone(&debug),
                 mem: self.mem.clone(),
             };

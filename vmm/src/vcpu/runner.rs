@@ -18,6 +18,7 @@ use crate::breakpoint::reinject_breakpoint;
 use crate::devices::{GuestEvent, IoAction, PortDevices};
 use crate::layout::{OOL_AREA_START, OOL_CODE_SIZE};
 use crate::stats::VcpuStats;
+use crate::virtio::MmioDevices;
 use crate::{kvm_err, Error};
 
 /// Counters of the exit loop, for all vCPUs together.
@@ -51,6 +52,7 @@ pub struct VcpuRunner {
     pub backend: Backend,
     pub control: Arc<VcpuControl>,
     pub devices: Arc<PortDevices>,
+    pub virtio: Arc<MmioDevices>,
     pub debug: Arc<dyn DebugHandler>,
     pub mem: GuestMemoryMmap,
 }
@@ -190,9 +192,12 @@ impl VcpuRunner {
                 self.devices.read(port, data);
                 Next::Continue
             }
+            VcpuExit::MmioWrite(addr, data) if self.virtio.write(addr, data) => Next::Continue,
             VcpuExit::MmioRead(addr, data) => {
-                tracing::debug!("vCPU {cpu}: read of unbacked guest-physical {addr:#x}");
-                data.fill(0xff);
+                if !self.virtio.read(addr, data) {
+                    tracing::debug!("vCPU {cpu}: read of unbacked guest-physical {addr:#x}");
+                    data.fill(0xff);
+                }
                 Next::Continue
             }
             VcpuExit::MmioWrite(addr, data) if OOL_CODE.contains(&addr) => {

@@ -1,0 +1,278 @@
+//! Virtio devices over the virtio-mmio transport (virtio 1.2, section 4.2), firecracker's
+//! choice: no PCI bus, each device a 4 KiB register window and an interrupt line,
+//! announced to the guest on its command line (`virtio_mmio.device=4K@BASE:IRQ`).
+//!
+//! Queues are rust-vmm's `virtio-queue`; the transport ([`mmio`]) is the register state
+//! machine and runs on the vCPU threads; a device's requests are served off them
+//! ([`block`]'s worker thread), woken by an ioeventfd on the queue-notify register and
+//! answering through an irqfd, so that a vCPU never waits on the host's disk.
+//!
+//! Devices see guest RAM only: the out-of-line area (probe code the guest may not write)
+//! is not in their memory, so a descriptor pointing there fails like any bad address.
+
+pub mod block;
+pub mod mmio;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvm_ioctls::{IoEventAddress, VmFd};
+use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING, VIRTIO_MMIO_QUEUE_NOTIFY};
+use virtio_queue::Queue;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::layout::{OOL_AREA_SIZE, OOL_AREA_START, VIRTIO_MMIO_START, VIRTIO_MMIO_WINDOW};
+use crate::Error;
+
+/// Interrupt lines for virtio devices, in device order: IOAPIC pins the MP table routes
+/// (ISA 0-15) that no device of this machine uses (4 is the console).
+pub const DEVICE_IRQS: [u32; 8] = [5, 6, 7, 9, 10, 11, 12, 14];
+/// The most virtio devices one machine has.
+pub const MAX_DEVICES: usize = DEVICE_IRQS.len();
+
+/// A device behind the transport: its identity, features and config space, and the work
+/// it does once the driver has set it up.
+pub trait VirtioDevice: Send {
+    /// The virtio device ID (`VIRTIO_ID_*`).
+    fn device_type(&self) -> u32;
+    /// The most entries each of its queues may have.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// The feature bits it offers (the transport adds none of its own).
+    fn features(&self) -> u64;
+    /// Reads its config space at `offset`; bytes past its end read as 0.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Starts serving `queues` (all ready and valid) in `mem` with the features the driver
+    /// took; `notify[i]` is signalled when the driver kicks queue `i`.
+    fn activate(&mut self, activation: Activation) -> Result<(), ActivateError>;
+    /// Stops serving (the driver reset the device); the transport then forgets the queues.
+    fn reset(&mut self);
+}
+
+/// What a device gets when the driver sets DRIVER_OK.
+pub struct Activation {
+    pub mem: GuestMemoryMmap,
+    pub queues: Vec<Queue>,
+    pub notify: Vec<EventFd>,
+    pub interrupt: Arc<Interrupt>,
+    pub acked_features: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("cannot start the device's worker thread: {0}")]
+    Thread(std::io::Error),
+    #[error("cannot duplicate an eventfd: {0}")]
+    EventFd(std::io::Error),
+    #[error("the device has {got} queues ready, it needs {want}")]
+    QueueCount { got: usize, want: usize },
+}
+
+/// A device's interrupt: the transport's InterruptStatus bits and the irqfd that raises
+/// the line (edge-triggered; the driver reads the status and acknowledges it).
+pub struct Interrupt {
+    status: AtomicU32,
+    irqfd: EventFd,
+}
+
+impl Interrupt {
+    pub fn new(irqfd: EventFd) -> Interrupt {
+        Interrupt {
+            status: AtomicU32::new(0),
+            irqfd,
+        }
+    }
+
+    /// The driver has new used buffers.
+    pub fn signal_used_queue(&self) {
+        self.raise(VIRTIO_MMIO_INT_VRING);
+    }
+
+    /// The device's config or status changed (it needs a reset, say).
+    pub fn signal_config_change(&self) {
+        self.raise(VIRTIO_MMIO_INT_CONFIG);
+    }
+
+    fn raise(&self, bit: u32) {
+        self.status.fetch_or(bit, Ordering::SeqCst);
+        if let Err(e) = self.irqfd.write(1) {
+            tracing::warn!("virtio interrupt lost: {e}");
+        }
+    }
+
+    pub(crate) fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn acknowledge(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    pub(crate) fn clear(&self) {
+        self.status.store(0, Ordering::SeqCst);
+    }
+}
+
+/// Where device `index` lives: its register window and interrupt line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSlot {
+    pub base: u64,
+    pub irq: u32,
+}
+
+impl DeviceSlot {
+    pub fn of(index: usize) -> Option<DeviceSlot> {
+        let irq = *DEVICE_IRQS.get(index)?;
+        Some(DeviceSlot {
+            base: VIRTIO_MMIO_START + index as u64 * VIRTIO_MMIO_WINDOW,
+            irq,
+        })
+    }
+
+    /// The guest kernel's announcement of the device (`virtio_mmio.device=`).
+    pub fn cmdline_option(&self) -> String {
+        format!(
+            "virtio_mmio.device={}K@{:#x}:{}",
+            VIRTIO_MMIO_WINDOW >> 10,
+            self.base,
+            self.irq
+        )
+    }
+}
+
+/// The machine's virtio devices, by register window: what the vCPU threads call on an
+/// MMIO exit that is not RAM.
+#[derive(Default)]
+pub struct MmioDevices {
+    devices: Vec<(DeviceSlot, Mutex<mmio::MmioTransport>)>,
+}
+
+impl MmioDevices {
+    /// Attaches `devices` in order to the windows and lines of [`DeviceSlot::of`]: irqfds
+    /// on the lines, an ioeventfd per queue on the notify register (the kick then wakes
+    /// the device without a userspace exit). They see `mem` without its out-of-line area.
+    pub fn attach(
+        vm_fd: &VmFd,
+        mem: &GuestMemoryMmap,
+        devices: Vec<Box<dyn VirtioDevice>>,
+    ) -> Result<MmioDevices, Error> {
+        if devices.len() > MAX_DEVICES {
+            return Err(Error::TooManyDevices {
+                count: devices.len(),
+                max: MAX_DEVICES,
+            });
+        }
+        let ram = device_memory(mem)?;
+        let mut attached = Vec::new();
+        for (index, device) in devices.into_iter().enumerate() {
+            let slot = DeviceSlot::of(index).expect("counted above");
+            let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
+            vm_fd
+                .register_irqfd(&irqfd, slot.irq)
+                .map_err(crate::error::kvm_err("KVM_IRQFD"))?;
+            let queues = device.queue_max_sizes().len();
+            let mut notify = Vec::new();
+            for queue in 0..queues {
+                let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
+                let addr = IoEventAddress::Mmio(slot.base + u64::from(VIRTIO_MMIO_QUEUE_NOTIFY));
+                vm_fd
+                    .register_ioevent(&evt, &addr, queue as u32)
+                    .map_err(crate::error::kvm_err("KVM_IOEVENTFD"))?;
+                notify.push(evt);
+            }
+            let transport = mmio::MmioTransport::new(device, ram.clone(), Arc::new(Interrupt::new(irqfd)), notify)
+                .map_err(Error::VirtioQueue)?;
+            attached.push((slot, Mutex::new(transport)));
+        }
+        Ok(MmioDevices { devices: attached })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// The guest kernel's announcements of the devices, space-separated.
+    pub fn cmdline(&self) -> String {
+        let options: Vec<String> = self.devices.iter().map(|(slot, _)| slot.cmdline_option()).collect();
+        options.join(" ")
+    }
+
+    fn find(&self, addr: u64) -> Option<(u64, &Mutex<mmio::MmioTransport>)> {
+        self.devices.iter().find_map(|(slot, transport)| {
+            let offset = addr.checked_sub(slot.base)?;
+            (offset < VIRTIO_MMIO_WINDOW).then_some((offset, transport))
+        })
+    }
+
+    /// A guest read at `addr`; false when no device is there.
+    pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
+        match self.find(addr) {
+            Some((offset, transport)) => {
+                transport.lock().unwrap_or_else(|e| e.into_inner()).read(offset, data);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A guest write at `addr`; false when no device is there.
+    pub fn write(&self, addr: u64, data: &[u8]) -> bool {
+        match self.find(addr) {
+            Some((offset, transport)) => {
+                transport.lock().unwrap_or_else(|e| e.into_inner()).write(offset, data);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Drop for MmioDevices {
+    fn drop(&mut self) {
+        for (_, transport) in &self.devices {
+            transport.lock().unwrap_or_else(|e| e.into_inner()).shut_down();
+        }
+    }
+}
+
+/// `mem` without the out-of-line area: what devices may read and write.
+pub fn device_memory(mem: &GuestMemoryMmap) -> Result<GuestMemoryMmap, Error> {
+    match mem.remove_region(GuestAddress(OOL_AREA_START.0), OOL_AREA_SIZE) {
+        Ok((ram, _)) => Ok(ram),
+        // A machine without the area (none is built that way, but a device needs no more).
+        Err(_) => Ok(mem.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_consecutive_windows_with_their_own_lines() {
+        let first = DeviceSlot::of(0).unwrap();
+        assert_eq!(first.base, VIRTIO_MMIO_START);
+        assert_eq!(
+            first.cmdline_option(),
+            format!("virtio_mmio.device=4K@{VIRTIO_MMIO_START:#x}:5")
+        );
+        let second = DeviceSlot::of(1).unwrap();
+        assert_eq!(second.base, VIRTIO_MMIO_START + 0x1000);
+        assert_eq!(second.irq, 6);
+        assert!(DeviceSlot::of(MAX_DEVICES).is_none());
+        // No line is the console's, none is outside what the MP table routes.
+        assert!(DEVICE_IRQS
+            .iter()
+            .all(|&irq| irq != crate::devices::SERIAL_IRQ && irq < 16));
+    }
+
+    #[test]
+    fn devices_do_not_see_the_out_of_line_area() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&crate::vm::memory_ranges(64 << 20)).unwrap();
+        let ram = device_memory(&mem).unwrap();
+        use vm_memory::GuestMemoryBackend;
+        assert!(ram.address_in_range(GuestAddress(0x1000)));
+        assert!(!ram.address_in_range(GuestAddress(OOL_AREA_START.0)));
+        assert!(mem.address_in_range(GuestAddress(OOL_AREA_START.0)));
+    }
+}

@@ -1,0 +1,561 @@
+//! A virtio-blk device (virtio 1.2, 5.2) on a raw disk image: reads, writes, flushes
+//! (an fsync of the image) and the device ID; one request queue served by a worker
+//! thread. A read-only disk offers VIRTIO_BLK_F_RO and fails writes with IOERR.
+//!
+//! Every request is checked against the image before any I/O: its sectors must lie in
+//! the image, its data must be whole sectors, its buffers must be guest RAM and writable
+//! where the device writes. A request that fails a check gets IOERR (or UNSUPP for an
+//! unknown type); a chain the device cannot even answer (no status byte) is returned
+//! with nothing written. The device allocates nothing a request asks for: data moves
+//! between the image and guest memory directly.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Seek, SeekFrom};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+
+use virtio_bindings::virtio_blk::*;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{DescriptorChain, Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{ActivateError, Activation, Interrupt, VirtioDevice};
+
+pub const SECTOR_SIZE: u64 = 512;
+/// Entries in the request queue: what Linux's driver uses when the device allows it.
+const QUEUE_SIZE: u16 = 256;
+const REQUEST_HEADER_LEN: usize = 16;
+
+/// How a disk is attached: `--disk FILE[,ro]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    pub read_only: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("disk image {path}: {source}")]
+    Open { path: PathBuf, source: std::io::Error },
+    #[error("disk image {path} is a directory, not a disk image")]
+    Directory { path: PathBuf },
+    #[error("disk image {path} is neither a regular file nor a block device")]
+    NotAFile { path: PathBuf },
+    #[error("disk image {path} is empty")]
+    Empty { path: PathBuf },
+    #[error("disk image {path} is {size} bytes, not a whole number of {SECTOR_SIZE}-byte sectors")]
+    NotSectors { path: PathBuf, size: u64 },
+    #[error("disk image {path} is in use by another program (another hvprobe?): it holds a lock on it")]
+    Locked { path: PathBuf },
+    #[error("disk image {path} is given twice")]
+    Twice { path: PathBuf },
+}
+
+/// An open, locked disk image of a whole number of sectors.
+#[derive(Debug)]
+pub struct DiskImage {
+    file: File,
+    path: PathBuf,
+    size: u64,
+    read_only: bool,
+    /// Device and inode: the device ID the guest sees (`/dev/disk/by-id`).
+    identity: (u64, u64),
+}
+
+impl DiskImage {
+    /// Opens `config.path` (read-only when asked) and locks it, shared for a read-only
+    /// disk and exclusive otherwise, as QEMU does: a disk written by one hvprobe is
+    /// refused to every other, a read-only one may be shared by readers.
+    pub fn open(config: &DiskConfig) -> Result<DiskImage, DiskError> {
+        let path = config.path.clone();
+        let open_err = |source| DiskError::Open {
+            path: path.clone(),
+            source,
+        };
+        let meta = std::fs::metadata(&path).map_err(open_err)?;
+        if meta.is_dir() {
+            return Err(DiskError::Directory { path });
+        }
+        if !meta.is_file() && !meta.file_type().is_block_device() {
+            return Err(DiskError::NotAFile { path });
+        }
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(!config.read_only)
+            .open(&path)
+            .map_err(open_err)?;
+        let lock = if config.read_only { libc::LOCK_SH } else { libc::LOCK_EX };
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        if unsafe { libc::flock(file.as_raw_fd(), lock | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EWOULDBLOCK) => DiskError::Locked { path },
+                _ => open_err(e),
+            });
+        }
+        // A block device's size is where its end is.
+        let size = file.seek(SeekFrom::End(0)).map_err(open_err)?;
+        if size == 0 {
+            return Err(DiskError::Empty { path });
+        }
+        if !size.is_multiple_of(SECTOR_SIZE) {
+            return Err(DiskError::NotSectors { path, size });
+        }
+        Ok(DiskImage {
+            file,
+            path,
+            size,
+            read_only: config.read_only,
+            identity: (meta.dev(), meta.ino()),
+        })
+    }
+
+    /// Opens every disk of `configs`, refusing one named twice (it would lock itself out).
+    pub fn open_all(configs: &[DiskConfig]) -> Result<Vec<DiskImage>, DiskError> {
+        let mut images: Vec<DiskImage> = Vec::new();
+        for config in configs {
+            let image = DiskImage::open(config);
+            // The second open of the same file fails on the first one's lock: name it.
+            if let Err(DiskError::Locked { path }) = &image {
+                if let Ok(meta) = std::fs::metadata(path) {
+                    if images.iter().any(|i| i.identity == (meta.dev(), meta.ino())) {
+                        return Err(DiskError::Twice { path: path.clone() });
+                    }
+                }
+            }
+            let image = image?;
+            if images.iter().any(|i| i.identity == image.identity) {
+                return Err(DiskError::Twice { path: image.path });
+            }
+            images.push(image);
+        }
+        Ok(images)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The 20-byte device ID: the image's device and inode in hex, zero-padded.
+    fn device_id(&self) -> [u8; VIRTIO_BLK_ID_BYTES as usize] {
+        let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+        let text = format!("hvp{:x}:{:x}", self.identity.0, self.identity.1);
+        let n = text.len().min(id.len());
+        id[..n].copy_from_slice(&text.as_bytes()[..n]);
+        id
+    }
+}
+
+/// The device: its image, and the worker thread while the driver has it running.
+pub struct Block {
+    image: Option<DiskImage>,
+    config: [u8; 8],
+    features: u64,
+    worker: Option<Worker>,
+}
+
+struct Worker {
+    stop: EventFd,
+    thread: JoinHandle<DiskImage>,
+}
+
+impl Block {
+    pub fn new(image: DiskImage) -> Block {
+        let mut features = (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_BLK_F_FLUSH) | (1 << VIRTIO_RING_F_EVENT_IDX);
+        if image.read_only {
+            features |= 1 << VIRTIO_BLK_F_RO;
+        }
+        Block {
+            config: (image.size / SECTOR_SIZE).to_le_bytes(),
+            image: Some(image),
+            features,
+            worker: None,
+        }
+    }
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE]
+    }
+
+    fn features(&self) -> u64 {
+        self.features
+    }
+
+    /// The config space is the capacity in sectors (the only field of the features offered).
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        for (i, byte) in data.iter_mut().enumerate() {
+            *byte = offset
+                .checked_add(i as u64)
+                .and_then(|at| self.config.get(usize::try_from(at).ok()?))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+
+    fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
+        let Activation {
+            mem,
+            mut queues,
+            mut notify,
+            interrupt,
+            ..
+        } = activation;
+        if queues.len() != 1 || notify.len() != 1 {
+            return Err(ActivateError::QueueCount {
+                got: queues.len(),
+                want: 1,
+            });
+        }
+        let Some(image) = self.image.take() else {
+            // Still held by a worker that did not come back: the device is broken.
+            return Err(ActivateError::QueueCount { got: 0, want: 1 });
+        };
+        let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
+        let stop_worker = stop.try_clone().map_err(ActivateError::EventFd)?;
+        let mut server = RequestServer {
+            image,
+            mem,
+            queue: queues.remove(0),
+            interrupt,
+            broken: false,
+        };
+        let kick = notify.remove(0);
+        let thread = std::thread::Builder::new()
+            .name("virtio-blk".into())
+            .spawn(move || {
+                server.run(&kick, &stop_worker);
+                server.image
+            })
+            .map_err(ActivateError::Thread)?;
+        self.worker = Some(Worker { stop, thread });
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.stop.write(1);
+            match worker.thread.join() {
+                Ok(image) => self.image = Some(image),
+                Err(_) => tracing::error!("virtio-blk: the worker thread panicked; the disk is gone"),
+            }
+        }
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        self.reset();
+    }
+}
+
+/// The worker's side: one queue, one image.
+struct RequestServer {
+    image: DiskImage,
+    mem: GuestMemoryMmap,
+    queue: Queue,
+    interrupt: std::sync::Arc<Interrupt>,
+    /// The driver broke the queue itself (an avail index past the ring): nothing more is
+    /// served until it resets the device.
+    broken: bool,
+}
+
+const KICK: u64 = 1;
+const STOP: u64 = 2;
+
+impl RequestServer {
+    fn run(&mut self, kick: &EventFd, stop: &EventFd) {
+        let epoll = match Epoll::new() {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::error!("virtio-blk: epoll: {e}");
+                return;
+            }
+        };
+        for (fd, data) in [(kick.as_raw_fd(), KICK), (stop.as_raw_fd(), STOP)] {
+            if let Err(e) = epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, data)) {
+                tracing::error!("virtio-blk: epoll_ctl: {e}");
+                return;
+            }
+        }
+        // A kick may have come before the thread was waiting.
+        self.serve();
+        let mut events = [EpollEvent::default(); 2];
+        loop {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::error!("virtio-blk: epoll_wait: {e}");
+                    return;
+                }
+            };
+            for event in &events[..n] {
+                match event.data() {
+                    STOP => return,
+                    _ => {
+                        let _ = kick.read();
+                        self.serve();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Serves every available request, then interrupts the driver if it wants to be.
+    fn serve(&mut self) {
+        if self.broken {
+            return;
+        }
+        let result = (|| -> Result<(), virtio_queue::Error> {
+            let mut used_any = false;
+            loop {
+                self.queue.disable_notification(&self.mem)?;
+                while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
+                    let head = chain.head_index();
+                    let written = handle_request(&self.image, &self.mem, chain);
+                    self.queue.add_used(&self.mem, head, written)?;
+                    used_any = true;
+                }
+                if !self.queue.enable_notification(&self.mem)? {
+                    break;
+                }
+            }
+            // Nothing used, nothing to say (a kick for requests served already).
+            if used_any && self.queue.needs_notification(&self.mem)? {
+                self.interrupt.signal_used_queue();
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            tracing::warn!(
+                "virtio-blk {}: the driver's queue is broken ({e}); the device needs a reset",
+                self.image.path.display()
+            );
+            self.broken = true;
+            self.interrupt.signal_config_change();
+        }
+    }
+}
+
+/// What a request asks, checked against the image.
+#[derive(Debug, PartialEq, Eq)]
+enum Request {
+    Read { offset: u64 },
+    Write { offset: u64 },
+    Flush,
+    GetId,
+    Unsupported(u32),
+}
+
+/// Serves one request chain; returns the number of bytes written into its buffers.
+fn handle_request<M: GuestMemory>(image: &DiskImage, mem: &M, chain: DescriptorChain<&M>) -> u32 {
+    // The chain ends at a loop, a bad index or the queue's size (virtio-queue's iterator
+    // stops there): its descriptors number at most QUEUE_SIZE.
+    let descriptors: Vec<Descriptor> = chain.collect();
+    let Some(status_at) = status_byte(&descriptors) else {
+        tracing::debug!("virtio-blk: a request without a status byte, returned unanswered");
+        return 0;
+    };
+    let (status, data_written) = match parse(mem, &descriptors) {
+        Ok((request, segments)) => execute(image, mem, request, &segments),
+        Err(status) => (status, 0),
+    };
+    if mem.write_obj(status as u8, status_at).is_err() {
+        return 0;
+    }
+    data_written.saturating_add(1)
+}
+
+/// The last byte of the last descriptor, when that one is device-writable.
+fn status_byte(descriptors: &[Descriptor]) -> Option<GuestAddress> {
+    let last = descriptors.last()?;
+    if !last.is_write_only() || last.len() == 0 {
+        return None;
+    }
+    last.addr().0.checked_add(u64::from(last.len()) - 1).map(GuestAddress)
+}
+
+/// A stretch of guest memory the request's data lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Segment {
+    addr: GuestAddress,
+    len: u32,
+}
+
+/// The request in a chain (header, data, status byte), or the status it fails with.
+fn parse<M: GuestMemory>(mem: &M, descriptors: &[Descriptor]) -> Result<(Request, Vec<Segment>), u32> {
+    let ioerr = VIRTIO_BLK_S_IOERR;
+    // Device-readable ones first, then device-writable ones (2.7.4.2).
+    let readable = descriptors.iter().take_while(|d| !d.is_write_only()).count();
+    if descriptors[readable..].iter().any(|d| !d.is_write_only()) {
+        return Err(ioerr);
+    }
+    // The header is the first 16 readable bytes, in as many descriptors as the driver used.
+    let mut header = [0u8; REQUEST_HEADER_LEN];
+    let mut filled = 0;
+    let mut data = Vec::new();
+    for d in &descriptors[..readable] {
+        let take = (REQUEST_HEADER_LEN - filled).min(d.len() as usize);
+        if take > 0 {
+            mem.read_slice(&mut header[filled..filled + take], d.addr())
+                .map_err(|_| ioerr)?;
+            filled += take;
+        }
+        if (d.len() as usize) > take {
+            let addr = d.addr().0.checked_add(take as u64).map(GuestAddress).ok_or(ioerr)?;
+            data.push(Segment {
+                addr,
+                len: d.len() - take as u32,
+            });
+        }
+    }
+    if filled < REQUEST_HEADER_LEN {
+        return Err(ioerr);
+    }
+    let kind = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
+    let sector = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+    // The writable part, less the status byte.
+    let mut writable: Vec<Segment> = descriptors[readable..]
+        .iter()
+        .map(|d| Segment {
+            addr: d.addr(),
+            len: d.len(),
+        })
+        .collect();
+    if let Some(last) = writable.last_mut() {
+        last.len -= 1;
+    }
+    writable.retain(|s| s.len > 0);
+    let offset = sector.checked_mul(SECTOR_SIZE).ok_or(ioerr);
+    match kind {
+        VIRTIO_BLK_T_IN if data.is_empty() => Ok((Request::Read { offset: offset? }, writable)),
+        VIRTIO_BLK_T_OUT if writable.is_empty() => Ok((Request::Write { offset: offset? }, data)),
+        VIRTIO_BLK_T_FLUSH => Ok((Request::Flush, Vec::new())),
+        VIRTIO_BLK_T_GET_ID if data.is_empty() => Ok((Request::GetId, writable)),
+        VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT | VIRTIO_BLK_T_GET_ID => Err(ioerr),
+        other => Ok((Request::Unsupported(other), Vec::new())),
+    }
+}
+
+/// Does `request`; returns its status and the bytes it wrote into guest memory.
+fn execute<M: GuestMemory>(image: &DiskImage, mem: &M, request: Request, segments: &[Segment]) -> (u32, u32) {
+    let ioerr = (VIRTIO_BLK_S_IOERR, 0);
+    let total = segments
+        .iter()
+        .try_fold(0u64, |sum, s| sum.checked_add(u64::from(s.len)));
+    let Some(total) = total else { return ioerr };
+    match request {
+        Request::Read { offset } | Request::Write { offset } => {
+            // Whole sectors inside the image (5.2.6.1: data is a multiple of 512 bytes).
+            let in_image = offset.checked_add(total).is_some_and(|end| end <= image.size);
+            if !total.is_multiple_of(SECTOR_SIZE) || !in_image {
+                return ioerr;
+            }
+            let write = matches!(request, Request::Write { .. });
+            if write && image.read_only {
+                return ioerr;
+            }
+            match transfer(image, mem, offset, segments, write) {
+                Ok(()) if write => (VIRTIO_BLK_S_OK, 0),
+                Ok(()) => (VIRTIO_BLK_S_OK, u32::try_from(total).unwrap_or(u32::MAX)),
+                Err(e) => {
+                    tracing::warn!("virtio-blk {}: {e}", image.path.display());
+                    ioerr
+                }
+            }
+        }
+        Request::Flush if image.read_only => (VIRTIO_BLK_S_OK, 0),
+        Request::Flush => match image.file.sync_all() {
+            Ok(()) => (VIRTIO_BLK_S_OK, 0),
+            Err(e) => {
+                tracing::warn!("virtio-blk {}: fsync: {e}", image.path.display());
+                ioerr
+            }
+        },
+        Request::GetId => {
+            let id = image.device_id();
+            let mut written = 0u32;
+            for s in segments {
+                let n = (id.len() - written as usize).min(s.len as usize);
+                if mem
+                    .write_slice(&id[written as usize..written as usize + n], s.addr)
+                    .is_err()
+                {
+                    return ioerr;
+                }
+                written += n as u32;
+                if written as usize == id.len() {
+                    break;
+                }
+            }
+            (VIRTIO_BLK_S_OK, written)
+        }
+        Request::Unsupported(kind) => {
+            tracing::debug!("virtio-blk: request type {kind} unsupported");
+            (VIRTIO_BLK_S_UNSUPP, 0)
+        }
+    }
+}
+
+/// Moves the data of a read or write between the image at `offset` and the segments.
+fn transfer<M: GuestMemory>(
+    image: &DiskImage,
+    mem: &M,
+    offset: u64,
+    segments: &[Segment],
+    write: bool,
+) -> Result<(), TransferError> {
+    (&image.file).seek(SeekFrom::Start(offset)).map_err(TransferError::Io)?;
+    let mut fd = image.file.as_fd();
+    for s in segments {
+        let len = s.len as usize;
+        let moved = if write {
+            mem.write_all_volatile_to(s.addr, &mut fd, len)
+        } else {
+            mem.read_exact_volatile_from(s.addr, &mut fd, len)
+        };
+        moved.map_err(|source| TransferError::Memory {
+            addr: s.addr.0,
+            len: s.len,
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+#[derive(Debug, thiserror::Error)]
+enum TransferError {
+    #[error("seeking in the image: {0}")]
+    Io(std::io::Error),
+    #[error("{len} bytes at guest-physical {addr:#x}: {source}")]
+    Memory {
+        addr: u64,
+        len: u32,
+        source: vm_memory::GuestMemoryError,
+    },
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,357 @@
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::RawDescriptor;
+use virtio_queue::mock::MockSplitQueue;
+use vm_memory::GuestMemoryMmap;
+
+use super::*;
+
+const HEADER: u64 = 0x10_0000;
+const DATA: u64 = 0x20_0000;
+const STATUS: u64 = 0x30_0000;
+/// The test image: 8 sectors, sector N filled with byte N.
+const SECTORS: u64 = 8;
+
+fn memory() -> GuestMemoryMmap {
+    // Two blocks with a hole between them, as a guest above 3 GiB has.
+    GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20), (GuestAddress(8 << 20), 1 << 20)]).unwrap()
+}
+
+fn image_file() -> tempfile::NamedTempFile {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    for sector in 0..SECTORS {
+        f.write_all(&[sector as u8; SECTOR_SIZE as usize]).unwrap();
+    }
+    f.flush().unwrap();
+    f
+}
+
+fn open(file: &tempfile::NamedTempFile, read_only: bool) -> DiskImage {
+    DiskImage::open(&DiskConfig {
+        path: file.path().to_owned(),
+        read_only,
+    })
+    .unwrap()
+}
+
+fn header(mem: &GuestMemoryMmap, kind: u32, sector: u64) {
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&kind.to_le_bytes());
+    h[8..16].copy_from_slice(&sector.to_le_bytes());
+    mem.write_slice(&h, GuestAddress(HEADER)).unwrap();
+}
+
+fn readable(addr: u64, len: u32) -> RawDescriptor {
+    RawDescriptor::from(Descriptor::new(addr, len, 0, 0))
+}
+
+fn writable(addr: u64, len: u32) -> RawDescriptor {
+    RawDescriptor::from(Descriptor::new(addr, len, VRING_DESC_F_WRITE as u16, 0))
+}
+
+/// Serves the chain `descs`; returns the bytes reported written and the status byte.
+fn serve(image: &DiskImage, mem: &GuestMemoryMmap, descs: &[RawDescriptor]) -> (u32, u8) {
+    mem.write_obj(0xeeu8, GuestAddress(STATUS)).unwrap();
+    let queue = MockSplitQueue::new(mem, 16);
+    let chain = queue.build_desc_chain(descs).unwrap();
+    let written = handle_request(image, mem, chain);
+    (written, mem.read_obj(GuestAddress(STATUS)).unwrap())
+}
+
+/// Header, one data descriptor, status.
+fn request(data: RawDescriptor) -> [RawDescriptor; 3] {
+    [readable(HEADER, 16), data, writable(STATUS, 1)]
+}
+
+const OK: u8 = VIRTIO_BLK_S_OK as u8;
+const IOERR: u8 = VIRTIO_BLK_S_IOERR as u8;
+
+#[test]
+fn a_read_copies_the_sectors_into_the_buffers() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    header(&mem, VIRTIO_BLK_T_IN, 2);
+    let (written, status) = serve(&image, &mem, &request(writable(DATA, 1024)));
+    assert_eq!((written, status), (1025, OK));
+    let mut data = [0u8; 1024];
+    mem.read_slice(&mut data, GuestAddress(DATA)).unwrap();
+    assert!(data[..512].iter().all(|&b| b == 2) && data[512..].iter().all(|&b| b == 3));
+}
+
+#[test]
+fn a_write_reaches_the_image_and_a_flush_succeeds() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    mem.write_slice(&[0xab; 512], GuestAddress(DATA)).unwrap();
+    header(&mem, VIRTIO_BLK_T_OUT, 7);
+    let (written, status) = serve(&image, &mem, &request(readable(DATA, 512)));
+    assert_eq!((written, status), (1, OK));
+    header(&mem, VIRTIO_BLK_T_FLUSH, 0);
+    assert_eq!(
+        serve(&image, &mem, &[readable(HEADER, 16), writable(STATUS, 1)]),
+        (1, OK)
+    );
+    let bytes = std::fs::read(file.path()).unwrap();
+    assert!(bytes[7 * 512..].iter().all(|&b| b == 0xab));
+    assert!(bytes[6 * 512..7 * 512].iter().all(|&b| b == 6));
+}
+
+#[test]
+fn a_header_split_over_descriptors_and_data_after_it_in_the_same_one_are_understood() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    header(&mem, VIRTIO_BLK_T_OUT, 1);
+    // The header's last 8 bytes and the data share one descriptor.
+    let data_after = HEADER + 8;
+    mem.write_slice(&[0x5a; 512], GuestAddress(HEADER + 16)).unwrap();
+    let descs = [readable(HEADER, 8), readable(data_after, 8 + 512), writable(STATUS, 1)];
+    assert_eq!(serve(&image, &mem, &descs), (1, OK));
+    assert!(std::fs::read(file.path()).unwrap()[512..1024]
+        .iter()
+        .all(|&b| b == 0x5a));
+}
+
+#[test]
+fn a_read_only_disk_refuses_writes_and_keeps_its_bytes() {
+    let (mem, file) = (memory(), image_file());
+    let before = std::fs::read(file.path()).unwrap();
+    let image = open(&file, true);
+    header(&mem, VIRTIO_BLK_T_OUT, 0);
+    assert_eq!(serve(&image, &mem, &request(readable(DATA, 512))), (1, IOERR));
+    header(&mem, VIRTIO_BLK_T_IN, 0);
+    assert_eq!(serve(&image, &mem, &request(writable(DATA, 512))), (513, OK));
+    assert_eq!(std::fs::read(file.path()).unwrap(), before);
+    assert_ne!(Block::new(image).features() & (1 << VIRTIO_BLK_F_RO), 0);
+}
+
+#[test]
+fn requests_outside_the_image_or_of_part_sectors_fail_with_ioerr() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    let cases = [
+        (SECTORS, 512),                // just past the end
+        (SECTORS - 1, 1024),           // runs over the end
+        (u64::MAX, 512),               // the offset overflows
+        (u64::MAX / SECTOR_SIZE, 512), // the end overflows
+        (0, 100),                      // part of a sector
+        (0, 1 << 31),                  // a length the guest has no memory for
+    ];
+    for (sector, len) in cases {
+        header(&mem, VIRTIO_BLK_T_IN, sector);
+        assert_eq!(
+            serve(&image, &mem, &request(writable(DATA, len))),
+            (1, IOERR),
+            "{sector} {len}"
+        );
+    }
+}
+
+#[test]
+fn buffers_outside_guest_ram_fail_the_request_not_the_host() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    header(&mem, VIRTIO_BLK_T_IN, 0);
+    // In the hole between the two blocks, then straddling the first block's end.
+    for addr in [5 << 20, (4 << 20) - 256] {
+        assert_eq!(
+            serve(&image, &mem, &request(writable(addr, 512))),
+            (1, IOERR),
+            "{addr:#x}"
+        );
+    }
+    // A header outside RAM.
+    let descs = [readable(6 << 20, 16), writable(DATA, 512), writable(STATUS, 1)];
+    assert_eq!(serve(&image, &mem, &descs), (1, IOERR));
+}
+
+#[test]
+fn malformed_chains_are_answered_or_returned_without_a_status() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    header(&mem, VIRTIO_BLK_T_IN, 0);
+    // No status byte: the last descriptor is device-readable, or empty.
+    assert_eq!(
+        serve(&image, &mem, &[readable(HEADER, 16), readable(DATA, 512)]),
+        (0, 0xee)
+    );
+    assert_eq!(
+        serve(&image, &mem, &[readable(HEADER, 16), writable(STATUS, 0)]),
+        (0, 0xee)
+    );
+    // A chain of more than 4 GiB: virtio-queue's iterator ends it early (2.7.5.2).
+    let huge = [readable(HEADER, 16), writable(DATA, u32::MAX - 1), writable(STATUS, 1)];
+    assert_eq!(serve(&image, &mem, &huge), (0, 0xee));
+    // A short header; readable after writable; a read with readable data.
+    assert_eq!(
+        serve(&image, &mem, &[readable(HEADER, 8), writable(STATUS, 1)]),
+        (1, IOERR)
+    );
+    let mixed = [
+        readable(HEADER, 16),
+        writable(DATA, 512),
+        readable(DATA, 512),
+        writable(STATUS, 1),
+    ];
+    assert_eq!(serve(&image, &mem, &mixed), (1, IOERR));
+    let read_with_data = [readable(HEADER, 16), readable(DATA, 512), writable(STATUS, 1)];
+    assert_eq!(serve(&image, &mem, &read_with_data), (1, IOERR));
+    // Unknown request types are unsupported, not errors.
+    header(&mem, 99, 0);
+    assert_eq!(
+        serve(&image, &mem, &[readable(HEADER, 16), writable(STATUS, 1)]),
+        (1, VIRTIO_BLK_S_UNSUPP as u8)
+    );
+}
+
+#[test]
+fn a_descriptor_loop_ends_at_the_queue_size() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    header(&mem, VIRTIO_BLK_T_IN, 0);
+    let queue = MockSplitQueue::new(&mem, 16);
+    let next = VRING_DESC_F_NEXT as u16;
+    let table = queue.desc_table();
+    table
+        .store(0, RawDescriptor::from(Descriptor::new(HEADER, 16, next, 1)))
+        .unwrap();
+    table
+        .store(
+            1,
+            RawDescriptor::from(Descriptor::new(STATUS, 1, next | VRING_DESC_F_WRITE as u16, 0)),
+        )
+        .unwrap();
+    queue.avail().ring().ref_at(0).unwrap().store(0);
+    queue.avail().idx().store(1);
+    let mut q: Queue = queue.create_queue().unwrap();
+    let chain = q.pop_descriptor_chain(&mem).unwrap();
+    // Header, status, header, … : readable after writable, answered with IOERR.
+    assert_eq!(handle_request(&image, &mem, chain), 1);
+    assert_eq!(mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap(), IOERR);
+}
+
+#[test]
+fn get_id_names_the_image() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    header(&mem, VIRTIO_BLK_T_GET_ID, 0);
+    let (written, status) = serve(&image, &mem, &request(writable(DATA, 20)));
+    assert_eq!((written, status), (21, OK));
+    let mut id = [0u8; 20];
+    mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+    assert!(id.starts_with(b"hvp"), "{id:?}");
+}
+
+#[test]
+fn the_config_space_is_the_capacity_in_sectors() {
+    let file = image_file();
+    let block = Block::new(open(&file, false));
+    let mut capacity = [0u8; 8];
+    block.read_config(0, &mut capacity);
+    assert_eq!(u64::from_le_bytes(capacity), SECTORS);
+    let mut past = [0xffu8; 4];
+    block.read_config(6, &mut past);
+    assert_eq!(past, [0; 4]);
+    block.read_config(u64::MAX, &mut past);
+    assert_eq!(past, [0; 4]);
+}
+
+#[test]
+fn the_worker_serves_a_kick_and_interrupts_the_driver() {
+    let (mem, file) = (memory(), image_file());
+    let mut block = Block::new(open(&file, false));
+    header(&mem, VIRTIO_BLK_T_IN, 5);
+    let queue = MockSplitQueue::new(&mem, 16);
+    let linked = |d: RawDescriptor, next: u16| {
+        let d = Descriptor::from(d);
+        RawDescriptor::from(Descriptor::new(
+            d.addr().0,
+            d.len(),
+            d.flags() | VRING_DESC_F_NEXT as u16,
+            next,
+        ))
+    };
+    let chain = [
+        linked(readable(HEADER, 16), 1),
+        linked(writable(DATA, 512), 2),
+        writable(STATUS, 1),
+    ];
+    queue.add_desc_chains(&chain, 0).unwrap();
+    let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    let interrupt = Arc::new(Interrupt::new(irq.try_clone().unwrap()));
+    let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    block
+        .activate(Activation {
+            mem: mem.clone(),
+            queues: vec![queue.create_queue().unwrap()],
+            notify: vec![kick.try_clone().unwrap()],
+            interrupt: Arc::clone(&interrupt),
+            acked_features: 1 << VIRTIO_F_VERSION_1,
+        })
+        .unwrap();
+    kick.write(1).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while queue.used().idx().load() != 1 {
+        assert!(Instant::now() < deadline, "the worker never answered");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    block.reset();
+    assert_eq!(irq.read().unwrap(), 1);
+    assert_eq!(interrupt.status(), virtio_bindings::virtio_mmio::VIRTIO_MMIO_INT_VRING);
+    let mut data = [0u8; 512];
+    mem.read_slice(&mut data, GuestAddress(DATA)).unwrap();
+    assert!(data.iter().all(|&b| b == 5));
+    // The image came back from the worker: the device can be activated again.
+    assert!(block.image.is_some());
+}
+
+#[test]
+fn bad_images_are_refused_with_their_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = |name: &str, bytes: Option<usize>| {
+        let path = dir.path().join(name);
+        if let Some(n) = bytes {
+            std::fs::write(&path, vec![0u8; n]).unwrap();
+        }
+        DiskConfig { path, read_only: false }
+    };
+    let err = |c: &DiskConfig| DiskImage::open(c).unwrap_err().to_string();
+    assert!(
+        err(&at("missing", None)).contains("No such file"),
+        "{}",
+        err(&at("missing", None))
+    );
+    assert!(err(&DiskConfig {
+        path: dir.path().into(),
+        read_only: false
+    })
+    .contains("is a directory"));
+    assert!(err(&at("empty", Some(0))).contains("is empty"));
+    assert!(err(&at("odd", Some(1000))).contains("1000 bytes, not a whole number of 512-byte sectors"));
+    let good = at("good", Some(4096));
+    let held = DiskImage::open(&good).unwrap();
+    assert!(err(&good).contains("in use by another program"));
+    drop(held);
+    let twice = DiskImage::open_all(&[good.clone(), good.clone()])
+        .unwrap_err()
+        .to_string();
+    assert!(twice.contains("given twice"), "{twice}");
+}
+
+#[test]
+fn read_only_users_share_a_disk_and_a_writer_is_kept_out() {
+    let file = image_file();
+    let ro = |read_only| {
+        DiskImage::open(&DiskConfig {
+            path: file.path().to_owned(),
+            read_only,
+        })
+    };
+    let a = ro(true).unwrap();
+    let b = ro(true).unwrap();
+    assert!(matches!(ro(false), Err(DiskError::Locked { .. })));
+    drop((a, b));
+    assert!(ro(false).is_ok());
+}

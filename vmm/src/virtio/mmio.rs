@@ -1,0 +1,544 @@
+//! The virtio-mmio register window of one device (virtio 1.2, 4.2.2; version 2, no legacy
+//! registers): feature negotiation, queue set-up and the device status state machine.
+//!
+//! The driver may write anything in any order; what the spec does not allow is ignored
+//! (and logged once at debug level), never a panic: a status that skips a step is not
+//! taken, features the device did not offer fail FEATURES_OK, queues that are not valid
+//! at DRIVER_OK (sizes, alignment, rings outside RAM) set DEVICE_NEEDS_RESET.
+
+use std::sync::Arc;
+
+use virtio_bindings::virtio_config::{
+    VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FAILED,
+    VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
+};
+use virtio_bindings::virtio_mmio::*;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{Activation, Interrupt, VirtioDevice};
+
+/// "virt", little-endian.
+const MAGIC: u32 = 0x7472_6976;
+/// The modern (virtio 1.x) register layout.
+const MMIO_VERSION: u32 = 2;
+/// Reported as the vendor ID: "hvpr".
+const VENDOR_ID: u32 = 0x7270_7668;
+
+pub struct MmioTransport {
+    device: Box<dyn VirtioDevice>,
+    mem: GuestMemoryMmap,
+    interrupt: Arc<Interrupt>,
+    notify: Vec<EventFd>,
+    queues: Vec<Queue>,
+    /// Per queue: the driver wrote a size or ring address virtio-queue refused (not a
+    /// power of two, misaligned); the queue then may not start.
+    queue_refused: Vec<bool>,
+    queue_select: u32,
+    device_features_select: u32,
+    driver_features_select: u32,
+    driver_features: u64,
+    status: u32,
+    active: bool,
+}
+
+impl MmioTransport {
+    pub fn new(
+        device: Box<dyn VirtioDevice>,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<Interrupt>,
+        notify: Vec<EventFd>,
+    ) -> Result<MmioTransport, virtio_queue::Error> {
+        let queues = device
+            .queue_max_sizes()
+            .iter()
+            .map(|&max| Queue::new(max))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(MmioTransport {
+            device,
+            mem,
+            interrupt,
+            notify,
+            queue_refused: vec![false; queues.len()],
+            queues,
+            queue_select: 0,
+            device_features_select: 0,
+            driver_features_select: 0,
+            driver_features: 0,
+            status: 0,
+            active: false,
+        })
+    }
+
+    pub fn status(&self) -> u32 {
+        self.status
+    }
+
+    fn selected_queue(&mut self) -> Option<&mut Queue> {
+        self.queues.get_mut(self.queue_select as usize)
+    }
+
+    /// A guest read of `data.len()` bytes at `offset` in the window.
+    pub fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
+            self.device.read_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
+            return;
+        }
+        // Registers are 32 bits wide and read whole (4.2.2.2: the driver MUST use 32-bit
+        // accesses); anything else reads as all-ones, as an absent register would.
+        if data.len() != 4 || !offset.is_multiple_of(4) {
+            data.fill(0xff);
+            return;
+        }
+        let value = match offset as u32 {
+            VIRTIO_MMIO_MAGIC_VALUE => MAGIC,
+            VIRTIO_MMIO_VERSION => MMIO_VERSION,
+            VIRTIO_MMIO_DEVICE_ID => self.device.device_type(),
+            VIRTIO_MMIO_VENDOR_ID => VENDOR_ID,
+            VIRTIO_MMIO_DEVICE_FEATURES => match self.device_features_select {
+                0 => self.device.features() as u32,
+                1 => (self.device.features() >> 32) as u32,
+                _ => 0,
+            },
+            VIRTIO_MMIO_QUEUE_NUM_MAX => self.selected_queue().map_or(0, |q| u32::from(q.max_size())),
+            VIRTIO_MMIO_QUEUE_READY => self.selected_queue().map_or(0, |q| u32::from(q.ready())),
+            VIRTIO_MMIO_INTERRUPT_STATUS => self.interrupt.status(),
+            VIRTIO_MMIO_STATUS => self.status,
+            VIRTIO_MMIO_CONFIG_GENERATION => 0,
+            _ => 0,
+        };
+        data.copy_from_slice(&value.to_le_bytes());
+    }
+
+    /// A guest write of `data` at `offset` in the window.
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
+            // No device here has a writable config field.
+            tracing::debug!("virtio-mmio: config write at {offset:#x} ignored");
+            return;
+        }
+        let Ok(bytes) = <[u8; 4]>::try_from(data) else {
+            tracing::debug!("virtio-mmio: {}-byte register write at {offset:#x} ignored", data.len());
+            return;
+        };
+        if !offset.is_multiple_of(4) {
+            return;
+        }
+        let value = u32::from_le_bytes(bytes);
+        // Queue and feature set-up is only taken before DRIVER_OK (4.2.3.2 and 3.1.1).
+        let setting_up = self.status & (VIRTIO_CONFIG_S_DRIVER_OK | VIRTIO_CONFIG_S_FAILED) == 0;
+        let negotiating = setting_up && self.status & VIRTIO_CONFIG_S_FEATURES_OK == 0;
+        match offset as u32 {
+            VIRTIO_MMIO_DEVICE_FEATURES_SEL => self.device_features_select = value,
+            VIRTIO_MMIO_DRIVER_FEATURES_SEL => self.driver_features_select = value,
+            VIRTIO_MMIO_DRIVER_FEATURES if negotiating => match self.driver_features_select {
+                0 => self.driver_features = (self.driver_features & !0xffff_ffff) | u64::from(value),
+                1 => self.driver_features = (self.driver_features & 0xffff_ffff) | (u64::from(value) << 32),
+                _ => {}
+            },
+            VIRTIO_MMIO_QUEUE_SEL => self.queue_select = value,
+            VIRTIO_MMIO_QUEUE_NUM if setting_up => self.set_up_queue(|q| {
+                q.set_size(value as u16);
+                q.size() == value as u16 && u32::from(q.size()) == value
+            }),
+            VIRTIO_MMIO_QUEUE_READY if setting_up => self.set_up_queue(|q| {
+                q.set_ready(value == 1);
+                true
+            }),
+            VIRTIO_MMIO_QUEUE_DESC_LOW if setting_up => self.set_up_queue(|q| {
+                let want = with_low(q.desc_table(), value);
+                q.set_desc_table_address(Some(value), None);
+                q.desc_table() == want
+            }),
+            VIRTIO_MMIO_QUEUE_DESC_HIGH if setting_up => self.set_up_queue(|q| {
+                let want = with_high(q.desc_table(), value);
+                q.set_desc_table_address(None, Some(value));
+                q.desc_table() == want
+            }),
+            VIRTIO_MMIO_QUEUE_AVAIL_LOW if setting_up => self.set_up_queue(|q| {
+                let want = with_low(q.avail_ring(), value);
+                q.set_avail_ring_address(Some(value), None);
+                q.avail_ring() == want
+            }),
+            VIRTIO_MMIO_QUEUE_AVAIL_HIGH if setting_up => self.set_up_queue(|q| {
+                let want = with_high(q.avail_ring(), value);
+                q.set_avail_ring_address(None, Some(value));
+                q.avail_ring() == want
+            }),
+            VIRTIO_MMIO_QUEUE_USED_LOW if setting_up => self.set_up_queue(|q| {
+                let want = with_low(q.used_ring(), value);
+                q.set_used_ring_address(Some(value), None);
+                q.used_ring() == want
+            }),
+            VIRTIO_MMIO_QUEUE_USED_HIGH if setting_up => self.set_up_queue(|q| {
+                let want = with_high(q.used_ring(), value);
+                q.set_used_ring_address(None, Some(value));
+                q.used_ring() == want
+            }),
+            // Reached only when KVM did not take the write through the ioeventfd.
+            VIRTIO_MMIO_QUEUE_NOTIFY => {
+                if let Some(evt) = self.notify.get(value as usize) {
+                    let _ = evt.write(1);
+                }
+            }
+            VIRTIO_MMIO_INTERRUPT_ACK => self.interrupt.acknowledge(value),
+            VIRTIO_MMIO_STATUS => self.set_status(value),
+            other => tracing::debug!("virtio-mmio: write {value:#x} to register {other:#x} ignored"),
+        }
+    }
+
+    /// Applies a set-up write to the selected queue; `set` says whether virtio-queue
+    /// took the value (it keeps the old one, and logs, when it does not).
+    fn set_up_queue(&mut self, set: impl FnOnce(&mut Queue) -> bool) {
+        let index = self.queue_select as usize;
+        if let Some(q) = self.queues.get_mut(index) {
+            if !set(q) {
+                self.queue_refused[index] = true;
+            }
+        }
+    }
+
+    fn set_status(&mut self, value: u32) {
+        if value == 0 {
+            self.reset();
+            return;
+        }
+        if value & VIRTIO_CONFIG_S_FAILED != 0 {
+            self.status |= VIRTIO_CONFIG_S_FAILED;
+            return;
+        }
+        // Each write keeps the bits already set and adds the next one (3.1.1).
+        let added = value & !self.status;
+        if value & self.status != self.status || added.count_ones() != 1 {
+            tracing::debug!("virtio-mmio: status {value:#x} after {:#x} ignored", self.status);
+            return;
+        }
+        let before = self.status;
+        let step_ok = match added {
+            VIRTIO_CONFIG_S_ACKNOWLEDGE => before == 0,
+            VIRTIO_CONFIG_S_DRIVER => before == VIRTIO_CONFIG_S_ACKNOWLEDGE,
+            VIRTIO_CONFIG_S_FEATURES_OK => before == VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+            VIRTIO_CONFIG_S_DRIVER_OK => {
+                before == VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK
+            }
+            _ => false,
+        };
+        if !step_ok {
+            tracing::debug!("virtio-mmio: status {value:#x} after {before:#x} is out of order, ignored");
+            return;
+        }
+        match added {
+            // The driver reads FEATURES_OK back: it stays clear when the driver took
+            // features the device does not offer, or not VERSION_1 (no legacy devices).
+            VIRTIO_CONFIG_S_FEATURES_OK => {
+                let offered = self.device.features();
+                if self.driver_features & !offered != 0 || self.driver_features & (1 << VIRTIO_F_VERSION_1) == 0 {
+                    return;
+                }
+            }
+            VIRTIO_CONFIG_S_DRIVER_OK => {
+                self.status = value;
+                self.activate();
+                return;
+            }
+            _ => {}
+        }
+        self.status = value;
+    }
+
+    fn activate(&mut self) {
+        let event_idx = self.driver_features & (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX) != 0;
+        let mut queues = Vec::new();
+        for (index, q) in self.queues.iter_mut().enumerate() {
+            if self.queue_refused[index] || !q.is_valid(&self.mem) {
+                tracing::warn!("virtio-mmio: the driver set up queue {index} invalidly; the device needs a reset");
+                self.needs_reset();
+                return;
+            }
+            q.set_event_idx(event_idx);
+            // The device gets its own copy; the transport keeps the set-up for a reset.
+            match Queue::try_from(q.state()) {
+                Ok(copy) => queues.push(copy),
+                Err(e) => {
+                    tracing::warn!("virtio-mmio: queue {index}: {e}; the device needs a reset");
+                    self.needs_reset();
+                    return;
+                }
+            }
+        }
+        let notify = match self
+            .notify
+            .iter()
+            .map(EventFd::try_clone)
+            .collect::<Result<Vec<_>, _>>()
+        {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!("virtio-mmio: cannot activate the device: {e}");
+                self.needs_reset();
+                return;
+            }
+        };
+        let activation = Activation {
+            mem: self.mem.clone(),
+            queues,
+            notify,
+            interrupt: Arc::clone(&self.interrupt),
+            acked_features: self.driver_features,
+        };
+        match self.device.activate(activation) {
+            Ok(()) => self.active = true,
+            Err(e) => {
+                tracing::warn!("virtio-mmio: cannot activate the device: {e}");
+                self.needs_reset();
+            }
+        }
+    }
+
+    fn needs_reset(&mut self) {
+        self.status |= VIRTIO_CONFIG_S_NEEDS_RESET;
+        self.interrupt.signal_config_change();
+    }
+
+    fn reset(&mut self) {
+        if self.active {
+            self.device.reset();
+            self.active = false;
+        }
+        for q in &mut self.queues {
+            q.reset();
+        }
+        self.queue_refused.fill(false);
+        self.queue_select = 0;
+        self.device_features_select = 0;
+        self.driver_features_select = 0;
+        self.driver_features = 0;
+        self.status = 0;
+        self.interrupt.clear();
+        // A kick the old queues left pending must not wake the next activation.
+        for evt in &self.notify {
+            let _ = evt.read();
+        }
+    }
+
+    /// Stops the device for good (the machine is going away).
+    pub fn shut_down(&mut self) {
+        if self.active {
+            self.device.reset();
+            self.active = false;
+        }
+    }
+}
+
+fn with_low(address: u64, low: u32) -> u64 {
+    (address & !0xffff_ffff) | u64::from(low)
+}
+
+fn with_high(address: u64, high: u32) -> u64 {
+    (address & 0xffff_ffff) | (u64::from(high) << 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use vm_memory::GuestAddress;
+
+    use super::super::ActivateError;
+    use super::*;
+
+    const FEATURES: u64 = (1 << VIRTIO_F_VERSION_1) | 1 << 5;
+
+    /// A device that records what the transport does to it.
+    #[derive(Default)]
+    struct Recorder {
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl VirtioDevice for Recorder {
+        fn device_type(&self) -> u32 {
+            2
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[16]
+        }
+        fn features(&self) -> u64 {
+            FEATURES
+        }
+        fn read_config(&self, offset: u64, data: &mut [u8]) {
+            for (i, b) in data.iter_mut().enumerate() {
+                *b = offset as u8 + i as u8;
+            }
+        }
+        fn activate(&mut self, a: Activation) -> Result<(), ActivateError> {
+            self.log.lock().unwrap().push(format!(
+                "activate {} queues, features {:#x}, queue size {}",
+                a.queues.len(),
+                a.acked_features,
+                a.queues[0].size()
+            ));
+            Ok(())
+        }
+        fn reset(&mut self) {
+            self.log.lock().unwrap().push("reset".into());
+        }
+    }
+
+    fn transport() -> (MmioTransport, Arc<Mutex<Vec<String>>>) {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let recorder = Recorder::default();
+        let log = Arc::clone(&recorder.log);
+        let interrupt = Arc::new(Interrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
+        let notify = vec![EventFd::new(libc::EFD_NONBLOCK).unwrap()];
+        (
+            MmioTransport::new(Box::new(recorder), mem, interrupt, notify).unwrap(),
+            log,
+        )
+    }
+
+    fn read(t: &mut MmioTransport, reg: u32) -> u32 {
+        let mut data = [0u8; 4];
+        t.read(u64::from(reg), &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    fn write(t: &mut MmioTransport, reg: u32, value: u32) {
+        t.write(u64::from(reg), &value.to_le_bytes());
+    }
+
+    /// What Linux's virtio_mmio driver does, up to FEATURES_OK.
+    fn negotiate(t: &mut MmioTransport, features: u64) {
+        write(t, VIRTIO_MMIO_STATUS, 0);
+        write(t, VIRTIO_MMIO_STATUS, VIRTIO_CONFIG_S_ACKNOWLEDGE);
+        write(
+            t,
+            VIRTIO_MMIO_STATUS,
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+        );
+        for sel in 0..2 {
+            write(t, VIRTIO_MMIO_DRIVER_FEATURES_SEL, sel);
+            write(t, VIRTIO_MMIO_DRIVER_FEATURES, (features >> (32 * sel)) as u32);
+        }
+        write(
+            t,
+            VIRTIO_MMIO_STATUS,
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK,
+        );
+    }
+
+    fn set_up_queue(t: &mut MmioTransport, size: u32, desc: u32) {
+        write(t, VIRTIO_MMIO_QUEUE_SEL, 0);
+        write(t, VIRTIO_MMIO_QUEUE_NUM, size);
+        write(t, VIRTIO_MMIO_QUEUE_DESC_LOW, desc);
+        write(t, VIRTIO_MMIO_QUEUE_DESC_HIGH, 0);
+        write(t, VIRTIO_MMIO_QUEUE_AVAIL_LOW, desc + 0x1000);
+        write(t, VIRTIO_MMIO_QUEUE_AVAIL_HIGH, 0);
+        write(t, VIRTIO_MMIO_QUEUE_USED_LOW, desc + 0x2000);
+        write(t, VIRTIO_MMIO_QUEUE_USED_HIGH, 0);
+        write(t, VIRTIO_MMIO_QUEUE_READY, 1);
+    }
+
+    const ALL_OK: u32 =
+        VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK | VIRTIO_CONFIG_S_DRIVER_OK;
+
+    #[test]
+    fn identifies_itself_as_a_modern_virtio_mmio_device() {
+        let (mut t, _) = transport();
+        assert_eq!(read(&mut t, VIRTIO_MMIO_MAGIC_VALUE), MAGIC);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_VERSION), 2);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_DEVICE_ID), 2);
+        write(&mut t, VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_DEVICE_FEATURES), 1);
+        write(&mut t, VIRTIO_MMIO_DEVICE_FEATURES_SEL, 0);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_DEVICE_FEATURES), 1 << 5);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_QUEUE_NUM_MAX), 16);
+        let mut config = [0u8; 3];
+        t.read(0x102, &mut config);
+        assert_eq!(config, [2, 3, 4]);
+    }
+
+    #[test]
+    fn a_driver_that_follows_the_spec_activates_the_device() {
+        let (mut t, log) = transport();
+        negotiate(&mut t, FEATURES);
+        set_up_queue(&mut t, 8, 0x10000);
+        write(&mut t, VIRTIO_MMIO_STATUS, ALL_OK);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_STATUS), ALL_OK);
+        assert_eq!(
+            *log.lock().unwrap(),
+            ["activate 1 queues, features 0x100000020, queue size 8"]
+        );
+        write(&mut t, VIRTIO_MMIO_STATUS, 0);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_STATUS), 0);
+        assert_eq!(log.lock().unwrap().last().unwrap(), "reset");
+    }
+
+    #[test]
+    fn features_the_device_did_not_offer_or_a_legacy_driver_fail_features_ok() {
+        for features in [FEATURES | 1 << 7, 1 << 5] {
+            let (mut t, log) = transport();
+            negotiate(&mut t, features);
+            assert_eq!(
+                read(&mut t, VIRTIO_MMIO_STATUS),
+                VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER
+            );
+            write(&mut t, VIRTIO_MMIO_STATUS, ALL_OK);
+            assert!(log.lock().unwrap().is_empty(), "{features:#x}");
+        }
+    }
+
+    #[test]
+    fn status_steps_out_of_order_are_ignored() {
+        let (mut t, log) = transport();
+        write(&mut t, VIRTIO_MMIO_STATUS, ALL_OK);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_STATUS), 0);
+        write(&mut t, VIRTIO_MMIO_STATUS, VIRTIO_CONFIG_S_DRIVER);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_STATUS), 0);
+        assert!(log.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_invalid_queue_at_driver_ok_asks_for_a_reset_instead_of_activating() {
+        // Not a power of two; then a ring outside memory.
+        for (size, desc) in [(7, 0x10000), (8, 0x4000_0000), (8, 0x10001)] {
+            let (mut t, log) = transport();
+            negotiate(&mut t, FEATURES);
+            set_up_queue(&mut t, size, desc);
+            write(&mut t, VIRTIO_MMIO_STATUS, ALL_OK);
+            assert_ne!(read(&mut t, VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_NEEDS_RESET, 0);
+            assert_eq!(read(&mut t, VIRTIO_MMIO_INTERRUPT_STATUS), VIRTIO_MMIO_INT_CONFIG);
+            assert!(log.lock().unwrap().is_empty());
+            write(&mut t, VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INT_CONFIG);
+            assert_eq!(read(&mut t, VIRTIO_MMIO_INTERRUPT_STATUS), 0);
+        }
+    }
+
+    #[test]
+    fn queue_set_up_after_driver_ok_is_ignored() {
+        let (mut t, _) = transport();
+        negotiate(&mut t, FEATURES);
+        set_up_queue(&mut t, 8, 0x10000);
+        write(&mut t, VIRTIO_MMIO_STATUS, ALL_OK);
+        write(&mut t, VIRTIO_MMIO_QUEUE_NUM, 4);
+        write(&mut t, VIRTIO_MMIO_QUEUE_DESC_LOW, 0x5000_0000);
+        assert_eq!(t.queues[0].size(), 8);
+        assert_eq!(t.queues[0].desc_table(), 0x10000);
+    }
+
+    #[test]
+    fn odd_accesses_neither_panic_nor_change_anything() {
+        let (mut t, _) = transport();
+        let mut one = [0u8; 1];
+        t.read(0x70, &mut one);
+        assert_eq!(one, [0xff]);
+        t.write(0x70, &[1]);
+        t.write(0x71, &[1, 0, 0, 0]);
+        write(&mut t, VIRTIO_MMIO_QUEUE_SEL, 9);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_QUEUE_NUM_MAX), 0);
+        write(&mut t, VIRTIO_MMIO_QUEUE_NUM, 8);
+        write(&mut t, VIRTIO_MMIO_QUEUE_NOTIFY, u32::MAX);
+        t.read(0xfff, &mut one);
+        assert_eq!(read(&mut t, VIRTIO_MMIO_STATUS), 0);
+    }
+}
