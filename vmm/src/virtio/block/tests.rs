@@ -355,3 +355,44 @@ fn read_only_users_share_a_disk_and_a_writer_is_kept_out() {
     drop((a, b));
     assert!(ro(false).is_ok());
 }
+
+#[test]
+fn an_avail_index_past_the_ring_breaks_the_queue_instead_of_spinning() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    let queue = MockSplitQueue::new(&mem, 16);
+    // 100 requests announced in a ring of 16: the driver is broken or hostile.
+    queue.avail().idx().store(100);
+    let mut q: Queue = queue.create_queue().unwrap();
+    let (done, answer) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(serve_queue(&image, &mem, &mut q).map_err(|e| e.to_string()));
+    });
+    let result = answer
+        .recv_timeout(Duration::from_secs(10))
+        .expect("serve_queue never returned");
+    assert!(result.unwrap_err().contains("available ring index"));
+}
+
+#[test]
+fn an_available_ring_the_queue_cannot_read_breaks_the_queue_instead_of_spinning() {
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    // virtio-queue refuses to iterate an available ring at guest-physical 0 (as not set
+    // up) while its index there says one request is waiting.
+    let mut q = Queue::new(16).unwrap();
+    q.set_size(16);
+    q.set_desc_table_address(Some(0x4000), Some(0));
+    q.set_avail_ring_address(Some(0), Some(0));
+    q.set_used_ring_address(Some(0x8000), Some(0));
+    q.set_ready(true);
+    mem.write_obj(1u16, GuestAddress(2)).unwrap();
+    let (done, answer) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(serve_queue(&image, &mem, &mut q).map_err(|e| e.to_string()));
+    });
+    let result = answer
+        .recv_timeout(Duration::from_secs(10))
+        .expect("serve_queue never returned");
+    assert!(result.is_err(), "{result:?}");
+}
