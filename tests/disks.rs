@@ -1,0 +1,270 @@
+//! Disk images as virtio-blk disks (`--disk FILE[,ro]`, `--root /dev/vdX`) under real KVM,
+//! and the errors for bad images, which come before any boot.
+//!
+//! The guest's root disk is an ext4 image made here with `mkfs.ext4 -d` from a directory
+//! holding the host's static busybox (no loop mount, no root needed).
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::{hvprobe, require_kvm, Run};
+
+const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Errors that come before a boot (and before a guest build).
+const QUICK: Duration = Duration::from_secs(120);
+
+/// A scratch directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("hvprobe-disks-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// An ext4 image of `mib` MiB at `image` whose root holds busybox as /bin/sh (and as the
+/// applets a test names), empty mount points, and `files` (path, contents).
+fn ext4_image(image: &Path, mib: u64, applets: &[&str], files: &[(&str, &str)]) {
+    let root = image.with_extension("root");
+    let _ = std::fs::remove_dir_all(&root);
+    for dir in ["bin", "proc", "sys", "dev", "tmp", "run"] {
+        std::fs::create_dir_all(root.join(dir)).unwrap();
+    }
+    let busybox = Path::new("/bin/busybox");
+    assert!(
+        busybox.exists(),
+        "this test puts the host's static busybox on its disk: install busybox-static (guest/install-deps.sh does)"
+    );
+    std::fs::copy(busybox, root.join("bin/busybox")).unwrap();
+    for applet in std::iter::once(&"sh").chain(applets) {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+    }
+    for (path, contents) in files {
+        std::fs::write(root.join(path), contents).unwrap();
+    }
+    let status = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(&root)
+        .arg(image)
+        .arg(format!("{mib}M"))
+        .status()
+        .expect("mkfs.ext4 (e2fsprogs) runs");
+    assert!(status.success(), "mkfs.ext4 failed");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// The contents of `path` in the ext4 image, read on the host with debugfs.
+fn debugfs_cat(image: &Path, path: &str) -> String {
+    let out = Command::new("debugfs")
+        .args(["-R", &format!("cat {path}")])
+        .arg(image)
+        .output()
+        .expect("debugfs (e2fsprogs) runs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn sha256(path: &Path) -> String {
+    let out = Command::new("sha256sum").arg(path).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).split(' ').next().unwrap().to_owned()
+}
+
+fn probe_file(dir: &Path, text: &str) -> PathBuf {
+    let path = dir.join("disk.probes");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Host events of `event` in tasks named `comm` (trace lines `comm-PID [CPU] …: event:`).
+fn host_hits(run: &Run, event: &str, comm: &str) -> usize {
+    run.stdout
+        .lines()
+        .filter(|l| !l.starts_with("GUEST "))
+        .filter(|l| l.trim_start().starts_with(&format!("{comm}-")))
+        .filter(|l| l.contains(&format!(": {event}: (")))
+        .count()
+}
+
+/// The guest's own trace lines of `event`.
+fn guest_hits(run: &Run, event: &str) -> usize {
+    run.stdout
+        .lines()
+        .filter(|l| l.starts_with("GUEST "))
+        .filter(|l| l.contains(&format!(": {event}: (")))
+        .count()
+}
+
+/// One boot shows the whole path: the guest runs from an ext4 root disk, reads a file the
+/// host put there, writes and fsyncs one that the host then finds in the image, cannot
+/// write its read-only second disk (whose bytes stay the same), and host probes on ext4
+/// and the block layer count what the guest's own kprobe events count.
+#[test]
+fn a_root_disk_is_read_and_written_and_its_paths_are_probed_like_the_guests_own_events() {
+    require_kvm();
+    let dir = scratch("root");
+    let root = dir.join("root.img");
+    ext4_image(&root, 32, &["dd", "cat", "sync"], &[("hello.txt", "hello from the host\n")]);
+    let spare = dir.join("spare.img");
+    std::fs::write(&spare, vec![0x42u8; 1 << 20]).unwrap();
+    let spare_hash = sha256(&spare);
+    let probes = probe_file(
+        &dir,
+        "p:hw ext4_file_write_iter\np:hsub blk_mq_submit_bio\np:hvq virtio_queue_rq\n",
+    );
+    // The guest's own events on the same functions, traced only for dd.
+    let workload = "T=/sys/kernel/tracing; \
+        echo 'p:gw ext4_file_write_iter' >> $T/kprobe_events; \
+        echo 'p:gsub blk_mq_submit_bio' >> $T/kprobe_events; \
+        for e in gw gsub; do echo 'comm == \"dd\"' > $T/events/kprobes/$e/filter; done; \
+        cat /hello.txt; \
+        echo 1 > $T/events/kprobes/enable; \
+        dd if=/dev/zero of=/written bs=4096 count=8 conv=fsync 2>/dev/null; \
+        echo 0 > $T/events/kprobes/enable; \
+        echo 'the guest wrote this' > /note; sync; \
+        if dd if=/dev/zero of=/dev/vdb bs=512 count=1 conv=fsync 2>/dev/null; then echo RO-WRITE-TOOK; else echo RO-WRITE-REFUSED; fi; \
+        while read l; do case $l in *' g'*': ('*) echo \"GUEST $l\";; esac; done < $T/trace";
+    let run = hvprobe(
+        &[
+            "run",
+            "--disk",
+            root.to_str().unwrap(),
+            "--disk",
+            &format!("{},ro", spare.display()),
+            "--root",
+            "/dev/vda",
+            "--probes",
+            probes.to_str().unwrap(),
+            "--workload",
+            workload,
+        ],
+        BOOT_TIMEOUT,
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(&run, &[]);
+    assert!(run.console_has_line("hello from the host"), "{}", run.tail());
+    assert!(run.console_has_line("RO-WRITE-REFUSED"), "{}", run.tail());
+
+    // The probes saw dd's writes as the guest's own events did.
+    let (host_w, guest_w) = (host_hits(&run, "hw", "dd"), guest_hits(&run, "gw"));
+    assert_eq!(host_w, 8, "one ext4 write per dd block\n{}", run.tail());
+    assert_eq!(host_w, guest_w);
+    let (host_sub, guest_sub) = (host_hits(&run, "hsub", "dd"), guest_hits(&run, "gsub"));
+    assert!(host_sub > 0, "dd's fsync submitted no bio\n{}", run.tail());
+    assert_eq!(host_sub, guest_sub);
+    let virtio_requests = run.stdout.lines().filter(|l| l.contains(": hvq: (")).count();
+    assert!(virtio_requests >= host_sub, "{virtio_requests} virtio requests for {host_sub} bios");
+
+    // What the guest wrote is in the image; the read-only disk is unchanged.
+    assert_eq!(debugfs_cat(&root, "/note"), "the guest wrote this\n");
+    assert_eq!(debugfs_cat(&root, "/written").len(), 8 * 4096);
+    assert_eq!(sha256(&spare), spare_hash);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Data the guest fsynced is in the image when hvprobe is stopped with SIGTERM.
+#[test]
+fn fsynced_data_survives_a_sigterm_of_hvprobe() {
+    require_kvm();
+    let dir = scratch("sigterm");
+    let root = dir.join("root.img");
+    ext4_image(&root, 16, &["sync", "sleep"], &[]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+        .args(["run", "--disk", root.to_str().unwrap(), "--root", "/dev/vda", "--workload"])
+        .arg("echo 'kept after SIGTERM' > /kept; sync; echo FSYNCED; sleep 600")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.trim_end() == "FSYNCED" {
+                let _ = tx.send(());
+            }
+        }
+    });
+    let synced = rx.recv_timeout(BOOT_TIMEOUT);
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(synced.is_ok(), "the guest never said FSYNCED (hvprobe: {status})");
+    assert_eq!(debugfs_cat(&root, "/kept"), "kept after SIGTERM\n");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every bad disk argument is refused with its reason, before a boot.
+#[test]
+fn bad_disks_are_refused_before_boot_with_their_reason() {
+    let dir = scratch("bad");
+    let empty = dir.join("empty.img");
+    std::fs::write(&empty, b"").unwrap();
+    let odd = dir.join("odd.img");
+    std::fs::write(&odd, vec![0u8; 1000]).unwrap();
+    let good = dir.join("good.img");
+    std::fs::write(&good, vec![0u8; 4096]).unwrap();
+    let missing = dir.join("missing.img");
+    let (dir_s, empty_s, odd_s, good_s, missing_s) = (
+        dir.to_str().unwrap(),
+        empty.to_str().unwrap(),
+        odd.to_str().unwrap(),
+        good.to_str().unwrap(),
+        missing.to_str().unwrap(),
+    );
+    let cases: Vec<(Vec<&str>, String)> = vec![
+        (vec!["--disk", missing_s], format!("disk image {missing_s}: No such file or directory")),
+        (vec!["--disk", dir_s], format!("disk image {dir_s} is a directory, not a disk image")),
+        (vec!["--disk", empty_s], format!("disk image {empty_s} is empty")),
+        (
+            vec!["--disk", odd_s],
+            format!("disk image {odd_s} is 1000 bytes, not a whole number of 512-byte sectors"),
+        ),
+        (vec!["--disk", good_s, "--disk", good_s], format!("disk image {good_s} is given twice")),
+        (
+            vec!["--disk", good_s, "--root", "/dev/vdb"],
+            "--root /dev/vdb: not a disk of this guest; the disks are /dev/vda".into(),
+        ),
+        (
+            vec!["--root", "/dev/vda"],
+            "the following required arguments were not provided".into(),
+        ),
+    ];
+    for (args, message) in cases {
+        let mut all = vec!["run", "--workload", "true"];
+        all.extend(&args);
+        let run = hvprobe(&all, QUICK);
+        assert_ne!(run.code, Some(0), "{args:?} was taken");
+        assert!(run.stderr.contains(&message), "{args:?}: wanted {message:?}\n{}", run.tail());
+        assert!(!run.stderr.contains("boot to /init"), "{args:?} booted");
+    }
+
+    // An image another program holds (another hvprobe would hold it the same way).
+    let held = std::fs::File::open(&good).unwrap();
+    // SAFETY: flock on a descriptor this test owns; released when `held` is closed.
+    assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let run = hvprobe(&["run", "--workload", "true", "--disk", good_s], QUICK);
+    assert!(
+        run.stderr
+            .contains(&format!("disk image {good_s} is in use by another program")),
+        "{}",
+        run.tail()
+    );
+    drop(held);
+
+    // Snapshots do not take disks yet, and say so.
+    let out = dir.join("snap");
+    let run = hvprobe(
+        &["snapshot", "create", "--out", out.to_str().unwrap(), "--disk", good_s],
+        QUICK,
+    );
+    assert!(
+        run.stderr.contains("snapshots of a guest with disks are not supported yet"),
+        "{}",
+        run.tail()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
