@@ -45,21 +45,29 @@ fn ext4_image(image: &Path, mib: u64, applets: &[&str], files: &[(&str, &str)]) 
     for (path, contents) in files {
         std::fs::write(root.join(path), contents).unwrap();
     }
-    let status = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-d"])
+    // Under `timeout`: a tool that hangs fails the test with its name instead of holding
+    // it (and the lane's L1) to the suite's deadline. Its "Creating regular file" line
+    // goes to the test's stderr, not into libtest's verdict line on stdout.
+    let out = Command::new("timeout")
+        .args(["120", "mkfs.ext4", "-q", "-F", "-d"])
         .arg(&root)
         .arg(image)
         .arg(format!("{mib}M"))
-        .status()
+        .output()
         .expect("mkfs.ext4 (e2fsprogs) runs");
-    assert!(status.success(), "mkfs.ext4 failed");
+    assert!(
+        out.status.success(),
+        "mkfs.ext4 failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::remove_dir_all(&root).unwrap();
 }
 
 /// The contents of `path` in the ext4 image, read on the host with debugfs.
 fn debugfs_cat(image: &Path, path: &str) -> String {
-    let out = Command::new("debugfs")
-        .args(["-R", &format!("cat {path}")])
+    let out = Command::new("timeout")
+        .args(["120", "debugfs", "-R", &format!("cat {path}")])
         .arg(image)
         .output()
         .expect("debugfs (e2fsprogs) runs");
