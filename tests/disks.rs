@@ -68,7 +68,11 @@ fn debugfs_cat(image: &Path, path: &str) -> String {
 
 fn sha256(path: &Path) -> String {
     let out = Command::new("sha256sum").arg(path).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).split(' ').next().unwrap().to_owned()
+    String::from_utf8_lossy(&out.stdout)
+        .split(' ')
+        .next()
+        .unwrap()
+        .to_owned()
 }
 
 fn probe_file(dir: &Path, text: &str) -> PathBuf {
@@ -105,7 +109,12 @@ fn a_root_disk_is_read_and_written_and_its_paths_are_probed_like_the_guests_own_
     require_kvm();
     let dir = scratch("root");
     let root = dir.join("root.img");
-    ext4_image(&root, 32, &["dd", "cat", "sync"], &[("hello.txt", "hello from the host\n")]);
+    ext4_image(
+        &root,
+        32,
+        &["dd", "cat", "sync"],
+        &[("hello.txt", "hello from the host\n")],
+    );
     let spare = dir.join("spare.img");
     std::fs::write(&spare, vec![0x42u8; 1 << 20]).unwrap();
     let spare_hash = sha256(&spare);
@@ -154,7 +163,10 @@ fn a_root_disk_is_read_and_written_and_its_paths_are_probed_like_the_guests_own_
     assert!(host_sub > 0, "dd's fsync submitted no bio\n{}", run.tail());
     assert_eq!(host_sub, guest_sub);
     let virtio_requests = run.stdout.lines().filter(|l| l.contains(": hvq: (")).count();
-    assert!(virtio_requests >= host_sub, "{virtio_requests} virtio requests for {host_sub} bios");
+    assert!(
+        virtio_requests >= host_sub,
+        "{virtio_requests} virtio requests for {host_sub} bios"
+    );
 
     // What the guest wrote is in the image; the read-only disk is unchanged.
     assert_eq!(debugfs_cat(&root, "/note"), "the guest wrote this\n");
@@ -171,7 +183,14 @@ fn fsynced_data_survives_a_sigterm_of_hvprobe() {
     let root = dir.join("root.img");
     ext4_image(&root, 16, &["sync", "sleep"], &[]);
     let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
-        .args(["run", "--disk", root.to_str().unwrap(), "--root", "/dev/vda", "--workload"])
+        .args([
+            "run",
+            "--disk",
+            root.to_str().unwrap(),
+            "--root",
+            "/dev/vda",
+            "--workload",
+        ])
         .arg("echo 'kept after SIGTERM' > /kept; sync; echo FSYNCED; sleep 600")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
@@ -216,14 +235,23 @@ fn bad_disks_are_refused_before_boot_with_their_reason() {
         missing.to_str().unwrap(),
     );
     let cases: Vec<(Vec<&str>, String)> = vec![
-        (vec!["--disk", missing_s], format!("disk image {missing_s}: No such file or directory")),
-        (vec!["--disk", dir_s], format!("disk image {dir_s} is a directory, not a disk image")),
+        (
+            vec!["--disk", missing_s],
+            format!("disk image {missing_s}: No such file or directory"),
+        ),
+        (
+            vec!["--disk", dir_s],
+            format!("disk image {dir_s} is a directory, not a disk image"),
+        ),
         (vec!["--disk", empty_s], format!("disk image {empty_s} is empty")),
         (
             vec!["--disk", odd_s],
             format!("disk image {odd_s} is 1000 bytes, not a whole number of 512-byte sectors"),
         ),
-        (vec!["--disk", good_s, "--disk", good_s], format!("disk image {good_s} is given twice")),
+        (
+            vec!["--disk", good_s, "--disk", good_s],
+            format!("disk image {good_s} is given twice"),
+        ),
         (
             vec!["--disk", good_s, "--root", "/dev/vdb"],
             "--root /dev/vdb: not a disk of this guest; the disks are /dev/vda".into(),
@@ -238,7 +266,11 @@ fn bad_disks_are_refused_before_boot_with_their_reason() {
         all.extend(&args);
         let run = hvprobe(&all, QUICK);
         assert_ne!(run.code, Some(0), "{args:?} was taken");
-        assert!(run.stderr.contains(&message), "{args:?}: wanted {message:?}\n{}", run.tail());
+        assert!(
+            run.stderr.contains(&message),
+            "{args:?}: wanted {message:?}\n{}",
+            run.tail()
+        );
         assert!(!run.stderr.contains("boot to /init"), "{args:?} booted");
     }
 
@@ -262,7 +294,8 @@ fn bad_disks_are_refused_before_boot_with_their_reason() {
         QUICK,
     );
     assert!(
-        run.stderr.contains("snapshots of a guest with disks are not supported yet"),
+        run.stderr
+            .contains("snapshots of a guest with disks are not supported yet"),
         "{}",
         run.tail()
     );
