@@ -91,6 +91,8 @@ pub enum Error {
     Console(#[source] std::io::Error),
     #[error(transparent)]
     Disk(#[from] crate::virtio::block::DiskError),
+    #[error(transparent)]
+    SharedDirectory(#[from] crate::virtio::fs::FsError),
     #[error("{count} virtio devices requested: at most {max} are supported")]
     TooManyDevices { count: usize, max: usize },
     #[error("cannot create an eventfd: {0}")]

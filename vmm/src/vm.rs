@@ -19,6 +19,7 @@ use crate::devices::{IrqLine, PortDevices, SERIAL_IRQ};
 use crate::layout::{ram_ranges, OOL_AREA_SIZE, OOL_AREA_START, OOL_CODE_SIZE};
 use crate::vcpu::{DebugHandler, StopReason, VcpuControl, VcpuRunner};
 use crate::virtio::block::{Block, DiskConfig, DiskImage};
+use crate::virtio::fs::{Fs, FsConfig};
 use crate::virtio::{MmioDevices, VirtioDevice};
 use crate::{cpuid, kvm_err, mptable, regs, Error};
 
@@ -60,6 +61,9 @@ pub struct VmConfig {
     pub console_input: bool,
     /// Disk images, as virtio-blk devices in this order (`/dev/vda`, `/dev/vdb`, …).
     pub disks: Vec<DiskConfig>,
+    /// Shared directories, as virtio-fs devices (after the disks) whose vhost-user
+    /// backends already listen on their sockets.
+    pub shares: Vec<FsConfig>,
 }
 
 impl VmConfig {
@@ -137,11 +141,14 @@ impl Vm {
         config.validate()?;
         // Opened and locked before KVM is touched: a bad or busy image is the first error.
         let disks = DiskImage::open_all(&config.disks)?;
+        // And the shares' backends reached: one that cannot serve fails before the boot.
+        let shares = config.shares.iter().map(Fs::connect).collect::<Result<Vec<_>, _>>()?;
         let mem_bytes = config.mem_mib << 20;
         let mut vm = Vm::create(config.cpus, mem_bytes, config.console_output, config.console_input)?;
         let devices: Vec<Box<dyn VirtioDevice>> = disks
             .into_iter()
             .map(|image| Box::new(Block::new(image)) as Box<dyn VirtioDevice>)
+            .chain(shares.into_iter().map(|fs| Box::new(fs) as Box<dyn VirtioDevice>))
             .collect();
         vm.virtio = Arc::new(MmioDevices::attach(&vm.vm_fd, &vm.mem, devices)?);
         let cmdline = match vm.virtio.cmdline() {
