@@ -327,6 +327,9 @@ pub struct CreateArgs {
 pub enum BenchCommand {
     /// Cold boot of the bundled guest against restores of its snapshot.
     Snapshot(SnapshotBenchArgs),
+    /// Disk throughput and IOPS in the guest (virtio-blk) beside the host's own on the
+    /// same image file.
+    Io(IoBenchArgs),
     /// What a probe hit costs: the int3 floor, emulated and stepped hits, against the
     /// guest's own kprobe event.
     Probes(ProbeBenchArgs),
@@ -380,6 +383,23 @@ pub struct ArmBenchArgs {
     /// boots the guest once to make one.
     #[arg(long, value_name = "DIR")]
     pub snapshot: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct IoBenchArgs {
+    /// Size of the disk image and of the sequential reads and writes, in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    pub size_mib: u64,
+    /// Number of 4 KiB reads at random offsets.
+    #[arg(long, value_name = "N", default_value_t = 2000)]
+    pub randreads: u64,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    pub cpus: u8,
+    /// Directory for the (temporary) image: on the filesystem to measure [default: the
+    /// cache directory's bench-io].
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
 }
 
 #[derive(Args)]

@@ -175,6 +175,79 @@ fn a_root_disk_is_read_and_written_and_its_paths_are_probed_like_the_guests_own_
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The Debian image of `guest/build-debian-image.sh` (built once, cached).
+fn debian_image() -> PathBuf {
+    let out = Command::new(common::repo().join("guest/build-debian-image.sh"))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run guest/build-debian-image.sh");
+    assert!(
+        out.status.success(),
+        "building the Debian image failed (its messages are above)"
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// A distribution's userland from a disk image runs its own programs under probes, and
+/// what it writes is in the image afterwards. The cached image is never written: the
+/// guest gets a copy.
+#[test]
+fn a_debian_userland_runs_its_own_programs_from_a_disk_image() {
+    require_kvm();
+    let dir = scratch("debian");
+    let image = dir.join("debian.img");
+    // A sparse copy: the cached image stays as built.
+    let copied = Command::new("cp")
+        .args(["--sparse=always"])
+        .arg(debian_image())
+        .arg(&image)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let probes = probe_file(&dir, "p:execs __x64_sys_execve\n");
+    let workload = "echo DPKG $(dpkg-query -W -f='${Package}\\n' | wc -l) packages; \
+        dpkg -l dpkg | tail -n 1; \
+        . /etc/os-release; echo \"OS $PRETTY_NAME\"; \
+        echo 'written by the Debian guest' > /root/from-guest; sync";
+    let run = hvprobe(
+        &[
+            "run",
+            "--disk",
+            image.to_str().unwrap(),
+            "--root",
+            "/dev/vda",
+            "--probes",
+            probes.to_str().unwrap(),
+            "--workload",
+            workload,
+        ],
+        BOOT_TIMEOUT,
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(&run, &[]);
+    assert!(
+        run.console_has_line("OS Debian GNU/Linux 12 (bookworm)"),
+        "{}",
+        run.tail()
+    );
+    let packages: usize = run
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("DPKG ")?.strip_suffix(" packages")?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no package count\n{}", run.tail()));
+    assert!(packages > 50, "{packages} packages in a minbase system");
+    assert!(
+        run.stdout.lines().any(|l| l.starts_with("ii  dpkg ")),
+        "dpkg -l did not list dpkg as installed\n{}",
+        run.tail()
+    );
+    // The host saw the guest's programs start (dpkg-query, wc, dpkg, tail, …).
+    let execs = run.stdout.lines().filter(|l| l.contains(": execs: (")).count();
+    assert!(execs >= 4, "{execs} execs seen\n{}", run.tail());
+    assert_eq!(debugfs_cat(&image, "/root/from-guest"), "written by the Debian guest\n");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Data the guest fsynced is in the image when hvprobe is stopped with SIGTERM.
 #[test]
 fn fsynced_data_survives_a_sigterm_of_hvprobe() {

@@ -439,6 +439,13 @@ fn filters_and_hist_triggers_on_kvm_amd() {
     suite_in_l1("analysis", "", 6, &[]);
 }
 
+/// A virtio-blk root disk on hardware KVM: read, written, read-only disk refused, ext4 and
+/// block-layer probes against the guest's own events (`tests/disks.rs`).
+#[test]
+fn disks_on_kvm_amd() {
+    suite_in_l1("disks", "a_root_disk_is_read_and_written", 1, &[]);
+}
+
 #[test]
 fn snapshots_and_restore_on_kvm_amd() {
     suite_in_l1("snapshot", "", 7, &[]);

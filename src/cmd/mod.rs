@@ -32,6 +32,9 @@ pub fn dispatch(command: Commands) -> CliResult {
             command: BenchCommand::Snapshot(args),
         } => bench::snapshot::bench(args),
         Commands::Bench {
+            command: BenchCommand::Io(args),
+        } => bench::io::bench(args),
+        Commands::Bench {
             command: BenchCommand::Probes(args),
         } => bench::probes::bench_probes(args),
         Commands::Bench {

@@ -1,0 +1,356 @@
+//! `hvprobe bench io`: what a virtio-blk disk gives the guest, beside what the host
+//! itself gets from the same image file in the same run.
+//!
+//! The guest (the bundled one, one disk) runs `hvprobe-io` (guest/workloads) with
+//! O_DIRECT, so its page cache is out of the way: sequential 1 MiB reads and writes
+//! (then fdatasync) and 4 KiB reads at pseudo-random offsets, each timed in the guest.
+//! The host then does the same to the same file the way the device does (buffered
+//! `pread`/`pwrite` through its page cache, `fdatasync` at the end): the device's limit.
+//! Before each phase the guest writes a marker to the event port, so the VM exits that
+//! reached hvprobe are counted per phase (queue kicks go through an ioeventfd and
+//! completions through an irqfd, so a request should cost none).
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use hvprobe_arch::Gva;
+use hvprobe_vmm::{
+    BreakpointDisposition, ConsoleOutput, DebugHandler, DiskConfig, GuestEvent, StopReason, VcpuControl, Vm, VmConfig,
+};
+use kvm_ioctls::VcpuFd;
+
+use crate::cli::{IoBenchArgs, MachineArgs};
+use crate::cmd::CliResult;
+use crate::guest::{initrd_with_workload, MachineFiles};
+
+const MIB: u64 = 1 << 20;
+const BLOCK: u64 = 4096;
+/// The event-port bytes the workload writes before each phase and at the end.
+const FIRST_MARK: u8 = 10;
+const PHASES: [&str; 3] = ["read", "write", "randread"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum IoBenchError {
+    #[error("--size-mib must be at least 1 and --randreads at least 1")]
+    Arguments,
+    #[error("the bench image {path}: {source}")]
+    Image { path: PathBuf, source: std::io::Error },
+    #[error("the guest did not finish the benchmark ({reason}); console tail:\n{tail}")]
+    Guest { reason: StopReason, tail: String },
+    #[error("the guest printed no result for {phase}; console tail:\n{tail}")]
+    NoResult { phase: &'static str, tail: String },
+}
+
+/// One phase's numbers: bytes, requests, microseconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Measured {
+    bytes: u64,
+    requests: u64,
+    micros: u64,
+}
+
+impl Measured {
+    fn mb_per_s(&self) -> f64 {
+        self.bytes as f64 / self.micros.max(1) as f64
+    }
+
+    fn iops(&self) -> f64 {
+        self.requests as f64 * 1e6 / self.micros.max(1) as f64
+    }
+}
+
+/// `hvprobe-io MODE BYTES bytes REQUESTS requests MICROS us` of `phase` in the console.
+fn guest_result(console: &str, phase: &str) -> Option<Measured> {
+    console.lines().find_map(|line| {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["hvprobe-io", mode, bytes, "bytes", requests, "requests", micros, "us"] if *mode == phase => {
+                Some(Measured {
+                    bytes: bytes.parse().ok()?,
+                    requests: requests.parse().ok()?,
+                    micros: micros.parse().ok()?,
+                })
+            }
+            _ => None,
+        }
+    })
+}
+
+/// The userspace exit count at each phase marker.
+struct PhaseMarks {
+    control: Arc<VcpuControl>,
+    exits_at: Mutex<Vec<(u8, u64)>>,
+}
+
+impl DebugHandler for PhaseMarks {
+    fn on_breakpoint(&self, _cpu: usize, _vcpu: &mut VcpuFd, _at: Gva) -> BreakpointDisposition {
+        BreakpointDisposition::GuestOwned
+    }
+
+    fn on_guest_event(&self, _cpu: usize, event: GuestEvent) {
+        if let GuestEvent::Other(mark) = event {
+            let exits = self.control.counters.exits.load(Ordering::Relaxed);
+            self.exits_at
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((mark, exits));
+        }
+    }
+
+    fn wants_breakpoints(&self) -> bool {
+        false
+    }
+}
+
+/// The guest's workload: a marker, then a phase, for each phase.
+fn workload(size_mib: u64, randreads: u64) -> String {
+    let mark = |n: u8| {
+        format!(
+            "printf '\\{:03o}' | dd of=/dev/port bs=1 seek={} 2>/dev/null",
+            n,
+            hvprobe_vmm::GUEST_EVENT_PORT
+        )
+    };
+    let phases = [
+        format!("hvprobe-io read /dev/vda {size_mib}"),
+        format!("hvprobe-io write /dev/vda {size_mib}"),
+        format!("hvprobe-io randread /dev/vda {randreads}"),
+    ];
+    let mut script = String::new();
+    for (i, phase) in phases.iter().enumerate() {
+        script.push_str(&format!("{}; {phase} || exit 1; ", mark(FIRST_MARK + i as u8)));
+    }
+    script.push_str(&mark(FIRST_MARK + phases.len() as u8));
+    script
+}
+
+/// `hvprobe bench io`.
+pub fn bench(args: IoBenchArgs) -> CliResult {
+    if args.size_mib == 0 || args.randreads == 0 {
+        return Err(IoBenchError::Arguments.into());
+    }
+    let dir = match &args.dir {
+        Some(d) => d.clone(),
+        None => crate::guest::cache_dir()
+            .ok_or(crate::guest::GuestError::NoCache)?
+            .join("bench-io"),
+    };
+    std::fs::create_dir_all(&dir).map_err(|source| IoBenchError::Image {
+        path: dir.clone(),
+        source,
+    })?;
+    let image = dir.join(format!("bench-{}.img", std::process::id()));
+    let result = bench_on(&image, &args);
+    let _ = std::fs::remove_file(&image);
+    result
+}
+
+fn bench_on(image: &Path, args: &IoBenchArgs) -> CliResult {
+    let image_err = |source| IoBenchError::Image {
+        path: image.to_path_buf(),
+        source,
+    };
+    // Pseudo-random contents: nothing below the device (a sparse file, a compressing
+    // filesystem) can answer reads without reading.
+    {
+        let mut file = File::create(image).map_err(image_err)?;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut chunk = vec![0u8; MIB as usize];
+        for _ in 0..args.size_mib {
+            for word in chunk.chunks_exact_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                word.copy_from_slice(&x.to_le_bytes());
+            }
+            file.write_all(&chunk).map_err(image_err)?;
+        }
+        file.sync_all().map_err(image_err)?;
+    }
+    let mut machine = MachineArgs::bundled_guest(args.cpus);
+    machine.disks = vec![DiskConfig {
+        path: image.to_path_buf(),
+        read_only: false,
+    }];
+    let files = MachineFiles::of(&machine, false)?;
+    let config = VmConfig {
+        kernel: files.kernel.clone(),
+        initrd: initrd_with_workload(&files.initrd, Some(&workload(args.size_mib, args.randreads)))?,
+        cmdline: files.cmdline.clone(),
+        cpus: args.cpus,
+        mem_mib: machine.mem,
+        console_output: ConsoleOutput::Discard,
+        console_input: false,
+        disks: machine.disks.clone(),
+        shares: Vec::new(),
+    };
+    eprintln!(
+        "hvprobe: booting the bundled guest with a {} MiB disk at {}",
+        args.size_mib,
+        image.display()
+    );
+    let vm = Vm::new(&config)?;
+    let console = vm.console_log();
+    let marks = Arc::new(PhaseMarks {
+        control: vm.control(),
+        exits_at: Mutex::new(Vec::new()),
+    });
+    let outcome = vm.run(Arc::clone(&marks) as Arc<dyn DebugHandler>)?;
+    if outcome.reason != StopReason::GuestExit(0) {
+        return Err(IoBenchError::Guest {
+            reason: outcome.reason,
+            tail: console.tail(30),
+        }
+        .into());
+    }
+    let text = console.contents();
+    let mut guest = Vec::new();
+    for phase in PHASES {
+        guest.push(guest_result(&text, phase).ok_or_else(|| IoBenchError::NoResult {
+            phase,
+            tail: console.tail(30),
+        })?);
+    }
+    let exits_at = marks.exits_at.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let exits_in = |phase: usize| -> Option<u64> {
+        let at = |mark: u8| exits_at.iter().find(|(m, _)| *m == mark).map(|(_, e)| *e);
+        let start = at(FIRST_MARK + phase as u8)?;
+        let end = at(FIRST_MARK + phase as u8 + 1)?;
+        end.checked_sub(start)
+    };
+    eprintln!("hvprobe: the same on the host, on the same file");
+    let host = host_phases(image, args.size_mib, args.randreads).map_err(image_err)?;
+
+    println!(
+        "io benchmark: bundled guest, {} vCPU(s), virtio-blk on a {} MiB raw image in {}",
+        args.cpus,
+        args.size_mib,
+        image
+            .parent()
+            .map(Path::display)
+            .map(|d| d.to_string())
+            .unwrap_or_default()
+    );
+    println!("guest: O_DIRECT in the guest (hvprobe-io); host: buffered pread/pwrite of the image, as the device does");
+    println!(
+        "{:<10} {:>14} {:>14} {:>8} {:>15}",
+        "phase", "guest", "host", "ratio", "exits/request"
+    );
+    for (i, phase) in PHASES.iter().enumerate() {
+        let (g, h) = (guest[i], host[i]);
+        let (gv, hv, unit) = if *phase == "randread" {
+            (g.iops(), h.iops(), "IOPS")
+        } else {
+            (g.mb_per_s(), h.mb_per_s(), "MB/s")
+        };
+        let per_request = exits_in(i)
+            .map(|e| format!("{:.2}", e as f64 / g.requests.max(1) as f64))
+            .unwrap_or_else(|| "?".into());
+        println!(
+            "{:<10} {:>9.1} {unit} {:>9.1} {unit} {:>7.3}x {:>15}",
+            phase,
+            gv,
+            hv,
+            gv / hv.max(f64::MIN_POSITIVE),
+            per_request
+        );
+    }
+    println!(
+        "run: {} exits reached hvprobe, {} guest instructions emulated (boot included), boot to /init {:.1} s",
+        outcome.exits,
+        outcome.instructions_emulated,
+        outcome.boot_to_init.map(|d| d.as_secs_f64()).unwrap_or(f64::NAN)
+    );
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The host's own read, write and random-read of `image`, as the device does them.
+fn host_phases(image: &Path, size_mib: u64, randreads: u64) -> std::io::Result<[Measured; 3]> {
+    let file = OpenOptions::new().read(true).write(true).open(image)?;
+    let mut buffer = vec![0u8; MIB as usize];
+    let timed = |f: &mut dyn FnMut() -> std::io::Result<()>| -> std::io::Result<u64> {
+        let start = Instant::now();
+        f()?;
+        Ok(start.elapsed().as_micros() as u64)
+    };
+    let read = timed(&mut || {
+        for i in 0..size_mib {
+            file.read_exact_at(&mut buffer, i * MIB)?;
+        }
+        Ok(())
+    })?;
+    let pattern = vec![0xa5u8; MIB as usize];
+    let write = timed(&mut || {
+        for i in 0..size_mib {
+            file.write_all_at(&pattern, i * MIB)?;
+        }
+        file.sync_data()
+    })?;
+    let blocks = size_mib * MIB / BLOCK;
+    let mut x: u64 = 88_172_645_463_325_252;
+    let mut block = vec![0u8; BLOCK as usize];
+    let randread = timed(&mut || {
+        for _ in 0..randreads {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            file.read_exact_at(&mut block, (x % blocks) * BLOCK)?;
+        }
+        Ok(())
+    })?;
+    let bytes = size_mib * MIB;
+    Ok([
+        Measured {
+            bytes,
+            requests: size_mib,
+            micros: read,
+        },
+        Measured {
+            bytes,
+            requests: size_mib,
+            micros: write,
+        },
+        Measured {
+            bytes: randreads * BLOCK,
+            requests: randreads,
+            micros: randread,
+        },
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_guests_result_lines_are_read_by_phase() {
+        let console = "noise\nhvprobe-io read 4194304 bytes 4 requests 105 us\r\nhvprobe-io randread 409600 bytes 100 requests 2843 us\n";
+        assert_eq!(
+            guest_result(console, "read"),
+            Some(Measured {
+                bytes: 4 << 20,
+                requests: 4,
+                micros: 105
+            })
+        );
+        assert_eq!(guest_result(console, "randread").unwrap().requests, 100);
+        assert_eq!(guest_result(console, "write"), None);
+        assert_eq!(guest_result("hvprobe-io error open -2\n", "read"), None);
+    }
+
+    #[test]
+    fn the_workload_marks_each_phase_on_the_event_port() {
+        let w = workload(8, 100);
+        assert!(w.contains("printf '\\012' | dd of=/dev/port bs=1 seek=3824"), "{w}");
+        assert!(w.contains("hvprobe-io read /dev/vda 8 || exit 1; ") && w.contains("hvprobe-io randread /dev/vda 100"));
+        assert!(
+            w.ends_with("printf '\\015' | dd of=/dev/port bs=1 seek=3824 2>/dev/null"),
+            "{w}"
+        );
+    }
+}
