@@ -128,7 +128,7 @@ pub enum ShareError {
 
 /// A daemon that exited when it should not have: which one, how, and what it said last.
 #[derive(Clone, Debug, thiserror::Error)]
-#[error("virtiofsd for {share} (pid {pid}) {when}: {status}; its last messages:\n{tail}")]
+#[error("virtiofsd {pid} for {share} {when}: {status}; its last messages:\n{tail}")]
 pub struct DaemonDied {
     pub share: String,
     pub pid: u32,
@@ -151,11 +151,14 @@ pub struct Share {
 }
 
 impl Share {
-    /// How the user named it, for messages: `--rootfs DIR` or `--rwdir GUEST=DIR`.
+    /// How the user named it, for messages: `--rootfs DIR`, `--rwdir DIR` or `--rwdir
+    /// GUEST=DIR`, and its tag.
     pub fn describe(&self) -> String {
+        let host = self.host_dir.display();
         match &self.guest_path {
-            None => format!("--rootfs {}", self.host_dir.display()),
-            Some(guest) => format!("--rwdir {guest}={} (tag {})", self.host_dir.display(), self.tag),
+            None => format!("--rootfs {host} (tag {})", self.tag),
+            Some(guest) if Path::new(guest) == self.host_dir => format!("--rwdir {host} (tag {})", self.tag),
+            Some(guest) => format!("--rwdir {guest}={host} (tag {})", self.tag),
         }
     }
 

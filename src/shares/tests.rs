@@ -219,7 +219,7 @@ fn a_daemon_that_fails_to_start_is_reported_with_its_status_and_last_words() {
         .err()
         .expect("refused")
         .to_string();
-    assert!(err.contains("virtiofsd for --rwdir /data="), "{err}");
+    assert!(err.contains(" for --rwdir /data="), "{err}");
     assert!(
         err.contains("died before the guest booted: exited with status 3"),
         "{err}"

@@ -20,7 +20,7 @@
 //! fails at once on the closed socket instead of waiting.
 //!
 //! A backend that stops answering cannot hold a vCPU thread (activation and reset run on
-//! one): the socket has read and write timeouts.
+//! one): every exchange with it has a deadline, past which its connection is closed.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -107,7 +107,7 @@ pub fn config_space(tag: &str) -> Result<[u8; TAG_LEN + 4], FsError> {
 pub struct Fs {
     tag: String,
     config: [u8; TAG_LEN + 4],
-    frontend: Frontend,
+    link: Link,
     backend_features: u64,
     protocol: VhostUserProtocolFeatures,
     relay: Option<Relay>,
@@ -118,11 +118,67 @@ struct Relay {
     thread: JoinHandle<()>,
 }
 
+/// The connection to the backend, each exchange on it bounded in time. vhost's frontend
+/// retries a socket timeout for ever (EAGAIN is a retry to it), so a socket timeout
+/// bounds nothing: a watchdog shuts the socket down when an exchange takes longer than
+/// `timeout`, the exchange then fails on the closed socket, and so does every later one.
+struct Link {
+    frontend: Frontend,
+    timeout: Duration,
+    tag: String,
+}
+
+impl Link {
+    fn call<T>(&mut self, exchange: impl FnOnce(&mut Frontend) -> vhost::Result<T>) -> vhost::Result<T> {
+        let _watchdog = Watchdog::arm(&self.frontend, self.timeout, &self.tag).map_err(vhost::Error::IOError)?;
+        exchange(&mut self.frontend)
+    }
+}
+
+/// Shuts a socket down unless dropped within its time.
+struct Watchdog {
+    _disarm: std::sync::mpsc::Sender<()>,
+}
+
+impl Watchdog {
+    fn arm(socket: &impl AsRawFd, timeout: Duration, tag: &str) -> std::io::Result<Watchdog> {
+        // The watchdog's own descriptor of the socket: shutdown(2) acts on the socket, and
+        // this one stays open (and the number ours) for as long as the thread may use it.
+        // SAFETY: dup of a descriptor the caller keeps open; the result is checked.
+        let fd = unsafe { libc::dup(socket.as_raw_fd()) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor that only this OwnedFd owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let (disarm, disarmed) = std::sync::mpsc::channel::<()>();
+        let tag = tag.to_owned();
+        std::thread::Builder::new()
+            .name("vhost-user-watchdog".into())
+            .spawn(move || {
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = disarmed.recv_timeout(timeout) {
+                    tracing::warn!(
+                        "virtio-fs {tag}: the vhost-user backend did not answer within {timeout:?}; its connection is closed"
+                    );
+                    // SAFETY: shutdown(2) on the descriptor this thread owns; no memory
+                    // is involved.
+                    unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+                }
+            })?;
+        Ok(Watchdog { _disarm: disarm })
+    }
+}
+
 impl Fs {
     /// Connects to the backend listening on `config.socket` and makes the vhost-user
     /// handshake (SET_OWNER, features, protocol features, queue count): a backend that
     /// cannot serve the device is refused here, before the guest boots.
     pub fn connect(config: &FsConfig) -> Result<Fs, FsError> {
+        Fs::connect_with_timeout(config, REPLY_TIMEOUT)
+    }
+
+    /// [`Fs::connect`] with `timeout` for each message to and from the backend.
+    fn connect_with_timeout(config: &FsConfig, timeout: Duration) -> Result<Fs, FsError> {
         let tag = config.tag.clone();
         let config_bytes = config_space(&tag)?;
         let connect_err = |source| FsError::Connect {
@@ -131,15 +187,17 @@ impl Fs {
             source,
         };
         let stream = UnixStream::connect(&config.socket).map_err(connect_err)?;
-        stream.set_read_timeout(Some(REPLY_TIMEOUT)).map_err(connect_err)?;
-        stream.set_write_timeout(Some(REPLY_TIMEOUT)).map_err(connect_err)?;
-        let mut frontend = Frontend::from_stream(stream, NUM_QUEUES as u64);
+        let mut link = Link {
+            frontend: Frontend::from_stream(stream, NUM_QUEUES as u64),
+            timeout,
+            tag: tag.clone(),
+        };
         let failed = |step| {
             let tag = tag.clone();
             move |source| FsError::Backend { tag, step, source }
         };
-        frontend.set_owner().map_err(failed("SET_OWNER"))?;
-        let backend_features = frontend.get_features().map_err(failed("GET_FEATURES"))?;
+        link.call(|f| f.set_owner()).map_err(failed("SET_OWNER"))?;
+        let backend_features = link.call(|f| f.get_features()).map_err(failed("GET_FEATURES"))?;
         if backend_features & (1 << VIRTIO_F_VERSION_1) == 0 {
             return Err(FsError::Lacks {
                 tag,
@@ -148,18 +206,17 @@ impl Fs {
         }
         let mut protocol = VhostUserProtocolFeatures::empty();
         if backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
-            let offered = frontend
-                .get_protocol_features()
+            let offered = link
+                .call(|f| f.get_protocol_features())
                 .map_err(failed("GET_PROTOCOL_FEATURES"))?;
             protocol = offered & PROTOCOL_FEATURES;
-            frontend
-                .set_protocol_features(protocol)
+            link.call(|f| f.set_protocol_features(protocol))
                 .map_err(failed("SET_PROTOCOL_FEATURES"))?;
             if protocol.contains(VhostUserProtocolFeatures::REPLY_ACK) {
-                frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+                link.frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
             }
             if protocol.contains(VhostUserProtocolFeatures::MQ) {
-                let queues = frontend.get_queue_num().map_err(failed("GET_QUEUE_NUM"))?;
+                let queues = link.call(|f| f.get_queue_num()).map_err(failed("GET_QUEUE_NUM"))?;
                 if queues < NUM_QUEUES as u64 {
                     return Err(FsError::TooFewQueues { tag, queues });
                 }
@@ -172,7 +229,7 @@ impl Fs {
         Ok(Fs {
             tag,
             config: config_bytes,
-            frontend,
+            link,
             backend_features,
             protocol,
             relay: None,
@@ -205,8 +262,8 @@ impl Fs {
         }
         let failed = |step| move |source| ActivateError::VhostUser { step, source };
         let protocol_bit = self.backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-        self.frontend
-            .set_features((acked_features & GUEST_FEATURES) | protocol_bit)
+        self.link
+            .call(|f| f.set_features((acked_features & GUEST_FEATURES) | protocol_bit))
             .map_err(failed("SET_FEATURES"))?;
         // Guest RAM only: `mem` is the device's memory, without the out-of-line area.
         let regions = mem
@@ -214,7 +271,9 @@ impl Fs {
             .map(VhostUserMemoryRegionInfo::from_guest_region)
             .collect::<Result<Vec<_>, _>>()
             .map_err(failed("describing guest RAM (is it file-backed?)"))?;
-        self.frontend.set_mem_table(&regions).map_err(failed("SET_MEM_TABLE"))?;
+        self.link
+            .call(|f| f.set_mem_table(&regions))
+            .map_err(failed("SET_MEM_TABLE"))?;
         let mut calls = Vec::new();
         for (index, (queue, kick)) in queues.iter().zip(&notify).enumerate() {
             let host = |gpa: u64| {
@@ -231,35 +290,35 @@ impl Fs {
                 avail_ring_addr: host(queue.avail_ring())?,
                 log_addr: None,
             };
-            self.frontend
-                .set_vring_num(index, queue.size())
+            self.link
+                .call(|f| f.set_vring_num(index, queue.size()))
                 .map_err(failed("SET_VRING_NUM"))?;
-            self.frontend
-                .set_vring_base(index, queue.next_avail())
+            self.link
+                .call(|f| f.set_vring_base(index, queue.next_avail()))
                 .map_err(failed("SET_VRING_BASE"))?;
-            self.frontend
-                .set_vring_addr(index, &rings)
+            self.link
+                .call(|f| f.set_vring_addr(index, &rings))
                 .map_err(failed("SET_VRING_ADDR"))?;
             let call = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
-            self.frontend
-                .set_vring_call(index, &call)
+            self.link
+                .call(|f| f.set_vring_call(index, &call))
                 .map_err(failed("SET_VRING_CALL"))?;
             calls.push(call);
             // The ioeventfd KVM signals: the driver's kick reaches virtiofsd directly.
-            self.frontend
-                .set_vring_kick(index, kick)
+            self.link
+                .call(|f| f.set_vring_kick(index, kick))
                 .map_err(failed("SET_VRING_KICK"))?;
         }
         if self.protocol_features_acked() {
             for index in 0..NUM_QUEUES {
-                self.frontend
-                    .set_vring_enable(index, true)
+                self.link
+                    .call(|f| f.set_vring_enable(index, true))
                     .map_err(failed("SET_VRING_ENABLE"))?;
             }
         }
         // The relay's own descriptor of the socket, to watch for the backend going away.
         // SAFETY: dup of a descriptor the frontend keeps open; the result is checked.
-        let socket = unsafe { libc::dup(self.frontend.as_raw_fd()) };
+        let socket = unsafe { libc::dup(self.link.frontend.as_raw_fd()) };
         if socket < 0 {
             return Err(ActivateError::EventFd(std::io::Error::last_os_error()));
         }
@@ -289,16 +348,16 @@ impl Fs {
         let mut failures = Vec::new();
         for index in 0..NUM_QUEUES {
             if self.protocol_features_acked() {
-                if let Err(e) = self.frontend.set_vring_enable(index, false) {
+                if let Err(e) = self.link.call(|f| f.set_vring_enable(index, false)) {
                     failures.push(format!("SET_VRING_ENABLE {index}: {e}"));
                 }
             }
-            if let Err(e) = self.frontend.get_vring_base(index) {
+            if let Err(e) = self.link.call(|f| f.get_vring_base(index)) {
                 failures.push(format!("GET_VRING_BASE {index}: {e}"));
             }
         }
         if self.protocol.contains(VhostUserProtocolFeatures::RESET_DEVICE) {
-            if let Err(e) = self.frontend.reset_device() {
+            if let Err(e) = self.link.call(|f| f.reset_device()) {
                 failures.push(format!("RESET_DEVICE: {e}"));
             }
         }
@@ -401,29 +460,4 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_config_space_is_the_padded_tag_and_one_request_queue() {
-        let config = config_space("hvprobe-rw0").unwrap();
-        assert_eq!(&config[..11], b"hvprobe-rw0");
-        assert!(config[11..TAG_LEN].iter().all(|&b| b == 0));
-        assert_eq!(config[TAG_LEN..], 1u32.to_le_bytes());
-        // A tag of the whole field has no NUL.
-        let full = "t".repeat(TAG_LEN);
-        assert_eq!(&config_space(&full).unwrap()[..TAG_LEN], full.as_bytes());
-        // As the driver reads it: any offset and width, nothing past the end.
-        let mut num_request_queues = [0xffu8; 4];
-        super::super::read_config_bytes(&config, TAG_LEN as u64, &mut num_request_queues);
-        assert_eq!(u32::from_le_bytes(num_request_queues), 1);
-        let mut past = [0xffu8; 4];
-        super::super::read_config_bytes(&config, TAG_LEN as u64 + 2, &mut past);
-        assert_eq!(past, [0; 4]);
-        super::super::read_config_bytes(&config, u64::MAX, &mut past);
-        assert_eq!(past, [0; 4]);
-        for bad in [String::new(), "t".repeat(TAG_LEN + 1)] {
-            assert!(matches!(config_space(&bad), Err(FsError::TagLength { .. })), "{bad:?}");
-        }
-    }
-}
+mod tests;
