@@ -14,6 +14,20 @@
  * it is written to /hvprobe/workload and run like a workload from the
  * initrd.  The VMM snapshots the guest at event 3 (hvprobe snapshot).
  *
+ * Disk root (`hvprobe.root=DEV` on the command line, e.g. /dev/vda; the VMM
+ * adds it for --root): this stays pid 1 in the initramfs; once the workload
+ * is there (wait mode: received, i.e. after a snapshot's restore) it mounts
+ * DEV at /newroot with the first block filesystem type of /proc/filesystems
+ * that takes it (ext4 first; read-only if the device is, or with
+ * `hvprobe.rootflags=ro`; other rootflags go to the filesystem as options),
+ * mounts proc, sysfs, devtmpfs, tmpfs (/tmp, /run), tracefs and debugfs in
+ * it, binds /hvprobe at /newroot/run/hvprobe, and the child chroots there and
+ * runs the disk's /bin/sh (with /run/hvprobe/workload).  Before the VM ends,
+ * every other process is killed and the disk is synced, remounted read-only
+ * and unmounted, so the filesystem is clean when the VMM stops.  A root that
+ * cannot be mounted or run ends the VM with status 125 and one line saying
+ * what failed.
+ *
  * Every system call costs ~2.5 ms and a fork+exec ~1.4 s when the guest
  * kernel is emulated (kvm_pvm), so this does as little as possible: no
  * extra processes, one vfork+exec for the workload or the shell.
@@ -27,6 +41,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/io.h>
@@ -44,14 +59,23 @@
 #define EV_WORKLOAD_STARTED 2
 #define EV_READY_FOR_WORKLOAD 3
 #define WAIT_OPTION "hvprobe.wait"
+#define ROOT_OPTION "hvprobe.root="
+#define ROOTFLAGS_OPTION "hvprobe.rootflags="
 /* longest workload accepted over the console */
 #define WORKLOAD_MAX (1 << 20)
 
 #define WORKLOAD "/hvprobe/workload"
 #define SHELL "/bin/sh"
 #define CONSOLE_TTY "/dev/ttyS0"
+/* where a disk root is mounted, and the workload as the disk root sees it */
+#define NEWROOT "/newroot"
+#define ROOT_WORKLOAD "/run/hvprobe/workload"
 
 static int port_fd = -1;
+/* hvprobe.root=DEV, empty without */
+static char root_dev[256];
+/* NEWROOT holds the disk: root_shutdown() before the VM ends */
+static volatile sig_atomic_t root_mounted;
 
 static void say(const char *msg)
 {
@@ -92,6 +116,17 @@ static void on_alarm(int sig)
 	(void)sig;
 }
 
+/* SIGALRM in `seconds` interrupts the blocking call then running (no SA_RESTART) */
+static void alarm_in(unsigned int seconds)
+{
+	struct sigaction sa;
+
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_alarm;
+	sigaction(SIGALRM, &sa, NULL);
+	alarm(seconds);
+}
+
 /*
  * What the workload wrote to the console may still sit in its tty buffer, sent by
  * the UART's interrupts: the VMM stops the VM at once on the exit port, so wait
@@ -100,19 +135,39 @@ static void on_alarm(int sig)
  */
 static void drain_console(void)
 {
-	struct sigaction sa;
-
-	memset(&sa, 0, sizeof(sa));
-	sa.sa_handler = on_alarm;
-	sigaction(SIGALRM, &sa, NULL);
-	alarm(2);
+	alarm_in(2);
 	tcdrain(STDOUT_FILENO);
 	alarm(0);
+}
+
+/*
+ * The end of a disk root (async-signal-safe: on_signal calls it too): kill
+ * every process but this one (they may hold files open for writing), reap
+ * them (bounded), sync, remount the disk read-only (ext4 commits its journal
+ * and marks itself clean) and detach the whole tree.
+ */
+static void root_shutdown(void)
+{
+	if (!root_mounted)
+		return;
+	root_mounted = 0;
+	kill(-1, SIGKILL);
+	alarm_in(2);
+	while (waitpid(-1, NULL, 0) > 0)
+		;
+	alarm(0);
+	sync();
+	if (mount(NULL, NEWROOT, NULL, MS_REMOUNT | MS_RDONLY, NULL) != 0)
+		say("hvprobe-init: root: cannot remount " NEWROOT " read-only; "
+		    "the filesystem may need recovery\n");
+	umount2(NEWROOT, MNT_DETACH);
 }
 
 /* Tell the VMM to stop with `status`; if nobody listens, reset the machine. */
 static void __attribute__((noreturn)) vm_exit(unsigned char status)
 {
+	root_shutdown();
+	sync();
 	drain_console();
 	port_write(PORT_EXIT, status);
 	/* Not reached under hvprobe's VMM.  Fall back to a reset. */
@@ -140,15 +195,12 @@ static int power_main(const char *name)
 	return 1;
 }
 
-/* ---- wait mode --------------------------------------------------------- */
+/* ---- the kernel command line -------------------------------------------- */
 
-/* Whether the kernel command line holds `word` (as a whole word). */
-static int cmdline_has(const char *word)
+static const char *cmdline_text(void)
 {
 	static char cmdline[4096];
 	static int read_once;
-	size_t len = strlen(word);
-	char *p;
 
 	if (!read_once) {
 		int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
@@ -159,13 +211,55 @@ static int cmdline_has(const char *word)
 		cmdline[n > 0 ? n : 0] = 0;
 		read_once = 1;
 	}
+	return cmdline;
+}
+
+static int word_end(char c)
+{
+	return c == 0 || c == ' ' || c == '\n';
+}
+
+/* Whether the kernel command line holds `word` (as a whole word). */
+static int cmdline_has(const char *word)
+{
+	const char *cmdline = cmdline_text(), *p;
+	size_t len = strlen(word);
+
 	for (p = cmdline; (p = strstr(p, word)); p += len) {
-		if ((p == cmdline || p[-1] == ' ') &&
-		    (p[len] == 0 || p[len] == ' ' || p[len] == '\n'))
+		if ((p == cmdline || p[-1] == ' ') && word_end(p[len]))
 			return 1;
 	}
 	return 0;
 }
+
+/*
+ * The value of the last `prefix<value>` word (prefix ends in '=') in `out`;
+ * returns 0 when there is none (or it does not fit: `out` is then empty).
+ */
+static int cmdline_value(const char *prefix, char *out, size_t size)
+{
+	const char *cmdline = cmdline_text(), *p, *v;
+	size_t len = strlen(prefix), n;
+	int found = 0;
+
+	for (p = cmdline; (p = strstr(p, prefix)); p += len) {
+		if (p != cmdline && p[-1] != ' ')
+			continue;
+		v = p + len;
+		for (n = 0; !word_end(v[n]); n++)
+			;
+		found = n < size;
+		if (found) {
+			memcpy(out, v, n);
+			out[n] = 0;
+		} else if (size) {
+			out[0] = 0;
+		}
+	}
+	return found;
+}
+
+/* ---- wait mode --------------------------------------------------------- */
 
 /*
  * Signals "ready for a workload" and receives it on the console:
@@ -240,16 +334,200 @@ static int receive_workload(void)
 	return 0;
 }
 
+/* ---- disk root (hvprobe.root=DEV) -------------------------------------- */
+
+/*
+ * Appends the strings up to a NULL to the string in `buf` (`size` bytes, cut
+ * to fit); returns `buf`.  Not snprintf: that doubled the size of /init, and
+ * every initramfs byte is unpacked by the emulated kernel.
+ */
+static char *append(char *buf, size_t size, ...)
+{
+	size_t n = strlen(buf);
+	const char *s;
+	va_list ap;
+
+	va_start(ap, size);
+	while ((s = va_arg(ap, const char *)))
+		while (*s && n + 1 < size)
+			buf[n++] = *s++;
+	va_end(ap);
+	buf[n] = 0;
+	return buf;
+}
+
+/* One line "hvprobe-init: root: <what>: <errno text>". */
+static void root_say(const char *what, int err)
+{
+	char line[1024] = "";
+
+	say(append(line, sizeof(line), "hvprobe-init: root: ", what, ": ", strerror(err), "\n",
+		   (char *)NULL));
+}
+
+/* root_say(), and the VM ends with status 125. */
+static void __attribute__((noreturn)) root_fail(const char *what, int err)
+{
+	root_say(what, err);
+	vm_exit(125);
+}
+
+/* Mounts `type` at NEWROOT/dir (made first if missing: only then is the disk written). */
+static int mount_in_root(const char *type, const char *dir, const char *data)
+{
+	char path[256] = "", what[256] = "";
+	struct stat st;
+	int err = 0;
+
+	append(path, sizeof(path), NEWROOT, dir, (char *)NULL);
+	if (stat(path, &st) != 0 && (errno != ENOENT || mkdir(path, 0755) != 0))
+		err = errno;
+	else if (mount(type, path, type, 0, data) != 0)
+		err = errno;
+	if (err)
+		root_say(append(what, sizeof(what), "cannot mount ", type, " at ", dir, (char *)NULL),
+			 err);
+	return err ? -1 : 0;
+}
+
+/*
+ * The block filesystem types the kernel has (the lines of /proc/filesystems
+ * without "nodev"), ext4 first: the kernel's own root mount tries them too.
+ */
+static int block_fs_types(char **types, int max)
+{
+	static char buf[4096];
+	int fd = open("/proc/filesystems", O_RDONLY | O_CLOEXEC), n = 0;
+	ssize_t len = fd < 0 ? -1 : read(fd, buf, sizeof(buf) - 1);
+	char *line, *next;
+
+	if (fd >= 0)
+		close(fd);
+	buf[len > 0 ? len : 0] = 0;
+	types[n++] = "ext4";
+	for (line = buf; *line && n < max; line = next) {
+		next = strchr(line, '\n');
+		if (next)
+			*next++ = 0;
+		else
+			next = line + strlen(line);
+		if (line[0] != '\t' || !strcmp(line + 1, "ext4"))
+			continue; /* "nodev\tNAME", or ext4 (tried first) */
+		types[n++] = line + 1;
+	}
+	return n;
+}
+
+/*
+ * Mounts the disk root at NEWROOT with the kernel's API filesystems in it and
+ * the workload's directory bound at NEWROOT/run/hvprobe.  Called once the
+ * workload is here: in wait mode that is after the snapshot's restore, so the
+ * snapshot holds no mounted filesystem and each restored run mounts the disk
+ * as it is then (a previous run may have written to it).  Any failure that
+ * leaves nothing to run ends the VM (status 125).
+ */
+static void mount_root(int interactive, int after_snapshot)
+{
+	char flags[256] = "", data[256] = "", what[512] = "", tried[256] = "";
+	char *types[16], *opt, *save;
+	unsigned long mflags = MS_NOATIME;
+	int ntypes, i, err = EINVAL, mounted = 0, fd, ro = 0;
+	struct stat st;
+
+	/* hvprobe.rootflags=ro[,fs options]: "ro"/"rw" here, the rest to the filesystem */
+	cmdline_value(ROOTFLAGS_OPTION, flags, sizeof(flags));
+	for (opt = strtok_r(flags, ",", &save); opt; opt = strtok_r(NULL, ",", &save)) {
+		if (!strcmp(opt, "ro")) {
+			mflags |= MS_RDONLY;
+		} else if (!strcmp(opt, "rw")) {
+			mflags &= ~MS_RDONLY;
+		} else {
+			append(data, sizeof(data), data[0] ? "," : "", opt, (char *)NULL);
+		}
+	}
+
+	fd = open(root_dev, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0)
+		root_fail(append(what, sizeof(what), "cannot open ", root_dev, (char *)NULL), errno);
+	if (fstat(fd, &st) != 0 || !S_ISBLK(st.st_mode))
+		root_fail(root_dev, ENOTBLK);
+	/* a read-only disk (--disk FILE,ro) is mounted read-only at once, as a
+	 * read-write try would fail with EACCES and log an error */
+	if (ioctl(fd, BLKROGET, &ro) == 0 && ro)
+		mflags |= MS_RDONLY;
+	/*
+	 * The boot's partition scan read the disk's first blocks into the page
+	 * cache, and a snapshot kept them: drop them, the disk may have changed
+	 * since (an ext4 superblock lives in that first page).
+	 */
+	if (after_snapshot)
+		ioctl(fd, BLKFLSBUF, 0);
+	close(fd);
+	mkdir(NEWROOT, 0755);
+
+	/* as the kernel's mount_block_root(): EINVAL = not this type, try the next */
+	ntypes = block_fs_types(types, 16);
+	for (i = 0; i < ntypes && !mounted; i++) {
+		unsigned long f = mflags;
+
+		append(tried, sizeof(tried), tried[0] ? " " : "", types[i], (char *)NULL);
+		for (;;) {
+			if (mount(root_dev, NEWROOT, types[i], f, data[0] ? data : NULL) == 0) {
+				mounted = 1;
+				break;
+			}
+			err = errno;
+			/* a read-only device (EACCES) or a journal to replay on one (EROFS) */
+			if ((err == EACCES || err == EROFS) && !(f & MS_RDONLY)) {
+				f |= MS_RDONLY;
+				continue;
+			}
+			break;
+		}
+		if (!mounted && err != EINVAL && err != ENODEV)
+			root_fail(append(what, sizeof(what), "cannot mount ", root_dev, " as ",
+					 types[i], (char *)NULL),
+				  err);
+	}
+	if (!mounted)
+		root_fail(append(what, sizeof(what), "no filesystem type mounts ", root_dev,
+				 data[0] ? " with options " : "", data, " (tried ", tried, ")",
+				 (char *)NULL),
+			  err);
+	root_mounted = 1;
+
+	/* not fatal: a minimal read-only root may lack a mount point */
+	mount_in_root("proc", "/proc", NULL);
+	if (mount_in_root("sysfs", "/sys", NULL) == 0) {
+		/* sysfs has these two mount points itself */
+		mount_in_root("tracefs", "/sys/kernel/tracing", NULL);
+		mount_in_root("debugfs", "/sys/kernel/debug", NULL);
+	}
+	mount_in_root("devtmpfs", "/dev", NULL);
+	mount_in_root("tmpfs", "/tmp", NULL);
+	if (mount_in_root("tmpfs", "/run", "mode=0755") == 0)
+		mkdir(NEWROOT "/run/hvprobe", 0755); /* in the tmpfs */
+	if (mount("/hvprobe", NEWROOT "/run/hvprobe", NULL, MS_BIND, NULL) != 0) {
+		if (!interactive)
+			root_fail("cannot bind the workload's /hvprobe at /run/hvprobe", errno);
+		root_say("cannot bind /hvprobe at /run/hvprobe", errno);
+	}
+}
+
 /* ---- pid 1 ----------------------------------------------------------------- */
 
-/* busybox poweroff/halt/reboot without -f signal pid 1 */
+/*
+ * busybox poweroff/halt/reboot without -f signal pid 1 (vm_exit and
+ * root_shutdown are async-signal-safe).  vm_exit does not return: with a
+ * disk root the shell is gone by then, and a VMM that stops the VM a little
+ * later (QEMU's isa-debug-exit) must see status 0, not the shell's end.
+ */
 static void on_signal(int sig)
 {
-	if (sig == SIGUSR1 || sig == SIGUSR2) { /* halt, poweroff */
-		sync();
-		port_write(PORT_EXIT, 0);
-	}
+	if (sig == SIGUSR1 || sig == SIGUSR2) /* halt, poweroff */
+		vm_exit(0);
 	if (sig == SIGTERM) { /* reboot */
+		root_shutdown();
 		sync();
 		reboot(RB_AUTOBOOT);
 	}
@@ -279,13 +557,26 @@ static char *child_env[] = {
 	NULL,
 };
 
+/* what failed in the vfork child (it shares our memory until it execs) */
+static const char *volatile child_failed;
+static volatile int child_errno;
+
 int main(int argc, char **argv)
 {
 	const char *name = argc > 0 && argv[0] ? argv[0] : "init";
 	const char *slash = strrchr(name, '/');
+	/*
+	 * Login shells ("-sh") read /etc/profile, which routes the power
+	 * commands to /sbin/{poweroff,halt,reboot} (busybox sh prefers its
+	 * applets).  A disk root's /etc/profile is the disk's own.
+	 */
+	static char *const wl_argv[] = { "-sh", WORKLOAD, NULL };
+	static char *const root_wl_argv[] = { "-sh", ROOT_WORKLOAD, NULL };
+	static char *const sh_argv[] = { "-sh", NULL };
+	char *const *argv_child;
 	struct sigaction sa;
 	struct stat st;
-	int interactive;
+	int interactive, waited = 0;
 	pid_t child;
 	int status;
 
@@ -329,21 +620,19 @@ int main(int argc, char **argv)
 		if (receive_workload() != 0)
 			vm_exit(125);
 		interactive = 0;
+		waited = 1;
 	}
+	if (cmdline_value(ROOT_OPTION, root_dev, sizeof(root_dev)) && root_dev[0])
+		mount_root(interactive, waited);
 	if (cmdline_has("noxsave"))
 		child_env[6] = NO_AVX_TUNABLES;
 	say(interactive ? "hvprobe-init: interactive shell\n"
 			: "hvprobe-init: running workload\n");
+	argv_child = interactive ? sh_argv : root_mounted ? root_wl_argv : wl_argv;
 
 	child = vfork();
 	if (child == 0) {
 		/* only async-signal-safe system calls between vfork and exec */
-		/*
-		 * Login shells ("-sh") read /etc/profile, which routes the
-		 * power commands to /sbin/* (busybox sh prefers its applets).
-		 */
-		static char *const wl_argv[] = { "-sh", WORKLOAD, NULL };
-		static char *const sh_argv[] = { "-sh", NULL };
 		int fd;
 
 		/* (execve resets our signal handlers to SIG_DFL) */
@@ -359,19 +648,36 @@ int main(int argc, char **argv)
 				if (fd > 2)
 					close(fd);
 			}
-			execve(SHELL, sh_argv, child_env);
 		} else {
 			fd = open("/dev/null", O_RDONLY);
 			if (fd >= 0 && fd != 0) {
 				dup2(fd, 0);
 				close(fd);
 			}
-			execve(SHELL, wl_argv, child_env);
 		}
+		/* the tty and /dev/null above are the initramfs's: the disk may lack /dev */
+		if (root_mounted && chroot(NEWROOT) != 0) {
+			child_failed = "chroot " NEWROOT;
+		} else if (root_mounted && chdir("/") != 0) {
+			child_failed = "chdir / in " NEWROOT;
+		} else {
+			execve(SHELL, argv_child, child_env);
+			child_failed = "cannot run " SHELL;
+		}
+		child_errno = errno;
 		_exit(127);
 	}
 	if (child < 0) {
 		say("hvprobe-init: vfork failed\n");
+		vm_exit(125);
+	}
+	if (child_failed) {
+		char line[512] = "";
+
+		waitpid(child, NULL, 0);
+		say(append(line, sizeof(line), "hvprobe-init: ", child_failed,
+			   root_mounted ? " on " : "", root_mounted ? root_dev : "", ": ",
+			   strerror(child_errno), "\n", (char *)NULL));
 		vm_exit(125);
 	}
 	if (!interactive)
