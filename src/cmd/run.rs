@@ -105,11 +105,13 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let vm = match Vm::new(&config) {
         Ok(vm) => vm,
-        // A daemon that died says more than the socket it closed.
-        Err(e) => match daemons.as_ref().and_then(Daemons::death) {
+        // A daemon that died says more than the socket it closed. (Only then: a VM that
+        // failed for another reason closed its sockets, and its daemons left on their own.)
+        Err(e @ hvprobe_vmm::Error::SharedDirectory(_)) => match daemons.as_ref().and_then(Daemons::death) {
             Some(died) => return Err(died.into()),
             None => return Err(e.into()),
         },
+        Err(e) => return Err(e.into()),
     };
     if let Some(daemons) = &daemons {
         let control = vm.control();
