@@ -282,6 +282,16 @@ fn bad_shares_are_refused_before_boot_with_their_reason() {
             "cannot be used with".into(),
         ),
     ];
+    // One device per share, after the disks: at most eight in all.
+    let mut nine = Vec::new();
+    for i in 0..9 {
+        nine.extend(["--rwdir".to_owned(), format!("/s{i}={d}")]);
+    }
+    let mut cases = cases;
+    cases.push((
+        nine,
+        "9 virtio devices (disks and shared directories): at most 8 are supported".into(),
+    ));
     for (args, message) in cases {
         let mut all = vec!["run", "--workload", "true"];
         all.extend(args.iter().map(String::as_str));
