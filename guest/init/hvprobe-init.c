@@ -28,6 +28,13 @@
  * cannot be mounted or run ends the VM with status 125 and one line saying
  * what failed.
  *
+ * Shared root (`hvprobe.rootfs=TAG`, the VMM's --rootfs DIR): the same, with
+ * an overlay at /newroot of the virtio-fs share TAG (mounted read-only) under
+ * a tmpfs, so the workload can write anywhere and the host's files stay as
+ * they are.  Shared directories (`hvprobe.rwdir=TAG:/GUESTPATH`, repeatable,
+ * the VMM's --rwdir): the virtio-fs share TAG mounted read-write at GUESTPATH
+ * of the workload's root (its directories made if missing).
+ *
  * Every system call costs ~2.5 ms and a fork+exec ~1.4 s when the guest
  * kernel is emulated (kvm_pvm), so this does as little as possible: no
  * extra processes, one vfork+exec for the workload or the shell.
@@ -61,6 +68,11 @@
 #define WAIT_OPTION "hvprobe.wait"
 #define ROOT_OPTION "hvprobe.root="
 #define ROOTFLAGS_OPTION "hvprobe.rootflags="
+#define ROOTFS_OPTION "hvprobe.rootfs="
+#define RWDIR_OPTION "hvprobe.rwdir="
+/* the shared root's read-only layer and its writable tmpfs (upper and work dirs) */
+#define SHARED_LOWER "/shared-root"
+#define SHARED_RW "/shared-rw"
 /* longest workload accepted over the console */
 #define WORKLOAD_MAX (1 << 20)
 
@@ -74,6 +86,8 @@
 static int port_fd = -1;
 /* hvprobe.root=DEV, empty without */
 static char root_dev[256];
+/* hvprobe.rootfs=TAG, empty without */
+static char root_tag[64];
 /* NEWROOT holds the disk: root_shutdown() before the VM ends */
 static volatile sig_atomic_t root_mounted;
 
@@ -418,6 +432,8 @@ static int block_fs_types(char **types, int max)
 	return n;
 }
 
+static void mount_api_filesystems(int interactive);
+
 /*
  * Mounts the disk root at NEWROOT with the kernel's API filesystems in it and
  * the workload's directory bound at NEWROOT/run/hvprobe.  Called once the
@@ -495,7 +511,15 @@ static void mount_root(int interactive, int after_snapshot)
 				 (char *)NULL),
 			  err);
 	root_mounted = 1;
+	mount_api_filesystems(interactive);
+}
 
+/*
+ * The kernel's API filesystems in NEWROOT and the workload's directory bound at
+ * NEWROOT/run/hvprobe: what a workload expects of its root.
+ */
+static void mount_api_filesystems(int interactive)
+{
 	/* not fatal: a minimal read-only root may lack a mount point */
 	mount_in_root("proc", "/proc", NULL);
 	if (mount_in_root("sysfs", "/sys", NULL) == 0) {
@@ -511,6 +535,94 @@ static void mount_root(int interactive, int after_snapshot)
 		if (!interactive)
 			root_fail("cannot bind the workload's /hvprobe at /run/hvprobe", errno);
 		root_say("cannot bind /hvprobe at /run/hvprobe", errno);
+	}
+}
+
+/*
+ * A host directory shared read-only through virtio-fs (`hvprobe.rootfs=TAG`,
+ * the VMM's --rootfs) as the workload's root: an overlay of it under a tmpfs,
+ * so the workload may write anywhere and the host's files never change.
+ */
+static void mount_shared_root(const char *tag, int interactive)
+{
+	char what[512] = "";
+
+	mkdir(SHARED_LOWER, 0755);
+	if (mount(tag, SHARED_LOWER, "virtiofs", MS_RDONLY, NULL) != 0)
+		root_fail(append(what, sizeof(what), "cannot mount the shared directory ", tag,
+				 " (virtio-fs)", (char *)NULL),
+			  errno);
+	mkdir(SHARED_RW, 0755);
+	if (mount("tmpfs", SHARED_RW, "tmpfs", 0, "mode=0755") != 0)
+		root_fail("cannot mount the overlay's tmpfs", errno);
+	mkdir(SHARED_RW "/upper", 0755);
+	mkdir(SHARED_RW "/work", 0755);
+	mkdir(NEWROOT, 0755);
+	if (mount("overlay", NEWROOT, "overlay", 0,
+		  "lowerdir=" SHARED_LOWER ",upperdir=" SHARED_RW "/upper,workdir=" SHARED_RW "/work") != 0)
+		root_fail("cannot mount the overlay of the shared root", errno);
+	root_mounted = 1;
+	mount_api_filesystems(interactive);
+}
+
+/* Makes every missing directory of `path` (absolute); 0 or an errno. */
+static int make_dirs(char *path)
+{
+	char *p;
+
+	for (p = path + 1; *p; p++) {
+		if (*p != '/')
+			continue;
+		*p = 0;
+		if (mkdir(path, 0755) != 0 && errno != EEXIST) {
+			*p = '/';
+			return errno;
+		}
+		*p = '/';
+	}
+	if (mkdir(path, 0755) != 0 && errno != EEXIST)
+		return errno;
+	return 0;
+}
+
+/*
+ * Every `hvprobe.rwdir=TAG:GUESTPATH` (the VMM's --rwdir): the host directory
+ * shared read-write through virtio-fs, mounted at GUESTPATH in the workload's
+ * root (NEWROOT when there is one), its directories made if missing.
+ */
+static void mount_rwdirs(void)
+{
+	const char *cmdline = cmdline_text(), *p, *v;
+	size_t len = strlen(RWDIR_OPTION), n;
+
+	for (p = cmdline; (p = strstr(p, RWDIR_OPTION)); p += len) {
+		char word[256], path[512] = "", what[768] = "";
+		char *colon;
+		int err;
+
+		if (p != cmdline && p[-1] != ' ')
+			continue;
+		v = p + len;
+		for (n = 0; !word_end(v[n]); n++)
+			;
+		if (n >= sizeof(word))
+			root_fail("an hvprobe.rwdir= option is too long", ENAMETOOLONG);
+		memcpy(word, v, n);
+		word[n] = 0;
+		colon = strchr(word, ':');
+		if (!colon || colon[1] != '/')
+			root_fail(append(what, sizeof(what), "hvprobe.rwdir=", word,
+					 " is not TAG:/GUESTPATH", (char *)NULL),
+				  EINVAL);
+		*colon = 0;
+		append(path, sizeof(path), root_mounted ? NEWROOT : "", colon + 1, (char *)NULL);
+		err = make_dirs(path);
+		if (!err && mount(word, path, "virtiofs", 0, NULL) != 0)
+			err = errno;
+		if (err)
+			root_fail(append(what, sizeof(what), "cannot mount the shared directory ", word,
+					 " at ", colon + 1, (char *)NULL),
+				  err);
 	}
 }
 
@@ -624,6 +736,9 @@ int main(int argc, char **argv)
 	}
 	if (cmdline_value(ROOT_OPTION, root_dev, sizeof(root_dev)) && root_dev[0])
 		mount_root(interactive, waited);
+	else if (cmdline_value(ROOTFS_OPTION, root_tag, sizeof(root_tag)) && root_tag[0])
+		mount_shared_root(root_tag, interactive);
+	mount_rwdirs();
 	if (cmdline_has("noxsave"))
 		child_env[6] = NO_AVX_TUNABLES;
 	say(interactive ? "hvprobe-init: interactive shell\n"
