@@ -3,8 +3,9 @@
 //! the run with its name, hvprobe's SIGTERM leaves no daemon behind, and every bad share
 //! is refused before a boot.
 //!
-//! The workloads mount the shares by hand (`mount -t virtiofs TAG DIR`, busybox's mount),
-//! so these tests need only the device and the bundled kernel's virtio-fs.
+//! The bundled init mounts each `--rwdir` at its guest path (`hvprobe.rwdir=TAG:PATH`) and
+//! runs the workload in an overlay of `--rootfs` (`hvprobe.rootfs=TAG`); a workload can
+//! also mount a share by hand (`mount -t virtiofs TAG DIR`, busybox's mount).
 
 mod common;
 
@@ -109,22 +110,24 @@ impl Background {
     }
 }
 
-/// One boot shows the path: the guest mounts its --rwdir share, reads the host's file,
-/// and writes one that the host finds with its content; the daemon is gone afterwards.
+/// One boot shows the path: init mounts the --rwdir share at its guest path, the guest
+/// reads the host's file and writes files that the host finds with their content; the
+/// same share mounts by hand too; the daemon is gone afterwards.
 #[test]
 fn the_guest_reads_and_writes_a_host_directory() {
     require_kvm();
     let dir = scratch("rw");
     std::fs::write(dir.join("from-host.txt"), "written on the host\n").unwrap();
-    let workload = "mkdir -p /mnt && mount -t virtiofs hvprobe-rw0 /mnt && \
-        cat /mnt/from-host.txt && \
-        echo 'written in the guest' > /mnt/from-guest.txt && mkdir /mnt/sub && echo deep > /mnt/sub/f && \
+    let workload = "cat /data/from-host.txt && \
+        echo 'written in the guest' > /data/from-guest.txt && mkdir /data/sub && echo deep > /data/sub/f && \
+        mkdir -p /mnt && mount -t virtiofs hvprobe-rw0 /mnt && cat /mnt/sub/f && \
         sync && grep -o 'hvprobe.rwdir=[^ ]*' /proc/cmdline";
     let rwdir = format!("/data={}", dir.display());
     let run = hvprobe(&["run", "--rwdir", &rwdir, "--workload", workload], BOOT_TIMEOUT);
     assert_eq!(run.code, Some(0), "{}", run.tail());
     common::assert_guest_healthy(&run, &["virtio-fs", "virtiofs"]);
     assert!(run.console_has_line("written on the host"), "{}", run.tail());
+    assert!(run.console_has_line("deep"), "{}", run.tail());
     // The init's option names the tag and the guest path.
     assert!(
         run.console_has_line("hvprobe.rwdir=hvprobe-rw0:/data"),
@@ -140,6 +143,64 @@ fn the_guest_reads_and_writes_a_host_directory() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--rootfs DIR` runs the workload in DIR (its own busybox), which the guest may write
+/// but whose host files never change; an `--rwdir` inside it takes the results out.
+#[test]
+fn a_rootfs_runs_the_workload_and_the_hosts_files_never_change() {
+    require_kvm();
+    let dir = scratch("rootfs");
+    let root = dir.join("root");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    let busybox = Path::new("/bin/busybox");
+    assert!(
+        busybox.exists(),
+        "this test puts the host's static busybox in its root: install busybox-static (guest/install-deps.sh does)"
+    );
+    std::fs::copy(busybox, root.join("bin/busybox")).unwrap();
+    for applet in ["sh", "cat", "echo", "touch", "ls"] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(root.join("keep.txt"), "the host's file\n").unwrap();
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let snapshot = || {
+        let mut names: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        (names, std::fs::read_to_string(root.join("keep.txt")).unwrap())
+    };
+    let before = snapshot();
+    let workload = "cat /keep.txt; echo changed > /keep.txt; cat /keep.txt; touch /new && echo NEW-MADE; \
+        ls /bin/busybox && echo 'the result' > /results/result.txt";
+    let rwdir = format!("/results={}", out.display());
+    let run = hvprobe(
+        &[
+            "run",
+            "--rootfs",
+            root.to_str().unwrap(),
+            "--rwdir",
+            &rwdir,
+            "--workload",
+            workload,
+        ],
+        BOOT_TIMEOUT,
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(&run, &["virtio-fs", "virtiofs"]);
+    // The workload saw the host's file and could change it (in its overlay)…
+    assert!(run.console_has_line("the host's file"), "{}", run.tail());
+    assert!(run.console_has_line("changed"), "{}", run.tail());
+    assert!(run.console_has_line("NEW-MADE"), "{}", run.tail());
+    assert!(run.console_has_line("/bin/busybox"), "{}", run.tail());
+    // …which the host never saw; the result came out through --rwdir.
+    assert_eq!(snapshot(), before, "the host's --rootfs directory changed");
+    assert_eq!(std::fs::read_to_string(out.join("result.txt")).unwrap(), "the result\n");
+    assert!(virtiofsd_pids(&root).is_empty() && virtiofsd_pids(&out).is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A virtiofsd killed while the guest uses its share ends the run: hvprobe names the
 /// daemon, its exit and its last messages, exits with a failure, and leaves no process.
 #[test]
@@ -149,8 +210,8 @@ fn a_virtiofsd_killed_mid_run_ends_the_run_with_its_name() {
     std::fs::write(dir.join("f"), "x\n").unwrap();
     let run = run_in_background(
         &format!("/data={}", dir.display()),
-        "mkdir -p /mnt && mount -t virtiofs hvprobe-rw0 /mnt && echo MOUNTED; \
-         while cat /mnt/f >/dev/null; do sleep 1; done; echo READ-FAILED; sleep 600",
+        "cat /data/f >/dev/null && echo MOUNTED; \
+         while cat /data/f >/dev/null; do sleep 1; done; echo READ-FAILED; sleep 600",
     );
     let mounted = run.wait_for("MOUNTED");
     let pids = virtiofsd_pids(&dir);
@@ -194,7 +255,7 @@ fn a_sigterm_of_hvprobe_leaves_no_virtiofsd_behind() {
     let dir = scratch("sigterm");
     let run = run_in_background(
         &format!("/data={}", dir.display()),
-        "mkdir -p /mnt && mount -t virtiofs hvprobe-rw0 /mnt && echo kept > /mnt/kept && sync && echo MOUNTED; sleep 600",
+        "echo kept > /data/kept && sync && echo MOUNTED; sleep 600",
     );
     let mounted = run.wait_for("MOUNTED");
     let pids = virtiofsd_pids(&dir);
