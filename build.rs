@@ -6,7 +6,15 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 /// The inputs, relative to guest/: files, and directories taken whole.
-const INPUTS: &[&str] = &["build.sh", "kernel", "init", "workloads"];
+const INPUTS: &[&str] = &[
+    "build.sh",
+    "kernel",
+    "init",
+    "workloads",
+    // virtiofsd's build, for shared directories, and the cache protocol it follows.
+    "build-virtiofsd.sh",
+    "cache.sh",
+];
 
 fn main() {
     let guest =

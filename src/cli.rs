@@ -104,8 +104,59 @@ pub struct MachineArgs {
     /// bundled kernel has; read-only when the disk is), with /proc, /sys, /dev, /tmp, /run
     /// and tracefs inside; the workload is the disk's own `/bin/sh -c`. Needs the bundled
     /// guest's init (the bundled initramfs, or one built from guest/init).
-    #[arg(long, value_name = "/dev/vdX", requires = "disks")]
+    #[arg(long, value_name = "/dev/vdX", requires = "disks", conflicts_with = "rootfs")]
     pub root: Option<String>,
+    /// Run the workload (or the shell) with this host directory as `/`, shared by
+    /// virtio-fs (virtiofsd) and never changed.
+    ///
+    /// virtiofsd shares it read-only, and the bundled init mounts it under an overlay
+    /// whose upper layer is a tmpfs: the guest may write anywhere, its changes live in
+    /// guest memory and are gone at the end; the host's files stay as they are. The
+    /// directory needs a `/bin/sh`. Needs the bundled guest's init.
+    #[arg(long, value_name = "DIR")]
+    pub rootfs: Option<PathBuf>,
+    /// A host directory the guest reads and writes, at GUESTPATH (by default the host's
+    /// own path), shared by virtio-fs (repeatable).
+    ///
+    /// Each is its own virtiofsd and device, tagged hvprobe-rw0, hvprobe-rw1, … in order,
+    /// which the bundled init mounts (by hand: `mount -t virtiofs hvprobe-rw0 DIR`). The
+    /// guest's writes are the host's files, as they happen. GUESTPATH must be absolute,
+    /// without spaces, commas, colons or quotes (it goes on the kernel command line).
+    #[arg(long = "rwdir", value_name = "[GUESTPATH=]HOSTDIR", value_parser = parse_rwdir)]
+    pub rwdirs: Vec<RwDirArg>,
+    /// The virtiofsd that serves --rootfs and --rwdir [default: $HVPROBE_VIRTIOFSD, else
+    /// /usr/libexec/virtiofsd or /usr/lib/qemu/virtiofsd, else one built once into
+    /// hvprobe's cache (guest/build-virtiofsd.sh, from crates.io)].
+    #[arg(long, value_name = "PATH")]
+    pub virtiofsd: Option<PathBuf>,
+}
+
+/// A `--rwdir` argument: `[GUESTPATH=]HOSTDIR`, as the user wrote it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RwDirArg {
+    pub arg: String,
+    pub guest_path: Option<String>,
+    pub host_dir: PathBuf,
+}
+
+/// `[GUESTPATH=]HOSTDIR`: the first `=` ends GUESTPATH (a host path with an `=` in it
+/// needs a GUESTPATH= before it). The paths are checked later, with the other devices.
+fn parse_rwdir(text: &str) -> Result<RwDirArg, String> {
+    let (guest_path, host_dir) = match text.split_once('=') {
+        Some((guest, host)) => (Some(guest.to_owned()), host),
+        None => (None, text),
+    };
+    if host_dir.is_empty() {
+        return Err("no host directory (the form is [GUESTPATH=]HOSTDIR)".into());
+    }
+    if guest_path.as_deref() == Some("") {
+        return Err("no guest path before the = (the form is [GUESTPATH=]HOSTDIR)".into());
+    }
+    Ok(RwDirArg {
+        arg: text.to_owned(),
+        guest_path,
+        host_dir: PathBuf::from(host_dir),
+    })
 }
 
 /// `FILE[,ro]`: a `,ro` at the end makes the disk read-only; anything else is the path.
@@ -136,6 +187,9 @@ impl MachineArgs {
             mem: MachineArgs::DEFAULT_MEM_MIB,
             disks: Vec::new(),
             root: None,
+            rootfs: None,
+            rwdirs: Vec::new(),
+            virtiofsd: None,
         }
     }
 }
@@ -229,7 +283,7 @@ pub struct RunArgs {
     /// symbols come from the restored kernel's kallsyms.
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "mem", "kaslr", "resolve", "sample_ms", "symbol_sources",
-        "system_map", "vmlinux", "disks", "root",
+        "system_map", "vmlinux", "disks", "root", "rootfs", "rwdirs", "virtiofsd",
     ])]
     pub snapshot: Option<PathBuf>,
 }

@@ -108,6 +108,8 @@ pub enum GuestError {
     NoSuchRoot { root: String, disks: usize },
     #[error(transparent)]
     Disk(#[from] hvprobe_vmm::DiskError),
+    #[error(transparent)]
+    Share(#[from] crate::shares::ShareError),
 }
 
 /// The files of a built bundled guest.
@@ -237,8 +239,12 @@ pub struct MachineFiles {
     pub kernel: PathBuf,
     pub initrd: PathBuf,
     /// The kernel command line: the VMM's options, the bundled kernel's own when it boots,
-    /// the user's `--cmdline`.
+    /// the user's `--cmdline`, then the devices' options for the bundled init.
     pub cmdline: String,
+    /// The shared directories (`--rootfs`, `--rwdir`), checked.
+    pub shares: Vec<crate::shares::Share>,
+    /// The virtiofsd that serves them and its sandbox, when there are any.
+    pub virtiofsd: Option<(PathBuf, crate::shares::Sandbox)>,
     bundled: Option<BundledGuest>,
     bundled_boots: bool,
 }
@@ -254,6 +260,24 @@ impl MachineFiles {
             .map(|root| root_option(root, machine.disks.len()))
             .transpose()?;
         drop(hvprobe_vmm::virtio::block::DiskImage::open_all(&machine.disks)?);
+        let shares = crate::shares::shares(machine.rootfs.as_deref(), &machine.rwdirs)?;
+        let devices = machine.disks.len() + shares.len();
+        if devices > hvprobe_vmm::virtio::MAX_DEVICES {
+            return Err(crate::shares::ShareError::TooManyDevices {
+                count: devices,
+                max: hvprobe_vmm::virtio::MAX_DEVICES,
+            }
+            .into());
+        }
+        // virtiofsd found (or built) and tried before the guest build, as the disks are.
+        let virtiofsd = match shares.is_empty() {
+            true => None,
+            false => {
+                let (path, from) = crate::shares::find_virtiofsd(machine.virtiofsd.as_deref())?;
+                let sandbox = crate::shares::check_virtiofsd(&path, from)?;
+                Some((path, sandbox))
+            }
+        };
         let bundled = match (&machine.kernel, &machine.initrd) {
             (Some(_), Some(_)) => None,
             _ => Some(BundledGuest::ensure_built()?),
@@ -274,11 +298,16 @@ impl MachineFiles {
         if let Some(root) = root {
             cmdline = format!("{cmdline} {root}");
         }
+        for share in &shares {
+            cmdline = format!("{cmdline} {}", share.cmdline_option());
+        }
         let bundled_boots = bundled_kernel.is_some();
         Ok(MachineFiles {
             kernel,
             initrd,
             cmdline,
+            shares,
+            virtiofsd,
             bundled,
             bundled_boots,
         })

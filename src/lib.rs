@@ -14,6 +14,7 @@ pub mod guest;
 pub mod perfetto;
 pub mod sampler;
 pub mod session;
+pub mod shares;
 pub mod trace;
 
 pub use hvprobe_vmm as vmm;

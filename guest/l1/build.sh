@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the nested-SVM lane under ~/.cache/hvprobe/l1, each part keyed by its inputs:
 #   - QEMU 10.0.2 with qemu-svm-int3-intercept.patch (build-qemu.sh);
-#   - virtiofsd (crates.io, pinned), which shares the host's files with the L1;
+#   - virtiofsd (crates.io, pinned; ../build-virtiofsd.sh), which shares the host's files
+#     with the L1;
 #   - the L1 kernel, Debian's linux-image-cloud-amd64, and an initramfs of busybox, this
 #     directory's init and the modules it loads (kvm_amd, virtio-fs, overlay).
 # Writes lane.env (the parts' paths) and prints its path on stdout. Warm, it only checks.
@@ -11,7 +12,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 . "$here/../cache.sh"
 cache_stdout_is_the_result
 cache="$hvprobe_cache/l1"
-VIRTIOFSD_VERSION=1.14.0
 KERNEL_PACKAGE=linux-image-cloud-amd64
 # The modules the L1's init loads, dependencies first.
 MODULES=(virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko
@@ -26,15 +26,8 @@ cache_lock "$cache/.lock" 9 "the lane"
 
 qemu=$("$here/build-qemu.sh")
 
-virtiofsd="$cache/virtiofsd-$VIRTIOFSD_VERSION/bin/virtiofsd"
-if [ ! -x "$virtiofsd" ]; then
-    log "building virtiofsd $VIRTIOFSD_VERSION (crates.io)"
-    cargo install virtiofsd --version "=$VIRTIOFSD_VERSION" --locked --quiet \
-        --root "$cache/virtiofsd-$VIRTIOFSD_VERSION.tmp" \
-        --target-dir "$cache/virtiofsd-target"
-    rm -rf "$cache/virtiofsd-target"
-    cache_publish "$cache/virtiofsd-$VIRTIOFSD_VERSION.tmp" "$cache/virtiofsd-$VIRTIOFSD_VERSION"
-fi
+# The one build of virtiofsd, shared with `hvprobe run --rootfs/--rwdir` (its own lock).
+virtiofsd=$("$here/../build-virtiofsd.sh")
 
 # The kernel package the metapackage points at now, and its version: the L1 kernel's key.
 image_package=$(apt-cache depends "$KERNEL_PACKAGE" 2>/dev/null \

@@ -13,6 +13,7 @@ use crate::cli::{RunArgs, SourceArg};
 use crate::filters_and_triggers::AnalysisFlags;
 use crate::guest::{initrd_with_workload, BundledGuest, MachineFiles};
 use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOptions};
+use crate::shares::{self, Daemons};
 
 /// `hvprobe run`: boots the guest, or restores it with `--snapshot`.
 pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -74,6 +75,17 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None if !trace.analysis.is_empty() => return Err(crate::trace::SessionError::AnalysisWithoutProbes.into()),
         None => {}
     }
+    // The shares' daemons, last before the VM: everything that can be refused has been.
+    let daemons = match &files.virtiofsd {
+        Some((virtiofsd, sandbox)) => Some(Daemons::start(
+            virtiofsd,
+            sandbox,
+            &files.shares,
+            &shares::runtime_dir(),
+            shares::SOCKET_DEADLINE,
+        )?),
+        None => None,
+    };
     let config = VmConfig {
         kernel: files.kernel.clone(),
         initrd: initrd_with_workload(&files.initrd, args.workload.as_deref())?,
@@ -89,8 +101,33 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         },
         console_input: args.workload.is_none() || args.console_input,
         disks: args.machine.disks.clone(),
+        shares: daemons.as_ref().map(Daemons::fs_configs).unwrap_or_default(),
     };
-    let vm = Vm::new(&config)?;
+    let vm = match Vm::new(&config) {
+        Ok(vm) => vm,
+        // A daemon that died says more than the socket it closed. (Only then: a VM that
+        // failed for another reason closed its sockets, and its daemons left on their own.)
+        Err(e @ hvprobe_vmm::Error::SharedDirectory(_)) => match daemons.as_ref().and_then(Daemons::death) {
+            Some(died) => return Err(died.into()),
+            None => return Err(e.into()),
+        },
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(daemons) = &daemons {
+        let control = vm.control();
+        daemons.on_death(Box::new(move |died| {
+            // A daemon that goes when the VM ends (its device closed the socket) did not die.
+            if control.stop_reason().is_some() {
+                return false;
+            }
+            eprintln!(
+                "hvprobe: virtiofsd for {} {}: stopping the guest (its requests would never be answered)",
+                died.share, died.status
+            );
+            control.stop(StopReason::Stopped);
+            true
+        }));
+    }
     let console = vm.console_log();
     let session = RunSession::start(&trace, &vm)?;
     let tasks = Arc::new(OnceLock::new());
@@ -165,6 +202,10 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             true
         }
     };
+    if let Some(died) = daemons.as_ref().and_then(Daemons::death) {
+        eprintln!("hvprobe: error: {died}");
+        return Ok(ExitCode::FAILURE);
+    }
     if let Some(e) = arming_failed {
         eprintln!("hvprobe: error: {e}");
         return Ok(ExitCode::FAILURE);

@@ -32,6 +32,11 @@ pub enum SnapshotCliError {
          state is not saved): snapshot create takes no --disk or --root"
     )]
     Disks,
+    #[error(
+        "snapshots of a guest with shared directories are not supported: its virtiofsd's state \
+         (the guest's open files) cannot be saved with it; snapshot create takes no --rootfs or --rwdir"
+    )]
+    Shares,
     #[error("a restored guest needs a workload: pass --workload CMD (the snapshotted init waits for one)")]
     NoWorkload,
     #[error("the restored guest did not finish its workload ({reason}); console tail:\n{tail}")]
@@ -47,6 +52,9 @@ pub(crate) fn wait_mode_config(
     if !args.machine.disks.is_empty() || args.machine.root.is_some() {
         return Err(SnapshotCliError::Disks.into());
     }
+    if args.machine.rootfs.is_some() || !args.machine.rwdirs.is_empty() {
+        return Err(SnapshotCliError::Shares.into());
+    }
     if let Some(kernel) = &args.machine.kernel {
         hvprobe_vmm::kernel_format(kernel)?;
     }
@@ -61,6 +69,7 @@ pub(crate) fn wait_mode_config(
         console_output,
         console_input: false,
         disks: Vec::new(),
+        shares: Vec::new(),
     })
 }
 

@@ -59,6 +59,8 @@ pub enum Error {
     CmdlineTooLong { len: usize, max: usize },
     #[error("cannot allocate guest memory: {0}")]
     GuestMemoryAlloc(#[source] vm_memory::mmap::FromRangesError),
+    #[error("cannot create the guest memory file (memfd): {0}")]
+    GuestMemoryFile(#[source] std::io::Error),
     #[error("cannot lay out guest memory: {0}")]
     GuestMemoryLayout(#[source] vm_memory::GuestRegionCollectionError),
     #[error("cannot map guest memory from {path}: {source}")]
@@ -89,6 +91,8 @@ pub enum Error {
     Console(#[source] std::io::Error),
     #[error(transparent)]
     Disk(#[from] crate::virtio::block::DiskError),
+    #[error(transparent)]
+    SharedDirectory(#[from] crate::virtio::fs::FsError),
     #[error("{count} virtio devices requested: at most {max} are supported")]
     TooManyDevices { count: usize, max: usize },
     #[error("cannot create an eventfd: {0}")]

@@ -34,4 +34,5 @@ pub use vcpu::{
     VcpuState,
 };
 pub use virtio::block::{DiskConfig, DiskError};
+pub use virtio::fs::{FsConfig, FsError};
 pub use vm::{CodeBlob, ConsoleInput, Vm, VmConfig, VmOutcome, CODE_BLOB_START, MAX_MEM_MIB, MIN_MEM_MIB};

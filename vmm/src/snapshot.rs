@@ -706,31 +706,81 @@ fn write_memory(mem: &GuestMemoryMmap, regions: &[RegionRecord], path: &Path) ->
     let mut buf = vec![0u8; CHUNK];
     let mut written = 0;
     for r in regions {
-        let mut done = 0u64;
-        while done < r.len {
-            let n = (r.len - done).min(CHUNK as u64) as usize;
-            mem.read_slice(&mut buf[..n], GuestAddress(r.guest_addr + done))
-                .map_err(crate::error::mem_err("reading it for the snapshot"))?;
-            // Runs of non-zero pages are written; zero pages stay holes.
-            let mut page = 0;
-            while page < n {
-                if buf[page..page + PAGE].iter().all(|&b| b == 0) {
-                    page += PAGE;
-                    continue;
+        // RAM is a memfd: what the guest never touched is a hole in it, and reading a hole
+        // through a shared mapping would allocate it. Only its data is read.
+        let extents = match mem
+            .find_region(GuestAddress(r.guest_addr))
+            .and_then(|g| g.file_offset())
+        {
+            Some(backing) => data_extents(backing.file(), backing.start(), r.len),
+            None => vec![(0, r.len)],
+        };
+        for (extent_start, extent_len) in extents {
+            let mut done = extent_start;
+            let end = extent_start + extent_len;
+            while done < end {
+                let n = (end - done).min(CHUNK as u64) as usize;
+                mem.read_slice(&mut buf[..n], GuestAddress(r.guest_addr + done))
+                    .map_err(crate::error::mem_err("reading it for the snapshot"))?;
+                // Runs of non-zero pages are written; zero pages stay holes.
+                let mut page = 0;
+                while page < n {
+                    if buf[page..page + PAGE].iter().all(|&b| b == 0) {
+                        page += PAGE;
+                        continue;
+                    }
+                    let start = page;
+                    while page < n && buf[page..page + PAGE].iter().any(|&b| b != 0) {
+                        page += PAGE;
+                    }
+                    file.write_all_at(&buf[start..page], r.file_offset + done + start as u64)
+                        .map_err(io_err("write", path))?;
+                    written += (page - start) as u64;
                 }
-                let start = page;
-                while page < n && buf[page..page + PAGE].iter().any(|&b| b != 0) {
-                    page += PAGE;
-                }
-                file.write_all_at(&buf[start..page], r.file_offset + done + start as u64)
-                    .map_err(io_err("write", path))?;
-                written += (page - start) as u64;
+                done += n as u64;
             }
-            done += n as u64;
         }
     }
     file.sync_all().map_err(io_err("sync", path))?;
     Ok(written)
+}
+
+/// The stretches (start, length), relative to `offset`, of the `len` bytes at `offset` in
+/// `file` that may hold data: whole pages, found with SEEK_DATA and SEEK_HOLE; the whole
+/// range when the file system cannot say.
+fn data_extents(file: &File, offset: u64, len: u64) -> Vec<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let seek = |from: u64, whence: libc::c_int| -> Option<u64> {
+        let from = libc::off_t::try_from(from).ok()?;
+        // SAFETY: lseek on a descriptor `file` keeps open; no memory is involved. The file
+        // position it moves is not used by anything else (reads go through the mapping).
+        let at = unsafe { libc::lseek(file.as_raw_fd(), from, whence) };
+        u64::try_from(at).ok()
+    };
+    let end = offset.saturating_add(len);
+    let mut extents = Vec::new();
+    let mut at = offset;
+    while at < end {
+        let Some(data) = seek(at, libc::SEEK_DATA) else {
+            // ENXIO: no data after `at`; any other failure: the file system cannot say.
+            if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
+                return vec![(0, len)];
+            }
+            break;
+        };
+        if data >= end {
+            break;
+        }
+        let hole = seek(data, libc::SEEK_HOLE).unwrap_or(end).min(end);
+        let start = (data - offset) / PAGE as u64 * PAGE as u64;
+        let stop = (hole - offset).next_multiple_of(PAGE as u64).min(len);
+        if stop <= start {
+            break;
+        }
+        extents.push((start, stop - start));
+        at = offset + stop;
+    }
+    extents
 }
 
 impl Vm {
@@ -1038,6 +1088,22 @@ mod tests {
         let last = c.len() - 1;
         c[last] ^= 0xff;
         assert!(err(&c).contains("checksum"));
+    }
+
+    #[test]
+    fn only_the_pages_a_guest_touched_are_read_from_its_memory_file() {
+        let mem = crate::vm::shareable_guest_memory(64 << 20).unwrap();
+        let ram = mem.find_region(GuestAddress(0)).unwrap().file_offset().unwrap();
+        assert_eq!(data_extents(ram.file(), 0, 64 << 20), vec![]);
+        mem.write_obj(1u8, GuestAddress(0x5001)).unwrap();
+        mem.write_obj(1u8, GuestAddress(0x30_0000)).unwrap();
+        mem.write_obj(1u8, GuestAddress(0x30_1000)).unwrap();
+        assert_eq!(
+            data_extents(ram.file(), 0, 64 << 20),
+            vec![(0x5000, 0x1000), (0x30_0000, 0x2000)]
+        );
+        // Relative to the offset asked for, and cut at its length.
+        assert_eq!(data_extents(ram.file(), 0x30_0000, 0x1000), vec![(0, 0x1000)]);
     }
 
     #[test]

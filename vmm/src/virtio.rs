@@ -11,9 +11,10 @@
 //! is not in their memory, so a descriptor pointing there fails like any bad address.
 
 pub mod block;
+pub mod fs;
 pub mod mmio;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, VmFd};
@@ -66,13 +67,23 @@ pub enum ActivateError {
     EventFd(std::io::Error),
     #[error("the device has {got} queues ready, it needs {want}")]
     QueueCount { got: usize, want: usize },
+    #[error("the vhost-user backend failed {step}: {source}")]
+    VhostUser {
+        step: &'static str,
+        #[source]
+        source: vhost::Error,
+    },
+    #[error("queue {queue}'s rings are not in guest RAM")]
+    RingOutsideMemory { queue: usize },
 }
 
 /// A device's interrupt: the transport's InterruptStatus bits and the irqfd that raises
-/// the line (edge-triggered; the driver reads the status and acknowledges it).
+/// the line (edge-triggered; the driver reads the status and acknowledges it), and
+/// whether the device, from one of its own threads, found itself broken.
 pub struct Interrupt {
     status: AtomicU32,
     irqfd: EventFd,
+    needs_reset: AtomicBool,
 }
 
 impl Interrupt {
@@ -80,7 +91,20 @@ impl Interrupt {
         Interrupt {
             status: AtomicU32::new(0),
             irqfd,
+            needs_reset: AtomicBool::new(false),
         }
+    }
+
+    /// The device cannot go on until the driver resets it (its backend is gone, its queue
+    /// is unreadable): the transport shows DEVICE_NEEDS_RESET and the driver gets a
+    /// config interrupt.
+    pub fn signal_needs_reset(&self) {
+        self.needs_reset.store(true, Ordering::SeqCst);
+        self.signal_config_change();
+    }
+
+    pub(crate) fn needs_reset(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
     }
 
     /// The driver has new used buffers.
@@ -110,6 +134,19 @@ impl Interrupt {
 
     pub(crate) fn clear(&self) {
         self.status.store(0, Ordering::SeqCst);
+        self.needs_reset.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Reads `data.len()` bytes at `offset` of a device's config space `config`; bytes past
+/// its end read as 0 (the driver chooses the offset and the width).
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, byte) in data.iter_mut().enumerate() {
+        *byte = offset
+            .checked_add(i as u64)
+            .and_then(|at| config.get(usize::try_from(at).ok()?))
+            .copied()
+            .unwrap_or(0);
     }
 }
 

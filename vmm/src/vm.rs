@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use hvprobe_arch::Gpa;
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_READONLY, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vm_superio::Serial;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -19,6 +19,7 @@ use crate::devices::{IrqLine, PortDevices, SERIAL_IRQ};
 use crate::layout::{ram_ranges, OOL_AREA_SIZE, OOL_AREA_START, OOL_CODE_SIZE};
 use crate::vcpu::{DebugHandler, StopReason, VcpuControl, VcpuRunner};
 use crate::virtio::block::{Block, DiskConfig, DiskImage};
+use crate::virtio::fs::{Fs, FsConfig};
 use crate::virtio::{MmioDevices, VirtioDevice};
 use crate::{cpuid, kvm_err, mptable, regs, Error};
 
@@ -60,6 +61,9 @@ pub struct VmConfig {
     pub console_input: bool,
     /// Disk images, as virtio-blk devices in this order (`/dev/vda`, `/dev/vdb`, …).
     pub disks: Vec<DiskConfig>,
+    /// Shared directories, as virtio-fs devices (after the disks) whose vhost-user
+    /// backends already listen on their sockets.
+    pub shares: Vec<FsConfig>,
 }
 
 impl VmConfig {
@@ -137,11 +141,14 @@ impl Vm {
         config.validate()?;
         // Opened and locked before KVM is touched: a bad or busy image is the first error.
         let disks = DiskImage::open_all(&config.disks)?;
+        // And the shares' backends reached: one that cannot serve fails before the boot.
+        let shares = config.shares.iter().map(Fs::connect).collect::<Result<Vec<_>, _>>()?;
         let mem_bytes = config.mem_mib << 20;
         let mut vm = Vm::create(config.cpus, mem_bytes, config.console_output, config.console_input)?;
         let devices: Vec<Box<dyn VirtioDevice>> = disks
             .into_iter()
             .map(|image| Box::new(Block::new(image)) as Box<dyn VirtioDevice>)
+            .chain(shares.into_iter().map(|fs| Box::new(fs) as Box<dyn VirtioDevice>))
             .collect();
         vm.virtio = Arc::new(MmioDevices::attach(&vm.vm_fd, &vm.mem, devices)?);
         let cmdline = match vm.virtio.cmdline() {
@@ -582,9 +589,52 @@ pub(crate) fn memory_ranges(mem_bytes: u64) -> Vec<(GuestAddress, usize)> {
 }
 
 fn create_guest_memory(vm_fd: &VmFd, mem_bytes: u64) -> Result<GuestMemoryMmap, Error> {
-    let mem = GuestMemoryMmap::from_ranges(&memory_ranges(mem_bytes)).map_err(Error::GuestMemoryAlloc)?;
+    let mem = shareable_guest_memory(mem_bytes)?;
     register_guest_memory(vm_fd, &mem)?;
     Ok(mem)
+}
+
+/// Guest memory whose RAM is a memfd mapped `MAP_SHARED`, so that a vhost-user backend
+/// (virtiofsd) can map the same pages from the descriptor it is given: RAM region `i` is
+/// the memfd at the offset where the RAM regions before it end. The out-of-line area is
+/// anonymous memory of its own: a backend holding the memfd can map any offset of it, and
+/// must never reach probe code. The memfd is sealed at its size: a backend that shrank
+/// it would turn our next access to guest RAM into a SIGBUS.
+pub(crate) fn shareable_guest_memory(mem_bytes: u64) -> Result<GuestMemoryMmap, Error> {
+    let ram_bytes: u64 = ram_ranges(mem_bytes).iter().map(|&(_, len)| len).sum();
+    let memfd = sealed_memfd(c"hvprobe-guest-ram", ram_bytes).map_err(Error::GuestMemoryFile)?;
+    let mut offset = 0u64;
+    let mut ranges = Vec::new();
+    for (start, len) in memory_ranges(mem_bytes) {
+        if start.0 == OOL_AREA_START.0 {
+            ranges.push((start, len, None));
+            continue;
+        }
+        let file = memfd.try_clone().map_err(Error::GuestMemoryFile)?;
+        ranges.push((start, len, Some(FileOffset::new(file, offset))));
+        offset += len as u64;
+    }
+    GuestMemoryMmap::from_ranges_with_files(&ranges).map_err(Error::GuestMemoryAlloc)
+}
+
+/// An anonymous memory file of `len` bytes that nobody can grow or shrink.
+fn sealed_memfd(name: &std::ffi::CStr, len: u64) -> std::io::Result<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: `name` is a NUL-terminated string that outlives the call; the result is
+    // checked before use.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor that only this File owns.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.set_len(len)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a descriptor this function owns; no memory is involved.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
 }
 
 /// Gives KVM every region of `mem` as a memory slot. The out-of-line area's code half
@@ -713,4 +763,43 @@ fn spawn_console_input(devices: &Arc<PortDevices>, control: &Arc<VcpuControl>) -
         })
         .map_err(Error::Thread)?;
     Ok(TerminalGuard { raw })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+
+    #[test]
+    fn ram_is_one_sealed_memfd_and_the_out_of_line_area_is_not_in_it() {
+        // More than 3 GiB: RAM in two regions, below and above the hole. Nothing is touched,
+        // so nothing is allocated.
+        let mem_bytes = LOW_RAM_MAX_END_FOR_TEST + (64 << 20);
+        let mem = shareable_guest_memory(mem_bytes).unwrap();
+        let regions: Vec<_> = mem.iter().collect();
+        assert_eq!(regions.len(), 3);
+        let ool = mem.find_region(GuestAddress(OOL_AREA_START.0)).unwrap();
+        assert!(ool.file_offset().is_none(), "probe code must not be in the shared file");
+        let low = mem.find_region(GuestAddress(0)).unwrap().file_offset().unwrap();
+        let high = mem
+            .find_region(GuestAddress(crate::layout::HIGH_RAM_START))
+            .unwrap()
+            .file_offset()
+            .unwrap();
+        assert_eq!((low.start(), high.start()), (0, LOW_RAM_MAX_END_FOR_TEST));
+        // One file: what the guest writes in its RAM is in it at the region's offset.
+        mem.write_obj(0x1234_5678u32, GuestAddress(crate::layout::HIGH_RAM_START + 8))
+            .unwrap();
+        let mut word = [0u8; 4];
+        low.file()
+            .read_exact_at(&mut word, LOW_RAM_MAX_END_FOR_TEST + 8)
+            .unwrap();
+        assert_eq!(u32::from_le_bytes(word), 0x1234_5678);
+        // A backend holding the descriptor can neither shrink nor grow it.
+        assert!(low.file().set_len(4096).is_err());
+        assert!(low.file().set_len(mem_bytes + 4096).is_err());
+    }
+
+    use crate::layout::LOW_RAM_MAX_END as LOW_RAM_MAX_END_FOR_TEST;
 }

@@ -187,6 +187,7 @@ fn bench_on(image: &Path, args: &IoBenchArgs) -> CliResult {
         console_output: ConsoleOutput::Discard,
         console_input: false,
         disks: machine.disks.clone(),
+        shares: Vec::new(),
     };
     eprintln!(
         "hvprobe: booting the bundled guest with a {} MiB disk at {}",

@@ -206,13 +206,7 @@ impl VirtioDevice for Block {
 
     /// The config space is the capacity in sectors (the only field of the features offered).
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|at| self.config.get(usize::try_from(at).ok()?))
-                .copied()
-                .unwrap_or(0);
-        }
+        super::read_config_bytes(&self.config, offset, data);
     }
 
     fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
@@ -342,7 +336,7 @@ impl RequestServer {
                 self.image.path.display()
             );
             self.broken = true;
-            self.interrupt.signal_config_change();
+            self.interrupt.signal_needs_reset();
         }
     }
 }

@@ -104,6 +104,9 @@ impl MmioTransport {
             VIRTIO_MMIO_QUEUE_NUM_MAX => self.selected_queue().map_or(0, |q| u32::from(q.max_size())),
             VIRTIO_MMIO_QUEUE_READY => self.selected_queue().map_or(0, |q| u32::from(q.ready())),
             VIRTIO_MMIO_INTERRUPT_STATUS => self.interrupt.status(),
+            // A device thread cannot take the transport's lock: it says so through the
+            // interrupt, and the status shows it from then on.
+            VIRTIO_MMIO_STATUS if self.interrupt.needs_reset() => self.status | VIRTIO_CONFIG_S_NEEDS_RESET,
             VIRTIO_MMIO_STATUS => self.status,
             VIRTIO_MMIO_CONFIG_GENERATION => 0,
             _ => 0,

@@ -1,0 +1,278 @@
+use std::os::unix::fs::PermissionsExt;
+
+use super::*;
+
+/// A scratch directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("hvprobe-shares-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn rwdir(text: &str) -> RwDirArg {
+    let (guest_path, host) = match text.split_once('=') {
+        Some((g, h)) => (Some(g.to_owned()), h),
+        None => (None, text),
+    };
+    RwDirArg {
+        arg: text.to_owned(),
+        guest_path,
+        host_dir: host.into(),
+    }
+}
+
+/// A stand-in for virtiofsd: a shell script with `body` (its arguments are virtiofsd's:
+/// `$2` is the socket path).
+fn fake_daemon(dir: &Path, body: &str) -> PathBuf {
+    let path = dir.join("fake-virtiofsd");
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+fn alive(pid: u32) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid as i32, 0) == 0 }
+}
+
+#[test]
+fn shares_get_their_tags_and_init_options_in_order() {
+    let dir = scratch("tags");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let a_canon = std::fs::canonicalize(&a).unwrap();
+    let shares = shares(
+        Some(&dir),
+        &[rwdir(&format!("/data={}", a.display())), rwdir(b.to_str().unwrap())],
+    )
+    .unwrap();
+    let options: Vec<String> = shares.iter().map(Share::cmdline_option).collect();
+    let b_canon = std::fs::canonicalize(&b).unwrap();
+    assert_eq!(
+        options,
+        [
+            "hvprobe.rootfs=hvprobe-rootfs".to_owned(),
+            "hvprobe.rwdir=hvprobe-rw0:/data".to_owned(),
+            format!("hvprobe.rwdir=hvprobe-rw1:{}", b_canon.display()),
+        ]
+    );
+    assert!(shares[0].read_only && !shares[1].read_only && !shares[2].read_only);
+    assert_eq!(shares[1].host_dir, a_canon);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_shares_are_refused_with_their_reason() {
+    let dir = scratch("bad");
+    let file = dir.join("file");
+    std::fs::write(&file, b"").unwrap();
+    let d = dir.to_str().unwrap();
+    let missing = dir.join("missing");
+    let cases: Vec<(Option<&Path>, Vec<String>, String)> = vec![
+        (
+            Some(&missing),
+            vec![],
+            format!("--rootfs {}: No such file or directory", missing.display()),
+        ),
+        (
+            Some(&file),
+            vec![],
+            format!("--rootfs {}: not a directory", file.display()),
+        ),
+        (
+            None,
+            vec![file.display().to_string()],
+            format!("--rwdir {}: not a directory", file.display()),
+        ),
+        (
+            None,
+            vec![format!("data={d}")],
+            "the guest path \"data\" must be absolute".into(),
+        ),
+        (
+            None,
+            vec![format!("/my data={d}")],
+            "holds white space, which the kernel command line cannot carry".into(),
+        ),
+        (None, vec![format!("/a,b={d}")], "holds a comma".into()),
+        (None, vec![format!("/a:b={d}")], "holds a colon".into()),
+        (
+            None,
+            vec![format!("/={d}")],
+            "the guest's / is --rootfs DIR's to share".into(),
+        ),
+        (
+            None,
+            vec![format!("/x={d}"), format!("/x/={d}")],
+            "--rwdir: the guest path /x is given twice".into(),
+        ),
+    ];
+    for (rootfs, rwdirs, message) in cases {
+        let args: Vec<RwDirArg> = rwdirs.iter().map(|r| rwdir(r)).collect();
+        let err = shares(rootfs, &args).expect_err("refused").to_string();
+        assert!(err.contains(&message), "{rootfs:?} {rwdirs:?}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn virtiofsd_gets_its_socket_the_directory_and_read_only_for_the_root() {
+    let share = Share {
+        host_dir: "/srv/root".into(),
+        tag: ROOTFS_TAG.into(),
+        guest_path: None,
+        read_only: true,
+    };
+    let args: Vec<String> = virtiofsd_args(&share, Path::new("/run/s.sock"), &Sandbox::Namespace)
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        args,
+        [
+            "--socket-path",
+            "/run/s.sock",
+            "--shared-dir",
+            "/srv/root",
+            "--sandbox=namespace",
+            "--cache=auto",
+            "--log-level=warn",
+            "--readonly"
+        ]
+    );
+    let rw = Share {
+        read_only: false,
+        guest_path: Some("/data".into()),
+        ..share
+    };
+    let none = Sandbox::None { reason: "test".into() };
+    let args = virtiofsd_args(&rw, Path::new("/run/s.sock"), &none);
+    assert!(args.iter().any(|a| a == "--sandbox=none"));
+    assert!(!args.iter().any(|a| a == "--readonly"));
+}
+
+#[test]
+fn a_program_that_is_not_virtiofsd_is_refused() {
+    let dir = scratch("check");
+    let fake = fake_daemon(&dir, "echo 'something 2.0'");
+    let err = check_virtiofsd(&fake, "--virtiofsd").unwrap_err().to_string();
+    assert!(err.contains("is it virtiofsd?"), "{err}");
+    let err = check_virtiofsd(&dir.join("nothing"), "--virtiofsd")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cannot be run: No such file or directory"), "{err}");
+    let real_enough = fake_daemon(&dir, "echo 'virtiofsd 1.14.0'");
+    // The namespace probe runs it too; either outcome is a sandbox choice, not an error.
+    check_virtiofsd(&real_enough, "--virtiofsd").unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn one_share(dir: &Path) -> Vec<Share> {
+    vec![Share {
+        host_dir: dir.into(),
+        tag: "hvprobe-rw0".into(),
+        guest_path: Some("/data".into()),
+        read_only: false,
+    }]
+}
+
+#[test]
+fn a_daemon_is_started_with_its_socket_and_stopped_and_reaped_at_the_end() {
+    let dir = scratch("life");
+    let args_file = dir.join("args");
+    let fake = fake_daemon(
+        &dir,
+        &format!("echo \"$@\" > {}; touch \"$2\"; exec sleep 600", args_file.display()),
+    );
+    let daemons = Daemons::start(&fake, &Sandbox::Namespace, &one_share(&dir), &dir, SOCKET_DEADLINE).unwrap();
+    let pid = daemons.pids()[0];
+    let configs = daemons.fs_configs();
+    assert_eq!(configs.len(), 1);
+    assert_eq!(configs[0].tag, "hvprobe-rw0");
+    let socket_dir = configs[0].socket.parent().unwrap().to_owned();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(&socket_dir).unwrap().mode() & 0o777, 0o700);
+    let args = std::fs::read_to_string(&args_file).unwrap();
+    assert!(
+        args.starts_with(&format!(
+            "--socket-path {} --shared-dir {}",
+            configs[0].socket.display(),
+            dir.display()
+        )),
+        "{args}"
+    );
+    assert!(alive(pid));
+    drop(daemons);
+    // Reaped (not even a zombie is left) and its socket directory gone.
+    assert!(!alive(pid), "the daemon {pid} outlived its run");
+    assert!(!socket_dir.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_daemon_that_fails_to_start_is_reported_with_its_status_and_last_words() {
+    let dir = scratch("fail");
+    let fake = fake_daemon(&dir, "echo 'Error entering sandbox: EPERM' >&2; exit 3");
+    let err = Daemons::start(&fake, &Sandbox::Namespace, &one_share(&dir), &dir, SOCKET_DEADLINE)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains(" for --rwdir /data="), "{err}");
+    assert!(
+        err.contains("died before the guest booted: exited with status 3"),
+        "{err}"
+    );
+    assert!(err.contains("Error entering sandbox: EPERM"), "{err}");
+
+    let silent = fake_daemon(&dir, "echo 'still thinking' >&2; exec sleep 600");
+    let started = Instant::now();
+    let err = Daemons::start(
+        &silent,
+        &Sandbox::Namespace,
+        &one_share(&dir),
+        &dir,
+        Duration::from_millis(300),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(err.contains("did not create its socket within"), "{err}");
+    assert!(err.contains("still thinking"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5), "the deadline was not kept");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_daemon_that_dies_while_the_guest_runs_is_reported_once_and_a_stopped_one_is_not() {
+    let dir = scratch("death");
+    let fake = fake_daemon(&dir, "touch \"$2\"; echo 'serving' >&2; exec sleep 600");
+    let daemons = Daemons::start(&fake, &Sandbox::Namespace, &one_share(&dir), &dir, SOCKET_DEADLINE).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = Mutex::new(tx);
+    daemons.on_death(Box::new(move |died| {
+        tx.lock().unwrap().send(died.clone()).unwrap();
+        true
+    }));
+    let pid = daemons.pids()[0];
+    // SAFETY: kill(2) on the daemon this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let died = rx.recv_timeout(Duration::from_secs(10)).expect("the death was seen");
+    assert_eq!(died.pid, pid);
+    assert_eq!(died.status, "was killed by signal 9");
+    let text = daemons.death().expect("recorded").to_string();
+    assert!(
+        text.contains("died while the guest ran: was killed by signal 9"),
+        "{text}"
+    );
+    assert!(text.contains("serving"), "{text}");
+    drop(daemons);
+    assert!(rx.try_recv().is_err(), "reported twice");
+
+    // Stopped by hvprobe: no death.
+    let daemons = Daemons::start(&fake, &Sandbox::Namespace, &one_share(&dir), &dir, SOCKET_DEADLINE).unwrap();
+    daemons.on_death(Box::new(|_| panic!("a stopped daemon is no death")));
+    drop(daemons);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,353 @@
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixListener;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING};
+use virtio_queue::Queue;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+use super::*;
+
+#[test]
+fn the_config_space_is_the_padded_tag_and_one_request_queue() {
+    let config = config_space("hvprobe-rw0").unwrap();
+    assert_eq!(&config[..11], b"hvprobe-rw0");
+    assert!(config[11..TAG_LEN].iter().all(|&b| b == 0));
+    assert_eq!(config[TAG_LEN..], 1u32.to_le_bytes());
+    // A tag of the whole field has no NUL.
+    let full = "t".repeat(TAG_LEN);
+    assert_eq!(&config_space(&full).unwrap()[..TAG_LEN], full.as_bytes());
+    // As the driver reads it: any offset and width, nothing past the end.
+    let mut num_request_queues = [0xffu8; 4];
+    super::super::read_config_bytes(&config, TAG_LEN as u64, &mut num_request_queues);
+    assert_eq!(u32::from_le_bytes(num_request_queues), 1);
+    let mut past = [0xffu8; 4];
+    super::super::read_config_bytes(&config, TAG_LEN as u64 + 2, &mut past);
+    assert_eq!(past, [0; 4]);
+    super::super::read_config_bytes(&config, u64::MAX, &mut past);
+    assert_eq!(past, [0; 4]);
+    for bad in [String::new(), "t".repeat(TAG_LEN + 1)] {
+        assert!(matches!(config_space(&bad), Err(FsError::TagLength { .. })), "{bad:?}");
+    }
+}
+
+// vhost-user requests (the protocol's numbers), as the fake backend logs them.
+const GET_FEATURES: u32 = 1;
+const SET_FEATURES: u32 = 2;
+const SET_OWNER: u32 = 3;
+const SET_MEM_TABLE: u32 = 5;
+const SET_VRING_NUM: u32 = 8;
+const SET_VRING_ADDR: u32 = 9;
+const SET_VRING_BASE: u32 = 10;
+const GET_VRING_BASE: u32 = 11;
+const SET_VRING_KICK: u32 = 12;
+const SET_VRING_CALL: u32 = 13;
+const GET_PROTOCOL_FEATURES: u32 = 15;
+const SET_PROTOCOL_FEATURES: u32 = 16;
+const GET_QUEUE_NUM: u32 = 17;
+const SET_VRING_ENABLE: u32 = 18;
+const RESET_DEVICE: u32 = 34;
+const NEED_REPLY: u32 = 0x8;
+
+/// What virtiofsd 1.14 offers.
+const VIRTIOFSD_FEATURES: u64 = (1 << VIRTIO_F_VERSION_1)
+    | (1 << VIRTIO_RING_F_INDIRECT_DESC)
+    | (1 << VIRTIO_RING_F_EVENT_IDX)
+    | (1 << 30)
+    | (1 << 26);
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Behaviour {
+    Serve,
+    /// Closes the connection at this request (counted from 1), unanswered.
+    HangUpAt(usize),
+    /// Closes the connection once it has answered this many requests.
+    HangUpAfter(usize),
+    /// Takes requests and never answers.
+    Silent,
+    /// Offers no VIRTIO_F_VERSION_1.
+    Legacy,
+}
+
+/// A vhost-user backend that speaks just enough of the protocol, logging each request
+/// (and its payload's first word) and handing over the call eventfds it gets.
+struct FakeBackend {
+    socket: PathBuf,
+    log: Arc<Mutex<Vec<(u32, u64)>>>,
+    calls: Receiver<File>,
+    _dir: tempfile::TempDir,
+}
+
+fn fake_backend(behaviour: Behaviour) -> FakeBackend {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("fs.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (calls_tx, calls) = channel();
+    let backend_log = Arc::clone(&log);
+    std::thread::spawn(move || serve(&listener, behaviour, &backend_log, &calls_tx));
+    FakeBackend {
+        socket,
+        log,
+        calls,
+        _dir: dir,
+    }
+}
+
+fn serve(listener: &UnixListener, behaviour: Behaviour, log: &Mutex<Vec<(u32, u64)>>, calls: &Sender<File>) {
+    let Ok((mut stream, _)) = listener.accept() else { return };
+    let features = match behaviour {
+        Behaviour::Legacy => VIRTIOFSD_FEATURES & !(1 << VIRTIO_F_VERSION_1),
+        _ => VIRTIOFSD_FEATURES,
+    };
+    loop {
+        let mut header = [0u8; 12];
+        let Ok((n, file)) = stream.recv_with_fd(&mut header) else {
+            return;
+        };
+        if n == 0 || (n < 12 && stream.read_exact(&mut header[n..]).is_err()) {
+            return;
+        }
+        let word = |at: usize| u32::from_le_bytes(header[at..at + 4].try_into().unwrap());
+        let (request, flags, size) = (word(0), word(4), word(8) as usize);
+        let mut body = vec![0u8; size];
+        if stream.read_exact(&mut body).is_err() {
+            return;
+        }
+        // The payload's first word (a ring's index) and its first 8 bytes (a feature set).
+        let first = body.get(..4).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()));
+        let first_u64 = body
+            .get(..8)
+            .map_or(u64::from(first), |b| u64::from_le_bytes(b.try_into().unwrap()));
+        let count = {
+            let mut log = log.lock().unwrap();
+            log.push((request, first_u64));
+            log.len()
+        };
+        if let (SET_VRING_CALL, Some(file)) = (request, file) {
+            let _ = calls.send(file);
+        }
+        match behaviour {
+            Behaviour::Silent => continue,
+            Behaviour::HangUpAt(n) if count >= n => return,
+            _ => {}
+        }
+        let reply: Option<Vec<u8>> = match request {
+            GET_FEATURES => Some(features.to_le_bytes().to_vec()),
+            GET_PROTOCOL_FEATURES => Some(
+                PROTOCOL_FEATURES
+                    .union(VhostUserProtocolFeatures::CONFIG)
+                    .bits()
+                    .to_le_bytes()
+                    .to_vec(),
+            ),
+            GET_QUEUE_NUM => Some(2u64.to_le_bytes().to_vec()),
+            // The ring's index and where it stopped.
+            GET_VRING_BASE => Some([first.to_le_bytes(), 0u32.to_le_bytes()].concat()),
+            _ if flags & NEED_REPLY != 0 => Some(0u64.to_le_bytes().to_vec()),
+            _ => None,
+        };
+        if let Some(body) = reply {
+            let mut message = Vec::new();
+            message.extend_from_slice(&request.to_le_bytes());
+            message.extend_from_slice(&(0x1u32 | 0x4).to_le_bytes());
+            message.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            message.extend_from_slice(&body);
+            if stream.write_all(&message).is_err() {
+                return;
+            }
+        }
+        if matches!(behaviour, Behaviour::HangUpAfter(n) if count >= n) {
+            return;
+        }
+    }
+}
+
+fn config(backend: &FakeBackend) -> FsConfig {
+    FsConfig {
+        tag: "hvprobe-rw0".into(),
+        socket: backend.socket.clone(),
+    }
+}
+
+/// What the transport hands over at DRIVER_OK: both queues set up in guest RAM.
+fn activation(interrupt: &Arc<Interrupt>) -> (Activation, Vec<EventFd>) {
+    let mem = crate::vm::shareable_guest_memory(64 << 20).unwrap();
+    let ram = super::super::device_memory(&mem).unwrap();
+    let mut queues = Vec::new();
+    let mut notify = Vec::new();
+    for index in 0..NUM_QUEUES as u64 {
+        let mut q = Queue::new(QUEUE_SIZE).unwrap();
+        let base = 0x10_0000 + index * 0x1_0000;
+        q.set_size(16);
+        q.set_desc_table_address(Some(base as u32), Some(0));
+        q.set_avail_ring_address(Some((base + 0x1000) as u32), Some(0));
+        q.set_used_ring_address(Some((base + 0x2000) as u32), Some(0));
+        q.set_ready(true);
+        assert!(q.is_valid(&ram));
+        queues.push(q);
+        notify.push(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+    }
+    let kept = notify.iter().map(|e| e.try_clone().unwrap()).collect();
+    let activation = Activation {
+        mem: ram,
+        queues,
+        notify,
+        interrupt: Arc::clone(interrupt),
+        acked_features: (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_RING_F_EVENT_IDX),
+    };
+    (activation, kept)
+}
+
+fn interrupt() -> (Arc<Interrupt>, EventFd) {
+    let irqfd = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    let line = irqfd.try_clone().unwrap();
+    (Arc::new(Interrupt::new(irqfd)), line)
+}
+
+/// Polls `done` for at most five seconds.
+fn eventually(mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+#[test]
+fn the_device_hands_its_queues_to_the_backend_relays_its_interrupts_and_stops_the_rings_at_reset() {
+    let backend = fake_backend(Behaviour::Serve);
+    let mut fs = Fs::connect(&config(&backend)).unwrap();
+    // The guest is offered what the backend serves of what the device knows, and never
+    // vhost-user's own bits (PROTOCOL_FEATURES, LOG_ALL).
+    assert_eq!(
+        fs.features(),
+        (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_RING_F_INDIRECT_DESC) | (1 << VIRTIO_RING_F_EVENT_IDX)
+    );
+    assert_eq!(fs.device_type(), VIRTIO_ID_FS);
+    assert_eq!(fs.queue_max_sizes(), [QUEUE_SIZE; 2]);
+    let (interrupt, line) = interrupt();
+    let (activation, _notify) = activation(&interrupt);
+    fs.activate(activation).unwrap();
+
+    // virtiofsd signals queue 1's call eventfd: the driver sees the VRING bit, then the line.
+    let calls: Vec<File> = (0..NUM_QUEUES)
+        .map(|_| backend.calls.recv_timeout(Duration::from_secs(5)).unwrap())
+        .collect();
+    (&calls[1]).write_all(&1u64.to_le_bytes()).unwrap();
+    assert!(eventually(|| line.read().is_ok()), "the line was not raised");
+    assert_eq!(interrupt.status(), VIRTIO_MMIO_INT_VRING);
+
+    fs.reset();
+    let log: Vec<(u32, u64)> = backend.log.lock().unwrap().clone();
+    let requests: Vec<u32> = log.iter().map(|&(r, _)| r).collect();
+    let per_queue = [
+        SET_VRING_NUM,
+        SET_VRING_BASE,
+        SET_VRING_ADDR,
+        SET_VRING_CALL,
+        SET_VRING_KICK,
+    ];
+    let mut expected = vec![
+        SET_OWNER,
+        GET_FEATURES,
+        GET_PROTOCOL_FEATURES,
+        SET_PROTOCOL_FEATURES,
+        GET_QUEUE_NUM,
+        SET_FEATURES,
+        SET_MEM_TABLE,
+    ];
+    expected.extend(per_queue);
+    expected.extend(per_queue);
+    expected.extend([SET_VRING_ENABLE, SET_VRING_ENABLE]);
+    expected.extend([
+        SET_VRING_ENABLE,
+        GET_VRING_BASE,
+        SET_VRING_ENABLE,
+        GET_VRING_BASE,
+        RESET_DEVICE,
+    ]);
+    assert_eq!(requests, expected);
+    // SET_FEATURES: what the driver took, with vhost-user's PROTOCOL_FEATURES bit.
+    let set_features = log.iter().find(|&&(r, _)| r == SET_FEATURES).unwrap().1;
+    assert_eq!(
+        set_features,
+        (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_RING_F_EVENT_IDX) | (1 << 30)
+    );
+    // The protocol features asked for: REPLY_ACK, MQ and RESET_DEVICE, not CONFIG (the
+    // device's config space is hvprobe's).
+    let protocol = log.iter().find(|&&(r, _)| r == SET_PROTOCOL_FEATURES).unwrap().1;
+    assert_eq!(protocol, PROTOCOL_FEATURES.bits());
+}
+
+#[test]
+fn a_backend_that_hangs_up_breaks_the_device_and_its_reset_does_not_wait() {
+    // The connection closes when the first ring's CALL eventfd is given: activation fails.
+    let backend = fake_backend(Behaviour::HangUpAt(11));
+    let mut fs = Fs::connect(&config(&backend)).unwrap();
+    let (interrupt, _line) = interrupt();
+    let (first, _notify) = activation(&interrupt);
+    assert!(matches!(fs.activate(first), Err(ActivateError::VhostUser { .. })));
+    // Five requests connect, fourteen activate; then the backend goes away.
+    let backend = fake_backend(Behaviour::HangUpAfter(19));
+    let mut fs = Fs::connect(&config(&backend)).unwrap();
+    let (activation, _notify) = activation(&interrupt);
+    fs.activate(activation).unwrap();
+    assert!(
+        eventually(|| interrupt.needs_reset()),
+        "the device did not ask for a reset"
+    );
+    assert_ne!(interrupt.status() & VIRTIO_MMIO_INT_CONFIG, 0);
+    let started = Instant::now();
+    fs.reset();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "reset took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_backend_that_never_answers_is_refused_within_the_timeout() {
+    let backend = fake_backend(Behaviour::Silent);
+    let started = Instant::now();
+    let err = Fs::connect_with_timeout(&config(&backend), Duration::from_millis(200))
+        .err()
+        .expect("refused");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        matches!(
+            err,
+            FsError::Backend {
+                step: "GET_FEATURES",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_legacy_backend_or_no_backend_is_refused_with_the_reason() {
+    let backend = fake_backend(Behaviour::Legacy);
+    let err = Fs::connect(&config(&backend)).err().expect("refused").to_string();
+    assert_eq!(
+        err,
+        "virtio-fs hvprobe-rw0: the vhost-user backend does not offer VIRTIO_F_VERSION_1"
+    );
+    let nowhere = FsConfig {
+        tag: "hvprobe-rw0".into(),
+        socket: "/nonexistent/fs.sock".into(),
+    };
+    let err = Fs::connect(&nowhere).err().expect("refused").to_string();
+    assert!(
+        err.starts_with("virtio-fs hvprobe-rw0: cannot connect to the vhost-user socket /nonexistent/fs.sock"),
+        "{err}"
+    );
+}
