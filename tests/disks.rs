@@ -9,20 +9,14 @@ mod common;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use common::{hvprobe, require_kvm, Run};
 
-const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
-/// Errors that come before a boot (and before a guest build).
-const QUICK: Duration = Duration::from_secs(120);
+use common::{BOOT_TIMEOUT, QUICK};
 
 /// A scratch directory for one test.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hvprobe-disks-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::scratch("disks", name)
 }
 
 /// An ext4 image of `mib` MiB at `image` whose root holds busybox as /bin/sh (and as the

@@ -17,16 +17,11 @@ use std::time::{Duration, Instant};
 
 use common::{hvprobe, require_kvm};
 
-const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
-/// Errors that come before a boot (and before a guest build).
-const QUICK: Duration = Duration::from_secs(120);
+use common::{BOOT_TIMEOUT, QUICK};
 
 /// A scratch directory for one test.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hvprobe-shares-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::scratch("shares", name)
 }
 
 /// The PIDs of the virtiofsd processes serving `dir` (from /proc, as a user would find them).

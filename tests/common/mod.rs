@@ -100,6 +100,19 @@ pub fn require_kvm() {
     }
 }
 
+/// A boot of the bundled guest with a workload, however loaded the host.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(600);
+/// What fails before a boot (and before a guest build): a bad argument.
+pub const QUICK: Duration = Duration::from_secs(120);
+
+/// An empty scratch directory for test `name` of suite `suite`, this process's own.
+pub fn scratch(suite: &str, name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("hvprobe-{suite}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// Creating a snapshot boots the guest once (about a minute on kvm_pvm).
 pub const SNAPSHOT_BOOT_TIMEOUT: Duration = Duration::from_secs(420);
 
