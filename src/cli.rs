@@ -118,10 +118,11 @@ pub struct MachineArgs {
     /// A host directory the guest reads and writes, at GUESTPATH (by default the host's
     /// own path), shared by virtio-fs (repeatable).
     ///
-    /// Each is its own virtiofsd and device, tagged hvprobe-rw0, hvprobe-rw1, … in order,
-    /// which the bundled init mounts (by hand: `mount -t virtiofs hvprobe-rw0 DIR`). The
-    /// guest's writes are the host's files, as they happen. GUESTPATH must be absolute,
-    /// without spaces, commas, colons or quotes (it goes on the kernel command line).
+    /// Each is its own virtiofsd and device, tagged hvprobe-rw0, hvprobe-rw1, … in order;
+    /// the bundled init mounts each at GUESTPATH (inside --rootfs or --root when given),
+    /// another init or a workload with `mount -t virtiofs hvprobe-rw0 DIR`. The guest's
+    /// writes are the host's files, as they happen. GUESTPATH must be absolute, without
+    /// spaces, commas, colons or quotes (it goes on the kernel command line).
     #[arg(long = "rwdir", value_name = "[GUESTPATH=]HOSTDIR", value_parser = parse_rwdir)]
     pub rwdirs: Vec<RwDirArg>,
     /// The virtiofsd that serves --rootfs and --rwdir [default: $HVPROBE_VIRTIOFSD, else
