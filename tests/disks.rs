@@ -10,9 +10,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{hvprobe, require_kvm, Run};
-
-use common::{BOOT_TIMEOUT, QUICK};
+use common::{hvprobe, require_kvm, Run, BOOT_TIMEOUT, QUICK};
 
 /// A scratch directory for one test.
 fn scratch(name: &str) -> PathBuf {

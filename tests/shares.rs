@@ -15,9 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{hvprobe, require_kvm};
-
-use common::{BOOT_TIMEOUT, QUICK};
+use common::{hvprobe, require_kvm, BOOT_TIMEOUT, QUICK};
 
 /// A scratch directory for one test.
 fn scratch(name: &str) -> PathBuf {
