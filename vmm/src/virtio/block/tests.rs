@@ -252,7 +252,9 @@ fn the_config_space_is_the_capacity_in_sectors() {
     block.read_config(0, &mut capacity);
     assert_eq!(u64::from_le_bytes(capacity), SECTORS);
     let mut past = [0xffu8; 4];
-    block.read_config(6, &mut past);
+    block.read_config(8, &mut past);
+    assert_eq!(past, [0; 4], "size_max, not offered");
+    block.read_config(16, &mut past);
     assert_eq!(past, [0; 4]);
     block.read_config(u64::MAX, &mut past);
     assert_eq!(past, [0; 4]);
@@ -395,4 +397,56 @@ fn an_available_ring_the_queue_cannot_read_breaks_the_queue_instead_of_spinning(
         .recv_timeout(Duration::from_secs(10))
         .expect("serve_queue never returned");
     assert!(result.is_err(), "{result:?}");
+}
+
+#[test]
+fn the_device_takes_many_segments_per_request_through_indirect_descriptors() {
+    // Without SEG_MAX Linux sends one segment per request: a 1 MiB O_DIRECT read became
+    // 256 requests of a page (hvprobe bench io: 0.7 MB/s on kvm_pvm).
+    let file = image_file();
+    let block = Block::new(open(&file, false));
+    assert_ne!(block.features() & (1 << VIRTIO_BLK_F_SEG_MAX), 0);
+    assert_ne!(
+        block.features() & (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC),
+        0
+    );
+    let mut seg_max = [0u8; 4];
+    block.read_config(12, &mut seg_max);
+    assert_eq!(u32::from_le_bytes(seg_max), u32::from(QUEUE_SIZE) - 2);
+
+    // One ring descriptor pointing at a table: header, 8 one-sector segments, status.
+    let (mem, file) = (memory(), image_file());
+    let image = open(&file, false);
+    header(&mem, VIRTIO_BLK_T_IN, 0);
+    const TABLE: u64 = 0x28_0000;
+    let next = VRING_DESC_F_NEXT as u16;
+    let write = VRING_DESC_F_WRITE as u16;
+    let mut entries = vec![Descriptor::new(HEADER, 16, next, 1)];
+    for i in 0..8u16 {
+        entries.push(Descriptor::new(DATA + u64::from(i) * 0x1000, 512, next | write, i + 2));
+    }
+    entries.push(Descriptor::new(STATUS, 1, write, 0));
+    for (i, d) in entries.iter().enumerate() {
+        mem.write_obj(*d, GuestAddress(TABLE + i as u64 * 16)).unwrap();
+    }
+    let queue = MockSplitQueue::new(&mem, 16);
+    let indirect = virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
+    queue
+        .desc_table()
+        .store(
+            0,
+            RawDescriptor::from(Descriptor::new(TABLE, 16 * entries.len() as u32, indirect, 0)),
+        )
+        .unwrap();
+    queue.avail().ring().ref_at(0).unwrap().store(0);
+    queue.avail().idx().store(1);
+    let mut q: Queue = queue.create_queue().unwrap();
+    let chain = q.pop_descriptor_chain(&mem).unwrap();
+    assert_eq!(handle_request(&image, &mem, chain), 8 * 512 + 1);
+    assert_eq!(mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap(), OK);
+    for i in 0..8u64 {
+        let mut sector = [0u8; 512];
+        mem.read_slice(&mut sector, GuestAddress(DATA + i * 0x1000)).unwrap();
+        assert!(sector.iter().all(|&b| u64::from(b) == i), "sector {i}");
+    }
 }
