@@ -67,6 +67,8 @@ pub enum ActivateError {
     EventFd(std::io::Error),
     #[error("the device has {got} queues ready, it needs {want}")]
     QueueCount { got: usize, want: usize },
+    #[error("the disk image was lost with a worker thread that panicked")]
+    ImageLost,
     #[error("the vhost-user backend failed {step}: {source}")]
     VhostUser {
         step: &'static str,

@@ -245,8 +245,8 @@ impl VirtioDevice for Block {
             });
         }
         let Some(image) = self.image.take() else {
-            // Still held by a worker that did not come back: the device is broken.
-            return Err(ActivateError::QueueCount { got: 0, want: 1 });
+            // Held by a worker that did not come back (see reset): the device is broken.
+            return Err(ActivateError::ImageLost);
         };
         let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
         let stop_worker = stop.try_clone().map_err(ActivateError::EventFd)?;
