@@ -335,16 +335,7 @@ fn bad_disks_are_refused_before_boot_with_their_reason() {
         ),
     ];
     for (args, message) in cases {
-        let mut all = vec!["run", "--workload", "true"];
-        all.extend(&args);
-        let run = hvprobe(&all, QUICK);
-        assert_ne!(run.code, Some(0), "{args:?} was taken");
-        assert!(
-            run.stderr.contains(&message),
-            "{args:?}: wanted {message:?}\n{}",
-            run.tail()
-        );
-        assert!(!run.stderr.contains("boot to /init"), "{args:?} booted");
+        common::assert_refused_before_boot(&args, &message);
     }
 
     // An image another program holds (another hvprobe would hold it the same way).

@@ -347,16 +347,8 @@ fn bad_shares_are_refused_before_boot_with_their_reason() {
         "9 virtio devices (disks and shared directories): at most 8 are supported".into(),
     ));
     for (args, message) in cases {
-        let mut all = vec!["run", "--workload", "true"];
-        all.extend(args.iter().map(String::as_str));
-        let run = hvprobe(&all, QUICK);
-        assert_ne!(run.code, Some(0), "{args:?} was taken");
-        assert!(
-            run.stderr.contains(&message),
-            "{args:?}: wanted {message:?}\n{}",
-            run.tail()
-        );
-        assert!(!run.stderr.contains("boot to /init"), "{args:?} booted");
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::assert_refused_before_boot(&args, &message);
     }
 
     // Snapshots do not take shares, and say why.

@@ -113,6 +113,20 @@ pub fn scratch(suite: &str, name: &str) -> PathBuf {
     dir
 }
 
+/// `hvprobe run --workload true ARGS` fails with `message` on stderr, and boots nothing.
+pub fn assert_refused_before_boot(args: &[&str], message: &str) {
+    let mut all = vec!["run", "--workload", "true"];
+    all.extend(args);
+    let run = hvprobe(&all, QUICK);
+    assert_ne!(run.code, Some(0), "{args:?} was taken");
+    assert!(
+        run.stderr.contains(message),
+        "{args:?}: wanted {message:?}\n{}",
+        run.tail()
+    );
+    assert!(!run.stderr.contains("boot to /init"), "{args:?} booted");
+}
+
 /// Creating a snapshot boots the guest once (about a minute on kvm_pvm).
 pub const SNAPSHOT_BOOT_TIMEOUT: Duration = Duration::from_secs(420);
 
