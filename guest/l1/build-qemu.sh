@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the lane's QEMU: Debian's QEMU 10.0.2 source with qemu-svm-int3-intercept.patch,
+# Builds the lane's QEMU: Debian's QEMU 10.2.2 source with qemu-svm-int3-intercept.patch,
 # x86_64-softmmu only (TCG, and vhost-user for virtio-fs: the L1 mounts the host's files
 # through virtiofsd), installed
 # under ~/.cache/hvprobe/l1/qemu-KEY. KEY hashes the source tarball, the patch, the
@@ -11,10 +11,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 . "$here/../cache.sh"
 cache_stdout_is_the_result
 cache="$hvprobe_cache/l1"
-QEMU_VERSION=10.0.2
+QEMU_VERSION=10.2.2
 TARBALL="qemu_${QEMU_VERSION}+ds.orig.tar.xz"
 TARBALL_URL="http://deb.debian.org/debian/pool/main/q/qemu/qemu_${QEMU_VERSION}%2bds.orig.tar.xz"
-TARBALL_SHA256=0901da33844a331bf8b3602b9c1fbd178e60b737c8e3ade678255bd090c9b9f1
+TARBALL_SHA256=be05230fe47a6937cd29f28f562932c8125f9c93c2a82c625198f7a4aa601dfb
 PATCH="$here/qemu-svm-int3-intercept.patch"
 # Debian's python3: meson and pycotap are installed for it, not for a pyenv on PATH.
 CONFIGURE_FLAGS=(--python=/usr/bin/python3 --target-list=x86_64-softmmu --without-default-features --enable-tcg
@@ -53,6 +53,9 @@ patch -d "$src" -p1 --quiet < "$PATCH"
 # The +ds tarball drops the edk2 firmware blobs; meson would try to unpack them whenever
 # bzip2 is installed. The lane boots with SeaBIOS from Debian's packages instead.
 sed -i 's/unpack_edk2_blobs = bzip2.found()/unpack_edk2_blobs = false/' "$src/meson.build"
+# It drops the prebuilt device trees of other machines too; without dtc meson would install
+# the missing files. The lane boots no machine that needs one.
+sed -i '/install_data(dtbs, /d' "$src/pc-bios/dtb/meson.build"
 mkdir "$src/build"
 rm -rf "$prefix.tmp"
 (cd "$src/build" && ../configure --prefix="$prefix.tmp" "${CONFIGURE_FLAGS[@]}" >"$work/configure.log" 2>&1) \

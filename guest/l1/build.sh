@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the nested-SVM lane under ~/.cache/hvprobe/l1, each part keyed by its inputs:
-#   - QEMU 10.0.2 with qemu-svm-int3-intercept.patch (build-qemu.sh);
+#   - QEMU 10.2.2 with qemu-svm-int3-intercept.patch (build-qemu.sh);
 #   - virtiofsd (crates.io, pinned; ../build-virtiofsd.sh), which shares the host's files
 #     with the L1;
 #   - the L1 kernel, Debian's linux-image-cloud-amd64, and an initramfs of busybox, this
