@@ -68,6 +68,7 @@ pub enum Commands {
 /// The guest machine a command boots: `run` and `snapshot create` share these flags (and
 /// the devices a guest gets go here too).
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("shares").args(["rootfs", "rwdirs"]).multiple(true)))]
 pub struct MachineArgs {
     /// Kernel to boot: an ELF vmlinux with a PVH note, or a bzImage [default: the bundled
     /// guest's vmlinux].
@@ -128,7 +129,7 @@ pub struct MachineArgs {
     /// The virtiofsd that serves --rootfs and --rwdir [default: $HVPROBE_VIRTIOFSD, else
     /// /usr/libexec/virtiofsd or /usr/lib/qemu/virtiofsd, else one built once into
     /// hvprobe's cache (guest/build-virtiofsd.sh, from crates.io)].
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", requires = "shares")]
     pub virtiofsd: Option<PathBuf>,
 }
 

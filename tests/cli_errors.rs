@@ -113,3 +113,14 @@ fn flags_a_snapshot_fixes_are_refused_with_it() {
         );
     }
 }
+
+#[test]
+fn a_virtiofsd_without_a_share_to_serve_is_refused() {
+    let run = hvprobe(&["run", "--virtiofsd", "/bin/true", "--workload", "true"], QUICK);
+    assert_eq!(run.code, Some(2), "{}", run.tail());
+    assert!(
+        run.stderr.contains("--rootfs <DIR>") && run.stderr.contains("--rwdir"),
+        "the error does not name the shares --virtiofsd would serve\n{}",
+        run.tail()
+    );
+}
