@@ -50,7 +50,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     let outcome = tokio::task::spawn_blocking(move || vm.run(handler)).await??;
     let listing = tracer.listing();
-    tracer.unregister_all();
+    tracer.unregister_all()?;
     drop(tracer); // the last sender: the consumer's loop ends
     for (task, hits) in consumer.await? {
         println!("{task:>24} {hits}");

@@ -45,7 +45,13 @@ impl Sampler {
             let mut samples = Vec::new();
             while !stop_flag.load(Ordering::Relaxed) && control.stop_reason().is_none() {
                 std::thread::sleep(period);
-                let paused = control.pause_all();
+                let paused = match control.pause_all() {
+                    Ok(paused) => paused,
+                    Err(e) => {
+                        tracing::warn!("sampler: a sample skipped: {e}");
+                        continue;
+                    }
+                };
                 for cpu in 0..control.vcpu_count() {
                     let Some(state) = paused.state(cpu) else { continue };
                     let task = tasks

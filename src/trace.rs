@@ -22,6 +22,7 @@ use hvprobe_probes::clock::TraceClock;
 use hvprobe_probes::engine::{
     default_maxactive, EventSink, HitEvent, KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer,
 };
+use hvprobe_probes::machine::PauseFailed;
 use hvprobe_probes::output::{ftrace_text, json_line, listing_line};
 use hvprobe_probes::spec::check::{
     check_spec, has_btf_args, locate_btf_error, resolve_btf_args, unknown_fetch_symbol, void_retval, BtfKnowledge,
@@ -79,6 +80,23 @@ pub enum SessionError {
     PerfettoWithoutProbes,
     #[error(transparent)]
     Perfetto(#[from] PerfettoError),
+    /// The vCPUs could not be paused for a change (one was held on the host past the
+    /// pause's deadline); nothing changed.
+    #[error(transparent)]
+    Pause(#[from] PauseFailed),
+}
+
+impl SessionError {
+    /// A change to every probe at once (the global switch, optimization) that failed.
+    fn of_all_probes(e: ProbeError) -> SessionError {
+        match e {
+            ProbeError::Pause(e) => SessionError::Pause(e),
+            e => SessionError::Probe {
+                event: "every probe".into(),
+                source: Box::new(e),
+            },
+        }
+    }
 }
 
 /// A probe from a spec text, with its line for error messages.
@@ -334,7 +352,9 @@ impl TraceSession {
             Some(sink),
         )
         .map_err(|e| SessionError::Engine(e.to_string()))?;
-        tracer.set_optimization(self.optimize);
+        tracer
+            .set_optimization(self.optimize)
+            .map_err(SessionError::of_all_probes)?;
         if let Err(e) = tracer.set_trace_clock(self.clock) {
             eprintln!(
                 "hvprobe: --clock {}: {e}; hits are stamped with the {} clock",
@@ -363,7 +383,7 @@ impl TraceSession {
         let tracer = match self.handler.tracer() {
             Some(tracer) => Arc::clone(tracer),
             None => {
-                let paused = kernel.control.pause_all();
+                let paused = kernel.control.pause_all().map_err(|e| PauseFailed(Box::new(e)))?;
                 let tracer = self.attach_tracer();
                 drop(paused);
                 tracer?
@@ -544,7 +564,7 @@ impl TraceSession {
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         let (tracer, _) = self.live_tracer()?;
         if patterns.is_empty() {
-            tracer.set_armed(enabled);
+            tracer.set_armed(enabled).map_err(SessionError::of_all_probes)?;
             return Ok(Vec::new());
         }
         let found = self.matching(&tracer, patterns)?;
@@ -559,8 +579,7 @@ impl TraceSession {
     pub fn set_optimization(&self, on: bool) -> Result<(), SessionError> {
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
         let (tracer, _) = self.live_tracer()?;
-        tracer.set_optimization(on);
-        Ok(())
+        tracer.set_optimization(on).map_err(SessionError::of_all_probes)
     }
 
     /// Whether probes are jump-optimized.
@@ -644,7 +663,9 @@ impl TraceSession {
             return;
         };
         eprint!("{}", self.listing());
-        tracer.unregister_all();
+        if let Err(e) = tracer.unregister_all() {
+            eprintln!("hvprobe: the probes could not be taken out of the guest's text: {e}");
+        }
         log_trace_clock(tracer);
         // Every hit is in now (the rings are drained when the probes go).
         print_on_own_lines(&self.hist_report(), &self.console);

@@ -9,8 +9,10 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use common::{restore_with, snapshot, Run};
 
@@ -27,6 +29,9 @@ struct LiveRun {
     stdout: std::thread::JoinHandle<Vec<String>>,
     stderr: std::thread::JoinHandle<String>,
     socket: PathBuf,
+    /// While set, nobody reads hvprobe's stdout: its pipe fills, and the vCPU writing the
+    /// guest's console blocks.
+    stalled: Arc<AtomicBool>,
 }
 
 impl LiveRun {
@@ -54,11 +59,24 @@ impl LiveRun {
             .expect("spawn hvprobe run");
         let (tx, lines) = mpsc::channel();
         let out = child.stdout.take().unwrap();
+        let stalled = Arc::new(AtomicBool::new(false));
+        let stall = Arc::clone(&stalled);
         let stdout = std::thread::spawn(move || {
             let mut all = Vec::new();
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(line.clone());
-                all.push(line);
+            let mut out = BufReader::new(out);
+            loop {
+                while stall.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let mut line = String::new();
+                match out.read_line(&mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        let line = line.trim_end_matches('\n').to_string();
+                        let _ = tx.send(line.clone());
+                        all.push(line);
+                    }
+                }
             }
             all
         });
@@ -75,7 +93,13 @@ impl LiveRun {
             stdout,
             stderr,
             socket,
+            stalled,
         }
+    }
+
+    /// Stops reading hvprobe's stdout (`true`) or reads it again.
+    fn stall_stdout(&self, stall: bool) {
+        self.stalled.store(stall, Ordering::SeqCst);
     }
 
     /// Waits for a console line starting with `prefix`; returns it. When none comes, the
@@ -419,6 +443,59 @@ fn a_bad_add_reports_every_problem_and_changes_nothing() {
     let good = live.probe(&["add", "p:ok/a vfs_read"]);
     assert_eq!(good.code, Some(0), "{}", good.tail());
     assert!(good.stdout.contains("armed 1 probes in 1 pause(s)"), "{}", good.stdout);
+    live.go();
+    live.wait_for("DONE");
+    let run = live.finish();
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+}
+
+/// A vCPU blocked on the host, writing the guest's console to a stdout nobody reads, used
+/// to hold every operation that pauses the vCPUs for as long as it was blocked. Now the
+/// pause gives up at its deadline and the operation fails, naming the vCPU and what held
+/// it; the run goes on once stdout is read again.
+#[test]
+fn a_vcpu_blocked_on_a_stalled_stdout_fails_a_pause_at_its_deadline_with_the_reason() {
+    let dir = snapshot(1);
+    let flood = "i=0; while [ $i -lt 1500 ]; do \
+                 echo \"flood $i ..............................................................\"; i=$((i+1)); done";
+    let mut live = LiveRun::start(
+        &dir,
+        1,
+        "stalled-stdout",
+        &format!("echo WAIT; read -r go < /dev/ttyS0; {flood}; echo FLOODED; read -r go < /dev/ttyS0; echo DONE"),
+        &[],
+    );
+    live.wait_for("WAIT");
+    live.stall_stdout(true);
+    live.go();
+    // Until the pipe is full a pause works; then the console write blocks the vCPU.
+    let give_up = Instant::now() + Duration::from_secs(180);
+    let (failed, took) = loop {
+        let started = Instant::now();
+        let run = live.probe(&["optimize", "off"]);
+        if run.code != Some(0) {
+            break (run, started.elapsed());
+        }
+        assert!(Instant::now() < give_up, "every pause worked: was stdout never full?");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(
+        failed.stderr.contains(
+            "the vCPUs did not stop for a pause within 10.0 s: vCPU 0 handling its write to I/O port 0x3f8 for"
+        ),
+        "{}",
+        failed.tail()
+    );
+    assert!(took < Duration::from_secs(60), "the failed pause took {took:?}");
+    live.stall_stdout(false);
+    live.wait_for("FLOODED");
+    let again = live.probe(&["optimize", "off"]);
+    assert_eq!(
+        again.code,
+        Some(0),
+        "a pause after stdout moved again\n{}",
+        again.tail()
+    );
     live.go();
     live.wait_for("DONE");
     let run = live.finish();

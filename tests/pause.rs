@@ -86,7 +86,7 @@ fn a_long_host_pause_during_a_grace_period_raises_no_rcu_stall_warning() {
             console.tail(20)
         );
         if grace_period_in_progress() {
-            let paused = control.pause_all();
+            let paused = control.pause_all().unwrap();
             if grace_period_in_progress() {
                 break paused;
             }

@@ -69,7 +69,7 @@ fn a_pre_handler_of_a_jump_optimized_probe_makes_getppid_return_a_chosen_value()
 
 fn pre_handler_redirects_getppid(optimize: bool) {
     let (mut vm, tracer, handler, _) = restored(1);
-    tracer.set_optimization(optimize);
+    tracer.set_optimization(optimize).unwrap();
     let mut req = request("__x64_sys_getppid", "inject");
     // Fault injection as a kprobe does it: set the return value, return to the caller,
     // skip the function.
@@ -107,7 +107,7 @@ fn pre_handler_redirects_getppid(optimize: bool) {
 #[test]
 fn a_sync_detour_takes_one_exit_per_hit_even_for_an_instruction_stepped_today() {
     let (mut vm, tracer, handler, _) = restored(1);
-    tracer.set_optimization(true);
+    tracer.set_optimization(true).unwrap();
     let hits = Arc::new(AtomicU64::new(0));
     for f in ["__x64_sys_getppid", "__task_pid_nr_ns"] {
         let mut req = request(f, f);
@@ -377,7 +377,7 @@ fn a_probe_on_the_guests_own_int3_runs_and_the_guests_kprobe_still_counts_every_
         outcome.breakpoints_reinjected, outcome.breakpoints,
         "every shared hit went back to the guest"
     );
-    tracer.unregister_all();
+    tracer.unregister_all().unwrap();
     assert_eq!(
         text(&mem, &state, site, 1)[0],
         original,

@@ -21,13 +21,16 @@ pub fn wait_for_kernel(
         if control.stop_reason().is_some() {
             return None;
         }
-        {
-            let paused = control.pause_all();
-            if let Some(state) = paused.state(0) {
-                if state.lstar != 0 && live_memory(mem, &state).translate(Gva(state.lstar)).is_ok() {
-                    return Some((paused, state));
+        match control.pause_all() {
+            Ok(paused) => {
+                if let Some(state) = paused.state(0) {
+                    if state.lstar != 0 && live_memory(mem, &state).translate(Gva(state.lstar)).is_ok() {
+                        return Some((paused, state));
+                    }
                 }
             }
+            // Asked again at the next poll: the vCPU that did not stop may have by then.
+            Err(e) => tracing::warn!("waiting for the guest kernel: {e}"),
         }
         std::thread::sleep(poll);
     }

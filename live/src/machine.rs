@@ -11,7 +11,7 @@ use hvprobe_introspection::unwind::{CpuStackView, GuestRethooks, StackBounds};
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::task::TaskInfo;
 use hvprobe_probes::machine::{
-    InterruptTable, KernelMemory, Machine, PausedView, SegmentSelectors, StackScanError, Vcpu, VcpuError,
+    InterruptTable, KernelMemory, Machine, PauseFailed, PausedView, SegmentSelectors, StackScanError, Vcpu, VcpuError,
 };
 use hvprobe_probes::regs::Regs;
 use hvprobe_vmm::{set_guest_debug, Backend, VcpuControl, VcpuState};
@@ -118,8 +118,8 @@ impl Machine for VmMachine {
         })
     }
 
-    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {
-        let paused = self.control.pause_all();
+    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) -> Result<(), PauseFailed> {
+        let paused = self.control.pause_all().map_err(|e| PauseFailed(Box::new(e)))?;
         if let Some(clock) = &self.clock {
             for cpu in 0..self.control.vcpu_count() {
                 if let Some(state) = paused.state(cpu) {
@@ -134,6 +134,7 @@ impl Machine for VmMachine {
             layout: &self.stacks,
             stacks: OnceLock::new(),
         });
+        Ok(())
     }
 }
 

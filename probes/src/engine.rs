@@ -214,6 +214,9 @@ impl KprobeRequest {
 /// Why a probe cannot be registered (or changed).
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
+    /// The vCPUs could not be paused for the change; nothing changed.
+    #[error(transparent)]
+    Pause(#[from] crate::machine::PauseFailed),
     #[error("unknown symbol {0:?}")]
     UnknownSymbol(String),
     #[error("symbol {name:?} is not unique ({count} symbols have that name): give an address instead")]
@@ -535,12 +538,12 @@ impl Tracer {
 
     /// Runs `edit` with every vCPU paused, after looking at every armed site for a byte
     /// the guest rewrote (a pause is when the guest's text can be read without racing it).
-    fn paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {
+    fn paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) -> Result<(), crate::machine::PauseFailed> {
         self.machine.with_vcpus_paused(&mut |view| {
             self.find_gone(view.text());
             edit(view);
             self.optimize_pass(view);
-        });
+        })
     }
 
     /// Calls return probes follow right now.

@@ -43,13 +43,19 @@ pub enum StackScanError {
     Guest(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
+/// The machine could not stop its vCPUs for a change (one was held on the host past the
+/// pause's deadline, say): `edit` did not run, nothing changed.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct PauseFailed(pub Box<dyn std::error::Error + Send + Sync>);
+
 /// The whole machine, as the engine changes it.
 pub trait Machine: Send + Sync {
     fn kernel(&self) -> &dyn KernelMemory;
 
     /// Runs `edit` with every vCPU out of guest mode (all others when called from a vCPU
     /// thread), so that no vCPU executes text while it changes.
-    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView));
+    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) -> Result<(), PauseFailed>;
 
     /// Guest-physical memory as event detours' rings are read and written, while the guest
     /// runs; `None` when the machine has none (no event detours then).

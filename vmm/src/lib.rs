@@ -30,8 +30,8 @@ pub use error::Error;
 pub use mptable::MAX_CPUS;
 pub use snapshot::{snapshot_cache_name, SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
 pub use vcpu::{
-    set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PausedVcpus, StopReason, VcpuControl,
-    VcpuState,
+    set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PauseTimeout, PausedVcpus,
+    StopReason, StuckVcpu, VcpuActivity, VcpuControl, VcpuState, DEFAULT_PAUSE_DEADLINE,
 };
 pub use virtio::block::{DiskConfig, DiskError};
 pub use virtio::fs::{FsConfig, FsError};

@@ -9,7 +9,7 @@ mod runner;
 mod state;
 mod stop;
 
-pub use control::{PausedVcpus, VcpuControl};
+pub use control::{PauseTimeout, PausedVcpus, StuckVcpu, VcpuActivity, VcpuControl, DEFAULT_PAUSE_DEADLINE};
 pub use handler::{set_guest_debug, BreakpointDisposition, DebugHandler, NoProbes};
 pub use runner::{ExitCounters, VcpuRunner};
 pub use state::VcpuState;

@@ -188,7 +188,7 @@ fn pause_parks_both_spinning_vcpus_and_resume_restarts_them() {
     wait_until("both vCPUs spin", || counters(&mem).iter().all(|c| *c > 0));
     for round in 0..5 {
         let started = Instant::now();
-        let paused = control.pause_all();
+        let paused = control.pause_all().unwrap();
         let pause_latency = started.elapsed();
         let frozen = counters(&mem);
         std::thread::sleep(Duration::from_millis(30));
@@ -222,8 +222,8 @@ fn nested_pauses_keep_vcpus_parked_until_the_last_resume() {
     let control = vm.control();
     let runner = std::thread::spawn(move || vm.run(Arc::new(NoProbes)));
     wait_until("both vCPUs spin", || counters(&mem).iter().all(|c| *c > 0));
-    let outer = control.pause_all();
-    let inner = control.pause_all();
+    let outer = control.pause_all().unwrap();
+    let inner = control.pause_all().unwrap();
     let frozen = counters(&mem);
     drop(inner);
     std::thread::sleep(Duration::from_millis(30));

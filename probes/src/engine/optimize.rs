@@ -23,7 +23,7 @@ use hvprobe_arch::{Gva, INT3};
 
 use super::placement::compiler_bytes;
 use super::registry::{Counters, Registry, Role, Site};
-use super::{ProbeId, ProbeKind, Tracer, COUNT};
+use super::{ProbeError, ProbeId, ProbeKind, Tracer, COUNT};
 use crate::detour::event::filter::RecordFilter;
 use crate::detour::event::{event_detour, EventDetourParams, EventLayout, DEFAULT_STRING_SIZE};
 use crate::detour::{
@@ -146,10 +146,11 @@ impl Tracer {
     /// Linux's kprobes' `debug.kprobes_optimization`: on, every armed probe that can be is
     /// jump-optimized; off, every optimized probe goes back to its int3. Takes effect in one
     /// pause of the vCPUs.
-    pub fn set_optimization(&self, on: bool) {
+    pub fn set_optimization(&self, on: bool) -> Result<(), ProbeError> {
         self.paused(&mut |_view| {
             self.write_registry().optimization = on;
-        });
+        })?;
+        Ok(())
     }
 
     pub fn optimization(&self) -> bool {

@@ -183,7 +183,8 @@ impl Tracer {
                 self.ensure_task_exit_hook(view.text(), &mut reg, hook);
             }
             result = Ok(done);
-        });
+        })
+        .map_err(|e| (0, e.into()))?;
         result
     }
 
@@ -247,13 +248,13 @@ impl Tracer {
                 self.remove_paused(view, &mut reg, *id);
             }
             self.drop_task_exit_hook_if_unused(view, &mut reg);
-        });
+        })?;
         result
     }
 
     /// Unregisters every probe, the engine's own included (at exit: the text is as it was
     /// before).
-    pub fn unregister_all(&self) {
+    pub fn unregister_all(&self) -> Result<(), ProbeError> {
         self.drain_events();
         self.paused(&mut |view| {
             let mut reg = self.write_registry();
@@ -261,7 +262,8 @@ impl Tracer {
             for id in ids {
                 self.remove_paused(view, &mut reg, id);
             }
-        });
+        })?;
+        Ok(())
     }
 
     /// Enables or disables one probe (`enable_kprobe` / `disable_kprobe`).
@@ -285,13 +287,13 @@ impl Tracer {
                 let site = probe.site;
                 sync_site(self, view.text(), &mut reg, site);
             }
-        });
+        })?;
         result
     }
 
     /// The global switch: disarms every site (or arms them again) without changing each
     /// probe's own enabled state.
-    pub fn set_armed(&self, armed: bool) {
+    pub fn set_armed(&self, armed: bool) -> Result<(), ProbeError> {
         self.paused(&mut |view| {
             let mut reg = self.write_registry();
             reg.armed = armed;
@@ -299,7 +301,8 @@ impl Tracer {
             for site in sites {
                 sync_site(self, view.text(), &mut reg, site);
             }
-        });
+        })?;
+        Ok(())
     }
 
     pub fn is_armed(&self) -> bool {

@@ -2,7 +2,7 @@
 //! vCPU. Every hit is driven by hand, as the exit loop would.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 
 use super::*;
 use crate::insn::HexBytes;
@@ -82,6 +82,8 @@ struct FakeMachine {
     stack_words: Mutex<Option<Vec<u64>>>,
     /// Guest-physical memory behind the out-of-line area, for event rings.
     rings: Option<crate::detour::ring::HostRingMemory>,
+    /// Pauses fail while set (a vCPU held on the host past the deadline).
+    refuse_pauses: AtomicBool,
 }
 
 /// Something the guest does to its memory.
@@ -156,13 +158,17 @@ impl Machine for FakeMachine {
         self.rings.as_ref().map(|r| r as &dyn crate::detour::ring::RingMemory)
     }
 
-    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) {
+    fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) -> Result<(), crate::machine::PauseFailed> {
+        if self.refuse_pauses.load(Ordering::Relaxed) {
+            return Err(crate::machine::PauseFailed("vCPU 1 did not stop".into()));
+        }
         self.pauses.fetch_add(1, Ordering::Relaxed);
         let before = self.before_pause.lock().unwrap().take();
         if let Some(before) = before {
             before(self);
         }
-        edit(self)
+        edit(self);
+        Ok(())
     }
 }
 
@@ -308,6 +314,32 @@ fn plain(point: ProbePoint, event: &str) -> KprobeRequest {
         emit_events: false,
         ..KprobeRequest::event(point, "test", event, Vec::new())
     }
+}
+
+/// A pause that fails (a vCPU held on the host past the deadline) fails the operation with
+/// the machine's reason, and changes nothing: no text, no registry.
+#[test]
+fn an_operation_whose_pause_fails_changes_nothing_and_says_why() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let id = t.register(plain(at("func", 5), "entry")).unwrap();
+    let armed = m.bytes(FUNC, 0x20);
+    m.refuse_pauses.store(true, Ordering::Relaxed);
+    let refused = |e: ProbeError| matches!(&e, ProbeError::Pause(_)) && e.to_string() == "vCPU 1 did not stop";
+    assert!(refused(t.unregister(id).unwrap_err()));
+    assert!(refused(t.set_enabled(id, false).unwrap_err()));
+    assert!(refused(t.set_armed(false).unwrap_err()));
+    assert!(refused(t.set_optimization(false).unwrap_err()));
+    assert!(refused(
+        t.register_all(vec![plain(at("other", 0), "other")]).unwrap_err().1
+    ));
+    assert!(refused(t.unregister_all().unwrap_err()));
+    assert_eq!(m.bytes(FUNC, 0x20), armed, "the text changed");
+    assert_eq!(t.listing().len(), 1);
+    assert!(!t.listing()[0].disabled);
+    m.refuse_pauses.store(false, Ordering::Relaxed);
+    t.unregister(id).unwrap();
+    assert_eq!(t.listing().len(), 0);
 }
 
 #[test]
@@ -479,10 +511,10 @@ fn disabling_and_the_global_switch_keep_each_probes_state() {
     let b = t.register(disabled).unwrap();
     assert_eq!(m.bytes(MOV_RIP, 1), [0x48], "a disabled probe writes nothing");
     assert!(t.listing()[1].disabled);
-    t.set_armed(false);
+    t.set_armed(false).unwrap();
     assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE);
     assert!(!t.listing()[0].disabled, "the global switch is not a per-probe disable");
-    t.set_armed(true);
+    t.set_armed(true).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [INT3]);
     assert_eq!(m.bytes(MOV_RIP, 1), [0x48], "b stays disabled");
     t.set_enabled(b, true).unwrap();
@@ -1070,7 +1102,7 @@ fn the_guests_int3_at_a_disabled_or_disarmed_site_is_the_guests() {
         BreakpointOutcome::NotOurs
     ));
     t.set_enabled(id, true).unwrap();
-    t.set_armed(false);
+    t.set_armed(false).unwrap();
     assert!(matches!(
         t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
         BreakpointOutcome::NotOurs
@@ -1599,7 +1631,7 @@ const DETOUR: u64 = OOL + 0x1000 - optimize::DETOUR_BLOCK;
 fn optimizing(m: &Arc<FakeMachine>) -> Tracer {
     *m.stack_words.lock().unwrap() = Some(Vec::new());
     let t = tracer(m);
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     t
 }
 
@@ -1679,13 +1711,13 @@ fn the_switch_off_puts_the_int3_back_and_on_puts_the_jump_back() {
     let t = optimizing(&m);
     let id = t.register(plain(at("func", 0), "opt")).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [0xe9]);
-    t.set_optimization(false);
+    t.set_optimization(false).unwrap();
     let mut armed = original.clone();
     armed[0] = INT3;
     assert_eq!(m.bytes(PUSH, 5), armed, "the int3 and the original bytes");
     assert_eq!(t.why_not_optimized(id), Some(WhyNotOptimized::Off));
     assert!(!t.listing()[0].optimized);
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [0xe9]);
     // Disabled: no jump, no int3; enabled again: the jump.
     t.set_enabled(id, false).unwrap();
@@ -1696,9 +1728,9 @@ fn the_switch_off_puts_the_int3_back_and_on_puts_the_jump_back() {
     ));
     t.set_enabled(id, true).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [0xe9], "{:?}", t.why_not_optimized(id));
-    t.set_armed(false);
+    t.set_armed(false).unwrap();
     assert_eq!(m.bytes(PUSH, 5), original, "the global switch takes the jump out too");
-    t.set_armed(true);
+    t.set_armed(true).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [0xe9]);
 }
 
@@ -1706,7 +1738,7 @@ fn the_switch_off_puts_the_int3_back_and_on_puts_the_jump_back() {
 fn a_probe_with_a_post_handler_or_stacks_that_cannot_be_read_stays_on_its_int3() {
     let m = FakeMachine::with_code();
     let t = tracer(&m);
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     let id = t.register(plain(at("func", 0), "opt")).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [INT3]);
     assert!(matches!(
@@ -1748,7 +1780,7 @@ fn a_task_or_vcpu_inside_the_region_delays_the_jump_until_it_has_left() {
     *m.stack_words.lock().unwrap() = Some(Vec::new());
     *m.parked.lock().unwrap() = vec![(0, MOV_RIP)];
     t.check_gone();
-    t.set_armed(true);
+    t.set_armed(true).unwrap();
     assert_eq!(
         t.why_not_optimized(id),
         Some(WhyNotOptimized::VcpuInside {
@@ -1758,7 +1790,7 @@ fn a_task_or_vcpu_inside_the_region_delays_the_jump_until_it_has_left() {
     );
     // Named by its own index when a vCPU before it is the caller's (not parked).
     *m.parked.lock().unwrap() = vec![(1, MOV_RIP), (2, PUSH)];
-    t.set_armed(true);
+    t.set_armed(true).unwrap();
     assert_eq!(
         t.why_not_optimized(id),
         Some(WhyNotOptimized::VcpuInside {
@@ -1768,7 +1800,7 @@ fn a_task_or_vcpu_inside_the_region_delays_the_jump_until_it_has_left() {
     );
     // At the probe address itself it would take the jump: fine.
     *m.parked.lock().unwrap() = vec![(0, PUSH)];
-    t.set_armed(true);
+    t.set_armed(true).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [0xe9]);
     assert_eq!(t.why_not_optimized(id), None);
 }
@@ -1781,7 +1813,7 @@ fn a_retired_detour_is_reused_only_when_no_vcpu_or_stack_is_in_it_and_still_work
     let id = t.register(recording_probe(&seen)).unwrap();
     // A vCPU took the jump and stopped on the detour's int3; then the probe is disabled.
     *m.parked.lock().unwrap() = vec![(0, DETOUR)];
-    t.set_optimization(false);
+    t.set_optimization(false).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [INT3]);
     // It goes on: the site's handler runs, and so do the displaced instructions.
     let mut cpu = FakeVcpu::at(DETOUR);
@@ -1794,7 +1826,7 @@ fn a_retired_detour_is_reused_only_when_no_vcpu_or_stack_is_in_it_and_still_work
     // Interrupted in the copy: its stack holds an address there. The block is not reused.
     *m.parked.lock().unwrap() = Vec::new();
     *m.stack_words.lock().unwrap() = Some(vec![DETOUR + 4]);
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [0xe9]);
     let second = DETOUR - optimize::DETOUR_BLOCK;
     assert_eq!(
@@ -1805,8 +1837,8 @@ fn a_retired_detour_is_reused_only_when_no_vcpu_or_stack_is_in_it_and_still_work
     assert_eq!(m.bytes(DETOUR, 1), [INT3], "the retired detour is intact");
     // Once nothing is in it, it is reused.
     *m.stack_words.lock().unwrap() = Some(Vec::new());
-    t.set_optimization(false);
-    t.set_optimization(true);
+    t.set_optimization(false).unwrap();
+    t.set_optimization(true).unwrap();
     t.unregister(id).unwrap();
     let id = t.register(plain(at("func", 0), "again")).unwrap();
     assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
@@ -1848,8 +1880,8 @@ fn a_detour_the_guest_may_have_copied_is_kept_for_good() {
     assert!(t.listing()[0].gone);
     // Nothing is in the detour (no vCPU, no stack): pauses, removal, new probes.
     *m.stack_words.lock().unwrap() = Some(Vec::new());
-    t.set_optimization(false);
-    t.set_optimization(true);
+    t.set_optimization(false).unwrap();
+    t.set_optimization(true).unwrap();
     t.unregister(id).unwrap();
     // (`other` given `func`'s code, for a second optimizable function.)
     m.write_virt(Gva(OTHER), FUNC_CODE).unwrap();
@@ -1946,7 +1978,7 @@ fn event_tracer() -> (Arc<FakeMachine>, Tracer, Arc<Events>) {
 #[test]
 fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
     let (m, t, events) = event_tracer();
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     let id = t
         .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
         .unwrap();
@@ -2007,7 +2039,7 @@ fn draining_while_the_optimizer_makes_event_detours_never_deadlocks() {
         let t = t.clone();
         std::thread::spawn(move || {
             for i in 0..400 {
-                t.set_optimization(i % 2 == 0);
+                t.set_optimization(i % 2 == 0).unwrap();
             }
             let _ = done_tx.send(());
         });
@@ -2084,7 +2116,7 @@ fn records_are_stamped_with_their_own_tsc_on_the_guest_clock_and_with_the_drain_
     assert!(t.set_trace_clock(TraceClock::Global).is_err());
     assert_eq!(t.trace_clock(), TraceClock::Local);
 
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     let id = t
         .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
         .unwrap();
@@ -2127,7 +2159,7 @@ fn a_probe_that_records_stacks_traps_in_a_sync_detour_never_an_event_one() {
     // Its stack is only there while the vCPU is stopped: an event detour (no exit) could
     // not give one.
     let (m, t, _events) = event_tracer();
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     let id = t
         .register(KprobeRequest {
             stack_trace: true,
@@ -2155,7 +2187,7 @@ fn ring_misses_are_folded_into_each_probes_nmissed() {
     use crate::detour::ring::RingMemory;
     let (m, t, events) = event_tracer();
     m.write_virt(Gva(OTHER), FUNC_CODE).unwrap();
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     let a = t
         .register(KprobeRequest::event(at("func", 0), "g", "a", Vec::new()))
         .unwrap();
@@ -2219,7 +2251,7 @@ fn ring_misses_are_folded_into_each_probes_nmissed() {
     fill();
     miss(b, slot_b);
     *m.stack_words.lock().unwrap() = Some(Vec::new());
-    t.set_optimization(true); // a pause: the retired detour is reclaimed, its entry freed
+    t.set_optimization(true).unwrap(); // a pause: the retired detour is reclaimed, its entry freed
     assert!(t
         .read_registry()
         .detour_codes
@@ -2252,7 +2284,7 @@ fn hits_an_event_detours_filter_discards_are_hits_counted_apart() {
     use crate::detour::event::filter::{NumberOp, RecordCheck, RecordField, RecordFilter, RecordTest};
     use crate::detour::ring::RingMemory;
     let (m, t, _events) = event_tracer();
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     let on_cpu_1 = RecordFilter::Test(RecordTest {
         field: RecordField::Cpu,
         check: RecordCheck::Number {
@@ -2327,7 +2359,7 @@ fn a_guard_frame_at_the_top_of_the_address_space_is_an_error_not_a_panic() {
 fn forged_ring_records_and_counter_jumps_are_rejected() {
     use crate::detour::ring::RingMemory as _;
     let (m, t, events) = event_tracer();
-    t.set_optimization(true);
+    t.set_optimization(true).unwrap();
     let id = t
         .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
         .unwrap();

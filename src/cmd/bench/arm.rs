@@ -105,7 +105,10 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
             }
             arm.push(t.elapsed().as_secs_f64() * 1e3);
             let t = Instant::now();
-            tracer.unregister_all();
+            if let Err(e) = tracer.unregister_all() {
+                result = Err(format!("disarming {n} probes: {e}"));
+                break;
+            }
             disarm.push(t.elapsed().as_secs_f64() * 1e3);
         }
         if result.is_err() {

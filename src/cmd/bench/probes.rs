@@ -76,7 +76,7 @@ fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Durati
         BlobVariant::Floor => Arc::new(SkipInt3),
         BlobVariant::Probe(offset) | BlobVariant::Optimized(offset) => {
             let tracer = code_blob_tracer(&vm, LOOP_BLOB_LEN)?;
-            tracer.set_optimization(matches!(variant, BlobVariant::Optimized(_)));
+            tracer.set_optimization(matches!(variant, BlobVariant::Optimized(_)))?;
             let point = ProbePoint::Symbol {
                 name: "blob".into(),
                 offset: *offset,
@@ -241,7 +241,7 @@ fn run_guest(
         let state = vm.vcpu_state(0)?;
         let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?.table;
         let tracer = build_tracer(vm.control(), vm.memory(), &state, &symbols, None)?;
-        tracer.set_optimization(variant.optimize);
+        tracer.set_optimization(variant.optimize)?;
         for (name, offset) in variant.host_probes {
             let point = ProbePoint::Symbol {
                 name: name.to_string(),

@@ -10,8 +10,13 @@
 //! not started, or itself inside `pause_all` (a vCPU thread waiting for its turn to pause
 //! runs no guest code). That last rule is what lets two vCPU threads pause at once: each
 //! would otherwise wait for the other to park.
+//!
+//! A pause has a deadline: a vCPU thread that is busy on the host (blocked writing the
+//! guest's console to a stalled stdout, say) cannot be kicked out of that, so a pauser that
+//! waits longer than [`DEFAULT_PAUSE_DEADLINE`] gives up, lets every vCPU run on, and
+//! reports which vCPUs did not stop and what each was doing ([`PauseTimeout`]).
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -33,6 +38,87 @@ pub(super) struct Kick {
 struct VcpuSlot {
     /// `None` when the vCPU thread is not in its loop (its `kvm_run` page may be gone).
     kick: Mutex<Option<Kick>>,
+    /// What the thread does now, and since when (for a pause that waited too long).
+    activity: Mutex<(VcpuActivity, Instant)>,
+}
+
+/// How long a pause waits for every vCPU to stop running guest code before it gives up.
+/// A kicked vCPU leaves `KVM_RUN` within microseconds and parks at its next checkpoint;
+/// seconds mean its thread is held on the host (by a blocked write, say).
+pub const DEFAULT_PAUSE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// What a vCPU thread is doing while it counts as running.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VcpuActivity {
+    /// Entering or inside `KVM_RUN`.
+    InGuest,
+    /// Handling the guest's write to an I/O port (the serial console writes the guest's
+    /// output to stdout here).
+    PortWrite(u16),
+    /// Handling the guest's read of an I/O port.
+    PortRead(u16),
+    /// Handling the guest's write to guest-physical MMIO.
+    MmioWrite(u64),
+    /// Handling the guest's read of guest-physical MMIO.
+    MmioRead(u64),
+    /// In the debug handler: a breakpoint, a single step or a guest event.
+    DebugHandler,
+    /// Handling another exit.
+    OtherExit,
+}
+
+impl VcpuActivity {
+    /// What handling `exit` is.
+    pub(super) fn of(exit: &kvm_ioctls::VcpuExit<'_>) -> Self {
+        use kvm_ioctls::VcpuExit;
+        match exit {
+            VcpuExit::IoOut(port, _) => VcpuActivity::PortWrite(*port),
+            VcpuExit::IoIn(port, _) => VcpuActivity::PortRead(*port),
+            VcpuExit::MmioWrite(addr, _) => VcpuActivity::MmioWrite(*addr),
+            VcpuExit::MmioRead(addr, _) => VcpuActivity::MmioRead(*addr),
+            VcpuExit::Debug(_) | VcpuExit::InternalError => VcpuActivity::DebugHandler,
+            _ => VcpuActivity::OtherExit,
+        }
+    }
+}
+
+impl std::fmt::Display for VcpuActivity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            VcpuActivity::InGuest => write!(f, "in KVM_RUN (kicked, not out yet)"),
+            VcpuActivity::PortWrite(port) => write!(f, "handling its write to I/O port {port:#x}"),
+            VcpuActivity::PortRead(port) => write!(f, "handling its read of I/O port {port:#x}"),
+            VcpuActivity::MmioWrite(addr) => write!(f, "handling its MMIO write at {addr:#x}"),
+            VcpuActivity::MmioRead(addr) => write!(f, "handling its MMIO read at {addr:#x}"),
+            VcpuActivity::DebugHandler => write!(f, "in the debug handler (a breakpoint, step or guest event)"),
+            VcpuActivity::OtherExit => write!(f, "handling an exit"),
+        }
+    }
+}
+
+/// A vCPU that did not stop for a pause: what it was doing, for how long.
+#[derive(Clone, Debug)]
+pub struct StuckVcpu {
+    pub cpu: usize,
+    pub activity: VcpuActivity,
+    pub busy_for: Duration,
+}
+
+/// A pause gave up: these vCPUs did not stop running within the deadline. Every vCPU runs
+/// on; nothing was changed.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("the vCPUs did not stop for a pause within {:.1} s: {}", .waited.as_secs_f64(), describe_stuck(.stuck))]
+pub struct PauseTimeout {
+    pub waited: Duration,
+    pub stuck: Vec<StuckVcpu>,
+}
+
+fn describe_stuck(stuck: &[StuckVcpu]) -> String {
+    stuck
+        .iter()
+        .map(|s| format!("vCPU {} {} for {:.1} s", s.cpu, s.activity, s.busy_for.as_secs_f64()))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 // SAFETY: the raw pointer is only dereferenced under the slot's lock, and the slot holds it
@@ -94,6 +180,8 @@ pub struct VcpuControl {
     workload_started: OnceLock<Instant>,
     /// Stop the VM with [`StopReason::GuestReady`] when the guest signals event 3.
     pub(super) stop_at_ready: AtomicBool,
+    /// How long [`VcpuControl::pause_all`] waits, in milliseconds.
+    pause_deadline_ms: AtomicU64,
     pub counters: ExitCounters,
 }
 
@@ -122,7 +210,12 @@ impl VcpuControl {
     pub fn new(vcpu_count: usize) -> Result<Arc<Self>, Error> {
         register_kick_signal()?;
         Ok(Arc::new(VcpuControl {
-            slots: (0..vcpu_count).map(|_| VcpuSlot { kick: Mutex::new(None) }).collect(),
+            slots: (0..vcpu_count)
+                .map(|_| VcpuSlot {
+                    kick: Mutex::new(None),
+                    activity: Mutex::new((VcpuActivity::InGuest, Instant::now())),
+                })
+                .collect(),
             state: Mutex::new(ControlState {
                 owner: None,
                 depth: 0,
@@ -139,12 +232,27 @@ impl VcpuControl {
             first_entry: OnceLock::new(),
             workload_started: OnceLock::new(),
             stop_at_ready: AtomicBool::new(false),
+            pause_deadline_ms: AtomicU64::new(DEFAULT_PAUSE_DEADLINE.as_millis() as u64),
             counters: ExitCounters::default(),
         }))
     }
 
     pub fn vcpu_count(&self) -> usize {
         self.slots.len()
+    }
+
+    /// Sets how long a pause waits for the vCPUs ([`DEFAULT_PAUSE_DEADLINE`] until then).
+    pub fn set_pause_deadline(&self, deadline: Duration) {
+        let ms = u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.pause_deadline_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Records what vCPU `cpu`'s thread does from now on (the exit loop calls this).
+    pub(super) fn set_activity(&self, cpu: usize, activity: VcpuActivity) {
+        let mut slot = self.slots[cpu].activity.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.0 != activity {
+            *slot = (activity, Instant::now());
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, ControlState> {
@@ -193,16 +301,17 @@ impl VcpuControl {
     ///
     /// One thread holds the pause at a time: pauses nest within that thread, another
     /// thread's `pause_all` waits for its turn (so do not wait for another pausing thread
-    /// while you hold a pause).
-    pub fn pause_all(self: &Arc<Self>) -> PausedVcpus {
+    /// while you hold a pause). Once it holds the pause it waits for the vCPUs at most the
+    /// pause deadline; past it, it lets them all run on and says which did not stop.
+    pub fn pause_all(self: &Arc<Self>) -> Result<PausedVcpus, PauseTimeout> {
         let me = CURRENT_VCPU.with(|c| c.get());
         let thread = std::thread::current().id();
         let mut st = self.lock();
         if st.owner == Some(thread) {
             st.depth += 1;
-            return PausedVcpus {
+            return Ok(PausedVcpus {
                 control: Arc::clone(self),
-            };
+            });
         }
         if let Some(cpu) = me {
             // Out of guest mode until this pause ends: a pauser must not wait for us.
@@ -221,13 +330,42 @@ impl VcpuControl {
         drop(st);
         self.counters.pauses.fetch_add(1, Ordering::Relaxed);
         self.kick_all();
+        let waited_from = Instant::now();
+        let deadline = waited_from + Duration::from_millis(self.pause_deadline_ms.load(Ordering::Relaxed));
         let mut st = self.lock();
         while st.phases.contains(&Phase::Running) {
-            st = self.wait(st);
+            let now = Instant::now();
+            if now >= deadline {
+                let stuck = (0..st.phases.len())
+                    .filter(|&cpu| st.phases[cpu] == Phase::Running)
+                    .map(|cpu| {
+                        let (activity, since) = *self.slots[cpu].activity.lock().unwrap_or_else(|e| e.into_inner());
+                        StuckVcpu {
+                            cpu,
+                            activity,
+                            busy_for: now.saturating_duration_since(since),
+                        }
+                    })
+                    .collect();
+                // Give the pause up as its guard's drop would: every vCPU runs on.
+                st.depth = 1;
+                drop(st);
+                self.resume();
+                self.counters.pause_timeouts.fetch_add(1, Ordering::Relaxed);
+                return Err(PauseTimeout {
+                    waited: now - waited_from,
+                    stuck,
+                });
+            }
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
-        PausedVcpus {
+        Ok(PausedVcpus {
             control: Arc::clone(self),
-        }
+        })
     }
 
     fn resume(&self) {
@@ -392,7 +530,6 @@ impl Drop for PausedVcpus {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU64;
     use std::sync::mpsc;
     use std::thread::JoinHandle;
 
@@ -473,7 +610,7 @@ mod tests {
         let (release_tx, release_rx) = mpsc::channel::<()>();
         let (control, in_guest) = (control.clone(), in_guest.clone());
         std::thread::spawn(move || {
-            let paused = control.pause_all();
+            let paused = control.pause_all().unwrap();
             let _ = returned_tx.send(in_guest.load(Ordering::SeqCst));
             let _ = release_rx.recv();
             drop(paused);
@@ -508,6 +645,51 @@ mod tests {
         wait_until("vCPU 0 runs again", || running.slices.load(Ordering::SeqCst) > frozen);
         control.stop(StopReason::Stopped);
         running.thread.join().unwrap();
+    }
+
+    /// A vCPU held on the host (here: "handling a console write" that never ends) used to
+    /// hold every pause, and so every tracer operation, for as long as it was held.
+    #[test]
+    fn a_pause_gives_up_at_its_deadline_naming_the_vcpu_that_did_not_stop_and_why() {
+        let control = VcpuControl::new(2).unwrap();
+        control.mark_started();
+        control.set_pause_deadline(Duration::from_millis(200));
+        let parks = fake_vcpu(&control, 0, false, None, nothing());
+        let held = fake_vcpu(&control, 1, true, None, nothing());
+        wait_until("vCPU 1 is in the guest", || held.in_guest.load(Ordering::SeqCst));
+        control.set_activity(1, VcpuActivity::PortWrite(0x3f8));
+
+        let started = Instant::now();
+        let err = control.pause_all().err().expect("the pause did not give up");
+        assert!(started.elapsed() < LIMIT, "it waited {:?}", started.elapsed());
+        assert!(err.waited >= Duration::from_millis(200), "{err}");
+        assert_eq!(err.stuck.len(), 1, "{err}");
+        assert_eq!(err.stuck[0].cpu, 1);
+        assert_eq!(err.stuck[0].activity, VcpuActivity::PortWrite(0x3f8));
+        let message = err.to_string();
+        assert!(
+            message.contains("vCPU 1 handling its write to I/O port 0x3f8 for"),
+            "{message}"
+        );
+        assert_eq!(control.counters.pause_timeouts.load(Ordering::Relaxed), 1);
+
+        // Given up, the pause holds nothing: the vCPU that had parked runs on ...
+        let before = parks.slices.load(Ordering::SeqCst);
+        wait_until("vCPU 0 runs again", || parks.slices.load(Ordering::SeqCst) > before);
+        // ... and once the held vCPU is free, a pause works as before.
+        held.hold.store(false, Ordering::SeqCst);
+        let paused = control.pause_all().expect("a pause once every vCPU can stop");
+        let frozen = (parks.slices.load(Ordering::SeqCst), held.slices.load(Ordering::SeqCst));
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(
+            (parks.slices.load(Ordering::SeqCst), held.slices.load(Ordering::SeqCst)),
+            frozen,
+            "a parked vCPU ran"
+        );
+        drop(paused);
+        control.stop(StopReason::Stopped);
+        parks.thread.join().unwrap();
+        held.thread.join().unwrap();
     }
 
     /// A stop during a pause used to end the pauser's wait at once, while vCPUs were still
@@ -554,7 +736,7 @@ mod tests {
                     return;
                 }
                 barrier.wait();
-                let paused = control.pause_all();
+                let paused = control.pause_all().unwrap();
                 for _ in 0..10 {
                     for (other, in_guest) in flags.wait().iter().enumerate() {
                         assert!(
@@ -652,8 +834,8 @@ mod tests {
                 let (held, flags, done_tx) = (held.clone(), flags.clone(), done_tx.clone());
                 let on_exit: OnExit = Box::new(move |control, slice| {
                     if slice <= ROUNDS * 2 && slice % 2 == 0 {
-                        let outer = control.pause_all();
-                        let inner = control.pause_all();
+                        let outer = control.pause_all().unwrap();
+                        let inner = control.pause_all().unwrap();
                         check(&held, &flags, Some(cpu));
                         drop(inner);
                         drop(outer);
@@ -670,7 +852,7 @@ mod tests {
             let (control, held, flags, done_tx) = (control.clone(), held.clone(), flags.clone(), done_tx.clone());
             std::thread::spawn(move || {
                 for _ in 0..ROUNDS {
-                    let paused = control.pause_all();
+                    let paused = control.pause_all().unwrap();
                     check(&held, &flags, None);
                     drop(paused);
                 }

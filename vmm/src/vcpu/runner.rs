@@ -12,6 +12,7 @@ use kvm_bindings::{KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYS
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
+use super::control::VcpuActivity;
 use super::*;
 use crate::backend::Backend;
 use crate::breakpoint::reinject_breakpoint;
@@ -40,6 +41,8 @@ pub struct ExitCounters {
     pub kvmclock_pauses: AtomicU64,
     /// Pauses of every vCPU ([`VcpuControl::pause_all`], outermost ones only).
     pub pauses: AtomicU64,
+    /// Pauses that gave up because a vCPU did not stop within the deadline.
+    pub pause_timeouts: AtomicU64,
     /// Guest writes into the out-of-line area's code half, which its read-only memory slot
     /// turned into MMIO exits: dropped (issue 24).
     pub ool_writes_refused: AtomicU64,
@@ -154,7 +157,12 @@ impl VcpuRunner {
 
     fn run_once(&mut self) -> Next {
         let cpu = self.cpu;
-        let exit = match self.vcpu.run() {
+        self.control.set_activity(cpu, VcpuActivity::InGuest);
+        let exit = self.vcpu.run();
+        if let Ok(exit) = &exit {
+            self.control.set_activity(cpu, VcpuActivity::of(exit));
+        }
+        let exit = match exit {
             Ok(exit) => exit,
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => return Next::Continue,
             Err(e) => {
