@@ -509,20 +509,69 @@ fn the_guests_int3_self_test_survives_every_boot_on_kvm_amd() {
 /// the bundled initramfs, symbols from kallsyms in guest memory alone (its KASLR on): our
 /// entry and return probes on `__x64_sys_getppid` count what that kernel's own kprobe
 /// event counts.
+/// The one-byte reads of the three child shells: each whole line of the kernel's own event
+/// `grd` has the host's hit of `rd` (BTF arguments: `$arg*` and `file->f_pos`) with the
+/// same values at the same file position.
+fn btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out: &str, run: &Run) {
+    use std::collections::{BTreeMap, BTreeSet};
+    let hits = |guest: bool, event: &str| -> Vec<common::TraceLine> {
+        out.lines()
+            .filter(|l| l.starts_with("GUEST ") == guest)
+            .filter_map(common::parse_trace_line)
+            .filter(|l| l.event == event)
+            .collect()
+    };
+    let pid = |task: &str| task.rsplit('-').next().unwrap_or_default().to_string();
+    let guest = hits(true, "grd");
+    let readers: BTreeSet<String> = guest
+        .iter()
+        .filter(|l| l.args.get("count").map(String::as_str) == Some("1"))
+        .map(|l| pid(&l.task))
+        .collect();
+    assert!(readers.len() >= 3, "three shells read /proc/version\n{}", tail(run));
+    let host: BTreeMap<(String, String), BTreeMap<String, String>> = hits(false, "rd")
+        .into_iter()
+        .filter(|l| readers.contains(&pid(&l.task)))
+        .filter_map(|l| Some(((pid(&l.task), l.args.get("fpos")?.clone()), l.args)))
+        .collect();
+    let whole: Vec<&common::TraceLine> = guest
+        .iter()
+        .filter(|l| readers.contains(&pid(&l.task)) && l.args.len() == 5)
+        .collect();
+    assert!(
+        whole.len() >= 3 * 10,
+        "{} whole guest lines\n{}",
+        whole.len(),
+        tail(run)
+    );
+    for line in whole {
+        let key = (pid(&line.task), line.args["fpos"].clone());
+        assert_eq!(host.get(&key), Some(&line.args), "{key:?}\n{}", tail(run));
+    }
+}
+
 #[test]
 fn a_stock_debian_kernel_is_traced_with_symbols_from_its_memory() {
     const CALLS: usize = 30;
     let probes = std::env::temp_dir().join(format!("hvprobe-lane-stock-{}.probes", std::process::id()));
     std::fs::write(
         &probes,
-        "p:stock/getppid __x64_sys_getppid di=%di comm=$comm\nr:stock/getppid_ret __x64_sys_getppid ret=$retval\n",
+        "p:stock/getppid __x64_sys_getppid di=%di comm=$comm\nr:stock/getppid_ret __x64_sys_getppid ret=$retval\n\
+         p:stock/rd vfs_read $arg* fpos=file->f_pos\n",
     )
     .unwrap();
+    // The kernel's own event on vfs_read, in registers: its 6.1 has no BTF arguments. The
+    // file position through `pos` (`*pos` is a copy of `file->f_pos` when vfs_read starts)
+    // checks `file->f_pos`, which the host resolves with this kernel's own BTF.
+    let guest_event = "p:grd vfs_read file=%di:x64 buf=%si:x64 count=%dx:u64 pos=%cx:x64 fpos=+0(%cx):s64";
     let workload = format!(
         "T=/sys/kernel/tracing; [ -d $T/events ] || mount -t tracefs t $T; \
          echo \"p:gk __x64_sys_getppid\" > $T/kprobe_events; echo 1 > $T/events/kprobes/enable; \
          hvprobe-loop {CALLS}; echo 0 > $T/events/kprobes/enable; \
-         while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; echo \"UNAME $(uname -r)\""
+         while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; echo \"UNAME $(uname -r)\"; \
+         echo \"{guest_event}\" >> $T/kprobe_events; echo 1 > $T/events/kprobes/grd/enable; \
+         for i in 1 2 3; do sh -c \"read -r l < /proc/version\"; done; echo 0 > $T/events/kprobes/grd/enable; \
+         busybox grep \" grd: \" $T/trace | busybox sed \"s/^/GUEST /\""
     );
     let command = format!(
         "hvprobe run --kernel \"$HVPROBE_L1_KERNEL\" --symbols kallsyms --probes {} --workload '{}' 2>&1",
@@ -560,6 +609,12 @@ fn a_stock_debian_kernel_is_traced_with_symbols_from_its_memory() {
     };
     assert_eq!(ours("getppid"), CALLS, "entry hits\n{}", tail(&run));
     assert_eq!(ours("getppid_ret"), CALLS, "returns\n{}", tail(&run));
+    assert!(
+        out.contains("the guest kernel's BTF: "),
+        "no BTF read from its memory\n{}",
+        tail(&run)
+    );
+    btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out, &run);
     let boot = number_after(out, "boot to /init").unwrap_or_else(|| panic!("no boot time\n{}", tail(&run)));
     eprintln!("the stock Debian kernel reached /init after {boot} s in the lane");
     // The kernel's W+X check (CONFIG_DEBUG_WX) runs before /init, after the out-of-line

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::{hvprobe, snapshot, Run};
+use common::{hvprobe, parse_trace_line, snapshot, Run, TraceLine};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(480);
 const KASLR_BOOT_TIMEOUT: Duration = Duration::from_secs(900);
@@ -64,34 +64,6 @@ fn probe_file(name: &str, text: &str) -> PathBuf {
 
 fn restore_with(dir: &Path, cpus: u8, workload: &str, extra: &[&str]) -> Run {
     common::restore_with(dir, cpus, workload, extra, RESTORE_TIMEOUT)
-}
-
-/// `name=value` pairs after the `(location)` of a trace line, and its task and event.
-struct TraceLine {
-    task: String,
-    event: String,
-    location: String,
-    args: BTreeMap<String, String>,
-}
-
-fn parse_trace_line(line: &str) -> Option<TraceLine> {
-    let line = line.trim_start_matches("GUEST ").trim();
-    let (task, rest) = line.split_once(' ')?;
-    let (_, rest) = rest.split_once("]")?;
-    let (_, rest) = rest.split_once(": ")?;
-    let (event, rest) = rest.split_once(": (")?;
-    let (location, args) = rest.split_once(')')?;
-    let args = args
-        .split_whitespace()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    Some(TraceLine {
-        task: task.to_string(),
-        event: event.to_string(),
-        location: location.to_string(),
-        args,
-    })
 }
 
 /// The oracle's checks on one run: the guest's hit count equals the host's hits in the

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::AsRawFd;
@@ -233,4 +234,34 @@ pub fn assert_randomized(run: &Run) {
         .find_map(|l| l.split("KASLR slide ").nth(1))
         .unwrap_or_else(|| panic!("no slide reported\n{}", run.tail()));
     assert_ne!(slide.trim(), "0x0", "the kernel was not randomized");
+}
+
+/// `name=value` pairs after the `(location)` of a trace line, and its task and event.
+pub struct TraceLine {
+    pub task: String,
+    pub event: String,
+    pub location: String,
+    pub args: BTreeMap<String, String>,
+}
+
+/// A line of the guest's `trace` file (after a `GUEST ` prefix a workload put there) or of
+/// hvprobe's text output: `TASK-PID [CPU] FLAGS TIMESTAMP: EVENT: (LOCATION) NAME=VALUE...`.
+pub fn parse_trace_line(line: &str) -> Option<TraceLine> {
+    let line = line.trim_start_matches("GUEST ").trim();
+    let (task, rest) = line.split_once(' ')?;
+    let (_, rest) = rest.split_once("]")?;
+    let (_, rest) = rest.split_once(": ")?;
+    let (event, rest) = rest.split_once(": (")?;
+    let (location, args) = rest.split_once(')')?;
+    let args = args
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    Some(TraceLine {
+        task: task.to_string(),
+        event: event.to_string(),
+        location: location.to_string(),
+        args,
+    })
 }
