@@ -31,6 +31,18 @@ pub enum MemoryError {
     },
     #[error("a {len}-byte access at {gva} wraps around the end of the address space")]
     Wraps { gva: Gva, len: usize },
+    #[error(
+        "the guest's page tables map {gva} to guest physical {gpa}, inside memory the host reserves for itself: \
+         the host does not write there through the guest's tables"
+    )]
+    ReservedTarget { gva: Gva, gpa: Gpa },
+    #[error(
+        "the guest's page tables map kernel text at {gva} to guest physical {gpa}, not to {text} where the \
+         kernel's text is: the host writes text only there"
+    )]
+    TextMoved { gva: Gva, gpa: Gpa, text: Gpa },
+    #[error("a {len}-byte access at {gva} runs past the end of the host's out-of-line area")]
+    PastHostArea { gva: Gva, len: usize },
     #[error("{0}")]
     Other(String),
 }
@@ -142,7 +154,25 @@ impl<M: PhysRead + PhysWrite> PagedGuestMemory<M> {
     /// pages are translated first, so an unmapped page fails the write before any byte
     /// changes.
     pub fn write_virt(&self, gva: Gva, data: &[u8]) -> Result<(), MemoryError> {
-        for (gpa, at, range) in self.pieces(gva, data.len())? {
+        self.write_virt_checked(gva, data, &|_, _, _| Ok(()))
+    }
+
+    /// [`write_virt`](Self::write_virt) where `check` sees every physically contiguous
+    /// piece (its virtual address, the guest physical address the guest's tables give it,
+    /// its length) before any byte is written: a refusal there changes nothing. A guest
+    /// controls its tables, so this is where the host refuses to be steered (into memory
+    /// it keeps for itself, say).
+    pub fn write_virt_checked(
+        &self,
+        gva: Gva,
+        data: &[u8],
+        check: &dyn Fn(Gva, Gpa, usize) -> Result<(), MemoryError>,
+    ) -> Result<(), MemoryError> {
+        let pieces = self.pieces(gva, data.len())?;
+        for (gpa, at, range) in &pieces {
+            check(*at, *gpa, range.len())?;
+        }
+        for (gpa, at, range) in pieces {
             self.phys
                 .write_phys(gpa, &data[range])
                 .map_err(|source| MemoryError::PhysAccess { gpa, gva: at, source })?;
@@ -467,6 +497,32 @@ mod tests {
         );
         let t = mem.translate(Gva(VA + 0x1004)).expect("mapped");
         assert_eq!(t.gpa, Gpa(0x5004));
+    }
+
+    /// Issue 24, finding 11: a write whose check refuses one of its pages (the guest's
+    /// tables map it into memory the host keeps for itself) changes no byte, on any page.
+    #[test]
+    fn a_write_refused_for_one_page_changes_no_page() {
+        let mem = PagedGuestMemory::new(two_pages(), 0x1000, PagingMode::Level4);
+        let reserved = |at: Gva, gpa: Gpa, _len: usize| {
+            if gpa.0 & !0xfff == 0x5000 {
+                Err(MemoryError::ReservedTarget { gva: at, gpa })
+            } else {
+                Ok(())
+            }
+        };
+        let err = mem
+            .write_virt_checked(Gva(VA + 0xffe), &[0xcc; 4], &reserved)
+            .unwrap_err();
+        assert!(
+            matches!(err, MemoryError::ReservedTarget { gva, gpa } if gva == Gva(VA + 0x1000) && gpa == Gpa(0x5000)),
+            "{err:?}"
+        );
+        assert_eq!(&mem.phys().0.borrow()[&0x9000][0xffe..], &[0, 0]);
+        assert_eq!(&mem.phys().0.borrow()[&0x5000][..2], &[0, 0]);
+        mem.write_virt_checked(Gva(VA + 0xffe), &[0xcc; 4], &|_, _, _| Ok(()))
+            .unwrap();
+        assert_eq!(&mem.phys().0.borrow()[&0x5000][..2], &[0xcc, 0xcc]);
     }
 
     #[test]

@@ -107,7 +107,7 @@ fn observe_guest_pages(clock: &GuestClock, kernel: &LiveKernel, symbols: &Symbol
         );
         return;
     };
-    let translate = |gva: Gva| kernel.0.translate(gva).map(|t| t.gpa);
+    let translate = |gva: Gva| kernel.memory.translate(gva).map(|t| t.gpa);
     for cpu in 0..cpus {
         match kvm_clock_page(kernel, &translate, per_cpu_offset.addr, pointer.addr.0, cpu) {
             Ok(Some(gpa)) => clock.observe(
@@ -154,7 +154,7 @@ fn local_clock_vars(kernel: &LiveKernel, symbols: &SymbolTable) -> Result<LocalC
             .map(|s| s.addr)
             .ok_or(GuestClockError::NoSymbol(name))?;
         let t = kernel
-            .0
+            .memory
             .translate(at)
             .map_err(|source| GuestClockError::Memory { what: name, source })?;
         Ok(t.gpa)
@@ -257,7 +257,7 @@ mod tests {
     #[test]
     fn each_cpus_page_is_found_through_the_guests_own_per_cpu_pointer() {
         let (_mem, kernel) = guest();
-        let translate = |gva: Gva| kernel.0.translate(gva).map(|t| t.gpa);
+        let translate = |gva: Gva| kernel.memory.translate(gva).map(|t| t.gpa);
         let page = |cpu| kvm_clock_page(&kernel, &translate, Gva(PER_CPU_OFFSETS), HV_CLOCK_PER_CPU_OFFSET, cpu);
         assert_eq!(page(0).unwrap(), Some(Gpa(gpa(PAGES))));
         assert_eq!(page(1).unwrap(), Some(Gpa(gpa(PAGES + 64))));

@@ -29,7 +29,9 @@ pub use clock::{guest_clock, GuestClockError};
 pub use handler::ProbeHandler;
 pub use kernel_up::wait_for_kernel;
 pub use machine::VmMachine;
-pub use memory::{kernel_memory, live_memory, GuestPhys, KernelPageTables, KernelTablesError, LiveKernel};
+pub use memory::{
+    kernel_memory, live_memory, GuestPhys, HostArea, KernelPageTables, KernelTablesError, KernelText, LiveKernel,
+};
 pub use ool::{map_out_of_line_area, out_of_line_gpa, place_out_of_line_area, OutOfLineError};
 pub use stacks::narrow_to_vcpus;
 pub use symbols::{load_symbols, KernelSymbols, KernelSymbolsError, SymbolsFrom};

@@ -147,23 +147,128 @@ impl KernelPageTables {
 
     /// Guest kernel memory through these tables.
     pub fn memory(&self, mem: &GuestMemoryMmap) -> LiveKernel {
-        LiveKernel(PagedGuestMemory::new(GuestPhys(mem.clone()), self.root.0, self.mode))
+        LiveKernel::new(PagedGuestMemory::new(GuestPhys(mem.clone()), self.root.0, self.mode))
     }
 }
 
+/// Guest memory the host keeps for itself (the out-of-line area), mapped into the guest at
+/// `gva`: the host reads and writes it by its guest-physical address, never through the
+/// guest's tables, and refuses any write the guest's tables would steer into it.
+#[derive(Clone, Copy, Debug)]
+pub struct HostArea {
+    pub gva: Gva,
+    pub gpa: Gpa,
+    pub size: u64,
+}
+
+impl HostArea {
+    /// The offset of `[gva, gva+len)` in the area, when it starts inside it; an error when
+    /// it runs past its end.
+    fn offset_of(&self, gva: Gva, len: usize) -> Result<Option<u64>, MemoryError> {
+        let offset = gva.0.wrapping_sub(self.gva.0);
+        if offset >= self.size {
+            return Ok(None);
+        }
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.size => Ok(Some(offset)),
+            _ => Err(MemoryError::PastHostArea { gva, len }),
+        }
+    }
+
+    fn holds(&self, gpa: Gpa, len: usize) -> bool {
+        gpa.0 < self.gpa.0.saturating_add(self.size) && gpa.0.saturating_add(len as u64) > self.gpa.0
+    }
+}
+
+/// The kernel's text: `[start, end)`, which the kernel image mapping puts at
+/// `gva + phys_offset` (one linear mapping for the whole image).
+#[derive(Clone, Debug)]
+pub struct KernelText {
+    pub range: std::ops::Range<Gva>,
+    pub phys_offset: u64,
+}
+
 /// Guest kernel memory through one set of page tables that maps all of the kernel: the
-/// kernel's own ([`kernel_memory`]), or a code blob's.
-pub struct LiveKernel(pub PagedGuestMemory<GuestPhys>);
+/// kernel's own ([`kernel_memory`]), or a code blob's. With a [`HostArea`] and the
+/// [`KernelText`], the host's writes cannot be steered by the guest's tables: the area is
+/// written by its physical address, a write the tables map into it is refused, and so is a
+/// text write the tables map anywhere but where the kernel's text is.
+pub struct LiveKernel {
+    pub memory: PagedGuestMemory<GuestPhys>,
+    host_area: Option<HostArea>,
+    text: Option<KernelText>,
+}
+
+impl LiveKernel {
+    pub fn new(memory: PagedGuestMemory<GuestPhys>) -> Self {
+        LiveKernel {
+            memory,
+            host_area: None,
+            text: None,
+        }
+    }
+
+    pub fn with_host_area(mut self, area: HostArea) -> Self {
+        self.host_area = Some(area);
+        self
+    }
+
+    pub fn with_kernel_text(mut self, text: KernelText) -> Self {
+        self.text = Some(text);
+        self
+    }
+
+    /// Where the guest's tables may put a piece of a host write.
+    fn check_target(&self, gva: Gva, gpa: Gpa, len: usize) -> Result<(), MemoryError> {
+        if self.host_area.is_some_and(|area| area.holds(gpa, len)) {
+            return Err(MemoryError::ReservedTarget { gva, gpa });
+        }
+        if let Some(text) = &self.text {
+            if text.range.contains(&gva) {
+                let expected = Gpa(gva.0.wrapping_add(text.phys_offset));
+                if gpa != expected {
+                    return Err(MemoryError::TextMoved {
+                        gva,
+                        gpa,
+                        text: expected,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
 
 impl GuestVirtRead for LiveKernel {
     fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
-        self.0.read_virt(gva, buf)
+        if let Some(area) = &self.host_area {
+            if let Some(offset) = area.offset_of(gva, buf.len())? {
+                let gpa = Gpa(area.gpa.0 + offset);
+                return self
+                    .memory
+                    .phys()
+                    .read_phys(gpa, buf)
+                    .map_err(|source| MemoryError::PhysAccess { gpa, gva, source });
+            }
+        }
+        self.memory.read_virt(gva, buf)
     }
 }
 
 impl KernelMemory for LiveKernel {
     fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
-        self.0.write_virt(gva, bytes)
+        if let Some(area) = &self.host_area {
+            if let Some(offset) = area.offset_of(gva, bytes.len())? {
+                let gpa = Gpa(area.gpa.0 + offset);
+                return self
+                    .memory
+                    .phys()
+                    .write_phys(gpa, bytes)
+                    .map_err(|source| MemoryError::PhysAccess { gpa, gva, source });
+            }
+        }
+        self.memory
+            .write_virt_checked(gva, bytes, &|at, gpa, len| self.check_target(at, gpa, len))
     }
 }
 
@@ -249,6 +354,87 @@ mod tests {
             "{TEXT:016x} T _text\n{INIT_TOP_PGT:016x} D init_top_pgt\n{END:016x} B _end\n"
         ))
         .unwrap()
+    }
+
+    /// The kernel mapped as `cleanup_highmap` leaves it (2 MiB pages, image at physical
+    /// 0x100_0000), the out-of-line area's 2 MiB page after it, and a [`LiveKernel`] with
+    /// the host's area and the kernel's text.
+    fn guarded_kernel() -> (GuestMemoryMmap, LiveKernel) {
+        use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START};
+        const PML4: u64 = 0x1000;
+        let mem = memory();
+        let tables = Tables {
+            pml4: PML4,
+            pdpt: 0x2000,
+            pd: 0x3000,
+        };
+        map_kernel(&mem, tables, TEXT, END, |va| 0x100_0000 + (va - TEXT));
+        set_entry(&mem, tables.pd, 2, OOL_VA, OOL_AREA_START.0 | TABLE | LARGE);
+        let kernel = LiveKernel::new(PagedGuestMemory::new(GuestPhys(mem.clone()), PML4, PagingMode::Level4))
+            .with_host_area(HostArea {
+                gva: Gva(OOL_VA),
+                gpa: OOL_AREA_START,
+                size: OOL_AREA_SIZE,
+            })
+            .with_kernel_text(KernelText {
+                range: Gva(TEXT)..Gva(END),
+                phys_offset: 0x100_0000u64.wrapping_sub(TEXT),
+            });
+        (mem, kernel)
+    }
+
+    /// Where `map_out_of_line_area` puts the area for this kernel (after `_end` and one
+    /// free 2 MiB page).
+    const OOL_VA: u64 = 0xffff_ffff_8260_0000;
+    const PD: u64 = 0x3000;
+
+    fn byte_at(mem: &GuestMemoryMmap, gpa: u64) -> u8 {
+        mem.read_obj(GuestAddress(gpa)).unwrap()
+    }
+
+    /// Issue 24, finding 11: the host's writes go where the host means them to, whatever
+    /// the guest's tables say: its own area by physical address, and never through a
+    /// mapping the guest pointed into that area or away from the kernel's text.
+    #[test]
+    fn the_guests_tables_cannot_steer_a_host_write() {
+        use hvprobe_vmm::layout::OOL_AREA_START;
+        let (mem, kernel) = guarded_kernel();
+        // Unchanged tables: text and area writes land where they are.
+        kernel.write_virt(Gva(TEXT + 0x10), &[0xcc]).unwrap();
+        assert_eq!(byte_at(&mem, 0x100_0010), 0xcc);
+        kernel.write_virt(Gva(OOL_VA + 0x20), &[0x90]).unwrap();
+        assert_eq!(byte_at(&mem, OOL_AREA_START.0 + 0x20), 0x90);
+
+        // The guest points its area mapping at its own RAM: the host's area writes and
+        // reads still go to the area.
+        set_entry(&mem, PD, 2, OOL_VA, 0x80_0000 | TABLE | LARGE);
+        kernel.write_virt(Gva(OOL_VA + 0x21), &[0x91]).unwrap();
+        assert_eq!(byte_at(&mem, OOL_AREA_START.0 + 0x21), 0x91);
+        assert_eq!(byte_at(&mem, 0x80_0021), 0);
+        let mut b = [0u8; 2];
+        kernel.read_virt(Gva(OOL_VA + 0x20), &mut b).unwrap();
+        assert_eq!(b, [0x90, 0x91]);
+        // A write that starts inside the area and runs past its end is an error.
+        let past = kernel.write_virt(Gva(OOL_VA + (4 << 20) - 1), &[0; 2]).unwrap_err();
+        assert!(matches!(past, MemoryError::PastHostArea { .. }), "{past:?}");
+
+        // The guest maps a text page onto the area: the text write is refused, whole.
+        set_entry(&mem, PD, 2, TEXT + 0x20_0000, OOL_AREA_START.0 | TABLE | LARGE);
+        let into_area = kernel.write_virt(Gva(TEXT + 0x20_0000), &[0xcc]).unwrap_err();
+        assert!(matches!(into_area, MemoryError::ReservedTarget { .. }), "{into_area:?}");
+        assert_eq!(byte_at(&mem, OOL_AREA_START.0), 0);
+
+        // The guest maps a text page onto other RAM of its own: refused too.
+        set_entry(&mem, PD, 2, TEXT + 0x40_0000, 0x60_0000 | TABLE | LARGE);
+        let moved = kernel.write_virt(Gva(TEXT + 0x40_0005), &[0xcc]).unwrap_err();
+        assert!(
+            matches!(moved, MemoryError::TextMoved { gpa, text, .. } if gpa == Gpa(0x60_0005) && text == Gpa(0x140_0005)),
+            "{moved:?}"
+        );
+        assert_eq!(byte_at(&mem, 0x60_0005), 0);
+        // A text page the guest left where it was is written as before.
+        kernel.write_virt(Gva(TEXT + 0x60_0000), &[0x55]).unwrap();
+        assert_eq!(byte_at(&mem, 0x160_0000), 0x55);
     }
 
     #[test]

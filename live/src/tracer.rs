@@ -17,7 +17,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, Guest
 
 use crate::clock::guest_clock;
 use crate::machine::VmMachine;
-use crate::memory::{GuestPhys, KernelPageTables, KernelTablesError, LiveKernel};
+use crate::memory::{GuestPhys, HostArea, KernelPageTables, KernelTablesError, KernelText, LiveKernel};
 use crate::ool::{guest_has_nx, map_out_of_line_area, out_of_line_area_at, OutOfLineError};
 
 /// Why a tracer could not be built.
@@ -88,6 +88,11 @@ pub fn build_tracer(
     let clock = guest_clock(mem, &memory, symbols, cpus as usize, &[(0, *state)])
         .map_err(|e| tracing::warn!("the guest's trace clock cannot be computed: {e}; hits are stamped with host time"))
         .ok();
+    let memory = memory.with_host_area(host_area(&ool));
+    let memory = match kernel_text(&memory, symbols) {
+        Some(text) => memory.with_kernel_text(text),
+        None => memory,
+    };
     let machine = Arc::new(
         VmMachine::new(control, memory)
             .with_stacks(stacks)
@@ -105,6 +110,32 @@ pub fn build_tracer(
         Err(e) => tracing::info!("no event detours: {e}"),
     }
     Ok(tracer)
+}
+
+/// The out-of-line area (code and rings) as memory the host keeps for itself.
+fn host_area(ool: &OutOfLineArea) -> HostArea {
+    HostArea {
+        gva: ool.start,
+        gpa: OOL_AREA_START,
+        size: OOL_AREA_SIZE,
+    }
+}
+
+/// The kernel's text and where its image mapping puts it, as the kernel's tables say now
+/// (the probe engine's writes to text must land there later too). `None`, logged, without
+/// `_stext`/`_etext` or a translation.
+fn kernel_text(memory: &LiveKernel, symbols: &SymbolTable) -> Option<KernelText> {
+    let (start, end) = (symbols.lookup("_stext")?.addr, symbols.lookup("_etext")?.addr);
+    match memory.memory.translate(start) {
+        Ok(t) => Some(KernelText {
+            range: start..end,
+            phys_offset: t.gpa.0.wrapping_sub(start.0),
+        }),
+        Err(e) => {
+            tracing::warn!("the kernel's text at {start} does not translate: {e}; text writes are not pinned to it");
+            None
+        }
+    }
 }
 
 /// Sets up event detours' rings (a probe that only records then needs no exit when it is
@@ -163,11 +194,13 @@ pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, T
         mem.write_obj(large_page, GuestAddress(second_page_directory + 8 * i as u64))
             .map_err(TracerError::CodeBlobMapping)?;
     }
-    let kernel = LiveKernel(PagedGuestMemory::new(
+    let ool = out_of_line_area_at(CODE_BLOB_OOL_VA);
+    let kernel = LiveKernel::new(PagedGuestMemory::new(
         GuestPhys(mem.clone()),
         state.sregs.cr3,
         PagingMode::from_cr4(state.sregs.cr4),
-    ));
+    ))
+    .with_host_area(host_area(&ool));
     let start = hvprobe_vmm::CODE_BLOB_START;
     let symbols = SymbolTable::parse_system_map(&format!("{start:016x} T blob\n{:016x} T blob_end\n", start + len))
         .map_err(TracerError::CodeBlobSymbols)?;
@@ -179,7 +212,6 @@ pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, T
     };
     // Its parts as next to a kernel (writable and executable 2 MiB pages here: a code blob
     // has no W+X check).
-    let ool = out_of_line_area_at(CODE_BLOB_OOL_VA);
     Ok(Arc::new(Tracer::new(
         Arc::new(VmMachine::new(vm.control(), kernel).without_kernel_stacks()),
         view,
