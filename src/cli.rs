@@ -274,6 +274,10 @@ pub struct RunArgs {
     /// from /dev/ttyS0); on a terminal this puts it in raw mode.
     #[arg(long)]
     pub console_input: bool,
+    /// Do not print the guest's console on stdout (probe hits still are): for a guest
+    /// that floods it. Its last lines still appear in error messages.
+    #[arg(long, conflicts_with = "console_input")]
+    pub no_console: bool,
     /// At exit (after every probe is removed), print the SHA-256 of the guest kernel's text.
     #[arg(long)]
     pub text_hash: bool,

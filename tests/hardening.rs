@@ -212,3 +212,23 @@ fn a_guest_process_keeps_its_vector_registers_while_busybox_runs_beside_it() {
         run.tail()
     );
 }
+
+/// A guest that floods its console can be silenced: `--no-console` keeps the guest's
+/// output off stdout while the probes' hits still come.
+#[test]
+fn no_console_keeps_the_guests_output_off_stdout_and_prints_the_hits() {
+    let dir = snapshot(1);
+    let probes = probe_file("quiet", "p:q/gp __x64_sys_getppid\n");
+    let run = restore_with(
+        &dir,
+        1,
+        "echo GUEST-CONSOLE-LINE; hvprobe-loop 3",
+        &["--probes", probes.to_str().unwrap(), "--no-console"],
+        TIMEOUT,
+    );
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert!(!run.stdout.contains("GUEST-CONSOLE-LINE"), "{}", run.tail());
+    let hits = run.stdout.lines().filter(|l| l.contains(" gp: (")).count();
+    assert!(hits >= 3, "{hits} hits\n{}", run.tail());
+}

@@ -39,6 +39,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             dir,
             args.machine.cpus,
             args.workload.as_deref(),
+            console_output(true, args.console_input, args.no_console),
             args.console_input,
             &trace,
         );
@@ -92,13 +93,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         cmdline: files.cmdline.clone(),
         cpus: args.machine.cpus,
         mem_mib: args.machine.mem,
-        // Nobody types into a workload run: the guest's output is escaped, so that its
-        // programs cannot drive the terminal or forge hvprobe's lines (issue 24).
-        console_output: if args.workload.is_none() || args.console_input {
-            ConsoleOutput::Stdout
-        } else {
-            ConsoleOutput::StdoutEscaped
-        },
+        console_output: console_output(args.workload.is_some(), args.console_input, args.no_console),
         console_input: args.workload.is_none() || args.console_input,
         disks: args.machine.disks.clone(),
         shares: daemons.as_ref().map(Daemons::fs_configs).unwrap_or_default(),
@@ -417,5 +412,19 @@ pub(crate) fn report_refused_ool_writes(outcome: &hvprobe_vmm::VmOutcome) {
              are in the log)",
             outcome.ool_writes_refused
         );
+    }
+}
+
+/// Where the guest's console goes: nowhere with `--no-console`; as it is for an
+/// interactive console (no workload, or `--console-input`); else escaped, since nobody
+/// types into a workload run and its programs must not drive the terminal or forge
+/// hvprobe's lines (issue 24).
+pub fn console_output(workload: bool, console_input: bool, no_console: bool) -> ConsoleOutput {
+    if no_console {
+        ConsoleOutput::Discard
+    } else if !workload || console_input {
+        ConsoleOutput::Stdout
+    } else {
+        ConsoleOutput::StdoutEscaped
     }
 }

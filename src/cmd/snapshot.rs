@@ -179,16 +179,11 @@ pub fn run_restored(
     dir: &Path,
     cpus: u8,
     workload: Option<&str>,
+    output: ConsoleOutput,
     console_input: bool,
     trace: &TraceOptions,
 ) -> CliResult {
     let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
-    // As `run`: a workload nobody types into has its console output escaped.
-    let output = if console_input {
-        ConsoleOutput::Stdout
-    } else {
-        ConsoleOutput::StdoutEscaped
-    };
     let r = restore_and_run(dir, cpus, workload, output, console_input, trace)?;
     eprintln!(
         "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
