@@ -394,10 +394,14 @@ fn live_control_on_kvm_amd() {
     // Skipped here, with the reason in docs/known-issues.md: the two-streams test
     // hung twice in full lane runs (its L2 looping on #PF injections from the L1's KVM),
     // the optimize-loop stress test failed in 3 of 4 full lane runs; both pass alone there
-    // and run on kvm_pvm in tests/control.rs. Not diagnosed.
+    // and run on kvm_pvm in tests/control.rs. Not diagnosed. The stalled-stdout test
+    // (hvprobe's vCPU thread blocked writing to a full pipe while the test pauses the VM
+    // every half second) panics the L1 kernel (a task stack overflow in its page-fault
+    // entry, on the vCPU thread): 3 of 4 runs there; it runs on kvm_pvm.
     suite_in_l1(
         "control",
-        "--skip a_stream_that_does_not_read --skip optimizing_and_unoptimizing_in_a_loop",
+        "--skip a_stream_that_does_not_read --skip optimizing_and_unoptimizing_in_a_loop \
+         --skip a_vcpu_blocked_on_a_stalled_stdout",
         4,
         &[],
     );
@@ -529,11 +533,15 @@ fn btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out: &str, run: 
         .map(|l| pid(&l.task))
         .collect();
     assert!(readers.len() >= 3, "three shells read /proc/version\n{}", tail(run));
-    let host: BTreeMap<(String, String), BTreeMap<String, String>> = hits(false, "rd")
+    let mut host: BTreeMap<(String, String), Vec<BTreeMap<String, String>>> = BTreeMap::new();
+    for l in hits(false, "rd")
         .into_iter()
         .filter(|l| readers.contains(&pid(&l.task)))
-        .filter_map(|l| Some(((pid(&l.task), l.args.get("fpos")?.clone()), l.args)))
-        .collect();
+    {
+        if let Some(fpos) = l.args.get("fpos").cloned() {
+            host.entry((pid(&l.task), fpos)).or_default().push(l.args);
+        }
+    }
     let whole: Vec<&common::TraceLine> = guest
         .iter()
         .filter(|l| readers.contains(&pid(&l.task)) && l.args.len() == 5)
@@ -546,7 +554,13 @@ fn btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out: &str, run: 
     );
     for line in whole {
         let key = (pid(&line.task), line.args["fpos"].clone());
-        assert_eq!(host.get(&key), Some(&line.args), "{key:?}\n{}", tail(run));
+        let at = host.get(&key).map(Vec::as_slice).unwrap_or_default();
+        assert!(
+            at.contains(&line.args),
+            "the kernel's own event {:?} at {key:?}; the host's hits there: {at:?}\n{}",
+            line.args,
+            tail(run)
+        );
     }
 }
 
