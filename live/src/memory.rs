@@ -162,15 +162,15 @@ pub struct HostArea {
 }
 
 impl HostArea {
-    /// The offset of `[gva, gva+len)` in the area, when it starts inside it; an error when
-    /// it runs past its end.
-    fn offset_of(&self, gva: Gva, len: usize) -> Result<Option<u64>, MemoryError> {
+    /// The guest-physical address of `[gva, gva+len)`, when it starts inside the area; an
+    /// error when it runs past its end.
+    fn gpa_of(&self, gva: Gva, len: usize) -> Result<Option<Gpa>, MemoryError> {
         let offset = gva.0.wrapping_sub(self.gva.0);
         if offset >= self.size {
             return Ok(None);
         }
         match offset.checked_add(len as u64) {
-            Some(end) if end <= self.size => Ok(Some(offset)),
+            Some(end) if end <= self.size => Ok(Some(Gpa(self.gpa.0 + offset))),
             _ => Err(MemoryError::PastHostArea { gva, len }),
         }
     }
@@ -218,6 +218,15 @@ impl LiveKernel {
         self
     }
 
+    /// Where `[gva, gva+len)` is when it lies in the host's area (reached by its physical
+    /// address, never through the guest's tables).
+    fn in_host_area(&self, gva: Gva, len: usize) -> Result<Option<Gpa>, MemoryError> {
+        match &self.host_area {
+            Some(area) => area.gpa_of(gva, len),
+            None => Ok(None),
+        }
+    }
+
     /// Where the guest's tables may put a piece of a host write.
     fn check_target(&self, gva: Gva, gpa: Gpa, len: usize) -> Result<(), MemoryError> {
         if self.host_area.is_some_and(|area| area.holds(gpa, len)) {
@@ -241,34 +250,29 @@ impl LiveKernel {
 
 impl GuestVirtRead for LiveKernel {
     fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
-        if let Some(area) = &self.host_area {
-            if let Some(offset) = area.offset_of(gva, buf.len())? {
-                let gpa = Gpa(area.gpa.0 + offset);
-                return self
-                    .memory
-                    .phys()
-                    .read_phys(gpa, buf)
-                    .map_err(|source| MemoryError::PhysAccess { gpa, gva, source });
-            }
+        match self.in_host_area(gva, buf.len())? {
+            Some(gpa) => self
+                .memory
+                .phys()
+                .read_phys(gpa, buf)
+                .map_err(|source| MemoryError::PhysAccess { gpa, gva, source }),
+            None => self.memory.read_virt(gva, buf),
         }
-        self.memory.read_virt(gva, buf)
     }
 }
 
 impl KernelMemory for LiveKernel {
     fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
-        if let Some(area) = &self.host_area {
-            if let Some(offset) = area.offset_of(gva, bytes.len())? {
-                let gpa = Gpa(area.gpa.0 + offset);
-                return self
-                    .memory
-                    .phys()
-                    .write_phys(gpa, bytes)
-                    .map_err(|source| MemoryError::PhysAccess { gpa, gva, source });
-            }
+        match self.in_host_area(gva, bytes.len())? {
+            Some(gpa) => self
+                .memory
+                .phys()
+                .write_phys(gpa, bytes)
+                .map_err(|source| MemoryError::PhysAccess { gpa, gva, source }),
+            None => self
+                .memory
+                .write_virt_checked(gva, bytes, &|at, gpa, len| self.check_target(at, gpa, len)),
         }
-        self.memory
-            .write_virt_checked(gva, bytes, &|at, gpa, len| self.check_target(at, gpa, len))
     }
 }
 
