@@ -18,7 +18,7 @@ use vm_memory::GuestMemoryMmap;
 use crate::cli::HitOutputs;
 use crate::control::server::ControlServer;
 use crate::filters_and_triggers::AnalysisFlags;
-use crate::trace::TraceSession;
+use crate::trace::{SessionError, TraceSession};
 use hvprobe_probes::clock::TraceClock;
 
 /// What a run traces and checks (`--probes`, `--format`, `--perfetto`, `--text-hash`, `--control`).
@@ -48,6 +48,31 @@ pub enum ControlSocket {
     /// In the default directory, named after the process.
     Default,
     At(PathBuf),
+}
+
+/// Why the tracing side of a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunSessionError {
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error("cannot stop the VM on signals: {source}")]
+    Signals {
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot hash the kernel text: {0}")]
+    TextHash(#[from] TextHashError),
+}
+
+/// Why the kernel's text could not be hashed.
+#[derive(Debug, thiserror::Error)]
+pub enum TextHashError {
+    #[error("the kernel has no _stext/_etext symbols")]
+    NoTextSymbols,
+    #[error(transparent)]
+    Tables(#[from] hvprobe_live::KernelTablesError),
+    #[error(transparent)]
+    Memory(#[from] hvprobe_introspection::memory::MemoryError),
 }
 
 /// The tracing side of one run.
@@ -159,11 +184,9 @@ impl RunSession {
         state: &VcpuState,
         symbols: &SymbolTable,
         tasks: Option<TaskContext>,
-    ) -> Result<(), String> {
+    ) -> Result<(), SessionError> {
         if let Some(probes) = &self.probes {
-            probes
-                .prepare(control, state, symbols, tasks)
-                .map_err(|e| e.to_string())?;
+            probes.prepare(control, state, symbols, tasks)?;
         }
         if self.text_hash {
             let _ = self.kernel.set((*state, symbols.clone()));
@@ -172,7 +195,7 @@ impl RunSession {
     }
 
     /// Registers and arms every probe (all or none), now.
-    pub fn arm(&self) -> Result<(), String> {
+    pub fn arm(&self) -> Result<(), SessionError> {
         match &self.probes {
             Some(probes) => probes.arm(),
             None => Ok(()),
@@ -188,14 +211,14 @@ impl RunSession {
     }
 
     /// Why arming at `/init` failed, if it did.
-    pub fn failure(&self) -> Option<String> {
+    pub fn failure(&self) -> Option<Arc<SessionError>> {
         self.probes.as_ref().and_then(|p| p.failure())
     }
 
     /// After the run: the last hits, the listing and the engine's counters, every probe
     /// removed; then the SHA-256 of the kernel's text, when asked for and the kernel was
     /// ever up.
-    pub fn finish(&self) -> Result<(), String> {
+    pub fn finish(&self) -> Result<(), RunSessionError> {
         let control = self.control.lock().unwrap_or_else(|e| e.into_inner()).take();
         let control = control.map(|mut c| {
             c.stop_accepting();
@@ -208,10 +231,8 @@ impl RunSession {
             control.finish();
         }
         if let Some((state, symbols)) = self.kernel.get() {
-            let hash = kernel_memory(&self.mem, state, symbols)
-                .map_err(|e| e.to_string())
-                .and_then(|memory| kernel_text_hash(&memory, symbols))
-                .map_err(|e| format!("cannot hash the kernel text: {e}"))?;
+            let memory = kernel_memory(&self.mem, state, symbols).map_err(TextHashError::from)?;
+            let hash = kernel_text_hash(&memory, symbols)?;
             eprintln!("hvprobe: kernel text sha256 {hash}");
         }
         Ok(())
@@ -233,10 +254,10 @@ pub fn optimize_by_default(backend: hvprobe_vmm::Backend) -> bool {
 /// taken printed, the listing and the summary), and hvprobe exits with
 /// [`exit_status_for_signal`]. (With the console attached to a terminal in raw mode,
 /// Ctrl-C is a byte for the guest, not a SIGINT.)
-fn stop_on_signals(control: Arc<VcpuControl>) -> Result<(), String> {
+fn stop_on_signals(control: Arc<VcpuControl>) -> Result<(), RunSessionError> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    let mut signals =
-        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]).map_err(|e| format!("signal handlers: {e}"))?;
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .map_err(|source| RunSessionError::Signals { source })?;
     std::thread::Builder::new()
         .name("hvprobe-signals".into())
         .spawn(move || {
@@ -245,7 +266,7 @@ fn stop_on_signals(control: Arc<VcpuControl>) -> Result<(), String> {
                 control.stop(StopReason::Signal(sig));
             }
         })
-        .map_err(|e| format!("signal thread: {e}"))?;
+        .map_err(|source| RunSessionError::Signals { source })?;
     Ok(())
 }
 
@@ -256,14 +277,14 @@ pub fn exit_status_for_signal(sig: i32) -> u8 {
 }
 
 /// SHA-256 of the kernel's text (`_stext`..`_etext`) in guest memory.
-fn kernel_text_hash(mem: &(impl GuestVirtRead + ?Sized), symbols: &SymbolTable) -> Result<String, String> {
-    let range = hvprobe_probes::engine::text_range(symbols).ok_or("the kernel has no _stext/_etext symbols")?;
+fn kernel_text_hash(mem: &(impl GuestVirtRead + ?Sized), symbols: &SymbolTable) -> Result<String, TextHashError> {
+    let range = hvprobe_probes::engine::text_range(symbols).ok_or(TextHashError::NoTextSymbols)?;
     let mut hasher = Sha256::new();
     let mut page = vec![0u8; 4096];
     let mut at = range.start.0;
     while at < range.end.0 {
         let n = (range.end.0 - at).min(4096) as usize;
-        mem.read_virt(Gva(at), &mut page[..n]).map_err(|e| e.to_string())?;
+        mem.read_virt(Gva(at), &mut page[..n])?;
         hasher.update(&page[..n]);
         at += n as u64;
     }

@@ -68,6 +68,22 @@ pub enum SessionError {
     NoSymbols(String),
     #[error("cannot start the probe engine: {0}")]
     Engine(String),
+    #[error("the probe engine is not attached")]
+    NotAttached,
+    #[error("the probes were not checked against the kernel")]
+    NotChecked,
+    #[error("cannot start the {what} thread: {source}")]
+    Thread {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot watch {signal}: {source}")]
+    Signal {
+        signal: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("the run has ended")]
     Finished,
     #[error("no probe event matches {0:?}")]
@@ -160,7 +176,7 @@ pub struct TraceSession {
     events: Arc<EventFanout>,
     printer: Mutex<Option<JoinHandle<()>>>,
     /// Why arming failed (it happens on a vCPU thread).
-    failure: Arc<Mutex<Option<String>>>,
+    failure: Arc<Mutex<Option<Arc<SessionError>>>>,
     /// Serializes the engine's construction and the control socket's changes (a check and
     /// the registration that follows it see the same probes).
     changes: Mutex<()>,
@@ -248,7 +264,10 @@ impl TraceSession {
                 let printer = std::thread::Builder::new()
                     .name("trace-printer".into())
                     .spawn(move || print_events(rx, format, sym_offset, console, perfetto))
-                    .map_err(|e| SessionError::Engine(format!("cannot start the trace printer: {e}")))?;
+                    .map_err(|source| SessionError::Thread {
+                        what: "trace printer",
+                        source,
+                    })?;
                 (Some(tx), Some(printer))
             }
         };
@@ -395,17 +414,16 @@ impl TraceSession {
     /// Registers and arms every probe of the file (all or none). Call with the guest where
     /// probes should start counting (at `/init`, or before a restored guest runs); from
     /// then on the control socket can add probes too.
-    pub fn arm(&self) -> Result<(), String> {
+    pub fn arm(&self) -> Result<(), SessionError> {
         if self.file.is_some() {
-            let tracer = self.handler.tracer().ok_or("the probe engine is not attached")?;
-            let probes = self
-                .planned
-                .get()
-                .ok_or("the probes were not checked against the kernel")?;
+            let tracer = self.handler.tracer().ok_or(SessionError::NotAttached)?;
+            let probes = self.planned.get().ok_or(SessionError::NotChecked)?;
             let requests = probes.iter().map(|p| p.request.clone()).collect();
-            tracer
-                .register_all(requests)
-                .map_err(|(i, e)| refusal(&self.source(), &probes[i], &e))?;
+            let source = self.source();
+            tracer.register_all(requests).map_err(|(i, e)| SessionError::Spec {
+                problems: vec![refusal(&source, &probes[i], &e)],
+                origin: source.clone(),
+            })?;
             tracing::info!("{} probe(s) armed", probes.len());
         }
         self.ready.store(true, Ordering::Release);
@@ -417,14 +435,14 @@ impl TraceSession {
         let session = Arc::clone(self);
         self.handler.on_init(Box::new(move || {
             if let Err(e) = session.arm() {
-                *session.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                *session.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(e));
                 control.stop(hvprobe_vmm::StopReason::Stopped);
             }
         }));
     }
 
     /// Why arming failed, if it did.
-    pub fn failure(&self) -> Option<String> {
+    pub fn failure(&self) -> Option<Arc<SessionError>> {
         self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -718,9 +736,13 @@ impl TraceSession {
     }
 
     /// Prints the listing on SIGUSR1 while the run lasts.
-    pub fn listing_on_sigusr1(self: &Arc<Self>) -> Result<(), String> {
-        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR1])
-            .map_err(|e| format!("cannot watch SIGUSR1: {e}"))?;
+    pub fn listing_on_sigusr1(self: &Arc<Self>) -> Result<(), SessionError> {
+        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR1]).map_err(|source| {
+            SessionError::Signal {
+                signal: "SIGUSR1",
+                source,
+            }
+        })?;
         let session = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("listing-on-sigusr1".into())
@@ -735,7 +757,10 @@ impl TraceSession {
                     }
                 }
             })
-            .map_err(|e| format!("cannot watch SIGUSR1: {e}"))?;
+            .map_err(|source| SessionError::Thread {
+                what: "SIGUSR1 listing",
+                source,
+            })?;
         Ok(())
     }
 }

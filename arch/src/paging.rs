@@ -13,25 +13,38 @@ use std::fmt;
 use crate::{Gpa, Gva};
 
 /// Why guest-physical memory could not be read or written.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum PhysAccessError {
     /// Some of the bytes are not guest memory: no RAM or device memory backs them.
     #[error("{len} bytes at {gpa} are not guest memory")]
     NotMemory { gpa: Gpa, len: usize },
-    /// The memory's backend failed, for the reason it gave.
-    #[error("{0}")]
-    Backend(String),
+    /// The bytes are guest memory, but its backend could not make the access (an atomic
+    /// access that is not aligned, a range split across two of its regions), for the
+    /// reason it gave.
+    /// (The caller names the address: the access it made is its context.)
+    #[error("the memory's backend failed: {0}")]
+    Backend(#[source] std::sync::Arc<dyn std::error::Error + Send + Sync>),
 }
 
-impl From<String> for PhysAccessError {
-    fn from(reason: String) -> Self {
-        PhysAccessError::Backend(reason)
+/// Two backend failures are equal when they give the same reason.
+impl PartialEq for PhysAccessError {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (PhysAccessError::NotMemory { gpa, len }, PhysAccessError::NotMemory { gpa: g, len: l }) => {
+                gpa == g && len == l
+            }
+            (PhysAccessError::Backend(source), PhysAccessError::Backend(s)) => source.to_string() == s.to_string(),
+            _ => false,
+        }
     }
 }
 
-impl From<&str> for PhysAccessError {
-    fn from(reason: &str) -> Self {
-        PhysAccessError::Backend(reason.to_string())
+impl Eq for PhysAccessError {}
+
+impl PhysAccessError {
+    /// The backend's own `error`.
+    pub fn backend(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        PhysAccessError::Backend(std::sync::Arc::new(error))
     }
 }
 
@@ -390,7 +403,7 @@ mod tests {
     impl PhysRead for FakeMem {
         fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), PhysAccessError> {
             if gpa.0 & 7 != 0 || buf.len() != 8 {
-                return Err(format!("unaligned read of {} bytes at {gpa}", buf.len()).into());
+                return Err(PhysAccessError::NotMemory { gpa, len: buf.len() });
             }
             match self.words.borrow().get(&gpa.0) {
                 Some(w) => {

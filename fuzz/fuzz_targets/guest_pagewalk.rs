@@ -24,7 +24,7 @@ struct Phys(SparseMemory);
 
 impl PhysRead for Phys {
     fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
-        self.0.read_virt(Gva(gpa.0), buf).map_err(|e| hvprobe_arch::paging::PhysAccessError::Backend(e.to_string()))
+        self.0.read_virt(Gva(gpa.0), buf).map_err(|e| hvprobe_arch::paging::PhysAccessError::backend(e))
     }
 }
 

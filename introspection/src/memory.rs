@@ -43,8 +43,6 @@ pub enum MemoryError {
     TextMoved { gva: Gva, gpa: Gpa, text: Gpa },
     #[error("a {len}-byte access at {gva} runs past the end of the host's out-of-line area")]
     PastHostArea { gva: Gva, len: usize },
-    #[error("{0}")]
-    Other(String),
 }
 
 /// Something that reads guest-virtual memory (a live guest through its page tables, or a
@@ -435,11 +433,10 @@ mod tests {
     impl PhysRead for Frames {
         fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
             let frames = self.0.borrow();
-            let f = frames.get(&(gpa.0 & !0xfff)).ok_or(format!("no frame at {gpa}"))?;
+            let not_memory = PhysAccessError::NotMemory { gpa, len: buf.len() };
+            let f = frames.get(&(gpa.0 & !0xfff)).ok_or(not_memory.clone())?;
             let o = (gpa.0 & 0xfff) as usize;
-            let src = f
-                .get(o..o + buf.len())
-                .ok_or(format!("read of {} bytes crosses a frame", buf.len()))?;
+            let src = f.get(o..o + buf.len()).ok_or(not_memory)?;
             buf.copy_from_slice(src);
             Ok(())
         }
@@ -448,11 +445,10 @@ mod tests {
     impl PhysWrite for Frames {
         fn write_phys(&self, gpa: Gpa, data: &[u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
             let mut frames = self.0.borrow_mut();
-            let f = frames.get_mut(&(gpa.0 & !0xfff)).ok_or(format!("no frame at {gpa}"))?;
+            let not_memory = PhysAccessError::NotMemory { gpa, len: data.len() };
+            let f = frames.get_mut(&(gpa.0 & !0xfff)).ok_or(not_memory.clone())?;
             let o = (gpa.0 & 0xfff) as usize;
-            let dst = f
-                .get_mut(o..o + data.len())
-                .ok_or(format!("write of {} bytes crosses a frame", data.len()))?;
+            let dst = f.get_mut(o..o + data.len()).ok_or(not_memory)?;
             dst.copy_from_slice(data);
             Ok(())
         }

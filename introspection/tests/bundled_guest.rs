@@ -582,13 +582,7 @@ impl hvprobe_arch::paging::PhysRead for Ram {
         let src = usize::try_from(gpa.0)
             .ok()
             .and_then(|start| self.0.get(start..start.checked_add(buf.len())?))
-            .ok_or_else(|| {
-                format!(
-                    "{gpa} + {:#x} is beyond the {:#x} bytes of RAM",
-                    buf.len(),
-                    self.0.len()
-                )
-            })?;
+            .ok_or(hvprobe_arch::paging::PhysAccessError::NotMemory { gpa, len: buf.len() })?;
         buf.copy_from_slice(src);
         Ok(())
     }

@@ -16,7 +16,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 fn phys_error(gpa: Gpa, len: usize, e: vm_memory::GuestMemoryError) -> PhysAccessError {
     match e {
         vm_memory::GuestMemoryError::InvalidGuestAddress(_) => PhysAccessError::NotMemory { gpa, len },
-        other => PhysAccessError::Backend(other.to_string()),
+        other => PhysAccessError::backend(other),
     }
 }
 

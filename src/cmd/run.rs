@@ -188,11 +188,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
             false
         }
-        Err(IntrospectionFailure::NotUp) => {
-            eprintln!("hvprobe: the guest kernel never came up far enough to be introspected");
+        Err(e @ IntrospectionFailure::NotUp) => {
+            eprintln!("hvprobe: {e}");
             !args.resolve.is_empty()
         }
-        Err(IntrospectionFailure::Error(e)) => {
+        Err(e) => {
             eprintln!("hvprobe: error: {e}");
             true
         }
@@ -316,10 +316,20 @@ fn symbol_sources(
         .collect()
 }
 
+/// Why the kernel could not be introspected; all but `NotUp` stop the VM.
+#[derive(Debug, thiserror::Error)]
 enum IntrospectionFailure {
     /// The VM stopped before the kernel set up its syscall entry.
+    #[error("the guest kernel never came up far enough to be introspected")]
     NotUp,
-    Error(String),
+    #[error(transparent)]
+    Symbols(#[from] hvprobe_live::KernelSymbolsError),
+    #[error("{source} (in {from})")]
+    Resolve { from: String, source: SymbolError },
+    #[error(transparent)]
+    Session(#[from] crate::trace::SessionError),
+    #[error("no kernel symbols: the probes cannot be placed")]
+    NoSymbols,
 }
 
 /// Once the guest kernel is up: loads symbols from every source (checking file-based ones
@@ -352,12 +362,17 @@ fn introspect_when_up(
                 for spec in resolve {
                     match kernel.table.resolve(spec) {
                         Ok(r) => eprintln!("{spec} = {:#x} ({})", r.addr.0, from.label()),
-                        Err(e) => failure = Some(format!("{e} (in {from})")),
+                        Err(source) => {
+                            failure = Some(IntrospectionFailure::Resolve {
+                                from: from.to_string(),
+                                source,
+                            })
+                        }
                     }
                 }
                 kernels.push(kernel);
             }
-            Err(e) => failure = Some(e.to_string()),
+            Err(e) => failure = Some(e.into()),
         }
     }
     if let (true, false, true, Some(why)) = (
@@ -368,7 +383,7 @@ fn introspect_when_up(
     ) {
         // Only the control socket wanted the symbols: it tells its clients why, and the
         // guest runs on.
-        session.symbols_unavailable(why.clone());
+        session.symbols_unavailable(why.to_string());
         failure = None;
     }
     if let Some(kernel) = kernels.first() {
@@ -384,20 +399,20 @@ fn introspect_when_up(
             // Probes go in when the guest's boot-time text patching is over.
             Ok(()) if control.boot_to_init().is_some() => {
                 if let Err(e) = session.arm() {
-                    failure = Some(e);
+                    failure = Some(e.into());
                 }
             }
             Ok(()) => session.arm_at_init(Arc::clone(control)),
-            Err(e) => failure = Some(e),
+            Err(e) => failure = Some(e.into()),
         }
     } else if session.requires_kernel() && kernels.is_empty() && failure.is_none() {
-        failure = Some("no kernel symbols: the probes cannot be placed".into());
+        failure = Some(IntrospectionFailure::NoSymbols);
     }
     drop(paused);
     match failure {
-        Some(message) => {
+        Some(failure) => {
             control.stop(StopReason::Stopped);
-            Err(IntrospectionFailure::Error(message))
+            Err(failure)
         }
         None => Ok(kernels),
     }

@@ -138,7 +138,7 @@ fn accept_clients(
         }
         let Ok(client) = client else { continue };
         if let Err(reason) = check_peer(&client) {
-            let _ = send(&mut &client, &Response::error(reason));
+            let _ = send(&mut &client, &Response::error(reason.to_string()));
             continue;
         }
         let (session, control, streams) = (Arc::clone(&session), Arc::clone(&control), Arc::clone(&streams));
@@ -148,9 +148,18 @@ fn accept_clients(
     }
 }
 
+/// Why a client of the control socket was turned away.
+#[derive(Debug, thiserror::Error)]
+enum PeerRefused {
+    #[error("cannot tell who connected: {0}")]
+    Unknown(#[source] std::io::Error),
+    #[error("uid {peer} may not control this VM (it belongs to uid {owner})")]
+    OtherUser { peer: u32, owner: u32 },
+}
+
 /// Only the user who started the VM may steer it (the socket's mode says so too; this
 /// holds even for a socket path the user put somewhere others can reach).
-fn check_peer(client: &UnixStream) -> Result<(), String> {
+fn check_peer(client: &UnixStream) -> Result<(), PeerRefused> {
     use std::os::fd::AsRawFd;
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -166,18 +175,15 @@ fn check_peer(client: &UnixStream) -> Result<(), String> {
         )
     };
     if rc != 0 {
-        return Err(format!(
-            "cannot tell who connected: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(PeerRefused::Unknown(std::io::Error::last_os_error()));
     }
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
     if cred.uid != me {
-        return Err(format!(
-            "uid {} may not control this VM (it belongs to uid {me})",
-            cred.uid
-        ));
+        return Err(PeerRefused::OtherUser {
+            peer: cred.uid,
+            owner: me,
+        });
     }
     Ok(())
 }

@@ -32,7 +32,7 @@ pub enum Error {
     #[error("MSR {0:#x} is not readable")]
     MsrUnreadable(u32),
     #[error("the snapshot's serial port state is refused: {0}")]
-    SerialState(String),
+    SerialState(#[source] vm_superio::serial::Error<std::io::Error>),
     #[error("cannot read kernel {path}: {source}")]
     KernelFile {
         path: PathBuf,

@@ -108,8 +108,10 @@ pub enum SnapshotError {
     Backend { snapshot: String, host: String },
     #[error("the snapshot has {snapshot} vCPU(s) but {requested} were requested; --cpus must match the snapshot")]
     CpuCount { snapshot: u32, requested: u8 },
-    #[error("cannot save a snapshot: {0}")]
-    NotReady(String),
+    #[error("cannot save a snapshot: the VM is not stopped at the guest's ready point ({0})")]
+    NotAtReadyPoint(String),
+    #[error("cannot save a snapshot: a vCPU's state was lost")]
+    VcpuStateLost,
     #[error(transparent)]
     Vm(#[from] Error),
 }
@@ -792,14 +794,13 @@ impl Vm {
         match self.control.stop_reason() {
             Some(StopReason::GuestReady) => {}
             other => {
-                return Err(SnapshotError::NotReady(format!(
-                    "the VM is not stopped at the guest's ready point ({})",
-                    other.map(|r| r.to_string()).unwrap_or_else(|| "it has not run".into())
-                )))
+                return Err(SnapshotError::NotAtReadyPoint(
+                    other.map(|r| r.to_string()).unwrap_or_else(|| "it has not run".into()),
+                ))
             }
         }
         if self.vcpus.len() != self.control.vcpu_count() {
-            return Err(SnapshotError::NotReady("a vCPU's state was lost".into()));
+            return Err(SnapshotError::VcpuStateLost);
         }
         std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
         let mut regions = Vec::new();

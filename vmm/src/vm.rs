@@ -519,7 +519,7 @@ pub(crate) fn create_devices(
     let serial = match serial_state {
         None => Serial::new(IrqLine(serial_irq), writer),
         Some(state) => Serial::from_state(state, IrqLine(serial_irq), vm_superio::serial::NoEvents, writer)
-            .map_err(|e| Error::SerialState(format!("{e:?}")))?,
+            .map_err(Error::SerialState)?,
     };
     Ok(Arc::new(PortDevices::with_cmos_index(serial, cmos_index)))
 }

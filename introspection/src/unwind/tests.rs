@@ -18,9 +18,9 @@ impl FakeGuest {
 
 impl GuestVirtRead for FakeGuest {
     fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
-        // Word-granular: the walk only reads aligned words.
+        // Word-granular: the walk only reads aligned words; anything else is unmapped here.
         if buf.len() != 8 {
-            return Err(MemoryError::Other(format!("{}-byte read", buf.len())));
+            return Err(MemoryError::Unmapped(gva));
         }
         let v = self.words.get(&gva.0).ok_or(MemoryError::Unmapped(gva))?;
         buf.copy_from_slice(&v.to_le_bytes());

@@ -32,8 +32,9 @@ impl PageMemory {
 impl PhysRead for PageMemory {
     fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
         let b = self.bytes.lock().unwrap();
-        let start = gpa.0.checked_sub(self.base).ok_or("below the page")? as usize;
-        let src = b.get(start..start + buf.len()).ok_or("beyond the page")?;
+        let not_memory = hvprobe_arch::paging::PhysAccessError::NotMemory { gpa, len: buf.len() };
+        let start = gpa.0.checked_sub(self.base).ok_or(not_memory.clone())? as usize;
+        let src = b.get(start..start + buf.len()).ok_or(not_memory)?;
         buf.copy_from_slice(src);
         Ok(())
     }

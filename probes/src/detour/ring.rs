@@ -149,7 +149,9 @@ pub const MAX_PROBE_SLOTS: u32 = 1 << 16;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RingError {
     #[error("bad ring geometry: {0}")]
-    Geometry(String),
+    Geometry(#[from] GeometryError),
+    #[error("{table} entry {slot} does not exist: the table has {slots}")]
+    NoSuchSlot { table: &'static str, slot: u32, slots: u32 },
     #[error("the rings ({size:#x} bytes) do not fit the {available:#x} bytes given at {gpa}")]
     TooLarge { size: u64, available: u64, gpa: Gpa },
     #[error("{what} at {gpa}: {source}")]
@@ -160,6 +162,29 @@ pub enum RingError {
         source: hvprobe_arch::paging::PhysAccessError,
     },
 }
+
+/// A ring shape or placement the rings cannot have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    #[error("{0} CPUs: 1 to {MAX_CPUS} are supported")]
+    Cpus(u32),
+    #[error("capacity {0}: a power of two up to {MAX_CAPACITY} records")]
+    Capacity(u32),
+    #[error("record size {0}: a multiple of 8 from {RECORD_HEADER_SIZE} to {MAX_RECORD_SIZE}")]
+    RecordSize(u32),
+    #[error("{0} miss-table entries: 1 to {MAX_PROBE_SLOTS} are supported")]
+    ProbeSlots(u32),
+    #[error("the rings at {gva} ({gpa}) must be 64-byte aligned")]
+    Unaligned { gva: Gva, gpa: Gpa },
+    #[error("the rings wrap around the address space")]
+    Wraps,
+}
+
+/// An atomic access the ring memory cannot make: `head`, `tail` and the counters are
+/// aligned words.
+#[derive(Debug, thiserror::Error)]
+#[error("not 8-byte aligned")]
+struct NotAligned;
 
 /// Guest-physical memory as the drain needs it: the existing byte-wise traits for records
 /// and initialisation, plus single-copy-atomic aligned 8-byte accesses for `head` and
@@ -196,19 +221,14 @@ impl RingGeometry {
     /// [`RECORD_HEADER_SIZE`] to [`MAX_RECORD_SIZE`]), and a miss table of
     /// [`DEFAULT_PROBE_SLOTS`] entries ([`RingGeometry::with_probe_slots`]).
     pub fn new(cpus: u32, capacity: u32, record_size: u32) -> Result<Self, RingError> {
-        let bad = |s: String| Err(RingError::Geometry(s));
         if cpus == 0 || cpus > MAX_CPUS {
-            return bad(format!("{cpus} CPUs: 1 to {MAX_CPUS} are supported"));
+            return Err(GeometryError::Cpus(cpus).into());
         }
         if !capacity.is_power_of_two() || capacity > MAX_CAPACITY {
-            return bad(format!(
-                "capacity {capacity}: a power of two up to {MAX_CAPACITY} records"
-            ));
+            return Err(GeometryError::Capacity(capacity).into());
         }
         if !record_size.is_multiple_of(8) || !(RECORD_HEADER_SIZE..=MAX_RECORD_SIZE).contains(&record_size) {
-            return bad(format!(
-                "record size {record_size}: a multiple of 8 from {RECORD_HEADER_SIZE} to {MAX_RECORD_SIZE}"
-            ));
+            return Err(GeometryError::RecordSize(record_size).into());
         }
         Ok(RingGeometry {
             cpus,
@@ -222,9 +242,7 @@ impl RingGeometry {
     /// most that many event detours at once.
     pub fn with_probe_slots(self, slots: u32) -> Result<Self, RingError> {
         if slots == 0 || slots > MAX_PROBE_SLOTS {
-            return Err(RingError::Geometry(format!(
-                "{slots} miss-table entries: 1 to {MAX_PROBE_SLOTS} are supported"
-            )));
+            return Err(GeometryError::ProbeSlots(slots).into());
         }
         Ok(RingGeometry {
             probe_slots: slots,
@@ -314,12 +332,10 @@ impl EventRings {
             return Err(RingError::TooLarge { size, available, gpa });
         }
         if !gva.0.is_multiple_of(64) || !gpa.0.is_multiple_of(64) {
-            return Err(RingError::Geometry(format!(
-                "the rings at {gva} ({gpa}) must be 64-byte aligned"
-            )));
+            return Err(GeometryError::Unaligned { gva, gpa }.into());
         }
         if gva.0.checked_add(size).is_none() || gpa.0.checked_add(size).is_none() {
-            return Err(RingError::Geometry("the rings wrap around the address space".into()));
+            return Err(GeometryError::Wraps.into());
         }
         Ok(EventRings { geometry, gva, gpa })
     }
@@ -391,10 +407,11 @@ impl EventRings {
     /// Miss-table entry `slot`: the hits its detour did not record, as the guest counted
     /// them (a number the guest wrote).
     pub fn probe_missed(&self, mem: &dyn RingMemory, slot: u32) -> Result<u64, RingError> {
-        let offset = self
-            .geometry
-            .probe_missed_offset(slot)
-            .ok_or_else(|| RingError::Geometry(format!("miss slot {slot} of {}", self.geometry.probe_slots)))?;
+        let offset = self.geometry.probe_missed_offset(slot).ok_or(RingError::NoSuchSlot {
+            table: "miss-table",
+            slot,
+            slots: self.geometry.probe_slots,
+        })?;
         load(mem, "a miss-table entry", self.at(offset))
     }
 
@@ -407,10 +424,11 @@ impl EventRings {
     /// Filter-table entry `slot`: the hits its detour's filter discarded, as the guest
     /// counted them (a number the guest wrote).
     pub fn probe_filtered(&self, mem: &dyn RingMemory, slot: u32) -> Result<u64, RingError> {
-        let offset = self
-            .geometry
-            .probe_filtered_offset(slot)
-            .ok_or_else(|| RingError::Geometry(format!("filter slot {slot} of {}", self.geometry.probe_slots)))?;
+        let offset = self.geometry.probe_filtered_offset(slot).ok_or(RingError::NoSuchSlot {
+            table: "filter-table",
+            slot,
+            slots: self.geometry.probe_slots,
+        })?;
         load(mem, "a filter-table entry", self.at(offset))
     }
 
@@ -428,6 +446,11 @@ fn write(mem: &dyn RingMemory, what: &'static str, gpa: Gpa, data: &[u8]) -> Res
 
 fn load(mem: &dyn RingMemory, what: &'static str, gpa: Gpa) -> Result<u64, RingError> {
     mem.load_u64_acquire(gpa)
+        .map_err(|source| RingError::Memory { what, gpa, source })
+}
+
+fn store(mem: &dyn RingMemory, what: &'static str, gpa: Gpa, value: u64) -> Result<(), RingError> {
+    mem.store_u64_release(gpa, value)
         .map_err(|source| RingError::Memory { what, gpa, source })
 }
 
@@ -678,13 +701,7 @@ impl HostRingMemory {
     }
 
     /// Plays the guest's detour on this memory: [`EventRings::record_as_guest`].
-    pub fn guest_record(
-        &self,
-        rings: &EventRings,
-        cpu: u32,
-        miss_slot: u32,
-        record: &[u8],
-    ) -> Result<bool, hvprobe_arch::paging::PhysAccessError> {
+    pub fn guest_record(&self, rings: &EventRings, cpu: u32, miss_slot: u32, record: &[u8]) -> Result<bool, RingError> {
         rings.record_as_guest(self, cpu, miss_slot, record)
     }
 }
@@ -701,24 +718,31 @@ impl EventRings {
         cpu: u32,
         miss_slot: u32,
         record: &[u8],
-    ) -> Result<bool, hvprobe_arch::paging::PhysAccessError> {
+    ) -> Result<bool, RingError> {
         let g = self.geometry();
         let ring = self.gpa().0 + g.ring_offset(cpu);
-        let head = mem.load_u64_acquire(Gpa(ring + HEAD))?;
-        let tail = mem.load_u64_acquire(Gpa(ring + TAIL))?;
+        let head = load(mem, "a ring's head", Gpa(ring + HEAD))?;
+        let tail = load(mem, "a ring's tail", Gpa(ring + TAIL))?;
         if head.wrapping_sub(tail) >= u64::from(g.capacity()) {
-            let entry = g
-                .probe_missed_offset(miss_slot)
-                .ok_or_else(|| format!("miss slot {miss_slot} of {}", g.probe_slots()))?;
+            let entry = g.probe_missed_offset(miss_slot).ok_or(RingError::NoSuchSlot {
+                table: "miss-table",
+                slot: miss_slot,
+                slots: g.probe_slots(),
+            })?;
             for at in [ring + MISSED_FULL, self.gpa().0 + entry] {
-                let missed = mem.load_u64_acquire(Gpa(at))?;
-                mem.store_u64_release(Gpa(at), missed.wrapping_add(1))?;
+                let missed = load(mem, "a miss counter", Gpa(at))?;
+                store(mem, "a miss counter", Gpa(at), missed.wrapping_add(1))?;
             }
             return Ok(false);
         }
         let len = record.len().min(g.record_size() as usize);
-        mem.write_phys(Gpa(self.gpa().0 + g.record_offset(cpu, head)), &record[..len])?;
-        mem.store_u64_release(Gpa(ring + HEAD), head.wrapping_add(1))?;
+        let at = Gpa(self.gpa().0 + g.record_offset(cpu, head));
+        mem.write_phys(at, &record[..len]).map_err(|source| RingError::Memory {
+            what: "a record",
+            gpa: at,
+            source,
+        })?;
+        store(mem, "a ring's head", Gpa(ring + HEAD), head.wrapping_add(1))?;
         Ok(true)
     }
 }
@@ -762,7 +786,7 @@ impl RingMemory for HostRingMemory {
     fn load_u64_acquire(&self, gpa: Gpa) -> Result<u64, hvprobe_arch::paging::PhysAccessError> {
         match self.locate(gpa, 8)? {
             (word, 0) => Ok(self.words[word].load(Ordering::Acquire)),
-            _ => Err(format!("{gpa} is not 8-byte aligned").into()),
+            _ => Err(hvprobe_arch::paging::PhysAccessError::backend(NotAligned)),
         }
     }
 
@@ -772,7 +796,7 @@ impl RingMemory for HostRingMemory {
                 self.words[word].store(value, Ordering::Release);
                 Ok(())
             }
-            _ => Err(format!("{gpa} is not 8-byte aligned").into()),
+            _ => Err(hvprobe_arch::paging::PhysAccessError::backend(NotAligned)),
         }
     }
 }

@@ -2067,8 +2067,9 @@ const KVMCLOCK_GPA: u64 = 0x1ea_7000;
 
 impl hvprobe_arch::paging::PhysRead for KvmClockPage {
     fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), hvprobe_arch::paging::PhysAccessError> {
-        let start = gpa.0.checked_sub(KVMCLOCK_GPA).ok_or("not the page")? as usize;
-        buf.copy_from_slice(self.0.get(start..start + buf.len()).ok_or("not the page")?);
+        let not_memory = hvprobe_arch::paging::PhysAccessError::NotMemory { gpa, len: buf.len() };
+        let start = gpa.0.checked_sub(KVMCLOCK_GPA).ok_or(not_memory.clone())? as usize;
+        buf.copy_from_slice(self.0.get(start..start + buf.len()).ok_or(not_memory)?);
         Ok(())
     }
 }

@@ -103,7 +103,7 @@ fn run_consumer(
     let offered = Arc::new(AtomicU64::new(0));
     let producer = {
         let (mem, rings, stop, offered) = (mem.clone(), rings, stop.clone(), offered.clone());
-        std::thread::spawn(move || -> Result<(), hvprobe_arch::paging::PhysAccessError> {
+        std::thread::spawn(move || -> Result<(), hvprobe_probes::detour::ring::RingError> {
             let mut record = vec![0u8; RECORD_SIZE as usize];
             record[..4].copy_from_slice(&PROBE_ID.to_le_bytes());
             record[24..28].copy_from_slice(&4242u32.to_le_bytes());
