@@ -638,9 +638,6 @@ pub enum StepKind {
     IndirectCall,
     /// `jmp r/m64`: RIP is the absolute target, left alone.
     IndirectJump,
-    /// A `rep` string instruction: each step does one iteration; RIP stays at the slot until
-    /// RCX runs out, then it falls through as Plain.
-    RepString,
 }
 
 /// An instruction that runs as a single-stepped copy at a slot of the out-of-line area.
@@ -649,13 +646,6 @@ pub struct OutOfLine {
     pub kind: StepKind,
     /// Has a RIP-relative memory operand, whose displacement the copy re-targets.
     pub rip_relative: bool,
-}
-
-/// After the fix-up of one step: resume the guest, or step the copy again (unfinished `rep`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepFixup {
-    Done,
-    StepAgain,
 }
 
 impl OutOfLine {
@@ -712,7 +702,7 @@ impl OutOfLine {
         slot: Gva,
         regs: &mut Regs,
         stack: &mut dyn StackAccess,
-    ) -> Result<StepFixup, InsnError> {
+    ) -> Result<(), InsnError> {
         let after_copy = slot.0.wrapping_add(insn.len as u64);
         let unexpected_rip = |rip| InsnError::UnexpectedStepRip {
             addr: insn.addr,
@@ -727,10 +717,7 @@ impl OutOfLine {
             source,
         };
         match self.kind {
-            StepKind::Plain | StepKind::PushFlags | StepKind::RepString => {
-                if self.kind == StepKind::RepString && regs.rip == slot.0 {
-                    return Ok(StepFixup::StepAgain);
-                }
+            StepKind::Plain | StepKind::PushFlags => {
                 if regs.rip != after_copy {
                     return Err(unexpected_rip(regs.rip));
                 }
@@ -763,7 +750,7 @@ impl OutOfLine {
             }
             StepKind::IndirectJump => {}
         }
-        Ok(StepFixup::Done)
+        Ok(())
     }
 }
 
@@ -853,6 +840,17 @@ fn refusal(instruction: &Instruction) -> Option<&'static str> {
         && instruction.op0_register() == Register::SS
     {
         return Some("mov to SS blocks debug exceptions for the next instruction: the step would run past the copy");
+    }
+    // A step runs one iteration of a `rep` string instruction: stepping it through would
+    // take one exit per iteration with the vCPU's interrupts off, as many as the guest's
+    // RCX says (a 1 MiB `rep movsb` is a million exits, seconds of a guest that takes no
+    // interrupt). Bounded by refusing it.
+    if instruction.is_string_instruction() && (instruction.has_rep_prefix() || instruction.has_repne_prefix()) {
+        return Some(
+            "rep-prefixed string instruction: a single-step runs one iteration, so its probe would take an exit \
+             per iteration, as many as the guest's RCX says, with the vCPU's interrupts off; probe the \
+             instruction before or after it",
+        );
     }
     Some(match instruction.mnemonic() {
         Mnemonic::Int3 | Mnemonic::Int | Mnemonic::Int1 | Mnemonic::Into => {
@@ -1027,9 +1025,6 @@ fn step_kind(instruction: &Instruction) -> StepKind {
         Mnemonic::Pushf | Mnemonic::Pushfd | Mnemonic::Pushfq
     ) {
         return StepKind::PushFlags;
-    }
-    if instruction.is_string_instruction() && (instruction.has_rep_prefix() || instruction.has_repne_prefix()) {
-        return StepKind::RepString;
     }
     StepKind::Plain
 }

@@ -20,7 +20,7 @@ use hvprobe_arch::{Gva, INT3};
 use super::optimize::DETOUR_BLOCK;
 use super::step_guard::{self, StepGuard, GUARD_BYTES, IDT_BYTES};
 use super::{EngineFault, HitContext, OutOfLineArea, ProbeError, ProbeId, StepOutcome, Tracer, COUNT, SLOT_SIZE};
-use crate::insn::{self, OutOfLine, ProbedInsn, StepFixup};
+use crate::insn::{self, OutOfLine, ProbedInsn};
 use crate::machine::{InterruptTable, PausedView, Vcpu, VcpuError};
 use crate::regs::Regs;
 
@@ -317,14 +317,7 @@ impl Tracer {
                 .step
                 .fixup_after_step(&pending.insn, pending.slot, &mut regs, &mut super::KernelStack(kernel));
         match fixup {
-            Ok(StepFixup::StepAgain) => {
-                self.stepping
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(cpu, pending);
-                return StepOutcome::Handled;
-            }
-            Ok(StepFixup::Done) => {}
+            Ok(()) => {}
             Err(source) => {
                 let _ = vcpu.set_single_step(false);
                 let _ = vcpu.set_interrupt_table(pending.guest_idt);

@@ -695,12 +695,7 @@ fn rip_relative_copy_out_of_reach_is_an_error() {
 
 #[test]
 fn non_rip_relative_copies_are_byte_identical() {
-    let insns: &[&[u8]] = &[
-        &[0x48, 0x8b, 0x47, 0x08],
-        &[0xff, 0xd0],
-        &[0xf3, 0xa4],
-        &[0x0f, 0x0d, 0x08],
-    ];
+    let insns: &[&[u8]] = &[&[0x48, 0x8b, 0x47, 0x08], &[0xff, 0xd0], &[0xa4], &[0x0f, 0x0d, 0x08]];
     for bytes in insns {
         let (insn, step) = out_of_line(bytes);
         assert!(!step.rip_relative);
@@ -720,9 +715,6 @@ fn step_kinds() {
         (&[0x3e, 0xff, 0xd0], StepKind::IndirectCall),       // notrack call rax
         (&[0xff, 0xe0], StepKind::IndirectJump),             // jmp rax
         (&[0x3e, 0xff, 0x24, 0xc5, 0, 0, 0, 0], StepKind::IndirectJump), // notrack jmp [rax*8]
-        (&[0xf3, 0xa4], StepKind::RepString),                // rep movsb
-        (&[0xf3, 0x48, 0xab], StepKind::RepString),          // rep stosq
-        (&[0xf3, 0xa6], StepKind::RepString),                // repe cmpsb
         (&[0xa4], StepKind::Plain),                          // movsb without rep
         (&[0xf2, 0x0f, 0x10, 0xc1], StepKind::Plain),        // movsd xmm0,xmm1: f2 is not a rep here
     ];
@@ -737,10 +729,7 @@ fn fixup_of_a_plain_step_moves_rip_back() {
     let mut regs = sample_regs();
     regs.rip = SLOT.0 + 4;
     let mut stack = FakeStack::default();
-    assert_eq!(
-        step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap(),
-        StepFixup::Done
-    );
+    step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap();
     assert_eq!(regs.rip, FUNC.0 + 4);
     // Anywhere else (an exception was delivered instead) is an error.
     regs.rip = 0xffff_ffff_8100_0000;
@@ -763,10 +752,7 @@ fn fixup_of_an_indirect_call_rewrites_the_return_address() {
     regs.rsp -= 8;
     let mut stack = FakeStack::default();
     stack.cells.insert(regs.rsp, SLOT.0 + 2);
-    assert_eq!(
-        step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap(),
-        StepFixup::Done
-    );
+    step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap();
     assert_eq!(regs.rip, target);
     assert_eq!(stack.cells[&regs.rsp], FUNC.0 + 2);
     // A return address that is not the copy's is an error, not silently rewritten.
@@ -784,10 +770,7 @@ fn fixup_of_an_indirect_jump_keeps_rip() {
     regs.rip = 0xffff_ffff_8150_0000;
     let before = regs;
     let mut stack = FakeStack::default();
-    assert_eq!(
-        step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap(),
-        StepFixup::Done
-    );
+    step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap();
     assert_eq!(regs, before);
 }
 
@@ -799,31 +782,25 @@ fn fixup_of_pushf_clears_the_trap_flag_it_pushed() {
     regs.rsp -= 8;
     let mut stack = FakeStack::default();
     stack.cells.insert(regs.rsp, 0x246 | TF);
-    assert_eq!(
-        step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap(),
-        StepFixup::Done
-    );
+    step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap();
     assert_eq!(stack.cells[&regs.rsp], 0x246);
     assert_eq!(regs.rip, FUNC.0 + 1);
 }
 
 #[test]
-fn fixup_of_rep_string_steps_again_until_done() {
-    let (insn, step) = out_of_line(&[0xf3, 0xa4]);
-    let mut regs = sample_regs();
-    let mut stack = FakeStack::default();
-    regs.rip = SLOT.0;
-    assert_eq!(
-        step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap(),
-        StepFixup::StepAgain
-    );
-    assert_eq!(regs.rip, SLOT.0);
-    regs.rip = SLOT.0 + 2;
-    assert_eq!(
-        step.fixup_after_step(&insn, SLOT, &mut regs, &mut stack).unwrap(),
-        StepFixup::Done
-    );
-    assert_eq!(regs.rip, FUNC.0 + 2);
+fn rep_string_instructions_are_refused_not_stepped_once_per_iteration() {
+    for bytes in [
+        &[0xf3, 0xa4][..],         // rep movsb
+        &[0xf3, 0x48, 0xab],       // rep stosq
+        &[0xf3, 0xa6],             // repe cmpsb
+        &[0xf2, 0xae],             // repne scasb
+        &[0x65, 0xf3, 0x48, 0xa5], // gs rep movsq
+    ] {
+        match analyze(bytes, FUNC).unwrap().execution {
+            Execution::Refuse(reason) => assert!(reason.contains("per iteration"), "{reason}"),
+            other => panic!("{}: {other:?}", HexBytes::of(bytes)),
+        }
+    }
 }
 
 #[test]
