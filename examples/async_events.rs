@@ -20,7 +20,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let [_, dir, function, workload] = args.as_slice() else {
         return Err("usage: async_events SNAPSHOT_DIR FUNCTION 'WORKLOAD'".into());
     };
-    let mut vm = Vm::restore(std::path::Path::new(dir), None, ConsoleOutput::Stdout)?;
+    let mut vm = Vm::restore(std::path::Path::new(dir), None, ConsoleOutput::Stdout, &[])?;
     let state = vm.vcpu_state(0)?;
     let memory = live_memory(vm.memory(), &state);
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &memory, state.lstar)?.table;

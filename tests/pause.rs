@@ -51,7 +51,7 @@ fn a_long_host_pause_during_a_grace_period_raises_no_rcu_stall_warning() {
     let dir = common::snapshot(2);
     let map = std::fs::read_to_string(common::bundled_guest_dir().join("System.map")).unwrap();
 
-    let mut vm = Vm::restore(&dir, Some(2), ConsoleOutput::Discard).expect("restore");
+    let mut vm = Vm::restore(&dir, Some(2), ConsoleOutput::Discard, &[]).expect("restore");
     // `rcu_state.gp_seq`: its two low bits are nonzero while a grace period is in progress.
     let state = vm.vcpu_state(0).unwrap();
     let slide = state.lstar.wrapping_sub(system_map_address(&map, "entry_SYSCALL_64"));

@@ -20,7 +20,7 @@ use vm_memory::{Bytes, GuestAddress};
 /// A restored snapshot of the bundled guest with a tracer attached (nothing registered).
 fn restored(cpus: u8) -> (Vm, Arc<Tracer>, Arc<ProbeHandler>, SymbolTable) {
     let dir = common::snapshot(cpus);
-    let vm = Vm::restore(&dir, Some(cpus), ConsoleOutput::Discard).expect("restore");
+    let vm = Vm::restore(&dir, Some(cpus), ConsoleOutput::Discard, &[]).expect("restore");
     let state = vm.vcpu_state(0).unwrap();
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)
         .expect("kallsyms")
@@ -294,7 +294,7 @@ impl hvprobe_probes::engine::EventSink for Collect {
 #[test]
 fn a_probe_on_the_guests_own_int3_runs_and_the_guests_kprobe_still_counts_every_hit() {
     let dir = common::snapshot(1);
-    let mut vm = Vm::restore(&dir, Some(1), ConsoleOutput::Discard).expect("restore");
+    let mut vm = Vm::restore(&dir, Some(1), ConsoleOutput::Discard, &[]).expect("restore");
     let state = vm.vcpu_state(0).unwrap();
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)
         .expect("kallsyms")

@@ -77,7 +77,7 @@ fn every_kernel_stack_of_the_bundled_guest_with_two_vcpus() {
 
 fn check_snapshot(cpus: u8) {
     let dir = snapshot_dir(cpus);
-    let vm = Vm::restore(&dir, Some(cpus), ConsoleOutput::Discard)
+    let vm = Vm::restore(&dir, Some(cpus), ConsoleOutput::Discard, &[])
         .unwrap_or_else(|e| panic!("restoring {}: {e}", dir.display()));
     let states: Vec<_> = (0..usize::from(cpus))
         .map(|i| vm.vcpu_state(i).unwrap_or_else(|e| panic!("vCPU {i} state: {e}")))

@@ -38,6 +38,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         return crate::cmd::snapshot::run_restored(
             dir,
             args.machine.cpus,
+            &args.machine.disks,
             args.workload.as_deref(),
             console_output(true, args.console_input, args.no_console),
             args.console_input,

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use hvprobe_live::{live_memory, load_symbols, SymbolsFrom, TaskContext};
-use hvprobe_vmm::{ConsoleLog, ConsoleOutput, StopReason, Vm, VmConfig, VmOutcome};
+use hvprobe_vmm::{ConsoleLog, ConsoleOutput, DiskConfig, StopReason, Vm, VmConfig, VmOutcome};
 
 use crate::cli::CreateArgs;
 use crate::guest::{initrd_with_workload, workload_message, MachineFiles, WAIT_OPTION};
@@ -27,11 +27,6 @@ pub enum SnapshotCliError {
          hvprobe's wait mode? Console tail:\n{tail}"
     )]
     NeverReady { reason: StopReason, tail: String },
-    #[error(
-        "snapshots of a guest with disks are not supported yet (the disks' device and queue \
-         state is not saved): snapshot create takes no --disk or --root"
-    )]
-    Disks,
     #[error(
         "snapshots of a guest with shared directories are not supported: its virtiofsd's state \
          (the guest's open files) cannot be saved with it; snapshot create takes no --rootfs or --rwdir"
@@ -49,9 +44,6 @@ pub(crate) fn wait_mode_config(
     console_output: ConsoleOutput,
 ) -> Result<VmConfig, Box<dyn std::error::Error>> {
     VmConfig::validate_machine(args.machine.cpus, args.machine.mem)?;
-    if !args.machine.disks.is_empty() || args.machine.root.is_some() {
-        return Err(SnapshotCliError::Disks.into());
-    }
     if args.machine.rootfs.is_some() || !args.machine.rwdirs.is_empty() {
         return Err(SnapshotCliError::Shares.into());
     }
@@ -68,7 +60,7 @@ pub(crate) fn wait_mode_config(
         mem_mib: args.machine.mem,
         console_output,
         console_input: false,
-        disks: Vec::new(),
+        disks: args.machine.disks.clone(),
         shares: Vec::new(),
     })
 }
@@ -129,13 +121,14 @@ pub(crate) struct Restored {
 pub(crate) fn restore_and_run(
     dir: &Path,
     cpus: u8,
+    disks: &[DiskConfig],
     workload: &str,
     console_output: ConsoleOutput,
     console_input: bool,
     trace: &TraceOptions,
 ) -> Result<Restored, Box<dyn std::error::Error>> {
     let started = Instant::now();
-    let mut vm = Vm::restore(dir, Some(cpus), console_output)?;
+    let mut vm = Vm::restore(dir, Some(cpus), console_output, disks)?;
     if console_input {
         vm.feed_stdin_to_console();
     }
@@ -178,13 +171,14 @@ pub(crate) fn restore_and_run(
 pub fn run_restored(
     dir: &Path,
     cpus: u8,
+    disks: &[DiskConfig],
     workload: Option<&str>,
     output: ConsoleOutput,
     console_input: bool,
     trace: &TraceOptions,
 ) -> CliResult {
     let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
-    let r = restore_and_run(dir, cpus, workload, output, console_input, trace)?;
+    let r = restore_and_run(dir, cpus, disks, workload, output, console_input, trace)?;
     eprintln!(
         "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
         r.outcome.reason,

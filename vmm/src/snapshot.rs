@@ -16,6 +16,13 @@
 //!          memory file length u64
 //!          VM: PIC master, PIC slave, IOAPIC (kvm_irqchip), PIT (kvm_pit_state2), kvmclock (kvm_clock_data)
 //!          devices: serial (9 registers u8, receive FIFO bytes), CMOS index u8
+//!          virtio devices: count u32, per device: type u32, status u32, driver features u64,
+//!                    queue select u32, feature selects u32 u32, interrupt status u32,
+//!                    needs-reset u8, queues, serving? queues, kind u8 then its record
+//!                    (1, a disk: path bytes, size u64, read-only u8, partition table
+//!                    SHA-256 bytes)
+//!                    where queues = count u32, (max size u16, next avail u16, next used
+//!                    u16, event idx u8, size u16, ready u8, desc u64, avail u64, used u64)*
 //!          per vCPU: CPUID entries, MSRs (count u32, (index u32, value u64)*), regs, sregs, fpu,
 //!                    xsave?, xcrs?, lapic, vcpu events, mp_state, debug regs
 //! ```
@@ -26,8 +33,16 @@
 //! a snapshot taken where KVM offers other CPU features is refused, since the guest kernel
 //! chose its code paths by those features at boot.
 //!
-//! Every check (version, length, checksum, CPUID hash, vCPU count, memory file size) is
-//! made before the first KVM object is created, so a bad snapshot restores nothing.
+//! Every check (version, length, checksum, CPUID hash, vCPU count, memory file size, and
+//! each disk image against what the snapshot saw of it) is made before the first KVM
+//! object is created, so a bad snapshot restores nothing.
+//!
+//! A disk is saved as what a restore must find again: its image's size, attachment and
+//! partition table (which the guest parsed when it found the disk and keeps in memory;
+//! the bundled init mounts a disk only after a restore, so the guest holds no
+//! filesystem state of it). The image itself is not copied: a restore is given it again
+//! (`--disk`, or the path saved), and the guest's writes after a restore go to it as
+//! they would have without the snapshot.
 
 use std::fs::File;
 use std::io::Write;
@@ -49,12 +64,15 @@ use vm_superio::serial::SerialState;
 use crate::backend::Backend;
 use crate::console::{ConsoleLog, ConsoleOutput};
 use crate::vcpu::StopReason;
+use crate::virtio::block::{Block, DiskConfig, DiskError, DiskImage, DiskMismatch, SavedDisk};
+use crate::virtio::mmio::TransportSave;
+use crate::virtio::{DeviceSave, MmioDevices, RestoreError, SaveError, SavedDevice, VirtioDevice};
 use crate::vm::{create_devices, create_machine, memory_ranges, register_guest_memory};
 use crate::{kvm_err, Error, Vm};
 
-/// Version of the snapshot format this build writes and reads (2: the out-of-line area
-/// became 4 MiB, so guest memory is laid out differently).
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 2;
+/// Version of the snapshot format this build writes and reads (3: virtio devices are
+/// saved; 2: the out-of-line area became 4 MiB, so guest memory is laid out differently).
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 3;
 
 /// The directory name under which tools and tests cache a snapshot of the guest built
 /// with key `guest_key`: one per vCPU count, format and backend (a snapshot restores only
@@ -112,6 +130,19 @@ pub enum SnapshotError {
     NotAtReadyPoint(String),
     #[error("cannot save a snapshot: a vCPU's state was lost")]
     VcpuStateLost,
+    #[error("cannot save a snapshot: {0}")]
+    SaveDevice(#[from] SaveError),
+    #[error(
+        "the snapshot has {saved} disk(s) and {given} were given: give none (the snapshot's own images) or \
+         every disk in the snapshot's order"
+    )]
+    DiskCount { saved: usize, given: usize },
+    #[error(transparent)]
+    Disk(#[from] DiskError),
+    #[error(transparent)]
+    DiskMismatch(#[from] DiskMismatch),
+    #[error(transparent)]
+    RestoreDevice(#[from] RestoreError),
     #[error(transparent)]
     Vm(#[from] Error),
 }
@@ -207,6 +238,9 @@ impl Out {
     fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
     fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
@@ -256,8 +290,18 @@ impl<'a> In<'a> {
     fn u8(&mut self, what: &str) -> Result<u8, SnapshotError> {
         Ok(self.take(1, what)?[0])
     }
+    fn u16(&mut self, what: &str) -> Result<u16, SnapshotError> {
+        Ok(u16::from_le_bytes(self.take(2, what)?.try_into().unwrap()))
+    }
     fn u32(&mut self, what: &str) -> Result<u32, SnapshotError> {
         Ok(u32::from_le_bytes(self.take(4, what)?.try_into().unwrap()))
+    }
+    fn bool(&mut self, what: &str) -> Result<bool, SnapshotError> {
+        match self.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(self.malformed(format!("{what}: {v} is not a boolean"))),
+        }
     }
     fn u64(&mut self, what: &str) -> Result<u64, SnapshotError> {
         Ok(u64::from_le_bytes(self.take(8, what)?.try_into().unwrap()))
@@ -325,6 +369,123 @@ struct State {
     serial: SerialState,
     cmos_index: u8,
     vcpus: Vec<VcpuRecord>,
+    virtio: Vec<TransportSave>,
+}
+
+/// Queues a saved device may have (virtio-fs has the most here: 2).
+const MAX_SAVED_QUEUES: u32 = 16;
+
+fn encode_queues(p: &mut Out, queues: &[virtio_queue::QueueState]) {
+    p.u32(queues.len() as u32);
+    for q in queues {
+        p.u16(q.max_size);
+        p.u16(q.next_avail);
+        p.u16(q.next_used);
+        p.u8(u8::from(q.event_idx_enabled));
+        p.u16(q.size);
+        p.u8(u8::from(q.ready));
+        p.u64(q.desc_table);
+        p.u64(q.avail_ring);
+        p.u64(q.used_ring);
+    }
+}
+
+fn decode_queues(r: &mut In<'_>) -> Result<Vec<virtio_queue::QueueState>, SnapshotError> {
+    let n = r.u32("virtio queue count")?;
+    if n > MAX_SAVED_QUEUES {
+        return Err(r.malformed(format!("{n} virtio queues")));
+    }
+    (0..n)
+        .map(|_| {
+            Ok(virtio_queue::QueueState {
+                max_size: r.u16("virtio queue")?,
+                next_avail: r.u16("virtio queue")?,
+                next_used: r.u16("virtio queue")?,
+                event_idx_enabled: r.bool("virtio queue")?,
+                size: r.u16("virtio queue")?,
+                ready: r.bool("virtio queue")?,
+                desc_table: r.u64("virtio queue")?,
+                avail_ring: r.u64("virtio queue")?,
+                used_ring: r.u64("virtio queue")?,
+            })
+        })
+        .collect()
+}
+
+const DEVICE_BLOCK: u8 = 1;
+
+fn encode_device(p: &mut Out, t: &TransportSave) {
+    p.u32(t.device_type);
+    p.u32(t.status);
+    p.u64(t.driver_features);
+    p.u32(t.queue_select);
+    p.u32(t.device_features_select);
+    p.u32(t.driver_features_select);
+    p.u32(t.interrupt_status);
+    p.u8(u8::from(t.needs_reset));
+    encode_queues(p, &t.queues);
+    match &t.device.serving {
+        Some(queues) => {
+            p.u8(1);
+            encode_queues(p, queues);
+        }
+        None => p.u8(0),
+    }
+    match &t.device.device {
+        SavedDevice::Block(disk) => {
+            p.u8(DEVICE_BLOCK);
+            p.bytes(std::os::unix::ffi::OsStrExt::as_bytes(disk.path.as_os_str()));
+            p.u64(disk.size);
+            p.u8(u8::from(disk.read_only));
+            p.bytes(&disk.partition_table);
+        }
+    }
+}
+
+fn decode_device(r: &mut In<'_>) -> Result<TransportSave, SnapshotError> {
+    let device_type = r.u32("virtio device type")?;
+    let status = r.u32("virtio status")?;
+    let driver_features = r.u64("virtio driver features")?;
+    let queue_select = r.u32("virtio queue select")?;
+    let device_features_select = r.u32("virtio feature select")?;
+    let driver_features_select = r.u32("virtio feature select")?;
+    let interrupt_status = r.u32("virtio interrupt status")?;
+    let needs_reset = r.bool("virtio needs-reset")?;
+    let queues = decode_queues(r)?;
+    let serving = match r.bool("virtio serving")? {
+        true => Some(decode_queues(r)?),
+        false => None,
+    };
+    let device = match r.u8("virtio device kind")? {
+        DEVICE_BLOCK => {
+            use std::os::unix::ffi::OsStrExt;
+            let path = PathBuf::from(std::ffi::OsStr::from_bytes(r.bytes("disk path")?));
+            let size = r.u64("disk size")?;
+            let read_only = r.bool("disk read-only")?;
+            let digest = r.bytes("disk partition table digest")?;
+            let partition_table = <[u8; 32]>::try_from(digest)
+                .map_err(|_| r.malformed(format!("a {}-byte partition table digest", digest.len())))?;
+            SavedDevice::Block(SavedDisk {
+                path,
+                size,
+                read_only,
+                partition_table,
+            })
+        }
+        kind => return Err(r.malformed(format!("virtio device kind {kind}"))),
+    };
+    Ok(TransportSave {
+        device_type,
+        status,
+        driver_features,
+        queue_select,
+        device_features_select,
+        driver_features_select,
+        interrupt_status,
+        needs_reset,
+        queues,
+        device: DeviceSave { device, serving },
+    })
 }
 
 fn backend_code(b: Backend) -> u8 {
@@ -369,6 +530,10 @@ impl State {
         }
         p.bytes(&s.in_buffer);
         p.u8(self.cmos_index);
+        p.u32(self.virtio.len() as u32);
+        for device in &self.virtio {
+            encode_device(&mut p, device);
+        }
         for v in &self.vcpus {
             p.u32(v.cpuid.len() as u32);
             for e in &v.cpuid {
@@ -501,6 +666,13 @@ impl State {
             in_buffer: r.bytes("serial FIFO")?.to_vec(),
         };
         let cmos_index = r.u8("CMOS index")?;
+        let device_count = r.u32("virtio device count")?;
+        if device_count as usize > crate::virtio::MAX_DEVICES {
+            return Err(r.malformed(format!("{device_count} virtio devices")));
+        }
+        let virtio = (0..device_count)
+            .map(|_| decode_device(&mut r))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut vcpus = Vec::new();
         for _ in 0..vcpu_count {
             let n = r.u32("CPUID entry count")?;
@@ -546,7 +718,18 @@ impl State {
             serial,
             cmos_index,
             vcpus,
+            virtio,
         })
+    }
+
+    /// The disks the snapshot saw, in device order.
+    fn disks(&self) -> Vec<&SavedDisk> {
+        self.virtio
+            .iter()
+            .map(|t| match &t.device.device {
+                SavedDevice::Block(disk) => disk,
+            })
+            .collect()
     }
 }
 
@@ -802,6 +985,9 @@ impl Vm {
         if self.vcpus.len() != self.control.vcpu_count() {
             return Err(SnapshotError::VcpuStateLost);
         }
+        // The devices first: a disk's worker finishes the request in hand, and what it
+        // signals then is in the interrupt controllers' state saved below.
+        let virtio = self.virtio.save()?;
         std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
         let mut regions = Vec::new();
         let mut offset = 0u64;
@@ -852,6 +1038,7 @@ impl Vm {
             serial: self.devices.serial.lock().unwrap_or_else(|e| e.into_inner()).state(),
             cmos_index: self.devices.cmos_index(),
             vcpus,
+            virtio,
         };
         let memory_path = dir.join(MEMORY_FILE);
         let state_path = dir.join(STATE_FILE);
@@ -878,8 +1065,15 @@ impl Vm {
     /// Restores the VM saved in `dir`. `cpus`, when given, must equal the snapshot's vCPU
     /// count. Guest memory is the snapshot's memory file mapped `MAP_PRIVATE`: pages are
     /// read from the page cache on first touch and copied on first write; the file is opened
-    /// read-only and never changes. Everything is checked before KVM objects are created.
-    pub fn restore(dir: &Path, cpus: Option<u8>, console_output: ConsoleOutput) -> Result<Vm, SnapshotError> {
+    /// read-only and never changes. `disks` are the snapshot's disks, in its order (none:
+    /// the images at the paths it saved), each checked against what the snapshot saw of it
+    /// ([`DiskImage::check_saved`]). Everything is checked before KVM objects are created.
+    pub fn restore(
+        dir: &Path,
+        cpus: Option<u8>,
+        console_output: ConsoleOutput,
+        disks: &[DiskConfig],
+    ) -> Result<Vm, SnapshotError> {
         let state_path = dir.join(STATE_FILE);
         let memory_path = dir.join(MEMORY_FILE);
         let raw = std::fs::read(&state_path).map_err(io_err("read snapshot state", &state_path))?;
@@ -933,6 +1127,28 @@ impl Vm {
             });
         }
 
+        let saved_disks = state.disks();
+        let configs: Vec<DiskConfig> = match disks {
+            [] => saved_disks
+                .iter()
+                .map(|d| DiskConfig {
+                    path: d.path.clone(),
+                    read_only: d.read_only,
+                })
+                .collect(),
+            given if given.len() == saved_disks.len() => given.to_vec(),
+            given => {
+                return Err(SnapshotError::DiskCount {
+                    saved: saved_disks.len(),
+                    given: given.len(),
+                })
+            }
+        };
+        let images = DiskImage::open_all(&configs)?;
+        for (image, saved) in images.iter().zip(&saved_disks) {
+            image.check_saved(saved)?;
+        }
+
         let (kvm, vm_fd, backend) = create_machine(Some(kvm))?;
         let mut regions = Vec::new();
         for r in &state.regions {
@@ -979,16 +1195,15 @@ impl Vm {
         for (cpu, (vcpu, record)) in vcpus.iter().zip(&state.vcpus).enumerate() {
             restore_vcpu(cpu, vcpu, record)?;
         }
-        Ok(Vm::from_parts(
-            kvm,
-            vm_fd,
-            backend,
-            mem,
-            vcpus,
-            devices,
-            console_log,
-            false,
-        )?)
+        let blocks: Vec<Box<dyn VirtioDevice>> = images
+            .into_iter()
+            .map(|image| Box::new(Block::new(image)) as Box<dyn VirtioDevice>)
+            .collect();
+        let virtio = MmioDevices::attach(&vm_fd, &mem, blocks)?;
+        virtio.restore(&state.virtio)?;
+        let mut vm = Vm::from_parts(kvm, vm_fd, backend, mem, vcpus, devices, console_log, false)?;
+        vm.virtio = std::sync::Arc::new(virtio);
+        Ok(vm)
     }
 }
 
@@ -1050,6 +1265,44 @@ mod tests {
             serial,
             cmos_index: 0x0b,
             vcpus: vec![vcpu(), vcpu()],
+            virtio: vec![TransportSave {
+                device_type: 2,
+                status: 0xf,
+                driver_features: 1 << 32 | 1 << 9,
+                queue_select: 0,
+                device_features_select: 1,
+                driver_features_select: 1,
+                interrupt_status: 1,
+                needs_reset: false,
+                queues: vec![virtio_queue::QueueState {
+                    max_size: 256,
+                    size: 128,
+                    ready: true,
+                    desc_table: 0x10_0000,
+                    avail_ring: 0x10_1000,
+                    used_ring: 0x10_2000,
+                    ..Default::default()
+                }],
+                device: DeviceSave {
+                    device: SavedDevice::Block(SavedDisk {
+                        path: "/images/disk.img".into(),
+                        size: 3 << 20,
+                        read_only: true,
+                        partition_table: [0xab; 32],
+                    }),
+                    serving: Some(vec![virtio_queue::QueueState {
+                        max_size: 256,
+                        next_avail: 9,
+                        next_used: 9,
+                        event_idx_enabled: true,
+                        size: 128,
+                        ready: true,
+                        desc_table: 0x10_0000,
+                        avail_ring: 0x10_1000,
+                        used_ring: 0x10_2000,
+                    }]),
+                },
+            }],
         }
     }
 
@@ -1067,6 +1320,7 @@ mod tests {
         assert_eq!(s.vcpus[1].msrs, vec![(0x10, 99), (MSR_IA32_TSC_DEADLINE, 7)]);
         assert_eq!(s.vcpus[0].cpuid[0].eax, 0x1234);
         assert!(s.vcpus[0].xsave.is_none() && s.vcpus[0].xcrs.is_some());
+        assert_eq!(s.virtio, sample_state().virtio);
     }
 
     #[test]
@@ -1089,6 +1343,9 @@ mod tests {
         let last = c.len() - 1;
         c[last] ^= 0xff;
         assert!(err(&c).contains("checksum"));
+        let mut state = sample_state();
+        state.virtio = vec![state.virtio[0].clone(); crate::virtio::MAX_DEVICES + 1];
+        assert!(err(&state.encode()).contains("9 virtio devices"));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, VmFd};
 use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING, VIRTIO_MMIO_QUEUE_NOTIFY};
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueState};
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -48,6 +48,71 @@ pub trait VirtioDevice: Send {
     fn activate(&mut self, activation: Activation) -> Result<(), ActivateError>;
     /// Stops serving (the driver reset the device); the transport then forgets the queues.
     fn reset(&mut self);
+    /// The device's part of a snapshot (the vCPUs are stopped): what a restore must find
+    /// again, and, while it serves its queues, their state as it has them (it finishes
+    /// the request in hand first and goes on serving afterwards). A device whose state
+    /// cannot be saved says why.
+    fn save(&mut self) -> Result<DeviceSave, SaveError>;
+}
+
+/// A device's part of a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSave {
+    pub device: SavedDevice,
+    /// The queues as the device serves them (their next available and used indices), or
+    /// `None` while it is not serving.
+    pub serving: Option<Vec<QueueState>>,
+}
+
+/// What a restored device must be, by kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SavedDevice {
+    /// A disk: the image a restore must be given again (see
+    /// [`block::DiskImage::check_saved`]).
+    Block(block::SavedDisk),
+}
+
+/// Why a saved device cannot be restored onto the device given.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("the snapshot has {saved} virtio device(s), the machine {given}")]
+    DeviceCount { saved: usize, given: usize },
+    #[error("virtio device {index} was of type {saved} in the snapshot, it is of type {found} now")]
+    DeviceType { index: usize, saved: u32, found: u32 },
+    #[error("virtio device {index} had {saved} queue(s) in the snapshot, it has {found} now")]
+    QueueCount { index: usize, saved: usize, found: usize },
+    #[error("virtio device {index}'s queue {queue} cannot be restored: {source}")]
+    Queue {
+        index: usize,
+        queue: usize,
+        #[source]
+        source: virtio_queue::Error,
+    },
+    #[error("virtio device {index} cannot start serving again: {source}")]
+    Activate {
+        index: usize,
+        #[source]
+        source: ActivateError,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SaveError {
+    #[error(
+        "a virtio-fs device cannot be saved: its virtiofsd holds the guest's open files and \
+         the state of its FUSE session, which cannot be saved with the guest"
+    )]
+    SharedDirectory,
+    #[error("the disk image was lost with a worker thread that panicked")]
+    ImageLost,
+    #[error("cannot read disk image {path} for its content check: {source}")]
+    ReadImage {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot restart the disk's worker thread after saving it: {0}")]
+    Restart(#[source] ActivateError),
 }
 
 /// What a device gets when the driver sets DRIVER_OK.
@@ -132,6 +197,13 @@ impl Interrupt {
 
     pub(crate) fn acknowledge(&self, bits: u32) {
         self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    /// Puts back a saved InterruptStatus and broken flag (a restore; the line's own state
+    /// is the interrupt controller's, restored with it).
+    pub(crate) fn restore(&self, status: u32, needs_reset: bool) {
+        self.status.store(status, Ordering::SeqCst);
+        self.needs_reset.store(needs_reset, Ordering::SeqCst);
     }
 
     pub(crate) fn clear(&self) {
@@ -228,6 +300,32 @@ impl MmioDevices {
 
     pub fn is_empty(&self) -> bool {
         self.devices.is_empty()
+    }
+
+    /// Every device's transport and device state, in order (the vCPUs are stopped).
+    pub fn save(&self) -> Result<Vec<mmio::TransportSave>, SaveError> {
+        self.devices
+            .iter()
+            .map(|(_, t)| t.lock().unwrap_or_else(|e| e.into_inner()).save())
+            .collect()
+    }
+
+    /// Puts `saved` (from [`MmioDevices::save`]) back onto these devices, which must be
+    /// the same kinds in the same order; devices that were serving serve again.
+    pub fn restore(&self, saved: &[mmio::TransportSave]) -> Result<(), RestoreError> {
+        if saved.len() != self.devices.len() {
+            return Err(RestoreError::DeviceCount {
+                saved: saved.len(),
+                given: self.devices.len(),
+            });
+        }
+        for (index, ((_, transport), saved)) in self.devices.iter().zip(saved).enumerate() {
+            transport
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .restore(index, saved)?;
+        }
+        Ok(())
     }
 
     /// The guest kernel's announcements of the devices, space-separated.

@@ -34,7 +34,7 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
         .max()
         .ok_or("--counts needs at least one number")?;
     let dir = super::bench_snapshot(args.snapshot.as_deref(), args.cpus, "arm")?;
-    let mut vm = Vm::restore(&dir, Some(args.cpus), ConsoleOutput::Discard)?;
+    let mut vm = Vm::restore(&dir, Some(args.cpus), ConsoleOutput::Discard, &[])?;
     let state = vm.vcpu_state(0)?;
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?.table;
     let tracer = build_tracer(vm.control(), vm.memory(), &state, &symbols, None)?;

@@ -233,7 +233,7 @@ fn run_guest(
     calls: u32,
     variant: &GuestVariant,
 ) -> Result<GuestRun, Box<dyn std::error::Error>> {
-    let mut vm = Vm::restore(dir, Some(1), ConsoleOutput::Discard)?;
+    let mut vm = Vm::restore(dir, Some(1), ConsoleOutput::Discard, &[])?;
     let mut tracer_used = None;
     let handler: Arc<dyn DebugHandler> = if variant.host_probes.is_empty() {
         Arc::new(NoProbes)

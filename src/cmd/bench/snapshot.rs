@@ -40,6 +40,7 @@ fn bench_with(config: &VmConfig, dir: &Path, args: &SnapshotBenchArgs) -> CliRes
         let r = restore_and_run(
             dir,
             args.cpus,
+            &[],
             "exit 0",
             ConsoleOutput::Discard,
             false,

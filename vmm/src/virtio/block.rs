@@ -18,6 +18,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
+use sha2::{Digest, Sha256};
+
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
@@ -28,12 +30,19 @@ use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{ActivateError, Activation, Interrupt, VirtioDevice};
+use super::{ActivateError, Activation, DeviceSave, Interrupt, SaveError, SavedDevice, VirtioDevice};
 
 pub const SECTOR_SIZE: u64 = 512;
 /// Entries in the request queue: what Linux's driver uses when the device allows it.
 const QUEUE_SIZE: u16 = 256;
 const REQUEST_HEADER_LEN: usize = 16;
+/// EBRs of an MBR's extended partition a snapshot's check follows; Linux's msdos parser
+/// stops at fewer logical partitions than this.
+const MAX_EBRS: usize = 256;
+/// The most GPT partition-entry bytes a snapshot's check reads (Linux's parser takes up
+/// to 128 entries of 128 bytes in practice; a header may ask for more, which is hashed
+/// up to this much).
+const MAX_GPT_ENTRY_BYTES: u64 = 1 << 20;
 
 /// How a disk is attached: `--disk FILE[,ro]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,6 +67,51 @@ pub enum DiskError {
     Locked { path: PathBuf },
     #[error("disk image {path} is given twice")]
     Twice { path: PathBuf },
+}
+
+/// A disk as a snapshot saw it: what its image must still be at restore.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedDisk {
+    /// Where the image was (absolute): a restore without `--disk` opens it there.
+    pub path: PathBuf,
+    pub size: u64,
+    pub read_only: bool,
+    /// SHA-256 of its partition table ([`DiskImage::partition_table_digest`]).
+    pub partition_table: [u8; 32],
+}
+
+/// Why an image is not the one a snapshot saw.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskMismatch {
+    #[error("disk image {path} is {size} bytes; the snapshot's disk was {saved} bytes")]
+    Size { path: PathBuf, size: u64, saved: u64 },
+    #[error(
+        "disk image {path} is attached {given}; the snapshot's disk was {saved} (give the disk as the snapshot \
+         had it: `,ro` or not)"
+    )]
+    ReadOnly {
+        path: PathBuf,
+        given: &'static str,
+        saved: &'static str,
+    },
+    #[error(
+        "disk image {path} is not the one the snapshot saw: its partition table differs from the one the \
+         snapshotted guest read at boot and holds in its memory"
+    )]
+    PartitionTable { path: PathBuf },
+    #[error("cannot read disk image {path} for its content check: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn attachment(read_only: bool) -> &'static str {
+    match read_only {
+        true => "read-only",
+        false => "read-write",
+    }
 }
 
 /// An open, locked disk image of a whole number of sectors.
@@ -153,6 +207,118 @@ impl DiskImage {
         self.read_only
     }
 
+    /// SHA-256 of what a guest kernel parses of the image's partition table when it finds
+    /// the disk, and keeps in memory from then on: the MBR's partition entries and
+    /// signature (bytes 440..512 of sector 0) and, through an extended partition, each
+    /// EBR's; sector 1 (a GPT header, or nothing); a GPT's partition entries and its
+    /// backup header in the last sector. Nothing a filesystem writes on a disk without
+    /// a partition table is in it (ext4's superblock starts at byte 1024), so a disk
+    /// snapshotted unmounted can be written by each restore and restored again.
+    pub fn partition_table_digest(&self) -> std::io::Result<[u8; 32]> {
+        use std::os::unix::fs::FileExt;
+        let mut hasher = Sha256::new();
+        let mut sector = [0u8; SECTOR_SIZE as usize];
+        let read_sector = |lba: u64, sector: &mut [u8; SECTOR_SIZE as usize]| -> std::io::Result<bool> {
+            match lba.checked_mul(SECTOR_SIZE).filter(|&at| at + SECTOR_SIZE <= self.size) {
+                Some(at) => self.file.read_exact_at(sector, at).map(|()| true),
+                None => Ok(false),
+            }
+        };
+        read_sector(0, &mut sector)?;
+        hasher.update(&sector[440..]);
+        // Logical partitions: a chain of EBRs, each linking to the next relative to the
+        // extended partition's start.
+        let mbr = sector;
+        let entry = |s: &[u8; 512], i: usize| {
+            let e = &s[446 + 16 * i..446 + 16 * (i + 1)];
+            (
+                e[4],
+                u64::from(u32::from_le_bytes(e[8..12].try_into().expect("4 bytes"))),
+            )
+        };
+        let extended = |kind: u8| matches!(kind, 0x05 | 0x0f | 0x85);
+        if mbr[510..] == [0x55, 0xaa] {
+            if let Some(base) = (0..4)
+                .map(|i| entry(&mbr, i))
+                .find(|&(kind, _)| extended(kind))
+                .map(|(_, lba)| lba)
+            {
+                let mut next = base;
+                let mut seen = Vec::new();
+                while next != 0 && seen.len() < MAX_EBRS && !seen.contains(&next) {
+                    seen.push(next);
+                    if !read_sector(next, &mut sector)? {
+                        break;
+                    }
+                    hasher.update(next.to_le_bytes());
+                    hasher.update(&sector[440..]);
+                    let (kind, link) = entry(&sector, 1);
+                    next = match extended(kind) && link != 0 {
+                        true => base.saturating_add(link),
+                        false => 0,
+                    };
+                }
+            }
+        }
+        if read_sector(1, &mut sector)? {
+            hasher.update(sector);
+            if sector[..8] == *b"EFI PART" {
+                let entries_lba = u64::from_le_bytes(sector[72..80].try_into().expect("8 bytes"));
+                let count = u64::from(u32::from_le_bytes(sector[80..84].try_into().expect("4 bytes")));
+                let entry_size = u64::from(u32::from_le_bytes(sector[84..88].try_into().expect("4 bytes")));
+                let bytes = count.saturating_mul(entry_size).min(MAX_GPT_ENTRY_BYTES);
+                let mut entries = vec![0u8; bytes as usize];
+                let start = entries_lba.checked_mul(SECTOR_SIZE);
+                if let Some(at) = start.filter(|&at| at.checked_add(bytes).is_some_and(|end| end <= self.size)) {
+                    self.file.read_exact_at(&mut entries, at)?;
+                    hasher.update(&entries);
+                }
+                if read_sector(self.size / SECTOR_SIZE - 1, &mut sector)? {
+                    hasher.update(sector);
+                }
+            }
+        }
+        Ok(hasher.finalize().into())
+    }
+
+    /// This disk as a snapshot saves it.
+    pub fn saved(&self) -> std::io::Result<SavedDisk> {
+        Ok(SavedDisk {
+            path: std::path::absolute(&self.path)?,
+            size: self.size,
+            read_only: self.read_only,
+            partition_table: self.partition_table_digest()?,
+        })
+    }
+
+    /// Whether this image is the one `saved` describes: the same size and attachment, and
+    /// the same partition table (what the guest parsed at boot and keeps in memory).
+    pub fn check_saved(&self, saved: &SavedDisk) -> Result<(), DiskMismatch> {
+        let path = self.path.clone();
+        if self.size != saved.size {
+            return Err(DiskMismatch::Size {
+                path,
+                size: self.size,
+                saved: saved.size,
+            });
+        }
+        if self.read_only != saved.read_only {
+            return Err(DiskMismatch::ReadOnly {
+                path,
+                given: attachment(self.read_only),
+                saved: attachment(saved.read_only),
+            });
+        }
+        let digest = self.partition_table_digest().map_err(|source| DiskMismatch::Read {
+            path: path.clone(),
+            source,
+        })?;
+        if digest != saved.partition_table {
+            return Err(DiskMismatch::PartitionTable { path });
+        }
+        Ok(())
+    }
+
     /// The 20-byte device ID: the image's device and inode in hex, zero-padded.
     fn device_id(&self) -> [u8; VIRTIO_BLK_ID_BYTES as usize] {
         let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
@@ -187,7 +353,30 @@ pub struct Block {
 
 struct Worker {
     stop: EventFd,
-    thread: JoinHandle<DiskImage>,
+    /// Gives back the server (image and queue) and its kick when it stops.
+    thread: JoinHandle<(RequestServer, EventFd)>,
+}
+
+impl Worker {
+    fn start(mut server: RequestServer, kick: EventFd) -> Result<Worker, ActivateError> {
+        let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
+        let stop_worker = stop.try_clone().map_err(ActivateError::EventFd)?;
+        let thread = std::thread::Builder::new()
+            .name("virtio-blk".into())
+            .spawn(move || {
+                server.run(&kick, &stop_worker);
+                (server, kick)
+            })
+            .map_err(ActivateError::Thread)?;
+        Ok(Worker { stop, thread })
+    }
+
+    /// Stops the thread after the request in hand; `None` if it panicked (the image is
+    /// then gone with it).
+    fn stop(self) -> Option<(RequestServer, EventFd)> {
+        let _ = self.stop.write(1);
+        self.thread.join().ok()
+    }
 }
 
 impl Block {
@@ -248,9 +437,7 @@ impl VirtioDevice for Block {
             // Held by a worker that did not come back (see reset): the device is broken.
             return Err(ActivateError::ImageLost);
         };
-        let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
-        let stop_worker = stop.try_clone().map_err(ActivateError::EventFd)?;
-        let mut server = RequestServer {
+        let server = RequestServer {
             image,
             mem,
             queue: queues.remove(0),
@@ -258,26 +445,45 @@ impl VirtioDevice for Block {
             broken: false,
         };
         let kick = notify.remove(0);
-        let thread = std::thread::Builder::new()
-            .name("virtio-blk".into())
-            .spawn(move || {
-                server.run(&kick, &stop_worker);
-                server.image
-            })
-            .map_err(ActivateError::Thread)?;
-        self.worker = Some(Worker { stop, thread });
+        self.worker = Some(Worker::start(server, kick)?);
         Ok(())
     }
 
     fn reset(&mut self) {
         if let Some(worker) = self.worker.take() {
-            let _ = worker.stop.write(1);
-            match worker.thread.join() {
-                Ok(image) => self.image = Some(image),
-                Err(_) => tracing::error!("virtio-blk: the worker thread panicked; the disk is gone"),
+            match worker.stop() {
+                Some((server, _)) => self.image = Some(server.image),
+                None => tracing::error!("virtio-blk: the worker thread panicked; the disk is gone"),
             }
         }
     }
+
+    fn save(&mut self) -> Result<DeviceSave, SaveError> {
+        let Some(worker) = self.worker.take() else {
+            let image = self.image.as_ref().ok_or(SaveError::ImageLost)?;
+            return Ok(DeviceSave {
+                device: SavedDevice::Block(saved_disk(image)?),
+                serving: None,
+            });
+        };
+        let (server, kick) = worker.stop().ok_or(SaveError::ImageLost)?;
+        let saved = saved_disk(&server.image);
+        let queue = server.queue.state();
+        // The worker goes on as it was, whatever the save's outcome; a kick that came
+        // while it was stopped is still pending on `kick`.
+        self.worker = Some(Worker::start(server, kick).map_err(SaveError::Restart)?);
+        Ok(DeviceSave {
+            device: SavedDevice::Block(saved?),
+            serving: Some(vec![queue]),
+        })
+    }
+}
+
+fn saved_disk(image: &DiskImage) -> Result<SavedDisk, SaveError> {
+    image.saved().map_err(|source| SaveError::ReadImage {
+        path: image.path.clone(),
+        source,
+    })
 }
 
 impl Drop for Block {

@@ -396,6 +396,10 @@ impl VirtioDevice for Fs {
     fn reset(&mut self) {
         self.stop();
     }
+
+    fn save(&mut self) -> Result<super::DeviceSave, super::SaveError> {
+        Err(super::SaveError::SharedDirectory)
+    }
 }
 
 const SOCKET: u64 = u64::MAX - 1;

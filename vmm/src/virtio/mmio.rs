@@ -13,11 +13,11 @@ use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
 };
 use virtio_bindings::virtio_mmio::*;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{Activation, Interrupt, VirtioDevice};
+use super::{Activation, DeviceSave, Interrupt, RestoreError, SaveError, VirtioDevice};
 
 /// "virt", little-endian.
 const MAGIC: u32 = 0x7472_6976;
@@ -25,6 +25,22 @@ const MAGIC: u32 = 0x7472_6976;
 const MMIO_VERSION: u32 = 2;
 /// Reported as the vendor ID: "hvpr".
 const VENDOR_ID: u32 = 0x7270_7668;
+
+/// A transport and its device as a snapshot saves them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransportSave {
+    pub device_type: u32,
+    pub status: u32,
+    pub driver_features: u64,
+    pub queue_select: u32,
+    pub device_features_select: u32,
+    pub driver_features_select: u32,
+    pub interrupt_status: u32,
+    pub needs_reset: bool,
+    /// The queues as the driver set them up (the transport's copies).
+    pub queues: Vec<QueueState>,
+    pub device: DeviceSave,
+}
 
 pub struct MmioTransport {
     device: Box<dyn VirtioDevice>,
@@ -325,6 +341,93 @@ impl MmioTransport {
         }
     }
 
+    /// The register state, the queues' set-up and the device's own state (the vCPUs are
+    /// stopped, so no register access comes in meanwhile).
+    pub fn save(&mut self) -> Result<TransportSave, SaveError> {
+        Ok(TransportSave {
+            device_type: self.device.device_type(),
+            status: self.status,
+            driver_features: self.driver_features,
+            queue_select: self.queue_select,
+            device_features_select: self.device_features_select,
+            driver_features_select: self.driver_features_select,
+            interrupt_status: self.interrupt.status(),
+            needs_reset: self.interrupt.needs_reset(),
+            queues: self.queues.iter().map(|q| q.state()).collect(),
+            device: self.device.save()?,
+        })
+    }
+
+    /// Puts a saved state back (a fresh transport of the same device, before any vCPU
+    /// runs); a device that was serving its queues serves them again from where it was.
+    /// Everything in `saved` comes from a file: queues are rebuilt through virtio-queue's
+    /// checks, and a device of another kind or shape is refused.
+    pub fn restore(&mut self, index: usize, saved: &TransportSave) -> Result<(), RestoreError> {
+        let found = self.device.device_type();
+        if saved.device_type != found {
+            return Err(RestoreError::DeviceType {
+                index,
+                saved: saved.device_type,
+                found,
+            });
+        }
+        let rebuild = |states: &[QueueState]| -> Result<Vec<Queue>, RestoreError> {
+            let max_sizes = self.device.queue_max_sizes();
+            if states.len() != max_sizes.len() {
+                return Err(RestoreError::QueueCount {
+                    index,
+                    saved: states.len(),
+                    found: max_sizes.len(),
+                });
+            }
+            states
+                .iter()
+                .zip(max_sizes)
+                .enumerate()
+                .map(|(queue, (state, &max))| {
+                    // The device's maximum is this build's, not the file's.
+                    Queue::try_from(QueueState {
+                        max_size: max,
+                        ..*state
+                    })
+                    .map_err(|source| RestoreError::Queue { index, queue, source })
+                })
+                .collect()
+        };
+        let queues = rebuild(&saved.queues)?;
+        let serving = saved.device.serving.as_deref().map(rebuild).transpose()?;
+        self.queues = queues;
+        self.queue_refused = vec![false; self.queues.len()];
+        self.status = saved.status;
+        self.driver_features = saved.driver_features;
+        self.queue_select = saved.queue_select;
+        self.device_features_select = saved.device_features_select;
+        self.driver_features_select = saved.driver_features_select;
+        self.interrupt.restore(saved.interrupt_status, saved.needs_reset);
+        if let Some(queues) = serving {
+            let notify = self
+                .notify
+                .iter()
+                .map(EventFd::try_clone)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| RestoreError::Activate {
+                    index,
+                    source: super::ActivateError::EventFd(e),
+                })?;
+            self.device
+                .activate(Activation {
+                    mem: self.mem.clone(),
+                    queues,
+                    notify,
+                    interrupt: Arc::clone(&self.interrupt),
+                    acked_features: self.driver_features,
+                })
+                .map_err(|source| RestoreError::Activate { index, source })?;
+            self.active = true;
+        }
+        Ok(())
+    }
+
     /// Stops the device for good (the machine is going away).
     pub fn shut_down(&mut self) {
         if self.active {
@@ -357,6 +460,17 @@ mod tests {
     #[derive(Default)]
     struct Recorder {
         log: Arc<Mutex<Vec<String>>>,
+        /// Its queues while it serves them.
+        serving: Option<Vec<QueueState>>,
+    }
+
+    fn saved_disk() -> crate::virtio::SavedDevice {
+        crate::virtio::SavedDevice::Block(crate::virtio::block::SavedDisk {
+            path: "/img".into(),
+            size: 1 << 20,
+            read_only: false,
+            partition_table: [7; 32],
+        })
     }
 
     impl VirtioDevice for Recorder {
@@ -376,15 +490,24 @@ mod tests {
         }
         fn activate(&mut self, a: Activation) -> Result<(), ActivateError> {
             self.log.lock().unwrap().push(format!(
-                "activate {} queues, features {:#x}, queue size {}",
+                "activate {} queues, features {:#x}, queue size {}, next avail {}",
                 a.queues.len(),
                 a.acked_features,
-                a.queues[0].size()
+                a.queues[0].size(),
+                a.queues[0].next_avail()
             ));
+            self.serving = Some(a.queues.iter().map(|q| q.state()).collect());
             Ok(())
         }
         fn reset(&mut self) {
+            self.serving = None;
             self.log.lock().unwrap().push("reset".into());
+        }
+        fn save(&mut self) -> Result<DeviceSave, SaveError> {
+            Ok(DeviceSave {
+                device: saved_disk(),
+                serving: self.serving.clone(),
+            })
         }
     }
 
@@ -462,6 +585,67 @@ mod tests {
     }
 
     #[test]
+    fn a_saved_transport_restores_its_registers_and_serves_from_where_its_device_was() {
+        let (mut t, _) = transport();
+        negotiate(&mut t, FEATURES);
+        set_up_queue(&mut t, 8, 0x10000);
+        write(&mut t, VIRTIO_MMIO_STATUS, ALL_OK);
+        t.interrupt.signal_used_queue();
+        let mut saved = t.save().unwrap();
+        // The device had served 5 requests when it was saved.
+        saved.device.serving.as_mut().unwrap()[0].next_avail = 5;
+        saved.device.serving.as_mut().unwrap()[0].next_used = 5;
+
+        let (mut restored, log) = transport();
+        restored.restore(0, &saved).unwrap();
+        assert_eq!(
+            *log.lock().unwrap(),
+            ["activate 1 queues, features 0x100000020, queue size 8, next avail 5"]
+        );
+        assert_eq!(read(&mut restored, VIRTIO_MMIO_STATUS), ALL_OK);
+        assert_eq!(read(&mut restored, VIRTIO_MMIO_INTERRUPT_STATUS), VIRTIO_MMIO_INT_VRING);
+        assert_eq!(read(&mut restored, VIRTIO_MMIO_QUEUE_READY), 1);
+        assert_eq!(restored.save().unwrap(), {
+            let mut again = saved.clone();
+            again.device.serving.as_mut().unwrap()[0].event_idx_enabled = false;
+            again
+        });
+        // The driver's reset reaches the restored device.
+        write(&mut restored, VIRTIO_MMIO_STATUS, 0);
+        assert_eq!(log.lock().unwrap().last().unwrap(), "reset");
+    }
+
+    #[test]
+    fn a_saved_state_that_does_not_fit_the_device_is_refused() {
+        let (mut t, _) = transport();
+        negotiate(&mut t, FEATURES);
+        set_up_queue(&mut t, 8, 0x10000);
+        write(&mut t, VIRTIO_MMIO_STATUS, ALL_OK);
+        let saved = t.save().unwrap();
+        let refused = |saved: &TransportSave| {
+            let (mut fresh, log) = transport();
+            let e = fresh.restore(3, saved).unwrap_err().to_string();
+            assert!(log.lock().unwrap().is_empty(), "{e}: the device was activated");
+            e
+        };
+        let mut other = saved.clone();
+        other.device_type = 26;
+        assert_eq!(
+            refused(&other),
+            "virtio device 3 was of type 26 in the snapshot, it is of type 2 now"
+        );
+        let mut more = saved.clone();
+        more.queues.push(more.queues[0]);
+        assert!(refused(&more).contains("had 2 queue(s) in the snapshot, it has 1 now"));
+        let mut odd = saved.clone();
+        odd.device.serving.as_mut().unwrap()[0].size = 7;
+        assert!(refused(&odd).starts_with("virtio device 3's queue 0 cannot be restored"));
+        let mut misaligned = saved;
+        misaligned.queues[0].desc_table = 0x10001;
+        assert!(refused(&misaligned).starts_with("virtio device 3's queue 0 cannot be restored"));
+    }
+
+    #[test]
     fn a_driver_that_follows_the_spec_activates_the_device() {
         let (mut t, log) = transport();
         negotiate(&mut t, FEATURES);
@@ -470,7 +654,7 @@ mod tests {
         assert_eq!(read(&mut t, VIRTIO_MMIO_STATUS), ALL_OK);
         assert_eq!(
             *log.lock().unwrap(),
-            ["activate 1 queues, features 0x100000020, queue size 8"]
+            ["activate 1 queues, features 0x100000020, queue size 8, next avail 0"]
         );
         write(&mut t, VIRTIO_MMIO_STATUS, 0);
         assert_eq!(read(&mut t, VIRTIO_MMIO_STATUS), 0);

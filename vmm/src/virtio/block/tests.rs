@@ -450,3 +450,163 @@ fn the_device_takes_many_segments_per_request_through_indirect_descriptors() {
         assert!(sector.iter().all(|&b| u64::from(b) == i), "sector {i}");
     }
 }
+
+/// A 1 MiB image with an MBR: a primary partition and an extended one holding two
+/// logical partitions (EBRs at sectors 100 and 200).
+fn partitioned_image() -> tempfile::NamedTempFile {
+    use std::os::unix::fs::FileExt;
+    let f = tempfile::NamedTempFile::new().unwrap();
+    f.as_file().set_len(1 << 20).unwrap();
+    let entry = |kind: u8, lba: u32, sectors: u32| {
+        let mut e = [0u8; 16];
+        e[4] = kind;
+        e[8..12].copy_from_slice(&lba.to_le_bytes());
+        e[12..16].copy_from_slice(&sectors.to_le_bytes());
+        e
+    };
+    let sector = |entries: &[[u8; 16]]| {
+        let mut s = [0u8; 512];
+        for (i, e) in entries.iter().enumerate() {
+            s[446 + 16 * i..462 + 16 * i].copy_from_slice(e);
+        }
+        s[510..].copy_from_slice(&[0x55, 0xaa]);
+        s
+    };
+    let file = f.as_file();
+    file.write_all_at(&sector(&[entry(0x83, 2048, 100), entry(0x05, 100, 1000)]), 0)
+        .unwrap();
+    // Logical partitions: each EBR's second entry links to the next, relative to sector 100.
+    file.write_all_at(&sector(&[entry(0x83, 10, 50), entry(0x05, 100, 200)]), 100 * 512)
+        .unwrap();
+    file.write_all_at(&sector(&[entry(0x83, 10, 50)]), 200 * 512).unwrap();
+    f
+}
+
+#[test]
+fn a_saved_disk_is_refused_at_restore_when_its_partition_table_changed() {
+    use std::os::unix::fs::FileExt;
+    let file = partitioned_image();
+    let saved = open(&file, false).saved().unwrap();
+    assert_eq!((saved.size, saved.read_only), (1 << 20, false));
+    assert!(saved.path.is_absolute());
+    let check = |read_only: bool| open(&file, read_only).check_saved(&saved).map_err(|e| e.to_string());
+    assert_eq!(check(false), Ok(()));
+    // What a filesystem writes may change: the boot code, a superblock at byte 1024, data.
+    for at in [0, 1024, 4096, 150 * 512] {
+        file.as_file().write_all_at(&[0xff], at).unwrap();
+    }
+    assert_eq!(check(false), Ok(()));
+    assert!(check(true)
+        .unwrap_err()
+        .contains("is attached read-only; the snapshot's disk was read-write"));
+    // A partition the guest knows may not: a primary one, or a logical one down the chain.
+    for at in [446 + 12, 200 * 512 + 446 + 12] {
+        let mut byte = [0u8];
+        file.as_file().read_exact_at(&mut byte, at).unwrap();
+        file.as_file().write_all_at(&[byte[0] ^ 1], at).unwrap();
+        let e = check(false).unwrap_err();
+        assert!(
+            e.contains("its partition table differs from the one the snapshotted guest read"),
+            "{e}"
+        );
+        file.as_file().write_all_at(&byte, at).unwrap();
+        assert_eq!(check(false), Ok(()));
+    }
+    file.as_file().set_len(2 << 20).unwrap();
+    let e = check(false).unwrap_err();
+    assert!(
+        e.contains(&format!(
+            "is {} bytes; the snapshot's disk was {} bytes",
+            2 << 20,
+            1 << 20
+        )),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_partition_table_check_reads_a_bounded_amount_of_a_hostile_image() {
+    use std::os::unix::fs::FileExt;
+    // An EBR that links to itself, and a GPT header asking for 4 G entries of 4 GiB.
+    let f = tempfile::NamedTempFile::new().unwrap();
+    f.as_file().set_len(1 << 20).unwrap();
+    let mut mbr = [0u8; 512];
+    mbr[446 + 4] = 0x05;
+    mbr[446 + 8..446 + 12].copy_from_slice(&8u32.to_le_bytes());
+    mbr[510..].copy_from_slice(&[0x55, 0xaa]);
+    f.as_file().write_all_at(&mbr, 0).unwrap();
+    // Sector 8 links to 8 + 8, which links to itself.
+    let mut ebr = mbr;
+    ebr[446 + 16 + 4] = 0x05;
+    ebr[446 + 16 + 8..446 + 16 + 12].copy_from_slice(&8u32.to_le_bytes());
+    f.as_file().write_all_at(&ebr, 8 * 512).unwrap();
+    f.as_file().write_all_at(&ebr, 16 * 512).unwrap();
+    let mut gpt = [0u8; 512];
+    gpt[..8].copy_from_slice(b"EFI PART");
+    gpt[72..80].copy_from_slice(&2u64.to_le_bytes());
+    gpt[80..84].copy_from_slice(&u32::MAX.to_le_bytes());
+    gpt[84..88].copy_from_slice(&u32::MAX.to_le_bytes());
+    f.as_file().write_all_at(&gpt, 512).unwrap();
+    let image = open(&f, true);
+    let started = Instant::now();
+    let first = image.partition_table_digest().unwrap();
+    assert_eq!(image.partition_table_digest().unwrap(), first);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn saving_a_serving_disk_gives_its_queue_where_it_is_and_it_serves_on() {
+    let (mem, file) = (memory(), image_file());
+    let mut block = Block::new(open(&file, false));
+    header(&mem, VIRTIO_BLK_T_IN, 3);
+    let queue = MockSplitQueue::new(&mem, 16);
+    let linked = |d: RawDescriptor, next: u16| {
+        let d = Descriptor::from(d);
+        RawDescriptor::from(Descriptor::new(
+            d.addr().0,
+            d.len(),
+            d.flags() | VRING_DESC_F_NEXT as u16,
+            next,
+        ))
+    };
+    let chain = |first: u16| {
+        [
+            linked(readable(HEADER, 16), first + 1),
+            linked(writable(DATA, 512), first + 2),
+            writable(STATUS, 1),
+        ]
+    };
+    queue.add_desc_chains(&chain(0), 0).unwrap();
+    let interrupt = Arc::new(Interrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
+    let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    block
+        .activate(Activation {
+            mem: mem.clone(),
+            queues: vec![queue.create_queue().unwrap()],
+            notify: vec![kick.try_clone().unwrap()],
+            interrupt,
+            acked_features: 1 << VIRTIO_F_VERSION_1,
+        })
+        .unwrap();
+    let served = |n: u16| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while queue.used().idx().load() != n {
+            assert!(Instant::now() < deadline, "the worker never answered request {n}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    kick.write(1).unwrap();
+    served(1);
+    let saved = block.save().unwrap();
+    let serving = saved.serving.expect("the disk was serving");
+    assert_eq!((serving[0].next_avail, serving[0].next_used), (1, 1));
+    let SavedDevice::Block(disk) = saved.device;
+    assert_eq!(disk.size, SECTORS * SECTOR_SIZE);
+    // The worker goes on after the save: the next request is served.
+    queue.add_desc_chains(&chain(3), 1).unwrap();
+    kick.write(1).unwrap();
+    served(2);
+    block.reset();
+    let saved = block.save().unwrap();
+    assert!(saved.serving.is_none(), "a reset disk serves nothing");
+}
