@@ -14,7 +14,7 @@ use hvprobe_probes::machine::{
     InterruptTable, KernelMemory, Machine, PauseFailed, PausedView, SegmentSelectors, StackScanError, Vcpu, VcpuError,
 };
 use hvprobe_probes::regs::Regs;
-use hvprobe_vmm::{set_guest_debug, Backend, VcpuControl, VcpuState};
+use hvprobe_vmm::{exit_regs, set_guest_debug, Backend, VcpuControl, VcpuState};
 use kvm_ioctls::VcpuFd;
 use vm_memory::GuestMemoryMmap;
 
@@ -208,6 +208,17 @@ impl std::error::Error for SharedStacksError {
     }
 }
 
+/// A VMM error of `ioctl` as the engine's vCPU error (the errno when KVM gave one).
+fn vmm_error(ioctl: &'static str, e: hvprobe_vmm::Error) -> VcpuError {
+    match e {
+        hvprobe_vmm::Error::Kvm { op, source } => VcpuError::new(op, source.errno()),
+        other => VcpuError {
+            ioctl,
+            source: std::io::Error::other(other.to_string()),
+        },
+    }
+}
+
 /// The vCPU at a hit.
 pub(crate) struct HitVcpu<'a> {
     vcpu: &'a mut VcpuFd,
@@ -253,7 +264,10 @@ impl<'a> HitVcpu<'a> {
 
     fn state(&mut self) -> Option<VcpuState> {
         if self.state.is_none() {
-            self.state = VcpuState::read(self.vcpu).ok();
+            let mut state = VcpuState::read(self.vcpu).ok()?;
+            // The ioctl does not see a write of this exit KVM has not taken yet.
+            state.regs = exit_regs::read(self.vcpu).ok()?;
+            self.state = Some(state);
         }
         self.state
     }
@@ -261,10 +275,7 @@ impl<'a> HitVcpu<'a> {
 
 impl Vcpu for HitVcpu<'_> {
     fn regs(&mut self) -> Result<Regs, VcpuError> {
-        let r = self
-            .vcpu
-            .get_regs()
-            .map_err(|e| VcpuError::new("KVM_GET_REGS", e.errno()))?;
+        let r = exit_regs::read(self.vcpu).map_err(|e| vmm_error("KVM_GET_REGS", e))?;
         Ok(Regs {
             r15: r.r15,
             r14: r.r14,
@@ -292,10 +303,7 @@ impl Vcpu for HitVcpu<'_> {
     }
 
     fn set_regs(&mut self, regs: &Regs) -> Result<(), VcpuError> {
-        let mut r = self
-            .vcpu
-            .get_regs()
-            .map_err(|e| VcpuError::new("KVM_GET_REGS", e.errno()))?;
+        let mut r = exit_regs::read(self.vcpu).map_err(|e| vmm_error("KVM_GET_REGS", e))?;
         r.r15 = regs.r15;
         r.r14 = regs.r14;
         r.r13 = regs.r13;
@@ -314,9 +322,11 @@ impl Vcpu for HitVcpu<'_> {
         r.rip = regs.rip;
         r.rflags = regs.rflags;
         r.rsp = regs.rsp;
-        self.vcpu
-            .set_regs(&r)
-            .map_err(|e| VcpuError::new("KVM_SET_REGS", e.errno()))
+        exit_regs::write(self.vcpu, &r).map_err(|e| vmm_error("KVM_SET_REGS", e))?;
+        if let Some(state) = &mut self.state {
+            state.regs = r;
+        }
+        Ok(())
     }
 
     fn segment_selectors(&mut self) -> Result<SegmentSelectors, VcpuError> {
@@ -328,6 +338,8 @@ impl Vcpu for HitVcpu<'_> {
     }
 
     fn set_single_step(&mut self, on: bool) -> Result<(), VcpuError> {
+        // KVM_SET_GUEST_DEBUG notes the RIP a step starts from: the one just written.
+        exit_regs::flush(self.vcpu).map_err(|e| vmm_error("KVM_SET_REGS", e))?;
         set_guest_debug(self.vcpu, self.backend, on).map_err(|e| VcpuError {
             ioctl: "KVM_SET_GUEST_DEBUG",
             source: std::io::Error::other(e.to_string()),

@@ -29,6 +29,7 @@ pub(crate) use error::kvm_err;
 pub use error::Error;
 pub use mptable::MAX_CPUS;
 pub use snapshot::{snapshot_cache_name, SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
+pub use vcpu::exit_regs;
 pub use vcpu::{
     set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PauseTimeout, PausedVcpus,
     StopReason, StuckVcpu, VcpuActivity, VcpuControl, VcpuState, DEFAULT_PAUSE_DEADLINE,

@@ -4,6 +4,7 @@
 //! delivered by [`crate::breakpoint`].
 
 mod control;
+pub mod exit_regs;
 mod handler;
 mod runner;
 mod state;

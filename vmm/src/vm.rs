@@ -376,6 +376,7 @@ impl Vm {
         control.mark_started();
         let started = Instant::now();
         let mut threads = Vec::new();
+        let sync_regs = crate::vcpu::exit_regs::supported(&self.kvm);
         for (cpu, vcpu) in std::mem::take(&mut self.vcpus).into_iter().enumerate() {
             let runner = VcpuRunner {
                 cpu,
@@ -386,6 +387,7 @@ impl Vm {
                 virtio: Arc::clone(&self.virtio),
                 debug: Arc::clone(&debug),
                 mem: self.mem.clone(),
+                sync_regs,
             };
             let thread = std::thread::Builder::new()
                 .name(format!("vcpu{cpu}"))

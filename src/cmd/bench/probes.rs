@@ -44,14 +44,23 @@ const LOOP_BLOB_LEN: u64 = 0x1b;
 const PUSH_OFFSET: u64 = 0x06;
 const LOAD_OFFSET: u64 = 0x07;
 
-/// The floor: an int3 nobody owns, passed over by moving RIP (what every hit needs at least).
-struct SkipInt3;
+/// A floor: an int3 nobody owns, passed over by moving RIP (what every hit needs at least),
+/// its registers through kvm_run's sync area (the bare floor: no ioctl) or by
+/// KVM_GET_REGS/KVM_SET_REGS.
+struct SkipInt3 {
+    ioctls: bool,
+}
 
 impl DebugHandler for SkipInt3 {
     fn on_breakpoint(&self, _cpu: usize, vcpu: &mut VcpuFd, at: Gva) -> BreakpointDisposition {
-        if let Ok(mut regs) = vcpu.get_regs() {
+        if self.ioctls {
+            if let Ok(mut regs) = vcpu.get_regs() {
+                regs.rip = at.0 + 1;
+                let _ = vcpu.set_regs(&regs);
+            }
+        } else if let Ok(mut regs) = hvprobe_vmm::exit_regs::read(vcpu) {
             regs.rip = at.0 + 1;
-            let _ = vcpu.set_regs(&regs);
+            let _ = hvprobe_vmm::exit_regs::write(vcpu, &regs);
         }
         BreakpointDisposition::Handled
     }
@@ -59,7 +68,8 @@ impl DebugHandler for SkipInt3 {
 
 enum BlobVariant {
     Baseline,
-    Floor,
+    /// The int3 floor, its registers by ioctl (`true`) or through the sync area.
+    Floor(bool),
     Probe(u64),
     /// A probe jump-optimized (a sync detour).
     Optimized(u64),
@@ -67,13 +77,13 @@ enum BlobVariant {
 
 fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Duration), Box<dyn std::error::Error>> {
     let vm = Vm::new_code_blob(&CodeBlob {
-        code: loop_blob(iterations, matches!(variant, BlobVariant::Floor)),
+        code: loop_blob(iterations, matches!(variant, BlobVariant::Floor(_))),
         cpus: 1,
         handlers: Vec::new(),
     })?;
     let handler: Arc<dyn DebugHandler> = match variant {
         BlobVariant::Baseline => Arc::new(NoProbes),
-        BlobVariant::Floor => Arc::new(SkipInt3),
+        BlobVariant::Floor(ioctls) => Arc::new(SkipInt3 { ioctls: *ioctls }),
         BlobVariant::Probe(offset) | BlobVariant::Optimized(offset) => {
             let tracer = code_blob_tracer(&vm, LOOP_BLOB_LEN)?;
             tracer.set_optimization(matches!(variant, BlobVariant::Optimized(_)))?;
@@ -357,11 +367,12 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     );
     let variants = [
         BlobVariant::Baseline,
-        BlobVariant::Floor,
+        BlobVariant::Floor(false),
         BlobVariant::Probe(PUSH_OFFSET),
         BlobVariant::Probe(LOAD_OFFSET),
         BlobVariant::Optimized(PUSH_OFFSET),
         BlobVariant::Optimized(LOAD_OFFSET),
+        BlobVariant::Floor(true),
     ];
     // Per variant: (time per iteration, exits per iteration) of every run.
     let mut per_iteration: Vec<Vec<(f64, f64)>> = vec![Vec::new(); variants.len()];
@@ -384,6 +395,7 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     let stepped = over_baseline(3);
     let optimized_push = over_baseline(4);
     let optimized_load = over_baseline(5);
+    let ioctl_floor = over_baseline(6);
     let mut base: Vec<f64> = per_iteration[0].iter().map(|p| p.0).collect();
     base.sort_by(f64::total_cmp);
     println!(
@@ -391,7 +403,8 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
         base[base.len() / 2]
     );
     for (label, (us, exits)) in [
-        ("int3 exit + resume floor (get/set regs)", floor),
+        ("int3 exit + resume floor (bare)", floor),
+        ("int3 floor with KVM_GET/SET_REGS ioctls", ioctl_floor),
         ("host probe, emulated (push %rbp)", emulated),
         ("host probe, stepped (RIP-relative load)", stepped),
         ("optimized sync probe (push %rbp)", optimized_push),

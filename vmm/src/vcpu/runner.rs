@@ -13,6 +13,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::control::VcpuActivity;
+use super::exit_regs;
 use super::*;
 use crate::backend::Backend;
 use crate::breakpoint::reinject_breakpoint;
@@ -58,6 +59,8 @@ pub struct VcpuRunner {
     pub virtio: Arc<MmioDevices>,
     pub debug: Arc<dyn DebugHandler>,
     pub mem: GuestMemoryMmap,
+    /// Registers at exits through kvm_run's sync area ([`exit_regs`]) instead of ioctls.
+    pub sync_regs: bool,
 }
 
 /// What the loop does after an exit.
@@ -97,12 +100,18 @@ impl VcpuRunner {
         let stats = VcpuStats::open(&self.vcpu)
             .map_err(|e| tracing::debug!("vCPU {}: no KVM statistics: {e}", self.cpu))
             .ok();
+        if self.sync_regs {
+            if let Err(e) = exit_regs::enable(&mut self.vcpu) {
+                tracing::warn!("vCPU {}: registers by ioctl at every exit: {e}", self.cpu);
+            }
+        }
+        let control = Arc::clone(&self.control);
 
         loop {
             // SAFETY: `immediate_exit` points into this vCPU's kvm_run page, alive as long
             // as `self.vcpu`.
             unsafe { (*immediate_exit).store(0, Ordering::SeqCst) };
-            if !self.control.checkpoint(self.cpu, || self.park()) {
+            if !control.checkpoint(self.cpu, || self.park()) {
                 break;
             }
             if self.cpu == 0 && self.control.first_entry.get().is_none() {
@@ -115,6 +124,13 @@ impl VcpuRunner {
             }
         }
 
+        // Whoever has the vCPU next (a snapshot, a restart) reads its registers by ioctl.
+        if let Err(e) = exit_regs::disable(&mut self.vcpu) {
+            self.control.stop(StopReason::VcpuError {
+                cpu: self.cpu,
+                message: format!("handing the registers to KVM at the end of the run: {e}"),
+            });
+        }
         if let Some(stats) = stats {
             let counters = &self.control.counters;
             if let Some(emulated) = stats.get("insn_emulation") {
@@ -130,7 +146,12 @@ impl VcpuRunner {
     /// (the guest's RCU stall and soft-lockup detectors then forgive the time jump a long
     /// pause makes, as they do for a paused QEMU or firecracker guest), and returns the
     /// state it publishes while parked.
-    fn park(&self) -> Option<VcpuState> {
+    fn park(&mut self) -> Option<VcpuState> {
+        // A paused vCPU's registers are read by ioctl.
+        if let Err(e) = exit_regs::flush(&mut self.vcpu) {
+            tracing::error!("vCPU {}: parked with its registers unread: {e}", self.cpu);
+            return None;
+        }
         match self.vcpu.kvmclock_ctrl() {
             Ok(()) => {
                 self.control.counters.kvmclock_pauses.fetch_add(1, Ordering::Relaxed);
@@ -269,7 +290,7 @@ impl VcpuRunner {
         if n > OOL_WRITES_LOGGED {
             return;
         }
-        let rip = self.vcpu.get_regs().map(|r| r.rip).ok();
+        let rip = exit_regs::read(&mut self.vcpu).map(|r| r.rip).ok();
         let cr3 = self.vcpu.get_sregs().map(|s| s.cr3).ok();
         let shown = |v: Option<u64>| v.map_or_else(|| "?".to_string(), |v| format!("{v:#x}"));
         tracing::warn!(
@@ -295,7 +316,7 @@ impl VcpuRunner {
             let internal = unsafe { run.__bindgen_anon_1.internal };
             (internal.suberror, internal.ndata, internal.data)
         };
-        let rip = match self.vcpu.get_regs() {
+        let rip = match exit_regs::read(&mut self.vcpu) {
             Ok(r) => r.rip,
             Err(e) => {
                 return Next::Stop(StopReason::VcpuError {
@@ -321,7 +342,7 @@ impl VcpuRunner {
             return self.breakpoint(Gva(rip));
         }
         if insn.first() == Some(&FWAIT) {
-            return match complete_fwait(&self.vcpu, rip) {
+            return match complete_fwait(&mut self.vcpu, rip) {
                 Ok(()) => Next::Continue,
                 Err(e) => Next::Stop(StopReason::VcpuError {
                     cpu,
@@ -362,7 +383,9 @@ impl VcpuRunner {
                     .counters
                     .breakpoints_reinjected
                     .fetch_add(1, Ordering::Relaxed);
-                match reinject_breakpoint(&self.vcpu, &self.mem, self.backend, at) {
+                // The re-injection reads and writes the registers by ioctl.
+                let flushed = exit_regs::flush(&mut self.vcpu);
+                match flushed.and_then(|()| reinject_breakpoint(&self.vcpu, &self.mem, self.backend, at)) {
                     Ok(()) => Next::Continue,
                     Err(e) => Next::Stop(StopReason::VcpuError {
                         cpu: self.cpu,
@@ -388,7 +411,7 @@ const MF_VECTOR: u8 = 16;
 
 /// Completes an `fwait` the emulator refused, as the CPU would: with no unmasked x87
 /// exception pending it does nothing; with one, it raises #MF.
-fn complete_fwait(vcpu: &VcpuFd, rip: u64) -> Result<(), Error> {
+fn complete_fwait(vcpu: &mut VcpuFd, rip: u64) -> Result<(), Error> {
     let fpu = vcpu.get_fpu().map_err(kvm_err("KVM_GET_FPU"))?;
     if fpu.fsw & X87_FSW_ES != 0 {
         let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
@@ -399,10 +422,10 @@ fn complete_fwait(vcpu: &VcpuFd, rip: u64) -> Result<(), Error> {
         events.flags = 0;
         return vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"));
     }
-    let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+    let mut regs = exit_regs::read(vcpu)?;
     // The guest's RIP: an fwait at the last byte of the address space wraps, as the CPU's.
     regs.rip = rip.wrapping_add(1);
-    vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))
+    exit_regs::write(vcpu, &regs)
 }
 
 /// The instruction bytes KVM reports with an emulation failure
