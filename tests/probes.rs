@@ -394,6 +394,62 @@ fn host_and_guest_return_probes_see_the_same_returns_and_values() {
     let _ = std::fs::remove_file(probes);
 }
 
+/// `$duration` and `$argN` at a return, against the guest's own clock: `sleep 0.2` sleeps
+/// in `hrtimer_nanosleep(rqtp, …)`, whose first argument is the requested time in
+/// nanoseconds. Every return reports the entry's `$arg1` (its register is long clobbered)
+/// and a latency of at least that, within what the emulated guest needs besides; the
+/// hist trigger on `lat.log2` puts every call in the bucket of 0.2 s.
+#[test]
+fn a_return_reports_its_entrys_arguments_and_the_calls_latency() {
+    let dir = snapshot(1);
+    let probes = probe_file(
+        "latency",
+        "p:lat/enter hrtimer_nanosleep req=$arg1:u64
+         r:lat/sleep hrtimer_nanosleep req=$arg1:u64 lat=$duration
+         trigger lat/sleep hist:keys=lat.log2:vals=hitcount
+",
+    );
+    let run = restore_with(
+        &dir,
+        1,
+        "sleep 0.2; sleep 0.2; sleep 0.2",
+        &["--probes", probes.to_str().unwrap()],
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(&run, &[]);
+    let lines: Vec<_> = run.stdout.lines().filter_map(parse_trace_line).collect();
+    let entries: Vec<&str> = lines
+        .iter()
+        .filter(|l| l.event == "enter")
+        .map(|l| l.args["req"].as_str())
+        .collect();
+    let returns: Vec<(u64, u64)> = lines
+        .iter()
+        .filter(|l| l.event == "sleep")
+        .map(|l| (l.args["req"].parse().unwrap(), l.args["lat"].parse().unwrap()))
+        .collect();
+    assert_eq!(entries, ["200000000"; 3], "{}", run.tail());
+    assert_eq!(returns.len(), 3, "{}", run.tail());
+    for (req, lat) in returns {
+        assert_eq!(req, 200_000_000, "the return reports the entry's $arg1");
+        // The timer cannot fire early; an emulated guest takes its time to wake up and
+        // return (a few ms of kernel code here), never a whole second.
+        assert!((200_000_000..1_200_000_000).contains(&lat), "lat={lat}\n{}", run.tail());
+    }
+    // 0.2 s is between 2^27 and 2^28 ns: ftrace's log2 bucket `~ 2^28`.
+    let bucket = run
+        .stdout
+        .lines()
+        .find(|l| l.contains("{ lat: ~ 2^"))
+        .unwrap_or_default();
+    assert!(
+        bucket.contains("{ lat: ~ 2^28 } hitcount:          3"),
+        "{bucket:?}\n{}",
+        run.tail()
+    );
+    let _ = std::fs::remove_file(probes);
+}
+
 /// The optimized oracle's probes beyond [`HOST_PROBES`], each with the guest's own event
 /// named with a `g` in front: one mid-function, a user string, a kernel string two pointers
 /// away (`struct filename`'s `name`), and a return probe. The guest's probe cannot share

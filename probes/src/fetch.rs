@@ -61,6 +61,37 @@ pub struct FetchContext<'a> {
     pub comm: Option<&'a str>,
     /// The return value (`$retval`); `None` falls back to `regs.rax`.
     pub retval: Option<u64>,
+    /// At a return: the call's entry, whose `$argN` the return's fetch-args read.
+    pub entry: Option<EntryValues<'a>>,
+}
+
+/// What a return probe's fetch-args read of the call's entry.
+#[derive(Clone, Copy, Debug)]
+pub struct EntryValues<'a> {
+    /// `$arg1`, `$arg2`, … as they were at the entry (`None`: that read faulted), as many as
+    /// the probe's fetch-args name.
+    pub args: &'a [Option<u64>],
+    /// `$duration`: nanoseconds on the trace clock from the entry to the return.
+    pub duration_ns: u64,
+}
+
+/// The values of `$arg1..=$argN` at a hit (an entry), for a return probe to read at the
+/// return as Linux 6.9+ does: the arguments themselves are saved, and whatever a fetch-arg
+/// dereferences from them is read at the return.
+pub fn entry_args(count: u32, ctx: &FetchContext) -> Vec<Option<u64>> {
+    (1..=count).map(|n| value_of(&FetchExpr::Arg(n), ctx)).collect()
+}
+
+/// The most `$argN` any of `args` names (0 when none does).
+pub fn args_named(args: &[FetchArg]) -> u32 {
+    fn most(expr: &FetchExpr) -> u32 {
+        match expr {
+            FetchExpr::Arg(n) => *n,
+            FetchExpr::Deref { base, .. } => most(base),
+            _ => 0,
+        }
+    }
+    args.iter().map(|a| most(&a.expr)).max().unwrap_or(0)
 }
 
 /// One fetched value, ready to print.
@@ -282,11 +313,13 @@ fn locate(expr: &FetchExpr, ctx: &FetchContext) -> Option<Place> {
         }
         FetchExpr::StackEntry(n) => Place::Value(stack_word(ctx, u64::from(*n))?),
         FetchExpr::StackPointer => Place::Value(regs.rsp),
-        FetchExpr::Arg(n) => match regs.arg_register(*n) {
-            Some(v) => Place::Value(v),
-            None => Place::Value(stack_word(ctx, u64::from(n.checked_sub(6)?))?),
+        FetchExpr::Arg(n) => match (ctx.entry, regs.arg_register(*n)) {
+            (Some(entry), _) => Place::Value((*entry.args.get(usize::try_from(n.checked_sub(1)?).ok()?)?)?),
+            (None, Some(v)) => Place::Value(v),
+            (None, None) => Place::Value(stack_word(ctx, u64::from(n.checked_sub(6)?))?),
         },
         FetchExpr::Retval => Place::Value(ctx.retval.unwrap_or(regs.rax)),
+        FetchExpr::Duration => Place::Value(ctx.entry?.duration_ns),
         FetchExpr::Comm => Place::Comm,
         FetchExpr::Immediate(v) => Place::Value(*v),
         FetchExpr::Deref { offset, user, base } => Place::Memory {

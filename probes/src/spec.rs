@@ -217,6 +217,9 @@ pub enum FetchExpr {
     Arg(u32),
     /// `$retval`: the return value (return probes only).
     Retval,
+    /// `$duration`: nanoseconds on the trace clock since the call's entry (return probes
+    /// only; hvprobe's, not Linux's).
+    Duration,
     /// `$comm`: the current task's name.
     Comm,
     /// `\IMM`: a constant.
@@ -516,6 +519,8 @@ pub enum SpecErrorKind {
     ArgNotOnEntry,
     #[error("$retval only works on a return probe")]
     RetvalOnKprobe,
+    #[error("$duration only works on a return probe (the time since the call's entry; hvprobe's, not Linux's)")]
+    DurationOnKprobe,
     #[error("dereference needs `(`: expected +|-[u]OFFS(FETCHARG)")]
     DerefNeedsParen,
     #[error("bad dereference offset `{0}`")]
@@ -782,7 +787,7 @@ impl SpecErrorKind {
             K::UnknownRegister { .. } => L::BAD_REG_NAME,
             K::BadMemoryAddress(_) | K::BadMemorySymbol(_) | K::UnknownDataSymbol(_) => L::BAD_MEM_ADDR,
             K::FileOffsetOnKprobe => L::FILE_ON_KPROBE,
-            K::UnknownVariable(_) => L::BAD_VAR,
+            K::UnknownVariable(_) | K::DurationOnKprobe => L::BAD_VAR,
             K::BadStackIndex(_) => L::BAD_STACK_NUM,
             K::BadArgNumber(_) => L::BAD_ARG_NUM,
             K::ArgNotOnEntry | K::BtfArgNotOnEntry => L::NOFENTRY_ARGS,
@@ -1121,8 +1126,9 @@ impl<'a> LineParser<'a> {
         let mut data_size = 0u32;
         for (index, &text) in texts.iter().enumerate() {
             // Linux looks for `$arg*` before it parses any argument.
+            // A return probe takes them too, saved at the call's entry (Linux 6.9+).
             if text.starts_with("$arg*") {
-                if !context.at_function_entry || context.is_return {
+                if !context.at_function_entry {
                     return Err(self.err(text, SpecErrorKind::BtfArgNotOnEntry));
                 }
                 if args.iter().any(|a| a.expr == FetchExpr::AllArgs) {
@@ -1211,6 +1217,7 @@ impl<'a> LineParser<'a> {
         let ty = match type_name {
             Some(t) => self.parse_type(t)?,
             None if is_comm => ArgType::String,
+            None if expr_text == "$duration" => ArgType::U64,
             None => ArgType::X64,
         };
         let expr = match self.parse_expr(expr_text, context)? {
@@ -1381,7 +1388,7 @@ impl<'a> LineParser<'a> {
     /// `fields` its tail). Linux 6.5+ reads these only at a function entry.
     fn parse_btf_ref(&self, text: &'a str, base: BtfBase, fields: &'a str, context: ProbeContext) -> Parsed<FetchExpr> {
         let on_return = matches!(base, BtfBase::Retval);
-        if !on_return && (context.is_return || !context.at_function_entry) {
+        if !on_return && !context.at_function_entry {
             return Err(self.err(text, SpecErrorKind::BtfArgNotOnEntry));
         }
         let mut steps = Vec::new();
@@ -1464,6 +1471,8 @@ impl<'a> LineParser<'a> {
         match name {
             "retval" if context.is_return => return Ok(FetchExpr::Retval),
             "retval" => return Err(self.err(text, SpecErrorKind::RetvalOnKprobe)),
+            "duration" if context.is_return => return Ok(FetchExpr::Duration),
+            "duration" => return Err(self.err(text, SpecErrorKind::DurationOnKprobe)),
             "stack" => return Ok(FetchExpr::StackPointer),
             "comm" | "COMM" => return Ok(FetchExpr::Comm),
             _ => {}
@@ -1480,8 +1489,9 @@ impl<'a> LineParser<'a> {
         if let Some(number_text) = name.strip_prefix("arg").filter(|n| !n.is_empty()) {
             let number = parse_decimal(number_text)
                 .ok_or_else(|| self.err(text, SpecErrorKind::UnknownVariable(name.to_owned())))?;
-            // The kernel only knows $argN where a function is being entered.
-            if context.is_return || !context.at_function_entry {
+            // The kernel only knows $argN where a function is being entered (for a return
+            // probe: saved at the entry, as Linux 6.9+ does).
+            if !context.at_function_entry {
                 return Err(self.err(text, SpecErrorKind::ArgNotOnEntry));
             }
             return match number {
@@ -1751,10 +1761,10 @@ impl fmt::Display for FetchArg {
         }
         // The default type is left out so that the text never outgrows the kernel's
         // 63-character limit when the input fit in it.
-        let default_type = if matches!(self.expr, FetchExpr::Comm | FetchExpr::ImmString(_)) {
-            ArgType::String
-        } else {
-            ArgType::X64
+        let default_type = match self.expr {
+            FetchExpr::Comm | FetchExpr::ImmString(_) => ArgType::String,
+            FetchExpr::Duration => ArgType::U64,
+            _ => ArgType::X64,
         };
         let btf = matches!(self.expr, FetchExpr::Btf(_));
         if (btf && self.typed) || (!btf && self.ty != default_type) || self.array_len.is_some() {
@@ -1778,6 +1788,7 @@ impl fmt::Display for FetchExpr {
             FetchExpr::StackPointer => f.write_str("$stack"),
             FetchExpr::Arg(n) => write!(f, "$arg{n}"),
             FetchExpr::Retval => f.write_str("$retval"),
+            FetchExpr::Duration => f.write_str("$duration"),
             FetchExpr::Comm => f.write_str("$comm"),
             // Shown signed, as it was most likely written (`\\-1`), and shorter that way.
             FetchExpr::Immediate(value) => match *value as i64 {

@@ -481,6 +481,7 @@ fn locate(arg: &FetchArg, expr: &FetchExpr, symbols: &SymbolTable) -> Result<Pla
             _ => return Err(unsupported(arg, "$arg0")),
         }),
         FetchExpr::Retval => return Err(unsupported(arg, "$retval (return probes are not event detours)")),
+        FetchExpr::Duration => return Err(unsupported(arg, "$duration (return probes are not event detours)")),
         FetchExpr::Comm => Place::Comm,
         FetchExpr::Immediate(v) => Place::Value(Value::Imm(*v)),
         FetchExpr::ImmString(_) => return Err(unsupported(arg, "an immediate string")),

@@ -6,7 +6,7 @@ use hvprobe_introspection::task::TaskInfo;
 
 use super::registry::{Probe, Registry, Site};
 use super::{HitEvent, ProbeId, ProbeKind, Tracer, COUNT};
-use crate::fetch::{evaluate, ArgValue, FetchContext};
+use crate::fetch::{evaluate, ArgValue, EntryValues, FetchContext};
 use crate::machine::Vcpu;
 use crate::output::HitRecord;
 use crate::regs::Regs;
@@ -27,6 +27,9 @@ impl Tracer {
         }
     }
 
+    /// The event of a hit; `entry` is the call's entry when this is a return (its time and
+    /// the arguments it saved).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn hit_event(
         &self,
         id: ProbeId,
@@ -35,7 +38,10 @@ impl Tracer {
         regs: &Regs,
         task: Option<&TaskInfo>,
         vcpu: &mut dyn Vcpu,
+        entry: Option<(&[Option<u64>], u64)>,
     ) -> HitEvent {
+        // Stamped before the fetch-args are read: the hit's time, and `$duration`'s end.
+        let timestamp_ns = self.timestamp_ns();
         let comm = task.map(|t| t.comm.clone());
         let mut fetch_regs = *regs;
         if probe.args.iter().any(names_a_segment) {
@@ -59,6 +65,10 @@ impl Tracer {
             symbols: &self.view.symbols,
             comm: comm.as_deref(),
             retval: matches!(probe.kind, ProbeKind::Kretprobe { .. }).then_some(regs.rax),
+            entry: entry.map(|(args, entered_ns)| EntryValues {
+                args,
+                duration_ns: timestamp_ns.saturating_sub(entered_ns),
+            }),
         };
         let args: Vec<(String, ArgValue)> = probe
             .args
@@ -66,7 +76,7 @@ impl Tracer {
             .map(|arg| (arg.name.clone(), evaluate(arg, &ctx)))
             .collect();
         let stack = probe.stack_trace.then(|| self.kernel_stack(cpu, regs));
-        let mut record = hit_record(probe, comm, task.map(|t| t.pid), cpu, self.timestamp_ns(), args);
+        let mut record = hit_record(probe, comm, task.map(|t| t.pid), cpu, timestamp_ns, args);
         record.stack = stack;
         HitEvent {
             probe: id,

@@ -205,7 +205,7 @@ impl Tracer {
             }
             if probe.emit_events {
                 let task = task.get_or_insert_with(|| vcpu.current_task());
-                let event = self.hit_event(*id, probe, cpu, regs, task.as_ref(), vcpu);
+                let event = self.hit_event(*id, probe, cpu, regs, task.as_ref(), vcpu, None);
                 self.send_event(probe, event);
             }
             if let Some(pre) = &probe.pre {

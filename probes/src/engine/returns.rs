@@ -50,8 +50,12 @@ struct Instance {
     /// The probe's private data for this call.
     data: Vec<u8>,
     /// When the call entered the function ([`Tracer::timestamp_ns`] at the entry's hit),
-    /// for the return's record: a consumer draws the call as a slice from entry to return.
+    /// for the return's record (a consumer draws the call as a slice from entry to return)
+    /// and its `$duration`.
     entered_ns: u64,
+    /// `$arg1..=$argN` at the entry, as many as the probe's fetch-args name: what they read
+    /// at the return (Linux 6.9+'s entry data).
+    entry_args: Vec<Option<u64>>,
 }
 
 #[derive(Default)]
@@ -262,6 +266,21 @@ impl Tracer {
         if !reserved {
             return missed();
         }
+        let entry_args = match crate::fetch::args_named(&probe.args) {
+            0 => Vec::new(),
+            count => crate::fetch::entry_args(
+                count,
+                &crate::fetch::FetchContext {
+                    regs,
+                    kernel,
+                    user: None,
+                    symbols: &self.view.symbols,
+                    comm: None,
+                    retval: None,
+                    entry: None,
+                },
+            ),
+        };
         let mut data = vec![0u8; probe.data_size];
         if let Some(entry) = &probe.pre {
             let shown_rip = regs.rip;
@@ -295,6 +314,7 @@ impl Tracer {
             after_guest_swap,
             data,
             entered_ns,
+            entry_args,
         });
     }
 
@@ -336,7 +356,8 @@ impl Tracer {
             probe.counters.hits.fetch_add(1, COUNT);
             if probe.emit_events {
                 let task = task.get_or_insert_with(|| vcpu.current_task());
-                let mut event = self.hit_event(instance.probe, probe, cpu, &regs, task.as_ref(), vcpu);
+                let entry = (instance.entry_args.as_slice(), instance.entered_ns);
+                let mut event = self.hit_event(instance.probe, probe, cpu, &regs, task.as_ref(), vcpu, Some(entry));
                 event.record.retprobe_caller = Some(
                     caller
                         .get_or_insert_with(|| {

@@ -1002,6 +1002,92 @@ fn a_returns_record_carries_its_own_calls_entry_time() {
 }
 
 #[test]
+fn a_return_reads_the_arguments_of_its_own_calls_entry_and_the_time_since_it() {
+    use crate::fetch::ArgValue;
+    use crate::spec::{ArgType, FetchArg, FetchExpr};
+    let m = FakeMachine::with_code();
+    let events = Arc::new(Events {
+        capacity: 8,
+        got: Mutex::new(Vec::new()),
+    });
+    let t = tracer_with(&m, PatchSites::default(), Some(events.clone()));
+    let arg = |name: &str, expr: FetchExpr, ty: ArgType| FetchArg {
+        name: name.into(),
+        expr,
+        ty,
+        array_len: None,
+        typed: false,
+    };
+    // The string the first argument points to is read at the return, from the entry's
+    // pointer (Linux 6.9+'s entry data: the argument saved, the dereference at the return).
+    let args = vec![
+        arg("a1", FetchExpr::Arg(1), ArgType::U64),
+        arg(
+            "first",
+            FetchExpr::Deref {
+                offset: 0,
+                user: false,
+                base: Box::new(FetchExpr::Arg(1)),
+            },
+            ArgType::U64,
+        ),
+        arg("lat", FetchExpr::Duration, ArgType::U64),
+        arg("ret", FetchExpr::Retval, ArgType::U64),
+    ];
+    t.register(KprobeRequest {
+        kind: ProbeKind::Kretprobe { maxactive: 8 },
+        ..KprobeRequest::event(at("func", 0), "g", "ret", args)
+    })
+    .unwrap();
+    let mut cpu = FakeVcpu::at(PUSH);
+    let (outer, inner) = (STACK_TOP - 0x100, STACK_TOP - 0x180);
+    let (outer_arg, inner_arg) = (STACK_TOP - 0x800, STACK_TOP - 0x900);
+    m.write_virt(Gva(outer_arg), &111u64.to_le_bytes()).unwrap();
+    m.write_virt(Gva(inner_arg), &222u64.to_le_bytes()).unwrap();
+    call_func(&t, &m, &mut cpu, outer, 0xffff_ffff_8100_1111, outer_arg);
+    std::thread::sleep(std::time::Duration::from_millis(3));
+    call_func(&t, &m, &mut cpu, inner, PUSH + 0x20, inner_arg);
+    // The callees clobber %rdi, and the inner call rewrote what its argument points to.
+    cpu.regs.rdi = 0xdead;
+    m.write_virt(Gva(inner_arg), &333u64.to_le_bytes()).unwrap();
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, inner, 7),
+        BreakpointOutcome::Handled
+    ));
+    cpu.regs.rdi = 0xbeef;
+    assert!(matches!(
+        return_from(&t, &m, &mut cpu, outer, 9),
+        BreakpointOutcome::Handled
+    ));
+    let got = events.got.lock().unwrap();
+    let value = |e: &HitEvent, name: &str| match e.record.args.iter().find(|(n, _)| n == name) {
+        Some((_, ArgValue::Unsigned(v))) => *v,
+        other => panic!("{name}: {other:?}"),
+    };
+    assert_eq!(got.len(), 2);
+    let (inner_event, outer_event) = (&got[0], &got[1]);
+    assert_eq!(value(inner_event, "a1"), inner_arg);
+    assert_eq!(value(inner_event, "first"), 333, "dereferenced at the return");
+    assert_eq!(value(inner_event, "ret"), 7);
+    assert_eq!(value(outer_event, "a1"), outer_arg);
+    assert_eq!(value(outer_event, "first"), 111);
+    assert_eq!(value(outer_event, "ret"), 9);
+    for e in [inner_event, outer_event] {
+        let entry = e.record.entry_timestamp_ns.unwrap();
+        assert_eq!(
+            value(e, "lat"),
+            e.record.timestamp_ns - entry,
+            "the record's own two times"
+        );
+    }
+    assert!(
+        value(outer_event, "lat") >= 3_000_000,
+        "the outer call lasted the 3 ms sleep"
+    );
+    assert!(value(outer_event, "lat") > value(inner_event, "lat"));
+}
+
+#[test]
 fn an_entry_hit_that_runs_again_follows_the_call_once() {
     let m = FakeMachine::with_code();
     let t = tracer(&m);

@@ -100,6 +100,7 @@ impl World {
             symbols: &self.symbols,
             comm: Some("bash"),
             retval: None,
+            entry: None,
         }
     }
 

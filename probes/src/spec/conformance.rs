@@ -76,8 +76,6 @@ pub(super) const REFUSED: &[(&str, LinuxError)] = &[
     ("p vfs_read +0(^$arg*)", LinuxError::BAD_VAR_ARGS),
     ("p vfs_read $arg* ^$arg*", LinuxError::DOUBLE_ARGS),
     ("p vfs_read+20 ^$arg*", LinuxError::NOFENTRY_ARGS),
-    // (Kernels whose return probes take entry arguments accept this one.)
-    ("r vfs_read ^$arg*", LinuxError::NOFENTRY_ARGS),
 ];
 
 /// More refusals, one for each code the selftest has no line for (the caret where Linux's
@@ -92,12 +90,16 @@ pub(super) const MORE_REFUSED: &[(&str, LinuxError)] = &[
     ("p vfs_read +0(^\\\"abc\")", LinuxError::COMM_CANT_DEREF),
     ("p vfs_read %ax:^string", LinuxError::BAD_STRING),
     ("p vfs_read+4 ^count", LinuxError::NOFENTRY_ARGS),
-    ("r vfs_read ^count", LinuxError::NOFENTRY_ARGS),
     ("p vfs_read ^$retval->f", LinuxError::RETVAL_ON_PROBE),
 ];
 
 /// Lines Linux accepts, from its kprobes documentation and its selftests' valid forms.
 const ACCEPTED: &[&str] = &[
+    // Linux 6.9+ (its selftest refuses the first for older kernels): return probes take
+    // the entry's arguments.
+    "r vfs_read $arg*",
+    "r vfs_read count",
+    "r vfs_read $arg2",
     "p:myprobe do_sys_open dfd=%ax filename=%dx flags=%cx mode=+4($stack)",
     "r:myretprobe do_sys_open $retval",
     "-:myprobe",

@@ -643,8 +643,8 @@ fn variable_errors() {
     assert_eq!(arg_err("$argx"), (1, SpecErrorKind::UnknownVariable("argx".into())));
     assert_eq!(err("p f+4 $arg1"), (7, SpecErrorKind::ArgNotOnEntry));
     assert_eq!(err("p 0x1000 $arg1"), (10, SpecErrorKind::ArgNotOnEntry));
-    assert_eq!(err("r f $arg1"), (5, SpecErrorKind::ArgNotOnEntry));
     assert_eq!(arg_err("$retval"), (1, SpecErrorKind::RetvalOnKprobe));
+    assert_eq!(arg_err("$duration"), (1, SpecErrorKind::DurationOnKprobe));
 }
 
 #[test]
@@ -1029,4 +1029,21 @@ fn the_fuzzers_seeds_hold_the_properties() {
         seen += 1;
     }
     assert!(seen >= 16, "{seen} seeds in {}", dir.display());
+}
+
+/// Linux 6.9+: a return probe on a function entry takes `$argN` (and `$arg*`, BTF names),
+/// saved at the call's entry; `$duration` is hvprobe's own, decimal unless typed.
+#[test]
+fn return_probes_take_entry_arguments_and_a_duration() {
+    let all = args("r:g/e f $arg1 first=+0($arg2) lat=$duration hex=$duration:x64");
+    let texts: Vec<String> = all.iter().map(|a| a.to_string()).collect();
+    assert_eq!(
+        texts,
+        ["$arg1", "first=+0($arg2)", "lat=$duration", "hex=$duration:x64"]
+    );
+    assert_eq!((all[2].ty, &all[2].expr), (ArgType::U64, &FetchExpr::Duration));
+    assert_eq!(args("r:g/e f $arg*")[0].expr, FetchExpr::AllArgs);
+    assert!(matches!(args("r:g/e f count")[0].expr, FetchExpr::Btf(_)));
+    // Not on a return probe off a function's entry, which has no arguments.
+    assert_eq!(err("r 0x1000 $arg1"), (10, SpecErrorKind::ArgNotOnEntry));
 }
