@@ -288,7 +288,7 @@ pub struct RunArgs {
     /// machine and the kernel, so the flags that choose them are refused with it, and its
     /// symbols come from the restored kernel's kallsyms. A snapshot with disks takes its
     /// images again: every --disk in its order, or none for the paths it saved; each must
-    /// be the image the snapshot saw (size, `,ro`, and the bytes the guest had read).
+    /// be the image the snapshot saw (its size, `,ro`, and its partition table).
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "mem", "kaslr", "resolve", "sample_ms", "symbol_sources",
         "system_map", "vmlinux", "root", "rootfs", "rwdirs", "virtiofsd",

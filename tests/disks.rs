@@ -331,6 +331,11 @@ fn a_guest_with_a_root_disk_is_snapshotted_and_restored_onto_its_image() {
     );
     assert_eq!(first.code, Some(0), "{}", first.tail());
     common::assert_guest_healthy(&first, &[]);
+    let opened = format!(
+        "hvprobe: the snapshot's disk /dev/vda: {} (read-write)",
+        std::path::absolute(&root).unwrap().display()
+    );
+    assert!(first.stderr.contains(&opened), "{opened:?}\n{}", first.tail());
     assert!(first.console_has_line("there before the snapshot"), "{}", first.tail());
     assert_eq!(debugfs_cat(&root, "/after"), "written after a restore\n");
 

@@ -68,30 +68,40 @@ pub struct FetchContext<'a> {
 /// What a return probe's fetch-args read of the call's entry.
 #[derive(Clone, Copy, Debug)]
 pub struct EntryValues<'a> {
-    /// `$arg1`, `$arg2`, … as they were at the entry (`None`: that read faulted), as many as
-    /// the probe's fetch-args name.
-    pub args: &'a [Option<u64>],
-    /// `$duration`: nanoseconds on the trace clock from the entry to the return.
-    pub duration_ns: u64,
+    /// `(N, $argN)` as they were at the entry, for each N the probe's fetch-args name, in
+    /// order (`None`: that read faulted).
+    pub args: &'a [(u32, Option<u64>)],
+    /// `$duration`: nanoseconds on the trace clock from the entry to the return; `None`
+    /// when the two were not stamped by the same clock, or it ran backwards between them.
+    pub duration_ns: Option<u64>,
 }
 
-/// The values of `$arg1..=$argN` at a hit (an entry), for a return probe to read at the
-/// return as Linux 6.9+ does: the arguments themselves are saved, and whatever a fetch-arg
-/// dereferences from them is read at the return.
-pub fn entry_args(count: u32, ctx: &FetchContext) -> Vec<Option<u64>> {
-    (1..=count).map(|n| value_of(&FetchExpr::Arg(n), ctx)).collect()
+/// The values of the `$argN` a return probe's fetch-args name, at its entry, to be read at
+/// the return as Linux 6.9+ does: the arguments themselves are saved, and whatever a
+/// fetch-arg dereferences from them is read at the return.
+pub fn entry_args(numbers: &[u32], ctx: &FetchContext) -> Vec<(u32, Option<u64>)> {
+    numbers
+        .iter()
+        .map(|&n| (n, value_of(&FetchExpr::Arg(n), ctx)))
+        .collect()
 }
 
-/// The most `$argN` any of `args` names (0 when none does).
-pub fn args_named(args: &[FetchArg]) -> u32 {
-    fn most(expr: &FetchExpr) -> u32 {
+/// The `$argN` numbers `args` name, in order, each once.
+pub fn args_named(args: &[FetchArg]) -> Vec<u32> {
+    fn collect(expr: &FetchExpr, into: &mut Vec<u32>) {
         match expr {
-            FetchExpr::Arg(n) => *n,
-            FetchExpr::Deref { base, .. } => most(base),
-            _ => 0,
+            FetchExpr::Arg(n) => into.push(*n),
+            FetchExpr::Deref { base, .. } => collect(base, into),
+            _ => {}
         }
     }
-    args.iter().map(|a| most(&a.expr)).max().unwrap_or(0)
+    let mut numbers = Vec::new();
+    for arg in args {
+        collect(&arg.expr, &mut numbers);
+    }
+    numbers.sort_unstable();
+    numbers.dedup();
+    numbers
 }
 
 /// One fetched value, ready to print.
@@ -314,12 +324,12 @@ fn locate(expr: &FetchExpr, ctx: &FetchContext) -> Option<Place> {
         FetchExpr::StackEntry(n) => Place::Value(stack_word(ctx, u64::from(*n))?),
         FetchExpr::StackPointer => Place::Value(regs.rsp),
         FetchExpr::Arg(n) => match (ctx.entry, regs.arg_register(*n)) {
-            (Some(entry), _) => Place::Value((*entry.args.get(usize::try_from(n.checked_sub(1)?).ok()?)?)?),
+            (Some(entry), _) => Place::Value(entry.args.iter().find(|(number, _)| number == n)?.1?),
             (None, Some(v)) => Place::Value(v),
             (None, None) => Place::Value(stack_word(ctx, u64::from(n.checked_sub(6)?))?),
         },
         FetchExpr::Retval => Place::Value(ctx.retval.unwrap_or(regs.rax)),
-        FetchExpr::Duration => Place::Value(ctx.entry?.duration_ns),
+        FetchExpr::Duration => Place::Value(ctx.entry?.duration_ns?),
         FetchExpr::Comm => Place::Comm,
         FetchExpr::Immediate(v) => Place::Value(*v),
         FetchExpr::Deref { offset, user, base } => Place::Memory {

@@ -127,6 +127,21 @@ pub(crate) fn restore_and_run(
     console_input: bool,
     trace: &TraceOptions,
 ) -> Result<Restored, Box<dyn std::error::Error>> {
+    if disks.is_empty() {
+        // The snapshot names these: the user sees what is opened, and how.
+        for (i, disk) in hvprobe_vmm::snapshot_disks(dir)?.iter().enumerate() {
+            eprintln!(
+                "hvprobe: the snapshot's disk {}: {}{}",
+                crate::guest::disk_name(i).unwrap_or_default(),
+                hvprobe_probes::output::escape_guest_text(&disk.path.display().to_string()),
+                if disk.read_only {
+                    " (read-only)"
+                } else {
+                    " (read-write)"
+                }
+            );
+        }
+    }
     let started = Instant::now();
     let mut vm = Vm::restore(dir, Some(cpus), console_output, disks)?;
     if console_input {

@@ -28,7 +28,7 @@ pub use devices::{GuestEvent, GUEST_EVENT_PORT, GUEST_EXIT_PORT};
 pub(crate) use error::kvm_err;
 pub use error::Error;
 pub use mptable::MAX_CPUS;
-pub use snapshot::{snapshot_cache_name, SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
+pub use snapshot::{snapshot_cache_name, snapshot_disks, SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
 pub use vcpu::exit_regs;
 pub use vcpu::{
     set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PauseTimeout, PausedVcpus,

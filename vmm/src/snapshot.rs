@@ -33,9 +33,13 @@
 //! a snapshot taken where KVM offers other CPU features is refused, since the guest kernel
 //! chose its code paths by those features at boot.
 //!
-//! Every check (version, length, checksum, CPUID hash, vCPU count, memory file size, and
-//! each disk image against what the snapshot saw of it) is made before the first KVM
-//! object is created, so a bad snapshot restores nothing.
+//! Every check of the file (version, length, checksum, CPUID hash, vCPU count, memory file
+//! size, and each disk image against what the snapshot saw of it) is made before the
+//! first KVM object is created; the devices' saved state (their kinds, queues and rings)
+//! is checked as it is put back, before any vCPU runs. A bad snapshot runs nothing.
+//!
+//! A snapshot is trusted input, as a kernel and an initrd are: it defines the guest, and
+//! it names the disk images a restore without `--disk` opens.
 //!
 //! A disk is saved as what a restore must find again: its image's size, attachment and
 //! partition table (which the guest parsed when it found the disk and keeps in memory;
@@ -733,6 +737,22 @@ impl State {
     }
 }
 
+/// The disks a snapshot in `dir` saw, in device order: what a restore without `--disk`
+/// opens.
+pub fn snapshot_disks(dir: &Path) -> Result<Vec<DiskConfig>, SnapshotError> {
+    let state_path = dir.join(STATE_FILE);
+    let raw = std::fs::read(&state_path).map_err(io_err("read snapshot state", &state_path))?;
+    let state = State::decode(&raw, &state_path)?;
+    Ok(state
+        .disks()
+        .into_iter()
+        .map(|d| DiskConfig {
+            path: d.path.clone(),
+            read_only: d.read_only,
+        })
+        .collect())
+}
+
 /// What a saved snapshot holds.
 #[derive(Clone, Debug)]
 pub struct SnapshotInfo {
@@ -985,9 +1005,22 @@ impl Vm {
         if self.vcpus.len() != self.control.vcpu_count() {
             return Err(SnapshotError::VcpuStateLost);
         }
-        // The devices first: a disk's worker finishes the request in hand, and what it
-        // signals then is in the interrupt controllers' state saved below.
-        let virtio = self.virtio.save()?;
+        // The devices first, held still while the rest is saved: a disk's worker finishes
+        // the request in hand, and nothing it does lands in guest memory or the interrupt
+        // controllers after its state was taken. They go on afterwards whatever happened.
+        let saved = self
+            .virtio
+            .save()
+            .map_err(SnapshotError::from)
+            .and_then(|virtio| self.save_with(dir, virtio));
+        let resumed = self.virtio.resume();
+        let info = saved?;
+        resumed?;
+        Ok(info)
+    }
+
+    /// The rest of [`Vm::save_snapshot`], the devices' state taken.
+    fn save_with(&self, dir: &Path, virtio: Vec<TransportSave>) -> Result<SnapshotInfo, SnapshotError> {
         std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
         let mut regions = Vec::new();
         let mut offset = 0u64;

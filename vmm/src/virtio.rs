@@ -49,10 +49,15 @@ pub trait VirtioDevice: Send {
     /// Stops serving (the driver reset the device); the transport then forgets the queues.
     fn reset(&mut self);
     /// The device's part of a snapshot (the vCPUs are stopped): what a restore must find
-    /// again, and, while it serves its queues, their state as it has them (it finishes
-    /// the request in hand first and goes on serving afterwards). A device whose state
-    /// cannot be saved says why.
+    /// again, and, while it serves its queues, their state as it has them. It finishes
+    /// the request in hand and then holds still — nothing more reaches guest memory or
+    /// the interrupt line — until [`VirtioDevice::resume`]. A device whose state cannot
+    /// be saved says why.
     fn save(&mut self) -> Result<DeviceSave, SaveError>;
+    /// Goes on serving after a [`VirtioDevice::save`] (a no-op when it was not serving).
+    fn resume(&mut self) -> Result<(), SaveError> {
+        Ok(())
+    }
 }
 
 /// A device's part of a snapshot.
@@ -88,6 +93,8 @@ pub enum RestoreError {
         #[source]
         source: virtio_queue::Error,
     },
+    #[error("virtio device {index}'s queue {queue} has rings outside guest RAM")]
+    RingsOutsideMemory { index: usize, queue: usize },
     #[error("virtio device {index} cannot start serving again: {source}")]
     Activate {
         index: usize,
@@ -302,12 +309,27 @@ impl MmioDevices {
         self.devices.is_empty()
     }
 
-    /// Every device's transport and device state, in order (the vCPUs are stopped).
+    /// Every device's transport and device state, in order (the vCPUs are stopped); the
+    /// devices hold still until [`MmioDevices::resume`], which the caller calls whatever
+    /// this returns.
     pub fn save(&self) -> Result<Vec<mmio::TransportSave>, SaveError> {
         self.devices
             .iter()
             .map(|(_, t)| t.lock().unwrap_or_else(|e| e.into_inner()).save())
             .collect()
+    }
+
+    /// The devices go on after [`MmioDevices::save`]; the first failure is returned, every
+    /// device is tried.
+    pub fn resume(&self) -> Result<(), SaveError> {
+        let mut first = Ok(());
+        for (_, t) in &self.devices {
+            let resumed = t.lock().unwrap_or_else(|e| e.into_inner()).resume();
+            if first.is_ok() {
+                first = resumed;
+            }
+        }
+        first
     }
 
     /// Puts `saved` (from [`MmioDevices::save`]) back onto these devices, which must be

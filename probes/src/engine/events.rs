@@ -5,12 +5,19 @@
 use hvprobe_introspection::task::TaskInfo;
 
 use super::registry::{Probe, Registry, Site};
+use super::stamps::Stamp;
 use super::{HitEvent, ProbeId, ProbeKind, Tracer, COUNT};
 use crate::fetch::{evaluate, ArgValue, EntryValues, FetchContext};
 use crate::machine::Vcpu;
 use crate::output::HitRecord;
 use crate::regs::Regs;
 use crate::spec::{ArgType, FetchArg, FetchExpr, Register};
+
+/// A return's call entry, as its event reads it: the `$argN` saved then, and when.
+pub(super) struct CallEntry<'a> {
+    pub args: &'a [(u32, Option<u64>)],
+    pub at: Stamp,
+}
 
 impl Tracer {
     pub(super) fn send_event(&self, probe: &Probe, event: HitEvent) {
@@ -38,10 +45,11 @@ impl Tracer {
         regs: &Regs,
         task: Option<&TaskInfo>,
         vcpu: &mut dyn Vcpu,
-        entry: Option<(&[Option<u64>], u64)>,
+        entry: Option<CallEntry<'_>>,
     ) -> HitEvent {
         // Stamped before the fetch-args are read: the hit's time, and `$duration`'s end.
-        let timestamp_ns = self.timestamp_ns();
+        let stamp = self.stamp();
+        let timestamp_ns = stamp.ns;
         let comm = task.map(|t| t.comm.clone());
         let mut fetch_regs = *regs;
         if probe.args.iter().any(names_a_segment) {
@@ -65,9 +73,9 @@ impl Tracer {
             symbols: &self.view.symbols,
             comm: comm.as_deref(),
             retval: matches!(probe.kind, ProbeKind::Kretprobe { .. }).then_some(regs.rax),
-            entry: entry.map(|(args, entered_ns)| EntryValues {
-                args,
-                duration_ns: timestamp_ns.saturating_sub(entered_ns),
+            entry: entry.map(|entry| EntryValues {
+                args: entry.args,
+                duration_ns: stamp.since(&entry.at),
             }),
         };
         let args: Vec<(String, ArgValue)> = probe

@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use hvprobe_arch::Gva;
 
 use super::registry::Probe;
+use super::stamps::Stamp;
 use super::{BreakpointOutcome, EngineFault, HitContext, PreAction, ProbeId, Tracer, COUNT};
 use crate::machine::Vcpu;
 use crate::regs::Regs;
@@ -49,13 +50,13 @@ struct Instance {
     after_guest_swap: bool,
     /// The probe's private data for this call.
     data: Vec<u8>,
-    /// When the call entered the function ([`Tracer::timestamp_ns`] at the entry's hit),
-    /// for the return's record (a consumer draws the call as a slice from entry to return)
-    /// and its `$duration`.
-    entered_ns: u64,
-    /// `$arg1..=$argN` at the entry, as many as the probe's fetch-args name: what they read
-    /// at the return (Linux 6.9+'s entry data).
-    entry_args: Vec<Option<u64>>,
+    /// When the call entered the function ([`Tracer::stamp`] at the entry's hit), for the
+    /// return's record (a consumer draws the call as a slice from entry to return) and its
+    /// `$duration`.
+    entered: Stamp,
+    /// The `$argN` the probe's fetch-args name, at the entry: what they read at the return
+    /// (Linux 6.9+'s entry data).
+    entry_args: Vec<(u32, Option<u64>)>,
 }
 
 #[derive(Default)]
@@ -205,7 +206,7 @@ impl Tracer {
             return;
         };
         // Stamped first, so that the entry's time is the hit's and not after our own work.
-        let entered_ns = self.timestamp_ns();
+        let entered = self.stamp();
         let kernel = self.machine.kernel();
         let slot = regs.rsp;
         let missed = || {
@@ -266,10 +267,11 @@ impl Tracer {
         if !reserved {
             return missed();
         }
-        let entry_args = match crate::fetch::args_named(&probe.args) {
-            0 => Vec::new(),
-            count => crate::fetch::entry_args(
-                count,
+        let numbers = crate::fetch::args_named(&probe.args);
+        let entry_args = match numbers.as_slice() {
+            [] => Vec::new(),
+            numbers => crate::fetch::entry_args(
+                numbers,
                 &crate::fetch::FetchContext {
                     regs,
                     kernel,
@@ -313,7 +315,7 @@ impl Tracer {
             return_address,
             after_guest_swap,
             data,
-            entered_ns,
+            entered,
             entry_args,
         });
     }
@@ -356,7 +358,10 @@ impl Tracer {
             probe.counters.hits.fetch_add(1, COUNT);
             if probe.emit_events {
                 let task = task.get_or_insert_with(|| vcpu.current_task());
-                let entry = (instance.entry_args.as_slice(), instance.entered_ns);
+                let entry = super::events::CallEntry {
+                    args: &instance.entry_args,
+                    at: instance.entered,
+                };
                 let mut event = self.hit_event(instance.probe, probe, cpu, &regs, task.as_ref(), vcpu, Some(entry));
                 event.record.retprobe_caller = Some(
                     caller
@@ -369,7 +374,7 @@ impl Tracer {
                         })
                         .clone(),
                 );
-                event.record.entry_timestamp_ns = Some(instance.entered_ns);
+                event.record.entry_timestamp_ns = Some(instance.entered.ns);
                 self.send_event(probe, event);
             }
             if let Some(ret) = &probe.post {

@@ -13,18 +13,62 @@ use crate::clock::{ClockError, GuestClock, TraceClock};
 /// The clocks [`Tracer::set_trace_clock`] chooses from, by index (the default first).
 pub(super) const TRACE_CLOCKS: [TraceClock; 3] = [TraceClock::Local, TraceClock::Global, TraceClock::Host];
 
+/// Which clock gave a stamp: two stamps measure a time between them only when it is the
+/// same (the trace clock can be switched, and a guest clock that fails gives host time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StampClock {
+    Guest { global: bool },
+    Host,
+}
+
+/// A hit's time and the clock that gave it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Stamp {
+    pub ns: u64,
+    pub clock: StampClock,
+}
+
+impl Stamp {
+    /// Nanoseconds from `earlier` to this stamp; `None` when another clock gave `earlier`,
+    /// or the clock ran backwards between them (a per-CPU clock read on two CPUs).
+    pub(crate) fn since(&self, earlier: &Stamp) -> Option<u64> {
+        (self.clock == earlier.clock).then_some(())?;
+        self.ns.checked_sub(earlier.ns)
+    }
+}
+
 impl Tracer {
     /// The time stamped on a hit taken now, in nanoseconds: one clock for every trapped
     /// hit (a kprobe, a return, a return's entry). The guest's trace clock when it is
     /// attached and chosen ([`Tracer::set_trace_clock`]), else host time since the tracer
     /// started.
+    #[cfg(test)]
     pub(crate) fn timestamp_ns(&self) -> u64 {
+        self.stamp().ns
+    }
+
+    /// [`Tracer::timestamp_ns`] with the clock that gave it.
+    pub(crate) fn stamp(&self) -> Stamp {
         match self.stamping_guest_clock() {
-            Some((clock, global)) => clock
-                .now_ns()
-                .and_then(|local| if global { clock.global_ns(local) } else { Ok(local) })
-                .unwrap_or_else(|e| self.host_stamp_instead(&e)),
-            None => self.host_timestamp_ns(),
+            Some((clock, global)) => {
+                match clock
+                    .now_ns()
+                    .and_then(|local| if global { clock.global_ns(local) } else { Ok(local) })
+                {
+                    Ok(ns) => Stamp {
+                        ns,
+                        clock: StampClock::Guest { global },
+                    },
+                    Err(e) => Stamp {
+                        ns: self.host_stamp_instead(&e),
+                        clock: StampClock::Host,
+                    },
+                }
+            }
+            None => Stamp {
+                ns: self.host_timestamp_ns(),
+                clock: StampClock::Host,
+            },
         }
     }
 
@@ -109,5 +153,32 @@ impl Tracer {
             Some((_, true)) => TraceClock::Global,
             None => TraceClock::Host,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_time_between_two_stamps_needs_one_clock_running_forward() {
+        let guest = |ns| Stamp {
+            ns,
+            clock: StampClock::Guest { global: false },
+        };
+        assert_eq!(guest(1_500).since(&guest(1_000)), Some(500));
+        // A per-CPU clock read on two CPUs may run backwards: no time, not 0.
+        assert_eq!(guest(900).since(&guest(1_000)), None);
+        // The trace clock switched, or the guest's clock failed and host time stamped one.
+        let host = Stamp {
+            ns: 1_500,
+            clock: StampClock::Host,
+        };
+        assert_eq!(host.since(&guest(1_000)), None);
+        let global = Stamp {
+            ns: 1_500,
+            clock: StampClock::Guest { global: true },
+        };
+        assert_eq!(global.since(&guest(1_000)), None);
     }
 }

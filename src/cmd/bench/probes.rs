@@ -127,9 +127,12 @@ struct GuestVariant {
     /// The event filter of the recording probes (their detours run it in the guest), and
     /// whether it discards every call's hit (else it keeps every one).
     filter: Option<(&'static str, bool)>,
+    /// The host probes are return probes recording `$retval` and `$duration` (trapped: an
+    /// exit at the entry, one at the return).
+    ret: bool,
 }
 
-const GUEST_VARIANTS: [GuestVariant; 11] = [
+const GUEST_VARIANTS: [GuestVariant; 13] = [
     GuestVariant {
         label: "no probe",
         host_probes: &[],
@@ -137,6 +140,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: false,
         record: false,
         filter: None,
+        ret: false,
     },
     GuestVariant {
         label: "guest's own kprobe event on __x64_sys_getppid+0 (ftrace-based)",
@@ -145,6 +149,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: false,
         record: false,
         filter: None,
+        ret: false,
     },
     GuestVariant {
         label: "host probe on __x64_sys_getppid+0 (int3 at +5, stepped out of line)",
@@ -153,6 +158,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: false,
         record: false,
         filter: None,
+        ret: false,
     },
     GuestVariant {
         label: "host probe on __task_pid_nr_ns+0 (int3 at +5, push emulated)",
@@ -161,6 +167,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: false,
         record: false,
         filter: None,
+        ret: false,
     },
     GuestVariant {
         label: "optimized sync host probe on __x64_sys_getppid+0 (jump at +5 to a detour, one exit)",
@@ -169,6 +176,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: true,
         record: false,
         filter: None,
+        ret: false,
     },
     GuestVariant {
         label: "optimized sync host probe on __task_pid_nr_ns+0 (jump at +5 to a detour, one exit)",
@@ -177,6 +185,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: true,
         record: false,
         filter: None,
+        ret: false,
     },
     GuestVariant {
         label: "optimized event host probe on __x64_sys_getppid+0, 4 fetch-args (recorded in the guest, no exit)",
@@ -185,6 +194,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: true,
         record: true,
         filter: None,
+        ret: false,
     },
     GuestVariant {
         label: "the same, filter `di != 0` run in the detour (keeps every hit)",
@@ -193,6 +203,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: true,
         record: true,
         filter: Some(("di != 0", false)),
+        ret: false,
     },
     GuestVariant {
         label: "the same, filter `di == 0` run in the detour (discards every hit in the guest: no record)",
@@ -201,6 +212,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: true,
         record: true,
         filter: Some(("di == 0", true)),
+        ret: false,
     },
     GuestVariant {
         label: "guest's own kprobe event on __task_pid_nr_ns+0x32 (mid-function: its optprobe, a jump)",
@@ -209,6 +221,7 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: false,
         record: false,
         filter: None,
+        ret: false,
     },
     GuestVariant {
         label: "optimized event host probe on __task_pid_nr_ns+0x32, 4 fetch-args (recorded in the guest, no exit)",
@@ -217,13 +230,36 @@ const GUEST_VARIANTS: [GuestVariant; 11] = [
         optimize: true,
         record: true,
         filter: None,
+        ret: false,
+    },
+    GuestVariant {
+        label: "guest's own kretprobe event on __x64_sys_getppid, $retval (per call: entry and return)",
+        host_probes: &[],
+        guest_event: Some("gr"),
+        optimize: false,
+        record: false,
+        filter: None,
+        ret: false,
+    },
+    GuestVariant {
+        label: "host return probe on __x64_sys_getppid, $retval and $duration, trapped (per call: entry and return)",
+        host_probes: &[("__x64_sys_getppid", 0)],
+        guest_event: None,
+        optimize: false,
+        record: true,
+        filter: None,
+        ret: true,
     },
 ];
 
 /// The guest's own kprobe events every variant defines (only one enables one): `gk` at
 /// the entry of getppid (ftrace-based, as the kernel does at `+0`), `go` mid-function,
 /// where the kernel jump-optimizes its probe (checked in its `kprobes/list`).
-const GUEST_EVENTS: [&str; 2] = ["p:gk __x64_sys_getppid", "p:go __task_pid_nr_ns+0x32"];
+const GUEST_EVENTS: [&str; 3] = [
+    "p:gk __x64_sys_getppid",
+    "p:go __task_pid_nr_ns+0x32",
+    "r:gr __x64_sys_getppid ret=$retval",
+];
 /// What the guest prints when its `go` probe is `[OPTIMIZED]`.
 const GUEST_OPTIMIZED: &str = "GUEST-OPTPROBE-OPTIMIZED";
 
@@ -257,13 +293,16 @@ fn run_guest(
                 name: name.to_string(),
                 offset: *offset,
             };
-            let args = if variant.record {
-                match hvprobe_probes::spec::parse_line("p x di=%di si=%si s0=$stack0 s1=$stack1") {
+            let args = match (variant.record, variant.ret) {
+                (true, false) => match hvprobe_probes::spec::parse_line("p x di=%di si=%si s0=$stack0 s1=$stack1") {
                     Ok(Some(hvprobe_probes::spec::ProbeSpec::Kprobe { args, .. })) => args,
                     other => return Err(format!("the benchmark's fetch-args: {other:?}").into()),
-                }
-            } else {
-                Vec::new()
+                },
+                (true, true) => match hvprobe_probes::spec::parse_line("r x ret=$retval lat=$duration") {
+                    Ok(Some(hvprobe_probes::spec::ProbeSpec::Kretprobe { args, .. })) => args,
+                    other => return Err(format!("the benchmark's fetch-args: {other:?}").into()),
+                },
+                (false, _) => Vec::new(),
             };
             let filter = match variant.filter {
                 Some((text, _)) => {
@@ -273,9 +312,14 @@ fn run_guest(
                 }
                 None => None,
             };
+            let kind = match variant.ret {
+                true => hvprobe_probes::engine::ProbeKind::Kretprobe { maxactive: 16 },
+                false => hvprobe_probes::engine::ProbeKind::Kprobe,
+            };
             let id = tracer.register(KprobeRequest {
                 emit_events: variant.record,
                 filter,
+                kind,
                 ..KprobeRequest::event(point, "bench", name, args)
             })?;
             if let (true, Some(why)) = (variant.optimize, tracer.why_not_optimized(id)) {

@@ -88,6 +88,14 @@ impl VcpuRunner {
                 message: format!("the exit loop panicked: {}", panic_message(payload.as_ref())),
             });
         }
+        // Whoever has the vCPU next (a snapshot, a restart) reads its registers by ioctl,
+        // also after a panic in the loop.
+        if let Err(e) = exit_regs::disable(&mut self.vcpu) {
+            self.control.stop(StopReason::VcpuError {
+                cpu: self.cpu,
+                message: format!("handing the registers to KVM at the end of the run: {e}"),
+            });
+        }
         self.vcpu
     }
 
@@ -124,13 +132,6 @@ impl VcpuRunner {
             }
         }
 
-        // Whoever has the vCPU next (a snapshot, a restart) reads its registers by ioctl.
-        if let Err(e) = exit_regs::disable(&mut self.vcpu) {
-            self.control.stop(StopReason::VcpuError {
-                cpu: self.cpu,
-                message: format!("handing the registers to KVM at the end of the run: {e}"),
-            });
-        }
         if let Some(stats) = stats {
             let counters = &self.control.counters;
             if let Some(emulated) = stats.get("insn_emulation") {

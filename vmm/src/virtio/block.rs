@@ -36,8 +36,8 @@ pub const SECTOR_SIZE: u64 = 512;
 /// Entries in the request queue: what Linux's driver uses when the device allows it.
 const QUEUE_SIZE: u16 = 256;
 const REQUEST_HEADER_LEN: usize = 16;
-/// EBRs of an MBR's extended partition a snapshot's check follows; Linux's msdos parser
-/// stops at fewer logical partitions than this.
+/// EBRs of an MBR's extended partitions a snapshot's check follows, in all; Linux's msdos
+/// parser stops at fewer logical partitions than this.
 const MAX_EBRS: usize = 256;
 /// The most GPT partition-entry bytes a snapshot's check reads (Linux's parser takes up
 /// to 128 entries of 128 bytes in practice; a header may ask for more, which is hashed
@@ -105,6 +105,18 @@ pub enum DiskMismatch {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Entry `i` of an MBR or EBR: its type, start sector and size in sectors.
+fn mbr_entry(sector: &[u8; SECTOR_SIZE as usize], i: usize) -> (u8, u64, u64) {
+    let e = &sector[446 + 16 * i..446 + 16 * (i + 1)];
+    let word = |at: usize| u64::from(u32::from_le_bytes(e[at..at + 4].try_into().expect("4 bytes")));
+    (e[4], word(8), word(12))
+}
+
+/// An MBR partition type Linux's msdos parser follows as an extended partition.
+fn is_extended(kind: u8) -> bool {
+    matches!(kind, 0x05 | 0x0f | 0x85)
 }
 
 fn attachment(read_only: bool) -> &'static str {
@@ -215,70 +227,85 @@ impl DiskImage {
     /// a partition table is in it (ext4's superblock starts at byte 1024), so a disk
     /// snapshotted unmounted can be written by each restore and restored again.
     pub fn partition_table_digest(&self) -> std::io::Result<[u8; 32]> {
-        use std::os::unix::fs::FileExt;
         let mut hasher = Sha256::new();
         let mut sector = [0u8; SECTOR_SIZE as usize];
-        let read_sector = |lba: u64, sector: &mut [u8; SECTOR_SIZE as usize]| -> std::io::Result<bool> {
-            match lba.checked_mul(SECTOR_SIZE).filter(|&at| at + SECTOR_SIZE <= self.size) {
-                Some(at) => self.file.read_exact_at(sector, at).map(|()| true),
-                None => Ok(false),
-            }
-        };
-        read_sector(0, &mut sector)?;
+        self.read_sector(0, &mut sector)?;
         hasher.update(&sector[440..]);
-        // Logical partitions: a chain of EBRs, each linking to the next relative to the
-        // extended partition's start.
-        let mbr = sector;
-        let entry = |s: &[u8; 512], i: usize| {
-            let e = &s[446 + 16 * i..446 + 16 * (i + 1)];
-            (
-                e[4],
-                u64::from(u32::from_le_bytes(e[8..12].try_into().expect("4 bytes"))),
-            )
-        };
-        let extended = |kind: u8| matches!(kind, 0x05 | 0x0f | 0x85);
-        if mbr[510..] == [0x55, 0xaa] {
-            if let Some(base) = (0..4)
-                .map(|i| entry(&mbr, i))
-                .find(|&(kind, _)| extended(kind))
-                .map(|(_, lba)| lba)
-            {
-                let mut next = base;
+        if sector[510..] == [0x55, 0xaa] {
+            // Logical partitions, as Linux's msdos parser finds them: every extended
+            // primary entry starts a chain of EBRs, each linking to the next (its first
+            // extended entry with a size) relative to the chain's start.
+            let mbr = sector;
+            let mut budget = MAX_EBRS;
+            for (kind, base, size) in (0..4).map(|i| mbr_entry(&mbr, i)) {
+                if !is_extended(kind) || size == 0 {
+                    continue;
+                }
+                let mut next = Some(base);
                 let mut seen = Vec::new();
-                while next != 0 && seen.len() < MAX_EBRS && !seen.contains(&next) {
-                    seen.push(next);
-                    if !read_sector(next, &mut sector)? {
+                while let Some(lba) = next.filter(|lba| !seen.contains(lba)) {
+                    if budget == 0 || !self.read_sector(lba, &mut sector)? {
                         break;
                     }
-                    hasher.update(next.to_le_bytes());
+                    budget -= 1;
+                    seen.push(lba);
+                    hasher.update(lba.to_le_bytes());
                     hasher.update(&sector[440..]);
-                    let (kind, link) = entry(&sector, 1);
-                    next = match extended(kind) && link != 0 {
-                        true => base.saturating_add(link),
-                        false => 0,
-                    };
+                    next = (0..4)
+                        .map(|i| mbr_entry(&sector, i))
+                        .find(|&(kind, _, size)| is_extended(kind) && size != 0)
+                        .and_then(|(_, link, _)| base.checked_add(link));
                 }
             }
         }
-        if read_sector(1, &mut sector)? {
-            hasher.update(sector);
-            if sector[..8] == *b"EFI PART" {
-                let entries_lba = u64::from_le_bytes(sector[72..80].try_into().expect("8 bytes"));
-                let count = u64::from(u32::from_le_bytes(sector[80..84].try_into().expect("4 bytes")));
-                let entry_size = u64::from(u32::from_le_bytes(sector[84..88].try_into().expect("4 bytes")));
-                let bytes = count.saturating_mul(entry_size).min(MAX_GPT_ENTRY_BYTES);
-                let mut entries = vec![0u8; bytes as usize];
-                let start = entries_lba.checked_mul(SECTOR_SIZE);
-                if let Some(at) = start.filter(|&at| at.checked_add(bytes).is_some_and(|end| end <= self.size)) {
-                    self.file.read_exact_at(&mut entries, at)?;
-                    hasher.update(&entries);
-                }
-                if read_sector(self.size / SECTOR_SIZE - 1, &mut sector)? {
-                    hasher.update(sector);
-                }
+        // A GPT: its primary header (or what is in sector 1) and entries, and the backup
+        // header at the end with its entries (Linux reads those when the primary is bad).
+        let last = self.size / SECTOR_SIZE - 1;
+        for lba in [1, last] {
+            if !self.read_sector(lba, &mut sector)? {
+                continue;
+            }
+            let gpt = sector[..8] == *b"EFI PART";
+            if lba == 1 || gpt {
+                hasher.update(lba.to_le_bytes());
+                hasher.update(sector);
+            }
+            if gpt {
+                self.hash_gpt_entries(&sector, &mut hasher)?;
             }
         }
         Ok(hasher.finalize().into())
+    }
+
+    /// Reads sector `lba` into `sector`; false when the image has no such sector.
+    fn read_sector(&self, lba: u64, sector: &mut [u8; SECTOR_SIZE as usize]) -> std::io::Result<bool> {
+        use std::os::unix::fs::FileExt;
+        let at = lba
+            .checked_mul(SECTOR_SIZE)
+            .filter(|at| at.checked_add(SECTOR_SIZE).is_some_and(|end| end <= self.size));
+        match at {
+            Some(at) => self.file.read_exact_at(sector, at).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Hashes the partition-entry array a GPT header names (bounded by
+    /// [`MAX_GPT_ENTRY_BYTES`]; nothing when it lies outside the image).
+    fn hash_gpt_entries(&self, header: &[u8; SECTOR_SIZE as usize], hasher: &mut Sha256) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let entries_lba = u64::from_le_bytes(header[72..80].try_into().expect("8 bytes"));
+        let count = u64::from(u32::from_le_bytes(header[80..84].try_into().expect("4 bytes")));
+        let entry_size = u64::from(u32::from_le_bytes(header[84..88].try_into().expect("4 bytes")));
+        let bytes = count.saturating_mul(entry_size).min(MAX_GPT_ENTRY_BYTES);
+        let at = entries_lba
+            .checked_mul(SECTOR_SIZE)
+            .filter(|at| at.checked_add(bytes).is_some_and(|end| end <= self.size));
+        if let Some(at) = at {
+            let mut entries = vec![0u8; bytes as usize];
+            self.file.read_exact_at(&mut entries, at)?;
+            hasher.update(&entries);
+        }
+        Ok(())
     }
 
     /// This disk as a snapshot saves it.
@@ -349,6 +376,8 @@ pub struct Block {
     config: [u8; CONFIG_LEN],
     features: u64,
     worker: Option<Worker>,
+    /// The worker's server and kick while a save holds it stopped (until `resume`).
+    held: Option<(RequestServer, EventFd)>,
 }
 
 struct Worker {
@@ -397,6 +426,7 @@ impl Block {
             image: Some(image),
             features,
             worker: None,
+            held: None,
         }
     }
 }
@@ -450,6 +480,9 @@ impl VirtioDevice for Block {
     }
 
     fn reset(&mut self) {
+        if let Some((server, _)) = self.held.take() {
+            self.image = Some(server.image);
+        }
         if let Some(worker) = self.worker.take() {
             match worker.stop() {
                 Some((server, _)) => self.image = Some(server.image),
@@ -459,23 +492,29 @@ impl VirtioDevice for Block {
     }
 
     fn save(&mut self) -> Result<DeviceSave, SaveError> {
-        let Some(worker) = self.worker.take() else {
-            let image = self.image.as_ref().ok_or(SaveError::ImageLost)?;
-            return Ok(DeviceSave {
-                device: SavedDevice::Block(saved_disk(image)?),
+        if let Some(worker) = self.worker.take() {
+            // Held stopped until `resume`: nothing it serves may land in guest memory or
+            // the interrupt controllers after this state and before theirs is saved.
+            self.held = Some(worker.stop().ok_or(SaveError::ImageLost)?);
+        }
+        match &self.held {
+            Some((server, _)) => Ok(DeviceSave {
+                device: SavedDevice::Block(saved_disk(&server.image)?),
+                serving: Some(vec![server.queue.state()]),
+            }),
+            None => Ok(DeviceSave {
+                device: SavedDevice::Block(saved_disk(self.image.as_ref().ok_or(SaveError::ImageLost)?)?),
                 serving: None,
-            });
-        };
-        let (server, kick) = worker.stop().ok_or(SaveError::ImageLost)?;
-        let saved = saved_disk(&server.image);
-        let queue = server.queue.state();
-        // The worker goes on as it was, whatever the save's outcome; a kick that came
-        // while it was stopped is still pending on `kick`.
-        self.worker = Some(Worker::start(server, kick).map_err(SaveError::Restart)?);
-        Ok(DeviceSave {
-            device: SavedDevice::Block(saved?),
-            serving: Some(vec![queue]),
-        })
+            }),
+        }
+    }
+
+    fn resume(&mut self) -> Result<(), SaveError> {
+        // A kick that came while the worker was held is still pending on `kick`.
+        if let Some((server, kick)) = self.held.take() {
+            self.worker = Some(Worker::start(server, kick).map_err(SaveError::Restart)?);
+        }
+        Ok(())
     }
 }
 

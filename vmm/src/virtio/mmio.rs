@@ -344,6 +344,8 @@ impl MmioTransport {
     /// The register state, the queues' set-up and the device's own state (the vCPUs are
     /// stopped, so no register access comes in meanwhile).
     pub fn save(&mut self) -> Result<TransportSave, SaveError> {
+        // The device first: its last completion's interrupt is in the status read below.
+        let device = self.device.save()?;
         Ok(TransportSave {
             device_type: self.device.device_type(),
             status: self.status,
@@ -354,8 +356,13 @@ impl MmioTransport {
             interrupt_status: self.interrupt.status(),
             needs_reset: self.interrupt.needs_reset(),
             queues: self.queues.iter().map(|q| q.state()).collect(),
-            device: self.device.save()?,
+            device,
         })
+    }
+
+    /// The device goes on after [`MmioTransport::save`].
+    pub fn resume(&mut self) -> Result<(), SaveError> {
+        self.device.resume()
     }
 
     /// Puts a saved state back (a fresh transport of the same device, before any vCPU
@@ -396,6 +403,10 @@ impl MmioTransport {
         };
         let queues = rebuild(&saved.queues)?;
         let serving = saved.device.serving.as_deref().map(rebuild).transpose()?;
+        // A device serves only queues whose rings are guest RAM, as at activation.
+        if let Some(queue) = serving.iter().flatten().position(|q| !q.is_valid(&self.mem)) {
+            return Err(RestoreError::RingsOutsideMemory { index, queue });
+        }
         self.queues = queues;
         self.queue_refused = vec![false; self.queues.len()];
         self.status = saved.status;
@@ -640,9 +651,15 @@ mod tests {
         let mut odd = saved.clone();
         odd.device.serving.as_mut().unwrap()[0].size = 7;
         assert!(refused(&odd).starts_with("virtio device 3's queue 0 cannot be restored"));
-        let mut misaligned = saved;
+        let mut misaligned = saved.clone();
         misaligned.queues[0].desc_table = 0x10001;
         assert!(refused(&misaligned).starts_with("virtio device 3's queue 0 cannot be restored"));
+        let mut outside = saved;
+        outside.device.serving.as_mut().unwrap()[0].used_ring = 1 << 40;
+        assert_eq!(
+            refused(&outside),
+            "virtio device 3's queue 0 has rings outside guest RAM"
+        );
     }
 
     #[test]

@@ -533,12 +533,14 @@ fn the_partition_table_check_reads_a_bounded_amount_of_a_hostile_image() {
     let mut mbr = [0u8; 512];
     mbr[446 + 4] = 0x05;
     mbr[446 + 8..446 + 12].copy_from_slice(&8u32.to_le_bytes());
+    mbr[446 + 12..446 + 16].copy_from_slice(&100u32.to_le_bytes());
     mbr[510..].copy_from_slice(&[0x55, 0xaa]);
     f.as_file().write_all_at(&mbr, 0).unwrap();
     // Sector 8 links to 8 + 8, which links to itself.
     let mut ebr = mbr;
     ebr[446 + 16 + 4] = 0x05;
     ebr[446 + 16 + 8..446 + 16 + 12].copy_from_slice(&8u32.to_le_bytes());
+    ebr[446 + 16 + 12..446 + 16 + 16].copy_from_slice(&100u32.to_le_bytes());
     f.as_file().write_all_at(&ebr, 8 * 512).unwrap();
     f.as_file().write_all_at(&ebr, 16 * 512).unwrap();
     let mut gpt = [0u8; 512];
@@ -602,9 +604,16 @@ fn saving_a_serving_disk_gives_its_queue_where_it_is_and_it_serves_on() {
     assert_eq!((serving[0].next_avail, serving[0].next_used), (1, 1));
     let SavedDevice::Block(disk) = saved.device;
     assert_eq!(disk.size, SECTORS * SECTOR_SIZE);
-    // The worker goes on after the save: the next request is served.
+    // Held still until it resumes: a request that comes meanwhile waits, then is served.
     queue.add_desc_chains(&chain(3), 1).unwrap();
     kick.write(1).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        queue.used().idx().load(),
+        1,
+        "a saved disk served a request before it resumed"
+    );
+    block.resume().unwrap();
     served(2);
     block.reset();
     let saved = block.save().unwrap();
