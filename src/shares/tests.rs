@@ -247,7 +247,8 @@ fn a_daemon_that_fails_to_start_is_reported_with_its_status_and_last_words() {
 #[test]
 fn a_daemon_that_dies_while_the_guest_runs_is_reported_once_and_a_stopped_one_is_not() {
     let dir = scratch("death");
-    let fake = fake_daemon(&dir, "touch \"$2\"; echo 'serving' >&2; exec sleep 600");
+    // It speaks before its socket appears: what it said is there when it is killed.
+    let fake = fake_daemon(&dir, "echo 'serving' >&2; touch \"$2\"; exec sleep 600");
     let daemons = Daemons::start(&fake, &Sandbox::Namespace, &one_share(&dir), &dir, SOCKET_DEADLINE).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let tx = Mutex::new(tx);
@@ -261,7 +262,15 @@ fn a_daemon_that_dies_while_the_guest_runs_is_reported_once_and_a_stopped_one_is
     let died = rx.recv_timeout(Duration::from_secs(10)).expect("the death was seen");
     assert_eq!(died.pid, pid);
     assert_eq!(died.status, "was killed by signal 9");
-    let text = daemons.death().expect("recorded").to_string();
+    // Recorded once the callback (which sent it) has returned.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        match daemons.death() {
+            Some(died) => break died.to_string(),
+            None if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            None => panic!("the death was reported but never recorded"),
+        }
+    };
     assert!(
         text.contains("died while the guest ran: was killed by signal 9"),
         "{text}"
