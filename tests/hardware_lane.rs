@@ -362,6 +362,12 @@ fn exit_loop_code_blobs_on_kvm_amd() {
     suite_in_l1("exit_loop", "", 4, &[]);
 }
 
+/// Registers through kvm_run's sync area (`vmm::exit_regs`) on hardware KVM.
+#[test]
+fn registers_through_the_sync_area_on_kvm_amd() {
+    suite_in_l1("exit_regs", "", 1, &[]);
+}
+
 /// The guest-kprobe oracle on 1 and 2 vCPUs and under KASLR, exit counts, return probes,
 /// JSON, the kernel's text intact after probes, and the jump-optimized probes beside the
 /// guest's own ftrace-based kprobe on the same function (skipped in the lane until one
