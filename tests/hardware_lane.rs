@@ -36,7 +36,10 @@ fn in_l1(command: &str, env: &[(&str, &str)]) -> Run {
     let run = in_l1_once(command, env);
     let sick = [
         ("Kernel panic - not syncing", "the L1 kernel panicked"),
-        ("the L1 kernel lost a CPU's timer", "the L1 kernel lost a CPU's timer interrupts"),
+        (
+            "the L1 kernel lost a CPU's timer",
+            "the L1 kernel lost a CPU's timer interrupts",
+        ),
     ]
     .into_iter()
     .find(|(said, _)| run.code == Some(125) && run.stderr.contains(said));

@@ -264,10 +264,7 @@ impl<'a> HitVcpu<'a> {
 
     fn state(&mut self) -> Option<VcpuState> {
         if self.state.is_none() {
-            let mut state = VcpuState::read(self.vcpu).ok()?;
-            // The ioctl does not see a write of this exit KVM has not taken yet.
-            state.regs = exit_regs::read(self.vcpu).ok()?;
-            self.state = Some(state);
+            self.state = Some(VcpuState::at_exit(self.vcpu).ok()?);
         }
         self.state
     }

@@ -30,6 +30,19 @@ impl VcpuState {
     /// Registers, control registers and MSRs; no TSC sample (`tsc` is `None`).
     pub fn read(vcpu: &VcpuFd) -> Result<VcpuState, Error> {
         let regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
+        Self::with_regs(vcpu, regs)
+    }
+
+    /// [`read`](Self::read) during an exit, in a [`crate::DebugHandler`]: the general
+    /// registers come from kvm_run's sync area ([`super::exit_regs`]), so they include
+    /// what this exit wrote and cost no ioctl.
+    pub fn at_exit(vcpu: &mut VcpuFd) -> Result<VcpuState, Error> {
+        let regs = super::exit_regs::read(vcpu)?;
+        Self::with_regs(vcpu, regs)
+    }
+
+    /// `regs` with the control registers and MSRs read now.
+    fn with_regs(vcpu: &VcpuFd, regs: kvm_bindings::kvm_regs) -> Result<VcpuState, Error> {
         let sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
         let msrs = crate::regs::read_state_msrs(vcpu)?;
         Ok(VcpuState {

@@ -66,6 +66,34 @@ fn request(data: RawDescriptor) -> [RawDescriptor; 3] {
     [readable(HEADER, 16), data, writable(STATUS, 1)]
 }
 
+/// A read of one sector into DATA as a chain of three linked descriptors from index
+/// `first` (header, data, status), for the mock queue the worker serves.
+fn linked_read(first: u16) -> [RawDescriptor; 3] {
+    let linked = |d: RawDescriptor, next: u16| {
+        let d = Descriptor::from(d);
+        RawDescriptor::from(Descriptor::new(
+            d.addr().0,
+            d.len(),
+            d.flags() | VRING_DESC_F_NEXT as u16,
+            next,
+        ))
+    };
+    [
+        linked(readable(HEADER, 16), first + 1),
+        linked(writable(DATA, 512), first + 2),
+        writable(STATUS, 1),
+    ]
+}
+
+/// Waits (10 s at most) until the worker has used `n` requests of `queue`.
+fn wait_used(queue: &MockSplitQueue<'_, GuestMemoryMmap>, n: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while queue.used().idx().load() != n {
+        assert!(Instant::now() < deadline, "the worker never answered request {n}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 const OK: u8 = VIRTIO_BLK_S_OK as u8;
 const IOERR: u8 = VIRTIO_BLK_S_IOERR as u8;
 
@@ -266,21 +294,7 @@ fn the_worker_serves_a_kick_and_interrupts_the_driver() {
     let mut block = Block::new(open(&file, false));
     header(&mem, VIRTIO_BLK_T_IN, 5);
     let queue = MockSplitQueue::new(&mem, 16);
-    let linked = |d: RawDescriptor, next: u16| {
-        let d = Descriptor::from(d);
-        RawDescriptor::from(Descriptor::new(
-            d.addr().0,
-            d.len(),
-            d.flags() | VRING_DESC_F_NEXT as u16,
-            next,
-        ))
-    };
-    let chain = [
-        linked(readable(HEADER, 16), 1),
-        linked(writable(DATA, 512), 2),
-        writable(STATUS, 1),
-    ];
-    queue.add_desc_chains(&chain, 0).unwrap();
+    queue.add_desc_chains(&linked_read(0), 0).unwrap();
     let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
     let interrupt = Arc::new(Interrupt::new(irq.try_clone().unwrap()));
     let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
@@ -294,11 +308,7 @@ fn the_worker_serves_a_kick_and_interrupts_the_driver() {
         })
         .unwrap();
     kick.write(1).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while queue.used().idx().load() != 1 {
-        assert!(Instant::now() < deadline, "the worker never answered");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_used(&queue, 1);
     block.reset();
     assert_eq!(irq.read().unwrap(), 1);
     assert_eq!(interrupt.status(), virtio_bindings::virtio_mmio::VIRTIO_MMIO_INT_VRING);
@@ -562,23 +572,7 @@ fn saving_a_serving_disk_gives_its_queue_where_it_is_and_it_serves_on() {
     let mut block = Block::new(open(&file, false));
     header(&mem, VIRTIO_BLK_T_IN, 3);
     let queue = MockSplitQueue::new(&mem, 16);
-    let linked = |d: RawDescriptor, next: u16| {
-        let d = Descriptor::from(d);
-        RawDescriptor::from(Descriptor::new(
-            d.addr().0,
-            d.len(),
-            d.flags() | VRING_DESC_F_NEXT as u16,
-            next,
-        ))
-    };
-    let chain = |first: u16| {
-        [
-            linked(readable(HEADER, 16), first + 1),
-            linked(writable(DATA, 512), first + 2),
-            writable(STATUS, 1),
-        ]
-    };
-    queue.add_desc_chains(&chain(0), 0).unwrap();
+    queue.add_desc_chains(&linked_read(0), 0).unwrap();
     let interrupt = Arc::new(Interrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
     let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
     block
@@ -590,22 +584,15 @@ fn saving_a_serving_disk_gives_its_queue_where_it_is_and_it_serves_on() {
             acked_features: 1 << VIRTIO_F_VERSION_1,
         })
         .unwrap();
-    let served = |n: u16| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while queue.used().idx().load() != n {
-            assert!(Instant::now() < deadline, "the worker never answered request {n}");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    };
     kick.write(1).unwrap();
-    served(1);
+    wait_used(&queue, 1);
     let saved = block.save().unwrap();
     let serving = saved.serving.expect("the disk was serving");
     assert_eq!((serving[0].next_avail, serving[0].next_used), (1, 1));
     let SavedDevice::Block(disk) = saved.device;
     assert_eq!(disk.size, SECTORS * SECTOR_SIZE);
     // Held still until it resumes: a request that comes meanwhile waits, then is served.
-    queue.add_desc_chains(&chain(3), 1).unwrap();
+    queue.add_desc_chains(&linked_read(3), 1).unwrap();
     kick.write(1).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(
@@ -614,7 +601,7 @@ fn saving_a_serving_disk_gives_its_queue_where_it_is_and_it_serves_on() {
         "a saved disk served a request before it resumed"
     );
     block.resume().unwrap();
-    served(2);
+    wait_used(&queue, 2);
     block.reset();
     let saved = block.save().unwrap();
     assert!(saved.serving.is_none(), "a reset disk serves nothing");
