@@ -375,6 +375,13 @@ fn registers_through_the_sync_area_on_kvm_amd() {
     suite_in_l1("exit_regs", "", 1, &[]);
 }
 
+/// Hardware breakpoints the host sets (`KVM_GUESTDBG_USE_HW_BP`) on hardware KVM: there,
+/// unlike on kvm_pvm, a write watchpoint fires, and RF passes an execution breakpoint.
+#[test]
+fn hardware_breakpoints_on_kvm_amd() {
+    suite_in_l1("debug_regs", "", 2, &[]);
+}
+
 /// The guest-kprobe oracle on 1 and 2 vCPUs and under KASLR, exit counts, return probes,
 /// JSON, the kernel's text intact after probes, and the jump-optimized probes beside the
 /// guest's own ftrace-based kprobe on the same function (skipped in the lane until one

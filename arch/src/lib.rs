@@ -7,6 +7,7 @@
 
 use std::fmt;
 
+pub mod debugreg;
 pub mod idt;
 pub mod paging;
 pub mod regs;

@@ -72,6 +72,21 @@ impl Backend {
         self == Backend::Hardware
     }
 
+    /// Whether data breakpoints (debug registers watching writes or reads) fire in guest
+    /// kernel code. kvm_pvm emulates that code, and KVM's emulator checks only
+    /// instruction breakpoints (measured: a write watchpoint never fired there; on
+    /// hardware KVM it fires after the write).
+    pub fn data_breakpoints_fire(self) -> bool {
+        self == Backend::Hardware
+    }
+
+    /// Whether RF in the guest's RFLAGS lets an instruction with an execution breakpoint
+    /// on it run once. Measured: on hardware KVM it does (the CPU honours it at entry);
+    /// kvm_pvm's emulator checks the breakpoint again, so the VMM steps over it instead.
+    pub fn honours_resume_flag(self) -> bool {
+        self == Backend::Hardware
+    }
+
     /// Whether a guest int3 at CPL0 reaches us as an emulation failure (and not as a
     /// debug exit), with RIP pointing at the int3.
     pub fn int3_is_emulation_failure(self) -> bool {

@@ -388,6 +388,8 @@ impl Vm {
                 debug: Arc::clone(&debug),
                 mem: self.mem.clone(),
                 sync_regs,
+                loaded_debug_registers: 0,
+                stepping_over_breakpoint: false,
             };
             let thread = std::thread::Builder::new()
                 .name(format!("vcpu{cpu}"))

@@ -21,6 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
+use hvprobe_arch::debugreg::DebugRegisters;
 use kvm_bindings::kvm_regs;
 
 use super::*;
@@ -182,6 +183,10 @@ pub struct VcpuControl {
     pub(super) stop_at_ready: AtomicBool,
     /// How long [`VcpuControl::pause_all`] waits, in milliseconds.
     pause_deadline_ms: AtomicU64,
+    /// The hardware breakpoints every vCPU loads before it next enters the guest, and
+    /// their generation (bumped at each change; a vCPU compares it with what it loaded).
+    debug_registers: Mutex<DebugRegisters>,
+    debug_registers_generation: AtomicU64,
     pub counters: ExitCounters,
 }
 
@@ -233,8 +238,31 @@ impl VcpuControl {
             workload_started: OnceLock::new(),
             stop_at_ready: AtomicBool::new(false),
             pause_deadline_ms: AtomicU64::new(DEFAULT_PAUSE_DEADLINE.as_millis() as u64),
+            debug_registers: Mutex::new(DebugRegisters::default()),
+            debug_registers_generation: AtomicU64::new(0),
             counters: ExitCounters::default(),
         }))
+    }
+
+    /// Sets the hardware breakpoints of every vCPU: each loads them before it next enters
+    /// the guest (restored and restarted vCPUs too). With the vCPUs paused, they are in
+    /// effect on all of them before any runs again.
+    pub fn set_debug_registers(&self, registers: DebugRegisters) {
+        let mut current = self.debug_registers.lock().unwrap_or_else(|e| e.into_inner());
+        *current = registers;
+        self.debug_registers_generation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The hardware breakpoints the vCPUs are to load.
+    pub fn debug_registers(&self) -> DebugRegisters {
+        *self.debug_registers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The breakpoints and their generation, read together.
+    pub(super) fn debug_registers_since(&self, loaded: u64) -> Option<(u64, DebugRegisters)> {
+        let current = self.debug_registers.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = self.debug_registers_generation.load(Ordering::SeqCst);
+        (generation != loaded).then_some((generation, *current))
     }
 
     pub fn vcpu_count(&self) -> usize {

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use hvprobe_arch::debugreg::{dr7_enables_any, Access};
 use hvprobe_arch::{Gva, INT3};
 use kvm_bindings::{KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
@@ -44,6 +45,12 @@ pub struct ExitCounters {
     pub pauses: AtomicU64,
     /// Pauses that gave up because a vCPU did not stop within the deadline.
     pub pause_timeouts: AtomicU64,
+    /// Hardware breakpoints (debug registers the host set) that fired and a handler took.
+    pub hardware_breakpoints: AtomicU64,
+    /// Loads of the host's hardware breakpoints into a vCPU whose guest had its own
+    /// enabled (kgdb, hw_breakpoint, perf's breakpoint events): the guest's do not fire
+    /// while the host's are loaded.
+    pub guest_debug_registers_hidden: AtomicU64,
     /// Guest writes into the out-of-line area's code half, which its read-only memory slot
     /// turned into MMIO exits: dropped (issue 24).
     pub ool_writes_refused: AtomicU64,
@@ -61,6 +68,10 @@ pub struct VcpuRunner {
     pub mem: GuestMemoryMmap,
     /// Registers at exits through kvm_run's sync area ([`exit_regs`]) instead of ioctls.
     pub sync_regs: bool,
+    /// The generation of the VM's hardware breakpoints this vCPU loaded (0: none yet).
+    pub(crate) loaded_debug_registers: u64,
+    /// An execution breakpoint's instruction is being stepped with the breakpoints off.
+    pub(crate) stepping_over_breakpoint: bool,
 }
 
 /// What the loop does after an exit.
@@ -120,6 +131,10 @@ impl VcpuRunner {
             // as `self.vcpu`.
             unsafe { (*immediate_exit).store(0, Ordering::SeqCst) };
             if !control.checkpoint(self.cpu, || self.park()) {
+                break;
+            }
+            if let Err(reason) = self.load_debug_registers() {
+                self.control.stop(reason);
                 break;
             }
             if self.cpu == 0 && self.control.first_entry.get().is_none() {
@@ -250,9 +265,18 @@ impl VcpuRunner {
                 }),
             },
             VcpuExit::Debug(arch) => {
-                let (exception, pc) = (arch.exception, arch.pc);
+                let (exception, pc, dr6) = (arch.exception, arch.pc, arch.dr6);
                 if exception == 3 {
                     return self.breakpoint(Gva(pc));
+                }
+                if exception == 1 && self.stepping_over_breakpoint {
+                    return self.end_step_over();
+                }
+                let fired = handler::loaded_hardware_breakpoints()
+                    .fired(dr6)
+                    .fold(0u8, |mask, slot| mask | 1 << slot);
+                if exception == 1 && fired != 0 {
+                    return self.hardware_breakpoint(Gva(pc), fired);
                 }
                 let stepped = exception == 1 && {
                     match self.call_handler(|debug, cpu, vcpu| debug.on_single_step(cpu, vcpu)) {
@@ -371,6 +395,102 @@ impl VcpuRunner {
         }
     }
 
+    /// Loads the VM's hardware breakpoints when they changed since this vCPU last did.
+    fn load_debug_registers(&mut self) -> Result<(), StopReason> {
+        let Some((generation, registers)) = self.control.debug_registers_since(self.loaded_debug_registers) else {
+            return Ok(());
+        };
+        let fail = |what: &str, e: &dyn std::fmt::Display| StopReason::VcpuError {
+            cpu: self.cpu,
+            message: format!("{what}: {e}"),
+        };
+        if !registers.is_empty() {
+            // The guest's own DR7, as it set it (KVM keeps it apart from ours).
+            let guest = self.vcpu.get_debug_regs().map_err(|e| fail("KVM_GET_DEBUGREGS", &e))?;
+            if dr7_enables_any(guest.dr7) {
+                let n = self
+                    .control
+                    .counters
+                    .guest_debug_registers_hidden
+                    .fetch_add(1, Ordering::Relaxed);
+                if n == 0 {
+                    tracing::warn!(
+                        "vCPU {}: the guest has debug registers of its own enabled (DR7 {:#x}: kgdb, \
+                         hw_breakpoint or perf breakpoints); they do not fire while hvprobe's are set",
+                        self.cpu,
+                        guest.dr7
+                    );
+                }
+            }
+        }
+        exit_regs::flush(&mut self.vcpu).map_err(|e| fail("handing the registers to KVM", &e))?;
+        handler::load_hardware_breakpoints(&self.vcpu, self.backend, registers)
+            .map_err(|e| fail("loading the hardware breakpoints", &e))?;
+        self.loaded_debug_registers = generation;
+        Ok(())
+    }
+
+    /// Hardware breakpoints `fired` (a mask of slots) at `pc`: the handler's, then an
+    /// execution breakpoint's instruction runs once (the handler may have moved RIP
+    /// elsewhere: then nothing is to pass).
+    fn hardware_breakpoint(&mut self, pc: Gva, fired: u8) -> Next {
+        let taken = match self.call_handler(|debug, cpu, vcpu| debug.on_hardware_breakpoint(cpu, vcpu, pc, fired)) {
+            Ok(taken) => taken,
+            Err(reason) => return Next::Stop(reason),
+        };
+        if !taken {
+            return Next::Stop(StopReason::VcpuError {
+                cpu: self.cpu,
+                message: format!("hardware breakpoints {fired:#06b} fired at {pc} and no handler took them"),
+            });
+        }
+        self.control
+            .counters
+            .hardware_breakpoints
+            .fetch_add(1, Ordering::Relaxed);
+        let loaded = handler::loaded_hardware_breakpoints();
+        let execute_here = (0..4)
+            .filter(|slot| fired & (1 << slot) != 0)
+            .filter_map(|slot| loaded.get(slot))
+            .any(|bp| bp.access() == Access::Execute && bp.address() == pc);
+        if !execute_here {
+            return Next::Continue;
+        }
+        let passed = exit_regs::read(&mut self.vcpu).and_then(|mut regs| {
+            if regs.rip != pc.0 {
+                return Ok(());
+            }
+            if self.backend.honours_resume_flag() {
+                regs.rflags |= RFLAGS_RF;
+                return exit_regs::write(&mut self.vcpu, &regs);
+            }
+            // KVM_SET_GUEST_DEBUG notes the RIP a step starts from.
+            exit_regs::flush(&mut self.vcpu)?;
+            handler::step_over_breakpoints(&self.vcpu, self.backend, true)?;
+            self.stepping_over_breakpoint = true;
+            Ok(())
+        });
+        match passed {
+            Ok(()) => Next::Continue,
+            Err(e) => Next::Stop(StopReason::VcpuError {
+                cpu: self.cpu,
+                message: format!("passing the execution breakpoint at {pc}: {e}"),
+            }),
+        }
+    }
+
+    /// The step over an execution breakpoint's instruction ended: the breakpoints again.
+    fn end_step_over(&mut self) -> Next {
+        self.stepping_over_breakpoint = false;
+        match handler::step_over_breakpoints(&self.vcpu, self.backend, false) {
+            Ok(()) => Next::Continue,
+            Err(e) => Next::Stop(StopReason::VcpuError {
+                cpu: self.cpu,
+                message: format!("restoring the hardware breakpoints after a step: {e}"),
+            }),
+        }
+    }
+
     fn breakpoint(&mut self, at: Gva) -> Next {
         self.control.counters.breakpoints.fetch_add(1, Ordering::Relaxed);
         let disposition = match self.call_handler(|debug, cpu, vcpu| debug.on_breakpoint(cpu, vcpu, at)) {
@@ -397,6 +517,9 @@ impl VcpuRunner {
         }
     }
 }
+
+/// RFLAGS.RF: the next instruction's execution breakpoints do not fire.
+const RFLAGS_RF: u64 = 1 << 16;
 
 /// The out-of-line area's code half, guest-physical: read-only to the guest (see
 /// `register_guest_memory`), so a guest write there exits as MMIO.
