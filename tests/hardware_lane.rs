@@ -376,10 +376,13 @@ fn registers_through_the_sync_area_on_kvm_amd() {
 }
 
 /// Hardware breakpoints the host sets (`KVM_GUESTDBG_USE_HW_BP`) on hardware KVM: there,
-/// unlike on kvm_pvm, a write watchpoint fires, and RF passes an execution breakpoint.
+/// unlike on kvm_pvm, a write watchpoint fires, and RF passes an execution breakpoint; and
+/// the watches of `tests/probes.rs` on the bundled guest (a write watch on a sysctl's
+/// variable reports every write there; kvm_pvm refuses it).
 #[test]
 fn hardware_breakpoints_on_kvm_amd() {
     suite_in_l1("debug_regs", "", 2, &[]);
+    suite_of_binary_in_l1(test_binary("probes"), "probes", "watch", 2, &[]);
 }
 
 /// The guest-kprobe oracle on 1 and 2 vCPUs and under KASLR, exit counts, return probes,
@@ -388,7 +391,7 @@ fn hardware_breakpoints_on_kvm_amd() {
 /// run saw the guest's probe miss 6 of 30 hits; not seen again in 2 runs since).
 #[test]
 fn kprobe_oracle_on_kvm_amd() {
-    suite_in_l1("probes", "", 11, &[]);
+    suite_in_l1("probes", "--skip watch", 11, &[]);
 }
 
 /// SIGINT and SIGTERM in a busy trace: every hit taken is printed, and what an event

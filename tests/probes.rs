@@ -851,3 +851,82 @@ fn compare_vfs_reads(host: &str, guest_event: &str, extra: &[&str]) -> Run {
     assert!(positions.windows(2).any(|w| w[0] != w[1]), "{positions:?}");
     run
 }
+
+/// An execution watch (a debug register) on `__x64_sys_getppid`'s ftrace site — where an
+/// int3 probe may not go, and which the guest rewrites into a call while its own
+/// ftrace-based kprobe event on the function is on — counts every call, as that event and
+/// an int3 probe further in do; the listing shows it as `w`, and the guest stays healthy.
+#[test]
+fn an_execution_watch_on_an_ftrace_site_counts_what_the_guests_own_kprobe_counts() {
+    let dir = snapshot(1);
+    let probes = probe_file(
+        "xwatch",
+        "w:host/xsite __x64_sys_getppid:x comm=$comm\np:host/getppid __x64_sys_getppid di=%di s0=$stack0 comm=$comm\n",
+    );
+    let run = restore_with(
+        &dir,
+        1,
+        &oracle_workload(1),
+        &["--probes", probes.to_str().unwrap(), "--optimize=off"],
+    );
+    // The guest's event and the int3 probe agree, hit for hit and value for value.
+    let expected = check_oracle(&run, 1);
+    let watch: Vec<TraceLine> = run
+        .stdout
+        .lines()
+        .filter(|l| !l.starts_with("GUEST "))
+        .filter_map(parse_trace_line)
+        .filter(|l| l.event == "xsite" && l.task.starts_with("hvprobe-loop-"))
+        .collect();
+    assert_eq!(watch.len(), expected, "watch hits in the loop tasks\n{}", run.tail());
+    assert!(
+        watch.iter().all(|l| l.location.ends_with("getppid+0x0/0x24")),
+        "the watch's location\n{}",
+        run.tail()
+    );
+    let listed = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("  w  __x64_sys_getppid+0x0/1:x"))
+        .unwrap_or_else(|| panic!("no listing line of the watch\n{}", run.tail()));
+    assert!(listed.contains("nmissed=0 event=host/xsite"), "{listed}");
+    let _ = std::fs::remove_file(probes);
+}
+
+/// A write watch on `kptr_restrict`, which the workload sets three times through its
+/// sysctl: on hardware KVM every write is reported, by the instruction that wrote it, with
+/// the value it wrote; on kvm_pvm, whose emulator checks no data breakpoints, the watch is
+/// refused with the reason.
+#[test]
+fn a_write_watch_reports_every_write_of_a_sysctl_variable_where_data_breakpoints_fire() {
+    let dir = snapshot(1);
+    let probes = probe_file("wwatch", "w:host/kptr kptr_restrict/4:w val=@kptr_restrict:s32\n");
+    let workload = "for v in 1 2 0; do echo $v > /proc/sys/kernel/kptr_restrict; done; echo WROTE";
+    let run = restore_with(&dir, 1, workload, &["--probes", probes.to_str().unwrap()]);
+    let _ = std::fs::remove_file(probes);
+    if !hvprobe::vmm::Backend::detect().data_breakpoints_fire() {
+        assert_ne!(run.code, Some(0), "{}", run.tail());
+        assert!(
+            run.stderr
+                .contains("kptr_restrict+0x0: kvm_pvm emulates guest kernel code")
+                && run.stderr.contains("a data watch would never fire there"),
+            "the refusal's reason\n{}",
+            run.tail()
+        );
+        return;
+    }
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let hits: Vec<TraceLine> = run
+        .stdout
+        .lines()
+        .filter_map(parse_trace_line)
+        .filter(|l| l.event == "kptr")
+        .collect();
+    let values: Vec<&str> = hits.iter().map(|l| l.args["val"].as_str()).collect();
+    assert_eq!(values, ["1", "2", "0"], "one hit per write, after it\n{}", run.tail());
+    // The writer: the sysctl's integer conversion, not the instruction after it.
+    for hit in &hits {
+        assert!(hit.location.contains("dointvec"), "{}\n{}", hit.location, run.tail());
+    }
+    common::assert_guest_healthy(&run, &[]);
+}

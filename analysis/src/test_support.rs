@@ -7,7 +7,7 @@ use hvprobe_probes::spec::{parse_line, FetchArg, ProbeSpec};
 /// The fetch-args of a kprobe_events line.
 pub(crate) fn args_of(line: &str) -> Vec<FetchArg> {
     match parse_line(line).unwrap().unwrap() {
-        ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. } => args,
+        ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. } | ProbeSpec::Watch { args, .. } => args,
         ProbeSpec::Remove { .. } => panic!("not a probe: {line}"),
     }
 }

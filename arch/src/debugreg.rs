@@ -86,7 +86,7 @@ impl HardwareBreakpoint {
         if access == Access::Execute && len != 1 {
             return Err(HardwareBreakpointError::ExecuteLength(len));
         }
-        if address.0 % len != 0 {
+        if !address.0.is_multiple_of(len) {
             return Err(HardwareBreakpointError::Unaligned {
                 address,
                 len,
@@ -108,7 +108,7 @@ impl HardwareBreakpoint {
         self.access
     }
 
-    pub const fn len(&self) -> u64 {
+    pub const fn length(&self) -> u64 {
         self.len as u64
     }
 
@@ -150,6 +150,11 @@ impl DebugRegisters {
             .ok_or(HardwareBreakpointError::Full)?;
         self.slots[slot] = Some(bp);
         Ok(slot)
+    }
+
+    /// Puts `bp` into `slot` (0–3), replacing what was there.
+    pub fn place(&mut self, slot: usize, bp: HardwareBreakpoint) {
+        self.slots[slot] = Some(bp);
     }
 
     /// Empties `slot`; what it held.

@@ -98,6 +98,12 @@ impl DebugHandler for ProbeHandler {
         }
     }
 
+    fn on_hardware_breakpoint(&self, cpu: usize, vcpu: &mut VcpuFd, pc: Gva, fired: u8) -> bool {
+        self.tracer
+            .get()
+            .is_some_and(|tracer| tracer.on_hardware_breakpoint(cpu, &mut self.hit_vcpu(vcpu), pc, fired))
+    }
+
     fn on_guest_event(&self, _cpu: usize, event: GuestEvent) {
         if event == GuestEvent::InitReached {
             let hook = self.on_init.lock().unwrap_or_else(|e| e.into_inner()).take();

@@ -4,6 +4,7 @@
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
+use hvprobe_arch::debugreg::DebugRegisters;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::stacks::{cpu_stacks, rethook_returns, KernelStacks, StacksError, StacksLayout};
 use hvprobe_introspection::unwind::{CpuStackView, GuestRethooks, StackBounds};
@@ -11,7 +12,8 @@ use hvprobe_introspection::unwind::{CpuStackView, GuestRethooks, StackBounds};
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::task::TaskInfo;
 use hvprobe_probes::machine::{
-    InterruptTable, KernelMemory, Machine, PauseFailed, PausedView, SegmentSelectors, StackScanError, Vcpu, VcpuError,
+    DebugRegistersError, HardwareBreakpointSupport, InterruptTable, KernelMemory, Machine, PauseFailed, PausedView,
+    SegmentSelectors, StackScanError, Vcpu, VcpuError,
 };
 use hvprobe_probes::regs::Regs;
 use hvprobe_vmm::{exit_regs, set_guest_debug, Backend, VcpuControl, VcpuState};
@@ -27,6 +29,8 @@ use hvprobe_probes::detour::ring::RingMemory;
 /// A VM as the probe engine changes it.
 pub struct VmMachine {
     control: Arc<VcpuControl>,
+    /// What the debug registers fire for depends on it.
+    backend: Backend,
     kernel: LiveKernel,
     stacks: GuestStacks,
     /// Guest-physical memory, for the event rings.
@@ -47,9 +51,10 @@ enum GuestStacks {
 }
 
 impl VmMachine {
-    pub fn new(control: Arc<VcpuControl>, kernel: LiveKernel) -> Self {
+    pub fn new(control: Arc<VcpuControl>, kernel: LiveKernel, backend: Backend) -> Self {
         VmMachine {
             control,
+            backend,
             kernel,
             stacks: GuestStacks::Kernel(Err(Arc::new(StacksError::NoBtf))),
             phys: None,
@@ -89,6 +94,26 @@ impl Machine for VmMachine {
 
     fn event_memory(&self) -> Option<&dyn RingMemory> {
         self.phys.as_ref().map(|p| p as &dyn RingMemory)
+    }
+
+    fn hardware_breakpoints(&self) -> HardwareBreakpointSupport {
+        HardwareBreakpointSupport {
+            execute: Ok(()),
+            data: if self.backend.data_breakpoints_fire() {
+                Ok(())
+            } else {
+                Err(
+                    "kvm_pvm emulates guest kernel code, and its emulator checks only execution breakpoints: a \
+                     data watch would never fire there (hardware KVM has them)",
+                )
+            },
+        }
+    }
+
+    fn set_debug_registers(&self, registers: DebugRegisters) -> Result<(), DebugRegistersError> {
+        // The engine calls this with the vCPUs paused: each loads them before it runs on.
+        self.control.set_debug_registers(registers);
+        Ok(())
     }
 
     fn cpu_stacks(&self, cpu: usize) -> Result<CpuStackView, StackScanError> {

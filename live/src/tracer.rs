@@ -94,7 +94,7 @@ pub fn build_tracer(
         None => memory,
     };
     let machine = Arc::new(
-        VmMachine::new(control, memory)
+        VmMachine::new(control, memory, hvprobe_vmm::Backend::detect())
             .with_stacks(stacks)
             .with_event_memory(GuestPhys(mem.clone()))
             .with_guest_clock(clock.clone()),
@@ -213,7 +213,7 @@ pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, T
     // Its parts as next to a kernel (writable and executable 2 MiB pages here: a code blob
     // has no W+X check).
     Ok(Arc::new(Tracer::new(
-        Arc::new(VmMachine::new(vm.control(), kernel).without_kernel_stacks()),
+        Arc::new(VmMachine::new(vm.control(), kernel, vm.backend()).without_kernel_stacks()),
         view,
         Some(ool),
         None,

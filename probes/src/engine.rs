@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Instant;
 
+use hvprobe_arch::debugreg::{Access, DebugRegisters};
 use hvprobe_arch::Gva;
 use hvprobe_introspection::facts::{BlacklistReason, ExceptionTable, KprobeBlacklist};
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
@@ -57,6 +58,7 @@ mod step;
 mod step_guard;
 #[cfg(test)]
 mod tests;
+mod watch;
 
 pub use event_rings::EventSetupError;
 pub use optimize::WhyNotOptimized;
@@ -151,6 +153,10 @@ pub enum ProbeKind {
     /// with the return value in RAX, and the caller gets control back. At most `maxactive`
     /// calls are followed at once; further entries count as missed.
     Kretprobe { maxactive: u32 },
+    /// A watch: a hardware breakpoint (a debug register) on an instruction (`Execute`,
+    /// `len` 1), or on `len` bytes of data that fire after each write or access. No text
+    /// changes; at most four at once.
+    Watch { access: Access, len: u8 },
 }
 
 /// The kernel's default `maxactive` for a preemptible kernel, `max(10, 2 * CPUs)`: the
@@ -263,6 +269,23 @@ pub enum ProbeError {
     ReturnProbeNotAtEntry { what: String },
     #[error("event {group}/{event} already exists")]
     DuplicateEvent { group: String, event: String },
+    #[error("{what}: {source}")]
+    Watch {
+        what: String,
+        source: hvprobe_arch::debugreg::HardwareBreakpointError,
+    },
+    #[error("{what}: {reason}")]
+    WatchUnsupported { what: String, reason: &'static str },
+    #[error("all four debug registers are in use (by {in_use}): remove a watch first")]
+    DebugRegistersFull { in_use: String },
+    #[error("{what}: an int3 probe is on that instruction; a watch and a probe do not share one")]
+    WatchOnProbe { what: String },
+    #[error("{what}: an execution watch is on that instruction; a probe and a watch do not share one")]
+    ProbeOnWatch { what: String },
+    #[error("setting the debug registers: {source}")]
+    DebugRegisters {
+        source: crate::machine::DebugRegistersError,
+    },
 }
 
 /// Guest facts the engine checks probes against.
@@ -454,6 +477,8 @@ pub struct Tracer {
     /// Stack frames described so far (`func+0xoff/0xsize` by address): the same return
     /// addresses come back hit after hit.
     frame_names: Mutex<HashMap<Gva, Option<String>>>,
+    /// The debug registers last handed to the machine (see [`watch`]).
+    debug_registers: Mutex<DebugRegisters>,
     pub stats: EngineStats,
 }
 
@@ -495,6 +520,7 @@ impl Tracer {
             orc: OnceLock::new(),
             btf: OnceLock::new(),
             frame_names: Mutex::default(),
+            debug_registers: Mutex::default(),
             stats: EngineStats::default(),
         }
     }

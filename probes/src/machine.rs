@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use hvprobe_arch::debugreg::DebugRegisters;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::task::TaskInfo;
@@ -63,6 +64,22 @@ pub trait Machine: Send + Sync {
         None
     }
 
+    /// Which kinds of watch this machine's debug registers fire for (execution, data),
+    /// and why not when one does not.
+    fn hardware_breakpoints(&self) -> HardwareBreakpointSupport {
+        HardwareBreakpointSupport {
+            execute: Err("this machine sets no debug registers"),
+            data: Err("this machine sets no debug registers"),
+        }
+    }
+
+    /// Sets the debug registers of every vCPU; called with the vCPUs paused (each loads
+    /// them before it enters the guest again).
+    fn set_debug_registers(&self, registers: DebugRegisters) -> Result<(), DebugRegistersError> {
+        let _ = registers;
+        Err(DebugRegistersError::Unsupported)
+    }
+
     /// The kernel stacks CPU `cpu` may be running on now (its current task's, its IRQ,
     /// exception and entry stacks): where an unwind of a hit on that CPU may read; and the
     /// return addresses the guest's own kretprobes swapped out on its task's stack.
@@ -70,6 +87,21 @@ pub trait Machine: Send + Sync {
         let _ = cpu;
         Err(StackScanError::Unsupported)
     }
+}
+
+/// What a machine's debug registers fire for: `Ok` for each kind of watch they serve, or
+/// why not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HardwareBreakpointSupport {
+    pub execute: Result<(), &'static str>,
+    pub data: Result<(), &'static str>,
+}
+
+/// Why the debug registers could not be set.
+#[derive(Debug, thiserror::Error)]
+pub enum DebugRegistersError {
+    #[error("this machine sets no debug registers")]
+    Unsupported,
 }
 
 /// A failed operation on the vCPU at a hit: which KVM call, and the error it returned.

@@ -173,6 +173,8 @@ pub enum ListKind {
     Kprobe,
     /// `r`
     Kretprobe,
+    /// `w`: a watch (a debug register; hvprobe's, the kernel's list has none).
+    Watch,
 }
 
 impl ListKind {
@@ -181,6 +183,7 @@ impl ListKind {
         match self {
             ListKind::Kprobe => 'k',
             ListKind::Kretprobe => 'r',
+            ListKind::Watch => 'w',
         }
     }
 }

@@ -21,6 +21,7 @@
 
 use std::fmt;
 
+pub use hvprobe_arch::debugreg::Access;
 use hvprobe_arch::Gva;
 
 pub mod check;
@@ -78,6 +79,16 @@ pub enum ProbeSpec {
         target: Target,
         /// How many calls may be in flight at once; `None` is the kernel's default.
         maxactive: Option<u32>,
+        args: Vec<FetchArg>,
+    },
+    /// `w`: a watch, hvprobe's extension (a hardware breakpoint; perf's `mem:` events):
+    /// `w[:[GRP/]EVENT] TARGET[/LEN][:ACCESS] [FETCHARGS]`.
+    Watch {
+        group: String,
+        event: String,
+        target: Target,
+        access: Access,
+        len: u8,
         args: Vec<FetchArg>,
     },
     /// `-:`: remove an event; with no group, the event of that name in whatever group.
@@ -445,8 +456,18 @@ pub enum SpecErrorKind {
          EVENT, and no offset"
     )]
     NamedWildcard,
-    #[error("unknown probe type `{0}` (expected `p`, `r` or `-:`)")]
+    #[error("unknown probe type `{0}` (expected `p`, `r`, `w` or `-:`)")]
     UnknownProbeType(String),
+    #[error("bad watch length `{0}`: 1, 2, 4 or 8 bytes")]
+    BadWatchLength(String),
+    #[error("bad watch access `{0}`: `w` (writes), `rw` (reads and writes) or `x` (execution)")]
+    BadWatchAccess(String),
+    #[error("x86's debug registers cannot watch reads alone: `rw` watches reads and writes")]
+    ReadOnlyWatch,
+    #[error("an execution watch (`x`) covers one byte: its length is 1")]
+    ExecuteWatchLength,
+    #[error("a watch takes one address or symbol, not a wildcard or `%return`")]
+    WatchTargetNotSingle,
     #[error("unexpected `{0}` after the probe type (expected `:GROUP/EVENT` or a space)")]
     JunkAfterProbeType(String),
     #[error("MAXACTIVE is only for return probes (`r`)")]
@@ -755,6 +776,11 @@ impl SpecErrorKind {
         Some(match self {
             K::NamedWildcard
             | K::TooManyAlternatives(_)
+            | K::BadWatchLength(_)
+            | K::BadWatchAccess(_)
+            | K::ReadOnlyWatch
+            | K::ExecuteWatchLength
+            | K::WatchTargetNotSingle
             | K::UnknownProbeType(_)
             | K::JunkAfterProbeType(_)
             | K::MissingTarget
@@ -939,6 +965,7 @@ impl<'a> LineParser<'a> {
         match head.as_bytes()[0] {
             b'p' => self.parse_probe(head, false, &rest).map(Some),
             b'r' => self.parse_probe(head, true, &rest).map(Some),
+            b'w' => self.parse_watch(head, &rest).map(Some),
             b'-' => self.parse_remove(head, &rest).map(Some),
             _ => Err(self.err(head, SpecErrorKind::UnknownProbeType(head.to_owned()))),
         }
@@ -1030,6 +1057,70 @@ impl<'a> LineParser<'a> {
                 target,
                 args,
             }
+        })
+    }
+
+    /// `w[:[GRP/]EVENT] TARGET[/LEN][:ACCESS] [FETCHARGS]`: ACCESS `w`, `rw` (the default,
+    /// as perf's) or `x`; LEN 1, 2, 4 or 8 (default 4 for data, as perf's; 1 for `x`).
+    fn parse_watch(&self, head: &'a str, rest: &[&'a str]) -> Parsed<ProbeSpec> {
+        let after_kind = &head[1..];
+        let (group, event) = match after_kind.strip_prefix(':') {
+            Some(name) => self.parse_group_event(name)?,
+            None if after_kind.is_empty() => (None, None),
+            None => return Err(self.err(after_kind, SpecErrorKind::JunkAfterProbeType(after_kind.to_owned()))),
+        };
+        let Some((&spec_text, arg_texts)) = rest.split_first() else {
+            return Err(self.err(self.end_of(head), SpecErrorKind::MissingTarget));
+        };
+        let (target_and_len, access) = match spec_text.rfind(':') {
+            Some(colon) => {
+                let letters = &spec_text[colon + 1..];
+                let access = match letters {
+                    "w" => Access::Write,
+                    "rw" | "wr" => Access::ReadWrite,
+                    "x" => Access::Execute,
+                    "r" => return Err(self.err(letters, SpecErrorKind::ReadOnlyWatch)),
+                    _ => return Err(self.err(letters, SpecErrorKind::BadWatchAccess(letters.to_owned()))),
+                };
+                (&spec_text[..colon], access)
+            }
+            None => (spec_text, Access::ReadWrite),
+        };
+        let (target_text, len) = match target_and_len.find('/') {
+            Some(slash) => {
+                let len_text = &target_and_len[slash + 1..];
+                let len = match len_text {
+                    "1" => 1,
+                    "2" => 2,
+                    "4" => 4,
+                    "8" => 8,
+                    _ => return Err(self.err(len_text, SpecErrorKind::BadWatchLength(len_text.to_owned()))),
+                };
+                if access == Access::Execute && len != 1 {
+                    return Err(self.err(len_text, SpecErrorKind::ExecuteWatchLength));
+                }
+                (&target_and_len[..slash], len)
+            }
+            None => (target_and_len, if access == Access::Execute { 1 } else { 4 }),
+        };
+        let (target, is_return) = self.parse_target(target_text)?;
+        if is_return || target.is_wildcard() {
+            return Err(self.err(target_text, SpecErrorKind::WatchTargetNotSingle));
+        }
+        let context = ProbeContext {
+            is_return: false,
+            at_function_entry: access == Access::Execute && matches!(target, Target::Symbol { offset: 0, .. }),
+        };
+        let group = group.unwrap_or_else(|| DEFAULT_GROUP.to_owned());
+        let event = event.unwrap_or_else(|| format!("w{}", &default_event_name(false, &target)[1..]));
+        let args = self.parse_args(arg_texts, context)?;
+        Ok(ProbeSpec::Watch {
+            group,
+            event,
+            target,
+            access,
+            len,
+            args,
         })
     }
 
@@ -1703,6 +1794,17 @@ impl fmt::Display for ProbeSpec {
                     write!(f, "{n}")?;
                 }
                 write!(f, ":{group}/{event} {target}")?;
+                args
+            }
+            ProbeSpec::Watch {
+                group,
+                event,
+                target,
+                access,
+                len,
+                args,
+            } => {
+                write!(f, "w:{group}/{event} {target}/{len}:{access}")?;
                 args
             }
             ProbeSpec::Remove { group, event } => {

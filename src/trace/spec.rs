@@ -31,6 +31,14 @@ pub(super) fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<Spe
                 let maxactive = maxactive.unwrap_or_else(|| default_maxactive(cpus));
                 (group, event, target, args, ProbeKind::Kretprobe { maxactive })
             }
+            ProbeSpec::Watch {
+                group,
+                event,
+                target,
+                access,
+                len,
+                args,
+            } => (group, event, target, args, ProbeKind::Watch { access, len }),
             ProbeSpec::Remove { group, event } => {
                 let before = probes.len();
                 probes.retain(|p| !(p.request.event == event && group.as_ref().is_none_or(|g| *g == p.request.group)));
@@ -246,7 +254,11 @@ pub fn check_before_boot(
                 match check_spec(line, p.line, Some(&source), &spec, &kernel) {
                     // The filters and triggers bind to the fields as they will be armed
                     // (`$arg*` and `$argN` named after the parameters).
-                    Ok(ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. }) => event.request.args = args,
+                    Ok(
+                        ProbeSpec::Kprobe { args, .. }
+                        | ProbeSpec::Kretprobe { args, .. }
+                        | ProbeSpec::Watch { args, .. },
+                    ) => event.request.args = args,
                     Ok(ProbeSpec::Remove { .. }) => {}
                     Err(e) => problems.push((p.line, e.to_string())),
                 }

@@ -11,6 +11,7 @@ use hvprobe_arch::{Gva, INT3};
 
 use super::optimize::{jump_intact, unoptimize, Detour, DetourCodes, WhyNotOptimized};
 use super::placement::Placement;
+use super::watch::WatchPlacement;
 use super::{hex, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT};
 use crate::detour::event::filter::RecordFilter;
 use crate::insn::{self, Execution, ProbedInsn};
@@ -104,6 +105,8 @@ pub(super) struct Registry {
     pub optimization: bool,
     /// Every detour's code, live or retired.
     pub detour_codes: DetourCodes,
+    /// Which watch owns each debug register.
+    pub watch_slots: super::watch::WatchSlots,
 }
 
 impl Registry {
@@ -116,6 +119,7 @@ impl Registry {
             armed: true,
             optimization: false,
             detour_codes: DetourCodes::new(),
+            watch_slots: Default::default(),
         }
     }
 
@@ -131,6 +135,12 @@ impl Registry {
     }
 }
 
+/// A request of a batch, checked.
+enum Placed {
+    Probe(Placement),
+    Watch(WatchPlacement),
+}
+
 impl Tracer {
     /// Registers a kprobe and arms it (unless disabled or globally disarmed).
     pub fn register(&self, request: KprobeRequest) -> Result<ProbeId, ProbeError> {
@@ -143,6 +153,11 @@ impl Tracer {
     pub fn register_all(&self, requests: Vec<KprobeRequest>) -> Result<Vec<ProbeId>, (usize, ProbeError)> {
         let mut placed = Vec::with_capacity(requests.len());
         for (i, request) in requests.iter().enumerate() {
+            if matches!(request.kind, ProbeKind::Watch { .. }) {
+                let watch = self.place_watch(request).map_err(|e| (i, e))?;
+                placed.push(Placed::Watch(watch));
+                continue;
+            }
             let placement = self.place(&request.point).map_err(|e| (i, e))?;
             if let ProbeKind::Kretprobe { .. } = request.kind {
                 if !placement.at_function_entry {
@@ -155,7 +170,7 @@ impl Tracer {
                 }
                 self.make_trampoline().map_err(|e| (i, e))?;
             }
-            placed.push(placement);
+            placed.push(Placed::Probe(placement));
         }
         let wants_exit_hook = requests.iter().any(|r| matches!(r.kind, ProbeKind::Kretprobe { .. }));
         let exit_hook = if wants_exit_hook {
@@ -168,11 +183,21 @@ impl Tracer {
             let mut reg = self.write_registry();
             let mut done = Vec::with_capacity(requests.len());
             for (i, (request, placement)) in requests.iter().zip(&placed).enumerate() {
-                match self.register_paused(view.text(), &mut reg, request, placement, Role::User) {
+                let registered = match placement {
+                    Placed::Probe(placement) => {
+                        self.register_paused(view.text(), &mut reg, request, placement, Role::User)
+                    }
+                    Placed::Watch(watch) => self.register_watch_paused(&mut reg, request, watch),
+                };
+                let registered = registered.and_then(|id| self.sync_debug_registers(&reg).map(|()| id));
+                match registered {
                     Ok(id) => done.push(id),
                     Err(e) => {
                         for id in done.drain(..).rev() {
                             self.remove_paused(view, &mut reg, id);
+                        }
+                        if let Err(e) = self.sync_debug_registers(&reg) {
+                            tracing::error!("the debug registers after a failed registration: {e}");
                         }
                         result = Err((i, e));
                         return;
@@ -206,6 +231,12 @@ impl Tracer {
                         event: name.1,
                     },
                 ));
+                continue;
+            }
+            if matches!(request.kind, ProbeKind::Watch { .. }) {
+                if let Err(e) = self.place_watch(request) {
+                    problems.push((i, e));
+                }
                 continue;
             }
             match self.place(&request.point) {
@@ -248,6 +279,9 @@ impl Tracer {
                 self.remove_paused(view, &mut reg, *id);
             }
             self.drop_task_exit_hook_if_unused(view, &mut reg);
+            if let Err(e) = self.sync_debug_registers(&reg) {
+                result = Err(e);
+            }
         })?;
         result
     }
@@ -261,6 +295,9 @@ impl Tracer {
             let ids: Vec<ProbeId> = reg.probes.keys().copied().collect();
             for id in ids {
                 self.remove_paused(view, &mut reg, id);
+            }
+            if let Err(e) = self.sync_debug_registers(&reg) {
+                tracing::error!("clearing the debug registers: {e}");
             }
         })?;
         Ok(())
@@ -287,6 +324,9 @@ impl Tracer {
                 let site = probe.site;
                 sync_site(self, view.text(), &mut reg, site);
             }
+            if let Err(e) = self.sync_debug_registers(&reg) {
+                result = Err(e);
+            }
         })?;
         result
     }
@@ -300,6 +340,9 @@ impl Tracer {
             let sites: Vec<Gva> = reg.sites.keys().copied().collect();
             for site in sites {
                 sync_site(self, view.text(), &mut reg, site);
+            }
+            if let Err(e) = self.sync_debug_registers(&reg) {
+                tracing::error!("the debug registers after the global switch: {e}");
             }
         })?;
         Ok(())
@@ -323,6 +366,7 @@ impl Tracer {
                     kind: match p.kind {
                         ProbeKind::Kprobe => ListKind::Kprobe,
                         ProbeKind::Kretprobe { .. } => ListKind::Kretprobe,
+                        ProbeKind::Watch { .. } => ListKind::Watch,
                     },
                     location: p.location.clone(),
                     disabled: !p.enabled,
@@ -423,6 +467,11 @@ impl Tracer {
                 event: request.event.clone(),
             });
         }
+        if reg.watch_slots.execute_at(placement.site) {
+            return Err(ProbeError::ProbeOnWatch {
+                what: placement.what.clone(),
+            });
+        }
         if !reg.sites.contains_key(&placement.site) {
             // A new site inside an optimized region: the region goes back to its int3 (and
             // stays so while this probe lives), so the text here is the guest's again.
@@ -474,6 +523,51 @@ impl Tracer {
         Ok(id)
     }
 
+    /// Registers a watch with the vCPUs paused: a probe with no site, and its debug
+    /// register (loaded by the caller's [`Tracer::sync_debug_registers`]).
+    fn register_watch_paused(
+        &self,
+        reg: &mut Registry,
+        request: &KprobeRequest,
+        watch: &WatchPlacement,
+    ) -> Result<ProbeId, ProbeError> {
+        let name = (request.group.clone(), request.event.clone());
+        if reg.events.contains(&name) {
+            return Err(ProbeError::DuplicateEvent {
+                group: request.group.clone(),
+                event: request.event.clone(),
+            });
+        }
+        let id = ProbeId(reg.next_id);
+        self.take_watch_slot(reg, id, watch)?;
+        reg.next_id += 1;
+        reg.events.insert(name);
+        let address = watch.breakpoint.address();
+        reg.probes.insert(
+            id,
+            Probe {
+                role: Role::User,
+                kind: request.kind,
+                group: request.group.clone(),
+                event: request.event.clone(),
+                address,
+                location: watch.location.clone(),
+                site: address,
+                args: request.args.clone(),
+                emit_events: true,
+                pre: None,
+                post: None,
+                data_size: 0,
+                stack_trace: request.stack_trace,
+                filter: None,
+                enabled: !request.disabled,
+                counters: Arc::default(),
+                trace_location: watch.trace_location.clone(),
+            },
+        );
+        Ok(id)
+    }
+
     /// Removes a probe with the vCPUs paused; its site goes with its last probe, and the
     /// site's out-of-line copy is freed once no vCPU can be in it.
     fn remove_paused(&self, view: &dyn PausedView, reg: &mut Registry, id: ProbeId) {
@@ -482,6 +576,10 @@ impl Tracer {
         };
         if probe.role == Role::User {
             reg.events.remove(&(probe.group.clone(), probe.event.clone()));
+        }
+        if matches!(probe.kind, ProbeKind::Watch { .. }) {
+            reg.watch_slots.release(id);
+            return;
         }
         let site_addr = probe.site;
         let now_empty = match reg.sites.get_mut(&site_addr) {

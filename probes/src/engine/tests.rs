@@ -84,6 +84,12 @@ struct FakeMachine {
     rings: Option<crate::detour::ring::HostRingMemory>,
     /// Pauses fail while set (a vCPU held on the host past the deadline).
     refuse_pauses: AtomicBool,
+    /// The debug registers last set, and whether they were set with the vCPUs paused.
+    debug_registers: Mutex<Vec<(hvprobe_arch::debugreg::DebugRegisters, bool)>>,
+    /// Data watches never fire here (as on kvm_pvm).
+    no_data_watches: AtomicBool,
+    /// Inside `with_vcpus_paused`.
+    paused_now: AtomicBool,
 }
 
 /// Something the guest does to its memory.
@@ -167,7 +173,29 @@ impl Machine for FakeMachine {
         if let Some(before) = before {
             before(self);
         }
+        self.paused_now.store(true, Ordering::Relaxed);
         edit(self);
+        self.paused_now.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn hardware_breakpoints(&self) -> crate::machine::HardwareBreakpointSupport {
+        crate::machine::HardwareBreakpointSupport {
+            execute: Ok(()),
+            data: if self.no_data_watches.load(Ordering::Relaxed) {
+                Err("data breakpoints never fire here")
+            } else {
+                Ok(())
+            },
+        }
+    }
+
+    fn set_debug_registers(
+        &self,
+        registers: hvprobe_arch::debugreg::DebugRegisters,
+    ) -> Result<(), crate::machine::DebugRegistersError> {
+        let paused = self.paused_now.load(Ordering::Relaxed);
+        self.debug_registers.lock().unwrap().push((registers, paused));
         Ok(())
     }
 }
@@ -2529,4 +2557,172 @@ fn the_guests_btf_is_read_from_its_memory_once() {
     let btf = t.kernel_btf().expect("the BTF is read");
     assert!(btf.is_empty());
     assert!(Arc::ptr_eq(btf, t.kernel_btf().unwrap()), "read once");
+}
+
+// ---- watches (debug registers) ----
+
+fn watch(point: ProbePoint, event: &str, access: hvprobe_arch::debugreg::Access, len: u8) -> KprobeRequest {
+    KprobeRequest {
+        kind: ProbeKind::Watch { access, len },
+        ..KprobeRequest::event(point, "w", event, Vec::new())
+    }
+}
+
+fn loaded(m: &FakeMachine) -> hvprobe_arch::debugreg::DebugRegisters {
+    let sets = m.debug_registers.lock().unwrap();
+    let (last, paused) = *sets.last().expect("debug registers were set");
+    assert!(paused, "the debug registers change only with the vCPUs paused");
+    last
+}
+
+#[test]
+fn watches_take_the_four_debug_registers_and_a_fifth_is_refused_naming_them() {
+    use hvprobe_arch::debugreg::Access;
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let data = |n: u64| ProbePoint::Address(Gva(STACK_TOP - 0x200 + 8 * n));
+    let ids: Vec<ProbeId> = (0..4)
+        .map(|n| t.register(watch(data(n), &format!("d{n}"), Access::Write, 8)).unwrap())
+        .collect();
+    let regs = loaded(&m);
+    assert_eq!(regs.used(), 4);
+    assert_eq!(regs.get(2).map(|b| b.address()), Some(Gva(STACK_TOP - 0x200 + 16)));
+    match t.register(watch(data(4), "d4", Access::Write, 8)) {
+        Err(ProbeError::DebugRegistersFull { in_use }) => {
+            assert!(in_use.contains("w/d0") && in_use.contains("w/d3"), "{in_use}")
+        }
+        other => panic!("a fifth watch: {other:?}"),
+    }
+    // Disabled: out of the registers, its slot kept; enabled again: back in it.
+    t.set_enabled(ids[1], false).unwrap();
+    assert!(loaded(&m).get(1).is_none() && loaded(&m).used() == 3);
+    assert!(matches!(
+        t.register(watch(data(4), "d4", Access::Write, 8)),
+        Err(ProbeError::DebugRegistersFull { .. })
+    ));
+    t.set_enabled(ids[1], true).unwrap();
+    assert_eq!(loaded(&m).get(1).map(|b| b.address()), Some(Gva(STACK_TOP - 0x200 + 8)));
+    // The global switch empties them and fills them again.
+    t.set_armed(false).unwrap();
+    assert!(loaded(&m).is_empty());
+    t.set_armed(true).unwrap();
+    assert_eq!(loaded(&m).used(), 4);
+    // Removed: the slot is free for another watch.
+    t.unregister(ids[2]).unwrap();
+    assert!(loaded(&m).get(2).is_none());
+    t.register(watch(data(4), "d4", Access::Write, 8)).unwrap();
+    assert_eq!(
+        loaded(&m).get(2).map(|b| b.address()),
+        Some(Gva(STACK_TOP - 0x200 + 32))
+    );
+    let listing = t.listing();
+    assert_eq!(listing.len(), 4);
+    assert!(listing.iter().all(|e| e.kind == crate::output::ListKind::Watch));
+    t.unregister_all().unwrap();
+    assert!(loaded(&m).is_empty());
+    // No text was touched.
+    assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE);
+}
+
+#[test]
+fn bad_watches_are_refused_with_the_reason() {
+    use hvprobe_arch::debugreg::{Access, HardwareBreakpointError};
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let unaligned = t.register(watch(
+        ProbePoint::Address(Gva(STACK_TOP - 0x1fc)),
+        "u",
+        Access::Write,
+        8,
+    ));
+    assert!(
+        matches!(
+            unaligned,
+            Err(ProbeError::Watch {
+                source: HardwareBreakpointError::Unaligned { .. },
+                ..
+            })
+        ),
+        "{unaligned:?}"
+    );
+    // Execution watches go on instruction boundaries of a function.
+    assert!(matches!(
+        t.register(watch(at("func", 7), "mid", Access::Execute, 1)),
+        Err(ProbeError::Unprobeable { .. })
+    ));
+    assert!(matches!(
+        t.register(watch(
+            ProbePoint::Address(Gva(STACK_TOP - 0x200)),
+            "nx",
+            Access::Execute,
+            1
+        )),
+        Err(ProbeError::NotInFunction(_))
+    ));
+    // An int3 probe and an execution watch do not share an instruction.
+    let probe = t
+        .register(KprobeRequest::event(at("func", 5), "p", "push", Vec::new()))
+        .unwrap();
+    assert!(matches!(
+        t.register(watch(at("func", 5), "x", Access::Execute, 1)),
+        Err(ProbeError::WatchOnProbe { .. })
+    ));
+    t.unregister(probe).unwrap();
+    t.register(watch(at("func", 5), "x", Access::Execute, 1)).unwrap();
+    assert!(matches!(
+        t.register(KprobeRequest::event(at("func", 5), "p", "push", Vec::new())),
+        Err(ProbeError::ProbeOnWatch { .. })
+    ));
+    // A machine whose data breakpoints never fire refuses data watches, not execution ones.
+    m.no_data_watches.store(true, Ordering::Relaxed);
+    assert!(matches!(
+        t.register(watch(
+            ProbePoint::Address(Gva(STACK_TOP - 0x200)),
+            "d",
+            Access::ReadWrite,
+            4
+        )),
+        Err(ProbeError::WatchUnsupported { .. })
+    ));
+}
+
+#[test]
+fn a_watch_on_the_ftrace_nop_goes_where_an_int3_probe_is_refused_and_touches_no_text() {
+    use hvprobe_arch::debugreg::Access;
+    let (m, t, events) = event_tracer();
+    // `func+0` is its ftrace NOP: an int3 probe moves off it, a watch stays on it.
+    let id = t.register(watch(at("func", 0), "entry", Access::Execute, 1)).unwrap();
+    assert_eq!(loaded(&m).get(0).map(|b| b.address()), Some(Gva(FUNC)));
+    let mut vcpu = FakeVcpu::at(FUNC);
+    assert!(t.on_hardware_breakpoint(0, &mut vcpu, Gva(FUNC), 0b1));
+    assert_eq!(vcpu.regs.rip, FUNC, "the VMM, not the engine, passes the instruction");
+    let got = events.got.lock().unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].probe, id);
+    assert_eq!(got[0].record.location, "func+0x0/0x40");
+    drop(got);
+    assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE);
+    // A slot no watch owns is not taken.
+    assert!(!t.on_hardware_breakpoint(0, &mut vcpu, Gva(FUNC), 0b10));
+}
+
+#[test]
+fn a_data_watch_names_the_instruction_that_accessed_it() {
+    use hvprobe_arch::debugreg::Access;
+    let (_m, t, events) = event_tracer();
+    t.register(watch(
+        ProbePoint::Address(Gva(STACK_TOP - 0x108)),
+        "slot",
+        Access::Write,
+        8,
+    ))
+    .unwrap();
+    // `push %rbp` at func+0x5 wrote the slot; the trap leaves RIP after it, at func+0x6.
+    let mut vcpu = FakeVcpu::at(FUNC + 6);
+    assert!(t.on_hardware_breakpoint(0, &mut vcpu, Gva(FUNC + 6), 0b1));
+    // The same after an instruction with a displacement (func+0x9, seven bytes).
+    assert!(t.on_hardware_breakpoint(0, &mut vcpu, Gva(FUNC + 0x10), 0b1));
+    let got = events.got.lock().unwrap();
+    let locations: Vec<&str> = got.iter().map(|e| e.record.location.as_str()).collect();
+    assert_eq!(locations, ["func+0x5/0x40", "func+0x9/0x40"]);
 }

@@ -122,7 +122,9 @@ fn parse_arg(arg: &str) -> FetchArg {
     let kind = if arg.contains("$retval") { "r" } else { "p" };
     let line = format!("{kind}:g/e do_sys_open a={arg}");
     match parse_line(&line).expect("spec parses").expect("a probe") {
-        ProbeSpec::Kprobe { mut args, .. } | ProbeSpec::Kretprobe { mut args, .. } => args.remove(0),
+        ProbeSpec::Kprobe { mut args, .. }
+        | ProbeSpec::Kretprobe { mut args, .. }
+        | ProbeSpec::Watch { mut args, .. } => args.remove(0),
         ProbeSpec::Remove { .. } => unreachable!(),
     }
 }

@@ -69,6 +69,23 @@ pub fn check_spec(
     };
     let (target, args) = match spec {
         ProbeSpec::Kprobe { target, args, .. } | ProbeSpec::Kretprobe { target, args, .. } => (target, args),
+        // A watch's symbol may be data; its instruction and alignment are checked when it
+        // is placed, its fetch-args read registers and memory as they are at the hit.
+        ProbeSpec::Watch { target, args, .. } => {
+            if let Target::Symbol { name, .. } = target {
+                if kernel.symbols.lookup_all(name).next().is_none() {
+                    return Err(located(1, 0, SpecErrorKind::UnknownProbeSymbol(name.clone())));
+                }
+            }
+            for (i, arg) in args.iter().enumerate() {
+                if let Some(name) = unknown_data_symbol(&arg.expr, kernel.symbols) {
+                    let token = tokens(line).get(i + 2).map_or("", |t| t.1);
+                    let at = token.find(&format!("@{name}")).unwrap_or(0);
+                    return Err(located(i + 2, at, SpecErrorKind::UnknownDataSymbol(name.to_owned())));
+                }
+            }
+            return Ok(spec.clone());
+        }
         ProbeSpec::Remove { .. } => return Ok(spec.clone()),
     };
     let function = match target {

@@ -23,7 +23,7 @@ fn err(line: &str) -> (usize, SpecErrorKind) {
 /// The fetch-args of `line`.
 fn args(line: &str) -> Vec<FetchArg> {
     match ok(line) {
-        ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. } => args,
+        ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. } | ProbeSpec::Watch { args, .. } => args,
         ProbeSpec::Remove { .. } => panic!("{line:?} is a remove"),
     }
 }
@@ -1046,4 +1046,77 @@ fn return_probes_take_entry_arguments_and_a_duration() {
     assert!(matches!(args("r:g/e f count")[0].expr, FetchExpr::Btf(_)));
     // Not on a return probe off a function's entry, which has no arguments.
     assert_eq!(err("r 0x1000 $arg1"), (10, SpecErrorKind::ArgNotOnEntry));
+}
+
+#[test]
+fn watch_lines_take_perfs_length_and_access_with_its_defaults() {
+    use crate::spec::Access;
+    let watch = |line: &str| match ok(line) {
+        ProbeSpec::Watch {
+            group,
+            event,
+            target,
+            access,
+            len,
+            args,
+        } => (group, event, target, access, len, args.len()),
+        other => panic!("{line:?} parsed as {other:?}"),
+    };
+    let jiffies = Target::Symbol {
+        name: "jiffies_64".into(),
+        offset: 0,
+    };
+    assert_eq!(
+        watch("w:vm/tick jiffies_64/8:w cpu=$comm"),
+        ("vm".into(), "tick".into(), jiffies.clone(), Access::Write, 8, 1)
+    );
+    // perf's defaults: reads and writes of 4 bytes; an execution watch is one byte.
+    assert_eq!(
+        watch("w jiffies_64"),
+        (
+            "kprobes".into(),
+            "w_jiffies_64_0".into(),
+            jiffies,
+            Access::ReadWrite,
+            4,
+            0
+        )
+    );
+    let (_, _, target, access, len, _) = watch("w:x vfs_read+4:x");
+    assert_eq!((access, len), (Access::Execute, 1));
+    assert_eq!(
+        target,
+        Target::Symbol {
+            name: "vfs_read".into(),
+            offset: 4
+        }
+    );
+    assert_eq!(watch("w 0xffffffff82000010/2:rw").3, Access::ReadWrite);
+    // The canonical line names everything.
+    assert_eq!(
+        ok("w jiffies_64/8:w").to_string(),
+        "w:kprobes/w_jiffies_64_0 jiffies_64/8:w"
+    );
+}
+
+#[test]
+fn bad_watch_lines_say_what_is_wrong_where() {
+    for (line, column, kind) in [
+        ("w:e jiffies/3:w", 13, SpecErrorKind::BadWatchLength("3".into())),
+        ("w:e jiffies/8:r", 15, SpecErrorKind::ReadOnlyWatch),
+        ("w:e jiffies/8:q", 15, SpecErrorKind::BadWatchAccess("q".into())),
+        ("w:e vfs_read/8:x", 14, SpecErrorKind::ExecuteWatchLength),
+        ("w vfs_*:x", 3, SpecErrorKind::WatchTargetNotSingle),
+        ("w vfs_read%return:x", 3, SpecErrorKind::WatchTargetNotSingle),
+        ("wx jiffies", 2, SpecErrorKind::JunkAfterProbeType("x".into())),
+        ("w:e", 4, SpecErrorKind::MissingTarget),
+    ] {
+        let e = parse_line(line).expect_err(line);
+        assert_eq!((e.column, &e.kind), (column, &kind), "{line:?}: {e}");
+        assert_eq!(
+            e.kind.linux_error(),
+            None,
+            "{line:?}: hvprobe's extension, no Linux error"
+        );
+    }
 }

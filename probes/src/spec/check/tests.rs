@@ -205,7 +205,7 @@ fn with_btf(line: &str) -> Result<ProbeSpec, SpecError> {
 
 fn args_of(spec: ProbeSpec) -> Vec<FetchArg> {
     match spec {
-        ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. } => args,
+        ProbeSpec::Kprobe { args, .. } | ProbeSpec::Kretprobe { args, .. } | ProbeSpec::Watch { args, .. } => args,
         ProbeSpec::Remove { .. } => Vec::new(),
     }
 }
