@@ -147,3 +147,34 @@ fn a_spec_file_is_checked_against_the_symbol_file_before_the_guest_boots() {
     assert!(!run.stderr.contains("control socket"), "no VM was made\n{}", run.tail());
     eprintln!("refused in {:.1} s", started.elapsed().as_secs_f64());
 }
+
+/// Watches this host cannot serve, or that no CPU could, are refused before the boot: a
+/// length x86's debug registers do not have, an execution watch longer than a byte, a
+/// read-only watch, and — on kvm_pvm, whose emulator checks no data breakpoints — any data
+/// watch (on hardware KVM the lane's watch tests show them firing).
+#[test]
+fn watches_no_debug_register_can_serve_are_refused_before_boot() {
+    for (text, message) in [
+        ("w:a/len jiffies/3:w\n", "bad watch length `3`: 1, 2, 4 or 8 bytes"),
+        ("w:a/x vfs_read/8:x\n", "an execution watch (`x`) covers one byte"),
+        ("w:a/r jiffies/8:r\n", "cannot watch reads alone"),
+    ] {
+        let file = spec_file("watch", text);
+        common::assert_refused_before_boot(&["--probes", file.to_str().unwrap()], message);
+        let _ = std::fs::remove_file(&file);
+    }
+    let file = spec_file("data-watch", "w:a/jiffies jiffies/8:w\n");
+    if hvprobe::vmm::Backend::detect().data_breakpoints_fire() {
+        let run = common::hvprobe(
+            &["run", "--workload", "true", "--probes", file.to_str().unwrap()],
+            TIMEOUT,
+        );
+        assert!(!run.stderr.contains("data watch would never fire"), "{}", run.tail());
+    } else {
+        common::assert_refused_before_boot(
+            &["--probes", file.to_str().unwrap()],
+            "a/jiffies: kvm_pvm emulates guest kernel code, and its emulator checks only execution breakpoints",
+        );
+    }
+    let _ = std::fs::remove_file(&file);
+}

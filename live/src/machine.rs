@@ -99,14 +99,7 @@ impl Machine for VmMachine {
     fn hardware_breakpoints(&self) -> HardwareBreakpointSupport {
         HardwareBreakpointSupport {
             execute: Ok(()),
-            data: if self.backend.data_breakpoints_fire() {
-                Ok(())
-            } else {
-                Err(
-                    "kvm_pvm emulates guest kernel code, and its emulator checks only execution breakpoints: a \
-                     data watch would never fire there (hardware KVM has them)",
-                )
-            },
+            data: self.backend.data_breakpoints(),
         }
     }
 

@@ -224,6 +224,16 @@ pub fn check_before_boot(
     let (flag_requests, flag_errors) = flags.parse();
     problems.extend(flag_errors.iter().map(|e| (error_line(e), e.to_string())));
     requests.extend(flag_requests);
+    // What this host's KVM cannot do, before a boot that would be refused at its end.
+    let backend = hvprobe_vmm::Backend::detect();
+    for p in &probes {
+        if let (ProbeKind::Watch { access, .. }, Err(reason)) = (p.request.kind, backend.data_breakpoints()) {
+            if access.is_data() {
+                let (group, event) = (&p.request.group, &p.request.event);
+                problems.push((p.line, format!("{source}:{}: {group}/{event}: {reason}", p.line)));
+            }
+        }
+    }
     let Some(symbols) = symbols else {
         return spec_result(&source, problems);
     };

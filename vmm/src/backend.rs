@@ -73,11 +73,22 @@ impl Backend {
     }
 
     /// Whether data breakpoints (debug registers watching writes or reads) fire in guest
-    /// kernel code. kvm_pvm emulates that code, and KVM's emulator checks only
+    /// kernel code, or why not. kvm_pvm emulates that code, and KVM's emulator checks only
     /// instruction breakpoints (measured: a write watchpoint never fired there; on
     /// hardware KVM it fires after the write).
+    pub fn data_breakpoints(self) -> Result<(), &'static str> {
+        match self {
+            Backend::Hardware => Ok(()),
+            Backend::Pvm => Err(
+                "kvm_pvm emulates guest kernel code, and its emulator checks only execution breakpoints: a data \
+                 watch would never fire there (hardware KVM has them)",
+            ),
+        }
+    }
+
+    /// [`Backend::data_breakpoints`] as a yes or no.
     pub fn data_breakpoints_fire(self) -> bool {
-        self == Backend::Hardware
+        self.data_breakpoints().is_ok()
     }
 
     /// Whether RF in the guest's RFLAGS lets an instruction with an execution breakpoint
