@@ -890,6 +890,26 @@ fn an_execution_watch_on_an_ftrace_site_counts_what_the_guests_own_kprobe_counts
         .find(|l| l.contains("  w  __x64_sys_getppid+0x0/1:x"))
         .unwrap_or_else(|| panic!("no listing line of the watch\n{}", run.tail()));
     assert!(listed.contains("nmissed=0 event=host/xsite"), "{listed}");
+    // Every hit of the watch was one debug-register exit, and none was an int3's.
+    let hits: u64 = listed
+        .split(" hits=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{listed}"));
+    let exits = run
+        .stderr
+        .lines()
+        .find(|l| l.contains(" debug-register)"))
+        .unwrap_or_else(|| panic!("no exit counts\n{}", run.tail()));
+    let debug_register: u64 = exits
+        .split(" debug-register)")
+        .next()
+        .and_then(|s| s.rsplit(", ").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{exits}"));
+    assert!(hits >= expected as u64, "{listed}");
+    assert_eq!(debug_register, hits, "{exits}\n{listed}");
     let _ = std::fs::remove_file(probes);
 }
 

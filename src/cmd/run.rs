@@ -171,15 +171,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None => "not reached".into(),
     };
     eprintln!(
-        "hvprobe: {}; boot to /init {boot} ({}), ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
+        "hvprobe: {}; boot to /init {boot} ({}), ran {:.2} s, {}",
         outcome.reason,
         outcome.kernel_format.map(|f| f.to_string()).unwrap_or_default(),
         outcome.run_time.as_secs_f64(),
-        outcome.exits,
-        outcome.breakpoints,
-        outcome.single_steps,
-        outcome.instructions_emulated,
-        outcome.breakpoints_reinjected
+        exit_summary(&outcome),
     );
     report_refused_ool_writes(&outcome);
     let introspection_failed = match &introspection {
@@ -417,6 +413,27 @@ fn introspect_when_up(
         }
         None => Ok(kernels),
     }
+}
+
+/// The run's exits for its last line: `N exits (I int3, S single-step, D debug-register),
+/// E instructions emulated, R guest int3 re-injected`.
+pub(crate) fn exit_summary(outcome: &hvprobe_vmm::VmOutcome) -> String {
+    let mut line = format!(
+        "{} exits ({} int3, {} single-step, {} debug-register), {} instructions emulated, {} guest int3 re-injected",
+        outcome.exits,
+        outcome.breakpoints,
+        outcome.single_steps,
+        outcome.hardware_breakpoints,
+        outcome.instructions_emulated,
+        outcome.breakpoints_reinjected
+    );
+    if outcome.guest_debug_registers_hidden > 0 {
+        line.push_str(&format!(
+            "; the guest's own debug registers were set while hvprobe's were loaded ({} loads): they did not fire",
+            outcome.guest_debug_registers_hidden
+        ));
+    }
+    line
 }
 
 /// Says so when the guest wrote into hvprobe's out-of-line code (refused: the code half of

@@ -195,17 +195,13 @@ pub fn run_restored(
     let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
     let r = restore_and_run(dir, cpus, disks, workload, output, console_input, trace)?;
     eprintln!(
-        "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {} exits ({} int3, {} single-step), {} instructions emulated, {} guest int3 re-injected",
+        "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {}",
         r.outcome.reason,
         r.to_first_entry
             .map(|t| format!("{:.1} ms", t.as_secs_f64() * 1e3))
             .unwrap_or_else(|| "never".into()),
         r.outcome.run_time.as_secs_f64(),
-        r.outcome.exits,
-        r.outcome.breakpoints,
-        r.outcome.single_steps,
-        r.outcome.instructions_emulated,
-        r.outcome.breakpoints_reinjected,
+        crate::cmd::run::exit_summary(&r.outcome),
     );
     crate::cmd::run::report_refused_ool_writes(&r.outcome);
     match r.outcome.reason {

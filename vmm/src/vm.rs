@@ -107,6 +107,10 @@ pub struct VmOutcome {
     pub breakpoints: u64,
     /// Single-step exits a debug handler took.
     pub single_steps: u64,
+    /// Hardware-breakpoint exits a debug handler took (watches).
+    pub hardware_breakpoints: u64,
+    /// Loads of the host's debug registers into a vCPU whose guest had its own enabled.
+    pub guest_debug_registers_hidden: u64,
     /// Guest instructions KVM emulated (on kvm_pvm: all guest kernel instructions).
     pub instructions_emulated: u64,
     /// VM exits as KVM counts them, in-kernel ones included (its `exits` statistic; 0 when
@@ -427,6 +431,10 @@ impl Vm {
                 .load(std::sync::atomic::Ordering::Relaxed),
             breakpoints: counters.breakpoints.load(std::sync::atomic::Ordering::Relaxed),
             single_steps: counters.single_steps.load(std::sync::atomic::Ordering::Relaxed),
+            hardware_breakpoints: counters.hardware_breakpoints.load(std::sync::atomic::Ordering::Relaxed),
+            guest_debug_registers_hidden: counters
+                .guest_debug_registers_hidden
+                .load(std::sync::atomic::Ordering::Relaxed),
             instructions_emulated: counters
                 .instructions_emulated
                 .load(std::sync::atomic::Ordering::Relaxed),
