@@ -272,10 +272,8 @@ impl<'a> HitVcpu<'a> {
         if let Some(s) = self.sregs.or(self.state.map(|state| state.sregs)) {
             return Ok(s);
         }
-        let s = self
-            .vcpu
-            .get_sregs()
-            .map_err(|e| VcpuError::new("KVM_GET_SREGS", e.errno()))?;
+        // From the sync area where KVM keeps them there: no ioctl.
+        let s = exit_regs::read_sregs(self.vcpu).map_err(|e| vmm_error("KVM_GET_SREGS", e))?;
         self.sregs = Some(s);
         Ok(s)
     }
@@ -354,7 +352,7 @@ impl Vcpu for HitVcpu<'_> {
 
     fn set_single_step(&mut self, on: bool) -> Result<(), VcpuError> {
         // KVM_SET_GUEST_DEBUG notes the RIP a step starts from: the one just written.
-        exit_regs::flush(self.vcpu).map_err(|e| vmm_error("KVM_SET_REGS", e))?;
+        exit_regs::flush_regs(self.vcpu).map_err(|e| vmm_error("KVM_SET_REGS", e))?;
         set_guest_debug(self.vcpu, self.backend, on).map_err(|e| VcpuError {
             ioctl: "KVM_SET_GUEST_DEBUG",
             source: std::io::Error::other(e.to_string()),
@@ -373,9 +371,7 @@ impl Vcpu for HitVcpu<'_> {
         let mut s = self.sregs()?;
         s.idt.base = table.base.0;
         s.idt.limit = table.limit;
-        self.vcpu
-            .set_sregs(&s)
-            .map_err(|e| VcpuError::new("KVM_SET_SREGS", e.errno()))?;
+        exit_regs::write_sregs(self.vcpu, &s).map_err(|e| vmm_error("KVM_SET_SREGS", e))?;
         self.sregs = Some(s);
         if let Some(state) = &mut self.state {
             state.sregs.idt = s.idt;

@@ -825,6 +825,16 @@ fn has_relative_branch(instruction: &Instruction) -> bool {
     })
 }
 
+/// Whether `bytes` start with a `rep`-prefixed string instruction (which traps after each
+/// iteration with RIP still on it).
+pub fn is_rep_string(bytes: &[u8]) -> bool {
+    let mut decoder = decoder_at(bytes, Gva(0));
+    let instruction = decoder.decode();
+    !instruction.is_invalid()
+        && instruction.is_string_instruction()
+        && (instruction.has_rep_prefix() || instruction.has_repne_prefix())
+}
+
 /// Why an instruction must not be probed, if it must not.
 fn refusal(instruction: &Instruction) -> Option<&'static str> {
     if instruction.is_jmp_far()

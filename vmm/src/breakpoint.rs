@@ -146,6 +146,32 @@ pub fn reinject_breakpoint(vcpu: &VcpuFd, mem: &GuestMemoryMmap, backend: Backen
     vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
 }
 
+/// DR6 bits that read 1 when clear (the SDM's "active low" bits): KVM reports DR6 as the
+/// register reads, and takes a #DB's payload with them flipped.
+const DR6_ACTIVE_LOW: u64 = 0xffff_0ff0;
+
+/// Queues a #DB with the DR6 value `dr6` for the guest: one it raised itself while the
+/// host's hardware breakpoints made KVM report every #DB to the VMM. With the exception
+/// payload capability (hardware KVM) it is pending with DR6 as its payload, which KVM
+/// writes into the guest's DR6 as the CPU would; without it, injected as is.
+pub fn reinject_debug_exception(vcpu: &VcpuFd, backend: Backend, dr6: u64) -> Result<(), Error> {
+    let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+    let pending = backend.reinjects_breakpoints_as_pending();
+    events.exception.injected = u8::from(!pending);
+    events.exception.pending = u8::from(pending);
+    events.exception.nr = 1;
+    events.exception.has_error_code = 0;
+    events.exception.error_code = 0;
+    events.exception_has_payload = u8::from(pending);
+    events.exception_payload = if pending { dr6 ^ DR6_ACTIVE_LOW } else { 0 };
+    events.flags = if pending {
+        kvm_bindings::KVM_VCPUEVENT_VALID_PAYLOAD
+    } else {
+        0
+    };
+    vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
+}
+
 /// Pushes the #BP frame for the kernel int3 at `at` and enters the guest's handler, as the
 /// CPU does; false (nothing changed) when this is not a case for it or guest memory on the
 /// way is not mapped.

@@ -381,6 +381,7 @@ impl Vm {
         let started = Instant::now();
         let mut threads = Vec::new();
         let sync_regs = crate::vcpu::exit_regs::supported(&self.kvm);
+        let sync_sregs = sync_regs && crate::vcpu::exit_regs::sregs_supported(&self.kvm);
         for (cpu, vcpu) in std::mem::take(&mut self.vcpus).into_iter().enumerate() {
             let runner = VcpuRunner {
                 cpu,
@@ -392,6 +393,7 @@ impl Vm {
                 debug: Arc::clone(&debug),
                 mem: self.mem.clone(),
                 sync_regs,
+                sync_sregs,
                 loaded_debug_registers: 0,
                 stepping_over_breakpoint: false,
             };

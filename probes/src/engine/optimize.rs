@@ -56,6 +56,8 @@ pub enum WhyNotOptimized {
     TaskInside { saved: Gva },
     #[error("the guest's kernel stacks cannot be checked for a task interrupted in the region: {0}")]
     StacksUnreadable(String),
+    #[error("an execution watch at {watch} is inside the region")]
+    WatchInside { watch: Gva },
     #[error("no out-of-line area")]
     NoOutOfLineArea,
     #[error("the out-of-line area has no room for another detour")]
@@ -161,6 +163,9 @@ impl Tracer {
     pub fn why_not_optimized(&self, id: ProbeId) -> Option<WhyNotOptimized> {
         let reg = self.read_registry();
         let probe = reg.probes.get(&id)?;
+        if matches!(probe.kind, super::ProbeKind::Watch { .. }) {
+            return None;
+        }
         let site = reg.sites.get(&probe.site)?;
         if site.detour.is_some() {
             return None;
@@ -274,6 +279,11 @@ impl Tracer {
     ) -> Result<(Detour, u64), WhyNotOptimized> {
         let area = self.ool.ok_or(WhyNotOptimized::NoOutOfLineArea)?;
         let region = self.plan(reg, addr)?;
+        // An execution watch inside would never fire: the guest would run the relocated
+        // copy, not the watched instruction.
+        if let Some(watch) = reg.watch_slots.execute_in(addr..region.end()) {
+            return Err(WhyNotOptimized::WatchInside { watch });
+        }
         let range = addr.0 + 1..region.end().0;
         if let Some((cpu, rip)) = view.parked_rips().into_iter().find(|(_, rip)| range.contains(rip)) {
             return Err(WhyNotOptimized::VcpuInside { cpu, rip: Gva(rip) });

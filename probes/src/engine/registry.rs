@@ -189,7 +189,13 @@ impl Tracer {
                     }
                     Placed::Watch(watch) => self.register_watch_paused(&mut reg, request, watch),
                 };
-                let registered = registered.and_then(|id| self.sync_debug_registers(&reg).map(|()| id));
+                let registered = registered.and_then(|id| match self.sync_debug_registers(&reg) {
+                    Ok(()) => Ok(id),
+                    Err(e) => {
+                        self.remove_paused(view, &mut reg, id);
+                        Err(e)
+                    }
+                });
                 match registered {
                     Ok(id) => done.push(id),
                     Err(e) => {
@@ -360,7 +366,11 @@ impl Tracer {
         let reg = self.read_registry();
         reg.user_probes()
             .map(|(_, p)| {
-                let site = reg.sites.get(&p.site);
+                // A watch has no site (an int3 probe's at its address is not its own).
+                let site = match p.kind {
+                    ProbeKind::Watch { .. } => None,
+                    _ => reg.sites.get(&p.site),
+                };
                 ListEntry {
                     address: p.address,
                     kind: match p.kind {

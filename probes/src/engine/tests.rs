@@ -2726,3 +2726,29 @@ fn a_data_watch_names_the_instruction_that_accessed_it() {
     let locations: Vec<&str> = got.iter().map(|e| e.record.location.as_str()).collect();
     assert_eq!(locations, ["func+0x5/0x40", "func+0x9/0x40"]);
 }
+
+#[test]
+fn an_execution_watch_and_an_optimized_region_never_overlap() {
+    use hvprobe_arch::debugreg::Access;
+    // A region first: a watch inside it is refused (the guest runs the relocated copy).
+    let m = FakeMachine::with_code();
+    let t = optimizing(&m);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    t.register(recording_probe(&seen)).unwrap();
+    assert!(t.listing()[0].optimized);
+    assert!(matches!(
+        t.register(watch(at("func", 6), "inside", Access::Execute, 1)),
+        Err(ProbeError::WatchOnProbe { .. })
+    ));
+    // A watch first: the region that would cover it is not made, and says why.
+    let m = FakeMachine::with_code();
+    let t = optimizing(&m);
+    t.register(watch(at("func", 9), "first", Access::Execute, 1)).unwrap();
+    let id = t.register(recording_probe(&seen)).unwrap();
+    assert!(t.listing().iter().all(|e| !e.optimized));
+    assert!(
+        matches!(t.why_not_optimized(id), Some(WhyNotOptimized::WatchInside { watch }) if watch == Gva(MOV_RIP)),
+        "{:?}",
+        t.why_not_optimized(id)
+    );
+}

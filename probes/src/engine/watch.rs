@@ -46,10 +46,17 @@ impl WatchSlots {
     }
 
     pub fn execute_at(&self, address: Gva) -> bool {
+        self.execute_in(address..Gva(address.0.saturating_add(1))).is_some()
+    }
+
+    /// The first execution watch in `range`.
+    pub fn execute_in(&self, range: std::ops::Range<Gva>) -> Option<Gva> {
         self.slots
             .iter()
             .flatten()
-            .any(|(_, bp)| bp.access() == Access::Execute && bp.address() == address)
+            .filter(|(_, bp)| bp.access() == Access::Execute && range.contains(&bp.address()))
+            .map(|(_, bp)| bp.address())
+            .min()
     }
 
     fn take(&mut self, id: ProbeId, bp: HardwareBreakpoint, in_use: &[String]) -> Result<(), ProbeError> {
@@ -169,10 +176,20 @@ impl Tracer {
         placement: &WatchPlacement,
     ) -> Result<(), ProbeError> {
         let bp = placement.breakpoint;
-        if bp.access() == Access::Execute && reg.sites.contains_key(&bp.address()) {
-            return Err(ProbeError::WatchOnProbe {
-                what: placement.location.clone(),
-            });
+        if bp.access() == Access::Execute {
+            // On a probe's int3, or inside an optimized probe's region (the guest runs the
+            // relocated copy there, never the watched instruction).
+            let at = bp.address();
+            let covered = reg.sites.contains_key(&at)
+                || reg
+                    .sites
+                    .range(..at)
+                    .any(|(_, s)| s.detour.as_ref().is_some_and(|d| d.region.is_interior(at)));
+            if covered {
+                return Err(ProbeError::WatchOnProbe {
+                    what: placement.location.clone(),
+                });
+            }
         }
         let in_use: Vec<String> = reg
             .probes
@@ -261,6 +278,11 @@ impl Tracer {
         let Some(d) = symbols.describe(after).filter(|d| d.symbol.is_text()) else {
             return format!("{after} (after the access)");
         };
+        // A `rep` string instruction traps after each iteration with RIP still on it.
+        let mut at_trap = [0u8; 15];
+        if self.machine.kernel().read_virt(after, &mut at_trap).is_ok() && insn::is_rep_string(&at_trap) {
+            return d.to_string();
+        }
         let start = Gva(after.0 - d.offset);
         let mut code = vec![0u8; d.offset.min(MAX_FUNCTION_BYTES) as usize];
         let decoded = self.machine.kernel().read_virt(start, &mut code).ok().and_then(|()| {

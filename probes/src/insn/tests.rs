@@ -969,3 +969,13 @@ fn cli_is_emulated_because_a_step_runs_with_if_cleared() {
     assert_eq!(regs.rflags, 0x46);
     assert_eq!(regs.rip, FUNC.0 + 1);
 }
+
+#[test]
+fn rep_string_instructions_are_recognised_where_a_data_watch_traps_on_them() {
+    assert!(is_rep_string(&[0xf3, 0xa4])); // rep movsb
+    assert!(is_rep_string(&[0xf3, 0x48, 0xab])); // rep stosq
+    assert!(is_rep_string(&[0xf2, 0xae])); // repne scasb
+    assert!(!is_rep_string(&[0xa4])); // movsb
+    assert!(!is_rep_string(&[0x48, 0x89, 0x07])); // mov %rax,(%rdi)
+    assert!(!is_rep_string(&[0xf3])); // a prefix alone
+}

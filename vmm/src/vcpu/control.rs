@@ -260,6 +260,10 @@ impl VcpuControl {
 
     /// The breakpoints and their generation, read together.
     pub(super) fn debug_registers_since(&self, loaded: u64) -> Option<(u64, DebugRegisters)> {
+        // The common case, before every entry: nothing changed, no lock.
+        if self.debug_registers_generation.load(Ordering::SeqCst) == loaded {
+            return None;
+        }
         let current = self.debug_registers.lock().unwrap_or_else(|e| e.into_inner());
         let generation = self.debug_registers_generation.load(Ordering::SeqCst);
         (generation != loaded).then_some((generation, *current))

@@ -138,6 +138,11 @@ fn apply(vcpu: &VcpuFd, backend: Backend, wanted: GuestDebug) -> Result<(), Erro
     Ok(())
 }
 
+/// Whether this thread's vCPU single-steps for its handler.
+pub(super) fn single_stepping() -> bool {
+    GUEST_DEBUG.get().single_step
+}
+
 /// The hardware breakpoints this thread's vCPU has loaded.
 pub(super) fn loaded_hardware_breakpoints() -> DebugRegisters {
     GUEST_DEBUG.get().breakpoints

@@ -17,7 +17,7 @@ use super::control::VcpuActivity;
 use super::exit_regs;
 use super::*;
 use crate::backend::Backend;
-use crate::breakpoint::reinject_breakpoint;
+use crate::breakpoint::{reinject_breakpoint, reinject_debug_exception};
 use crate::devices::{GuestEvent, IoAction, PortDevices};
 use crate::layout::{OOL_AREA_START, OOL_CODE_SIZE};
 use crate::stats::VcpuStats;
@@ -47,6 +47,9 @@ pub struct ExitCounters {
     pub pause_timeouts: AtomicU64,
     /// Hardware breakpoints (debug registers the host set) that fired and a handler took.
     pub hardware_breakpoints: AtomicU64,
+    /// #DBs the guest raised itself that KVM reported here while hardware breakpoints were
+    /// loaded, given back to it.
+    pub debug_exceptions_reinjected: AtomicU64,
     /// Loads of the host's hardware breakpoints into a vCPU whose guest had its own
     /// enabled (kgdb, hw_breakpoint, perf's breakpoint events): the guest's do not fire
     /// while the host's are loaded.
@@ -68,6 +71,8 @@ pub struct VcpuRunner {
     pub mem: GuestMemoryMmap,
     /// Registers at exits through kvm_run's sync area ([`exit_regs`]) instead of ioctls.
     pub sync_regs: bool,
+    /// The segment and control registers there too.
+    pub sync_sregs: bool,
     /// The generation of the VM's hardware breakpoints this vCPU loaded (0: none yet).
     pub(crate) loaded_debug_registers: u64,
     /// An execution breakpoint's instruction is being stepped with the breakpoints off.
@@ -120,7 +125,7 @@ impl VcpuRunner {
             .map_err(|e| tracing::debug!("vCPU {}: no KVM statistics: {e}", self.cpu))
             .ok();
         if self.sync_regs {
-            if let Err(e) = exit_regs::enable(&mut self.vcpu) {
+            if let Err(e) = exit_regs::enable(&mut self.vcpu, self.sync_sregs) {
                 tracing::warn!("vCPU {}: registers by ioctl at every exit: {e}", self.cpu);
             }
         }
@@ -276,7 +281,12 @@ impl VcpuRunner {
                     .fired(dr6)
                     .fold(0u8, |mask, slot| mask | 1 << slot);
                 if exception == 1 && fired != 0 {
-                    return self.hardware_breakpoint(Gva(pc), fired);
+                    let next = self.hardware_breakpoint(Gva(pc), fired);
+                    // A data breakpoint on the instruction a single step ran: the step
+                    // ended too, and is handled below.
+                    if dr6 & DR6_SINGLE_STEP == 0 || matches!(next, Next::Stop(_)) {
+                        return next;
+                    }
                 }
                 let stepped = exception == 1 && {
                     match self.call_handler(|debug, cpu, vcpu| debug.on_single_step(cpu, vcpu)) {
@@ -287,6 +297,10 @@ impl VcpuRunner {
                 if stepped {
                     self.control.counters.single_steps.fetch_add(1, Ordering::Relaxed);
                     Next::Continue
+                } else if exception == 1 && !handler::single_stepping() {
+                    // The guest's own #DB (its own single step, `int1`, ...): while hardware
+                    // breakpoints are loaded KVM reports every #DB here, not to the guest.
+                    self.reinject_debug(dr6 & !u64::from(fired))
                 } else {
                     Next::Stop(StopReason::VcpuError {
                         cpu,
@@ -316,7 +330,7 @@ impl VcpuRunner {
             return;
         }
         let rip = exit_regs::read(&mut self.vcpu).map(|r| r.rip).ok();
-        let cr3 = self.vcpu.get_sregs().map(|s| s.cr3).ok();
+        let cr3 = exit_regs::read_sregs(&mut self.vcpu).map(|s| s.cr3).ok();
         let shown = |v: Option<u64>| v.map_or_else(|| "?".to_string(), |v| format!("{v:#x}"));
         tracing::warn!(
             "vCPU {cpu}: the guest wrote {len} bytes at {addr:#x}, into hvprobe's out-of-line code: refused \
@@ -423,7 +437,7 @@ impl VcpuRunner {
                 }
             }
         }
-        exit_regs::flush(&mut self.vcpu).map_err(|e| fail("handing the registers to KVM", &e))?;
+        exit_regs::flush_regs(&mut self.vcpu).map_err(|e| fail("handing the registers to KVM", &e))?;
         handler::load_hardware_breakpoints(&self.vcpu, self.backend, registers)
             .map_err(|e| fail("loading the hardware breakpoints", &e))?;
         self.loaded_debug_registers = generation;
@@ -465,7 +479,7 @@ impl VcpuRunner {
                 return exit_regs::write(&mut self.vcpu, &regs);
             }
             // KVM_SET_GUEST_DEBUG notes the RIP a step starts from.
-            exit_regs::flush(&mut self.vcpu)?;
+            exit_regs::flush_regs(&mut self.vcpu)?;
             handler::step_over_breakpoints(&self.vcpu, self.backend, true)?;
             self.stepping_over_breakpoint = true;
             Ok(())
@@ -475,6 +489,23 @@ impl VcpuRunner {
             Err(e) => Next::Stop(StopReason::VcpuError {
                 cpu: self.cpu,
                 message: format!("passing the execution breakpoint at {pc}: {e}"),
+            }),
+        }
+    }
+
+    /// Gives the guest a #DB it raised itself, with the DR6 bits it would have seen (those
+    /// of our breakpoints taken out).
+    fn reinject_debug(&mut self, dr6: u64) -> Next {
+        self.control
+            .counters
+            .debug_exceptions_reinjected
+            .fetch_add(1, Ordering::Relaxed);
+        let flushed = exit_regs::flush(&mut self.vcpu);
+        match flushed.and_then(|()| reinject_debug_exception(&self.vcpu, self.backend, dr6)) {
+            Ok(()) => Next::Continue,
+            Err(e) => Next::Stop(StopReason::VcpuError {
+                cpu: self.cpu,
+                message: format!("re-injecting #DB: {e}"),
             }),
         }
     }
@@ -517,6 +548,9 @@ impl VcpuRunner {
         }
     }
 }
+
+/// DR6.BS: the #DB is a single step's.
+const DR6_SINGLE_STEP: u64 = 1 << 14;
 
 /// RFLAGS.RF: the next instruction's execution breakpoints do not fire.
 const RFLAGS_RF: u64 = 1 << 16;

@@ -38,12 +38,18 @@ impl VcpuState {
     /// what this exit wrote and cost no ioctl.
     pub fn at_exit(vcpu: &mut VcpuFd) -> Result<VcpuState, Error> {
         let regs = super::exit_regs::read(vcpu)?;
-        Self::with_regs(vcpu, regs)
+        let sregs = super::exit_regs::read_sregs(vcpu)?;
+        Self::with_registers(vcpu, regs, sregs)
     }
 
     /// `regs` with the control registers and MSRs read now.
     fn with_regs(vcpu: &VcpuFd, regs: kvm_bindings::kvm_regs) -> Result<VcpuState, Error> {
         let sregs = vcpu.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+        Self::with_registers(vcpu, regs, sregs)
+    }
+
+    /// `regs` and `sregs` with the MSRs read now.
+    fn with_registers(vcpu: &VcpuFd, regs: kvm_regs, sregs: kvm_sregs) -> Result<VcpuState, Error> {
         let msrs = crate::regs::read_state_msrs(vcpu)?;
         Ok(VcpuState {
             regs,
