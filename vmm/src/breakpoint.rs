@@ -128,15 +128,25 @@ pub fn reinject_breakpoint(vcpu: &VcpuFd, mem: &GuestMemoryMmap, backend: Backen
     }
     // On hardware KVM the #BP is delivered as a software exception and KVM advances RIP
     // by the instruction length itself.
+    queue_exception(vcpu, backend, BP_VECTOR, None)
+}
+
+const DB_VECTOR: u8 = 1;
+
+/// Queues exception `vector` for the guest: pending (with `payload`, which KVM delivers as
+/// the CPU would: DR6 for a #DB) where the VM has the exception payload capability
+/// (hardware KVM, see [`Backend::reinjects_breakpoints_as_pending`]), else injected as is.
+fn queue_exception(vcpu: &VcpuFd, backend: Backend, vector: u8, payload: Option<u64>) -> Result<(), Error> {
     let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
     let pending = backend.reinjects_breakpoints_as_pending();
+    let payload = payload.filter(|_| pending);
     events.exception.injected = u8::from(!pending);
     events.exception.pending = u8::from(pending);
-    events.exception.nr = 3;
+    events.exception.nr = vector;
     events.exception.has_error_code = 0;
     events.exception.error_code = 0;
-    events.exception_has_payload = 0;
-    events.exception_payload = 0;
+    events.exception_has_payload = u8::from(payload.is_some());
+    events.exception_payload = payload.unwrap_or(0);
     // Without KVM_VCPUEVENT_VALID_PAYLOAD, KVM ignores `pending`.
     events.flags = if pending {
         kvm_bindings::KVM_VCPUEVENT_VALID_PAYLOAD
@@ -155,21 +165,7 @@ const DR6_ACTIVE_LOW: u64 = 0xffff_0ff0;
 /// payload capability (hardware KVM) it is pending with DR6 as its payload, which KVM
 /// writes into the guest's DR6 as the CPU would; without it, injected as is.
 pub fn reinject_debug_exception(vcpu: &VcpuFd, backend: Backend, dr6: u64) -> Result<(), Error> {
-    let mut events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
-    let pending = backend.reinjects_breakpoints_as_pending();
-    events.exception.injected = u8::from(!pending);
-    events.exception.pending = u8::from(pending);
-    events.exception.nr = 1;
-    events.exception.has_error_code = 0;
-    events.exception.error_code = 0;
-    events.exception_has_payload = u8::from(pending);
-    events.exception_payload = if pending { dr6 ^ DR6_ACTIVE_LOW } else { 0 };
-    events.flags = if pending {
-        kvm_bindings::KVM_VCPUEVENT_VALID_PAYLOAD
-    } else {
-        0
-    };
-    vcpu.set_vcpu_events(&events).map_err(kvm_err("KVM_SET_VCPU_EVENTS"))
+    queue_exception(vcpu, backend, DB_VECTOR, Some(dr6 ^ DR6_ACTIVE_LOW))
 }
 
 /// Pushes the #BP frame for the kernel int3 at `at` and enters the guest's handler, as the

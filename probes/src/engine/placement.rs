@@ -31,17 +31,7 @@ pub(super) struct Placement {
 /// The one text symbol `name` names, with `offset` inside it: what can be checked of a
 /// `SYM+OFFS` probe point from the symbols alone (also before the guest boots).
 pub fn resolve_symbol<'s>(symbols: &'s SymbolTable, name: &str, offset: u64) -> Result<&'s Symbol, ProbeError> {
-    let matches: Vec<_> = symbols.lookup_all(name).filter(|s| s.is_text()).collect();
-    let symbol = match matches.as_slice() {
-        [] => return Err(ProbeError::UnknownSymbol(name.to_owned())),
-        [one] => *one,
-        many => {
-            return Err(ProbeError::AmbiguousSymbol {
-                name: name.to_owned(),
-                count: many.len(),
-            })
-        }
-    };
+    let symbol = unique_symbol(symbols, name, Symbol::is_text)?;
     let size = symbols.size_of(symbol).unwrap_or(0);
     if offset >= size.max(1) {
         return Err(ProbeError::OffsetBeyondFunction {
@@ -51,6 +41,23 @@ pub fn resolve_symbol<'s>(symbols: &'s SymbolTable, name: &str, offset: u64) -> 
         });
     }
     Ok(symbol)
+}
+
+/// The one symbol called `name` that `kind` accepts.
+pub(super) fn unique_symbol<'s>(
+    symbols: &'s SymbolTable,
+    name: &str,
+    kind: impl Fn(&Symbol) -> bool,
+) -> Result<&'s Symbol, ProbeError> {
+    let matches: Vec<_> = symbols.lookup_all(name).filter(|s| kind(s)).collect();
+    match matches.as_slice() {
+        [] => Err(ProbeError::UnknownSymbol(name.to_owned())),
+        [one] => Ok(*one),
+        many => Err(ProbeError::AmbiguousSymbol {
+            name: name.to_owned(),
+            count: many.len(),
+        }),
+    }
 }
 
 /// Puts the original bytes back into `code` (text read from `start`) wherever it holds an

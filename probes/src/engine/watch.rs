@@ -89,17 +89,8 @@ impl Tracer {
         let symbols = &self.view.symbols;
         let (address, what) = match &request.point {
             ProbePoint::Symbol { name, offset } => {
-                let matches: Vec<_> = symbols.lookup_all(name).collect();
-                let symbol = match matches.as_slice() {
-                    [] => return Err(ProbeError::UnknownSymbol(name.clone())),
-                    [one] => *one,
-                    many => {
-                        return Err(ProbeError::AmbiguousSymbol {
-                            name: name.clone(),
-                            count: many.len(),
-                        })
-                    }
-                };
+                // Data or text: a watch may be on either.
+                let symbol = super::placement::unique_symbol(symbols, name, |_| true)?;
                 let address = symbol.addr.0.checked_add(*offset).ok_or(ProbeError::Unprobeable {
                     what: format!("{name}+{offset:#x}"),
                     reason: "the address overflows".into(),
