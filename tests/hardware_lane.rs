@@ -382,7 +382,7 @@ fn registers_through_the_sync_area_on_kvm_amd() {
 #[test]
 fn hardware_breakpoints_on_kvm_amd() {
     suite_in_l1("debug_regs", "", 2, &[]);
-    suite_of_binary_in_l1(test_binary("probes"), "probes", "watch", 2, &[]);
+    suite_of_binary_in_l1(test_binary("probes"), "probes", "watch", 3, &[]);
 }
 
 /// The guest-kprobe oracle on 1 and 2 vCPUs and under KASLR, exit counts, return probes,

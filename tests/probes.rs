@@ -950,3 +950,51 @@ fn a_write_watch_reports_every_write_of_a_sysctl_variable_where_data_breakpoints
     }
     common::assert_guest_healthy(&run, &[]);
 }
+
+/// Four watches at once, one per debug register, each firing on its own function; a fifth
+/// is refused with the four named, and nothing of its file is armed.
+#[test]
+fn four_watches_fire_together_and_a_fifth_is_refused_naming_them() {
+    let dir = snapshot(1);
+    let four = "w:host/getppid __x64_sys_getppid:x\nw:host/pidns __task_pid_nr_ns:x\n\
+                w:host/vfsread vfs_read:x\nw:host/ksysread ksys_read:x\n";
+    let probes = probe_file("four-watches", four);
+    let workload = "hvprobe-loop 3; read -r l < /proc/version; echo READ";
+    let run = restore_with(&dir, 1, workload, &["--probes", probes.to_str().unwrap()]);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    for event in ["getppid", "pidns", "vfsread", "ksysread"] {
+        let line = run
+            .stderr
+            .lines()
+            .find(|l| l.contains("  w  ") && l.ends_with(&format!("event=host/{event}")))
+            .unwrap_or_else(|| panic!("no listing line of {event}\n{}", run.tail()));
+        let hits: u64 = line
+            .split(" hits=")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        assert!(hits >= 1, "{event} never fired: {line}");
+    }
+    let loop_hits = run
+        .stdout
+        .lines()
+        .filter_map(parse_trace_line)
+        .filter(|l| l.event == "getppid" && l.task.starts_with("hvprobe-loop-"))
+        .count();
+    assert_eq!(loop_hits, 3, "one getppid watch hit per call\n{}", run.tail());
+
+    let five = probe_file("five-watches", &format!("{four}w:host/fifth vfs_write:x\n"));
+    let run = restore_with(&dir, 1, "echo RAN", &["--probes", five.to_str().unwrap()]);
+    assert_ne!(run.code, Some(0), "{}", run.tail());
+    assert!(
+        run.stderr
+            .contains("all four debug registers are in use (by host/getppid at __x64_sys_getppid+0x0/1:x")
+            && run.stderr.contains("host/ksysread at ksys_read+0x0/1:x"),
+        "{}",
+        run.tail()
+    );
+    assert!(!run.console_has_line("RAN"), "nothing runs after a refused file");
+    let _ = std::fs::remove_file(probes);
+    let _ = std::fs::remove_file(five);
+}
