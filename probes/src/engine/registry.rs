@@ -564,7 +564,7 @@ impl Tracer {
                 location: watch.location.clone(),
                 site: address,
                 args: request.args.clone(),
-                emit_events: true,
+                emit_events: request.emit_events || !request.args.is_empty(),
                 pre: None,
                 post: None,
                 data_size: 0,

@@ -242,6 +242,9 @@ impl Tracer {
                 continue;
             };
             probe.counters.hits.fetch_add(1, COUNT);
+            if !probe.emit_events {
+                continue;
+            }
             let regs = match vcpu.regs() {
                 Ok(r) => r,
                 Err(e) => {

@@ -11,9 +11,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hvprobe_arch::debugreg::Access;
 use hvprobe_arch::Gva;
 use hvprobe_live::{build_tracer, code_blob_tracer, live_memory, load_symbols, ProbeHandler, SymbolsFrom};
-use hvprobe_probes::engine::{KprobeRequest, ProbePoint};
+use hvprobe_probes::engine::{KprobeRequest, ProbeKind, ProbePoint};
 use hvprobe_vmm::{BreakpointDisposition, CodeBlob, ConsoleOutput, DebugHandler, NoProbes, StopReason, Vm, VmOutcome};
 use kvm_ioctls::VcpuFd;
 
@@ -73,6 +74,8 @@ enum BlobVariant {
     Probe(u64),
     /// A probe jump-optimized (a sync detour).
     Optimized(u64),
+    /// An execution watch (a debug register) on the instruction at the offset.
+    Watch(u64),
 }
 
 fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Duration), Box<dyn std::error::Error>> {
@@ -84,14 +87,22 @@ fn run_blob(iterations: u32, variant: &BlobVariant) -> Result<(VmOutcome, Durati
     let handler: Arc<dyn DebugHandler> = match variant {
         BlobVariant::Baseline => Arc::new(NoProbes),
         BlobVariant::Floor(ioctls) => Arc::new(SkipInt3 { ioctls: *ioctls }),
-        BlobVariant::Probe(offset) | BlobVariant::Optimized(offset) => {
+        BlobVariant::Probe(offset) | BlobVariant::Optimized(offset) | BlobVariant::Watch(offset) => {
             let tracer = code_blob_tracer(&vm, LOOP_BLOB_LEN)?;
             tracer.set_optimization(matches!(variant, BlobVariant::Optimized(_)))?;
             let point = ProbePoint::Symbol {
                 name: "blob".into(),
                 offset: *offset,
             };
+            let kind = match variant {
+                BlobVariant::Watch(_) => ProbeKind::Watch {
+                    access: Access::Execute,
+                    len: 1,
+                },
+                _ => ProbeKind::Kprobe,
+            };
             let id = tracer.register(KprobeRequest {
+                kind,
                 emit_events: false,
                 ..KprobeRequest::event(point, "bench", "blob", Vec::new())
             })?;
@@ -417,6 +428,7 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
         BlobVariant::Optimized(PUSH_OFFSET),
         BlobVariant::Optimized(LOAD_OFFSET),
         BlobVariant::Floor(true),
+        BlobVariant::Watch(PUSH_OFFSET),
     ];
     // Per variant: (time per iteration, exits per iteration) of every run.
     let mut per_iteration: Vec<Vec<(f64, f64)>> = vec![Vec::new(); variants.len()];
@@ -440,6 +452,7 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     let optimized_push = over_baseline(4);
     let optimized_load = over_baseline(5);
     let ioctl_floor = over_baseline(6);
+    let watch = over_baseline(7);
     let mut base: Vec<f64> = per_iteration[0].iter().map(|p| p.0).collect();
     base.sort_by(f64::total_cmp);
     println!(
@@ -453,6 +466,7 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
         ("host probe, stepped (RIP-relative load)", stepped),
         ("optimized sync probe (push %rbp)", optimized_push),
         ("optimized sync probe (RIP-relative load)", optimized_load),
+        ("execution watch, debug register (push %rbp)", watch),
     ] {
         println!(
             "  {label:<42} {us:8.2} µs per hit   {exits:5.2} exits per hit   {:5.2}x the floor",
