@@ -381,7 +381,11 @@ impl Vm {
         let started = Instant::now();
         let mut threads = Vec::new();
         let sync_regs = crate::vcpu::exit_regs::supported(&self.kvm);
-        let sync_sregs = sync_regs && crate::vcpu::exit_regs::sregs_supported(&self.kvm);
+        // Only on kvm_pvm: on hardware KVM (the nested-SVM lane) Debian's stock kernel
+        // triple-faulted in 3 of 3 runs with the segment registers in the area, and passed
+        // without; not diagnosed.
+        let sync_sregs =
+            sync_regs && self.backend == crate::Backend::Pvm && crate::vcpu::exit_regs::sregs_supported(&self.kvm);
         for (cpu, vcpu) in std::mem::take(&mut self.vcpus).into_iter().enumerate() {
             let runner = VcpuRunner {
                 cpu,
