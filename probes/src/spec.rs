@@ -1112,7 +1112,7 @@ impl<'a> LineParser<'a> {
             at_function_entry: access == Access::Execute && matches!(target, Target::Symbol { offset: 0, .. }),
         };
         let group = group.unwrap_or_else(|| DEFAULT_GROUP.to_owned());
-        let event = event.unwrap_or_else(|| format!("w{}", &default_event_name(false, &target)[1..]));
+        let event = event.unwrap_or_else(|| event_name_of('w', &target));
         let args = self.parse_args(arg_texts, context)?;
         Ok(ProbeSpec::Watch {
             group,
@@ -1676,10 +1676,14 @@ impl FetchExpr {
 /// The name the kernel gives an event the spec does not name: `p_SYM_OFFS`, `r_0xADDR`.
 /// Empty for a wildcard: each function it matches gets its own (see [`Target::expand`]).
 pub fn default_event_name(is_return: bool, target: &Target) -> String {
+    event_name_of(if is_return { 'r' } else { 'p' }, target)
+}
+
+/// [`default_event_name`] for a probe of `kind` (`p`, `r`, or a watch's `w`).
+fn event_name_of(kind: char, target: &Target) -> String {
     if target.is_wildcard() {
         return String::new();
     }
-    let kind = if is_return { 'r' } else { 'p' };
     let mut name = match target {
         Target::Symbol { name, offset } => format!("{kind}_{name}_{offset}"),
         // The kernel prints a hashed %p here; the real address is more useful and stable.

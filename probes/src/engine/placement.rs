@@ -176,7 +176,7 @@ impl Tracer {
 
     /// The function's bytes as the guest's compiler left them: our own int3s would decode
     /// as one-byte instructions, so their original bytes are put back in the copy.
-    fn function_code(&self, func_start: Gva, func_size: u64, what: &str) -> Result<Vec<u8>, ProbeError> {
+    pub(super) fn function_code(&self, func_start: Gva, func_size: u64, what: &str) -> Result<Vec<u8>, ProbeError> {
         let mut code = vec![0u8; func_size as usize];
         self.machine
             .kernel()

@@ -122,15 +122,7 @@ impl Tracer {
                 return Err(ProbeError::Blacklisted { what, reason });
             }
             let start = Gva(address.0 - d.offset);
-            let mut code = vec![0u8; d.size.min(MAX_FUNCTION_BYTES) as usize];
-            self.machine
-                .kernel()
-                .read_virt(start, &mut code)
-                .map_err(|source| ProbeError::Memory {
-                    what: what.clone(),
-                    source,
-                })?;
-            super::placement::compiler_bytes(&self.read_registry(), start, &mut code);
+            let code = self.function_code(start, d.size.min(MAX_FUNCTION_BYTES), &what)?;
             let starts =
                 insn::instruction_starts_through(&code, start, address).map_err(|source| ProbeError::Decode {
                     what: what.clone(),

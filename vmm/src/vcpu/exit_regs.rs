@@ -49,20 +49,22 @@ pub fn enable(vcpu: &mut VcpuFd, sregs: bool) -> Result<(), Error> {
     Ok(())
 }
 
-fn on(vcpu: &mut VcpuFd) -> bool {
-    vcpu.get_kvm_run().kvm_valid_regs & u64::from(KVM_SYNC_X86_REGS) != 0
+/// Whether KVM copies the registers of `part` (`KVM_SYNC_X86_*`) out at every exit.
+fn valid(vcpu: &mut VcpuFd, part: u32) -> bool {
+    vcpu.get_kvm_run().kvm_valid_regs & u64::from(part) != 0
 }
 
-fn dirty(vcpu: &mut VcpuFd) -> bool {
-    vcpu.get_kvm_run().kvm_dirty_regs & u64::from(KVM_SYNC_X86_REGS) != 0
+/// Whether the area holds a write of `part` KVM has not taken yet.
+fn dirty(vcpu: &mut VcpuFd, part: u32) -> bool {
+    vcpu.get_kvm_run().kvm_dirty_regs & u64::from(part) != 0
+}
+
+fn on(vcpu: &mut VcpuFd) -> bool {
+    valid(vcpu, KVM_SYNC_X86_REGS)
 }
 
 fn sregs_on(vcpu: &mut VcpuFd) -> bool {
-    vcpu.get_kvm_run().kvm_valid_regs & u64::from(KVM_SYNC_X86_SREGS) != 0
-}
-
-fn sregs_dirty(vcpu: &mut VcpuFd) -> bool {
-    vcpu.get_kvm_run().kvm_dirty_regs & u64::from(KVM_SYNC_X86_SREGS) != 0
+    valid(vcpu, KVM_SYNC_X86_SREGS)
 }
 
 /// The segment and control registers the vCPU will run with.
@@ -89,7 +91,7 @@ pub fn write_sregs(vcpu: &mut VcpuFd, sregs: &kvm_sregs) -> Result<(), Error> {
 /// [`flush`] of the general registers only: what `KVM_SET_GUEST_DEBUG` reads (it notes
 /// the RIP and RFLAGS a step starts from), leaving a segment-register write to the entry.
 pub fn flush_regs(vcpu: &mut VcpuFd) -> Result<(), Error> {
-    if on(vcpu) && dirty(vcpu) {
+    if on(vcpu) && dirty(vcpu, KVM_SYNC_X86_REGS) {
         let regs = vcpu.sync_regs().regs;
         vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
         vcpu.clear_sync_dirty_reg(SyncReg::Register);
@@ -121,7 +123,7 @@ pub fn write(vcpu: &mut VcpuFd, regs: &kvm_regs) -> Result<(), Error> {
 /// ioctl read sees it.
 pub fn flush(vcpu: &mut VcpuFd) -> Result<(), Error> {
     flush_regs(vcpu)?;
-    if sregs_on(vcpu) && sregs_dirty(vcpu) {
+    if sregs_on(vcpu) && dirty(vcpu, KVM_SYNC_X86_SREGS) {
         let sregs = vcpu.sync_regs().sregs;
         vcpu.set_sregs(&sregs).map_err(kvm_err("KVM_SET_SREGS"))?;
         vcpu.clear_sync_dirty_reg(SyncReg::SystemRegister);

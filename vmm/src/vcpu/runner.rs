@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use hvprobe_arch::debugreg::{dr7_enables_any, Access};
+use hvprobe_arch::debugreg::{dr7_enables_any, Access, HARDWARE_BREAKPOINTS};
 use hvprobe_arch::{Gva, INT3};
 use kvm_bindings::{KVM_INTERNAL_ERROR_EMULATION, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
@@ -463,7 +463,7 @@ impl VcpuRunner {
             .hardware_breakpoints
             .fetch_add(1, Ordering::Relaxed);
         let loaded = handler::loaded_hardware_breakpoints();
-        let execute_here = (0..4)
+        let execute_here = (0..HARDWARE_BREAKPOINTS)
             .filter(|slot| fired & (1 << slot) != 0)
             .filter_map(|slot| loaded.get(slot))
             .any(|bp| bp.access() == Access::Execute && bp.address() == pc);
