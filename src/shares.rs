@@ -377,6 +377,10 @@ pub fn virtiofsd_args(share: &Share, socket: &Path, sandbox: &Sandbox) -> Vec<st
         "--cache=auto".into(),
         // Its info lines say nothing a report needs; warnings and errors are kept for one.
         "--log-level=warn".into(),
+        // One thread per queue answering in order (virtiofsd's default, said here for a
+        // packaged one): when it dies, the device knows which requests it left unanswered
+        // (`virtio::fs::orphan`).
+        "--thread-pool-size=0".into(),
     ];
     if share.read_only {
         args.push("--readonly".into());

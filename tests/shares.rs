@@ -85,7 +85,8 @@ impl Background {
         false
     }
 
-    /// Waits (at most `limit`) for hvprobe to end; its exit status and stderr.
+    /// Waits (at most `limit`) for hvprobe to end; its exit status, and its stderr after
+    /// the console lines not waited for.
     fn finish(mut self, limit: Duration) -> (Option<std::process::ExitStatus>, String) {
         let deadline = Instant::now() + limit;
         let status = loop {
@@ -99,7 +100,16 @@ impl Background {
             }
             std::thread::sleep(Duration::from_millis(100));
         };
-        (status, self.stderr.join().unwrap())
+        let mut output = String::new();
+        let until = Instant::now() + Duration::from_secs(5);
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) => output.push_str(&format!("{line}\n")),
+                Err(_) => break,
+            }
+        }
+        output.push_str(&self.stderr.join().unwrap());
+        (status, output)
     }
 }
 
@@ -194,17 +204,19 @@ fn a_rootfs_runs_the_workload_and_the_hosts_files_never_change() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A virtiofsd killed while the guest uses its share ends the run: hvprobe names the
-/// daemon, its exit and its last messages, exits with a failure, and leaves no process.
+/// A virtiofsd killed while the guest uses its share: the guest's reads of it fail with
+/// EIO, the workload goes on to its end, and hvprobe names the daemon, its exit and its
+/// last messages, exits with a failure, and leaves no process.
 #[test]
-fn a_virtiofsd_killed_mid_run_ends_the_run_with_its_name() {
+fn a_virtiofsd_killed_mid_run_fails_the_guests_requests_with_eio_and_the_run_with_its_name() {
     require_kvm();
     let dir = scratch("kill");
     std::fs::write(dir.join("f"), "x\n").unwrap();
     let run = run_in_background(
         &format!("/data={}", dir.display()),
         "cat /data/f >/dev/null && echo MOUNTED; \
-         while cat /data/f >/dev/null; do sleep 1; done; echo READ-FAILED; sleep 600",
+         while cat /data/f >/dev/null; do sleep 1; done; \
+         echo \"READ-FAILED: $(cat /data/f 2>&1)\"; echo WROTE >/data/g || echo WRITE-FAILED",
     );
     let mounted = run.wait_for("MOUNTED");
     let pids = virtiofsd_pids(&dir);
@@ -223,6 +235,20 @@ fn a_virtiofsd_killed_mid_run_ends_the_run_with_its_name() {
         "it took {:?}",
         started.elapsed()
     );
+    // The guest saw I/O errors and its workload ended on its own (not stopped by the host).
+    assert!(
+        stderr.contains("READ-FAILED: cat: can't open '/data/f': Input/output error"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("can't create /data/g: Input/output error\nWRITE-FAILED"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("guest exited with status 0"), "{stderr}");
+    assert!(
+        !dir.join("g").exists(),
+        "a write after the daemon died reached the host"
+    );
     assert_eq!(status.code(), Some(1), "{stderr}");
     // Named as the user gave it, with its tag and the PID a user would look for.
     let died = format!(
@@ -233,6 +259,10 @@ fn a_virtiofsd_killed_mid_run_ends_the_run_with_its_name() {
         stderr
             .lines()
             .any(|l| l.starts_with("hvprobe: error: virtiofsd ") && l.contains(&died)),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("the guest's requests to its share fail with EIO from now on"),
         "{stderr}"
     );
     assert!(stderr.contains("its last messages:"), "{stderr}");

@@ -116,11 +116,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             if control.stop_reason().is_some() {
                 return false;
             }
+            // Its device answers the guest's requests with EIO from now on (the guest's
+            // file operations on the share fail, its workload goes on); the run fails.
             eprintln!(
-                "hvprobe: virtiofsd for {} {}: stopping the guest (its requests would never be answered)",
+                "hvprobe: virtiofsd for {} {}: the guest's requests to its share fail with EIO from now on",
                 died.share, died.status
             );
-            control.stop(StopReason::Stopped);
             true
         }));
     }

@@ -139,6 +139,7 @@ fn virtiofsd_gets_its_socket_the_directory_and_read_only_for_the_root() {
             "--sandbox=namespace",
             "--cache=auto",
             "--log-level=warn",
+            "--thread-pool-size=0",
             "--readonly"
         ]
     );

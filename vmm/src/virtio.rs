@@ -14,13 +14,14 @@ pub mod block;
 pub mod fs;
 pub mod mmio;
 
+use std::num::Wrapping;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, VmFd};
 use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING, VIRTIO_MMIO_QUEUE_NOTIFY};
-use virtio_queue::{Queue, QueueState};
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use virtio_queue::{DescriptorChain, Queue, QueueState, QueueT};
+use vm_memory::{GuestAddress, GuestMemory, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::layout::{OOL_AREA_SIZE, OOL_AREA_START, VIRTIO_MMIO_START, VIRTIO_MMIO_WINDOW};
@@ -149,6 +150,12 @@ pub enum ActivateError {
     },
     #[error("queue {queue}'s rings are not in guest RAM")]
     RingOutsideMemory { queue: usize },
+    #[error("queue {queue}: {source}")]
+    Queue {
+        queue: usize,
+        #[source]
+        source: virtio_queue::Error,
+    },
 }
 
 /// A device's interrupt: the transport's InterruptStatus bits and the irqfd that raises
@@ -390,6 +397,43 @@ impl Drop for MmioDevices {
     fn drop(&mut self) {
         for (_, transport) in &self.devices {
             transport.lock().unwrap_or_else(|e| e.into_inner()).shut_down();
+        }
+    }
+}
+
+/// Serves every request available in `queue` with `handle`, which answers one chain and
+/// returns the bytes it wrote into the chain's buffers (with notifications off meanwhile,
+/// and until none comes in as they are turned back on); says whether it used any.
+pub fn serve_available<M: GuestMemory>(
+    mem: &M,
+    queue: &mut Queue,
+    mut handle: impl FnMut(DescriptorChain<&M>) -> u32,
+) -> Result<bool, virtio_queue::Error> {
+    let mut used_any = false;
+    loop {
+        queue.disable_notification(mem)?;
+        // Pop exactly what the available index announces. pop_descriptor_chain() returns
+        // None quietly on a ring it cannot read (an index more than a ring ahead, a ring
+        // at 0, an entry outside RAM), while enable_notification() keeps saying there is
+        // more: a host thread spinning for the guest. Either is the queue broken.
+        loop {
+            let pending = queue.avail_idx(mem, Ordering::Acquire)? - Wrapping(queue.next_avail());
+            if pending.0 > queue.size() {
+                return Err(virtio_queue::Error::InvalidAvailRingIndex);
+            }
+            if pending.0 == 0 {
+                break;
+            }
+            let chain = queue
+                .pop_descriptor_chain(mem)
+                .ok_or(virtio_queue::Error::QueueNotReady)?;
+            let head = chain.head_index();
+            let written = handle(chain);
+            queue.add_used(mem, head, written)?;
+            used_any = true;
+        }
+        if !queue.enable_notification(mem)? {
+            return Ok(used_any);
         }
     }
 }

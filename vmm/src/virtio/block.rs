@@ -11,7 +11,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
-use std::num::Wrapping;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
@@ -607,36 +606,10 @@ impl RequestServer {
     }
 }
 
-/// Serves every request available in `queue` (with notifications off meanwhile, and
-/// until none comes in as they are turned back on); says whether it used any.
+/// Serves every request available in `queue` from `image` (see [`super::serve_available`]);
+/// says whether it used any.
 pub fn serve_queue<M: GuestMemory>(image: &DiskImage, mem: &M, queue: &mut Queue) -> Result<bool, virtio_queue::Error> {
-    let mut used_any = false;
-    loop {
-        queue.disable_notification(mem)?;
-        // Pop exactly what the available index announces. pop_descriptor_chain() returns
-        // None quietly on a ring it cannot read (an index more than a ring ahead, a ring
-        // at 0, an entry outside RAM), while enable_notification() keeps saying there is
-        // more: a host thread spinning for the guest. Either is the queue broken.
-        loop {
-            let pending = queue.avail_idx(mem, std::sync::atomic::Ordering::Acquire)? - Wrapping(queue.next_avail());
-            if pending.0 > queue.size() {
-                return Err(virtio_queue::Error::InvalidAvailRingIndex);
-            }
-            if pending.0 == 0 {
-                break;
-            }
-            let chain = queue
-                .pop_descriptor_chain(mem)
-                .ok_or(virtio_queue::Error::QueueNotReady)?;
-            let head = chain.head_index();
-            let written = handle_request(image, mem, chain);
-            queue.add_used(mem, head, written)?;
-            used_any = true;
-        }
-        if !queue.enable_notification(mem)? {
-            return Ok(used_any);
-        }
-    }
+    super::serve_available(mem, queue, |chain| handle_request(image, mem, chain))
 }
 
 /// What a request asks, checked against the image.

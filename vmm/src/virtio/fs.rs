@@ -15,9 +15,10 @@
 //! the queues' used buffers only when the VRING bit is set (Linux's `vm_interrupt`), so
 //! the backend's call eventfd cannot be the irqfd itself: a relay thread waits on the call
 //! eventfds, sets the bit on the device's [`Interrupt`] and raises the line. It also
-//! watches the socket: when the backend goes away the device asks the driver for a reset
-//! (DEVICE_NEEDS_RESET and a config interrupt), and every later request to the backend
-//! fails at once on the closed socket instead of waiting.
+//! watches the socket: when the backend goes away the relay takes the queues over and
+//! answers every request in them, those the backend left unanswered and every later one,
+//! with EIO ([`orphan`]): the guest's operations on the share fail instead of waiting for
+//! ever, and every later request to the backend fails at once on the closed socket.
 //!
 //! A backend that stops answering cannot hold a vCPU thread (activation and reset run on
 //! one): every exchange with it has a deadline, past which its connection is closed.
@@ -34,12 +35,14 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_FS;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
-use virtio_queue::QueueT;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{ActivateError, Activation, Interrupt, VirtioDevice};
+
+pub mod orphan;
 
 /// The tag field of the config space: UTF-8, NUL-padded, not NUL-terminated when full.
 pub const TAG_LEN: usize = 36;
@@ -275,6 +278,21 @@ impl Fs {
             .call(|f| f.set_mem_table(&regions))
             .map_err(failed("SET_MEM_TABLE"))?;
         let mut calls = Vec::new();
+        // What the relay needs to answer the queues itself should the backend go.
+        let mut kicks = Vec::new();
+        for kick in &notify {
+            kicks.push(kick.try_clone().map_err(ActivateError::EventFd)?);
+        }
+        let copies = queues
+            .iter()
+            .enumerate()
+            .map(|(queue, q)| Queue::try_from(q.state()).map_err(|source| ActivateError::Queue { queue, source }))
+            .collect::<Result<Vec<_>, _>>()?;
+        let orphan = OrphanKit {
+            mem: mem.clone(),
+            queues: copies,
+            kicks,
+        };
         for (index, (queue, kick)) in queues.iter().zip(&notify).enumerate() {
             let host = |gpa: u64| {
                 mem.get_host_address(GuestAddress(gpa))
@@ -329,7 +347,7 @@ impl Fs {
         let tag = self.tag.clone();
         let thread = std::thread::Builder::new()
             .name(format!("virtio-fs-{}", self.tag))
-            .spawn(move || relay(&tag, &calls, &socket, &stop_relay, &interrupt))
+            .spawn(move || relay(&tag, &calls, &socket, &stop_relay, &interrupt, orphan))
             .map_err(ActivateError::Thread)?;
         self.relay = Some(Relay { stop, thread });
         Ok(())
@@ -404,10 +422,20 @@ impl VirtioDevice for Fs {
 
 const SOCKET: u64 = u64::MAX - 1;
 const STOP: u64 = u64::MAX;
+/// A queue's kick, once the relay answers the queues itself: `KICK | index`.
+const KICK: u64 = 1 << 32;
 
-/// Relays the backend's used-buffer notifications to the driver until `stop`, and asks
-/// the driver for a reset when the backend's socket closes.
-fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interrupt: &Interrupt) {
+/// What the relay takes over when the backend goes: guest RAM, the queues as the driver
+/// set them up, and their kicks.
+struct OrphanKit {
+    mem: vm_memory::GuestMemoryMmap,
+    queues: Vec<Queue>,
+    kicks: Vec<EventFd>,
+}
+
+/// Relays the backend's used-buffer notifications to the driver until `stop`; when the
+/// backend's socket closes, answers the queues' requests itself ([`orphan`]).
+fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interrupt: &Interrupt, kit: OrphanKit) {
     let epoll = match Epoll::new() {
         Ok(e) => e,
         Err(e) => {
@@ -415,6 +443,14 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
             interrupt.signal_needs_reset();
             return;
         }
+    };
+    let watch = |fd: i32, events: EventSet, data: u64| {
+        epoll
+            .ctl(ControlOperation::Add, fd, EpollEvent::new(events, data))
+            .map_err(|e| {
+                tracing::error!("virtio-fs {tag}: epoll_ctl: {e}; the device needs a reset");
+                interrupt.signal_needs_reset();
+            })
     };
     let mut watched = vec![
         (stop.as_raw_fd(), EventSet::IN, STOP),
@@ -425,13 +461,15 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
         watched.push((call.as_raw_fd(), EventSet::IN, index as u64));
     }
     for (fd, events, data) in watched {
-        if let Err(e) = epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(events, data)) {
-            tracing::error!("virtio-fs {tag}: epoll_ctl: {e}; the device needs a reset");
-            interrupt.signal_needs_reset();
+        if watch(fd, events, data).is_err() {
             return;
         }
     }
-    let mut events = vec![EpollEvent::default(); calls.len() + 2];
+    let OrphanKit { mem, queues, kicks } = kit;
+    let mut kit = Some((mem, queues));
+    let mut orphaned: Option<orphan::Orphaned> = None;
+    let mut broken = vec![false; kicks.len()];
+    let mut events = vec![EpollEvent::default(); calls.len() + kicks.len() + 2];
     loop {
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
@@ -442,21 +480,56 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
                 return;
             }
         };
+        let mut to_serve = Vec::new();
         for event in &events[..n] {
             match event.data() {
                 STOP => return,
                 SOCKET => {
                     tracing::warn!(
-                        "virtio-fs {tag}: the vhost-user backend closed its socket; the device needs a reset"
+                        "virtio-fs {tag}: the vhost-user backend closed its socket; the guest's requests to it are answered with EIO from now on"
                     );
-                    interrupt.signal_needs_reset();
                     let _ = epoll.ctl(ControlOperation::Delete, socket.as_raw_fd(), EpollEvent::default());
+                    if let Some((mem, queues)) = kit.take() {
+                        let taken = orphan::Orphaned::take_over(mem, queues);
+                        for (index, kick) in kicks.iter().enumerate() {
+                            if watch(kick.as_raw_fd(), EventSet::IN, KICK | index as u64).is_err() {
+                                return;
+                            }
+                        }
+                        // What the backend left unanswered, at once: no kick may come for it.
+                        to_serve.extend(0..taken.queue_count());
+                        orphaned = Some(taken);
+                    }
+                }
+                data if data & KICK != 0 => {
+                    let index = (data & !KICK) as usize;
+                    if let Some(kick) = kicks.get(index) {
+                        let _ = kick.read();
+                        to_serve.push(index);
+                    }
                 }
                 index => {
                     if let Some(call) = calls.get(index as usize) {
                         let _ = call.read();
                         interrupt.signal_used_queue();
                     }
+                }
+            }
+        }
+        let Some(queues) = orphaned.as_mut() else { continue };
+        for index in to_serve {
+            if broken.get(index).copied().unwrap_or(true) {
+                continue;
+            }
+            match queues.serve(index) {
+                Ok(true) => interrupt.signal_used_queue(),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(
+                        "virtio-fs {tag}: the driver's queue {index} is broken ({e}); the device needs a reset"
+                    );
+                    broken[index] = true;
+                    interrupt.signal_needs_reset();
                 }
             }
         }

@@ -5,8 +5,9 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING};
+use virtio_bindings::virtio_mmio::VIRTIO_MMIO_INT_VRING;
 use virtio_queue::Queue;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::*;
@@ -286,24 +287,119 @@ fn the_device_hands_its_queues_to_the_backend_relays_its_interrupts_and_stops_th
     assert_eq!(protocol, PROTOCOL_FEATURES.bits());
 }
 
+/// Puts a FUSE request of `opcode` with `unique` in queue `index` (as laid out by
+/// [`activation`]) at avail position `position`, using descriptors from `first`: a
+/// 40-byte `fuse_in_header`, then, when `reply` is set, a 16-byte reply header and 64
+/// bytes for the reply's body, device-writable. Returns the reply header's address.
+fn put_request(
+    mem: &GuestMemoryMmap,
+    index: u64,
+    position: u16,
+    first: u16,
+    opcode: u32,
+    unique: u64,
+    reply: bool,
+) -> u64 {
+    use vm_memory::Bytes;
+    let base = 0x10_0000 + index * 0x1_0000;
+    let buffers = 0x30_0000 + index * 0x1_0000 + u64::from(first) * 0x100;
+    let mut header = [0u8; 40];
+    header[..4].copy_from_slice(&40u32.to_le_bytes());
+    header[4..8].copy_from_slice(&opcode.to_le_bytes());
+    header[8..16].copy_from_slice(&unique.to_le_bytes());
+    mem.write_slice(&header, GuestAddress(buffers)).unwrap();
+    // Reply buffers full of a pattern the answer must overwrite where it writes.
+    mem.write_slice(&[0xaa; 80], GuestAddress(buffers + 0x40)).unwrap();
+    let descriptor = |at: u16, addr: u64, len: u32, flags: u16, next: u16| {
+        let mut d = [0u8; 16];
+        d[..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[12..14].copy_from_slice(&flags.to_le_bytes());
+        d[14..].copy_from_slice(&next.to_le_bytes());
+        mem.write_slice(&d, GuestAddress(base + u64::from(at) * 16)).unwrap();
+    };
+    const NEXT: u16 = 1;
+    const WRITE: u16 = 2;
+    if reply {
+        descriptor(first, buffers, 40, NEXT, first + 1);
+        descriptor(first + 1, buffers + 0x40, 16, NEXT | WRITE, first + 2);
+        descriptor(first + 2, buffers + 0x50, 64, WRITE, 0);
+    } else {
+        descriptor(first, buffers, 40, 0, 0);
+    }
+    let avail = base + 0x1000;
+    mem.write_obj(first, GuestAddress(avail + 4 + 2 * u64::from(position % 16)))
+        .unwrap();
+    mem.write_obj(position.wrapping_add(1), GuestAddress(avail + 2))
+        .unwrap();
+    buffers + 0x40
+}
+
+/// Queue `index`'s used index and its entry at `position` (head, length).
+fn used(mem: &GuestMemoryMmap, index: u64, position: u16) -> (u16, (u32, u32)) {
+    use vm_memory::Bytes;
+    let ring = 0x10_0000 + index * 0x1_0000 + 0x2000;
+    let idx: u16 = mem.read_obj(GuestAddress(ring + 2)).unwrap();
+    let at = ring + 4 + 8 * u64::from(position % 16);
+    (
+        idx,
+        (
+            mem.read_obj(GuestAddress(at)).unwrap(),
+            mem.read_obj(GuestAddress(at + 4)).unwrap(),
+        ),
+    )
+}
+
 #[test]
-fn a_backend_that_hangs_up_breaks_the_device_and_its_reset_does_not_wait() {
+fn a_backend_that_hangs_up_leaves_its_requests_answered_with_eio_and_a_reset_that_does_not_wait() {
+    use vm_memory::Bytes;
     // The connection closes when the first ring's CALL eventfd is given: activation fails.
     let backend = fake_backend(Behaviour::HangUpAt(11));
     let mut fs = Fs::connect(&config(&backend)).unwrap();
     let (interrupt, _line) = interrupt();
     let (first, _notify) = activation(&interrupt);
     assert!(matches!(fs.activate(first), Err(ActivateError::VhostUser { .. })));
-    // Five requests connect, fourteen activate; then the backend goes away.
+    // Five requests connect, fourteen activate; then the backend goes away with a
+    // request taken and unanswered (a LOOKUP) and a FORGET on the high-priority queue.
     let backend = fake_backend(Behaviour::HangUpAfter(19));
     let mut fs = Fs::connect(&config(&backend)).unwrap();
-    let (activation, _notify) = activation(&interrupt);
+    let (activation, notify) = activation(&interrupt);
+    let mem = activation.mem.clone();
+    let lookup = put_request(&mem, 1, 0, 0, 1, 0x1111_2222_3333_4444, true);
+    put_request(&mem, 0, 0, 0, 2, 7, false);
     fs.activate(activation).unwrap();
+    let reply = |at: u64| {
+        let mut h = [0u8; 20];
+        mem.read_slice(&mut h, GuestAddress(at)).unwrap();
+        h
+    };
     assert!(
-        eventually(|| interrupt.needs_reset()),
-        "the device did not ask for a reset"
+        eventually(|| used(&mem, 1, 0).0 == 1),
+        "the pending request was not answered"
     );
-    assert_ne!(interrupt.status() & VIRTIO_MMIO_INT_CONFIG, 0);
+    // FUSE's reply header: length 16, error -EIO, the request's unique id; nothing past it.
+    let mut want = [0u8; 20];
+    want[..4].copy_from_slice(&16u32.to_le_bytes());
+    want[4..8].copy_from_slice(&(-5i32).to_le_bytes());
+    want[8..16].copy_from_slice(&0x1111_2222_3333_4444u64.to_le_bytes());
+    want[16..].copy_from_slice(&[0xaa; 4]);
+    assert_eq!(reply(lookup), want);
+    assert_eq!(used(&mem, 1, 0).1, (0, 16));
+    // The FORGET is returned with no reply written, as a backend does.
+    assert!(eventually(|| used(&mem, 0, 0).0 == 1));
+    assert_eq!(used(&mem, 0, 0).1, (0, 0));
+    assert_ne!(interrupt.status() & VIRTIO_MMIO_INT_VRING, 0);
+    // A request after the backend went, with its kick: answered the same way.
+    let read = put_request(&mem, 1, 1, 3, 15, 99, true);
+    notify[1].write(1).unwrap();
+    assert!(eventually(|| used(&mem, 1, 1).0 == 2), "a new request was not answered");
+    assert_eq!(used(&mem, 1, 1).1, (3, 16));
+    assert_eq!(
+        reply(read)[4..16],
+        [&(-5i32).to_le_bytes()[..], &99u64.to_le_bytes()].concat()
+    );
+    // Answering is not being broken: the driver is not asked for a reset.
+    assert!(!interrupt.needs_reset());
     let started = Instant::now();
     fs.reset();
     assert!(
