@@ -5,7 +5,8 @@ set -euo pipefail
 PACKAGES=(linux-source-6.1 busybox-static gcc musl-tools make flex bison bc perl patch xz-utils lz4 cpio
           util-linux libelf-dev libssl-dev libc6-dev dwarves binutils
           e2fsprogs debootstrap   # mkfs.ext4 -d, debugfs, debootstrap: the disk tests' images
-          libcap-ng-dev libseccomp-dev pkg-config)  # virtiofsd's build (guest/build-virtiofsd.sh)
+          libcap-ng-dev libseccomp-dev pkg-config   # virtiofsd's build (guest/build-virtiofsd.sh)
+          acpica-tools)  # iasl: the VMM's ACPI tables checked by ACPICA's disassembler
 SUDO=
 [ "$(id -u)" = 0 ] || SUDO=sudo
 missing=()

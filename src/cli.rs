@@ -126,6 +126,18 @@ pub struct MachineArgs {
     /// spaces, commas, colons or quotes (it goes on the kernel command line).
     #[arg(long = "rwdir", value_name = "[GUESTPATH=]HOSTDIR", value_parser = parse_rwdir)]
     pub rwdirs: Vec<RwDirArg>,
+    /// The --kernel's module tree, for the drivers --disk, --rootfs and --rwdir need when
+    /// that kernel has them as modules [default: /lib/modules/RELEASE, RELEASE named by
+    /// the --kernel image, when it exists].
+    ///
+    /// A directory as `make modules_install` or a distribution's package leaves it
+    /// (modules.dep, modules.builtin and the modules): /lib/modules/RELEASE, or
+    /// INSTALL_MOD_PATH/lib/modules/RELEASE of a build. hvprobe puts the drivers that are
+    /// modules (virtio_mmio, virtio_blk, virtiofs, overlay and what they depend on) into
+    /// the initrd, and the bundled init loads them first; a driver the kernel has neither
+    /// built in nor as a module is an error before the boot. The bundled kernel needs none.
+    #[arg(long, value_name = "DIR", requires = "kernel")]
+    pub modules: Option<PathBuf>,
     /// The virtiofsd that serves --rootfs and --rwdir [default: $HVPROBE_VIRTIOFSD, else
     /// /usr/libexec/virtiofsd or /usr/lib/qemu/virtiofsd, else one built once into
     /// hvprobe's cache (guest/build-virtiofsd.sh, from crates.io)].
@@ -191,6 +203,7 @@ impl MachineArgs {
             root: None,
             rootfs: None,
             rwdirs: Vec::new(),
+            modules: None,
             virtiofsd: None,
         }
     }

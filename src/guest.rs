@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use crate::cpio::{append_archive, CpioWriter};
 
 pub mod inputs;
+pub mod modules;
 pub mod progress;
 
 /// Options the VMM's own devices need on every kernel command line.
@@ -110,6 +111,14 @@ pub enum GuestError {
     Disk(#[from] hvprobe_vmm::DiskError),
     #[error(transparent)]
     Share(#[from] crate::shares::ShareError),
+    #[error(transparent)]
+    Modules(#[from] modules::ModulesError),
+    #[error("cannot read the kernel {path}: {source}")]
+    Kernel {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// The files of a built bundled guest.
@@ -216,13 +225,18 @@ impl BundledGuest {
     }
 }
 
-/// An initrd: `base` (a file) with, when there is a workload, an archive appended that
-/// holds it as a shell script for the bundled init to run.
-pub fn initrd_with_workload(base: &Path, workload: Option<&str>) -> Result<Vec<u8>, GuestError> {
+/// An initrd: `files`' with the archive of kernel modules its devices need appended (see
+/// [`modules`]), and, when there is a workload, an archive that holds it as a shell
+/// script for the bundled init to run.
+pub fn initrd_with_workload(files: &MachineFiles, workload: Option<&str>) -> Result<Vec<u8>, GuestError> {
+    let base = &files.initrd;
     let mut initrd = std::fs::read(base).map_err(|source| GuestError::Read {
-        path: base.into(),
+        path: base.clone(),
         source,
     })?;
+    if let Some(archive) = &files.modules {
+        append_archive(&mut initrd, archive);
+    }
     if let Some(command) = workload {
         let mut archive = CpioWriter::new();
         archive.dir("hvprobe");
@@ -231,6 +245,46 @@ pub fn initrd_with_workload(base: &Path, workload: Option<&str>) -> Result<Vec<u
         append_archive(&mut initrd, &archive.finish());
     }
     Ok(initrd)
+}
+
+/// The archive of the modules `kernel` needs for `needs`, from `tree` or, by default,
+/// `/lib/modules/RELEASE` of the release the image names; `None` when nothing is needed or
+/// there is no tree to take them from (said: the drivers must then be built in).
+fn modules_for(kernel: &Path, tree: Option<&Path>, needs: modules::Needs) -> Result<Option<Vec<u8>>, GuestError> {
+    if needs == modules::Needs::default() {
+        return Ok(None);
+    }
+    let dir = match tree {
+        Some(dir) => dir.to_path_buf(),
+        None => {
+            let image = std::fs::read(kernel).map_err(|source| GuestError::Kernel {
+                path: kernel.into(),
+                source,
+            })?;
+            let release = modules::kernel_release(&image);
+            match release
+                .map(|r| Path::new("/lib/modules").join(r))
+                .filter(|d| d.is_dir())
+            {
+                Some(dir) => dir,
+                None => {
+                    tracing::warn!(
+                        "no module tree for --kernel {} (give --modules DIR): its drivers for the devices must be built in",
+                        kernel.display()
+                    );
+                    return Ok(None);
+                }
+            }
+        }
+    };
+    let tree = modules::ModuleTree::open(&dir)?;
+    let order = tree.resolve(needs)?;
+    if order.is_empty() {
+        return Ok(None);
+    }
+    let names: Vec<&str> = order.iter().map(|(name, _)| name.as_str()).collect();
+    tracing::info!("modules for the devices, from {}: {}", dir.display(), names.join(" "));
+    Ok(Some(tree.archive(&order)?))
 }
 
 /// The files a machine boots from: the user's `--kernel`/`--initrd`, or the bundled
@@ -245,6 +299,8 @@ pub struct MachineFiles {
     pub shares: Vec<crate::shares::Share>,
     /// The virtiofsd that serves them and its sandbox, when there are any.
     pub virtiofsd: Option<(PathBuf, crate::shares::Sandbox)>,
+    /// The archive of the kernel modules the devices need, for the initrd.
+    pub modules: Option<Vec<u8>>,
     bundled: Option<BundledGuest>,
     bundled_boots: bool,
 }
@@ -302,12 +358,24 @@ impl MachineFiles {
             cmdline = format!("{cmdline} {}", share.cmdline_option());
         }
         let bundled_boots = bundled_kernel.is_some();
+        let needs = modules::Needs {
+            disks: !machine.disks.is_empty(),
+            shares: !shares.is_empty(),
+            shared_root: machine.rootfs.is_some(),
+            disk_root: machine.root.is_some(),
+        };
+        let modules = match bundled_boots {
+            // Its drivers are built in.
+            true => None,
+            false => modules_for(&kernel, machine.modules.as_deref(), needs)?,
+        };
         Ok(MachineFiles {
             kernel,
             initrd,
             cmdline,
             shares,
             virtiofsd,
+            modules,
             bundled,
             bundled_boots,
         })

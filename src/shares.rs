@@ -385,6 +385,13 @@ pub fn virtiofsd_args(share: &Share, socket: &Path, sandbox: &Sandbox) -> Vec<st
     if share.read_only {
         args.push("--readonly".into());
     }
+    if share.tag == ROOTFS_TAG {
+        // The root goes under an overlay, which refuses a lower layer's submount (an
+        // automount point to the guest: EREMOTE, "Object is remote"); unannounced, a host
+        // mount point (/proc, /home, ...) is a directory of the share like any other, its
+        // content the mounted filesystem's. (--rwdir shares keep them: no overlay there.)
+        args.push("--no-announce-submounts".into());
+    }
     args
 }
 

@@ -587,6 +587,61 @@ fn btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out: &str, run: 
     }
 }
 
+/// Debian's stock kernel with hvprobe's devices. Its virtio drivers, fuse, virtiofs and
+/// overlay are modules, which `--modules` (the kernel's own tree) puts in the initrd for
+/// the bundled init to load; built without `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`, it finds
+/// the devices in the ACPI tables. The L1's root as `/` (--rootfs), a directory the guest
+/// writes (--rwdir), an ext4 disk read and written, and our probe on `do_sys_openat2`
+/// seeing the disk's file opened.
+#[test]
+fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
+    let workload = "cat /etc/debian_version; mkdir -p /mnt; mount /dev/vda /mnt && cat /mnt/hello && \
+                    echo from-the-guest > /mnt/new && umount /mnt; echo through-rwdir > /out/r; \
+                    echo \"UNAME $(uname -r)\"; grep -c LNRO0005 /proc/iomem || true";
+    let command = format!(
+        "d=$(mktemp -d) && mkdir $d/img $d/out && echo on-the-disk > $d/img/hello && \
+         truncate -s 32M $d/disk.img && mkfs.ext4 -q -d $d/img $d/disk.img && \
+         printf 'p:stock/open do_sys_openat2 path=+0(%%si):ustring\\n' > $d/probes || exit 1; \
+         hvprobe run --kernel \"$HVPROBE_L1_KERNEL\" --modules \"$HVPROBE_L1_MODULES\" --symbols kallsyms \
+           --probes $d/probes --rootfs / --rwdir /out=$d/out --disk $d/disk.img --workload '{workload}' 2>&1; \
+         echo \"RC=$?\"; echo \"RWDIR $(cat $d/out/r)\"; echo \"DISK $(debugfs -R 'cat /new' $d/disk.img 2>/dev/null)\""
+    );
+    let run = in_l1(&command, &[]);
+    let out = &run.stdout;
+    assert!(out.contains("RC=0"), "{}", tail(&run));
+    assert!(out.contains("KVM backend: hardware KVM"), "{}", tail(&run));
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("UNAME ") && l.trim_end().ends_with("-cloud-amd64")),
+        "not Debian's cloud kernel\n{}",
+        tail(&run)
+    );
+    // The drivers came from the kernel's own tree.
+    assert!(
+        out.contains("modules for the devices, from ") && out.contains("virtio_mmio virtio_blk fuse virtiofs overlay"),
+        "{}",
+        tail(&run)
+    );
+    assert!(!out.contains("cannot load module"), "{}", tail(&run));
+    // --rootfs: the L1's own files; the disk read and, after the run, written; --rwdir.
+    assert!(out.lines().any(|l| l.trim_end() == "on-the-disk"), "{}", tail(&run));
+    assert!(out.contains("RWDIR through-rwdir"), "{}", tail(&run));
+    assert!(out.contains("DISK from-the-guest"), "{}", tail(&run));
+    // Our probe saw the disk's file opened.
+    assert!(
+        out.lines()
+            .any(|l| l.contains(" open: (") && l.contains("path=\"/mnt/hello\"")),
+        "no hit opening /mnt/hello\n{}",
+        tail(&run)
+    );
+    if let Some(line) = out
+        .lines()
+        .find(|l| l.contains("WARNING: CPU:") || l.contains("BUG:") || l.contains("Oops"))
+    {
+        panic!("the stock kernel warned: {line}\n{}", tail(&run));
+    }
+}
+
 #[test]
 fn a_stock_debian_kernel_is_traced_with_symbols_from_its_memory() {
     const CALLS: usize = 30;

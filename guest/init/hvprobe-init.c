@@ -56,7 +56,10 @@
 #include <sys/mount.h>
 #include <sys/reboot.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 #include <termios.h>
 #include <unistd.h>
 
@@ -348,6 +351,115 @@ static int receive_workload(void)
 	return 0;
 }
 
+/* ---- modules (/lib/modules/hvprobe: the VMM's drivers for its devices) ---- */
+
+#define MODULES_DIR "/lib/modules/hvprobe/"
+#define MODULES_LIST MODULES_DIR "load"
+#define MODULE_INIT_COMPRESSED_FILE 4
+/* the DSDT's first virtio-mmio device, when the kernel reads ACPI */
+#define ACPI_VIRTIO_MMIO "/sys/bus/acpi/devices/LNRO0005:00"
+
+static char *append(char *buf, size_t size, ...);
+
+/* set when modules were loaded: their devices may take a moment to appear */
+static int modules_loaded;
+
+/*
+ * The `NAME.param=value` words of the kernel command line for module `name`
+ * ('-' and '_' alike), as `param=value` words in `out`, as modprobe passes
+ * them.  virtio_mmio's `device=` words are left out when ACPI describes the
+ * devices: both would register each window, the second failing.
+ */
+static void module_params(const char *name, char *out, size_t size)
+{
+	const char *p = cmdline_text();
+	size_t len = strlen(name);
+	struct stat st;
+	int acpi = !strcmp(name, "virtio_mmio") && stat(ACPI_VIRTIO_MMIO, &st) == 0;
+
+	out[0] = 0;
+	while (*p) {
+		const char *w = p;
+		char word[512];
+		size_t n, i;
+
+		for (n = 0; !word_end(w[n]); n++)
+			;
+		p = w + n;
+		while (*p == ' ' || *p == '\n')
+			p++;
+		if (n <= len + 1 || w[len] != '.' || n - len - 1 >= sizeof(word))
+			continue;
+		for (i = 0; i < len && (w[i] == '-' ? '_' : w[i]) == name[i]; i++)
+			;
+		if (i < len || (acpi && !strncmp(w + len + 1, "device=", 7)))
+			continue;
+		memcpy(word, w + len + 1, n - len - 1);
+		word[n - len - 1] = 0;
+		append(out, size, out[0] ? " " : "", word, (char *)NULL);
+	}
+}
+
+/*
+ * Loads every module of MODULES_LIST in its order (dependencies first), with
+ * its command-line parameters; one already loaded is fine, another failure is
+ * said and the boot goes on (a mount that needed it then says what failed).
+ */
+static void load_modules(void)
+{
+	char list[4096], *line, *save;
+	int fd = open(MODULES_LIST, O_RDONLY | O_CLOEXEC);
+	ssize_t n;
+
+	if (fd < 0)
+		return;
+	n = read(fd, list, sizeof(list) - 1);
+	close(fd);
+	list[n > 0 ? n : 0] = 0;
+	for (line = strtok_r(list, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+		/* "NN-FILE": the module's name is FILE up to its first '.' */
+		const char *base = strchr(line, '-') ? strchr(line, '-') + 1 : line;
+		char path[512] = "", name[128], params[1024], msg[1024] = "";
+		int mfd, err = 0;
+		size_t k;
+
+		for (k = 0; base[k] && base[k] != '.' && k + 1 < sizeof(name); k++)
+			name[k] = base[k] == '-' ? '_' : base[k];
+		name[k] = 0;
+		module_params(name, params, sizeof(params));
+		mfd = open(append(path, sizeof(path), MODULES_DIR, line, (char *)NULL), O_RDONLY | O_CLOEXEC);
+		if (mfd < 0)
+			err = errno;
+		else if (syscall(SYS_finit_module, mfd, params,
+				 strstr(base, ".ko.") ? MODULE_INIT_COMPRESSED_FILE : 0) != 0)
+			err = errno;
+		if (mfd >= 0)
+			close(mfd);
+		if (err && err != EEXIST)
+			say(append(msg, sizeof(msg), "hvprobe-init: cannot load module ", name, ": ",
+				   strerror(err), "\n", (char *)NULL));
+		modules_loaded = 1;
+	}
+}
+
+/* Waits up to 5 s for `path` to exist when modules were loaded (their probes
+ * may finish after finit_module returns); whether it exists. */
+static int wait_for_device(const char *path)
+{
+	struct timespec tick = { 0, 20 * 1000 * 1000 };
+	struct stat st;
+	int i;
+
+	for (i = 0; i < 250; i++) {
+		if (stat(path, &st) == 0)
+			return 1;
+		if (!modules_loaded)
+			return 0;
+		nanosleep(&tick, NULL);
+	}
+	return 0;
+}
+
 /* ---- disk root (hvprobe.root=DEV) -------------------------------------- */
 
 /*
@@ -462,6 +574,7 @@ static void mount_root(int interactive, int after_snapshot)
 		}
 	}
 
+	wait_for_device(root_dev);
 	fd = open(root_dev, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
 	if (fd < 0)
 		root_fail(append(what, sizeof(what), "cannot open ", root_dev, (char *)NULL), errno);
@@ -726,6 +839,7 @@ int main(int argc, char **argv)
 	sigaction(SIGUSR1, &sa, NULL);
 	sigaction(SIGUSR2, &sa, NULL);
 	sigaction(SIGTERM, &sa, NULL);
+	load_modules();
 
 	interactive = stat(WORKLOAD, &st) != 0;
 	if (interactive && cmdline_has(WAIT_OPTION)) {

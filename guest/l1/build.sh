@@ -4,7 +4,9 @@
 #   - virtiofsd (crates.io, pinned; ../build-virtiofsd.sh), which shares the host's files
 #     with the L1;
 #   - the L1 kernel, Debian's linux-image-cloud-amd64, and an initramfs of busybox, this
-#     directory's init and the modules it loads (kvm_amd, virtio-fs, overlay).
+#     directory's init and the modules it loads (kvm_amd, virtio-fs, overlay); the kernel's
+#     whole module tree (with depmod's modules.dep), for L2 runs of that kernel with
+#     `hvprobe run --modules` (HVPROBE_L1_MODULES).
 # Writes lane.env (the parts' paths) and prints its path on stdout. Warm, it only checks.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -34,14 +36,16 @@ image_package=$(apt-cache depends "$KERNEL_PACKAGE" 2>/dev/null \
     | sed -n 's/^ *Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
 [ -n "$image_package" ] || { log "apt knows no $KERNEL_PACKAGE (run guest/l1/install-deps.sh)"; exit 1; }
 image_version=$(apt-cache policy "$image_package" | sed -n 's/^ *Candidate: //p')
-kernel_dir="$cache/kernel-${image_package}_$image_version"
+release=${image_package#linux-image-}
+# v2: with the module tree.
+kernel_dir="$cache/kernel-v2-${image_package}_$image_version"
 if [ ! -f "$kernel_dir/vmlinuz" ]; then
+    command -v depmod >/dev/null || { log "depmod is missing (install kmod: guest/l1/install-deps.sh)"; exit 1; }
     log "downloading $image_package $image_version"
     work=$(mktemp -d "$cache/kernel.XXXXXX")
     (cd "$work" && apt-get download -q "$image_package=$image_version" >/dev/null 2>&1) \
         || { rm -rf "$work"; log "apt-get download $image_package=$image_version failed"; exit 1; }
     dpkg-deb -x "$work"/*.deb "$work/root"
-    release=${image_package#linux-image-}
     mkdir -p "$work/out"
     cp "$work/root/boot/vmlinuz-$release" "$work/out/vmlinuz"
     cp "$work/root/boot/System.map-$release" "$work/out/System.map"
@@ -50,6 +54,10 @@ if [ ! -f "$kernel_dir/vmlinuz" ]; then
     for m in "${MODULES[@]}"; do
         cp "$work/root/lib/modules/$release/kernel/$m" "$work/out/modules/"
     done
+    # The package leaves modules.dep to its postinst's depmod.
+    depmod -b "$work/root" "$release"
+    mkdir -p "$work/out/lib/modules"
+    mv "$work/root/lib/modules/$release" "$work/out/lib/modules/$release"
     echo "$image_version" > "$work/out/version"
     cache_publish "$work/out" "$kernel_dir"
     rm -rf "$work"
@@ -76,6 +84,7 @@ HVPROBE_L1_QEMU=$qemu
 HVPROBE_L1_VIRTIOFSD=$virtiofsd
 HVPROBE_L1_KERNEL=$kernel_dir/vmlinuz
 HVPROBE_L1_KERNEL_VERSION="$image_package $image_version"
+HVPROBE_L1_MODULES=$kernel_dir/lib/modules/$release
 HVPROBE_L1_INITRAMFS=$initramfs
 ENV
 cache_result "$cache/lane.env"

@@ -7,7 +7,8 @@ SUDO=
 [ "$(id -u)" = 0 ] || SUDO=sudo
 BPO_SOURCES=/etc/apt/sources.list.d/hvprobe-backports.sources
 PACKAGES=(ninja-build libglib2.0-dev libpixman-1-dev libfdt-dev zlib1g-dev pkg-config bzip2 curl libcap-ng-dev libseccomp-dev
-          busybox-static cpio xz-utils seabios)
+          busybox-static cpio xz-utils seabios
+          kmod)  # depmod: modules.dep of the L1 kernel's module tree, for its L2s' --modules
 BPO_PACKAGES=(meson python3-pycotap qemu-system-data)
 
 if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then

@@ -90,7 +90,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let config = VmConfig {
         kernel: files.kernel.clone(),
-        initrd: initrd_with_workload(&files.initrd, args.workload.as_deref())?,
+        initrd: initrd_with_workload(&files, args.workload.as_deref())?,
         cmdline: files.cmdline.clone(),
         cpus: args.machine.cpus,
         mem_mib: args.machine.mem,

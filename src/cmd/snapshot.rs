@@ -52,9 +52,10 @@ pub(crate) fn wait_mode_config(
     }
     let files = MachineFiles::of(&args.machine, false)?;
     let cmdline = format!("{} {WAIT_OPTION}", files.cmdline);
+    let initrd = initrd_with_workload(&files, None)?;
     Ok(VmConfig {
         kernel: files.kernel,
-        initrd: initrd_with_workload(&files.initrd, None)?,
+        initrd,
         cmdline,
         cpus: args.machine.cpus,
         mem_mib: args.machine.mem,

@@ -140,18 +140,21 @@ fn virtiofsd_gets_its_socket_the_directory_and_read_only_for_the_root() {
             "--cache=auto",
             "--log-level=warn",
             "--thread-pool-size=0",
-            "--readonly"
+            "--readonly",
+            "--no-announce-submounts"
         ]
     );
     let rw = Share {
         read_only: false,
         guest_path: Some("/data".into()),
+        tag: "hvprobe-rw0".into(),
         ..share
     };
     let none = Sandbox::None { reason: "test".into() };
     let args = virtiofsd_args(&rw, Path::new("/run/s.sock"), &none);
     assert!(args.iter().any(|a| a == "--sandbox=none"));
     assert!(!args.iter().any(|a| a == "--readonly"));
+    assert!(!args.iter().any(|a| a == "--no-announce-submounts"));
 }
 
 #[test]

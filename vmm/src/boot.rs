@@ -53,6 +53,8 @@ const BZIMAGE_HEADER_MAGIC: &[u8; 4] = b"HdrS";
 const XLF_KERNEL_64: u16 = 1;
 const KERNEL_LOADER_OTHER: u8 = 0xff;
 const BOOT_PROTOCOL_MIN: u16 = 0x0206;
+/// The boot protocol that has `acpi_rsdp_addr` (2.14); older kernels scan for the RSDP.
+const BOOT_PROTOCOL_ACPI_RSDP: u16 = 0x020e;
 
 /// Tells the format of a kernel file from its first bytes, with a reason when it is none
 /// we can boot.
@@ -102,6 +104,7 @@ pub fn load(
     kernel_path: &Path,
     cmdline: &str,
     initrd: &[u8],
+    rsdp: u64,
 ) -> Result<LoadedKernel, Error> {
     let format = kernel_format(kernel_path)?;
     let mut file = File::open(kernel_path).map_err(|source| Error::KernelFile {
@@ -134,7 +137,7 @@ pub fn load(
                 }
             };
             let initrd_at = place_initrd(mem, mem_bytes, loaded.kernel_end, u64::from(u32::MAX), initrd)?;
-            write_pvh_start_info(mem, mem_bytes, initrd_at.map(|a| (a, initrd.len() as u64)))?;
+            write_pvh_start_info(mem, mem_bytes, initrd_at.map(|a| (a, initrd.len() as u64)), rsdp)?;
             Ok(LoadedKernel {
                 format,
                 entry: EntryMode::Pvh { entry },
@@ -172,6 +175,9 @@ pub fn load(
             params.hdr.type_of_loader = KERNEL_LOADER_OTHER;
             params.hdr.cmd_line_ptr = CMDLINE_START as u32;
             params.hdr.cmdline_size = (cmdline.len() + 1) as u32;
+            if version >= BOOT_PROTOCOL_ACPI_RSDP {
+                params.acpi_rsdp_addr = rsdp;
+            }
             if let Some(at) = initrd_at {
                 params.hdr.ramdisk_image = at as u32;
                 params.hdr.ramdisk_size = initrd.len() as u32;
@@ -224,7 +230,12 @@ fn place_initrd(
     Ok(Some(at))
 }
 
-fn write_pvh_start_info(mem: &GuestMemoryMmap, mem_bytes: u64, initrd: Option<(u64, u64)>) -> Result<(), Error> {
+fn write_pvh_start_info(
+    mem: &GuestMemoryMmap,
+    mem_bytes: u64,
+    initrd: Option<(u64, u64)>,
+    rsdp: u64,
+) -> Result<(), Error> {
     let memmap: Vec<hvm_memmap_table_entry> = memory_map(mem_bytes)
         .into_iter()
         .map(|(start, len, kind)| hvm_memmap_table_entry {
@@ -238,6 +249,7 @@ fn write_pvh_start_info(mem: &GuestMemoryMmap, mem_bytes: u64, initrd: Option<(u
         magic: XEN_HVM_START_MAGIC,
         version: 1,
         cmdline_paddr: CMDLINE_START,
+        rsdp_paddr: rsdp,
         memmap_paddr: PVH_MEMMAP_START,
         memmap_entries: memmap.len() as u32,
         nr_modules: u32::from(initrd.is_some()),

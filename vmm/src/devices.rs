@@ -12,11 +12,11 @@ use crate::console::ConsoleWriter;
 
 pub const SERIAL_PORT_BASE: u16 = 0x3f8;
 pub const SERIAL_IRQ: u32 = 4;
-const SERIAL_PORT_COUNT: u16 = 8;
+pub const SERIAL_PORT_COUNT: u16 = 8;
 const I8042_DATA: u16 = 0x60;
 const I8042_COMMAND: u16 = 0x64;
 const I8042_CMD_RESET: u8 = 0xfe;
-const CMOS_INDEX: u16 = 0x70;
+pub const CMOS_INDEX: u16 = 0x70;
 const CMOS_DATA: u16 = 0x71;
 
 /// Port the bundled guest's init writes events to (one byte, see [`GuestEvent`]).

@@ -7,6 +7,7 @@
 //! 0x0000_9000  identity page tables for the 64-bit bzImage entry
 //! 0x0002_0000  kernel command line
 //! 0x0009_fc00  MP table (last KiB of base memory, where Linux scans for it)
+//! 0x000e_0000  ACPI tables, the RSDP first (where Linux scans for it)
 //! 0x0010_0000  kernel (bzImage protected-mode part, or the ELF's own physical addresses)
 //! ...          RAM up to min(size, 3 GiB); the initrd sits at its top
 //! 0xd000_0000  out-of-line area: never RAM to the guest (reserved in the e820 map)
@@ -31,6 +32,9 @@ pub const CMDLINE_START: u64 = 0x20000;
 /// The kernel's x86 command-line limit (COMMAND_LINE_SIZE).
 pub const CMDLINE_MAX_SIZE: usize = 2048;
 pub const MPTABLE_START: u64 = 0x9fc00;
+/// The ACPI tables: the BIOS area, reserved in the memory map.
+pub const ACPI_START: u64 = 0xe0000;
+pub const ACPI_END: u64 = 0x100000;
 pub const EBDA_END: u64 = 0x100000;
 pub const HIMEM_START: u64 = 0x100000;
 

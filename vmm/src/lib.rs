@@ -3,6 +3,7 @@
 //! resume / stop of all vCPUs. It knows nothing about probes: debug exits go to a
 //! [`DebugHandler`].
 
+mod acpi;
 mod backend;
 mod boot;
 mod breakpoint;

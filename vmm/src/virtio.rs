@@ -312,6 +312,11 @@ impl MmioDevices {
         Ok(MmioDevices { devices: attached })
     }
 
+    /// The devices' windows and lines, in order.
+    pub fn slots(&self) -> Vec<DeviceSlot> {
+        self.devices.iter().map(|(slot, _)| *slot).collect()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.devices.is_empty()
     }

@@ -21,7 +21,7 @@ use crate::vcpu::{DebugHandler, StopReason, VcpuControl, VcpuRunner};
 use crate::virtio::block::{Block, DiskConfig, DiskImage};
 use crate::virtio::fs::{Fs, FsConfig};
 use crate::virtio::{MmioDevices, VirtioDevice};
-use crate::{cpuid, kvm_err, mptable, regs, Error};
+use crate::{acpi, cpuid, kvm_err, mptable, regs, Error};
 
 /// Smallest guest the VMM accepts: the kernel, its initrd and early allocations need room.
 pub const MIN_MEM_MIB: u64 = 32;
@@ -173,9 +173,11 @@ impl Vm {
                 format!("{cmdline} {fixups}")
             }
         };
-        let kernel = boot::load(&vm.mem, mem_bytes, &config.kernel, &cmdline, &config.initrd)?;
-        tracing::info!("kernel {} loaded as {}", config.kernel.display(), kernel.format);
+        // The platform twice, for kernels with and without ACPI.
         mptable::write_mptable(&vm.mem, config.cpus)?;
+        let rsdp = acpi::write_acpi_tables(&vm.mem, config.cpus, &vm.virtio.slots())?;
+        let kernel = boot::load(&vm.mem, mem_bytes, &config.kernel, &cmdline, &config.initrd, rsdp)?;
+        tracing::info!("kernel {} loaded as {}", config.kernel.display(), kernel.format);
         regs::setup_boot_vcpu(&vm.vcpus[0], &vm.mem, kernel.entry, kernel.boot_info)?;
         vm.kernel_format = Some(kernel.format);
         Ok(vm)

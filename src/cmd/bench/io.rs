@@ -180,7 +180,7 @@ fn bench_on(image: &Path, args: &IoBenchArgs) -> CliResult {
     let files = MachineFiles::of(&machine, false)?;
     let config = VmConfig {
         kernel: files.kernel.clone(),
-        initrd: initrd_with_workload(&files.initrd, Some(&workload(args.size_mib, args.randreads)))?,
+        initrd: initrd_with_workload(&files, Some(&workload(args.size_mib, args.randreads)))?,
         cmdline: files.cmdline.clone(),
         cpus: args.cpus,
         mem_mib: machine.mem,

@@ -125,6 +125,12 @@ impl MmioTransport {
             VIRTIO_MMIO_STATUS if self.interrupt.needs_reset() => self.status | VIRTIO_CONFIG_S_NEEDS_RESET,
             VIRTIO_MMIO_STATUS => self.status,
             VIRTIO_MMIO_CONFIG_GENERATION => 0,
+            // No device has a shared memory region; "none" is a length (and base) of -1
+            // (4.2.2), never 0, which Linux would take for a region at 0.
+            VIRTIO_MMIO_SHM_LEN_LOW
+            | VIRTIO_MMIO_SHM_LEN_HIGH
+            | VIRTIO_MMIO_SHM_BASE_LOW
+            | VIRTIO_MMIO_SHM_BASE_HIGH => u32::MAX,
             _ => 0,
         };
         data.copy_from_slice(&value.to_le_bytes());
@@ -593,6 +599,26 @@ mod tests {
         let mut config = [0u8; 3];
         t.read(0x102, &mut config);
         assert_eq!(config, [2, 3, 4]);
+    }
+
+    /// No device has a shared memory region: a driver that selects one reads a length
+    /// (and base) of all-ones, which is how Linux's virtio_mmio tells "no region"; a 0
+    /// there made a distribution kernel's virtiofs (built with FUSE_DAX) try to reserve a
+    /// DAX window at 0 and fail its probe with EBUSY.
+    #[test]
+    fn every_shared_memory_region_reads_as_absent() {
+        let (mut t, _) = transport();
+        for id in [0u32, 1, 0xff] {
+            write(&mut t, VIRTIO_MMIO_SHM_SEL, id);
+            for reg in [
+                VIRTIO_MMIO_SHM_LEN_LOW,
+                VIRTIO_MMIO_SHM_LEN_HIGH,
+                VIRTIO_MMIO_SHM_BASE_LOW,
+                VIRTIO_MMIO_SHM_BASE_HIGH,
+            ] {
+                assert_eq!(read(&mut t, reg), u32::MAX, "region {id}, register {reg:#x}");
+            }
+        }
     }
 
     #[test]
