@@ -441,3 +441,83 @@ fn a_virtiofsd_that_fails_to_start_is_reported_before_boot() {
     assert!(!run.stderr.contains("boot to /init"), "it booted\n{}", run.tail());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The host's own root as `/` (`--rootfs /`, as virtme-ng boots): the host's python3
+/// creates and queries a sqlite database in an --rwdir. Our probe on `do_sys_openat2` (its
+/// path string) sees the database's files opened exactly as the guest's own kprobe event
+/// on it does over the same run; the database is on the host afterwards with what the
+/// program wrote; a file the workload wrote outside --rwdir is not.
+#[test]
+fn the_hosts_own_python_and_sqlite_run_on_its_root_under_probes() {
+    require_kvm();
+    assert!(
+        Command::new("python3").args(["-c", "import sqlite3"]).status().is_ok_and(|s| s.success()),
+        "this test runs the host's python3 with sqlite3 (Debian's python3; guest/install-deps.sh installs it)"
+    );
+    let dir = scratch("sqlite");
+    let probes = dir.join("open.probes");
+    std::fs::write(&probes, "p:host/open do_sys_openat2 path=+0(%si):ustring\n").unwrap();
+    let outside = format!("/hvprobe-outside-{}.txt", std::process::id());
+    let workload = format!(
+        "T=/sys/kernel/tracing; echo 'p:gopen do_sys_openat2 path=+0(%si):ustring' > $T/kprobe_events && \
+         echo 1 > $T/events/kprobes/gopen/enable && \
+         python3 -c \"import sqlite3; c = sqlite3.connect('/results/hvprobe.db'); \
+c.execute('create table t (x integer)'); c.executemany('insert into t values (?)', [(i,) for i in range(10)]); \
+c.commit(); print('SUM', c.execute('select sum(x) from t').fetchone()[0])\"; \
+         echo 0 > $T/events/kprobes/gopen/enable; echo outside > {outside}; \
+         grep hvprobe.db $T/trace | sed 's/^/GUEST /'"
+    );
+    let rwdir = format!("/results={}", dir.display());
+    let run = hvprobe(
+        &[
+            "run",
+            "--rootfs",
+            "/",
+            "--rwdir",
+            &rwdir,
+            "--probes",
+            probes.to_str().unwrap(),
+            "--workload",
+            &workload,
+        ],
+        BOOT_TIMEOUT * 3,
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(&run, &["virtio-fs", "virtiofs"]);
+    assert!(run.console_has_line("SUM 45"), "{}", run.tail());
+    // The same opens of the database's files, by path, seen by both.
+    let paths = |lines: Vec<&str>| {
+        let mut paths: Vec<String> = lines
+            .iter()
+            .filter_map(|l| l.split("path=\"").nth(1))
+            .filter_map(|p| p.split('"').next())
+            .filter(|p| p.contains("hvprobe.db"))
+            .map(str::to_owned)
+            .collect();
+        paths.sort();
+        paths
+    };
+    let guest = paths(run.stdout.lines().filter(|l| l.starts_with("GUEST ")).collect());
+    let ours = paths(
+        run.stdout
+            .lines()
+            .filter(|l| !l.starts_with("GUEST ") && l.contains(" open: ("))
+            .collect(),
+    );
+    assert!(!guest.is_empty(), "the guest's event saw no open of the database\n{}", run.tail());
+    assert_eq!(ours, guest, "{}", run.tail());
+    // The database is the host's now; the file written outside --rwdir is not.
+    let query = Command::new("python3")
+        .args([
+            "-c",
+            &format!(
+                "import sqlite3; print(sqlite3.connect('{}').execute('select sum(x) from t').fetchone()[0])",
+                dir.join("hvprobe.db").display()
+            ),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&query.stdout).trim(), "45");
+    assert!(!Path::new(&outside).exists(), "{outside} reached the host's root");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
