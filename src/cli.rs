@@ -423,6 +423,11 @@ pub struct IoBenchArgs {
     /// cache directory's bench-io].
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
+    /// Also run the same guest kernel, initrd, workload, vCPUs and memory in QEMU (this
+    /// binary, with KVM: its microvm machine, the image as a virtio-blk device over
+    /// virtio-mmio, buffered as hvprobe's device is) and print hvprobe beside it.
+    #[arg(long, value_name = "PATH")]
+    pub qemu: Option<PathBuf>,
 }
 
 #[derive(Args)]

@@ -451,7 +451,10 @@ fn a_virtiofsd_that_fails_to_start_is_reported_before_boot() {
 fn the_hosts_own_python_and_sqlite_run_on_its_root_under_probes() {
     require_kvm();
     assert!(
-        Command::new("python3").args(["-c", "import sqlite3"]).status().is_ok_and(|s| s.success()),
+        Command::new("python3")
+            .args(["-c", "import sqlite3"])
+            .status()
+            .is_ok_and(|s| s.success()),
         "this test runs the host's python3 with sqlite3 (Debian's python3; guest/install-deps.sh installs it)"
     );
     let dir = scratch("sqlite");
@@ -504,7 +507,11 @@ c.commit(); print('SUM', c.execute('select sum(x) from t').fetchone()[0])\"; \
             .filter(|l| !l.starts_with("GUEST ") && l.contains(" open: ("))
             .collect(),
     );
-    assert!(!guest.is_empty(), "the guest's event saw no open of the database\n{}", run.tail());
+    assert!(
+        !guest.is_empty(),
+        "the guest's event saw no open of the database\n{}",
+        run.tail()
+    );
     assert_eq!(ours, guest, "{}", run.tail());
     // The database is the host's now; the file written outside --rwdir is not.
     let query = Command::new("python3")

@@ -44,6 +44,16 @@ pub enum IoBenchError {
     Guest { reason: StopReason, tail: String },
     #[error("the guest printed no result for {phase}; console tail:\n{tail}")]
     NoResult { phase: &'static str, tail: String },
+    #[error("cannot run QEMU {path}: {source}")]
+    QemuSpawn { path: PathBuf, source: std::io::Error },
+    #[error("QEMU did not finish the benchmark within {seconds} s; its console's tail:\n{tail}")]
+    QemuTimeout { seconds: u64, tail: String },
+    #[error("QEMU printed no result for {phase} ({status}); its output's tail:\n{tail}")]
+    QemuNoResult {
+        phase: &'static str,
+        status: std::process::ExitStatus,
+        tail: String,
+    },
 }
 
 /// One phase's numbers: bytes, requests, microseconds.
@@ -178,9 +188,10 @@ fn bench_on(image: &Path, args: &IoBenchArgs) -> CliResult {
         read_only: false,
     }];
     let files = MachineFiles::of(&machine, false)?;
+    let initrd = initrd_with_workload(&files, Some(&workload(args.size_mib, args.randreads)))?;
     let config = VmConfig {
         kernel: files.kernel.clone(),
-        initrd: initrd_with_workload(&files, Some(&workload(args.size_mib, args.randreads)))?,
+        initrd: initrd.clone(),
         cmdline: files.cmdline.clone(),
         cpus: args.cpus,
         mem_mib: machine.mem,
@@ -223,6 +234,22 @@ fn bench_on(image: &Path, args: &IoBenchArgs) -> CliResult {
         let end = at(FIRST_MARK + phase as u8 + 1)?;
         end.checked_sub(start)
     };
+    let qemu = match &args.qemu {
+        Some(path) => {
+            eprintln!("hvprobe: the same guest in QEMU ({})", path.display());
+            let qemu_run = QemuRun {
+                qemu: path,
+                kernel: &files.kernel,
+                initrd: &initrd,
+                cmdline: &files.cmdline,
+                cpus: args.cpus,
+                mem_mib: machine.mem,
+                image,
+            };
+            Some(qemu_run.phases()?)
+        }
+        None => None,
+    };
     eprintln!("hvprobe: the same on the host, on the same file");
     let host = host_phases(image, args.size_mib, args.randreads).map_err(image_err)?;
 
@@ -237,28 +264,36 @@ fn bench_on(image: &Path, args: &IoBenchArgs) -> CliResult {
             .unwrap_or_default()
     );
     println!("guest: O_DIRECT in the guest (hvprobe-io); host: buffered pread/pwrite of the image, as the device does");
-    println!(
-        "{:<10} {:>14} {:>14} {:>8} {:>15}",
-        "phase", "guest", "host", "ratio", "exits/request"
-    );
-    for (i, phase) in PHASES.iter().enumerate() {
-        let (g, h) = (guest[i], host[i]);
-        let (gv, hv, unit) = if *phase == "randread" {
-            (g.iops(), h.iops(), "IOPS")
-        } else {
-            (g.mb_per_s(), h.mb_per_s(), "MB/s")
-        };
-        let per_request = exits_in(i)
-            .map(|e| format!("{:.2}", e as f64 / g.requests.max(1) as f64))
-            .unwrap_or_else(|| "?".into());
+    if qemu.is_some() {
         println!(
-            "{:<10} {:>9.1} {unit} {:>9.1} {unit} {:>7.3}x {:>15}",
+            "qemu: the same guest in QEMU's microvm with KVM, the image as virtio-blk (cache=writeback: buffered)"
+        );
+    }
+    let value = |m: Measured, phase: &str| if phase == "randread" { m.iops() } else { m.mb_per_s() };
+    let ratio = |a: f64, b: f64| a / b.max(f64::MIN_POSITIVE);
+    print!("{:<10} {:>14} {:>14} {:>8}", "phase", "guest", "host", "ratio");
+    if qemu.is_some() {
+        print!(" {:>14} {:>8}", "qemu", "vs qemu");
+    }
+    println!(" {:>15}", "exits/request");
+    for (i, phase) in PHASES.iter().enumerate() {
+        let unit = if *phase == "randread" { "IOPS" } else { "MB/s" };
+        let (gv, hv) = (value(guest[i], phase), value(host[i], phase));
+        let per_request = exits_in(i)
+            .map(|e| format!("{:.2}", e as f64 / guest[i].requests.max(1) as f64))
+            .unwrap_or_else(|| "?".into());
+        print!(
+            "{:<10} {:>9.1} {unit} {:>9.1} {unit} {:>7.3}x",
             phase,
             gv,
             hv,
-            gv / hv.max(f64::MIN_POSITIVE),
-            per_request
+            ratio(gv, hv)
         );
+        if let Some(q) = &qemu {
+            let qv = value(q[i], phase);
+            print!(" {:>9.1} {unit} {:>7.3}x", qv, ratio(gv, qv));
+        }
+        println!(" {:>15}", per_request);
     }
     println!(
         "run: {} exits reached hvprobe, {} guest instructions emulated (boot included), boot to /init {:.1} s",
@@ -267,6 +302,148 @@ fn bench_on(image: &Path, args: &IoBenchArgs) -> CliResult {
         outcome.boot_to_init.map(|d| d.as_secs_f64()).unwrap_or(f64::NAN)
     );
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The benchmark's guest in QEMU: the same kernel, initrd (workload included), command
+/// line, vCPUs, memory and image, on QEMU's microvm machine with KVM; its serial console
+/// is QEMU's stdout and the init's exit port an `isa-debug-exit` device.
+struct QemuRun<'a> {
+    qemu: &'a Path,
+    kernel: &'a Path,
+    initrd: &'a [u8],
+    cmdline: &'a str,
+    cpus: u8,
+    mem_mib: u64,
+    image: &'a Path,
+}
+
+/// The longest QEMU's run may take.
+const QEMU_LIMIT: std::time::Duration = std::time::Duration::from_secs(900);
+
+impl QemuRun<'_> {
+    /// The arguments: microvm without ACPI, so QEMU announces its virtio-mmio devices on
+    /// the command line as hvprobe does; no default devices, no firmware menu.
+    fn args(&self, initrd: &Path) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
+        let mut push = |a: &str| args.push(a.into());
+        for a in [
+            "-machine",
+            "microvm,acpi=off,rtc=on,isa-serial=on,pic=on,pit=on",
+            "-accel",
+            "kvm",
+            "-cpu",
+            "host",
+            "-nodefaults",
+            "-no-user-config",
+            "-nographic",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+            "-device",
+            "isa-debug-exit,iobase=0xef1,iosize=1",
+            "-device",
+            "virtio-blk-device,drive=d0",
+        ] {
+            push(a);
+        }
+        push("-smp");
+        push(&self.cpus.to_string());
+        push("-m");
+        push(&format!("{}M", self.mem_mib));
+        push("-append");
+        push(self.cmdline);
+        args.push("-kernel".into());
+        args.push(self.kernel.into());
+        args.push("-initrd".into());
+        args.push(initrd.into());
+        let mut drive = std::ffi::OsString::from("id=d0,if=none,format=raw,cache=writeback,file=");
+        drive.push(self.image);
+        args.push("-drive".into());
+        args.push(drive);
+        args
+    }
+
+    fn phases(&self) -> Result<[Measured; 3], IoBenchError> {
+        let initrd = self.image.with_extension("qemu-initrd");
+        std::fs::write(&initrd, self.initrd).map_err(|source| IoBenchError::Image {
+            path: initrd.clone(),
+            source,
+        })?;
+        let result = self.run(&initrd);
+        let _ = std::fs::remove_file(&initrd);
+        result
+    }
+
+    fn run(&self, initrd: &Path) -> Result<[Measured; 3], IoBenchError> {
+        let spawn_err = |source| IoBenchError::QemuSpawn {
+            path: self.qemu.to_path_buf(),
+            source,
+        };
+        let mut child = std::process::Command::new(self.qemu)
+            .args(self.args(initrd))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(spawn_err)?;
+        let read = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+            std::thread::spawn(move || {
+                let mut text = Vec::new();
+                if let Some(mut pipe) = pipe {
+                    let _ = pipe.read_to_end(&mut text);
+                }
+                String::from_utf8_lossy(&text).into_owned()
+            })
+        };
+        let stdout = read(
+            child
+                .stdout
+                .take()
+                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+        );
+        let stderr = read(
+            child
+                .stderr
+                .take()
+                .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+        );
+        let deadline = Instant::now() + QEMU_LIMIT;
+        let status = loop {
+            match child.try_wait().map_err(spawn_err)? {
+                Some(status) => break Some(status),
+                None if Instant::now() > deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+                None => std::thread::sleep(std::time::Duration::from_millis(100)),
+            }
+        };
+        let output = format!(
+            "{}{}",
+            stdout.join().unwrap_or_default(),
+            stderr.join().unwrap_or_default()
+        );
+        let tail = || {
+            let lines: Vec<&str> = output.lines().collect();
+            lines[lines.len().saturating_sub(30)..].join("\n")
+        };
+        let Some(status) = status else {
+            return Err(IoBenchError::QemuTimeout {
+                seconds: QEMU_LIMIT.as_secs(),
+                tail: tail(),
+            });
+        };
+        let mut phases = Vec::new();
+        for phase in PHASES {
+            phases.push(guest_result(&output, phase).ok_or_else(|| IoBenchError::QemuNoResult {
+                phase,
+                status,
+                tail: tail(),
+            })?);
+        }
+        Ok([phases[0], phases[1], phases[2]])
+    }
 }
 
 /// The host's own read, write and random-read of `image`, as the device does them.
@@ -341,6 +518,44 @@ mod tests {
         assert_eq!(guest_result(console, "randread").unwrap().requests, 100);
         assert_eq!(guest_result(console, "write"), None);
         assert_eq!(guest_result("hvprobe-io error open -2\n", "read"), None);
+    }
+
+    #[test]
+    fn qemu_runs_the_same_guest_on_microvm_with_kvm_and_the_image_buffered() {
+        let run = QemuRun {
+            qemu: Path::new("/q/qemu-system-x86_64"),
+            kernel: Path::new("/g/vmlinux"),
+            initrd: b"",
+            cmdline: "console=ttyS0 pci=off",
+            cpus: 2,
+            mem_mib: 128,
+            image: Path::new("/b/bench.img"),
+        };
+        let args: Vec<String> = run
+            .args(Path::new("/b/bench.qemu-initrd"))
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let after = |flag: &str| {
+            let at = args
+                .iter()
+                .position(|a| a == flag)
+                .unwrap_or_else(|| panic!("no {flag}: {args:?}"));
+            args[at + 1].clone()
+        };
+        assert!(after("-machine").starts_with("microvm,acpi=off"), "{args:?}");
+        assert_eq!(after("-accel"), "kvm");
+        assert_eq!(after("-smp"), "2");
+        assert_eq!(after("-m"), "128M");
+        assert_eq!(after("-append"), "console=ttyS0 pci=off");
+        assert_eq!(after("-kernel"), "/g/vmlinux");
+        assert_eq!(after("-initrd"), "/b/bench.qemu-initrd");
+        assert_eq!(
+            after("-drive"),
+            "id=d0,if=none,format=raw,cache=writeback,file=/b/bench.img"
+        );
+        assert!(args.contains(&"isa-debug-exit,iobase=0xef1,iosize=1".to_string()));
+        assert!(args.contains(&"virtio-blk-device,drive=d0".to_string()));
     }
 
     #[test]
