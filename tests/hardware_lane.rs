@@ -473,6 +473,33 @@ fn disks_on_kvm_amd() {
     suite_in_l1("disks", "a_root_disk_is_read_and_written", 1, &[]);
 }
 
+/// `hvprobe bench io --qemu`: the bundled guest's disk benchmark in hvprobe and, with the
+/// same kernel, initrd, image and vCPUs, in QEMU with KVM (Debian's, in the L1), each
+/// phase printed with both and their ratio. The numbers are not checked (a benchmark, and
+/// the lane's are TCG's); that both machines ran the workload to its end is.
+#[test]
+fn bench_io_runs_beside_qemu_on_kvm_amd() {
+    let run = in_l1(
+        "hvprobe bench io --qemu /usr/bin/qemu-system-x86_64 --size-mib 8 --randreads 200 --dir /tmp 2>&1",
+        &[],
+    );
+    assert_eq!(run.code, Some(0), "{}", tail(&run));
+    assert!(
+        run.stdout.contains("qemu: the same guest in QEMU's microvm with KVM"),
+        "{}",
+        tail(&run)
+    );
+    for phase in ["read", "write", "randread"] {
+        let row = run
+            .stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(phase))
+            .unwrap_or_else(|| panic!("no {phase} row\n{}", tail(&run)));
+        // phase, guest, unit, host, unit, ratio, qemu, unit, vs qemu, exits/request
+        assert_eq!(row.split_whitespace().count(), 10, "{row}");
+    }
+}
+
 #[test]
 fn snapshots_and_restore_on_kvm_amd() {
     suite_in_l1("snapshot", "", 7, &[]);

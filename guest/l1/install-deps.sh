@@ -9,7 +9,8 @@ BPO_SOURCES=/etc/apt/sources.list.d/hvprobe-backports.sources
 PACKAGES=(ninja-build libglib2.0-dev libpixman-1-dev libfdt-dev zlib1g-dev pkg-config bzip2 curl libcap-ng-dev libseccomp-dev
           busybox-static cpio xz-utils seabios
           kmod)  # depmod: modules.dep of the L1 kernel's module tree, for its L2s' --modules
-BPO_PACKAGES=(meson python3-pycotap qemu-system-data)
+# qemu-system-x86: QEMU with KVM inside the L1, beside hvprobe in `hvprobe bench io --qemu`.
+BPO_PACKAGES=(meson python3-pycotap qemu-system-data qemu-system-x86)
 
 if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
     echo "hvprobe-l1: adding bookworm-backports (deb and deb-src) to apt's sources" >&2
