@@ -254,28 +254,26 @@ fn modules_for(kernel: &Path, tree: Option<&Path>, needs: modules::Needs) -> Res
     if needs == modules::Needs::default() {
         return Ok(None);
     }
+    let release = modules::kernel_release_of(kernel).map_err(|source| GuestError::Kernel {
+        path: kernel.into(),
+        source,
+    })?;
     let dir = match tree {
         Some(dir) => dir.to_path_buf(),
-        None => {
-            let image = std::fs::read(kernel).map_err(|source| GuestError::Kernel {
-                path: kernel.into(),
-                source,
-            })?;
-            let release = modules::kernel_release(&image);
-            match release
-                .map(|r| Path::new("/lib/modules").join(r))
-                .filter(|d| d.is_dir())
-            {
-                Some(dir) => dir,
-                None => {
-                    tracing::warn!(
-                        "no module tree for --kernel {} (give --modules DIR): its drivers for the devices must be built in",
-                        kernel.display()
-                    );
-                    return Ok(None);
-                }
+        None => match release
+            .as_ref()
+            .map(|r| Path::new("/lib/modules").join(r))
+            .filter(|d| d.is_dir())
+        {
+            Some(dir) => dir,
+            None => {
+                tracing::warn!(
+                    "no module tree for --kernel {} (give --modules DIR): its drivers for the devices must be built in",
+                    kernel.display()
+                );
+                return Ok(None);
             }
-        }
+        },
     };
     let tree = modules::ModuleTree::open(&dir)?;
     let order = tree.resolve(needs)?;
@@ -284,7 +282,7 @@ fn modules_for(kernel: &Path, tree: Option<&Path>, needs: modules::Needs) -> Res
     }
     let names: Vec<&str> = order.iter().map(|(name, _)| name.as_str()).collect();
     tracing::info!("modules for the devices, from {}: {}", dir.display(), names.join(" "));
-    Ok(Some(tree.archive(&order)?))
+    Ok(Some(tree.archive(&order, release.as_deref())?))
 }
 
 /// The files a machine boots from: the user's `--kernel`/`--initrd`, or the bundled

@@ -16,8 +16,8 @@
 //! - hvprobe waits for its socket with a deadline; a daemon that exits first is reported
 //!   with its exit status and the end of its stderr, before the boot;
 //! - while the guest runs, a thread per daemon waits for its exit: a daemon that dies then
-//!   is reported the same way, and the guest is stopped (its requests to a dead daemon
-//!   would never be answered);
+//!   is reported the same way (its device answers the guest's requests with EIO from then
+//!   on, `hvprobe_vmm::virtio::fs::orphan`), and the run fails at its end;
 //! - when the run ends, however it ends (the guest's exit, an error, SIGTERM), dropping
 //!   [`Daemons`] stops each daemon (SIGTERM, then SIGKILL) and reaps it.
 //!

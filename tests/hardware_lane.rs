@@ -624,7 +624,7 @@ fn btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out: &str, run: 
 fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
     let workload = "cat /etc/debian_version; mkdir -p /mnt; mount /dev/vda /mnt && cat /mnt/hello && \
                     echo from-the-guest > /mnt/new && umount /mnt; echo through-rwdir > /out/r; \
-                    echo \"UNAME $(uname -r)\"; grep -c LNRO0005 /proc/iomem || true";
+                    echo \"UNAME $(uname -r)\"; echo \"ACPI-DEVICES $(grep -c LNRO0005 /proc/iomem)\"";
     let command = format!(
         "d=$(mktemp -d) && mkdir $d/img $d/out && echo on-the-disk > $d/img/hello && \
          truncate -s 32M $d/disk.img && mkfs.ext4 -q -d $d/img $d/disk.img && \
@@ -650,6 +650,13 @@ fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
         tail(&run)
     );
     assert!(!out.contains("cannot load module"), "{}", tail(&run));
+    // The kernel found the disk and both shares in the DSDT (it has no command-line devices).
+    let acpi_devices: usize = out
+        .lines()
+        .find_map(|l| l.strip_prefix("ACPI-DEVICES "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no ACPI-DEVICES line\n{}", tail(&run)));
+    assert!(acpi_devices >= 3, "{acpi_devices} LNRO0005 regions\n{}", tail(&run));
     // --rootfs: the L1's own files; the disk read and, after the run, written; --rwdir.
     assert!(out.lines().any(|l| l.trim_end() == "on-the-disk"), "{}", tail(&run));
     assert!(out.contains("RWDIR through-rwdir"), "{}", tail(&run));

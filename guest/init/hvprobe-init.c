@@ -59,7 +59,6 @@
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
-#include <unistd.h>
 #include <termios.h>
 #include <unistd.h>
 
@@ -407,15 +406,19 @@ static void module_params(const char *name, char *out, size_t size)
  */
 static void load_modules(void)
 {
-	char list[4096], *line, *save;
+	char list[8192], *line, *save;
 	int fd = open(MODULES_LIST, O_RDONLY | O_CLOEXEC);
+	size_t len = 0;
 	ssize_t n;
 
 	if (fd < 0)
 		return;
-	n = read(fd, list, sizeof(list) - 1);
+	while (len < sizeof(list) - 1 && (n = read(fd, list + len, sizeof(list) - 1 - len)) > 0)
+		len += (size_t)n;
 	close(fd);
-	list[n > 0 ? n : 0] = 0;
+	list[len] = 0;
+	if (len == sizeof(list) - 1)
+		say("hvprobe-init: the module list is too long; its end is not loaded\n");
 	for (line = strtok_r(list, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
 		/* "NN-FILE": the module's name is FILE up to its first '.' */
 		const char *base = strchr(line, '-') ? strchr(line, '-') + 1 : line;

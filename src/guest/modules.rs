@@ -57,6 +57,16 @@ pub enum ModulesError {
     },
     #[error("--modules {dir}: modules.dep has a dependency loop through {module}")]
     Loop { dir: PathBuf, module: String },
+    #[error(
+        "--modules {dir}: {module} is built for kernel {built_for}, the kernel is {kernel} \
+         (give the module tree of this kernel)"
+    )]
+    WrongRelease {
+        dir: PathBuf,
+        module: String,
+        built_for: String,
+        kernel: String,
+    },
 }
 
 /// What the devices of a run need of the kernel.
@@ -89,10 +99,10 @@ impl Needs {
         drivers
     }
 
-    /// Modules loaded when the kernel has them, not needed otherwise (a root disk may
-    /// hold another filesystem).
+    /// Modules loaded when the kernel has them, not needed otherwise: ext4 for a disk (a
+    /// root disk, or one the workload mounts; it may hold another filesystem).
     fn optional(&self) -> Vec<&'static str> {
-        if self.disk_root {
+        if self.disks || self.disk_root {
             vec!["ext4"]
         } else {
             Vec::new()
@@ -108,6 +118,9 @@ pub struct ModuleTree {
     builtin: BTreeSet<String>,
     /// Module name → (path relative to the tree, dependencies' names).
     modules: HashMap<String, (String, Vec<String>)>,
+    /// Module name → the modules `modules.softdep` says to load before it (ext4's
+    /// crc32c): modprobe loads them, and the guest has no modprobe.
+    soft_pre: HashMap<String, Vec<String>>,
 }
 
 /// A module's name from its path: `kernel/fs/fuse/virtiofs.ko.xz` → `virtiofs`, with `-`
@@ -138,10 +151,16 @@ impl ModuleTree {
         };
         let dep = read("modules.dep")?;
         let builtin = read("modules.builtin")?;
-        Ok(ModuleTree::parse(dir, &dep, &builtin))
+        // depmod writes it; an older or hand-made tree may not have one.
+        let softdep = match read("modules.softdep") {
+            Ok(text) => text,
+            Err(ModulesError::NotATree { .. }) => String::new(),
+            Err(e) => return Err(e),
+        };
+        Ok(ModuleTree::parse(dir, &dep, &builtin, &softdep))
     }
 
-    fn parse(dir: &Path, dep: &str, builtin: &str) -> ModuleTree {
+    fn parse(dir: &Path, dep: &str, builtin: &str, softdep: &str) -> ModuleTree {
         let builtin = builtin
             .lines()
             .map(str::trim)
@@ -156,10 +175,28 @@ impl ModuleTree {
             let deps = deps.split_whitespace().map(module_name).collect();
             modules.insert(module_name(path.trim()), (path.trim().to_owned(), deps));
         }
+        // `softdep MODULE pre: A B post: C`: the `pre:` ones.
+        let mut soft_pre: HashMap<String, Vec<String>> = HashMap::new();
+        for line in softdep.lines() {
+            let mut words = line.split_whitespace();
+            let (Some("softdep"), Some(module)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let mut pre = false;
+            for word in words {
+                match word {
+                    "pre:" => pre = true,
+                    "post:" => pre = false,
+                    name if pre => soft_pre.entry(module_name(module)).or_default().push(module_name(name)),
+                    _ => {}
+                }
+            }
+        }
         ModuleTree {
             dir: dir.into(),
             builtin,
             modules,
+            soft_pre,
         }
     }
 
@@ -212,6 +249,12 @@ impl ModuleTree {
             return Ok(());
         };
         path.push(name.to_owned());
+        // Soft dependencies first, when the tree has them as modules.
+        for dep in self.soft_pre.get(name).into_iter().flatten() {
+            if self.modules.contains_key(dep) {
+                self.place(dep, placed, path, order)?;
+            }
+        }
         for dep in deps {
             self.place(dep, placed, path, order)?;
         }
@@ -221,8 +264,10 @@ impl ModuleTree {
         Ok(())
     }
 
-    /// A cpio archive of the modules in `order` and their load list, for the initrd.
-    pub fn archive(&self, order: &[(String, PathBuf)]) -> Result<Vec<u8>, ModulesError> {
+    /// A cpio archive of the modules in `order` and their load list, for the initrd; each
+    /// uncompressed module built for another release than `kernel` (its `vermagic`) is
+    /// refused.
+    pub fn archive(&self, order: &[(String, PathBuf)], kernel: Option<&str>) -> Result<Vec<u8>, ModulesError> {
         let mut archive = CpioWriter::new();
         for dir in ["lib", "lib/modules", MODULES_DIR] {
             archive.dir(dir);
@@ -236,6 +281,16 @@ impl ModuleTree {
                 path: path.clone(),
                 source,
             })?;
+            if let (Some(kernel), Some(built_for)) = (kernel, vermagic_release(&bytes)) {
+                if built_for != kernel {
+                    return Err(ModulesError::WrongRelease {
+                        dir: self.dir.clone(),
+                        module: name.clone(),
+                        built_for,
+                        kernel: kernel.to_owned(),
+                    });
+                }
+            }
             let base = file
                 .file_name()
                 .map_or_else(|| name.clone(), |f| f.to_string_lossy().into_owned());
@@ -259,9 +314,50 @@ pub fn kernel_release(image: &[u8]) -> Option<String> {
         let text = image.get(offset.checked_add(0x200)?..)?;
         return release_word(text);
     }
-    const BANNER: &[u8] = b"Linux version ";
     let at = image.windows(BANNER.len()).position(|w| w == BANNER)?;
     release_word(&image[at + BANNER.len()..])
+}
+
+const BANNER: &[u8] = b"Linux version ";
+
+/// [`kernel_release`] of the image in `path`, read a piece at a time (a vmlinux with its
+/// debug information can be hundreds of megabytes).
+pub fn kernel_release_of(path: &Path) -> std::io::Result<Option<String>> {
+    use std::io::Read;
+    const CHUNK: usize = 4 << 20;
+    // What a banner and its release need past a chunk's end.
+    const OVERLAP: usize = 256;
+    let mut file = std::fs::File::open(path)?;
+    let mut window: Vec<u8> = Vec::with_capacity(CHUNK + OVERLAP);
+    let mut first = true;
+    loop {
+        let kept = window.len();
+        window.resize(kept + CHUNK, 0);
+        let n = file.read(&mut window[kept..])?;
+        window.truncate(kept + n);
+        // The setup header and its version string are in a bzImage's first 64 KiB.
+        if first && (window.get(0x202..0x206) == Some(b"HdrS") || n == 0) {
+            return Ok(kernel_release(&window));
+        }
+        first = false;
+        if let Some(at) = window.windows(BANNER.len()).position(|w| w == BANNER) {
+            if window.len() - at >= BANNER.len() + 128 || n == 0 {
+                return Ok(release_word(&window[at + BANNER.len()..]));
+            }
+        }
+        if n == 0 {
+            return Ok(None);
+        }
+        let keep_from = window.len().saturating_sub(OVERLAP);
+        window.drain(..keep_from);
+    }
+}
+
+/// The release in a module's `vermagic=RELEASE …` (its .modinfo), when it has one.
+fn vermagic_release(module: &[u8]) -> Option<String> {
+    const VERMAGIC: &[u8] = b"vermagic=";
+    let at = module.windows(VERMAGIC.len()).position(|w| w == VERMAGIC)?;
+    release_word(&module[at + VERMAGIC.len()..])
 }
 
 fn release_word(text: &[u8]) -> Option<String> {

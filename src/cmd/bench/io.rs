@@ -356,8 +356,9 @@ impl QemuRun<'_> {
         args.push(self.kernel.into());
         args.push("-initrd".into());
         args.push(initrd.into());
+        // QEMU's option syntax: a comma in a value is written twice.
         let mut drive = std::ffi::OsString::from("id=d0,if=none,format=raw,cache=writeback,file=");
-        drive.push(self.image);
+        drive.push(self.image.to_string_lossy().replace(',', ",,"));
         args.push("-drive".into());
         args.push(drive);
         args
@@ -529,7 +530,7 @@ mod tests {
             cmdline: "console=ttyS0 pci=off",
             cpus: 2,
             mem_mib: 128,
-            image: Path::new("/b/bench.img"),
+            image: Path::new("/b/bench,1.img"),
         };
         let args: Vec<String> = run
             .args(Path::new("/b/bench.qemu-initrd"))
@@ -552,7 +553,7 @@ mod tests {
         assert_eq!(after("-initrd"), "/b/bench.qemu-initrd");
         assert_eq!(
             after("-drive"),
-            "id=d0,if=none,format=raw,cache=writeback,file=/b/bench.img"
+            "id=d0,if=none,format=raw,cache=writeback,file=/b/bench,,1.img"
         );
         assert!(args.contains(&"isa-debug-exit,iobase=0xef1,iosize=1".to_string()));
         assert!(args.contains(&"virtio-blk-device,drive=d0".to_string()));

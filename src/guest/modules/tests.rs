@@ -14,9 +14,16 @@ kernel/drivers/net/dummy.ko:
 const BUILTIN: &str = "kernel/fs/ext4/ext4.ko\nkernel/fs/jbd2/jbd2.ko\n";
 
 fn tree(dep: &str, builtin: &str) -> (tempfile::TempDir, ModuleTree) {
+    tree_with_softdeps(dep, builtin, None)
+}
+
+fn tree_with_softdeps(dep: &str, builtin: &str, softdep: Option<&str>) -> (tempfile::TempDir, ModuleTree) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("modules.dep"), dep).unwrap();
     std::fs::write(dir.path().join("modules.builtin"), builtin).unwrap();
+    if let Some(softdep) = softdep {
+        std::fs::write(dir.path().join("modules.softdep"), softdep).unwrap();
+    }
     for line in dep.lines() {
         let (path, _) = line.split_once(':').unwrap();
         let file = dir.path().join(path);
@@ -54,10 +61,9 @@ fn a_distribution_kernel_gets_its_virtio_drivers_dependencies_first_each_once() 
         ]
     );
     assert_eq!(order[3].1, PathBuf::from("kernel/drivers/block/virtio_blk.ko"));
-    // A disk alone: no filesystem module; ext4 for a root disk is built in.
+    // A disk alone: ext4 is built in here, so nothing more.
     let disk = Needs {
         disks: true,
-        disk_root: true,
         ..Needs::default()
     };
     assert_eq!(
@@ -134,7 +140,7 @@ fn the_archive_holds_the_modules_numbered_in_order_and_their_load_list() {
             ..Needs::default()
         })
         .unwrap();
-    let archive = tree.archive(&order).unwrap();
+    let archive = tree.archive(&order, None).unwrap();
     let text = String::from_utf8_lossy(&archive);
     assert!(text.contains("lib/modules/hvprobe/00-virtio_ring.ko\0"));
     assert!(text.contains("lib/modules/hvprobe/03-virtio_blk.ko\0"));
@@ -170,4 +176,79 @@ fn a_kernel_image_names_its_release() {
     let mut odd = b"Linux version ".to_vec();
     odd.extend_from_slice(b"\xff\xfe bad");
     assert_eq!(kernel_release(&odd), None);
+}
+
+#[test]
+fn soft_dependencies_load_first_and_ext4_goes_with_any_disk() {
+    // Arch's way: ext4 a module that wants crc32c first (modules.softdep), which only
+    // modprobe would know.
+    let dep = format!(
+        "{DEP}kernel/fs/ext4/ext4.ko: kernel/fs/jbd2/jbd2.ko\nkernel/fs/jbd2/jbd2.ko:\nkernel/crypto/crc32c_generic.ko:\n"
+    );
+    let softdep =
+        "# Soft dependencies extracted from modules themselves.\nsoftdep ext4 pre: crc32c_generic post: nothing\n";
+    let (_dir, tree) = tree_with_softdeps(&dep, "", Some(softdep));
+    let order = tree
+        .resolve(Needs {
+            disks: true,
+            ..Needs::default()
+        })
+        .unwrap();
+    assert_eq!(
+        names(&order),
+        [
+            "virtio_ring",
+            "virtio",
+            "virtio_mmio",
+            "virtio_blk",
+            "crc32c_generic",
+            "jbd2",
+            "ext4"
+        ]
+    );
+}
+
+#[test]
+fn modules_built_for_another_kernel_are_refused_before_the_boot() {
+    let (dir, tree) = tree(DEP, BUILTIN);
+    let blk = dir.path().join("kernel/drivers/block/virtio_blk.ko");
+    std::fs::write(
+        &blk,
+        b"\x7fELF...vermagic=6.1.0-55-cloud-amd64 SMP mod_unload modversions \0",
+    )
+    .unwrap();
+    let order = tree
+        .resolve(Needs {
+            disks: true,
+            ..Needs::default()
+        })
+        .unwrap();
+    let err = tree
+        .archive(&order, Some("6.1.0-56-cloud-amd64"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        format!(
+            "--modules {}: virtio_blk is built for kernel 6.1.0-55-cloud-amd64, the kernel is 6.1.0-56-cloud-amd64 (give the module tree of this kernel)",
+            dir.path().display()
+        )
+    );
+    assert!(tree.archive(&order, Some("6.1.0-55-cloud-amd64")).is_ok());
+    // A module without a vermagic (or a compressed one) is not checked.
+    assert!(tree.archive(&order[..3], Some("6.1.0-56-cloud-amd64")).is_ok());
+}
+
+#[test]
+fn a_kernel_files_release_is_found_past_its_first_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("vmlinux");
+    // The banner across the 4 MiB boundary a chunked read has.
+    let mut image = vec![0u8; (4 << 20) - 6];
+    image.extend_from_slice(b"Linux version 6.1.192-hvprobe (hvprobe@hvprobe) #1");
+    image.extend_from_slice(&[0u8; 1024]);
+    std::fs::write(&path, &image).unwrap();
+    assert_eq!(kernel_release_of(&path).unwrap().as_deref(), Some("6.1.192-hvprobe"));
+    std::fs::write(&path, b"nothing here").unwrap();
+    assert_eq!(kernel_release_of(&path).unwrap(), None);
 }

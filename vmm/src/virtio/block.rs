@@ -806,8 +806,8 @@ fn transfer<M: GuestMemory>(
     let mut next = 0;
     while next < iovecs.len() {
         let count = (iovecs.len() - next).min(IOV_MAX);
-        let position =
-            libc::off_t::try_from(at).map_err(|_| TransferError::Io(std::io::ErrorKind::InvalidInput.into()))?;
+        // In the image (checked by the caller), so within the file's off_t.
+        let position = libc::off_t::try_from(at).map_err(|_| TransferError::Offset(at))?;
         // SAFETY: each iovec points at `iov_len` bytes of guest RAM inside a mapping that
         // `mem` keeps alive for this call (the slices above borrow it); the kernel reads
         // or writes only those bytes. The guest may change them meanwhile: that is its
@@ -827,7 +827,12 @@ fn transfer<M: GuestMemory>(
             return Err(TransferError::Io(err));
         }
         if moved == 0 {
-            return Err(TransferError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            let kind = if write {
+                std::io::ErrorKind::WriteZero
+            } else {
+                std::io::ErrorKind::UnexpectedEof
+            };
+            return Err(TransferError::Io(kind.into()));
         }
         at += moved as u64;
         // Past the iovecs done, into the one the call stopped in.
@@ -858,6 +863,8 @@ const IOV_MAX: usize = 1024;
 enum TransferError {
     #[error("reading or writing the image: {0}")]
     Io(std::io::Error),
+    #[error("offset {0} is past what the host's file offsets hold")]
+    Offset(u64),
     #[error("{len} bytes at guest-physical {addr:#x}: {source}")]
     Memory {
         addr: u64,

@@ -26,6 +26,7 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -249,7 +250,7 @@ impl Fs {
 
     /// Hands the queues to the backend and starts the relay; on an error the caller
     /// resets what was set up.
-    fn start(&mut self, activation: Activation) -> Result<(), ActivateError> {
+    fn start(&mut self, activation: Activation, kit: OrphanKit) -> Result<(), ActivateError> {
         let Activation {
             mem,
             queues,
@@ -278,21 +279,6 @@ impl Fs {
             .call(|f| f.set_mem_table(&regions))
             .map_err(failed("SET_MEM_TABLE"))?;
         let mut calls = Vec::new();
-        // What the relay needs to answer the queues itself should the backend go.
-        let mut kicks = Vec::new();
-        for kick in &notify {
-            kicks.push(kick.try_clone().map_err(ActivateError::EventFd)?);
-        }
-        let copies = queues
-            .iter()
-            .enumerate()
-            .map(|(queue, q)| Queue::try_from(q.state()).map_err(|source| ActivateError::Queue { queue, source }))
-            .collect::<Result<Vec<_>, _>>()?;
-        let orphan = OrphanKit {
-            mem: mem.clone(),
-            queues: copies,
-            kicks,
-        };
         for (index, (queue, kick)) in queues.iter().zip(&notify).enumerate() {
             let host = |gpa: u64| {
                 mem.get_host_address(GuestAddress(gpa))
@@ -347,7 +333,20 @@ impl Fs {
         let tag = self.tag.clone();
         let thread = std::thread::Builder::new()
             .name(format!("virtio-fs-{}", self.tag))
-            .spawn(move || relay(&tag, &calls, &socket, &stop_relay, &interrupt, orphan))
+            .spawn(move || relay(&tag, &calls, Some(&socket), &stop_relay, &interrupt, kit))
+            .map_err(ActivateError::Thread)?;
+        self.relay = Some(Relay { stop, thread });
+        Ok(())
+    }
+
+    /// The relay, answering the queues with EIO from the start (no backend).
+    fn start_orphaned(&mut self, kit: OrphanKit, interrupt: Arc<Interrupt>) -> Result<(), ActivateError> {
+        let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
+        let stop_relay = stop.try_clone().map_err(ActivateError::EventFd)?;
+        let tag = self.tag.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("virtio-fs-{}", self.tag))
+            .spawn(move || relay(&tag, &[], None, &stop_relay, &interrupt, kit))
             .map_err(ActivateError::Thread)?;
         self.relay = Some(Relay { stop, thread });
         Ok(())
@@ -402,13 +401,30 @@ impl VirtioDevice for Fs {
         super::read_config_bytes(&self.config, offset, data);
     }
 
+    /// Hands the queues to the backend; when the backend fails that (it is gone, or
+    /// refuses), the device answers the queues itself with EIO, as when it goes later:
+    /// a device that asked for a reset would leave the guest's requests waiting for ever
+    /// (Linux's virtio-fs does not reset a device).
     fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
-        let started = self.start(activation);
-        if started.is_err() {
-            // Whatever was handed over is taken back, so the next activation starts clean.
-            self.stop();
+        let interrupt = Arc::clone(&activation.interrupt);
+        let kit = OrphanKit::of(&activation)?;
+        let fallback = OrphanKit::of(&activation)?;
+        match self.start(activation, kit) {
+            Ok(()) => Ok(()),
+            Err(e @ ActivateError::VhostUser { .. }) => {
+                // Whatever was handed over is taken back, so the next activation starts clean.
+                self.stop();
+                tracing::warn!(
+                    "virtio-fs {}: {e}; the guest's requests to it are answered with EIO",
+                    self.tag
+                );
+                self.start_orphaned(fallback, interrupt)
+            }
+            Err(e) => {
+                self.stop();
+                Err(e)
+            }
         }
-        started
     }
 
     fn reset(&mut self) {
@@ -433,9 +449,39 @@ struct OrphanKit {
     kicks: Vec<EventFd>,
 }
 
+impl OrphanKit {
+    /// Copies of what `activation` hands the device.
+    fn of(activation: &Activation) -> Result<OrphanKit, ActivateError> {
+        let kicks = activation
+            .notify
+            .iter()
+            .map(|kick| kick.try_clone().map_err(ActivateError::EventFd))
+            .collect::<Result<Vec<_>, _>>()?;
+        let queues = activation
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(queue, q)| Queue::try_from(q.state()).map_err(|source| ActivateError::Queue { queue, source }))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(OrphanKit {
+            mem: activation.mem.clone(),
+            queues,
+            kicks,
+        })
+    }
+}
+
 /// Relays the backend's used-buffer notifications to the driver until `stop`; when the
-/// backend's socket closes, answers the queues' requests itself ([`orphan`]).
-fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interrupt: &Interrupt, kit: OrphanKit) {
+/// backend's socket closes (or with no `socket`: a backend already gone at activation),
+/// answers the queues' requests itself ([`orphan`]).
+fn relay(
+    tag: &str,
+    calls: &[EventFd],
+    socket: Option<&OwnedFd>,
+    stop: &EventFd,
+    interrupt: &Interrupt,
+    kit: OrphanKit,
+) {
     let epoll = match Epoll::new() {
         Ok(e) => e,
         Err(e) => {
@@ -452,11 +498,11 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
                 interrupt.signal_needs_reset();
             })
     };
-    let mut watched = vec![
-        (stop.as_raw_fd(), EventSet::IN, STOP),
+    let mut watched = vec![(stop.as_raw_fd(), EventSet::IN, STOP)];
+    if let Some(socket) = socket {
         // Only the peer's hang-up: the socket's messages are the vCPU thread's to read.
-        (socket.as_raw_fd(), EventSet::READ_HANG_UP, SOCKET),
-    ];
+        watched.push((socket.as_raw_fd(), EventSet::READ_HANG_UP, SOCKET));
+    }
     for (index, call) in calls.iter().enumerate() {
         watched.push((call.as_raw_fd(), EventSet::IN, index as u64));
     }
@@ -468,9 +514,46 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
     let OrphanKit { mem, queues, kicks } = kit;
     let mut kit = Some((mem, queues));
     let mut orphaned: Option<orphan::Orphaned> = None;
+    // Takes the queues over: from now on the kicks are the relay's to serve, and what the
+    // backend left unanswered is served at once (no kick may come for it).
+    let mut take_over = |to_serve: &mut Vec<usize>, orphaned: &mut Option<orphan::Orphaned>| -> Result<(), ()> {
+        let Some((mem, queues)) = kit.take() else { return Ok(()) };
+        let taken = orphan::Orphaned::take_over(mem, queues);
+        for (index, kick) in kicks.iter().enumerate() {
+            watch(kick.as_raw_fd(), EventSet::IN, KICK | index as u64)?;
+        }
+        to_serve.extend(0..taken.queue_count());
+        *orphaned = Some(taken);
+        // The backend may have used a buffer and died before it signalled it: one
+        // interrupt more, which costs the driver a look at the rings.
+        interrupt.signal_used_queue();
+        Ok(())
+    };
+    let mut to_serve = Vec::new();
+    if socket.is_none() && take_over(&mut to_serve, &mut orphaned).is_err() {
+        return;
+    }
     let mut broken = vec![false; kicks.len()];
     let mut events = vec![EpollEvent::default(); calls.len() + kicks.len() + 2];
     loop {
+        if let Some(queues) = orphaned.as_mut() {
+            for index in to_serve.drain(..) {
+                if broken.get(index).copied().unwrap_or(true) {
+                    continue;
+                }
+                match queues.serve(index) {
+                    Ok(true) => interrupt.signal_used_queue(),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(
+                            "virtio-fs {tag}: the driver's queue {index} is broken ({e}); the device needs a reset"
+                        );
+                        broken[index] = true;
+                        interrupt.signal_needs_reset();
+                    }
+                }
+            }
+        }
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -480,7 +563,6 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
                 return;
             }
         };
-        let mut to_serve = Vec::new();
         for event in &events[..n] {
             match event.data() {
                 STOP => return,
@@ -488,17 +570,11 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
                     tracing::warn!(
                         "virtio-fs {tag}: the vhost-user backend closed its socket; the guest's requests to it are answered with EIO from now on"
                     );
-                    let _ = epoll.ctl(ControlOperation::Delete, socket.as_raw_fd(), EpollEvent::default());
-                    if let Some((mem, queues)) = kit.take() {
-                        let taken = orphan::Orphaned::take_over(mem, queues);
-                        for (index, kick) in kicks.iter().enumerate() {
-                            if watch(kick.as_raw_fd(), EventSet::IN, KICK | index as u64).is_err() {
-                                return;
-                            }
-                        }
-                        // What the backend left unanswered, at once: no kick may come for it.
-                        to_serve.extend(0..taken.queue_count());
-                        orphaned = Some(taken);
+                    if let Some(socket) = socket {
+                        let _ = epoll.ctl(ControlOperation::Delete, socket.as_raw_fd(), EpollEvent::default());
+                    }
+                    if take_over(&mut to_serve, &mut orphaned).is_err() {
+                        return;
                     }
                 }
                 data if data & KICK != 0 => {
@@ -513,23 +589,6 @@ fn relay(tag: &str, calls: &[EventFd], socket: &OwnedFd, stop: &EventFd, interru
                         let _ = call.read();
                         interrupt.signal_used_queue();
                     }
-                }
-            }
-        }
-        let Some(queues) = orphaned.as_mut() else { continue };
-        for index in to_serve {
-            if broken.get(index).copied().unwrap_or(true) {
-                continue;
-            }
-            match queues.serve(index) {
-                Ok(true) => interrupt.signal_used_queue(),
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(
-                        "virtio-fs {tag}: the driver's queue {index} is broken ({e}); the device needs a reset"
-                    );
-                    broken[index] = true;
-                    interrupt.signal_needs_reset();
                 }
             }
         }

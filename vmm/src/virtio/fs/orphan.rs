@@ -59,16 +59,17 @@ impl Orphaned {
 
 /// Answers one request with a reply header saying EIO; returns the bytes written. A
 /// request with no device-writable buffer (FORGET, BATCH_FORGET, INTERRUPT on the
-/// high-priority queue) gets no reply, as from a backend; one too short for a FUSE header
-/// is returned with nothing written.
+/// high-priority queue) gets no reply, as from a backend; one too short for a FUSE header,
+/// or with a device-readable buffer after a writable one (2.7.4.2), is returned with
+/// nothing written.
 pub fn answer_eio<M: GuestMemory>(mem: &M, chain: DescriptorChain<&M>) -> u32 {
-    // The chain ends at a loop, a bad index or the queue's size (virtio-queue's iterator
-    // stops there): its descriptors number at most the queue's size.
+    // The chain ends at a loop, a bad index or the end of its table (virtio-queue's
+    // iterator stops there): at most 65,535 descriptors, through an indirect table.
     let descriptors: Vec<Descriptor> = chain.collect();
     let readable = descriptors.iter().take_while(|d| !d.is_write_only()).count();
     let (request, reply) = descriptors.split_at(readable);
     let mut header = [0u8; IN_HEADER_PREFIX];
-    if reply.is_empty() || !gather(mem, request, &mut header) {
+    if reply.is_empty() || reply.iter().any(|d| !d.is_write_only()) || !gather(mem, request, &mut header) {
         return 0;
     }
     let mut out = [0u8; OUT_HEADER_LEN];

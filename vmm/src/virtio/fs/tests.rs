@@ -350,54 +350,64 @@ fn used(mem: &GuestMemoryMmap, index: u64, position: u16) -> (u16, (u32, u32)) {
     )
 }
 
-#[test]
-fn a_backend_that_hangs_up_leaves_its_requests_answered_with_eio_and_a_reset_that_does_not_wait() {
-    use vm_memory::Bytes;
-    // The connection closes when the first ring's CALL eventfd is given: activation fails.
-    let backend = fake_backend(Behaviour::HangUpAt(11));
-    let mut fs = Fs::connect(&config(&backend)).unwrap();
-    let (interrupt, _line) = interrupt();
-    let (first, _notify) = activation(&interrupt);
-    assert!(matches!(fs.activate(first), Err(ActivateError::VhostUser { .. })));
-    // Five requests connect, fourteen activate; then the backend goes away with a
-    // request taken and unanswered (a LOOKUP) and a FORGET on the high-priority queue.
-    let backend = fake_backend(Behaviour::HangUpAfter(19));
-    let mut fs = Fs::connect(&config(&backend)).unwrap();
-    let (activation, notify) = activation(&interrupt);
-    let mem = activation.mem.clone();
-    let lookup = put_request(&mem, 1, 0, 0, 1, 0x1111_2222_3333_4444, true);
-    put_request(&mem, 0, 0, 0, 2, 7, false);
-    fs.activate(activation).unwrap();
-    let reply = |at: u64| {
-        let mut h = [0u8; 20];
-        mem.read_slice(&mut h, GuestAddress(at)).unwrap();
-        h
-    };
-    assert!(
-        eventually(|| used(&mem, 1, 0).0 == 1),
-        "the pending request was not answered"
-    );
-    // FUSE's reply header: length 16, error -EIO, the request's unique id; nothing past it.
+/// The reply header `answer_eio` writes for `unique`, and the pattern byte after it.
+fn eio_reply(unique: u64) -> [u8; 20] {
     let mut want = [0u8; 20];
     want[..4].copy_from_slice(&16u32.to_le_bytes());
     want[4..8].copy_from_slice(&(-5i32).to_le_bytes());
-    want[8..16].copy_from_slice(&0x1111_2222_3333_4444u64.to_le_bytes());
+    want[8..16].copy_from_slice(&unique.to_le_bytes());
     want[16..].copy_from_slice(&[0xaa; 4]);
-    assert_eq!(reply(lookup), want);
-    assert_eq!(used(&mem, 1, 0).1, (0, 16));
+    want
+}
+
+fn reply_at(mem: &GuestMemoryMmap, at: u64) -> [u8; 20] {
+    use vm_memory::Bytes;
+    let mut h = [0u8; 20];
+    mem.read_slice(&mut h, GuestAddress(at)).unwrap();
+    h
+}
+
+#[test]
+fn a_backend_that_hangs_up_leaves_its_requests_answered_with_eio_and_a_reset_that_does_not_wait() {
+    use vm_memory::Bytes;
+    // Five requests connect, fourteen activate; then the backend goes away, having
+    // answered the first request of queue 1 (a LOOKUP; used index 1) but not the second
+    // (a READ), and with a FORGET on the high-priority queue.
+    let backend = fake_backend(Behaviour::HangUpAfter(19));
+    let mut fs = Fs::connect(&config(&backend)).unwrap();
+    let (interrupt, _line) = interrupt();
+    let (activation, notify) = activation(&interrupt);
+    let mem = activation.mem.clone();
+    let answered = put_request(&mem, 1, 0, 0, 1, 0x1111, true);
+    let pending = put_request(&mem, 1, 1, 3, 15, 0x1111_2222_3333_4444, true);
+    let used_ring = 0x10_0000 + 0x1_0000 + 0x2000;
+    mem.write_obj(0u32, GuestAddress(used_ring + 4)).unwrap();
+    mem.write_obj(16u32, GuestAddress(used_ring + 8)).unwrap();
+    mem.write_obj(1u16, GuestAddress(used_ring + 2)).unwrap();
+    put_request(&mem, 0, 0, 0, 2, 7, false);
+    fs.activate(activation).unwrap();
+    assert!(
+        eventually(|| used(&mem, 1, 0).0 == 2),
+        "the pending request was not answered"
+    );
+    // Only the request the backend left: the one it answered is not answered again.
+    assert_eq!(used(&mem, 1, 1).1, (3, 16));
+    assert_eq!(reply_at(&mem, pending), eio_reply(0x1111_2222_3333_4444));
+    assert_eq!(
+        reply_at(&mem, answered),
+        [0xaa; 20],
+        "an answered request was answered again"
+    );
     // The FORGET is returned with no reply written, as a backend does.
     assert!(eventually(|| used(&mem, 0, 0).0 == 1));
     assert_eq!(used(&mem, 0, 0).1, (0, 0));
     assert_ne!(interrupt.status() & VIRTIO_MMIO_INT_VRING, 0);
     // A request after the backend went, with its kick: answered the same way.
-    let read = put_request(&mem, 1, 1, 3, 15, 99, true);
+    let read = put_request(&mem, 1, 2, 6, 15, 99, true);
     notify[1].write(1).unwrap();
-    assert!(eventually(|| used(&mem, 1, 1).0 == 2), "a new request was not answered");
-    assert_eq!(used(&mem, 1, 1).1, (3, 16));
-    assert_eq!(
-        reply(read)[4..16],
-        [&(-5i32).to_le_bytes()[..], &99u64.to_le_bytes()].concat()
-    );
+    assert!(eventually(|| used(&mem, 1, 2).0 == 3), "a new request was not answered");
+    assert_eq!(used(&mem, 1, 2).1, (6, 16));
+    assert_eq!(reply_at(&mem, read), eio_reply(99));
     // Answering is not being broken: the driver is not asked for a reset.
     assert!(!interrupt.needs_reset());
     let started = Instant::now();
@@ -407,6 +417,29 @@ fn a_backend_that_hangs_up_leaves_its_requests_answered_with_eio_and_a_reset_tha
         "reset took {:?}",
         started.elapsed()
     );
+}
+
+/// A backend gone before the driver starts the device (the connection closes when the
+/// first ring's CALL eventfd is given): the activation goes on with the device answering
+/// EIO itself, as when it goes later — a device asking for a reset would leave the
+/// guest's FUSE_INIT unanswered for ever.
+#[test]
+fn a_backend_gone_at_activation_leaves_the_device_answering_eio() {
+    let backend = fake_backend(Behaviour::HangUpAt(11));
+    let mut fs = Fs::connect(&config(&backend)).unwrap();
+    let (interrupt, _line) = interrupt();
+    let (activation, notify) = activation(&interrupt);
+    let mem = activation.mem.clone();
+    let init = put_request(&mem, 1, 0, 0, 26, 1, true);
+    fs.activate(activation).unwrap();
+    assert!(eventually(|| used(&mem, 1, 0).0 == 1), "FUSE_INIT was not answered");
+    assert_eq!(reply_at(&mem, init), eio_reply(1));
+    let later = put_request(&mem, 1, 1, 3, 1, 2, true);
+    notify[1].write(1).unwrap();
+    assert!(eventually(|| used(&mem, 1, 1).0 == 2));
+    assert_eq!(reply_at(&mem, later), eio_reply(2));
+    assert!(!interrupt.needs_reset());
+    fs.reset();
 }
 
 #[test]
