@@ -118,9 +118,12 @@ fn a_root_disk_is_read_and_written_and_its_paths_are_probed_like_the_guests_own_
     let spare = dir.join("spare.img");
     std::fs::write(&spare, vec![0x42u8; 1 << 20]).unwrap();
     let spare_hash = sha256(&spare);
+    // Jump-optimized where they can be (event detours record in the guest, no exit), and
+    // the block layer's submissions unwound on the host.
     let probes = probe_file(
         &dir,
-        "p:hw ext4_file_write_iter\np:hsub blk_mq_submit_bio\np:hvq virtio_queue_rq\n",
+        "p:hw ext4_file_write_iter\np:hsub blk_mq_submit_bio\np:hvq virtio_queue_rq\n\
+         filter hsub comm == \"dd\"\ntrigger hsub stacktrace\n",
     );
     // The guest's own events on the same functions, traced only for dd.
     let workload = "T=/sys/kernel/tracing; \
@@ -143,6 +146,8 @@ fn a_root_disk_is_read_and_written_and_its_paths_are_probed_like_the_guests_own_
             &format!("{},ro", spare.display()),
             "--root",
             "/dev/vda",
+            "--optimize",
+            "on",
             "--probes",
             probes.to_str().unwrap(),
             "--workload",
@@ -153,6 +158,34 @@ fn a_root_disk_is_read_and_written_and_its_paths_are_probed_like_the_guests_own_
     assert_eq!(run.code, Some(0), "{}", run.tail());
     common::assert_guest_healthy(&run, &[]);
     assert!(run.console_has_line("hello from the host"), "{}", run.tail());
+    // ext4's write path is optimized like any function's.
+    let listing = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("ext4_file_write_iter+0x0") && l.contains("hits="))
+        .unwrap_or_else(|| panic!("no listing line of hw\n{}", run.tail()));
+    assert!(listing.contains("[OPTIMIZED]"), "{listing}");
+    // Each of dd's bio submissions unwound on the host through the block layer and ext4
+    // (or its journal) into the system call.
+    let stacks: Vec<&str> = run
+        .stdout
+        .split("<stack trace>")
+        .skip(1)
+        .filter(|s| s.lines().nth(1).is_some_and(|l| l.contains("blk_mq_submit_bio")))
+        .collect();
+    assert!(!stacks.is_empty(), "no stack of a bio submission\n{}", run.tail());
+    for stack in &stacks {
+        let frames: Vec<&str> = stack
+            .lines()
+            .take_while(|l| l.is_empty() || l.starts_with(" => "))
+            .collect();
+        let has = |f: &str| frames.iter().any(|l| l.contains(f));
+        assert!(has("submit_bio"), "{frames:#?}");
+        assert!(has("ext4_") || has("jbd2_"), "{frames:#?}");
+        // Into the system call that caused it (dd's open creating the file, its writes,
+        // its fsync).
+        assert!(has("sys_") || has("fsync"), "{frames:#?}");
+    }
     assert!(run.console_has_line("RO-WRITE-REFUSED"), "{}", run.tail());
 
     // The probes saw dd's writes as the guest's own events did.
