@@ -124,3 +124,45 @@ fn a_virtiofsd_without_a_share_to_serve_is_refused() {
         run.tail()
     );
 }
+
+/// A `--modules` that is not a module tree, or a tree without a driver the devices need,
+/// is refused before the boot, naming what is missing; `--modules` needs `--kernel`.
+#[test]
+fn a_module_tree_that_cannot_serve_the_devices_is_refused_before_the_boot() {
+    let guest = common::bundled_guest_dir();
+    let kernel = guest.join("bzImage");
+    let kernel = kernel.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("hvprobe-modules-{}", std::process::id()));
+    let tree = dir.join("lib/modules/6.1.0-test");
+    std::fs::create_dir_all(&tree).unwrap();
+    let disk = dir.join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let disk = disk.to_str().unwrap();
+    let tree_arg = tree.to_str().unwrap();
+    assert_clean_error(
+        &[
+            "run",
+            "--kernel",
+            kernel,
+            "--modules",
+            tree_arg,
+            "--disk",
+            disk,
+            "--workload",
+            "true",
+        ],
+        &format!("--modules {tree_arg}: not a kernel's module tree (no modules.dep)"),
+    );
+    std::fs::write(tree.join("modules.dep"), "kernel/drivers/virtio/virtio.ko:\n").unwrap();
+    std::fs::write(tree.join("modules.builtin"), "kernel/drivers/virtio/virtio_mmio.ko\n").unwrap();
+    assert_clean_error(
+        &["run", "--kernel", kernel, "--modules", tree_arg, "--disk", disk, "--workload", "true"],
+        &format!(
+            "the kernel's module tree {tree_arg} has no virtio_blk (neither built in nor a module): this kernel cannot serve --disk"
+        ),
+    );
+    let run = hvprobe(&["run", "--modules", tree_arg, "--workload", "true"], QUICK);
+    assert_eq!(run.code, Some(2), "{}", run.tail());
+    assert!(run.stderr.contains("--kernel <FILE>"), "{}", run.tail());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
