@@ -328,25 +328,28 @@ impl Fs {
         }
         // SAFETY: `socket` is a fresh descriptor that only this OwnedFd owns.
         let socket = unsafe { OwnedFd::from_raw_fd(socket) };
-        let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
-        let stop_relay = stop.try_clone().map_err(ActivateError::EventFd)?;
-        let tag = self.tag.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("virtio-fs-{}", self.tag))
-            .spawn(move || relay(&tag, &calls, Some(&socket), &stop_relay, &interrupt, kit))
-            .map_err(ActivateError::Thread)?;
-        self.relay = Some(Relay { stop, thread });
-        Ok(())
+        self.spawn_relay(calls, Some(socket), interrupt, kit)
     }
 
     /// The relay, answering the queues with EIO from the start (no backend).
     fn start_orphaned(&mut self, kit: OrphanKit, interrupt: Arc<Interrupt>) -> Result<(), ActivateError> {
+        self.spawn_relay(Vec::new(), None, interrupt, kit)
+    }
+
+    /// Starts the relay thread (see [`relay`]) and keeps what stops it.
+    fn spawn_relay(
+        &mut self,
+        calls: Vec<EventFd>,
+        socket: Option<OwnedFd>,
+        interrupt: Arc<Interrupt>,
+        kit: OrphanKit,
+    ) -> Result<(), ActivateError> {
         let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
         let stop_relay = stop.try_clone().map_err(ActivateError::EventFd)?;
         let tag = self.tag.clone();
         let thread = std::thread::Builder::new()
             .name(format!("virtio-fs-{}", self.tag))
-            .spawn(move || relay(&tag, &[], None, &stop_relay, &interrupt, kit))
+            .spawn(move || relay(&tag, &calls, socket.as_ref(), &stop_relay, &interrupt, kit))
             .map_err(ActivateError::Thread)?;
         self.relay = Some(Relay { stop, thread });
         Ok(())
