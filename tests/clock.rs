@@ -18,7 +18,7 @@
 //!   few µs without): [`RECORD_SKEW_NS`] allows 5 µs.
 //! - The stamp follows the guest's own reading by what runs between (the exit, or a few
 //!   dozen emulated instructions: 55–75 µs measured for a record, 200–290 µs for a return
-//!   that also runs the event detour at +5): the median must stay under [`MEDIAN_LAG_NS`].
+//!   that also runs the event detour after the clock read): the median must stay under [`MEDIAN_LAG_NS`].
 //!   In the nested-SVM lane (`guest/l1/run`, which hands COMMAND the lane's `HVPROBE_L1_*`
 //!   variables) hvprobe itself runs under QEMU's TCG: a trapped hit's exit and our handling
 //!   before the stamp took 0.5–1.3 ms there (medians 0.54–1.26 ms with this debug build,
@@ -127,6 +127,26 @@ fn guest_lines(run: &Run, event: &str, comm: &str) -> Vec<Stamped> {
         .filter_map(|l| Stamped::parse(l, event))
         .filter(|s| s.task.starts_with(&format!("{comm}-")))
         .collect()
+}
+
+/// `kvm_sched_clock_read+OFF`, where OFF is its `sub kvm_sched_clock_offset(%rip),%rax`,
+/// the instruction after the call that read the kvm-clock: `%rax - kvm_sched_clock_offset`
+/// there is the guest's own `sched_clock()`.
+fn after_the_kvm_clock_read() -> String {
+    let (read, symbols) = common::GuestFunction::bundled("kvm_sched_clock_read");
+    let offset = symbols
+        .lookup("kvm_sched_clock_offset")
+        .expect("kvm_sched_clock_offset");
+    // 48 2b 05 disp32: sub disp32(%rip),%rax
+    let at = read
+        .find_rip_relative(&[0x48, 0x2b, 0x05], offset.addr.0)
+        .unwrap_or_else(|| {
+            panic!(
+                "no `sub kvm_sched_clock_offset(%rip),%rax` in kvm_sched_clock_read: {:02x?}",
+                read.code
+            )
+        });
+    format!("kvm_sched_clock_read+{at:#x}")
 }
 
 fn probe_file(name: &str, text: &str) -> PathBuf {
@@ -270,14 +290,17 @@ fn trapped_hits_merge_with_the_guests_own_events_on_its_trace_clock() {
 fn event_detour_records_carry_their_hits_own_time_on_the_guests_trace_clock() {
     require_a_tsc_clocksource();
     let dir = snapshot(1);
-    // `kvm_sched_clock_read+5` is `sub kvm_sched_clock_offset(%rip),%rax` right after the
-    // call that read the kvm-clock: `raw - off` is the guest's own `sched_clock()` there.
+    // Right after the call that read the kvm-clock, `raw - off` is the guest's own
+    // `sched_clock()`.
     let probes = probe_file(
         "clock-records",
-        "p:clk/write ksys_write\n\
-         p:clk/raw kvm_sched_clock_read+0x5 raw=%ax:u64 off=@kvm_sched_clock_offset:u64\n\
-         filter clk/write comm == \"busybox\"\n\
-         filter clk/raw comm == \"busybox\"\n",
+        &format!(
+            "p:clk/write ksys_write\n\
+             p:clk/raw {} raw=%ax:u64 off=@kvm_sched_clock_offset:u64\n\
+             filter clk/write comm == \"busybox\"\n\
+             filter clk/raw comm == \"busybox\"\n",
+            after_the_kvm_clock_read()
+        ),
     );
     let run = restore_with(
         &dir,
@@ -307,7 +330,7 @@ fn event_detour_records_carry_their_hits_own_time_on_the_guests_trace_clock() {
         .map(|s| s.ns() - s.arg("raw").wrapping_sub(s.arg("off")) as i64)
         .collect();
     check_lag(
-        "event-detour record at kvm_sched_clock_read+5",
+        "event-detour record after kvm_sched_clock_read's clock read",
         &mut lags,
         RECORD_SKEW_NS,
     );
@@ -365,14 +388,17 @@ fn cpu_of(line: &str) -> Option<usize> {
 fn on_two_vcpus_each_cpus_stamps_follow_its_own_clock_reads() {
     require_a_tsc_clocksource();
     let dir = snapshot(2);
-    // Both kinds on both vCPUs: the return traps (a `call` at +0 cannot be displaced), the
-    // probe at +5 is an event detour writing into its CPU's ring.
+    // Both kinds on both vCPUs: the return traps (return probes trap at their trampoline), the
+    // probe after the clock read is an event detour writing into its CPU's ring.
     let probes = probe_file(
         "clock-two",
-        "r:clk/sched kvm_sched_clock_read ret=$retval\n\
-         p:clk/raw kvm_sched_clock_read+0x5 raw=%ax:u64 off=@kvm_sched_clock_offset:u64\n\
-         filter clk/sched comm == \"busybox\"\n\
-         filter clk/raw comm == \"busybox\"\n",
+        &format!(
+            "r:clk/sched kvm_sched_clock_read ret=$retval\n\
+             p:clk/raw {} raw=%ax:u64 off=@kvm_sched_clock_offset:u64\n\
+             filter clk/sched comm == \"busybox\"\n\
+             filter clk/raw comm == \"busybox\"\n",
+            after_the_kvm_clock_read()
+        ),
     );
     let one_cpu =
         |cpu: usize| format!("taskset -c {cpu} busybox sh -c 'for i in 1 2 3 4 5 6; do echo $i > /dev/null; done'");
@@ -395,7 +421,7 @@ fn on_two_vcpus_each_cpus_stamps_follow_its_own_clock_reads() {
             .collect()
     };
     for cpu in 0..2 {
-        // The return's stamp follows the guest's read by the event detour at +5 too.
+        // The return's stamp follows the guest's read by the event detour after it too.
         let mut returns: Vec<i64> = on_cpu("sched", cpu)
             .iter()
             .map(|s| s.ns() - s.arg("ret") as i64)

@@ -17,7 +17,7 @@ fn probe_file(name: &str, text: &str) -> PathBuf {
 }
 
 /// `(event, ret)` of every hit line with a `ret=` on the console, in order (ftrace's
-/// layout names the event alone: `cat-30 [000] 1.23: oa: (do_sys_open <- ...) ret=0x3`).
+/// layout names the event alone: `cat-30 [000] 1.23: krd: (ksys_read <- ...) ret=0x1`).
 fn returns(run: &Run) -> Vec<(String, String)> {
     run.stdout
         .lines()
@@ -34,18 +34,36 @@ fn assert_guest_unhurt(run: &Run) {
     common::assert_guest_healthy(run, &["int3"]);
 }
 
+/// The two return probes on a function and the one it tail-calls: `__x64_sys_read` ends
+/// in `jmp ksys_read` (checked: a compiler may inline it instead), so both want the same
+/// stack slot.
+const TAIL_CALL_PROBES: &str = "r:a/rd __x64_sys_read ret=$retval\nr:a/krd ksys_read ret=$retval\n";
+
+/// Reads of 1 byte and of 0 (`read` takes a byte per system call), and one of a directory
+/// that fails with -EISDIR.
+const READS: &str = "echo x > /tmp/one; for i in 1 2 3 4 5; do read -r l < /tmp/one; done; read -r l < /";
+
+const EISDIR: &str = "0xffffffffffffffeb";
+
+fn assert_sys_read_tail_calls_ksys_read() {
+    let (sys_read, symbols) = common::GuestFunction::bundled("__x64_sys_read");
+    let ksys_read = symbols.lookup("ksys_read").expect("ksys_read");
+    assert!(
+        sys_read.find_rip_relative(&[0xe9], ksys_read.addr.0).is_some(),
+        "__x64_sys_read does not end in `jmp ksys_read` in this kernel: {:02x?}",
+        sys_read.code
+    );
+}
+
 #[test]
 fn return_probes_on_a_function_and_the_one_it_tail_calls_both_fire_with_one_return_value() {
+    assert_sys_read_tail_calls_ksys_read();
     let dir = snapshot(1);
-    // `__x64_sys_openat` ends in `jmp do_sys_open`: both return probes want the same slot.
-    let probes = probe_file(
-        "tailcall",
-        "r:a/oa __x64_sys_openat ret=$retval\nr:a/os do_sys_open ret=$retval\n",
-    );
+    let probes = probe_file("tailcall", TAIL_CALL_PROBES);
     let run = restore_with(
         &dir,
         1,
-        "cat /proc/version; for i in 1 2 3 4 5; do read -r l < /proc/version; done; read -r l < /nonexistent; true",
+        &format!("cat /proc/version; {READS}; true"),
         &["--probes", probes.to_str().unwrap()],
         TIMEOUT,
     );
@@ -54,45 +72,43 @@ fn return_probes_on_a_function_and_the_one_it_tail_calls_both_fire_with_one_retu
     assert!(run.stdout.contains("Linux version"), "{}", run.tail());
     assert_guest_unhurt(&run);
     let hits = returns(&run);
-    // Every openat fires both, the tail-called one first, with one return value (do_sys_open
-    // is also called without openat, by open(2)).
-    let mut openats = 0;
+    // Every read fires both, the tail-called one first, with one return value.
+    let mut reads = 0;
     for (i, (event, ret)) in hits.iter().enumerate() {
-        if event != "oa" {
+        if event != "rd" {
             continue;
         }
-        openats += 1;
+        reads += 1;
         assert!(i > 0, "{hits:?}");
-        assert_eq!((hits[i - 1].0.as_str(), &hits[i - 1].1), ("os", ret), "{hits:?}");
+        assert_eq!((hits[i - 1].0.as_str(), &hits[i - 1].1), ("krd", ret), "{hits:?}");
     }
-    assert!(openats >= 7, "{hits:?}\n{}", run.tail());
+    assert!(reads >= 11, "{hits:?}\n{}", run.tail());
     assert!(
-        hits.iter().any(|(e, ret)| e == "oa" && ret == "0xfffffffffffffffe"),
-        "the failed open's -ENOENT is among them: {hits:?}"
+        hits.iter().any(|(e, ret)| e == "rd" && ret == EISDIR),
+        "the failed read's -EISDIR is among them: {hits:?}"
     );
 }
 
 #[test]
 fn the_guests_own_return_probe_between_a_tail_call_and_ours_leaves_every_return_intact() {
-    // The guest's kretprobe on `do_sys_open` swaps our trampoline (put there by the return
-    // probe on `__x64_sys_openat`, which tail-calls it) for its own, then ours on
-    // `do_sys_open` swaps that for ours: the return goes through ours, the guest's, ours
-    // again. It stopped the VM ("a return through the trampoline with no call on record").
+    // The guest's kretprobe on `ksys_read` swaps our trampoline (put there by the return
+    // probe on `__x64_sys_read`, which tail-calls it) for its own, then ours on `ksys_read`
+    // swaps that for ours: the return goes through ours, the guest's, ours again. It
+    // stopped the VM ("a return through the trampoline with no call on record").
+    assert_sys_read_tail_calls_ksys_read();
     for optimize in ["--optimize=off", "--optimize=on"] {
         let dir = snapshot(1);
-        let probes = probe_file(
-            "guest-rethook",
-            "r:a/oa __x64_sys_openat ret=$retval\nr:a/os do_sys_open ret=$retval\n",
-        );
+        let probes = probe_file("guest-rethook", TAIL_CALL_PROBES);
         let run = restore_with(
             &dir,
             1,
-            "T=/sys/kernel/tracing; echo 'r:gr do_sys_open' > $T/kprobe_events; \
-             echo 1 > $T/events/kprobes/gr/enable; \
-             for i in 1 2 3 4 5; do read -r l < /proc/version; done; read -r l < /nonexistent; \
-             echo 0 > $T/events/kprobes/gr/enable; \
-             while read -r e h m; do echo \"PROFILE $e $h $m\"; done < $T/kprobe_profile; \
-             echo > $T/kprobe_events",
+            &format!(
+                "T=/sys/kernel/tracing; echo 'r:gr ksys_read' > $T/kprobe_events; \
+                 echo 1 > $T/events/kprobes/gr/enable; {READS}; \
+                 echo 0 > $T/events/kprobes/gr/enable; \
+                 while read -r e h m; do echo \"PROFILE $e $h $m\"; done < $T/kprobe_profile; \
+                 echo > $T/kprobe_events"
+            ),
             &["--probes", probes.to_str().unwrap(), optimize],
             TIMEOUT,
         );
@@ -105,15 +121,19 @@ fn the_guests_own_return_probe_between_a_tail_call_and_ours_leaves_every_return_
             .find_map(|l| l.strip_prefix("PROFILE gr "))
             .and_then(|l| l.split_whitespace().next()?.parse().ok())
             .unwrap_or_else(|| panic!("no profile of the guest's probe\n{}", run.tail()));
-        assert!(guest >= 6, "the guest's own return probe fired on each open: {guest}");
+        assert!(guest >= 11, "the guest's own return probe fired on each read: {guest}");
         let hits = returns(&run);
-        let openats = hits.iter().filter(|(e, _)| e == "oa").count();
-        assert!(openats >= 6, "{optimize}: every openat returned through ours: {hits:?}");
+        let reads = hits.iter().filter(|(e, _)| e == "rd").count();
+        assert!(reads >= 11, "{optimize}: every read returned through ours: {hits:?}");
         for (i, (event, ret)) in hits.iter().enumerate() {
-            if event == "oa" {
-                assert_eq!((hits[i - 1].0.as_str(), &hits[i - 1].1), ("os", ret), "{hits:?}");
+            if event == "rd" {
+                assert_eq!((hits[i - 1].0.as_str(), &hits[i - 1].1), ("krd", ret), "{hits:?}");
             }
         }
+        assert!(
+            hits.iter().any(|(e, ret)| e == "rd" && ret == EISDIR),
+            "{optimize}: the failed read's -EISDIR is among them: {hits:?}"
+        );
     }
 }
 

@@ -1,8 +1,9 @@
 //! The nested-SVM lane: hvprobe on hardware KVM (kvm_amd), tested on machines whose own
-//! `/dev/kvm` is kvm_pvm. Each test boots an L1 guest with `guest/l1/run` (QEMU's TCG with
-//! nested SVM and the lane's INT3 patch, Debian's cloud kernel with kvm_amd) and runs one
-//! of this workspace's own test binaries in it, built by the same `cargo test`: the tests
-//! that need real KVM debug exits pass on both backends from one source.
+//! `/dev/kvm` is kvm_pvm. An L1 guest booted with `guest/l1/run` (QEMU's TCG with nested
+//! SVM and the lane's INT3 patch, Debian's cloud kernel with kvm_amd) runs the [`jobs`] of
+//! the tests libtest runs, one after the other: this workspace's own test binaries, built
+//! by the same `cargo test` (the tests that need real KVM debug exits pass on both
+//! backends from one source), and scripts; each test then checks its job's output.
 //!
 //! The lane's prerequisites (guest/l1/install-deps.sh, then guest/l1/build.sh; `.ci/run`
 //! does both) are not optional: without them every test here fails with the reason
@@ -11,6 +12,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -21,33 +23,488 @@ use common::{repo, Run};
 /// One L1 at a time: each takes both cores.
 static LANE: Mutex<()> = Mutex::new(());
 
-/// Longest one L1 run may take. The probe suite took about 10 minutes in a CI-equivalent
-/// run that also made the guest's snapshots, so this stays well above that.
-const LANE_TIMEOUT: Duration = Duration::from_secs(1800);
+/// Longest one job may take in the L1. The probe suite took about 10 minutes in a
+/// CI-equivalent run that also made the guest's snapshots, so this stays well above that.
+const JOB_TIMEOUT: Duration = Duration::from_secs(1800);
 
-/// Runs `command` in the L1 with this build's `hvprobe` on its PATH; `env` goes to
-/// `guest/l1/run` (its `HVPROBE_L1_*` settings). When the L1 kernel itself panics (seen in
-/// about one lane run of fifteen, in the L1's own entry code under QEMU's TCG emulation of
-/// nested SVM: not the code under test, which runs in the L1's guest), or loses a CPU's
-/// timer interrupts from its boot on (its RCU says so; `guest/l1/run` ends it then),
-/// COMMAND runs once more, and the reason is printed and counted ([`second_try`]).
-fn in_l1(command: &str, env: &[(&str, &str)]) -> Run {
-    let _one_at_a_time = LANE.lock().unwrap_or_else(|e| e.into_inner());
-    let run = in_l1_once(command, env);
-    let sick = [
-        ("Kernel panic - not syncing", "the L1 kernel panicked"),
-        (
-            "the L1 kernel lost a CPU's timer",
-            "the L1 kernel lost a CPU's timer interrupts",
-        ),
-    ]
-    .into_iter()
-    .find(|(said, _)| run.code == Some(125) && run.stderr.contains(said));
-    if let Some((_, what)) = sick {
-        second_try(&format!("{what} under `{}`", first_line(command)), &tail(&run));
-        return in_l1_once(command, env);
+/// `guest/l1/run`'s settings for an L1 (its `HVPROBE_L1_*` variables). Jobs with the same
+/// settings share one L1.
+type L1Env = &'static [(&'static str, &'static str)];
+
+/// The L1 of every job but the clock's.
+const PLAIN_L1: L1Env = &[];
+
+/// What a job runs in the L1.
+enum Work {
+    /// Test binary `binary` of this workspace (the newest one that has test `having`, when
+    /// two binaries share the name); `args` are libtest's (filters, `--skip`). It must pass
+    /// and run at least `at_least` tests there.
+    Suite {
+        binary: &'static str,
+        having: Option<&'static str>,
+        args: &'static str,
+        at_least: usize,
+    },
+    /// A shell script, whose output its test checks.
+    Script(fn() -> String),
+}
+
+/// One command of the lane, run in an L1 with the other jobs of the tests that `cargo
+/// test` runs: an L1's boot under TCG costs about as much as a suite, and the L2
+/// snapshots a job makes are there for the next.
+struct Job {
+    /// The test's name, or `TEST/PART` for a test with more than one job.
+    name: &'static str,
+    env: L1Env,
+    work: Work,
+}
+
+impl Job {
+    fn suite(name: &'static str, binary: &'static str, args: &'static str, at_least: usize) -> Job {
+        Job {
+            name,
+            env: PLAIN_L1,
+            work: Work::Suite {
+                binary,
+                having: None,
+                args,
+                at_least,
+            },
+        }
     }
+
+    fn script(name: &'static str, script: fn() -> String) -> Job {
+        Job {
+            name,
+            env: PLAIN_L1,
+            work: Work::Script(script),
+        }
+    }
+
+    /// The test the job belongs to.
+    fn test(&self) -> &str {
+        self.name.split('/').next().unwrap_or(self.name)
+    }
+
+    fn binary(&self) -> Option<PathBuf> {
+        match self.work {
+            Work::Suite { binary, having, .. } => Some(test_binary_having(binary, having)),
+            Work::Script(_) => None,
+        }
+    }
+
+    fn command(&self) -> String {
+        match &self.work {
+            // The L1 runs COMMAND on a serial port, which libtest takes for a terminal. One
+            // test, so one L2 guest, at a time: the restored L2s that triple-faulted in lane
+            // runs ran beside another L2 (25 restores in a row alone did not fail), and the
+            // L1's own panics show QEMU's nested SVM mixing up its guests' state and its own
+            // (docs/known-issues.md).
+            Work::Suite { args, .. } => format!(
+                "{} --test-threads=1 --color never {args}",
+                self.binary().expect("a suite's binary").display()
+            ),
+            Work::Script(script) => script(),
+        }
+    }
+}
+
+/// The lane's jobs, in the order an L1 runs them: the suites that have never failed in the
+/// lane first, those that have (an L1 panic, an L2 that hung) last, so that an L1 that
+/// dies takes the fewest finished jobs' time with it.
+fn jobs() -> Vec<Job> {
+    vec![
+        Job::suite("exit_loop_code_blobs_on_kvm_amd", "exit_loop", "", 4),
+        Job::suite("registers_through_the_sync_area_on_kvm_amd", "exit_regs", "", 1),
+        Job::suite("hardware_breakpoints_on_kvm_amd/debug_regs", "debug_regs", "", 2),
+        Job::suite("hardware_breakpoints_on_kvm_amd/watches", "probes", "watch", 3),
+        Job::suite("a_busy_trace_stops_cleanly_on_kvm_amd", "stop", "", 2),
+        Job::suite("event_detours_on_kvm_amd", "event_detour", "", 10),
+        Job::suite("filters_and_hist_triggers_on_kvm_amd", "analysis", "", 6),
+        Job::suite("disks_on_kvm_amd", "disks", "a_root_disk_is_read_and_written", 1),
+        Job::script("bench_io_runs_beside_qemu_on_kvm_amd", bench_io_script),
+        Job::suite("snapshots_and_restore_on_kvm_amd", "snapshot", "", 7),
+        Job::suite("library_api_on_kvm_amd", "probe_api", "", 7),
+        Job::script("boots_and_hardening_on_kvm_amd", boots_and_hardening_script),
+        Job::script(
+            "the_guests_int3_self_test_survives_every_boot_on_kvm_amd",
+            int3_self_test_script,
+        ),
+        Job::script(
+            "a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd",
+            stock_kernel_with_devices_script,
+        ),
+        Job::script(
+            "a_stock_debian_kernel_is_traced_with_symbols_from_its_memory",
+            stock_kernel_script,
+        ),
+        Job {
+            // tests/stacks.rs, not live/tests/stacks.rs.
+            work: Work::Suite {
+                binary: "stacks",
+                having: Some("host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_alone"),
+                args: "--skip host_stacks_equal_the_guests_own_on_one_vcpu \
+                       --skip host_stacks_equal_the_guests_own_on_two_vcpus",
+                at_least: 3,
+            },
+            ..Job::suite("kernel_stacks_on_kvm_amd", "", "", 0)
+        },
+        // Skipped here, with the reason in docs/known-issues.md: the two-streams test hung
+        // twice in full lane runs (its L2 looping on #PF injections from the L1's KVM), the
+        // optimize-loop stress test failed in 3 of 4 full lane runs; both pass alone there
+        // and run on kvm_pvm in tests/control.rs. Not diagnosed. The stalled-stdout test
+        // (hvprobe's vCPU thread blocked writing to a full pipe while the test pauses the
+        // VM every half second) panics the L1 kernel (a task stack overflow in its
+        // page-fault entry, on the vCPU thread): 3 of 4 runs there; it runs on kvm_pvm.
+        Job::suite(
+            "live_control_on_kvm_amd",
+            "control",
+            "--skip a_stream_that_does_not_read --skip optimizing_and_unoptimizing_in_a_loop \
+             --skip a_vcpu_blocked_on_a_stalled_stdout",
+            4,
+        ),
+        Job::suite("kprobe_oracle_on_kvm_amd", "probes", "--skip watch", 11),
+        Job {
+            env: &[("HVPROBE_L1_TSC_RELIABLE", "1")],
+            ..Job::suite("guest_clock_stamps_on_kvm_amd", "clock", "", 4)
+        },
+    ]
+}
+
+/// The job `name`'s run in the L1. The first job of an L1's settings to be asked for runs
+/// with every other job of those settings whose test this run of the test binary selects
+/// ([`selected`]), in one L1; the others' runs wait here for their tests.
+fn job(name: &str) -> Run {
+    static FINISHED: Mutex<BTreeMap<String, Run>> = Mutex::new(BTreeMap::new());
+    let _one_at_a_time = LANE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut finished = FINISHED.lock().unwrap_or_else(|e| e.into_inner());
+    if !finished.contains_key(name) {
+        let jobs = jobs();
+        let me = jobs
+            .iter()
+            .find(|j| j.name == name)
+            .unwrap_or_else(|| panic!("no lane job {name}"));
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let batch: Vec<Planned> = jobs
+            .iter()
+            .filter(|j| j.env == me.env && !finished.contains_key(j.name))
+            .filter(|j| j.name == name || selected(j.test(), &args))
+            .map(|j| Planned {
+                name: j.name.to_string(),
+                command: j.command(),
+            })
+            .collect();
+        finished.extend(in_one_l1(&batch, me.env));
+    }
+    finished
+        .remove(name)
+        .unwrap_or_else(|| panic!("the lane ran no job {name}"))
+}
+
+/// Runs the suite job `name` and checks that it passed and ran its tests. A test that
+/// failed or never finished runs once more, alone, and must pass then: the lane itself is
+/// not reliable yet (an L2 that hangs or triple-faults about once in a full lane run,
+/// docs/known-issues.md). Each such test is a second try of the lane's few.
+fn suite(name: &str) -> Run {
+    let jobs = jobs();
+    let job_of = jobs
+        .iter()
+        .find(|j| j.name == name)
+        .unwrap_or_else(|| panic!("no lane job {name}"));
+    let Work::Suite { at_least, .. } = job_of.work else {
+        panic!("lane job {name} is not a suite")
+    };
+    let run = job(name);
+    let first = Verdicts::of(&run.stdout);
+    let mut passed = first.passed.len();
+    if run.code != Some(0) {
+        assert!(
+            !first.failed.is_empty(),
+            "{name} failed on kvm_amd in the L1 with no test failing: no second try\n{}",
+            tail(&run)
+        );
+        for test in &first.failed {
+            second_try(
+                &format!("{name}: {test} failed or did not finish on kvm_amd"),
+                &tail(&run),
+            );
+        }
+        let binary = job_of.binary().expect("a suite's binary");
+        let rerun = in_l1(
+            &format!(
+                "{} --test-threads=1 --color never --exact {}",
+                binary.display(),
+                first.failed.join(" ")
+            ),
+            job_of.env,
+        );
+        let again = Verdicts::of(&rerun.stdout);
+        assert!(
+            rerun.code == Some(0) && again.passed.len() == first.failed.len(),
+            "{name} failed on kvm_amd in the L1, and again when {:?} ran once more\n--- first run ---\n{}\n--- rerun ---\n{}",
+            first.failed,
+            tail(&run),
+            tail(&rerun)
+        );
+        passed += again.passed.len();
+    }
+    assert!(
+        passed >= at_least,
+        "{name} ran {passed} tests in the L1, expected at least {at_least}\n{}",
+        tail(&run)
+    );
     run
+}
+
+/// Whether libtest, given `args`, runs test `test`: no filter, or a filter in it (equal to
+/// it with `--exact`), and no `--skip` in it. What cannot be told is taken as selected: a
+/// job too many costs time, not a result.
+fn selected(test: &str, args: &[String]) -> bool {
+    const TAKES_VALUE: [&str; 6] = [
+        "--color",
+        "--format",
+        "--logfile",
+        "--test-threads",
+        "--shuffle-seed",
+        "-Z",
+    ];
+    let exact = args.iter().any(|a| a == "--exact");
+    let matches = |filter: &str| if exact { test == filter } else { test.contains(filter) };
+    let mut filters = Vec::new();
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        if arg == "--skip" {
+            if args.next().is_some_and(|skip| matches(skip)) {
+                return false;
+            }
+        } else if TAKES_VALUE.contains(&arg.as_str()) {
+            args.next();
+        } else if !arg.starts_with('-') {
+            filters.push(arg.as_str());
+        }
+    }
+    filters.is_empty() || filters.into_iter().any(matches)
+}
+
+/// A job as it goes to the L1.
+struct Planned {
+    name: String,
+    command: String,
+}
+
+/// Runs `command` alone in a new L1 (`env`: its settings).
+fn in_l1(command: &str, env: L1Env) -> Run {
+    let name = "alone";
+    let mut runs = in_one_l1(
+        &[Planned {
+            name: name.into(),
+            command: command.into(),
+        }],
+        env,
+    );
+    runs.remove(name).expect("the L1's only job")
+}
+
+/// Runs `jobs` one after the other in one L1 with this build's `hvprobe` on its PATH, each
+/// in its own `TMPDIR`, each bounded by [`JOB_TIMEOUT`]. When the L1 kernel itself panics
+/// (seen in about one lane run of fifteen, in the L1's own entry code under QEMU's TCG
+/// emulation of nested SVM: not the code under test, which runs in the L1's guest), or
+/// loses a CPU's timer interrupts from its boot on (its RCU says so; `guest/l1/run` ends it
+/// then), the jobs it did not finish run once more in a new L1, and the reason is printed
+/// and counted ([`second_try`]).
+fn in_one_l1(jobs: &[Planned], env: L1Env) -> BTreeMap<String, Run> {
+    let mut finished = BTreeMap::new();
+    let mut left: Vec<&Planned> = jobs.iter().collect();
+    for attempt in 0..2 {
+        let l1 = run_l1(&left, env);
+        let outcome = JobOutputs::of(&l1.run.stdout, &l1.mark);
+        record_l1_time(&l1.run, &outcome, left.len());
+        for (name, (output, status, seconds)) in outcome.finished {
+            record_job_time(&name, seconds, left.len());
+            finished.insert(
+                name,
+                Run {
+                    code: Some(status),
+                    stdout: output,
+                    stderr: l1.run.stderr.clone(),
+                },
+            );
+        }
+        left.retain(|j| !finished.contains_key(&j.name));
+        if left.is_empty() {
+            break;
+        }
+        let sick = [
+            ("Kernel panic - not syncing", "the L1 kernel panicked"),
+            (
+                "the L1 kernel lost a CPU's timer",
+                "the L1 kernel lost a CPU's timer interrupts",
+            ),
+        ]
+        .into_iter()
+        .find(|(said, _)| l1.run.code == Some(125) && l1.run.stderr.contains(said));
+        let unfinished = |j: &Planned| -> Run {
+            let (stdout, what) = match &outcome.unfinished {
+                Some((name, output)) if *name == j.name => (output.clone(), "the L1 ended during this job"),
+                _ => (String::new(), "the L1 ended before this job began"),
+            };
+            Run {
+                code: l1.run.code.filter(|&c| c != 0).or(Some(125)),
+                stdout,
+                stderr: format!("hvprobe-lane: {what}\n{}", l1.run.stderr),
+            }
+        };
+        match sick {
+            Some((_, what)) if attempt == 0 => {
+                let names: Vec<&str> = left.iter().map(|j| j.name.as_str()).collect();
+                second_try(
+                    &format!("{what} under {}", names.join(", ")),
+                    &tail(&unfinished(left[0])),
+                );
+            }
+            _ => {
+                for j in left.drain(..) {
+                    finished.insert(j.name.clone(), unfinished(j));
+                }
+            }
+        }
+    }
+    finished
+}
+
+/// One L1's run of a batch of jobs, and the mark its job lines carry.
+struct L1Run {
+    run: Run,
+    mark: String,
+}
+
+fn run_l1(jobs: &[&Planned], env: L1Env) -> L1Run {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    let mark = format!("hvprobe-lane-{:08x}{:08x}", std::process::id(), nanos);
+    let dir = std::env::temp_dir().join(&mark);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let mut script = format!(
+        "mark={mark}\n\
+         # After a job that failed: what the L1 logged, and the exceptions KVM injected\n\
+         # into its guests and the instructions it emulated (guest/l1/init traces them).\n\
+         l1_log() {{\n\
+         \x20   mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null\n\
+         \x20   echo \"hvprobe-l1: the L1's kernel log, last 30 lines:\"; dmesg | tail -n 30\n\
+         \x20   echo \"hvprobe-l1: exceptions KVM injected into its guests and instructions it emulated, last 40:\"\n\
+         \x20   grep -v '^#' /sys/kernel/tracing/trace 2>/dev/null | tail -n 40\n\
+         }}\n\
+         job() {{ # NAME SCRIPT\n\
+         \x20   printf '\\n%s begin %s\\n' \"$mark\" \"$1\"\n\
+         \x20   started=$SECONDS\n\
+         \x20   job_tmp=$(mktemp -d /tmp/hvprobe-lane-job.XXXXXX)\n\
+         \x20   TMPDIR=$job_tmp timeout -k 10 {timeout} bash \"$2\" < /dev/null 2>&1\n\
+         \x20   status=$?\n\
+         \x20   [ \"$status\" = 124 ] && echo \"hvprobe-lane: the job timed out after {timeout} s\"\n\
+         \x20   [ \"$status\" = 0 ] || l1_log\n\
+         \x20   rm -rf \"$job_tmp\"\n\
+         \x20   printf '\\n%s end %s %d %d\\n' \"$mark\" \"$1\" \"$status\" $((SECONDS - started))\n\
+         }}\n",
+        timeout = JOB_TIMEOUT.as_secs()
+    );
+    for (i, j) in jobs.iter().enumerate() {
+        let file = dir.join(format!("job-{i}.sh"));
+        std::fs::write(&file, &j.command).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        script.push_str(&format!("job {} {}\n", j.name, file.display()));
+    }
+    let timeout = JOB_TIMEOUT.as_secs() * jobs.len() as u64 + 600;
+    let child = Command::new(repo().join("guest/l1/run"))
+        .arg(format!(
+            "[ -e /sys/module/kvm_amd ] || {{ echo 'hvprobe-lane: no kvm_amd in the L1' >&2; exit 125; }}\n{script}"
+        ))
+        .env("HVPROBE_BIN", env!("CARGO_BIN_EXE_hvprobe"))
+        .env("HVPROBE_L1_TIMEOUT", timeout.to_string())
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run guest/l1/run: {e}"));
+    let out = child.wait_with_output().expect("wait for guest/l1/run");
+    let _ = std::fs::remove_dir_all(&dir);
+    L1Run {
+        run: Run {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        },
+        mark,
+    }
+}
+
+/// The jobs' outputs in an L1's output: each between its `MARK begin NAME` and `MARK end
+/// NAME STATUS SECONDS` lines; a job begun and not ended is the one the L1 died under.
+#[derive(Debug, PartialEq)]
+struct JobOutputs {
+    finished: Vec<(String, (String, i32, u64))>,
+    unfinished: Option<(String, String)>,
+}
+
+impl JobOutputs {
+    fn of(output: &str, mark: &str) -> JobOutputs {
+        let mut outputs = JobOutputs {
+            finished: Vec::new(),
+            unfinished: None,
+        };
+        let mut current: Option<(String, String)> = None;
+        for line in output.split_inclusive('\n') {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            match words.as_slice() {
+                [m, "begin", name] if *m == mark => current = Some((name.to_string(), String::new())),
+                [m, "end", name, status, seconds] if *m == mark => {
+                    let output = match current.take() {
+                        Some((begun, output)) if begun == *name => output,
+                        _ => String::new(),
+                    };
+                    let status = status.parse().unwrap_or(-1);
+                    let seconds = seconds.parse().unwrap_or_default();
+                    outputs.finished.push((name.to_string(), (output, status, seconds)));
+                }
+                _ => {
+                    if let Some((_, output)) = current.as_mut() {
+                        output.push_str(line);
+                    }
+                }
+            }
+        }
+        outputs.unfinished = current;
+        outputs
+    }
+}
+
+/// Appends a line to `target/tmp/hvprobe-lane-times.txt`, the lane's time table (`.ci/run`
+/// prints it in its summary).
+fn record_time(line: &str) {
+    use std::io::Write;
+    let record = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hvprobe-lane-times.txt");
+    if let Ok(mut file) = std::fs::OpenOptions::new().create(true).append(true).open(&record) {
+        let _ = writeln!(file, "{line}");
+    }
+}
+
+fn record_job_time(name: &str, seconds: u64, in_l1_with: usize) {
+    record_time(&format!("{seconds:6}  {name} (in an L1 of {in_l1_with} jobs)"));
+}
+
+/// The L1's whole run (`guest/l1/run` says how long it took), and what of it was not a
+/// job's: the L1's boot and power-off.
+fn record_l1_time(run: &Run, outcome: &JobOutputs, jobs: usize) {
+    let Some(total) = number_after(&run.stderr, "ran COMMAND in") else {
+        return;
+    };
+    let in_jobs: u64 = outcome.finished.iter().map(|(_, (_, _, seconds))| seconds).sum();
+    record_time(&format!(
+        "{:6}  an L1 of {jobs} jobs, {} s of it its own boot and power-off",
+        total as u64,
+        (total as u64).saturating_sub(in_jobs)
+    ));
 }
 
 /// The second tries of this run of the lane, one line each.
@@ -82,33 +539,6 @@ fn second_try(what: &str, evidence: &str) {
         tries.len() <= MAX_SECOND_TRIES,
         "more than {MAX_SECOND_TRIES} second tries in this run of the lane: {tries:?}\n{evidence}"
     );
-}
-
-fn first_line(command: &str) -> &str {
-    command.lines().next().unwrap_or_default()
-}
-
-fn in_l1_once(command: &str, env: &[(&str, &str)]) -> Run {
-    // The L1 must find kvm_amd; say so plainly if it does not.
-    let script = format!(
-        "[ -e /sys/module/kvm_amd ] || {{ echo 'hvprobe-lane: no kvm_amd in the L1' >&2; exit 125; }}\n{command}"
-    );
-    let child = Command::new(repo().join("guest/l1/run"))
-        .arg(&script)
-        .env("HVPROBE_BIN", env!("CARGO_BIN_EXE_hvprobe"))
-        .env("HVPROBE_L1_TIMEOUT", LANE_TIMEOUT.as_secs().to_string())
-        .envs(env.iter().copied())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run guest/l1/run: {e}"));
-    let out = child.wait_with_output().expect("wait for guest/l1/run");
-    Run {
-        code: out.status.code(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
 }
 
 /// The newest test binary `name` of this target directory (cargo names them
@@ -152,66 +582,6 @@ fn test_binary_having(name: &str, test: Option<&str>) -> PathBuf {
             deps.display()
         )
     })
-}
-
-/// Runs test binary `name` in the L1 (`args` are libtest's: filters, `--skip`), and
-/// checks that it passed and ran at least `at_least` tests there.
-fn suite_in_l1(name: &str, args: &str, at_least: usize, env: &[(&str, &str)]) -> Run {
-    suite_of_binary_in_l1(test_binary(name), name, args, at_least, env)
-}
-
-fn suite_of_binary_in_l1(binary: PathBuf, name: &str, args: &str, at_least: usize, env: &[(&str, &str)]) -> Run {
-    // The L1 runs COMMAND on a serial port, which libtest takes for a terminal.
-    // One test, so one L2 guest, at a time: the restored L2s that triple-faulted in lane
-    // runs ran beside another L2 (25 restores in a row alone did not fail), and the L1's
-    // own panics show QEMU's nested SVM mixing up its guests' state and its own (docs/known-issues.md).
-    let threads = if args.contains("--test-threads") {
-        ""
-    } else {
-        "--test-threads=1"
-    };
-    let run = in_l1(&format!("{} {threads} --color never {args}", binary.display()), env);
-    let first = Verdicts::of(&run.stdout);
-    let mut passed = first.passed.len();
-    if run.code != Some(0) {
-        // A test that failed or never finished runs once more, alone, and must pass then:
-        // the lane itself is not reliable yet (an L2 that hangs or triple-faults about once
-        // in a full lane run, docs/known-issues.md). Each such test is a second try of the lane's few.
-        assert!(
-            !first.failed.is_empty(),
-            "{name} failed on kvm_amd in the L1 with no test failing: no second try\n{}",
-            tail(&run)
-        );
-        for test in &first.failed {
-            second_try(
-                &format!("{name}::{test} failed or did not finish on kvm_amd"),
-                &tail(&run),
-            );
-        }
-        let rerun = in_l1(
-            &format!(
-                "{} --test-threads=1 --color never --exact {}",
-                binary.display(),
-                first.failed.join(" ")
-            ),
-            env,
-        );
-        let again = Verdicts::of(&rerun.stdout);
-        assert!(
-            rerun.code == Some(0) && again.passed.len() == first.failed.len(),
-            "{name} failed on kvm_amd in the L1, and again when {:?} ran once more\n--- first run ---\n{}\n--- rerun ---\n{}",
-            first.failed,
-            tail(&run),
-            tail(&rerun)
-        );
-        passed += again.passed.len();
-    }
-    assert!(
-        passed >= at_least,
-        "{name} ran {passed} tests in the L1, expected at least {at_least}\n{}",
-        tail(&run)
-    );
-    run
 }
 
 /// The tests of a libtest run (`--test-threads=1`) that passed, and those that failed or
@@ -268,6 +638,58 @@ fn the_lane_reads_which_tests_passed_failed_or_never_finished() {
             failed: vec![]
         }
     );
+}
+
+#[test]
+fn the_lane_splits_an_l1s_output_into_its_jobs() {
+    let m = "hvprobe-lane-0000002a00000007";
+    let output = format!(
+        "boot noise\r\n\n{m} begin first\r\ntest a ... ok\r\n\n{m} end first 0 12\r\n\
+         \n{m} begin second\nhvprobe-lane-00000000 end second 0 1\nlast words\n"
+    );
+    assert_eq!(
+        JobOutputs::of(&output, m),
+        JobOutputs {
+            finished: vec![("first".into(), ("test a ... ok\r\n\n".into(), 0, 12))],
+            // Another mark is output like any other; the L1 died in this job.
+            unfinished: Some((
+                "second".into(),
+                "hvprobe-lane-00000000 end second 0 1\nlast words\n".into()
+            )),
+        }
+    );
+}
+
+#[test]
+fn the_lane_selects_the_jobs_of_the_tests_libtest_runs() {
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert!(selected("kprobe_oracle_on_kvm_amd", &args(&[])));
+    assert!(selected(
+        "kprobe_oracle_on_kvm_amd",
+        &args(&["oracle", "--test-threads", "1"])
+    ));
+    assert!(!selected("kprobe_oracle_on_kvm_amd", &args(&["disks"])));
+    assert!(!selected("kprobe_oracle_on_kvm_amd", &args(&["--skip", "oracle"])));
+    assert!(!selected("kprobe_oracle_on_kvm_amd", &args(&["--exact", "oracle"])));
+    assert!(selected(
+        "kprobe_oracle_on_kvm_amd",
+        &args(&["--exact", "kprobe_oracle_on_kvm_amd", "--color", "never"])
+    ));
+    // An option's value is not a filter.
+    assert!(selected("kprobe_oracle_on_kvm_amd", &args(&["--color", "never"])));
+    // Every job's test is a test of this binary.
+    let listed = Command::new(std::env::current_exe().unwrap())
+        .args(["--list", "--format", "terse"])
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    for job in jobs() {
+        assert!(
+            listed.contains(&format!("{}: test", job.test())),
+            "job {} names no test of this binary",
+            job.name
+        );
+    }
 }
 
 /// The end of each stream, after every panic message of the suite in the L1 (a failing
@@ -366,13 +788,13 @@ fn the_lane_builds_once_when_four_runs_start_it_together() {
 
 #[test]
 fn exit_loop_code_blobs_on_kvm_amd() {
-    suite_in_l1("exit_loop", "", 4, &[]);
+    suite("exit_loop_code_blobs_on_kvm_amd");
 }
 
 /// Registers through kvm_run's sync area (`vmm::exit_regs`) on hardware KVM.
 #[test]
 fn registers_through_the_sync_area_on_kvm_amd() {
-    suite_in_l1("exit_regs", "", 1, &[]);
+    suite("registers_through_the_sync_area_on_kvm_amd");
 }
 
 /// Hardware breakpoints the host sets (`KVM_GUESTDBG_USE_HW_BP`) on hardware KVM: there,
@@ -381,8 +803,8 @@ fn registers_through_the_sync_area_on_kvm_amd() {
 /// variable reports every write there; kvm_pvm refuses it).
 #[test]
 fn hardware_breakpoints_on_kvm_amd() {
-    suite_in_l1("debug_regs", "", 2, &[]);
-    suite_of_binary_in_l1(test_binary("probes"), "probes", "watch", 3, &[]);
+    suite("hardware_breakpoints_on_kvm_amd/debug_regs");
+    suite("hardware_breakpoints_on_kvm_amd/watches");
 }
 
 /// The guest-kprobe oracle on 1 and 2 vCPUs and under KASLR, exit counts, return probes,
@@ -391,14 +813,14 @@ fn hardware_breakpoints_on_kvm_amd() {
 /// run saw the guest's probe miss 6 of 30 hits; not seen again in 2 runs since).
 #[test]
 fn kprobe_oracle_on_kvm_amd() {
-    suite_in_l1("probes", "--skip watch", 11, &[]);
+    suite("kprobe_oracle_on_kvm_amd");
 }
 
 /// SIGINT and SIGTERM in a busy trace: every hit taken is printed, and what an event
 /// detour's ring could not hold at hardware speed is counted (the loop outruns the drain).
 #[test]
 fn a_busy_trace_stops_cleanly_on_kvm_amd() {
-    suite_in_l1("stop", "", 2, &[]);
+    suite("a_busy_trace_stops_cleanly_on_kvm_amd");
 }
 
 /// Hits on the guest's trace clock against its own trace, `sched_clock()` and dmesg. The
@@ -407,27 +829,15 @@ fn a_busy_trace_stops_cleanly_on_kvm_amd() {
 /// and its KVM moves the L2's TSC offset at every vCPU load, as no invariant-TSC host does.
 #[test]
 fn guest_clock_stamps_on_kvm_amd() {
-    suite_in_l1("clock", "", 4, &[("HVPROBE_L1_TSC_RELIABLE", "1")]);
+    suite("guest_clock_stamps_on_kvm_amd");
 }
 
 /// Probes added, listed, disabled, enabled and removed while the guest runs, event
 /// streams, optimization switched in a loop under two busy vCPUs.
 #[test]
 fn live_control_on_kvm_amd() {
-    // Skipped here, with the reason in docs/known-issues.md: the two-streams test
-    // hung twice in full lane runs (its L2 looping on #PF injections from the L1's KVM),
-    // the optimize-loop stress test failed in 3 of 4 full lane runs; both pass alone there
-    // and run on kvm_pvm in tests/control.rs. Not diagnosed. The stalled-stdout test
-    // (hvprobe's vCPU thread blocked writing to a full pipe while the test pauses the VM
-    // every half second) panics the L1 kernel (a task stack overflow in its page-fault
-    // entry, on the vCPU thread): 3 of 4 runs there; it runs on kvm_pvm.
-    suite_in_l1(
-        "control",
-        "--skip a_stream_that_does_not_read --skip optimizing_and_unoptimizing_in_a_loop \
-         --skip a_vcpu_blocked_on_a_stalled_stdout",
-        4,
-        &[],
-    );
+    // Three tests are skipped here: see the job.
+    suite("live_control_on_kvm_amd");
 }
 
 /// Kernel stacks unwound on the host against the guest's own `stacktrace` trigger through
@@ -438,51 +848,41 @@ fn live_control_on_kvm_amd() {
 /// count reaches 0), so there is nothing to compare with (docs/known-issues.md).
 #[test]
 fn kernel_stacks_on_kvm_amd() {
-    // tests/stacks.rs, not live/tests/stacks.rs.
-    let binary = test_binary_having(
-        "stacks",
-        Some("host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_alone"),
-    );
-    suite_of_binary_in_l1(
-        binary,
-        "stacks",
-        "--skip host_stacks_equal_the_guests_own_on_one_vcpu --skip host_stacks_equal_the_guests_own_on_two_vcpus",
-        3,
-        &[],
-    );
+    suite("kernel_stacks_on_kvm_amd");
 }
 
 /// Event detours on code blobs (records written by the guest at native speed, full rings,
 /// nested hits, two vCPUs, filters run in the detour), from `live/tests/event_detour.rs`.
 #[test]
 fn event_detours_on_kvm_amd() {
-    suite_in_l1("event_detour", "", 10, &[]);
+    suite("event_detours_on_kvm_amd");
 }
 
 /// Event filters and hist triggers against the guest's own, on the int3 path and in event
 /// detours.
 #[test]
 fn filters_and_hist_triggers_on_kvm_amd() {
-    suite_in_l1("analysis", "", 6, &[]);
+    suite("filters_and_hist_triggers_on_kvm_amd");
 }
 
 /// A virtio-blk root disk on hardware KVM: read, written, read-only disk refused, ext4 and
 /// block-layer probes against the guest's own events (`tests/disks.rs`).
 #[test]
 fn disks_on_kvm_amd() {
-    suite_in_l1("disks", "a_root_disk_is_read_and_written", 1, &[]);
+    suite("disks_on_kvm_amd");
 }
 
 /// `hvprobe bench io --qemu`: the bundled guest's disk benchmark in hvprobe and, with the
 /// same kernel, initrd, image and vCPUs, in QEMU with KVM (Debian's, in the L1), each
 /// phase printed with both and their ratio. The numbers are not checked (a benchmark, and
 /// the lane's are TCG's); that both machines ran the workload to its end is.
+fn bench_io_script() -> String {
+    "hvprobe bench io --qemu /usr/bin/qemu-system-x86_64 --size-mib 8 --randreads 200 --dir /tmp 2>&1".into()
+}
+
 #[test]
 fn bench_io_runs_beside_qemu_on_kvm_amd() {
-    let run = in_l1(
-        "hvprobe bench io --qemu /usr/bin/qemu-system-x86_64 --size-mib 8 --randreads 200 --dir /tmp 2>&1",
-        &[],
-    );
+    let run = job("bench_io_runs_beside_qemu_on_kvm_amd");
     assert_eq!(run.code, Some(0), "{}", tail(&run));
     assert!(
         run.stdout.contains("qemu: the same guest in QEMU's microvm with KVM"),
@@ -502,7 +902,7 @@ fn bench_io_runs_beside_qemu_on_kvm_amd() {
 
 #[test]
 fn snapshots_and_restore_on_kvm_amd() {
-    suite_in_l1("snapshot", "", 7, &[]);
+    suite("snapshots_and_restore_on_kvm_amd");
 }
 
 /// The library API (sync handlers, the async stream) on code blobs and the bundled guest,
@@ -510,39 +910,44 @@ fn snapshots_and_restore_on_kvm_amd() {
 /// without stopping at its handler, which the step guard's IDT catches.
 #[test]
 fn library_api_on_kvm_amd() {
-    suite_in_l1("probe_api", "", 7, &[]);
+    suite("library_api_on_kvm_amd");
+}
+
+fn boots_and_hardening_script() -> String {
+    let binaries = [test_binary("boot"), test_binary("hardening"), test_binary("vcpu_panic")];
+    binaries
+        .iter()
+        .map(|b| format!("{} --test-threads=1 --color never || exit $?", b.display()))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[test]
 fn boots_and_hardening_on_kvm_amd() {
-    let binaries = [test_binary("boot"), test_binary("hardening"), test_binary("vcpu_panic")];
-    let command = binaries
-        .iter()
-        .map(|b| format!("{} --test-threads=1 --color never || exit $?", b.display()))
-        .collect::<Vec<_>>()
-        .join("\n");
-    let run = in_l1(&command, &[]);
+    let run = job("boots_and_hardening_on_kvm_amd");
     assert_eq!(run.code, Some(0), "{}", tail(&run));
 }
 
 /// The guest's boot-time int3 self-test (`int3_selftest`) goes through our #BP
 /// re-injection at every boot with probes armed; an injected #BP lost to an interrupt
 /// killed the boot with `invalid opcode` in 3 of 13 runs before it went back as pending.
+const INT3_SELF_TEST_BOOTS: usize = 8;
+
+fn int3_self_test_script() -> String {
+    format!(
+        "printf 'p:lane/getppid __x64_sys_getppid\\n' > $TMPDIR/int3.probes || exit 1; \
+         for i in $(seq {INT3_SELF_TEST_BOOTS}); do cpus=$(( i % 2 + 1 )); \
+         hvprobe run --cpus $cpus --probes $TMPDIR/int3.probes --workload 'hvprobe-loop 3' > $TMPDIR/boot.log 2>&1; rc=$?; \
+         grep -E 'invalid opcode|int3_selftest|Kernel panic|BUG:|Oops' $TMPDIR/boot.log && exit 1; \
+         grep -q 'KVM backend: hardware KVM' $TMPDIR/boot.log || {{ echo 'not the hardware backend'; exit 1; }}; \
+         grep 'guest int3 re-injected' $TMPDIR/boot.log; [ $rc = 0 ] || {{ tail -30 $TMPDIR/boot.log; exit $rc; }}; done"
+    )
+}
+
 #[test]
 fn the_guests_int3_self_test_survives_every_boot_on_kvm_amd() {
-    const BOOTS: usize = 8;
-    let probes = std::env::temp_dir().join(format!("hvprobe-lane-{}.probes", std::process::id()));
-    std::fs::write(&probes, "p:lane/getppid __x64_sys_getppid\n").unwrap();
-    let command = format!(
-        "for i in $(seq {BOOTS}); do cpus=$(( i % 2 + 1 )); \
-         hvprobe run --cpus $cpus --probes {} --workload 'hvprobe-loop 3' > /tmp/boot.log 2>&1; rc=$?; \
-         grep -E 'invalid opcode|int3_selftest|Kernel panic|BUG:|Oops' /tmp/boot.log && exit 1; \
-         grep -q 'KVM backend: hardware KVM' /tmp/boot.log || {{ echo 'not the hardware backend'; exit 1; }}; \
-         grep 'guest int3 re-injected' /tmp/boot.log; [ $rc = 0 ] || {{ tail -30 /tmp/boot.log; exit $rc; }}; done",
-        probes.display()
-    );
-    let run = in_l1(&command, &[]);
-    let _ = std::fs::remove_file(&probes);
+    const BOOTS: usize = INT3_SELF_TEST_BOOTS;
+    let run = job("the_guests_int3_self_test_survives_every_boot_on_kvm_amd");
     assert_eq!(run.code, Some(0), "{}", tail(&run));
     let boots = run
         .stdout
@@ -614,6 +1019,20 @@ fn btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out: &str, run: 
     }
 }
 
+fn stock_kernel_with_devices_script() -> String {
+    let workload = "cat /etc/debian_version; mkdir -p /mnt; mount /dev/vda /mnt && cat /mnt/hello && \
+                    echo from-the-guest > /mnt/new && umount /mnt; echo through-rwdir > /out/r; \
+                    echo \"UNAME $(uname -r)\"; echo \"ACPI-DEVICES $(grep -c LNRO0005 /proc/iomem)\"";
+    format!(
+        "d=$(mktemp -d) && mkdir $d/img $d/out && echo on-the-disk > $d/img/hello && \
+         truncate -s 32M $d/disk.img && mkfs.ext4 -q -d $d/img $d/disk.img && \
+         printf 'p:stock/open do_sys_openat2 path=+0(%%si):ustring\\n' > $d/probes || exit 1; \
+         hvprobe run --kernel \"$HVPROBE_L1_KERNEL\" --modules \"$HVPROBE_L1_MODULES\" --symbols kallsyms \
+           --probes $d/probes --rootfs / --rwdir /out=$d/out --disk $d/disk.img --workload '{workload}' 2>&1; \
+         echo \"RC=$?\"; echo \"RWDIR $(cat $d/out/r)\"; echo \"DISK $(debugfs -R 'cat /new' $d/disk.img 2>/dev/null)\""
+    )
+}
+
 /// Debian's stock kernel with hvprobe's devices. Its virtio drivers, fuse, virtiofs and
 /// overlay are modules, which `--modules` (the kernel's own tree) puts in the initrd for
 /// the bundled init to load; built without `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`, it finds
@@ -622,18 +1041,7 @@ fn btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out: &str, run: 
 /// seeing the disk's file opened.
 #[test]
 fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
-    let workload = "cat /etc/debian_version; mkdir -p /mnt; mount /dev/vda /mnt && cat /mnt/hello && \
-                    echo from-the-guest > /mnt/new && umount /mnt; echo through-rwdir > /out/r; \
-                    echo \"UNAME $(uname -r)\"; echo \"ACPI-DEVICES $(grep -c LNRO0005 /proc/iomem)\"";
-    let command = format!(
-        "d=$(mktemp -d) && mkdir $d/img $d/out && echo on-the-disk > $d/img/hello && \
-         truncate -s 32M $d/disk.img && mkfs.ext4 -q -d $d/img $d/disk.img && \
-         printf 'p:stock/open do_sys_openat2 path=+0(%%si):ustring\\n' > $d/probes || exit 1; \
-         hvprobe run --kernel \"$HVPROBE_L1_KERNEL\" --modules \"$HVPROBE_L1_MODULES\" --symbols kallsyms \
-           --probes $d/probes --rootfs / --rwdir /out=$d/out --disk $d/disk.img --workload '{workload}' 2>&1; \
-         echo \"RC=$?\"; echo \"RWDIR $(cat $d/out/r)\"; echo \"DISK $(debugfs -R 'cat /new' $d/disk.img 2>/dev/null)\""
-    );
-    let run = in_l1(&command, &[]);
+    let run = job("a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd");
     let out = &run.stdout;
     assert!(out.contains("RC=0"), "{}", tail(&run));
     assert!(out.contains("KVM backend: hardware KVM"), "{}", tail(&run));
@@ -676,16 +1084,14 @@ fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
     }
 }
 
-#[test]
-fn a_stock_debian_kernel_is_traced_with_symbols_from_its_memory() {
-    const CALLS: usize = 30;
-    let probes = std::env::temp_dir().join(format!("hvprobe-lane-stock-{}.probes", std::process::id()));
-    std::fs::write(
-        &probes,
-        "p:stock/getppid __x64_sys_getppid di=%di comm=$comm\nr:stock/getppid_ret __x64_sys_getppid ret=$retval\n\
-         p:stock/rd vfs_read $arg* fpos=file->f_pos\n",
-    )
-    .unwrap();
+const STOCK_CALLS: usize = 30;
+
+const STOCK_PROBES: &str = "p:stock/getppid __x64_sys_getppid di=%di comm=$comm
+r:stock/getppid_ret __x64_sys_getppid ret=$retval
+p:stock/rd vfs_read $arg* fpos=file->f_pos
+";
+
+fn stock_kernel_script() -> String {
     // The kernel's own event on vfs_read, in registers: its 6.1 has no BTF arguments. The
     // file position through `pos` (`*pos` is a copy of `file->f_pos` when vfs_read starts)
     // checks `file->f_pos`, which the host resolves with this kernel's own BTF.
@@ -693,19 +1099,22 @@ fn a_stock_debian_kernel_is_traced_with_symbols_from_its_memory() {
     let workload = format!(
         "T=/sys/kernel/tracing; [ -d $T/events ] || mount -t tracefs t $T; \
          echo \"p:gk __x64_sys_getppid\" > $T/kprobe_events; echo 1 > $T/events/kprobes/enable; \
-         hvprobe-loop {CALLS}; echo 0 > $T/events/kprobes/enable; \
+         hvprobe-loop {STOCK_CALLS}; echo 0 > $T/events/kprobes/enable; \
          while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; echo \"UNAME $(uname -r)\"; \
          echo \"{guest_event}\" >> $T/kprobe_events; echo 1 > $T/events/kprobes/grd/enable; \
          for i in 1 2 3; do sh -c \"read -r l < /proc/version\"; done; echo 0 > $T/events/kprobes/grd/enable; \
          busybox grep \" grd: \" $T/trace | busybox sed \"s/^/GUEST /\""
     );
-    let command = format!(
-        "hvprobe run --kernel \"$HVPROBE_L1_KERNEL\" --symbols kallsyms --probes {} --workload '{}' 2>&1",
-        probes.display(),
-        workload
-    );
-    let run = in_l1(&command, &[]);
-    let _ = std::fs::remove_file(&probes);
+    format!(
+        "cat > $TMPDIR/stock.probes <<'EOF'\n{STOCK_PROBES}EOF\n\
+         hvprobe run --kernel \"$HVPROBE_L1_KERNEL\" --symbols kallsyms --probes $TMPDIR/stock.probes --workload '{workload}' 2>&1"
+    )
+}
+
+#[test]
+fn a_stock_debian_kernel_is_traced_with_symbols_from_its_memory() {
+    const CALLS: usize = STOCK_CALLS;
+    let run = job("a_stock_debian_kernel_is_traced_with_symbols_from_its_memory");
     let out = &run.stdout;
     assert_eq!(run.code, Some(0), "{}", tail(&run));
     assert!(out.contains("KVM backend: hardware KVM"), "{}", tail(&run));

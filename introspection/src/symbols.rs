@@ -122,15 +122,19 @@ pub struct Resolved<'a> {
 pub struct Description<'a> {
     pub symbol: &'a Symbol,
     pub offset: u64,
-    /// ELF `st_size` when that covers the address, else the distance to the next symbol
-    /// (what the kernel's `%pS` prints).
+    /// ELF `st_size` when that covers the address, else the distance to the next symbol:
+    /// how far the function's code goes.
     pub size: u64,
+    /// The distance to the next symbol, as the kernel's kallsyms sizes a symbol (it has no
+    /// sizes): what its `%pS` prints after the slash, padding included.
+    pub kallsyms_size: u64,
     pub source: SymbolSource,
 }
 
+/// `symbol+offset/size` as the kernel's `%pS` prints it.
 impl fmt::Display for Description<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}+{:#x}/{:#x}", self.symbol.name, self.offset, self.size)
+        write!(f, "{}+{:#x}/{:#x}", self.symbol.name, self.offset, self.kallsyms_size)
     }
 }
 
@@ -380,9 +384,10 @@ impl SymbolTable {
     }
 
     /// Describes an address as `symbol+offset/size`. Among aliases at one address the
-    /// kernel's preference is followed (not weak, sized, fewest leading underscores), and a
-    /// function is preferred over a section marker (`__schedule`, not
-    /// `__sched_text_start`).
+    /// kernel's kallsyms order is followed: not weak, not a section marker (`__schedule`,
+    /// not `__sched_text_start`), fewest leading underscores, then the first name in `nm
+    /// -n`'s order, which sorts equal addresses by name (`__do_sys_getppid`, not its alias
+    /// `__x64_sys_getppid`).
     /// `None` below the first symbol or past the end of the last one.
     pub fn describe(&self, gva: Gva) -> Option<Description<'_>> {
         let end = self.located_addrs.partition_point(|&a| a <= gva);
@@ -395,13 +400,14 @@ impl SymbolTable {
                 (
                     matches!(s.kind, 'W' | 'w' | 'V' | 'v'),
                     is_section_marker(&s.name),
-                    s.size.is_none(),
                     s.name.bytes().take_while(|&b| b == b'_').count(),
                     !s.is_text(),
+                    s.name.as_str(),
                 )
             })?;
         let offset = gva.0 - at.0;
-        let size = match (symbol.size, self.extent(symbol)) {
+        let extent = self.extent(symbol);
+        let size = match (symbol.size, extent) {
             (Some(sz), _) if offset < sz => sz,
             (_, Some(ext)) if offset < ext => ext,
             _ => return None,
@@ -410,6 +416,7 @@ impl SymbolTable {
             symbol,
             offset,
             size,
+            kallsyms_size: extent.filter(|&ext| offset < ext).unwrap_or(size),
             source: self.source,
         })
     }
@@ -563,26 +570,53 @@ mod tests {
     }
 
     #[test]
-    fn describe_prefers_sized_aliases_and_uses_next_symbol_distance() {
+    fn describe_sizes_as_kallsyms_does_and_bounds_code_by_the_elf_size() {
         let t = small();
+        // The kernel's view: the distance to the next located symbol (the absolute symbol
+        // in between does not count), the ELF size where it bounds the function's code.
         let d = t.describe(Gva(0xffff_ffff_8100_0010)).expect("inside startup_64");
-        assert_eq!(d.to_string(), "startup_64+0x10/0x40");
-        // Past st_size: the kernel's view, distance to the next located symbol (the
-        // absolute symbol in between does not count).
+        assert_eq!(d.to_string(), "startup_64+0x10/0x800");
+        assert_eq!(d.size, 0x40);
         let d = t
             .describe(Gva(0xffff_ffff_8100_0104))
             .expect("padding after startup_64");
         assert_eq!(d.to_string(), "startup_64+0x104/0x800");
-        assert_eq!(
-            t.describe(Gva(0xffff_ffff_8100_2004)).expect("static").to_string(),
-            "second_static+0x4/0x20"
-        );
+        assert_eq!(d.size, 0x800);
+        let d = t.describe(Gva(0xffff_ffff_8100_2004)).expect("static");
+        assert_eq!((d.to_string().as_str(), d.size), ("second_static+0x4/0x1000", 0x20));
         assert!(t.describe(Gva(0x10)).is_none(), "below the first symbol");
         assert!(
             t.describe(Gva(0xffff_ffff_8100_3000)).is_none(),
             "_etext has no size and nothing follows"
         );
         assert_eq!(t.extent(t.lookup("dup").expect("dup")), Some(0x800));
+    }
+
+    #[test]
+    fn describe_names_aliases_as_kallsyms_does() {
+        // SYSCALL_DEFINE0's stub and body at one address, both sized (GCC 12, -O2): the
+        // kernel's kallsyms and `%pS` name the first by name, as `nm -n` sorts them, whatever
+        // order the source lists them in.
+        let elf = SymbolTable::from_symbols(
+            SymbolSource::Elf,
+            vec![
+                sym("__x64_sys_getppid", 0xffff_ffff_8106_4170, 'T', Some(0x24)),
+                sym("__do_sys_getppid", 0xffff_ffff_8106_4170, 't', Some(0x24)),
+                sym("__x64_sys_getpid", 0xffff_ffff_8106_41a0, 'T', Some(0x24)),
+            ],
+        );
+        let d = elf.describe(Gva(0xffff_ffff_8106_4170)).unwrap();
+        assert_eq!(d.to_string(), "__do_sys_getppid+0x0/0x30");
+        // Fewer leading underscores first; weak last.
+        let t = SymbolTable::parse_system_map(
+            "ffffffff81000000 W __weak_one\nffffffff81000000 t __b\nffffffff81000000 t _a_longer_name\n\
+             ffffffff81000100 t next\n",
+        )
+        .unwrap();
+        assert_eq!(
+            t.describe(Gva(0xffff_ffff_8100_0000)).unwrap().symbol.name,
+            "_a_longer_name"
+        );
     }
 
     #[test]
@@ -605,7 +639,7 @@ mod tests {
         assert_eq!(t.resolve("__abs_const").expect("abs").addr, Gva(0xffff_ffff_8100_0100));
         assert_eq!(
             t.describe(Gva(0xffff_ffff_83a0_2001)).expect("moved").to_string(),
-            "second_static+0x1/0x20"
+            "second_static+0x1/0x1000"
         );
         let back = t.relocated(-0x2a0_0000);
         assert_eq!(

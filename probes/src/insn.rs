@@ -446,6 +446,10 @@ pub enum Emulation {
     /// `mov r64,r64`, or `mov r32,r32` with `zero_extend` (a 32-bit write clears bits 63:32),
     /// which is also what `xchg r32,r32` of a register with itself does.
     Move { dst: Gpr, src: Gpr, zero_extend: bool },
+    /// `mov r32, imm32` (zero-extended, as a 32-bit write is), `mov r64, imm32`
+    /// (sign-extended) and `movabs r64, imm64`: `value` is what the register gets. Flags
+    /// are not touched. (The 8- and 16-bit forms keep the register's other bits: stepped.)
+    LoadImmediate { dst: Gpr, value: u64 },
     /// `add`/`sub r64, imm` (the immediate already sign-extended), flags as the CPU sets them.
     ArithImm { op: ArithOp, dst: Gpr, imm: u64 },
     /// `lea r64, [base + index*scale + disp]`; RIP-relative forms have no base and the
@@ -528,6 +532,7 @@ impl Emulation {
                 let value = src.get(regs);
                 dst.set(&mut new, if zero_extend { value & 0xffff_ffff } else { value });
             }
+            Emulation::LoadImmediate { dst, value } => dst.set(&mut new, value),
             Emulation::ArithImm { op, dst, imm } => {
                 let (result, flags) = arith_flags(op, dst.get(regs), imm);
                 dst.set(&mut new, result);
@@ -932,6 +937,16 @@ fn emulation(instruction: &Instruction) -> Option<Emulation> {
             dst: gpr(0)?,
             src: gpr(1)?,
             zero_extend: true,
+        },
+        // iced gives the immediate as the register receives it: imm32 zero-extended for
+        // the 32-bit forms, sign-extended for `mov r/m64, imm32`.
+        Code::Mov_r32_imm32 | Code::Mov_rm32_imm32 => Emulation::LoadImmediate {
+            dst: gpr(0)?,
+            value: instruction.immediate(1) & 0xffff_ffff,
+        },
+        Code::Mov_r64_imm64 | Code::Mov_rm64_imm32 => Emulation::LoadImmediate {
+            dst: gpr(0)?,
+            value: instruction.immediate(1),
         },
         Code::Add_rm64_imm8 | Code::Add_rm64_imm32 | Code::Add_RAX_imm32 => Emulation::ArithImm {
             op: ArithOp::Add,

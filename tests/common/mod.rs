@@ -156,6 +156,58 @@ pub fn bundled_guest_dir() -> PathBuf {
     )
 }
 
+/// A function of the bundled guest's kernel as linked: its address, its code and the
+/// offset of each of its instructions (what a test must not write down, since it moves
+/// with the compiler and the configuration).
+pub struct GuestFunction {
+    pub addr: u64,
+    pub code: Vec<u8>,
+    pub starts: Vec<usize>,
+}
+
+impl GuestFunction {
+    /// `name` in the bundled guest's vmlinux (its ELF symbol's size), and the address of
+    /// every symbol it names.
+    pub fn bundled(name: &str) -> (GuestFunction, hvprobe_introspection::symbols::SymbolTable) {
+        use hvprobe_arch::Gva;
+        use hvprobe_introspection::memory::{ElfImage, GuestVirtRead};
+        use hvprobe_introspection::symbols::SymbolTable;
+        let vmlinux = bundled_guest_dir().join("vmlinux");
+        let image = ElfImage::open(&vmlinux).expect("the bundled vmlinux");
+        let symbols = SymbolTable::parse_elf(image.file_bytes()).expect("the bundled vmlinux's symbols");
+        let symbol = symbols
+            .lookup(name)
+            .unwrap_or_else(|| panic!("no {name} in the bundled guest"));
+        let size = symbol.size.unwrap_or_else(|| panic!("{name} has no size"));
+        let mut code = vec![0u8; usize::try_from(size).unwrap()];
+        image.read_virt(symbol.addr, &mut code).expect("the function's code");
+        let starts = hvprobe_probes::insn::instruction_starts(&code, symbol.addr)
+            .unwrap_or_else(|e| panic!("{name} does not decode: {e}"))
+            .into_iter()
+            .map(|start: Gva| (start.0 - symbol.addr.0) as usize)
+            .collect();
+        let function = GuestFunction {
+            addr: symbol.addr.0,
+            code,
+            starts,
+        };
+        (function, symbols)
+    }
+
+    /// The offset of the first instruction whose bytes start with `opcode` and go on with a
+    /// 32-bit displacement or relative target that leads to `target` (RIP-relative: from
+    /// the instruction's end).
+    pub fn find_rip_relative(&self, opcode: &[u8], target: u64) -> Option<usize> {
+        self.starts.iter().copied().find(|&at| {
+            let end = at + opcode.len() + 4;
+            self.code.get(at..end).is_some_and(|b| {
+                let rel = i32::from_le_bytes(b[opcode.len()..].try_into().unwrap());
+                b.starts_with(opcode) && (self.addr + end as u64).wrapping_add(rel as i64 as u64) == target
+            })
+        })
+    }
+}
+
 /// What a guest console must never show: a kernel oops, panic, BUG or WARNING splat, a
 /// fault that killed a guest process, a complaint of the guest's own ftrace.
 pub const SICK_GUEST: &[&str] = &[

@@ -131,6 +131,54 @@ fn every_nop_form_only_advances_rip() {
 }
 
 #[test]
+fn moves_of_an_immediate_into_a_whole_register_are_emulated() {
+    let cases: &[(&[u8], u64)] = &[
+        // mov $0x1,%ecx (the -O2 kernel's `__task_pid_nr_ns` starts so): zero-extended
+        (&[0xb9, 0x01, 0x00, 0x00, 0x00], 0x1),
+        // mov $0xffffffff,%ecx: a 32-bit write clears bits 63:32
+        (&[0xb9, 0xff, 0xff, 0xff, 0xff], 0xffff_ffff),
+        // c7 c1 imm32, the other encoding of mov r32, imm32
+        (&[0xc7, 0xc1, 0x78, 0x56, 0x34, 0x12], 0x1234_5678),
+        // mov $-2,%rcx (48 c7 c1): sign-extended to 64 bits
+        (&[0x48, 0xc7, 0xc1, 0xfe, 0xff, 0xff, 0xff], 0xffff_ffff_ffff_fffe),
+        // movabs $0x1122334455667788,%rcx
+        (
+            &[0x48, 0xb9, 0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11],
+            0x1122_3344_5566_7788,
+        ),
+    ];
+    for &(bytes, value) in cases {
+        let (_, emulation) = emulation_of(bytes);
+        assert_eq!(
+            emulation,
+            Emulation::LoadImmediate { dst: Gpr::Rcx, value },
+            "{}",
+            HexBytes::of(bytes)
+        );
+        let mut regs = sample_regs();
+        run(bytes, &mut regs);
+        let mut expected = sample_regs();
+        expected.rcx = value;
+        expected.rip = next(bytes.len() as u64);
+        assert_eq!(
+            regs,
+            expected,
+            "{}: only RCX and RIP change, flags too stay",
+            HexBytes::of(bytes)
+        );
+    }
+    // r8-r15 through REX.B: mov $0x7,%r9d
+    let mut regs = sample_regs();
+    run(&[0x41, 0xb9, 0x07, 0x00, 0x00, 0x00], &mut regs);
+    assert_eq!(regs.r9, 7);
+    // The 8- and 16-bit forms keep the register's other bits: stepped, not emulated.
+    out_of_line(&[0xb1, 0x01]); // mov $0x1,%cl
+    out_of_line(&[0x66, 0xb9, 0x01, 0x00]); // mov $0x1,%cx
+                                            // A store of an immediate to memory is stepped.
+    out_of_line(&[0xc7, 0x01, 0x01, 0x00, 0x00, 0x00]); // movl $0x1,(%rcx)
+}
+
+#[test]
 fn xchg_forms_that_are_not_nops() {
     // 41 90 is xchg r8,rax: a real exchange, stepped.
     out_of_line(&[0x41, 0x90]);
