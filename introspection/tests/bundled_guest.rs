@@ -478,9 +478,17 @@ fn system_map_and_elf_agree_on_functions() {
     assert_eq!(vfs_read.addr, map.resolve("vfs_read").expect("vfs_read").addr);
     let size = vfs_read.symbol.size.expect("functions have st_size");
     let mid = vfs_read.addr.checked_add(size / 2).expect("no overflow");
+    // Printed as the kernel's `%pS` prints it (the size is the distance to the next
+    // symbol, so both sources agree); the ELF size still bounds the code.
+    let described = elf.describe(mid).expect("inside vfs_read");
+    assert_eq!(described.size, size);
     assert_eq!(
-        elf.describe(mid).expect("inside vfs_read").to_string(),
-        format!("vfs_read+{:#x}/{size:#x}", size / 2)
+        described.to_string(),
+        map.describe(mid).expect("inside vfs_read").to_string()
+    );
+    assert!(
+        described.to_string().starts_with(&format!("vfs_read+{:#x}/", size / 2)),
+        "{described}"
     );
     println!(
         "checked {checked} text symbols; System.map has {}, ELF {}",
