@@ -73,6 +73,14 @@ impl Job {
         }
     }
 
+    /// The suite's binary is the newest one named so that has test `test`.
+    fn having(mut self, test: &'static str) -> Job {
+        if let Work::Suite { having, .. } = &mut self.work {
+            *having = Some(test);
+        }
+        self
+    }
+
     fn script(name: &'static str, script: fn() -> String) -> Job {
         Job {
             name,
@@ -138,17 +146,15 @@ fn jobs() -> Vec<Job> {
             "a_stock_debian_kernel_is_traced_with_symbols_from_its_memory",
             stock_kernel_script,
         ),
-        Job {
-            // tests/stacks.rs, not live/tests/stacks.rs.
-            work: Work::Suite {
-                binary: "stacks",
-                having: Some("host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_alone"),
-                args: "--skip host_stacks_equal_the_guests_own_on_one_vcpu \
-                       --skip host_stacks_equal_the_guests_own_on_two_vcpus",
-                at_least: 3,
-            },
-            ..Job::suite("kernel_stacks_on_kvm_amd", "", "", 0)
-        },
+        // tests/stacks.rs, not live/tests/stacks.rs.
+        Job::suite(
+            "kernel_stacks_on_kvm_amd",
+            "stacks",
+            "--skip host_stacks_equal_the_guests_own_on_one_vcpu \
+             --skip host_stacks_equal_the_guests_own_on_two_vcpus",
+            3,
+        )
+        .having("host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_alone"),
         // Skipped here, with the reason in docs/known-issues.md: the two-streams test hung
         // twice in full lane runs (its L2 looping on #PF injections from the L1's KVM), the
         // optimize-loop stress test failed in 3 of 4 full lane runs; both pass alone there
@@ -171,6 +177,12 @@ fn jobs() -> Vec<Job> {
     ]
 }
 
+fn find_job<'a>(jobs: &'a [Job], name: &str) -> &'a Job {
+    jobs.iter()
+        .find(|j| j.name == name)
+        .unwrap_or_else(|| panic!("no lane job {name}"))
+}
+
 /// The job `name`'s run in the L1. The first job of an L1's settings to be asked for runs
 /// with every other job of those settings whose test this run of the test binary selects
 /// ([`selected`]), in one L1; the others' runs wait here for their tests.
@@ -180,10 +192,7 @@ fn job(name: &str) -> Run {
     let mut finished = FINISHED.lock().unwrap_or_else(|e| e.into_inner());
     if !finished.contains_key(name) {
         let jobs = jobs();
-        let me = jobs
-            .iter()
-            .find(|j| j.name == name)
-            .unwrap_or_else(|| panic!("no lane job {name}"));
+        let me = find_job(&jobs, name);
         let args: Vec<String> = std::env::args().skip(1).collect();
         let batch: Vec<Planned> = jobs
             .iter()
@@ -207,10 +216,7 @@ fn job(name: &str) -> Run {
 /// docs/known-issues.md). Each such test is a second try of the lane's few.
 fn suite(name: &str) -> Run {
     let jobs = jobs();
-    let job_of = jobs
-        .iter()
-        .find(|j| j.name == name)
-        .unwrap_or_else(|| panic!("no lane job {name}"));
+    let job_of = find_job(&jobs, name);
     let Work::Suite { at_least, .. } = job_of.work else {
         panic!("lane job {name} is not a suite")
     };
