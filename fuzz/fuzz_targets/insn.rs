@@ -523,6 +523,7 @@ fn native_kind(emulation: &Emulation) -> Option<bool> {
     match emulation {
         Emulation::Nop
         | Emulation::Move { .. }
+        | Emulation::LoadImmediate { .. }
         | Emulation::ArithImm { .. }
         | Emulation::LoadAddress { .. }
         | Emulation::Zero { .. }
