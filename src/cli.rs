@@ -25,6 +25,19 @@ pub enum Commands {
     BuildGuest,
     /// Resolve kernel symbols offline, at link-time addresses (no KASLR slide).
     Symbols(SymbolsArgs),
+    /// Show a function's source lines, numbered where a probe can go (perf probe's `-L`).
+    ///
+    /// Lines are numbered from the function's declaration (line 0), as a `FUNC:N` probe
+    /// target counts them; a line without a number has no code of its own. Reads the
+    /// kernel's DWARF (the bundled guest's by default), and its source text when the files
+    /// the DWARF names exist (or under --source).
+    Lines(LinesArgs),
+    /// List the variables a probe can read at a source target, with their C types and
+    /// where each is (perf probe's `-V`).
+    ///
+    /// TARGET is a spec line's source target: `FUNC:N`, `FUNC@FILE[:N]`, `FILE:LINE` or
+    /// `FUNC` (its entry). A variable that cannot be read there says why.
+    Vars(VarsArgs),
     /// Save a booted guest waiting for a workload, to restore it with `run --snapshot`.
     Snapshot {
         #[command(subcommand)]
@@ -329,6 +342,37 @@ pub struct SymbolsArgs {
     /// SYM, SYM+OFFSET, or a hex address (0x...) to describe as SYM+OFF/SIZE.
     #[arg(required = true)]
     pub names: Vec<String>,
+}
+
+/// Where `lines` and `vars` read the kernel's DWARF.
+#[derive(Args)]
+pub struct DwarfArgs {
+    /// The kernel's vmlinux ELF (symbols, ORC) [default: the bundled guest's].
+    #[arg(long, value_name = "FILE")]
+    pub vmlinux: Option<PathBuf>,
+    /// The file with its DWARF [default: the vmlinux itself; for the bundled guest its
+    /// vmlinux.debug].
+    #[arg(long, value_name = "FILE")]
+    pub debuginfo: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct LinesArgs {
+    /// FUNC or FUNC@FILE.
+    pub function: String,
+    /// The kernel's source tree, where the DWARF's file names are not found as they are.
+    #[arg(long, value_name = "DIR")]
+    pub source: Option<PathBuf>,
+    #[command(flatten)]
+    pub dwarf: DwarfArgs,
+}
+
+#[derive(Args)]
+pub struct VarsArgs {
+    /// FUNC, FUNC:N, FUNC@FILE[:N] or FILE:LINE.
+    pub target: String,
+    #[command(flatten)]
+    pub dwarf: DwarfArgs,
 }
 
 #[derive(Subcommand)]

@@ -126,6 +126,8 @@ pub enum GuestError {
 pub struct BundledGuest {
     pub dir: PathBuf,
     pub vmlinux: PathBuf,
+    /// The vmlinux's DWARF (`objcopy --only-keep-debug`), for source-line probes.
+    pub debuginfo: PathBuf,
     pub bzimage: PathBuf,
     pub system_map: PathBuf,
     pub initramfs: PathBuf,
@@ -217,6 +219,7 @@ impl BundledGuest {
         Ok(BundledGuest {
             dir: dir.into(),
             vmlinux: file("vmlinux")?,
+            debuginfo: file("vmlinux.debug")?,
             bzimage: file("bzImage")?,
             system_map: file("System.map")?,
             initramfs: file("initramfs.cpio")?,

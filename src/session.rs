@@ -25,6 +25,8 @@ use hvprobe_probes::clock::TraceClock;
 #[derive(Clone, Debug, Default)]
 pub struct TraceOptions {
     pub probes: Option<PathBuf>,
+    /// The kernel's DWARF, for probes on source lines.
+    pub kernel_source: Arc<crate::trace::KernelSourceFiles>,
     pub output: HitOutputs,
     /// Stack frames as `func+0xoff/0xsize` (`--sym-offset`).
     pub sym_offset: bool,
@@ -106,6 +108,7 @@ impl RunSession {
                     .unwrap_or_else(|| optimize_by_default(hvprobe_vmm::Backend::detect()));
                 let session = Arc::new(TraceSession::new(
                     file.as_deref(),
+                    options.kernel_source.clone(),
                     &options.output,
                     options.sym_offset,
                     optimize,

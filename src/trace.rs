@@ -15,8 +15,10 @@ use std::time::{Duration, Instant};
 use hvprobe_analysis::request::Request;
 use hvprobe_analysis::table::{AnalysisTable, EventSchema};
 use hvprobe_introspection::btf::Btf;
+use hvprobe_introspection::dwarf::DebugInfo;
 use hvprobe_introspection::memory::{ElfImage, GuestVirtRead};
 use hvprobe_introspection::symbols::SymbolTable;
+use hvprobe_introspection::unwind::OrcTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
 use hvprobe_probes::clock::TraceClock;
 use hvprobe_probes::engine::{
@@ -28,6 +30,7 @@ use hvprobe_probes::spec::check::{
     check_spec, has_btf_args, locate_btf_error, resolve_btf_args, unknown_fetch_symbol, void_retval, BtfKnowledge,
     Kernel,
 };
+use hvprobe_probes::spec::source::KernelSource;
 use hvprobe_probes::spec::{
     default_event_name, is_wildcard_pattern, parse_file_all_errors, parse_line, wildcard_matches, FetchExpr, ProbeSpec,
     SpecErrorKind, Target,
@@ -47,8 +50,8 @@ pub use fanout::Subscription;
 use fanout::*;
 pub use printer::event_line;
 use printer::*;
-pub use spec::check_before_boot;
 use spec::*;
+pub use spec::{check_before_boot, KernelSourceFiles};
 
 /// Events a slow printer has not taken yet; beyond this, hits count as missed.
 const EVENT_QUEUE: usize = 1 << 16;
@@ -158,6 +161,8 @@ struct KernelUp {
 pub struct TraceSession {
     /// `--probes FILE`, if given.
     file: Option<PathBuf>,
+    /// The kernel's DWARF, for source targets (in the file and in `probe add`).
+    kernel_source: Arc<KernelSourceFiles>,
     /// The file's probes as it gives them (a wildcard is one entry).
     initial: Vec<SpecProbe>,
     /// The file's probes with every wildcard replaced by one probe per function it matches
@@ -232,6 +237,7 @@ impl TraceSession {
     /// Parses the probe file (if any) and starts the printer. Nothing touches the guest yet.
     pub fn new(
         probes_file: Option<&Path>,
+        kernel_source: Arc<KernelSourceFiles>,
         outputs: &HitOutputs,
         sym_offset: bool,
         optimize: bool,
@@ -241,7 +247,7 @@ impl TraceSession {
     ) -> Result<TraceSession, SessionError> {
         let cpus = vm.control().vcpu_count();
         let (initial, mut requests) = match probes_file {
-            Some(file) => read_spec_file(file, cpus)?,
+            Some(file) => read_spec_file(file, cpus, &kernel_source)?,
             None if !analysis.is_empty() => return Err(SessionError::AnalysisWithoutProbes),
             None => (Vec::new(), Vec::new()),
         };
@@ -273,6 +279,7 @@ impl TraceSession {
         };
         Ok(TraceSession {
             file: probes_file.map(Path::to_path_buf),
+            kernel_source,
             initial,
             planned: OnceLock::new(),
             kernel: OnceLock::new(),
@@ -452,7 +459,7 @@ impl TraceSession {
     /// redefine an event), then the new probes go in all or none, in one pause.
     pub fn add(&self, text: &str, source: &str) -> Result<AddReport, SessionError> {
         let (text, requests, request_errors) = take_request_lines(text, source);
-        let (probes, removals, mut problems) = parse_spec_text(&text, source, self.cpus);
+        let (probes, removals, mut problems) = parse_spec_text(&text, source, self.cpus, &self.kernel_source);
         let request_lines = requests.iter().map(|r| origin_line(&r.origin));
         for line in request_lines.chain(request_errors.iter().map(error_line)) {
             problems.push((
@@ -792,7 +799,7 @@ mod tests {
     #[test]
     fn a_spec_text_returns_its_probes_and_the_removals_it_cannot_resolve() {
         let text = "p:a/x vfs_read\n-:a/x\n-:b/gone\np:a/y do_sys_open\nbad line\n";
-        let (probes, removals, problems) = parse_spec_text(text, "t", 1);
+        let (probes, removals, problems) = parse_spec_text(text, "t", 1, &KernelSourceFiles::none());
         assert_eq!(probes.iter().map(|p| p.line).collect::<Vec<_>>(), [4]);
         assert_eq!(
             removals.iter().map(|r| (r.line, r.event.as_str())).collect::<Vec<_>>(),
@@ -824,7 +831,14 @@ mod tests {
     fn check_file(name: &str, text: &str) -> Result<(), SessionError> {
         let path = std::env::temp_dir().join(format!("hvprobe-trace-{}-{name}.probes", std::process::id()));
         std::fs::write(&path, text).unwrap();
-        let result = check_before_boot(&path, 1, Some(&symbols()), None, &AnalysisFlags::default());
+        let result = check_before_boot(
+            &path,
+            1,
+            Some(&symbols()),
+            None,
+            &KernelSourceFiles::none(),
+            &AnalysisFlags::default(),
+        );
         let _ = std::fs::remove_file(&path);
         result
     }

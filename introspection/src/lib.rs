@@ -7,6 +7,7 @@
 #[cfg(test)]
 mod alloc_cap;
 pub mod btf;
+pub mod dwarf;
 pub mod facts;
 pub mod memory;
 pub mod stacks;

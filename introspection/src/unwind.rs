@@ -59,6 +59,10 @@ mod pt_regs {
 const IRET_FRAME_OFFSET: u64 = pt_regs::IP;
 const IRET_FRAME_SIZE: u64 = pt_regs::SIZE - IRET_FRAME_OFFSET;
 
+/// `ORC_REG_SP`: an [`OrcEntry::sp_reg`] that says the previous frame's stack pointer (the
+/// canonical frame address) is RSP plus `sp_offset`.
+pub const ORC_REG_SP: u8 = reg::SP;
+
 /// `ORC_REG_*`.
 mod reg {
     pub const UNDEFINED: u8 = 0;

@@ -339,7 +339,9 @@ fn locate(expr: &FetchExpr, ctx: &FetchContext) -> Option<Place> {
         // An immediate string is no place (`evaluate` takes it); BTF fetch-args are
         // resolved into the forms above before a probe is armed (`spec::check`), so an
         // unresolved one has no value to give.
-        FetchExpr::ImmString(_) | FetchExpr::Btf(_) | FetchExpr::AllArgs => return None,
+        FetchExpr::ImmString(_) | FetchExpr::Btf(_) | FetchExpr::AllArgs | FetchExpr::Params | FetchExpr::Vars => {
+            return None
+        }
     })
 }
 

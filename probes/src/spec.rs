@@ -25,6 +25,7 @@ pub use hvprobe_arch::debugreg::Access;
 use hvprobe_arch::Gva;
 
 pub mod check;
+pub mod source;
 
 /// The group of a probe whose spec names none, as in the kernel.
 pub const DEFAULT_GROUP: &str = "kprobes";
@@ -102,6 +103,29 @@ pub enum Target {
     Symbol { name: String, offset: u64 },
     /// A kernel virtual address.
     Address(Gva),
+    /// A place in the kernel's source, as `perf probe` names one (`FUNC:RLN`, `FUNC@FILE`,
+    /// `FUNC@FILE:RLN`, `FILE:LINE`): turned into `SYM+OFF` sites with the kernel's DWARF
+    /// (see [`source`]).
+    Source(SourcePoint),
+}
+
+/// A place in the kernel's source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourcePoint {
+    /// The function (`FUNC…`); `None` for `FILE:LINE`.
+    pub function: Option<String>,
+    /// The source file (`…@FILE`, `FILE:…`): a path or its last components.
+    pub file: Option<String>,
+    /// The line: relative to the function's declaration line when there is a function
+    /// (perf probe's `RLN`: the declaration is line 0), else the file's line.
+    pub line: Option<u32>,
+}
+
+impl SourcePoint {
+    /// Whether it is a function's entry (`FUNC@FILE`), where `$argN` and return probes work.
+    pub fn is_function_entry(&self) -> bool {
+        self.function.is_some() && self.line.is_none()
+    }
 }
 
 impl Target {
@@ -243,6 +267,12 @@ pub enum FetchExpr {
     Btf(BtfRef),
     /// `$arg*`: every parameter of the function, by name, from BTF.
     AllArgs,
+    /// `$params` (perf probe's): every parameter of the function at a source target, from
+    /// DWARF, as it is at the probe's address.
+    Params,
+    /// `$vars` (perf probe's): every parameter and local variable in scope at a source
+    /// target's address, from DWARF.
+    Vars,
     /// `+|-[u]OFFS(FETCHARG)`: the memory at the inner value plus `offset`; `user` when the
     /// address is a user-space one (`u`).
     Deref {
@@ -255,7 +285,8 @@ pub enum FetchExpr {
 /// What a BTF fetch-arg starts from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BtfBase {
-    /// A parameter named in the spec (`count`).
+    /// A parameter named in the spec (`count`); at a source target, any variable in
+    /// scope there, found in the kernel's DWARF.
     Param(String),
     /// `$argN->...`: the Nth parameter (from 1), through its BTF type.
     Arg(u32),
@@ -466,7 +497,7 @@ pub enum SpecErrorKind {
     ReadOnlyWatch,
     #[error("an execution watch (`x`) covers one byte: its length is 1")]
     ExecuteWatchLength,
-    #[error("a watch takes one address or symbol, not a wildcard or `%return`")]
+    #[error("a watch takes one address or symbol, not a wildcard, a source line or `%return`")]
     WatchTargetNotSingle,
     #[error("unexpected `{0}` after the probe type (expected `:GROUP/EVENT` or a space)")]
     JunkAfterProbeType(String),
@@ -498,6 +529,12 @@ pub enum SpecErrorKind {
     BadTargetOffset(String),
     #[error("module targets (`{0}`) are not supported yet")]
     ModuleTargetNotSupported(String),
+    #[error("bad source line `{0}`: expected a line number")]
+    BadSourceLine(String),
+    #[error("a return probe on a source target must name a function's entry (`FUNC@FILE%return`), not a line")]
+    RetprobeOnSourceLine,
+    #[error("${0} needs a source target (FUNC:LINE, FUNC@FILE or FILE:LINE), whose DWARF lists the variables")]
+    SourceVarsNotAtSource(String),
     #[error("`{0}` looks like a uprobe target; only kernel probes are supported")]
     UprobeNotSupported(String),
     #[error("unknown target suffix `{0}` (only `%return` is allowed)")]
@@ -785,6 +822,9 @@ impl SpecErrorKind {
             | K::JunkAfterProbeType(_)
             | K::MissingTarget
             | K::ModuleTargetNotSupported(_)
+            | K::BadSourceLine(_)
+            | K::RetprobeOnSourceLine
+            | K::SourceVarsNotAtSource(_)
             | K::UprobeNotSupported(_)
             | K::ArgsOnRemove
             | K::JunkAfterDeref(_) => return None,
@@ -930,6 +970,8 @@ type Parsed<T> = Result<T, LocatedError>;
 struct ProbeContext {
     is_return: bool,
     at_function_entry: bool,
+    /// A source target: names are variables from DWARF, wherever the probe is.
+    at_source: bool,
 }
 
 /// Parses one line; every `&str` handled is a slice of `line`, so an error's position is
@@ -1030,10 +1072,20 @@ impl<'a> LineParser<'a> {
                 return Err(self.err(target_text, SpecErrorKind::RetprobeNotOnEntry(*offset)));
             }
         }
+        if let (true, Target::Source(point)) = (is_return, &target) {
+            if !point.is_function_entry() {
+                return Err(self.err(target_text, SpecErrorKind::RetprobeOnSourceLine));
+            }
+        }
         let context = ProbeContext {
             is_return,
             // Only a symbol+0 counts: the kernel decides "function entry" from the symbol.
-            at_function_entry: matches!(target, Target::Symbol { offset: 0, .. }),
+            at_function_entry: match &target {
+                Target::Symbol { offset, .. } => *offset == 0,
+                Target::Source(point) => point.is_function_entry(),
+                Target::Address(_) => false,
+            },
+            at_source: matches!(target, Target::Source(_)),
         };
 
         if target.is_wildcard() && (event.is_some() || matches!(target, Target::Symbol { offset: 1.., .. })) {
@@ -1104,12 +1156,13 @@ impl<'a> LineParser<'a> {
             None => (target_and_len, if access == Access::Execute { 1 } else { 4 }),
         };
         let (target, is_return) = self.parse_target(target_text)?;
-        if is_return || target.is_wildcard() {
+        if is_return || target.is_wildcard() || matches!(target, Target::Source(_)) {
             return Err(self.err(target_text, SpecErrorKind::WatchTargetNotSingle));
         }
         let context = ProbeContext {
             is_return: false,
             at_function_entry: access == Access::Execute && matches!(target, Target::Symbol { offset: 0, .. }),
+            at_source: false,
         };
         let group = group.unwrap_or_else(|| DEFAULT_GROUP.to_owned());
         let event = event.unwrap_or_else(|| event_name_of('w', &target));
@@ -1167,7 +1220,8 @@ impl<'a> LineParser<'a> {
         if let Some(address) = parse_unsigned(text) {
             return Ok((Target::Address(Gva(address)), false));
         }
-        if text.contains('/') && text.contains(':') {
+        let source_file = text.split([':', '%']).next().is_some_and(is_source_file);
+        if text.contains('/') && text.contains(':') && !source_file {
             return Err(self.err(text, SpecErrorKind::UprobeNotSupported(text.to_owned())));
         }
         let (symbol_part, is_return) = match text.find('%') {
@@ -1178,6 +1232,9 @@ impl<'a> LineParser<'a> {
             }
             None => (text, false),
         };
+        if let Some(point) = self.parse_source_point(text, symbol_part, is_return)? {
+            return Ok((Target::Source(point), is_return));
+        }
         if symbol_part.contains(':') {
             return Err(self.err(text, SpecErrorKind::ModuleTargetNotSupported(symbol_part.to_owned())));
         }
@@ -1207,6 +1264,62 @@ impl<'a> LineParser<'a> {
             },
             is_return,
         ))
+    }
+
+    /// perf probe's source targets: `FUNC@FILE[:RLN]`, `FUNC:RLN`, `FILE:LINE` (a file has a
+    /// `.` or a `/`; `NAME:NAME` is a module target). `None` for anything else.
+    fn parse_source_point(&self, text: &'a str, target: &'a str, is_return: bool) -> Parsed<Option<SourcePoint>> {
+        let (place, line_text) = match target.rsplit_once(':') {
+            Some((place, line)) => (place, Some(line)),
+            None => (target, None),
+        };
+        let line = match line_text {
+            Some(l) if !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()) => match l.parse::<u32>() {
+                Ok(n) => Some(n),
+                Err(_) => return Err(self.err(l, SpecErrorKind::BadSourceLine(l.to_owned()))),
+            },
+            // `MOD:SYM`, or no line.
+            Some(_) if !place.contains('@') => return Ok(None),
+            Some(l) => return Err(self.err(l, SpecErrorKind::BadSourceLine(l.to_owned()))),
+            None => None,
+        };
+        if is_return && line.is_some() {
+            return Err(self.err(text, SpecErrorKind::RetprobeOnSourceLine));
+        }
+        let point = match place.split_once('@') {
+            Some((function, file)) => {
+                if !is_symbol_name(function) {
+                    return Err(self.err(function, SpecErrorKind::BadTarget(text.to_owned())));
+                }
+                if file.is_empty() || file.contains('@') {
+                    return Err(self.err(file, SpecErrorKind::BadTarget(text.to_owned())));
+                }
+                SourcePoint {
+                    function: Some(function.to_owned()),
+                    file: Some(file.to_owned()),
+                    line,
+                }
+            }
+            None => {
+                let Some(line) = line else { return Ok(None) };
+                if is_source_file(place) {
+                    SourcePoint {
+                        function: None,
+                        file: Some(place.to_owned()),
+                        line: Some(line),
+                    }
+                } else if is_symbol_name(place) && !is_wildcard_pattern(place) {
+                    SourcePoint {
+                        function: Some(place.to_owned()),
+                        file: None,
+                        line: Some(line),
+                    }
+                } else {
+                    return Err(self.err(text, SpecErrorKind::BadTarget(text.to_owned())));
+                }
+            }
+        };
+        Ok(Some(point))
     }
 
     fn parse_args(&self, texts: &[&'a str], context: ProbeContext) -> Parsed<Vec<FetchArg>> {
@@ -1479,7 +1592,8 @@ impl<'a> LineParser<'a> {
     /// `fields` its tail). Linux 6.5+ reads these only at a function entry.
     fn parse_btf_ref(&self, text: &'a str, base: BtfBase, fields: &'a str, context: ProbeContext) -> Parsed<FetchExpr> {
         let on_return = matches!(base, BtfBase::Retval);
-        if !on_return && !context.at_function_entry {
+        let dwarf_variable = context.at_source && matches!(base, BtfBase::Param(_));
+        if !on_return && !context.at_function_entry && !dwarf_variable {
             return Err(self.err(text, SpecErrorKind::BtfArgNotOnEntry));
         }
         let mut steps = Vec::new();
@@ -1492,7 +1606,8 @@ impl<'a> LineParser<'a> {
             } else {
                 return Err(self.err(rest, SpecErrorKind::BadHyphen));
             };
-            if steps.is_empty() && !arrow {
+            // A DWARF variable may be a struct in memory, whose members `.` reads.
+            if steps.is_empty() && !arrow && !dwarf_variable {
                 return Err(self.err(after, SpecErrorKind::DotOnParam));
             }
             let len = after.find(['-', '.']).unwrap_or(after.len());
@@ -1560,6 +1675,11 @@ impl<'a> LineParser<'a> {
             }
         }
         match name {
+            "params" | "vars" if !context.at_source => {
+                return Err(self.err(text, SpecErrorKind::SourceVarsNotAtSource(name.to_owned())))
+            }
+            "params" => return Ok(FetchExpr::Params),
+            "vars" => return Ok(FetchExpr::Vars),
             "retval" if context.is_return => return Ok(FetchExpr::Retval),
             "retval" => return Err(self.err(text, SpecErrorKind::RetvalOnKprobe)),
             "duration" if context.is_return => return Ok(FetchExpr::Duration),
@@ -1688,6 +1808,21 @@ fn event_name_of(kind: char, target: &Target) -> String {
         Target::Symbol { name, offset } => format!("{kind}_{name}_{offset}"),
         // The kernel prints a hashed %p here; the real address is more useful and stable.
         Target::Address(address) => format!("{kind}_{:#x}", address.raw()),
+        // perf probe's names: `FUNC_L12` for a line, `FUNC` for a function; a file's line
+        // by the file's name (`read_write_L470`).
+        Target::Source(point) => {
+            let stem = || {
+                let file = point.file.as_deref().unwrap_or_default();
+                let base = file.rsplit('/').next().unwrap_or(file);
+                base.split('.').next().unwrap_or(base).replace('-', "_")
+            };
+            let name = point.function.clone().unwrap_or_else(stem);
+            match (point.line, kind) {
+                (Some(line), _) => format!("{name}_L{line}"),
+                (None, 'r') => format!("{name}__return"),
+                (None, _) => name,
+            }
+        }
     }
     .replace(['.', ':'], "_");
     // The kernel truncates to its buffer; names are ASCII, so this is on a char boundary.
@@ -1706,6 +1841,13 @@ fn is_good_name(name: &str, dash_ok: bool) -> bool {
 
 /// A kernel symbol name: `[A-Za-z_.][A-Za-z0-9_.]*` (`.` for `foo.isra.0`, `foo.cold`),
 /// or a pattern over them (`*` any run of characters, `?` any one, `{a,b}` a list).
+/// Whether a target's place names a source file (`fs/read_write.c`, `read_write.c`,
+/// `include/linux/fs.h`) rather than a symbol or a uprobe's binary.
+fn is_source_file(place: &str) -> bool {
+    let name = place.rsplit('@').next().unwrap_or(place);
+    [".c", ".h", ".S", ".rs"].iter().any(|ext| name.ends_with(ext))
+}
+
 fn is_symbol_name(name: &str) -> bool {
     let ok = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'*' | b'?' | b'{' | b'}' | b',');
     let well_formed = !name.contains(['{', '}', ','])
@@ -1832,6 +1974,22 @@ impl fmt::Display for Target {
             Target::Symbol { name, offset: 0 } => f.write_str(name),
             Target::Symbol { name, offset } => write!(f, "{name}+{}", Number(*offset)),
             Target::Address(address) => write!(f, "{}", Number(address.raw())),
+            Target::Source(point) => write!(f, "{point}"),
+        }
+    }
+}
+
+impl fmt::Display for SourcePoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.function, &self.file) {
+            (Some(function), Some(file)) => write!(f, "{function}@{file}")?,
+            (Some(function), None) => f.write_str(function)?,
+            (None, Some(file)) => f.write_str(file)?,
+            (None, None) => {}
+        }
+        match self.line {
+            Some(line) => write!(f, ":{line}"),
+            None => Ok(()),
         }
     }
 }
@@ -1855,6 +2013,8 @@ impl fmt::Display for FetchArg {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.expr {
             FetchExpr::AllArgs => return f.write_str("$arg*"),
+            FetchExpr::Params => return f.write_str("$params"),
+            FetchExpr::Vars => return f.write_str("$vars"),
             // Unnamed, as it was written: a name would make it the plain register.
             FetchExpr::Btf(BtfRef {
                 base: BtfBase::Arg(_),
@@ -1909,6 +2069,8 @@ impl fmt::Display for FetchExpr {
             FetchExpr::ImmString(text) => write!(f, "\\\"{text}\""),
             FetchExpr::Btf(r) => write!(f, "{r}"),
             FetchExpr::AllArgs => f.write_str("$arg*"),
+            FetchExpr::Params => f.write_str("$params"),
+            FetchExpr::Vars => f.write_str("$vars"),
         }
     }
 }

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod probe;
 pub mod run;
 pub mod snapshot;
+pub mod source;
 pub mod symbols;
 pub mod trace;
 
@@ -23,6 +24,8 @@ pub fn dispatch(command: Commands) -> CliResult {
     match command {
         Commands::Run(args) => run::run(*args),
         Commands::Symbols(args) => symbols::symbols(args),
+        Commands::Lines(args) => source::lines(args),
+        Commands::Vars(args) => source::vars(args),
         Commands::Snapshot {
             command: SnapshotCommand::Create(args),
         } => snapshot::create(args),

@@ -14,11 +14,13 @@ use crate::filters_and_triggers::AnalysisFlags;
 use crate::guest::{initrd_with_workload, BundledGuest, MachineFiles};
 use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOptions};
 use crate::shares::{self, Daemons};
+use crate::trace::KernelSourceFiles;
 
 /// `hvprobe run`: boots the guest, or restores it with `--snapshot`.
 pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let trace = TraceOptions {
+    let mut trace = TraceOptions {
         probes: args.probes.clone(),
+        kernel_source: Arc::new(KernelSourceFiles::none()),
         output: args.output.clone(),
         sym_offset: args.sym_offset,
         text_hash: args.text_hash,
@@ -66,12 +68,22 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let files = MachineFiles::of(&args.machine, args.kaslr)?;
     let bundled_kernel = files.bundled_kernel();
     let sources = symbol_sources(&args, bundled_kernel)?;
+    let vmlinux = vmlinux_of(&args, bundled_kernel)?;
+    if let Some(vmlinux) = &vmlinux {
+        // The DWARF: a --vmlinux's own, else the bundled guest's file beside its vmlinux.
+        let debuginfo = match (&args.vmlinux, bundled_kernel) {
+            (None, Some(g)) => g.debuginfo.clone(),
+            _ => vmlinux.clone(),
+        };
+        trace.kernel_source = Arc::new(KernelSourceFiles::new(vmlinux.clone(), debuginfo));
+    }
     match &args.probes {
         Some(file) => check_probes_before_boot(
             file,
             args.machine.cpus,
             &sources,
-            vmlinux_of(&args, bundled_kernel)?.as_deref(),
+            vmlinux.as_deref(),
+            &trace.kernel_source,
             &trace.analysis,
         )?,
         None if !trace.analysis.is_empty() => return Err(crate::trace::SessionError::AnalysisWithoutProbes.into()),
@@ -238,6 +250,7 @@ fn check_probes_before_boot(
     cpus: u8,
     sources: &[SymbolsFrom],
     vmlinux: Option<&std::path::Path>,
+    kernel_source: &KernelSourceFiles,
     analysis: &AnalysisFlags,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let table = sources
@@ -248,7 +261,14 @@ fn check_probes_before_boot(
             SymbolsFrom::Kallsyms => None,
         })
         .transpose()?;
-    crate::trace::check_before_boot(file, usize::from(cpus), table.as_ref(), vmlinux, analysis)?;
+    crate::trace::check_before_boot(
+        file,
+        usize::from(cpus),
+        table.as_ref(),
+        vmlinux,
+        kernel_source,
+        analysis,
+    )?;
     Ok(())
 }
 

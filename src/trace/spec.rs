@@ -4,16 +4,111 @@
 
 use super::*;
 
+/// The kernel's DWARF for spec lines with source targets (`vfs_read:12 count`), loaded when
+/// a line first needs it: the vmlinux (its symbols name each site, its ORC table gives a
+/// stack variable's frame) and the file with its DWARF (the vmlinux itself, or the bundled
+/// guest's `vmlinux.debug`).
+#[derive(Default)]
+pub struct KernelSourceFiles {
+    files: Option<(PathBuf, PathBuf)>,
+    loaded: OnceLock<Result<KernelSource, String>>,
+}
+
+impl std::fmt::Debug for KernelSourceFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelSourceFiles").field("files", &self.files).finish()
+    }
+}
+
+impl KernelSourceFiles {
+    pub fn new(vmlinux: PathBuf, debuginfo: PathBuf) -> KernelSourceFiles {
+        KernelSourceFiles {
+            files: Some((vmlinux, debuginfo)),
+            loaded: OnceLock::new(),
+        }
+    }
+
+    /// None: source targets are refused with the reason.
+    pub fn none() -> KernelSourceFiles {
+        KernelSourceFiles::default()
+    }
+
+    pub fn get(&self) -> Result<&KernelSource, String> {
+        self.loaded
+            .get_or_init(|| {
+                let Some((vmlinux, debuginfo)) = &self.files else {
+                    return Err(
+                        "source targets need the kernel's vmlinux with its DWARF (--vmlinux FILE; \
+                                a snapshot's run has none)"
+                            .to_owned(),
+                    );
+                };
+                let debug = DebugInfo::open(debuginfo).map_err(|e| e.to_string())?;
+                let symbols = SymbolTable::from_elf_file(vmlinux).map_err(|e| format!("{}: {e}", vmlinux.display()))?;
+                let orc = match ElfImage::open(vmlinux) {
+                    Ok(image) => OrcTable::read(&image, &symbols)
+                        .map_err(|e| {
+                            tracing::warn!("{}: its ORC table: {e}; stack variables are refused", vmlinux.display())
+                        })
+                        .ok(),
+                    Err(e) => {
+                        tracing::warn!("{}: {e}; stack variables are refused", vmlinux.display());
+                        None
+                    }
+                };
+                Ok(KernelSource { debug, symbols, orc })
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+}
+
+/// A spec line with a source target as the plain probes it stands for (one per site),
+/// any other line as it is.
+fn resolve_source_target(
+    spec: ProbeSpec,
+    line: usize,
+    source: &str,
+    kernel: &KernelSourceFiles,
+) -> Result<Vec<ProbeSpec>, String> {
+    let target = match &spec {
+        ProbeSpec::Kprobe { target, .. } | ProbeSpec::Kretprobe { target, .. } => target,
+        _ => return Ok(vec![spec]),
+    };
+    if !matches!(target, Target::Source(_)) {
+        return Ok(vec![spec]);
+    }
+    let kernel = kernel.get().map_err(|e| format!("{source}:{line}: {target}: {e}"))?;
+    let (specs, notes) = kernel.resolve(&spec).map_err(|e| format!("{source}:{line}: {e}"))?;
+    for note in notes {
+        tracing::warn!("{source}:{line}: {note}");
+    }
+    Ok(specs)
+}
+
 /// Parses a spec text: syntax, and what this version supports. `-:` lines remove a probe
-/// defined above them in the same text; those that name none are returned apart.
-pub(super) fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<SpecProbe>, Vec<Removal>, LineProblems) {
+/// defined above them in the same text; those that name none are returned apart. A
+/// source target becomes its sites (see [`KernelSource::resolve`]).
+pub(super) fn parse_spec_text(
+    text: &str,
+    source: &str,
+    cpus: usize,
+    kernel: &KernelSourceFiles,
+) -> (Vec<SpecProbe>, Vec<Removal>, LineProblems) {
     // Every problem at once, in line order: one round of fixing.
     let (specs, errors) = parse_file_all_errors(text, source);
     let mut problems: Vec<(usize, String)> = errors.iter().map(|e| (e.line, e.to_string())).collect();
     let mut probes: Vec<SpecProbe> = Vec::new();
     let mut removals = Vec::new();
     let lines: Vec<&str> = text.lines().collect();
+    let mut resolved = Vec::with_capacity(specs.len());
     for (line, spec) in specs {
+        match resolve_source_target(spec, line, source, kernel) {
+            Ok(specs) => resolved.extend(specs.into_iter().map(|s| (line, s))),
+            Err(problem) => problems.push((line, problem)),
+        }
+    }
+    for (line, spec) in resolved {
         let (group, event, target, args, kind) = match spec {
             ProbeSpec::Kprobe {
                 group,
@@ -65,6 +160,7 @@ pub(super) fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<Spe
         let point = match target {
             Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
             Target::Address(a) => ProbePoint::Address(a),
+            Target::Source(_) => unreachable!("resolved into symbol targets above"),
         };
         probes.push(SpecProbe {
             line,
@@ -80,8 +176,12 @@ pub(super) fn parse_spec_text(text: &str, source: &str, cpus: usize) -> (Vec<Spe
 
 /// Reads and checks a spec file: syntax, and what this version supports. Its probes and
 /// its `filter`/`trigger` lines.
-pub(super) fn read_spec_file(path: &Path, cpus: usize) -> Result<(Vec<SpecProbe>, Vec<Request>), SessionError> {
-    let (probes, requests, problems) = read_spec_file_all(path, cpus)?;
+pub(super) fn read_spec_file(
+    path: &Path,
+    cpus: usize,
+    kernel: &KernelSourceFiles,
+) -> Result<(Vec<SpecProbe>, Vec<Request>), SessionError> {
+    let (probes, requests, problems) = read_spec_file_all(path, cpus, kernel)?;
     spec_result(&path.display().to_string(), problems).map(|()| (probes, requests))
 }
 
@@ -93,6 +193,7 @@ type LineProblems = Vec<(usize, String)>;
 pub(super) fn read_spec_file_all(
     path: &Path,
     cpus: usize,
+    kernel: &KernelSourceFiles,
 ) -> Result<(Vec<SpecProbe>, Vec<Request>, LineProblems), SessionError> {
     let source = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| SessionError::Spec {
@@ -100,7 +201,7 @@ pub(super) fn read_spec_file_all(
         problems: vec![format!("cannot read probe file {source}: {e}")],
     })?;
     let (text, requests, request_errors) = take_request_lines(&text, &source);
-    let (probes, removals, mut problems) = parse_spec_text(&text, &source, cpus);
+    let (probes, removals, mut problems) = parse_spec_text(&text, &source, cpus, kernel);
     problems.extend(request_errors.iter().map(|e| (error_line(e), e.to_string())));
     for r in removals {
         problems.push((
@@ -214,10 +315,11 @@ pub fn check_before_boot(
     cpus: usize,
     symbols: Option<&SymbolTable>,
     vmlinux: Option<&Path>,
+    kernel_source: &KernelSourceFiles,
     flags: &AnalysisFlags,
 ) -> Result<(), SessionError> {
     let source = file.display().to_string();
-    let (probes, mut requests, mut problems) = read_spec_file_all(file, cpus)?;
+    let (probes, mut requests, mut problems) = read_spec_file_all(file, cpus, kernel_source)?;
     // The lines again, to check each probe's against the kernel at its columns.
     let text = std::fs::read_to_string(file).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
@@ -260,7 +362,20 @@ pub fn check_before_boot(
         } else {
             let line = lines.get(p.line - 1).copied().unwrap_or_default();
             let mut event = p.clone();
-            if let Ok(Some(spec)) = parse_line(line) {
+            // A source target's line was checked as it was resolved into its sites.
+            let from_source = matches!(
+                parse_line(line),
+                Ok(Some(
+                    ProbeSpec::Kprobe {
+                        target: Target::Source(_),
+                        ..
+                    } | ProbeSpec::Kretprobe {
+                        target: Target::Source(_),
+                        ..
+                    }
+                ))
+            );
+            if let (false, Ok(Some(spec))) = (from_source, parse_line(line)) {
                 match check_spec(line, p.line, Some(&source), &spec, &kernel) {
                     // The filters and triggers bind to the fields as they will be armed
                     // (`$arg*` and `$argN` named after the parameters).

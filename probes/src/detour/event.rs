@@ -485,7 +485,9 @@ fn locate(arg: &FetchArg, expr: &FetchExpr, symbols: &SymbolTable) -> Result<Pla
         FetchExpr::Comm => Place::Comm,
         FetchExpr::Immediate(v) => Place::Value(Value::Imm(*v)),
         FetchExpr::ImmString(_) => return Err(unsupported(arg, "an immediate string")),
-        FetchExpr::Btf(_) | FetchExpr::AllArgs => return Err(unsupported(arg, "an unresolved BTF argument")),
+        FetchExpr::Btf(_) | FetchExpr::AllArgs | FetchExpr::Params | FetchExpr::Vars => {
+            return Err(unsupported(arg, "an unresolved BTF or DWARF argument"))
+        }
         FetchExpr::Deref { offset, user, base } => match value_of(arg, base, symbols)? {
             Some(v) => Place::Memory {
                 addr: Value::Add(Box::new(v), *offset),
