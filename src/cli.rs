@@ -242,7 +242,11 @@ pub struct RunArgs {
     /// System.map of the kernel [default: the bundled guest's].
     #[arg(long)]
     pub system_map: Option<PathBuf>,
-    /// The kernel's vmlinux ELF, for symbols [default: the bundled guest's, or --kernel if it is an ELF].
+    /// The kernel's vmlinux ELF, for symbols and, with its DWARF, for probes on source lines
+    /// [default: the bundled guest's, or --kernel if it is an ELF].
+    ///
+    /// With --snapshot it serves the source lines only (the restored kernel's kallsyms
+    /// name its symbols), and must be that kernel's [default: the bundled guest's].
     #[arg(long, value_name = "FILE")]
     pub vmlinux: Option<PathBuf>,
     /// Sample every vCPU's instruction pointer this often (ms) and print the hottest guest
@@ -319,7 +323,7 @@ pub struct RunArgs {
     /// be the image the snapshot saw (its size, `,ro`, and its partition table).
     #[arg(long, value_name = "DIR", conflicts_with_all = [
         "kernel", "initrd", "cmdline", "mem", "kaslr", "resolve", "sample_ms", "symbol_sources",
-        "system_map", "vmlinux", "root", "rootfs", "rwdirs", "virtiofsd",
+        "system_map", "root", "rootfs", "rwdirs", "virtiofsd",
     ])]
     pub snapshot: Option<PathBuf>,
 }

@@ -809,6 +809,120 @@ fn immediate_strings_bitfields_and_arrays_print_as_the_guests_own_event() {
     );
 }
 
+/// perf probe's source targets, with variables by name from the kernel's DWARF: at
+/// `vfs_read@fs/read_write.c` (the entry) `count` and `file->f_pos` read what the guest's own
+/// event reads through the calling convention; at `vfs_read:23` (`if (ret > 0)`, after the
+/// read: checked by `source_lines_and_variables_are_where_the_dwarf_and_addr2line_put_them`)
+/// `ret` is what each read returned (one byte), `*pos` has moved on by it, and `file->f_pos`
+/// (named `f_pos`, as perf probe names it) has not yet: `ksys_read` passes a copy and writes
+/// it back after `vfs_read` returns.
+#[test]
+fn source_line_probes_read_variables_as_the_guests_event_and_the_read_itself_say() {
+    let (f_pos, _) = bundled_file_offsets();
+    let run = compare_vfs_reads(
+        "p:host/rd vfs_read@fs/read_write.c count fpos=file->f_pos\n\
+         p:host/after vfs_read:23 ret file->f_pos next=+0(pos):s64",
+        &format!("p:grd vfs_read count=%dx:u64 fpos=+{f_pos}(%di):s64"),
+        &[],
+    );
+    let host: Vec<TraceLine> = run
+        .stdout
+        .lines()
+        .filter(|l| !l.starts_with("GUEST "))
+        .filter_map(parse_trace_line)
+        .collect();
+    // The one-byte reads of the child shells: each is followed by its line-23 hit, which
+    // says the read returned 1 and its position moved on by one.
+    let reads: Vec<&TraceLine> = host
+        .iter()
+        .filter(|l| l.event == "rd" && l.args["count"] == "1")
+        .collect();
+    assert!(reads.len() >= 30, "{}", run.tail());
+    for read in &reads {
+        let at: i64 = read.args["fpos"].parse().unwrap();
+        let after = host
+            .iter()
+            .find(|l| l.event == "after" && l.task == read.task && l.args["f_pos"] == at.to_string())
+            .unwrap_or_else(|| panic!("no line-23 hit of {} at f_pos {at}\n{}", read.task, run.tail()));
+        assert_eq!(after.args["ret"], "1", "{}", run.tail());
+        assert_eq!(after.args["next"], (at + 1).to_string(), "{}", run.tail());
+        assert!(after.location.starts_with("vfs_read+0x"), "{}", after.location);
+    }
+}
+
+/// `hvprobe lines` numbers `vfs_read`'s lines from its declaration as perf probe's `-L`
+/// does (line 23 is `if (ret > 0)` in the source the bundled kernel was built from), and
+/// `hvprobe vars` puts `vfs_read:23` at an address binutils' `addr2line` maps to that
+/// line, with `ret` readable there and `buf` refused (only its entry value is described).
+#[test]
+fn source_lines_and_variables_are_where_the_dwarf_and_addr2line_put_them() {
+    let timeout = Duration::from_secs(120);
+    let lines = hvprobe(&["lines", "vfs_read"], timeout);
+    assert_eq!(lines.code, Some(0), "{}", lines.tail());
+    let header = lines.stdout.lines().next().unwrap_or_default().to_owned();
+    assert!(
+        header.starts_with("<vfs_read@") && header.ends_with("fs/read_write.c:0>"),
+        "{header}"
+    );
+    let numbered = |n: &str| {
+        lines
+            .stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(n))
+            .map(|l| l[9..].trim().to_owned())
+    };
+    assert_eq!(numbered("23").as_deref(), Some("if (ret > 0) {"), "{}", lines.stdout);
+    assert!(lines
+        .stdout
+        .lines()
+        .nth(1)
+        .unwrap()
+        .contains("ssize_t vfs_read(struct file *file"));
+
+    let vars = hvprobe(&["vars", "vfs_read:23"], timeout);
+    assert_eq!(vars.code, Some(0), "{}", vars.tail());
+    let site = vars
+        .stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("@<vfs_read+").and_then(|o| o.strip_suffix('>')))
+        .unwrap_or_else(|| panic!("{}", vars.stdout));
+    let offset = u64::from_str_radix(site.trim_start_matches("0x"), 16).unwrap();
+    let (function, _) = common::GuestFunction::bundled("vfs_read");
+    let debug = common::bundled_guest_dir().join("vmlinux.debug");
+    let out = std::process::Command::new("addr2line")
+        .arg("-e")
+        .arg(&debug)
+        .arg(format!("{:#x}", function.addr + offset))
+        .output()
+        .expect("addr2line (binutils)");
+    let place = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    // Line 23 counts from the declaration's line in the source file itself.
+    let file = header.trim_start_matches("<vfs_read@").trim_end_matches(":0>");
+    let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let decl = 1 + text
+        .lines()
+        .position(|l| l.starts_with("ssize_t vfs_read(struct file *file"))
+        .expect("vfs_read's declaration");
+    assert!(
+        place.ends_with(&format!("fs/read_write.c:{}", decl + 23)),
+        "addr2line says {place}"
+    );
+    assert!(
+        vars.stdout
+            .lines()
+            .any(|l| l.contains("ssize_t") && l.contains("ret=%") && l.ends_with(":s64")),
+        "{}",
+        vars.stdout
+    );
+    assert!(
+        vars.stdout
+            .lines()
+            .any(|l| l.contains(" buf (") && l.contains("DW_OP_entry_value")),
+        "{}",
+        vars.stdout
+    );
+}
+
 /// Three shells each read `/proc/version` one byte at a time, with the host's probe `host`
 /// (event `rd`, on `vfs_read`) armed and the guest's own `guest` (event `grd`) enabled
 /// around them: each read's values, keyed by the file position (`fpos`), are the same.

@@ -178,3 +178,32 @@ fn watches_no_debug_register_can_serve_are_refused_before_boot() {
     }
     let _ = std::fs::remove_file(&file);
 }
+
+/// A source target that DWARF cannot place, or a variable it cannot read there, is refused
+/// before the boot with what perf probe would say: a line with no code of its own (with the
+/// nearest lines that have some), a variable not visible there (with those that are), one
+/// whose value at the site is only described at the function's entry, a field its type
+/// does not have, a function no file defines, `$argN` at a line.
+#[test]
+fn source_targets_dwarf_cannot_place_or_read_are_refused_before_boot() {
+    for (text, message) in [
+        (
+            "p vfs_read:10\n",
+            "has no code of its own (nearest lines with code: vfs_read:8, vfs_read:11)",
+        ),
+        ("p vfs_read:23 nosuch\n", "no variable `nosuch` is visible at vfs_read+0x80 (visible there: "),
+        (
+            "p vfs_read:23 buf\n",
+            "`buf` at vfs_read+0x80 cannot be read: only its value at the function's entry is described (DW_OP_entry_value)",
+        ),
+        ("p vfs_read:23 file->f_nosuch\n", "`file`: struct file has no member `f_nosuch`"),
+        ("p vfs_read:23 ret->x\n", "`ret`: is not a pointer (ssize_t)"),
+        ("p vfs_read@fs/nosuch.c\n", "no function `vfs_read` in a file ending `fs/nosuch.c`"),
+        ("p no_such_function_here:3\n", "no function `no_such_function_here` in the kernel's DWARF"),
+        ("p fs/read_write.c:1\n", "no line 1 with code in a file ending `fs/read_write.c`"),
+    ] {
+        let file = spec_file("source", text);
+        common::assert_refused_before_boot(&["--probes", file.to_str().unwrap()], message);
+        let _ = std::fs::remove_file(&file);
+    }
+}

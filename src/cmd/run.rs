@@ -37,6 +37,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         clock: args.clock.into(),
     };
     if let Some(dir) = &args.snapshot {
+        // Source targets read the restored kernel's DWARF: --vmlinux's, or the bundled
+        // guest's (what `snapshot create` saves by default).
+        trace.kernel_source = Arc::new(match &args.vmlinux {
+            Some(v) => KernelSourceFiles::new(v.clone(), v.clone()),
+            None => KernelSourceFiles::bundled(),
+        });
         return crate::cmd::snapshot::run_restored(
             dir,
             args.machine.cpus,

@@ -10,8 +10,18 @@ use super::*;
 /// guest's `vmlinux.debug`).
 #[derive(Default)]
 pub struct KernelSourceFiles {
-    files: Option<(PathBuf, PathBuf)>,
+    files: SourceFiles,
     loaded: OnceLock<Result<KernelSource, String>>,
+}
+
+#[derive(Debug, Default)]
+enum SourceFiles {
+    #[default]
+    None,
+    /// The vmlinux and the file with its DWARF.
+    Paths(PathBuf, PathBuf),
+    /// The bundled guest's (a restored snapshot of it, by default).
+    Bundled,
 }
 
 impl std::fmt::Debug for KernelSourceFiles {
@@ -23,7 +33,15 @@ impl std::fmt::Debug for KernelSourceFiles {
 impl KernelSourceFiles {
     pub fn new(vmlinux: PathBuf, debuginfo: PathBuf) -> KernelSourceFiles {
         KernelSourceFiles {
-            files: Some((vmlinux, debuginfo)),
+            files: SourceFiles::Paths(vmlinux, debuginfo),
+            loaded: OnceLock::new(),
+        }
+    }
+
+    /// The bundled guest's, found (or built) when a line first needs them.
+    pub fn bundled() -> KernelSourceFiles {
+        KernelSourceFiles {
+            files: SourceFiles::Bundled,
             loaded: OnceLock::new(),
         }
     }
@@ -36,13 +54,19 @@ impl KernelSourceFiles {
     pub fn get(&self) -> Result<&KernelSource, String> {
         self.loaded
             .get_or_init(|| {
-                let Some((vmlinux, debuginfo)) = &self.files else {
-                    return Err(
-                        "source targets need the kernel's vmlinux with its DWARF (--vmlinux FILE; \
-                                a snapshot's run has none)"
-                            .to_owned(),
-                    );
+                let (vmlinux, debuginfo) = match &self.files {
+                    SourceFiles::None => {
+                        return Err(
+                            "source targets need the kernel's vmlinux with its DWARF (--vmlinux FILE)".to_owned(),
+                        )
+                    }
+                    SourceFiles::Paths(v, d) => (v.clone(), d.clone()),
+                    SourceFiles::Bundled => {
+                        let guest = crate::guest::BundledGuest::ensure_built().map_err(|e| e.to_string())?;
+                        (guest.vmlinux, guest.debuginfo)
+                    }
                 };
+                let (vmlinux, debuginfo) = (&vmlinux, &debuginfo);
                 let debug = DebugInfo::open(debuginfo).map_err(|e| e.to_string())?;
                 let symbols = SymbolTable::from_elf_file(vmlinux).map_err(|e| format!("{}: {e}", vmlinux.display()))?;
                 let orc = match ElfImage::open(vmlinux) {

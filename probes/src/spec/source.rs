@@ -323,7 +323,7 @@ impl KernelSource {
     ) -> Result<Vec<FetchArg>, SourceError> {
         let variables = self.debug.variables_at(scope, site.address)?;
         let mut out = Vec::new();
-        for arg in args {
+        for (index, arg) in args.iter().enumerate() {
             match &arg.expr {
                 FetchExpr::Params | FetchExpr::Vars => {
                     let params_only = arg.expr == FetchExpr::Params;
@@ -352,7 +352,18 @@ impl KernelSource {
                 }
                 _ => {
                     let (expr, ty) = self.expr(place, at_entry, site, &variables, &arg.expr)?;
+                    // An unnamed `file->f_pos` is named `f_pos`, as perf probe names it
+                    // (unless another argument has that name).
+                    let name = match &arg.expr {
+                        FetchExpr::Btf(BtfRef { fields, .. }) if arg.name == format!("arg{}", index + 1) => fields
+                            .last()
+                            .map(|f| f.name.clone())
+                            .filter(|n| !args.iter().any(|a| &a.name == n))
+                            .unwrap_or_else(|| arg.name.clone()),
+                        _ => arg.name.clone(),
+                    };
                     out.push(FetchArg {
+                        name,
                         expr,
                         ty: match ty {
                             Some(t) if !arg.typed => t,

@@ -1120,3 +1120,95 @@ fn bad_watch_lines_say_what_is_wrong_where() {
         );
     }
 }
+
+// ---- source targets (perf probe's) ----
+
+fn source(function: Option<&str>, file: Option<&str>, line: Option<u32>) -> Target {
+    Target::Source(SourcePoint {
+        function: function.map(str::to_owned),
+        file: file.map(str::to_owned),
+        line,
+    })
+}
+
+fn target_of(line: &str) -> Target {
+    match ok(line) {
+        ProbeSpec::Kprobe { target, .. } | ProbeSpec::Kretprobe { target, .. } => target,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn source_targets_take_perf_probes_forms() {
+    assert_eq!(target_of("p vfs_read:12"), source(Some("vfs_read"), None, Some(12)));
+    assert_eq!(
+        target_of("p vfs_read@fs/read_write.c"),
+        source(Some("vfs_read"), Some("fs/read_write.c"), None)
+    );
+    assert_eq!(
+        target_of("p vfs_read@read_write.c:3"),
+        source(Some("vfs_read"), Some("read_write.c"), Some(3))
+    );
+    assert_eq!(
+        target_of("p fs/read_write.c:470"),
+        source(None, Some("fs/read_write.c"), Some(470))
+    );
+    assert_eq!(
+        target_of("r vfs_read@fs/read_write.c"),
+        source(Some("vfs_read"), Some("fs/read_write.c"), None)
+    );
+    assert_eq!(
+        target_of("p vfs_read@fs/read_write.c%return"),
+        source(Some("vfs_read"), Some("fs/read_write.c"), None)
+    );
+    // Still what they were: a module target, a uprobe, a symbol.
+    assert!(matches!(
+        err("p ext4:ext4_file_write_iter").1,
+        SpecErrorKind::ModuleTargetNotSupported(_)
+    ));
+    assert!(matches!(
+        err("p /bin/bash:0x4245c0").1,
+        SpecErrorKind::UprobeNotSupported(_)
+    ));
+    assert_eq!(target_of("p vfs_read"), sym("vfs_read", 0));
+}
+
+#[test]
+fn source_targets_are_named_as_perf_probe_names_them() {
+    let event = |line: &str| match ok(line) {
+        ProbeSpec::Kprobe { event, .. } | ProbeSpec::Kretprobe { event, .. } => event,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(event("p vfs_read:12"), "vfs_read_L12");
+    assert_eq!(event("p vfs_read@fs/read_write.c"), "vfs_read");
+    assert_eq!(event("r vfs_read@fs/read_write.c"), "vfs_read__return");
+    assert_eq!(event("p fs/read_write.c:470"), "read_write_L470");
+    // The canonical text parses back to the same spec.
+    round_trip(&ok("p:g/e vfs_read@fs/read_write.c:3 count"));
+}
+
+#[test]
+fn source_targets_read_variables_by_name_anywhere_and_refuse_what_cannot_be() {
+    // A name, its fields (also `.` on a struct variable), `$params`, `$vars`, at a line.
+    let a = args("p vfs_read:23 ret file->f_pos st.st_size $params $vars");
+    assert!(matches!(&a[0].expr, FetchExpr::Btf(BtfRef { base: BtfBase::Param(n), .. }) if n == "ret"));
+    assert!(matches!(&a[2].expr, FetchExpr::Btf(BtfRef { fields, .. }) if !fields[0].arrow));
+    assert_eq!(a[3].expr, FetchExpr::Params);
+    assert_eq!(a[4].expr, FetchExpr::Vars);
+    // `$argN` needs a function's entry, as on symbol targets; a return probe a function.
+    assert_eq!(arg_err_on("p vfs_read:23 $arg1").1, SpecErrorKind::ArgNotOnEntry);
+    assert_eq!(err("r vfs_read:23").1, SpecErrorKind::RetprobeOnSourceLine);
+    assert_eq!(err("p vfs_read:23%return").1, SpecErrorKind::RetprobeOnSourceLine);
+    // `$params` and `$vars` need DWARF's scope: not on a symbol target.
+    assert_eq!(
+        err("p vfs_read $vars").1,
+        SpecErrorKind::SourceVarsNotAtSource("vars".into())
+    );
+    // Nor does a watch go on a line.
+    assert_eq!(err("w vfs_read@read_write.c:x").1, SpecErrorKind::WatchTargetNotSingle);
+    assert!(matches!(err("p vfs_read@").1, SpecErrorKind::BadTarget(_)));
+}
+
+fn arg_err_on(line: &str) -> (usize, SpecErrorKind) {
+    err(line)
+}
