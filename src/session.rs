@@ -102,20 +102,11 @@ impl RunSession {
                 return Err(crate::trace::SessionError::PerfettoWithoutProbes.into())
             }
             (None, ControlSocket::Off) => None,
-            (file, _) => {
+            (_, _) => {
                 let optimize = options
                     .optimize
                     .unwrap_or_else(|| optimize_by_default(hvprobe_vmm::Backend::detect()));
-                let session = Arc::new(TraceSession::new(
-                    file.as_deref(),
-                    options.kernel_source.clone(),
-                    &options.output,
-                    options.sym_offset,
-                    optimize,
-                    options.clock,
-                    &options.analysis,
-                    vm,
-                )?);
+                let session = Arc::new(TraceSession::new(options, optimize, vm)?);
                 session.listing_on_sigusr1()?;
                 Some(session)
             }

@@ -38,7 +38,7 @@ use hvprobe_probes::spec::{
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
-use crate::cli::{HitOutputs, OutputFormat};
+use crate::cli::OutputFormat;
 use crate::filters_and_triggers::{error_line, hist_report, origin_line, take_request_lines, AnalysisFlags};
 use crate::perfetto::{PerfettoError, PerfettoFile};
 
@@ -235,16 +235,12 @@ fn event_matches(pattern: &str, group: &str, event: &str) -> bool {
 
 impl TraceSession {
     /// Parses the probe file (if any) and starts the printer. Nothing touches the guest yet.
-    pub fn new(
-        probes_file: Option<&Path>,
-        kernel_source: Arc<KernelSourceFiles>,
-        outputs: &HitOutputs,
-        sym_offset: bool,
-        optimize: bool,
-        clock: TraceClock,
-        analysis: &AnalysisFlags,
-        vm: &Vm,
-    ) -> Result<TraceSession, SessionError> {
+    /// `optimize` is the run's choice (`options.optimize` or the backend's default).
+    pub fn new(options: &crate::session::TraceOptions, optimize: bool, vm: &Vm) -> Result<TraceSession, SessionError> {
+        let probes_file = options.probes.as_deref();
+        let kernel_source = options.kernel_source.clone();
+        let (outputs, sym_offset, clock, analysis) =
+            (&options.output, options.sym_offset, options.clock, &options.analysis);
         let cpus = vm.control().vcpu_count();
         let (initial, mut requests) = match probes_file {
             Some(file) => read_spec_file(file, cpus, &kernel_source)?,

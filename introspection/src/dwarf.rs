@@ -696,10 +696,8 @@ impl DebugInfo {
                         },
                     ));
                 }
-                gimli::DW_TAG_lexical_block => {
-                    if self.die_ranges(die).iter().any(|r| r.contains(&address)) {
-                        self.collect_variables(child, unit, depth + 1, address, frame_base_is_cfa, out)?;
-                    }
+                gimli::DW_TAG_lexical_block if self.die_ranges(die).iter().any(|r| r.contains(&address)) => {
+                    self.collect_variables(child, unit, depth + 1, address, frame_base_is_cfa, out)?;
                 }
                 // An inlined call's variables are its own, not the function's.
                 _ => {}

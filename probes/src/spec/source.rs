@@ -125,6 +125,9 @@ pub struct Located {
     pub sites: Vec<(Site, Function)>,
 }
 
+/// A variable at a site, and the fetch-arg that reads it there or why none can.
+pub type VariableFetch = (hvprobe_introspection::dwarf::Variable, Result<FetchArg, SourceError>);
+
 /// What resolving a spec line noticed but did not refuse (a `$vars` variable skipped).
 pub type Notes = Vec<String>;
 
@@ -417,11 +420,7 @@ impl KernelSource {
 
     /// The variables in `scope` at a site, each with the fetch-arg that reads it there
     /// (or why none can), for listings (`hvprobe vars`, perf probe's `-V`).
-    pub fn variables(
-        &self,
-        site: &Site,
-        scope: &Function,
-    ) -> Result<Vec<(hvprobe_introspection::dwarf::Variable, Result<FetchArg, SourceError>)>, SourceError> {
+    pub fn variables(&self, site: &Site, scope: &Function) -> Result<Vec<VariableFetch>, SourceError> {
         let variables = self.debug.variables_at(scope, site.address)?;
         let place = site.to_string();
         Ok(variables
