@@ -517,41 +517,28 @@ impl DebugInfo {
     /// into it).
     pub fn lines(&self, function: &Function) -> Result<Vec<SourceLine>, DwarfError> {
         let unit = function.die.unit;
-        let Some(program) = self.units[unit].unit.line_program.clone() else {
-            return Ok(Vec::new());
-        };
         let mut by_line: BTreeMap<(String, u64), Vec<u64>> = BTreeMap::new();
         let mut files: BTreeMap<u64, Option<String>> = BTreeMap::new();
-        let mut rows = program.rows();
-        // The previous row's (line, file) in this sequence: a run of rows of one line
-        // is one place to probe, at its first address.
-        let mut previous: Option<(u64, u64)> = None;
-        while let Some((_, row)) = rows.next_row().map_err(malformed(".debug_line"))? {
-            if row.end_sequence() {
-                previous = None;
-                continue;
-            }
-            let line = row.line().map_or(0, |l| l.get());
-            let key = (line, row.file_index());
-            let same_run = previous == Some(key);
-            previous = Some(key);
+        self.statement_starts(unit, &mut |line, file_index, address| {
             // Lines above the declaration are helpers of the same file inlined into it.
-            if same_run || !row.is_stmt() || line < function.decl_line.max(1) || !function.contains(row.address()) {
-                continue;
+            if line < function.decl_line.max(1) || !function.contains(address) {
+                return true;
             }
             let file = files
-                .entry(row.file_index())
-                .or_insert_with(|| self.file_name(unit, row.file_index()))
+                .entry(file_index)
+                .or_insert_with(|| self.file_name(unit, file_index))
                 .clone();
-            let Some(file) = file else { continue };
-            if function.decl_file.as_deref().is_some_and(|d| d != file) {
-                continue;
+            match file {
+                Some(file) if function.decl_file.as_deref().is_none_or(|d| d == file) => {
+                    let addrs = by_line.entry((file, line)).or_default();
+                    if !addrs.contains(&address) {
+                        addrs.push(address);
+                    }
+                }
+                _ => {}
             }
-            let addrs = by_line.entry((file, line)).or_default();
-            if !addrs.contains(&row.address()) {
-                addrs.push(row.address());
-            }
-        }
+            true
+        })?;
         Ok(by_line
             .into_iter()
             .map(|((file, line), mut addresses)| {
@@ -562,42 +549,58 @@ impl DebugInfo {
     }
 
     /// Every statement row of every unit for line `line` of a file whose path ends with
-    /// `file` (at a `/`), with the function whose code holds it, at most
-    /// [`MAX_LINE_SITES`] + 1 (the caller refuses more).
+    /// `file` (at a `/`), at most [`MAX_LINE_SITES`] + 1 (the caller refuses more).
     pub fn file_line(&self, file: &str, line: u64) -> Result<Vec<(String, u64)>, DwarfError> {
         let mut found: Vec<(String, u64)> = Vec::new();
         for unit in 0..self.units.len() {
-            let Some(program) = self.units[unit].unit.line_program.clone() else {
-                continue;
-            };
             let mut files: BTreeMap<u64, bool> = BTreeMap::new();
-            let mut rows = program.rows();
-            let mut previous: Option<(u64, u64)> = None;
-            while let Some((_, row)) = rows.next_row().map_err(malformed(".debug_line"))? {
-                if row.end_sequence() {
-                    previous = None;
-                    continue;
+            self.statement_starts(unit, &mut |l, file_index, address| {
+                if l != line {
+                    return true;
                 }
-                let l = row.line().map_or(0, |l| l.get());
-                let key = (l, row.file_index());
-                let same_run = previous == Some(key);
-                previous = Some(key);
-                if same_run || l != line || !row.is_stmt() {
-                    continue;
-                }
-                let matches = *files.entry(row.file_index()).or_insert_with(|| {
-                    self.file_name(unit, row.file_index())
+                let matches = *files.entry(file_index).or_insert_with(|| {
+                    self.file_name(unit, file_index)
                         .is_some_and(|f| path_ends_with(&f, file))
                 });
-                if matches && !found.iter().any(|(f, a)| f == file && *a == row.address()) {
-                    found.push((file.to_owned(), row.address()));
-                    if found.len() > MAX_LINE_SITES {
-                        return Ok(found);
-                    }
+                if matches && !found.iter().any(|(_, a)| *a == address) {
+                    found.push((file.to_owned(), address));
                 }
+                found.len() <= MAX_LINE_SITES
+            })?;
+            if found.len() > MAX_LINE_SITES {
+                break;
             }
         }
         Ok(found)
+    }
+
+    /// Calls `visit(line, file index, address)` for the first row of each run of a line's
+    /// statement rows in `unit`'s line table (a run of rows of one line is one place to
+    /// probe, at its first address), until it returns false.
+    fn statement_starts(&self, unit: usize, visit: &mut dyn FnMut(u64, u64, u64) -> bool) -> Result<(), DwarfError> {
+        let Some(program) = self.units[unit].unit.line_program.clone() else {
+            return Ok(());
+        };
+        let mut rows = program.rows();
+        // The previous row's (line, file) in this sequence.
+        let mut previous: Option<(u64, u64)> = None;
+        while let Some((_, row)) = rows.next_row().map_err(malformed(".debug_line"))? {
+            if row.end_sequence() {
+                previous = None;
+                continue;
+            }
+            let line = row.line().map_or(0, |l| l.get());
+            let key = (line, row.file_index());
+            let same_run = previous == Some(key);
+            previous = Some(key);
+            if same_run || !row.is_stmt() || line == 0 {
+                continue;
+            }
+            if !visit(line, row.file_index(), row.address()) {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// The innermost function (an inlined instance, or the subprogram) whose code holds
