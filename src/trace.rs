@@ -792,6 +792,29 @@ mod tests {
         }
     }
 
+    /// Two lines may name one event when they record the same fields (Linux 5.7's
+    /// multi-probe events: `p:a/x f1 v=%di` then `p:a/x f2 v=%si` is one event over two
+    /// probes); with other fields, or of another kind, the second is refused.
+    #[test]
+    fn lines_of_one_event_must_record_the_same_fields() {
+        let none = KernelSourceFiles::none();
+        let (probes, _, problems) = parse_spec_text("p:a/x vfs_read v=%di\np:a/x vfs_write v=%si\n", "t", 1, &none);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(probes.len(), 2);
+        for text in [
+            "p:a/x vfs_read v=%di\np:a/x vfs_write w=%si\n",
+            "p:a/x vfs_read v=%di\np:a/x vfs_write v=%si:u32\n",
+            "p:a/x vfs_read v=%di\nr:a/x vfs_write v=%si\n",
+        ] {
+            let (probes, _, problems) = parse_spec_text(text, "t", 1, &none);
+            assert_eq!(probes.len(), 1, "{text}");
+            assert!(
+                problems[0].1.contains("event a/x is already defined on line 1"),
+                "{problems:?}"
+            );
+        }
+    }
+
     #[test]
     fn a_spec_text_returns_its_probes_and_the_removals_it_cannot_resolve() {
         let text = "p:a/x vfs_read\n-:a/x\n-:b/gone\np:a/y do_sys_open\nbad line\n";

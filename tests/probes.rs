@@ -923,6 +923,114 @@ fn source_lines_and_variables_are_where_the_dwarf_and_addr2line_put_them() {
     );
 }
 
+/// An inlined function (perf probe's reach): `fsnotify_access@include/linux/fsnotify.h`, a
+/// `static inline` with no code of its own, is one event over every instance the DWARF
+/// knows (each site one binutils `addr2line -i` also puts inside `fsnotify_access`), listed
+/// under that event; in two child shells' reads and writes, the hits at the instances in
+/// `vfs_read` and `vfs_write` are, task by task, the calls the guest's own return probes on
+/// those functions see return more than 0 (both call `fsnotify_access`'s code when
+/// `ret > 0`). (The guest cannot put its own kprobe on the instances' addresses while our
+/// int3s are there: Linux refuses an int3 it did not write.)
+#[test]
+fn an_inlined_function_is_one_event_over_its_instances_counting_what_the_guest_counts() {
+    let timeout = Duration::from_secs(180);
+    let vars = hvprobe(&["vars", "fsnotify_access@include/linux/fsnotify.h"], timeout);
+    assert_eq!(vars.code, Some(0), "{}", vars.tail());
+    let sites: Vec<String> = vars
+        .stdout
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("@<").and_then(|s| s.strip_suffix('>')))
+        .map(str::to_owned)
+        .collect();
+    assert!(sites.len() >= 2, "{}", vars.stdout);
+    // Each site is inside an inlined fsnotify_access, as binutils reads the DWARF.
+    let symbols = common::bundled_guest_dir().join("System.map");
+    let map = std::fs::read_to_string(&symbols).unwrap();
+    let address_of = |site: &str| -> u64 {
+        let (name, offset) = site.split_once("+0x").unwrap();
+        let base = map
+            .lines()
+            .find(|l| l.ends_with(&format!(" {name}")) && l.contains(" t ") || l.ends_with(&format!(" T {name}")))
+            .and_then(|l| u64::from_str_radix(l.split(' ').next().unwrap(), 16).ok())
+            .unwrap_or_else(|| panic!("{name} in System.map"));
+        base + u64::from_str_radix(offset, 16).unwrap()
+    };
+    let debug = common::bundled_guest_dir().join("vmlinux.debug");
+    for site in &sites {
+        let out = std::process::Command::new("addr2line")
+            .args(["-i", "-f", "-e"])
+            .arg(&debug)
+            .arg(format!("{:#x}", address_of(site)))
+            .output()
+            .expect("addr2line (binutils)");
+        let chain = String::from_utf8_lossy(&out.stdout);
+        assert!(chain.lines().any(|l| l == "fsnotify_access"), "{site}: {chain}");
+    }
+    let in_read = sites
+        .iter()
+        .find(|s| s.starts_with("vfs_read+"))
+        .expect("an instance in vfs_read");
+    let in_write = sites
+        .iter()
+        .find(|s| s.starts_with("vfs_write+"))
+        .expect("an instance in vfs_write");
+
+    let dir = snapshot(1);
+    let probes = probe_file("inlined", "p:inl/acc fsnotify_access@include/linux/fsnotify.h\n");
+    let workload = "T=/sys/kernel/tracing; echo 'r:gr vfs_read ret=$retval:s64' > $T/kprobe_events; \
+         echo 'r:gw vfs_write ret=$retval:s64' >> $T/kprobe_events; \
+         echo 1 > $T/events/kprobes/enable; \
+         i=0; while [ $i -lt 2 ]; do sh -c 'read -r l < /proc/version; echo x > /dev/null'; i=$((i+1)); done; \
+         echo 0 > $T/events/kprobes/enable; \
+         busybox grep -E ' g[rw]: ' $T/trace | busybox sed 's/^/GUEST /'";
+    let run = restore_with(&dir, 1, workload, &["--probes", probes.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let listed = run.stderr.lines().filter(|l| l.contains("event=inl/acc")).count();
+    assert_eq!(
+        listed,
+        sites.len(),
+        "every instance listed under the one event\n{}",
+        run.stderr
+    );
+    let count = |guest: bool| -> BTreeMap<(String, String), usize> {
+        let mut m = BTreeMap::new();
+        for l in run
+            .stdout
+            .lines()
+            .filter(|l| l.starts_with("GUEST ") == guest)
+            .filter_map(parse_trace_line)
+        {
+            let site = match (guest, l.event.as_str()) {
+                (true, "gr") if l.args["ret"].parse::<i64>().unwrap() > 0 => in_read.clone(),
+                (true, "gw") if l.args["ret"].parse::<i64>().unwrap() > 0 => in_write.clone(),
+                (false, "acc") => l.location.split('/').next().unwrap_or_default().to_owned(),
+                _ => continue,
+            };
+            if &site == in_read || &site == in_write {
+                *m.entry((l.task, site)).or_default() += 1;
+            }
+        }
+        m
+    };
+    let guest = count(true);
+    let host = count(false);
+    // The child shells: tasks the guest saw read /proc/version a byte at a time.
+    let children: Vec<&(String, String)> = guest.keys().filter(|(_, s)| s == in_read).collect();
+    assert!(children.len() >= 2, "{}", run.tail());
+    assert!(
+        guest.keys().any(|(_, s)| s == in_write),
+        "the shells' writes\n{}",
+        run.tail()
+    );
+    for (task, _) in children {
+        for site in [in_read, in_write] {
+            let key = (task.clone(), site.clone());
+            assert_eq!(host.get(&key), guest.get(&key), "{task} at {site}\n{}", run.tail());
+        }
+    }
+}
+
 /// Three shells each read `/proc/version` one byte at a time, with the host's probe `host`
 /// (event `rd`, on `vfs_read`) armed and the guest's own `guest` (event `grd`) enabled
 /// around them: each read's values, keyed by the file position (`fpos`), are the same.

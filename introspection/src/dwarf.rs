@@ -162,6 +162,9 @@ pub struct Function {
     pub ranges: Vec<Range<u64>>,
     /// An inlined instance rather than the function's own code.
     pub inlined: bool,
+    /// `DW_AT_entry_pc`: where an inlined instance's code is entered, when the compiler
+    /// says (its lowest address need not be).
+    pub entry_pc: Option<u64>,
     die: DieRef,
 }
 
@@ -169,6 +172,14 @@ impl Function {
     /// The address its code starts at (the lowest of its ranges).
     pub fn low_pc(&self) -> u64 {
         self.ranges.iter().map(|r| r.start).min().unwrap_or(0)
+    }
+
+    /// Where its code is entered: `DW_AT_entry_pc` inside its ranges, else its lowest
+    /// address.
+    pub fn entry(&self) -> u64 {
+        self.entry_pc
+            .filter(|&a| self.contains(a))
+            .unwrap_or_else(|| self.low_pc())
     }
 
     pub fn contains(&self, address: u64) -> bool {
@@ -424,12 +435,30 @@ impl DebugInfo {
             Some((u, v)) => (u, v.udata_value()),
             None => (die.unit, None),
         };
+        let ranges = self.die_ranges(die);
+        let low = ranges.iter().map(|r| r.start).min().unwrap_or(0);
+        let entry_pc = self
+            .entry(die)
+            .and_then(|e| match e.attr_value(gimli::DW_AT_entry_pc)? {
+                // DWARF 5: a constant is an offset from the lowest address.
+                v @ (AttributeValue::Udata(_)
+                | AttributeValue::Data1(_)
+                | AttributeValue::Data2(_)
+                | AttributeValue::Data4(_)
+                | AttributeValue::Data8(_)) => v.udata_value().and_then(|o| low.checked_add(o)),
+                v => self
+                    .dwarf
+                    .attr_address(&self.units.get(die.unit)?.unit, v)
+                    .ok()
+                    .flatten(),
+            });
         Some(Function {
             name,
             decl_file: decl_file.and_then(|f| self.file_name(file_unit, f)),
             decl_line: self.udata(die, gimli::DW_AT_decl_line).unwrap_or(0),
-            ranges: self.die_ranges(die),
+            ranges,
             inlined,
+            entry_pc,
             die,
         })
     }

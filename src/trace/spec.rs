@@ -167,10 +167,21 @@ pub(super) fn parse_spec_text(
                 continue;
             }
         };
-        // (A wildcard's events are named per function, once the kernel is known.)
+        // (A wildcard's events are named per function, once the kernel is known.) One
+        // event may stand for several probes of one kind that record the same fields (Linux
+        // 5.7's multi-probe events): the sites of one source target, or lines that say so.
+        let same_shape = |p: &SpecProbe| {
+            std::mem::discriminant(&p.request.kind) == std::mem::discriminant(&kind)
+                && p.request.args.len() == args.len()
+                && p.request
+                    .args
+                    .iter()
+                    .zip(&args)
+                    .all(|(a, b)| a.name == b.name && a.ty == b.ty && a.array_len == b.array_len)
+        };
         if let Some(other) = probes
             .iter()
-            .find(|p| !event.is_empty() && p.request.group == group && p.request.event == event)
+            .find(|p| !event.is_empty() && p.request.group == group && p.request.event == event && !same_shape(p))
         {
             problems.push((
                 line,
@@ -480,8 +491,11 @@ impl KernelFiles {
 /// The filters and triggers bound to the events of `probes`, or every problem with its
 /// line.
 pub(super) fn bind_requests(requests: &[Request], probes: &[SpecProbe]) -> Result<AnalysisTable, LineProblems> {
+    // An event of several probes (their fields are alike) is one schema.
+    let mut seen = std::collections::HashSet::new();
     let schemas: Vec<EventSchema> = probes
         .iter()
+        .filter(|p| seen.insert((&p.request.group, &p.request.event)))
         .map(|p| EventSchema {
             group: &p.request.group,
             event: &p.request.event,

@@ -3,7 +3,7 @@
 //! every vCPU paused, and a byte the guest rewrote under it is never overwritten with our
 //! stale copy of the original.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
@@ -65,6 +65,76 @@ pub(super) struct Probe {
     pub trace_location: String,
 }
 
+/// The user's events and what each records: one event may stand for several probes (Linux
+/// 5.7's multi-probe events, perf probe's several sites of one line or inlined function),
+/// when they are of one kind and record fields of the same names and types (Linux's
+/// `append_trace_kprobe` rule; the fetches themselves may differ per site).
+#[derive(Clone, Default)]
+struct EventNames {
+    events: HashMap<(String, String), EventShape>,
+}
+
+#[derive(Clone)]
+struct EventShape {
+    probes: usize,
+    kind: std::mem::Discriminant<ProbeKind>,
+    fields: Vec<(String, crate::spec::ArgType, Option<u32>)>,
+}
+
+impl EventShape {
+    fn of(request: &KprobeRequest) -> EventShape {
+        EventShape {
+            probes: 0,
+            kind: std::mem::discriminant(&request.kind),
+            fields: request
+                .args
+                .iter()
+                .map(|a| (a.name.clone(), a.ty, a.array_len))
+                .collect(),
+        }
+    }
+}
+
+impl EventNames {
+    /// Whether `request` may be a probe of its event: a new event, or one more probe of
+    /// an event of the same kind and fields (a watch is always an event of its own).
+    fn admit(&self, request: &KprobeRequest) -> Result<(), ProbeError> {
+        let duplicate = || ProbeError::DuplicateEvent {
+            group: request.group.clone(),
+            event: request.event.clone(),
+        };
+        match self.events.get(&(request.group.clone(), request.event.clone())) {
+            None => Ok(()),
+            Some(_) if matches!(request.kind, ProbeKind::Watch { .. }) => Err(duplicate()),
+            Some(shape) => {
+                let new = EventShape::of(request);
+                if shape.kind == new.kind && shape.fields == new.fields {
+                    Ok(())
+                } else {
+                    Err(duplicate())
+                }
+            }
+        }
+    }
+
+    fn add(&mut self, request: &KprobeRequest) {
+        self.events
+            .entry((request.group.clone(), request.event.clone()))
+            .or_insert_with(|| EventShape::of(request))
+            .probes += 1;
+    }
+
+    fn remove(&mut self, group: &str, event: &str) {
+        let key = (group.to_owned(), event.to_owned());
+        if let Some(shape) = self.events.get_mut(&key) {
+            shape.probes -= 1;
+            if shape.probes == 0 {
+                self.events.remove(&key);
+            }
+        }
+    }
+}
+
 pub(super) struct Site {
     /// The original first byte, written back on disarm.
     pub original: u8,
@@ -96,8 +166,8 @@ pub(super) struct Registry {
     pub probes: BTreeMap<ProbeId, Probe>,
     /// By address (a function's sites are one range of it).
     pub sites: BTreeMap<Gva, Site>,
-    /// `group/event` of every user probe, for the duplicate check.
-    events: HashSet<(String, String)>,
+    /// `group/event` of the user's probes, for the duplicate check.
+    events: EventNames,
     next_id: u32,
     /// The global switch (debugfs `enabled`).
     pub armed: bool,
@@ -114,7 +184,7 @@ impl Registry {
         Registry {
             probes: BTreeMap::new(),
             sites: BTreeMap::new(),
-            events: HashSet::new(),
+            events: EventNames::default(),
             next_id: 0,
             armed: true,
             optimization: false,
@@ -228,17 +298,11 @@ impl Tracer {
         let mut problems = Vec::new();
         let mut names = self.read_registry().events.clone();
         for (i, request) in requests.iter().enumerate() {
-            let name = (request.group.clone(), request.event.clone());
-            if !names.insert(name.clone()) {
-                problems.push((
-                    i,
-                    ProbeError::DuplicateEvent {
-                        group: name.0,
-                        event: name.1,
-                    },
-                ));
+            if let Err(e) = names.admit(request) {
+                problems.push((i, e));
                 continue;
             }
+            names.add(request);
             if matches!(request.kind, ProbeKind::Watch { .. }) {
                 if let Err(e) = self.place_watch(request) {
                     problems.push((i, e));
@@ -470,12 +534,8 @@ impl Tracer {
         placement: &Placement,
         role: Role,
     ) -> Result<ProbeId, ProbeError> {
-        let name = (request.group.clone(), request.event.clone());
-        if role == Role::User && reg.events.contains(&name) {
-            return Err(ProbeError::DuplicateEvent {
-                group: request.group.clone(),
-                event: request.event.clone(),
-            });
+        if role == Role::User {
+            reg.events.admit(request)?;
         }
         if reg.watch_slots.execute_at(placement.site) {
             return Err(ProbeError::ProbeOnWatch {
@@ -502,7 +562,7 @@ impl Tracer {
         let id = ProbeId(reg.next_id);
         reg.next_id += 1;
         if role == Role::User {
-            reg.events.insert(name);
+            reg.events.add(request);
         }
         reg.probes.insert(
             id,
@@ -541,17 +601,11 @@ impl Tracer {
         request: &KprobeRequest,
         watch: &WatchPlacement,
     ) -> Result<ProbeId, ProbeError> {
-        let name = (request.group.clone(), request.event.clone());
-        if reg.events.contains(&name) {
-            return Err(ProbeError::DuplicateEvent {
-                group: request.group.clone(),
-                event: request.event.clone(),
-            });
-        }
+        reg.events.admit(request)?;
         let id = ProbeId(reg.next_id);
         self.take_watch_slot(reg, id, watch)?;
         reg.next_id += 1;
-        reg.events.insert(name);
+        reg.events.add(request);
         let address = watch.breakpoint.address();
         reg.probes.insert(
             id,
@@ -585,7 +639,7 @@ impl Tracer {
             return;
         };
         if probe.role == Role::User {
-            reg.events.remove(&(probe.group.clone(), probe.event.clone()));
+            reg.events.remove(&probe.group, &probe.event);
         }
         if matches!(probe.kind, ProbeKind::Watch { .. }) {
             reg.watch_slots.release(id);

@@ -601,10 +601,56 @@ fn a_failing_batch_leaves_nothing_registered() {
     assert_eq!(err.0, 1);
     assert!(t.listing().is_empty());
     assert_eq!(m.bytes(FUNC, FUNC_CODE.len()), FUNC_CODE);
+    // One event over two sites must record the same fields (Linux 5.7's multi-probe
+    // events): with a field more, the second is refused.
+    let with_field = |mut r: KprobeRequest| {
+        r.args = crate::spec::parse_line("p f di=%di")
+            .unwrap()
+            .map_or(Vec::new(), |s| match s {
+                crate::spec::ProbeSpec::Kprobe { args, .. } => args,
+                _ => Vec::new(),
+            });
+        r
+    };
     assert!(matches!(
-        t.register_all(vec![plain(at("func", 5), "a"), plain(at("func", 9), "a")]),
+        t.register_all(vec![plain(at("func", 5), "a"), with_field(plain(at("func", 9), "a"))]),
         Err((1, ProbeError::DuplicateEvent { .. }))
     ));
+}
+
+/// One event may stand for several probes (Linux 5.7's multi-probe events; perf probe's
+/// sites of one source line or of an inlined function's instances): each is listed under
+/// the event and counts its own hits; removing one leaves the event to the others; a
+/// probe of the other kind (a return probe) or with other fields is refused.
+#[test]
+fn one_event_stands_for_several_probes_of_one_kind_and_fields() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let ids = t
+        .register_all(vec![plain(at("func", 0), "multi"), plain(at("func", 5), "multi")])
+        .unwrap();
+    let listing = t.listing();
+    assert_eq!(
+        listing.iter().filter(|e| e.event == "test/multi").count(),
+        2,
+        "{listing:?}"
+    );
+    assert!(matches!(
+        t.register_all(vec![KprobeRequest {
+            kind: ProbeKind::Kretprobe { maxactive: 4 },
+            ..plain(at("func", 0), "multi")
+        }]),
+        Err((0, ProbeError::DuplicateEvent { .. }))
+    ));
+    t.unregister(ids[0]).unwrap();
+    assert_eq!(t.listing().iter().filter(|e| e.event == "test/multi").count(), 1);
+    // The event goes with its last probe: the name is free for anything again.
+    t.unregister(ids[1]).unwrap();
+    t.register_all(vec![KprobeRequest {
+        kind: ProbeKind::Kretprobe { maxactive: 4 },
+        ..plain(at("func", 0), "multi")
+    }])
+    .unwrap();
 }
 
 #[test]
@@ -1715,7 +1761,11 @@ fn every_refusal_of_a_batch_is_reported_at_once_and_nothing_is_armed() {
         plain(at("func", 5), "ok"),
         plain(at("nope", 0), "unknown"),
         plain(at("func", 7), "split"),
-        plain(at("func", 9), "ok"),
+        // The name of a kprobe event, for a return probe: one event is of one kind.
+        KprobeRequest {
+            kind: ProbeKind::Kretprobe { maxactive: 4 },
+            ..plain(at("func", 0), "ok")
+        },
         KprobeRequest {
             kind: ProbeKind::Kretprobe { maxactive: 4 },
             ..plain(at("func", 9), "ret_mid")

@@ -176,41 +176,109 @@ impl KernelSource {
         }
     }
 
+    /// The code a source target's function stands for, as perf probe probes it: its one
+    /// out-of-line definition (in `file`, when given) and every instance of it inlined into
+    /// other functions (of the declaration in `file`, when there is no out-of-line code).
+    pub fn functions(&self, function: &str, file: Option<&str>) -> Result<Vec<Function>, SourceError> {
+        let definition = match self.function(function, file) {
+            Ok(f) => Some(f),
+            Err(SourceError::NoFunction(_) | SourceError::NoFunctionInFile { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        let mut instances = self.debug.inlined_instances(function)?;
+        instances.retain(|i| {
+            let declared = i.decl_file.as_deref();
+            match (&definition, file) {
+                (Some(d), _) => declared == d.decl_file.as_deref() && i.decl_line == d.decl_line,
+                (None, Some(f)) => declared.is_some_and(|d| hvprobe_introspection::dwarf::path_ends_with(d, f)),
+                (None, None) => true,
+            }
+        });
+        instances.sort_by_key(Function::entry);
+        instances.dedup_by_key(|i| i.entry());
+        if definition.is_none() {
+            // Inlined instances of two static functions of one name are two functions.
+            let mut declared: Vec<(Option<String>, u64)> =
+                instances.iter().map(|i| (i.decl_file.clone(), i.decl_line)).collect();
+            declared.sort();
+            declared.dedup();
+            if declared.len() > 1 {
+                return Err(SourceError::AmbiguousFunction {
+                    function: function.to_owned(),
+                    files: declared.into_iter().filter_map(|(f, _)| f).collect(),
+                });
+            }
+        }
+        let all: Vec<Function> = definition.into_iter().chain(instances).collect();
+        if all.is_empty() {
+            return Err(match file {
+                Some(file) => SourceError::NoFunctionInFile {
+                    function: function.to_owned(),
+                    file: file.to_owned(),
+                },
+                None => SourceError::NoFunction(function.to_owned()),
+            });
+        }
+        Ok(all)
+    }
+
+    /// The sites of line `line` (from the declaration) of `f`, or of its entry.
+    fn function_sites(
+        &self,
+        place: &str,
+        name: &str,
+        f: &Function,
+        line: Option<u32>,
+        sites: &mut Vec<(Site, Function)>,
+    ) -> Result<(), SourceError> {
+        let addresses = match line {
+            None => vec![f.entry()],
+            Some(rln) => {
+                let wanted = f.decl_line + u64::from(rln);
+                let lines = self.debug.lines(f)?;
+                match lines.iter().find(|l| l.line == wanted) {
+                    Some(l) => l.addresses.clone(),
+                    // An inlined copy may have lost the line (folded into its caller's
+                    // code); the others, or the out-of-line code, still have it.
+                    None if f.inlined => Vec::new(),
+                    None => {
+                        let mut near: Vec<(u64, u64)> =
+                            lines.iter().map(|l| (l.line.abs_diff(wanted), l.line)).collect();
+                        near.sort_unstable();
+                        let mut nearby: Vec<u64> = near.iter().take(2).map(|&(_, l)| l).collect();
+                        nearby.sort_unstable();
+                        return Err(SourceError::NoCode {
+                            place: place.to_owned(),
+                            file: f.decl_file.clone().unwrap_or_default(),
+                            line: wanted,
+                            nearby: nearby
+                                .iter()
+                                .map(|l| format!("{name}:{}", l.saturating_sub(f.decl_line)))
+                                .collect(),
+                        });
+                    }
+                }
+            }
+        };
+        for a in addresses {
+            if !sites.iter().any(|(s, _)| s.address == a) {
+                sites.push((self.site(place, a)?, f.clone()));
+            }
+        }
+        Ok(())
+    }
+
     /// The sites a source target stands for.
     pub fn locate(&self, point: &SourcePoint) -> Result<Located, SourceError> {
         let place = point.to_string();
         let mut sites = Vec::new();
         match (&point.function, &point.file, point.line) {
             (Some(function), file, line) => {
-                let f = self.function(function, file.as_deref())?;
-                let addresses = match line {
-                    None => vec![f.low_pc()],
-                    Some(rln) => {
-                        let wanted = f.decl_line + u64::from(rln);
-                        let lines = self.debug.lines(&f)?;
-                        match lines.iter().find(|l| l.line == wanted) {
-                            Some(l) => l.addresses.clone(),
-                            None => {
-                                let mut near: Vec<(u64, u64)> =
-                                    lines.iter().map(|l| (l.line.abs_diff(wanted), l.line)).collect();
-                                near.sort_unstable();
-                                let mut nearby: Vec<u64> = near.iter().take(2).map(|&(_, l)| l).collect();
-                                nearby.sort_unstable();
-                                return Err(SourceError::NoCode {
-                                    place,
-                                    file: f.decl_file.clone().unwrap_or_default(),
-                                    line: wanted,
-                                    nearby: nearby
-                                        .iter()
-                                        .map(|l| format!("{function}:{}", l.saturating_sub(f.decl_line)))
-                                        .collect(),
-                                });
-                            }
-                        }
-                    }
-                };
-                for a in addresses {
-                    sites.push((self.site(&place, a)?, f.clone()));
+                for f in self.functions(function, file.as_deref())? {
+                    self.function_sites(&place, function, &f, line, &mut sites)?;
+                }
+                if sites.is_empty() {
+                    return Err(SourceError::NoFunction(place));
                 }
             }
             (None, Some(file), Some(line)) => {
@@ -283,30 +351,18 @@ impl KernelSource {
         };
         let place = point.to_string();
         let located = self.locate(point)?;
-        let several = located.sites.len() > 1;
         let mut notes = Vec::new();
         let mut out = Vec::new();
-        for (n, (site, scope)) in located.sites.iter().enumerate() {
+        for (site, scope) in &located.sites {
             let resolved = self.resolve_args(&place, point.is_function_entry(), site, scope, args, &mut notes)?;
             let mut spec = spec.clone();
-            let suffix = |event: &mut String| {
-                if several && n > 0 {
-                    event.push_str(&format!("_{n}"));
-                }
-            };
             match &mut spec {
-                ProbeSpec::Kprobe {
-                    target, args, event, ..
-                }
-                | ProbeSpec::Kretprobe {
-                    target, args, event, ..
-                } => {
+                ProbeSpec::Kprobe { target, args, .. } | ProbeSpec::Kretprobe { target, args, .. } => {
                     *target = Target::Symbol {
                         name: site.symbol.clone(),
                         offset: site.offset,
                     };
                     *args = resolved;
-                    suffix(event);
                 }
                 _ => unreachable!("matched above"),
             }
