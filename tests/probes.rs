@@ -255,10 +255,28 @@ fn host_and_guest_kprobes_see_the_same_hits_on_two_vcpus() {
     let _ = std::fs::remove_file(probes);
 }
 
+/// The oracle under KASLR; with a source-line probe beside it, whose `SYM+OFF` site follows
+/// the slide: at `vfs_read:23` (after the read) `ret` is a size and `file` a pointer that
+/// reads.
 #[test]
 fn host_and_guest_kprobes_agree_under_kaslr() {
-    let run = kaslr_oracle_run("kaslr", HOST_PROBES, &oracle_workload(1), &["--optimize=off"]);
+    let probes = format!("{HOST_PROBES}p:src/after vfs_read:23 ret was=+0(file):x64 next=+0(pos):s64\n");
+    let run = kaslr_oracle_run("kaslr", &probes, &oracle_workload(1), &["--optimize=off"]);
     check_oracle(&run, 1);
+    let after: Vec<TraceLine> = run
+        .stdout
+        .lines()
+        .filter(|l| !l.starts_with("GUEST "))
+        .filter_map(parse_trace_line)
+        .filter(|l| l.event == "after")
+        .collect();
+    assert!(after.len() >= 10, "{}", run.tail());
+    for l in &after {
+        assert!(l.location.starts_with("vfs_read+0x"), "{}", l.location);
+        assert!(l.args["ret"].parse::<i64>().unwrap() >= 0, "{:?}", l.args);
+        // `file` is a kernel pointer read through: its first word is read, not faulted.
+        assert_ne!(l.args["was"], "(fault)", "{:?}", l.args);
+    }
 }
 
 /// A boot of the bundled guest with KASLR, running the oracle workload with the host's
