@@ -834,3 +834,76 @@ fn btf_arguments_added_live_are_resolved_against_the_guests_btf() {
     assert!(positions.len() > 10, "{}", run.tail());
     assert!(positions.windows(2).any(|w| w[0] != w[1]), "{positions:?}");
 }
+
+/// perf probe's `vfs_read:17 count`, added live after the guest put its own kprobe event on
+/// the line's address (the guest's int3 is there first; ours shares it, as Linux refuses
+/// to probe an int3 it did not write): in each child shell's one-byte reads, the source
+/// probe fetches the same `count`, in the same order, as a hand-written probe at that
+/// address with DWARF's register and as the guest's own event — and that count is 1, what
+/// the shell's `read` asks for.
+#[test]
+fn a_source_line_probe_fetches_what_the_guests_event_and_a_hand_written_probe_fetch() {
+    // Where DWARF puts `vfs_read:17` (`if (file->f_op->read)`) and `count` there.
+    let vars = common::hvprobe(&["vars", "vfs_read:17"], TIMEOUT);
+    assert_eq!(vars.code, Some(0), "{}", vars.tail());
+    let site = vars
+        .stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("@<").and_then(|s| s.strip_suffix('>')))
+        .unwrap_or_else(|| panic!("{}", vars.stdout))
+        .to_owned();
+    let fetch = vars
+        .stdout
+        .lines()
+        .find_map(|l| l.split_once(" count=").map(|(_, f)| f.to_owned()))
+        .unwrap_or_else(|| panic!("count is readable at vfs_read:17\n{}", vars.stdout));
+    let workload = format!(
+        "T=/sys/kernel/tracing; echo 'p:gl {site} count={fetch}' > $T/kprobe_events; \
+         echo 1 > $T/events/kprobes/gl/enable; stty -echo < /dev/ttyS0; \
+         echo 'WAIT 1'; read -r go < /dev/ttyS0; \
+         i=0; while [ $i -lt 2 ]; do sh -c 'read -r l < /proc/version'; i=$((i+1)); done; \
+         echo 0 > $T/events/kprobes/gl/enable; \
+         busybox grep ' gl: ' $T/trace | busybox sed 's/^/GUEST /'; \
+         echo 'WAIT END'; read -r go < /dev/ttyS0; echo > $T/kprobe_events; echo DONE"
+    );
+    let dir = snapshot(1);
+    let mut live = LiveRun::start(&dir, 1, "source-line", &workload, &[]);
+    live.wait_for("WAIT 1");
+    for spec in ["p:live/src vfs_read:17 count".to_owned(), format!("p:live/hand {site} count={fetch}")] {
+        let run = live.probe(&["add", &spec]);
+        assert_eq!(run.code, Some(0), "{spec}\n{}", run.tail());
+    }
+    live.go();
+    live.wait_for("WAIT END");
+    live.go();
+    let run = live.finish();
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    // Per task, the counts each event fetched, in order.
+    let counts = |guest: bool, event: &str| -> std::collections::BTreeMap<String, Vec<String>> {
+        let mut m = std::collections::BTreeMap::<String, Vec<String>>::new();
+        for l in run
+            .stdout
+            .lines()
+            .filter(|l| l.starts_with("GUEST ") == guest)
+            .filter_map(common::parse_trace_line)
+            .filter(|l| l.event == event)
+        {
+            assert_eq!(l.location.split('/').next(), Some(site.as_str()), "{}", l.location);
+            m.entry(l.task).or_default().push(l.args["count"].clone());
+        }
+        m
+    };
+    let guest = counts(true, "gl");
+    let (source, hand) = (counts(false, "src"), counts(false, "hand"));
+    // The child shells: the tasks whose reads the guest saw ask for one byte each.
+    let children: Vec<&String> = guest
+        .iter()
+        .filter(|(_, c)| c.len() > 100 && c.iter().all(|c| c == "1"))
+        .map(|(t, _)| t)
+        .collect();
+    assert_eq!(children.len(), 2, "{guest:?}\n{}", run.tail());
+    for task in children {
+        assert_eq!(source.get(task), guest.get(task), "{task}");
+        assert_eq!(hand.get(task), guest.get(task), "{task}");
+    }
+}
