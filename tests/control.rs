@@ -869,7 +869,10 @@ fn a_source_line_probe_fetches_what_the_guests_event_and_a_hand_written_probe_fe
     let dir = snapshot(1);
     let mut live = LiveRun::start(&dir, 1, "source-line", &workload, &[]);
     live.wait_for("WAIT 1");
-    for spec in ["p:live/src vfs_read:17 count".to_owned(), format!("p:live/hand {site} count={fetch}")] {
+    for spec in [
+        "p:live/src vfs_read:17 count".to_owned(),
+        format!("p:live/hand {site} count={fetch}"),
+    ] {
         let run = live.probe(&["add", &spec]);
         assert_eq!(run.code, Some(0), "{spec}\n{}", run.tail());
     }

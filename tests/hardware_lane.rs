@@ -666,6 +666,25 @@ fn the_lane_splits_an_l1s_output_into_its_jobs() {
     );
 }
 
+/// A failing test's whole message is kept, up to libtest's note after it: the hvprobe
+/// error line 30 lines down a run's tail is in it (a lane failure once showed only 6).
+#[test]
+fn a_suites_panic_messages_are_kept_whole() {
+    let mut output = String::from("running 2 tests\nfailures:\n\n---- oracle stdout ----\n");
+    output.push_str("thread 'oracle' panicked at tests/probes.rs:73:5:\nassertion failed\nexit code Some(1)\n");
+    for n in 0..30 {
+        output.push_str(&format!("console line {n}\n"));
+    }
+    output.push_str("hvprobe: error: the reason\nnote: run with `RUST_BACKTRACE=1`\n\nfailures:\n    oracle\n");
+    let panics = panic_messages(&output);
+    assert_eq!(panics.len(), 1);
+    assert!(panics[0].starts_with("thread 'oracle' panicked at"), "{}", panics[0]);
+    assert!(panics[0].ends_with("hvprobe: error: the reason"), "{}", panics[0]);
+    // A message longer than the cap is cut at it.
+    let long = format!("x panicked at y\n{}", "z\n".repeat(500));
+    assert_eq!(panic_messages(&long)[0].lines().count(), PANIC_LINES);
+}
+
 #[test]
 fn the_lane_selects_the_jobs_of_the_tests_libtest_runs() {
     let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
@@ -698,16 +717,41 @@ fn the_lane_selects_the_jobs_of_the_tests_libtest_runs() {
     }
 }
 
-/// The end of each stream, after every panic message of the suite in the L1 (a failing
-/// test's message is often further up than the tail reaches).
-fn tail(run: &Run) -> String {
-    let lines: Vec<&str> = run.stdout.lines().collect();
-    let panics: Vec<String> = lines
+/// Most lines kept of one panic message of a suite in the L1.
+const PANIC_LINES: usize = 150;
+
+/// Every panic message in a suite's output, whole: from its `panicked at` line to where
+/// libtest's report of that test ends (its `note: run with`, a backtrace, the next test's
+/// `----` header or the `failures:` list), at most [`PANIC_LINES`] lines each. A failing
+/// test's message carries its own run's tails (the hvprobe error line among them), which a
+/// fixed few lines cut off.
+fn panic_messages(output: &str) -> Vec<String> {
+    let lines: Vec<&str> = output.lines().collect();
+    lines
         .iter()
         .enumerate()
         .filter(|(_, l)| l.contains("panicked at "))
-        .map(|(i, _)| lines[i..(i + 6).min(lines.len())].join("\n"))
-        .collect();
+        .map(|(i, _)| {
+            let end = lines[i + 1..]
+                .iter()
+                .position(|l| {
+                    l.starts_with("note: run with")
+                        || l.starts_with("stack backtrace:")
+                        || l.starts_with("---- ")
+                        || *l == "failures:"
+                        || l.contains("panicked at ")
+                })
+                .map_or(lines.len(), |n| i + 1 + n)
+                .min(i + PANIC_LINES);
+            lines[i..end].join("\n")
+        })
+        .collect()
+}
+
+/// The end of each stream, after every panic message of the suite in the L1 (a failing
+/// test's message is often further up than the tail reaches).
+fn tail(run: &Run) -> String {
+    let panics = panic_messages(&run.stdout);
     let panics = if panics.is_empty() {
         String::new()
     } else {
