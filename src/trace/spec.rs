@@ -80,7 +80,7 @@ impl KernelSourceFiles {
                         None
                     }
                 };
-                Ok(KernelSource { debug, symbols, orc })
+                Ok(KernelSource::new(debug, symbols, orc))
             })
             .as_ref()
             .map_err(Clone::clone)

@@ -38,6 +38,9 @@ pub struct KernelSource {
     pub debug: DebugInfo,
     pub symbols: SymbolTable,
     pub orc: Option<OrcTable>,
+    /// Each function's inlined instances, once searched (a search reads every unit: a run
+    /// resolves its spec before the boot and again when its session starts).
+    inlined: std::sync::Mutex<std::collections::HashMap<String, Vec<Function>>>,
 }
 
 /// A source target's problem, in perf probe's terms where it has one.
@@ -132,6 +135,26 @@ pub type VariableFetch = (hvprobe_introspection::dwarf::Variable, Result<FetchAr
 pub type Notes = Vec<String>;
 
 impl KernelSource {
+    pub fn new(debug: DebugInfo, symbols: SymbolTable, orc: Option<OrcTable>) -> KernelSource {
+        KernelSource {
+            debug,
+            symbols,
+            orc,
+            inlined: Default::default(),
+        }
+    }
+
+    /// The inlined instances of `function` (see [`DebugInfo::inlined_instances`]).
+    fn inlined_instances(&self, function: &str) -> Result<Vec<Function>, SourceError> {
+        let mut cache = self.inlined.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = cache.get(function) {
+            return Ok(found.clone());
+        }
+        let found = self.debug.inlined_instances(function)?;
+        cache.insert(function.to_owned(), found.clone());
+        Ok(found)
+    }
+
     /// The function a target names: the one definition of `function` (in `file`, when
     /// given).
     pub fn function(&self, function: &str, file: Option<&str>) -> Result<Function, SourceError> {
@@ -185,7 +208,7 @@ impl KernelSource {
             Err(SourceError::NoFunction(_) | SourceError::NoFunctionInFile { .. }) => None,
             Err(e) => return Err(e),
         };
-        let mut instances = self.debug.inlined_instances(function)?;
+        let mut instances = self.inlined_instances(function)?;
         instances.retain(|i| {
             let declared = i.decl_file.as_deref();
             match (&definition, file) {
