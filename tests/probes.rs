@@ -833,13 +833,13 @@ fn immediate_strings_bitfields_and_arrays_print_as_the_guests_own_event() {
 /// read: checked by `source_lines_and_variables_are_where_the_dwarf_and_addr2line_put_them`)
 /// `ret` is what each read returned (one byte), `*pos` has moved on by it, and `file->f_pos`
 /// (named `f_pos`, as perf probe names it) has not yet: `ksys_read` passes a copy and writes
-/// it back after `vfs_read` returns.
+/// it back after `vfs_read` returns; a global of the file reads by name too.
 #[test]
 fn source_line_probes_read_variables_as_the_guests_event_and_the_read_itself_say() {
     let (f_pos, _) = bundled_file_offsets();
     let run = compare_vfs_reads(
         "p:host/rd vfs_read@fs/read_write.c count fpos=file->f_pos\n\
-         p:host/after vfs_read:23 ret file->f_pos next=+0(pos):s64",
+         p:host/after vfs_read:23 ret file->f_pos next=+0(pos):s64 ri=generic_ro_fops.read_iter:symbol",
         &format!("p:grd vfs_read count=%dx:u64 fpos=+{f_pos}(%di):s64"),
         &[],
     );
@@ -864,6 +864,13 @@ fn source_line_probes_read_variables_as_the_guests_event_and_the_read_itself_say
             .unwrap_or_else(|| panic!("no line-23 hit of {} at f_pos {at}\n{}", read.task, run.tail()));
         assert_eq!(after.args["ret"], "1", "{}", run.tail());
         assert_eq!(after.args["next"], (at + 1).to_string(), "{}", run.tail());
+        // A global of the function's file, by name (fs/read_write.c's
+        // `generic_ro_fops = { .read_iter = generic_file_read_iter, ... }`).
+        assert!(
+            after.args["ri"].starts_with("generic_file_read_iter+0x0/"),
+            "{:?}",
+            after.args
+        );
         assert!(after.location.starts_with("vfs_read+0x"), "{}", after.location);
     }
 }

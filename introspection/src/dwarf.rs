@@ -140,6 +140,8 @@ pub enum Unavailable {
     Computed(String),
     #[error("its frame base is not the canonical frame address")]
     FrameBase,
+    #[error("it is only declared here (`extern`), and no symbol names it")]
+    Declaration,
 }
 
 /// A variable or parameter in scope at an address.
@@ -147,6 +149,9 @@ pub enum Unavailable {
 pub struct Variable {
     pub name: String,
     pub is_parameter: bool,
+    /// A variable of the unit's top level: a global or file-`static` one, or an `extern`
+    /// declaration (whose location is [`Unavailable::Declaration`]: the symbol table has it).
+    pub global: bool,
     pub ty: Option<DieRef>,
     pub location: Result<Location, Unavailable>,
 }
@@ -695,6 +700,44 @@ impl DebugInfo {
             .collect())
     }
 
+    /// The variables at the top of `function`'s unit — its file's globals and statics,
+    /// and the `extern`s it declares — for a name the function's scope does not have (as
+    /// perf probe looks there too).
+    pub fn unit_variables(&self, function: &Function) -> Result<Vec<Variable>, DwarfError> {
+        let unit = function.die.unit;
+        let mut out = Vec::new();
+        let mut tree = self.units[unit]
+            .unit
+            .entries_tree(None)
+            .map_err(malformed(".debug_info"))?;
+        let root = tree.root().map_err(malformed(".debug_info"))?;
+        let mut children = root.children();
+        while let Some(child) = children.next().map_err(malformed(".debug_info"))? {
+            let e = child.entry();
+            if e.tag() != gimli::DW_TAG_variable {
+                continue;
+            }
+            let die = DieRef {
+                unit,
+                offset: e.offset(),
+            };
+            let Some(name) = self.name_of(die) else { continue };
+            let declaration = matches!(e.attr_value(gimli::DW_AT_declaration), Some(AttributeValue::Flag(true)));
+            let location = match self.location_at(die, 0, false) {
+                Err(Unavailable::OptimizedOut) if declaration => Err(Unavailable::Declaration),
+                other => other,
+            };
+            out.push(Variable {
+                name,
+                is_parameter: false,
+                global: true,
+                ty: self.type_of(die),
+                location,
+            });
+        }
+        Ok(out)
+    }
+
     fn collect_variables(
         &self,
         node: gimli::EntriesTreeNode<'_, '_, R>,
@@ -723,6 +766,7 @@ impl DebugInfo {
                         Variable {
                             name,
                             is_parameter: e.tag() == gimli::DW_TAG_formal_parameter,
+                            global: false,
                             ty: self.type_of(die),
                             location,
                         },

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use hvprobe_introspection::dwarf::{DebugInfo, DwarfError, DwarfRegister, Location, TypeShape};
+use hvprobe_introspection::symbols::SymbolTable;
 
 const SOURCE: &str = "\
 struct point { long x; struct { int y; unsigned flag:3; }; };
@@ -49,7 +50,8 @@ fn compiled(name: &str, flags: &[&str]) -> PathBuf {
 
 #[test]
 fn lines_parameters_inlined_calls_and_members_are_where_c_and_the_abi_put_them() {
-    let debug = DebugInfo::open(compiled("o2", &["-g", "-O2"])).unwrap();
+    let path = compiled("o2", &["-g", "-O2"]);
+    let debug = DebugInfo::open(&path).unwrap();
     let step = debug.functions_named("step", None).unwrap();
     assert_eq!(step.len(), 1);
     let step = &step[0];
@@ -103,6 +105,16 @@ fn lines_parameters_inlined_calls_and_members_are_where_c_and_the_abi_put_them()
     assert_eq!(
         debug.shape(debug.member(pointee, "y").unwrap().ty),
         TypeShape::Integer { size: 4, signed: true }
+    );
+
+    // `counter`, the file's global, is where the symbol table puts it.
+    let globals = debug.unit_variables(step).unwrap();
+    let counter = globals.iter().find(|v| v.name == "counter").expect("counter");
+    assert!(counter.global);
+    let symbols = SymbolTable::from_elf_file(&path).unwrap();
+    assert_eq!(
+        counter.location,
+        Ok(Location::Memory(symbols.lookup("counter").unwrap().addr.0))
     );
 
     // `t.c:11` (`counter += a;`) is in step, and the file must match at a path component.

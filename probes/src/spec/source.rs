@@ -403,13 +403,22 @@ impl KernelSource {
         args: &[FetchArg],
         notes: &mut Notes,
     ) -> Result<Vec<FetchArg>, SourceError> {
-        let variables = self.debug.variables_at(scope, site.address)?;
+        let mut variables = self.debug.variables_at(scope, site.address)?;
+        let locals = variables.len();
+        // Names the function's scope lacks are looked up among its file's globals.
+        let globals: Vec<_> = self
+            .debug
+            .unit_variables(scope)?
+            .into_iter()
+            .filter(|g| !variables.iter().any(|v| v.name == g.name))
+            .collect();
+        variables.extend(globals);
         let mut out = Vec::new();
         for (index, arg) in args.iter().enumerate() {
             match &arg.expr {
                 FetchExpr::Params | FetchExpr::Vars => {
                     let params_only = arg.expr == FetchExpr::Params;
-                    for v in variables.iter().filter(|v| v.is_parameter || !params_only) {
+                    for v in variables[..locals].iter().filter(|v| v.is_parameter || !params_only) {
                         let r = BtfRef {
                             base: BtfBase::Param(v.name.clone()),
                             fields: Vec::new(),
@@ -537,10 +546,18 @@ impl KernelSource {
                 place: place.to_owned(),
                 name: name.clone(),
                 site: site.to_string(),
-                visible: variables.iter().map(|v| v.name.clone()).collect(),
+                visible: variables.iter().filter(|v| !v.global).map(|v| v.name.clone()).collect(),
             });
         };
-        let location = v.location.clone().map_err(|reason| SourceError::Unavailable {
+        let location = match v.location.clone() {
+            // An `extern` the unit declares: where the symbol table puts it.
+            Err(Unavailable::Declaration) => match self.symbols.lookup(name) {
+                Some(symbol) => Ok(Location::Memory(symbol.addr.0)),
+                None => Err(Unavailable::Declaration),
+            },
+            other => other,
+        }
+        .map_err(|reason| SourceError::Unavailable {
             place: place.to_owned(),
             name: name.clone(),
             site: site.to_string(),
