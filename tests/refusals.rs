@@ -196,6 +196,10 @@ fn source_targets_dwarf_cannot_place_or_read_are_refused_before_boot() {
             "p vfs_read:23 buf\n",
             "`buf` at vfs_read+0x80 cannot be read: only its value at the function's entry is described (DW_OP_entry_value)",
         ),
+        (
+            "p vfs_read@fs/read_write.c ret\n",
+            "`ret` at vfs_read+0x0 cannot be read: it is optimized out at this address",
+        ),
         ("p vfs_read:23 file->f_nosuch\n", "`file`: struct file has no member `f_nosuch`"),
         ("p vfs_read:23 ret->x\n", "`ret`: is not a pointer (ssize_t)"),
         ("p vfs_read@fs/nosuch.c\n", "no function `vfs_read` in a file ending `fs/nosuch.c`"),

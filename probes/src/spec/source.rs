@@ -245,13 +245,16 @@ impl KernelSource {
         Ok(all)
     }
 
-    /// The sites of line `line` (from the declaration) of `f`, or of its entry.
+    /// The sites of line `line` (from the declaration) of `f`, or of its entry. An inlined
+    /// instance may have lost the line (folded into its caller's code): unless `must`, it
+    /// then has none.
     fn function_sites(
         &self,
         place: &str,
         name: &str,
         f: &Function,
         line: Option<u32>,
+        must: bool,
         sites: &mut Vec<(Site, Function)>,
     ) -> Result<(), SourceError> {
         let addresses = match line {
@@ -261,9 +264,7 @@ impl KernelSource {
                 let lines = self.debug.lines(f)?;
                 match lines.iter().find(|l| l.line == wanted) {
                     Some(l) => l.addresses.clone(),
-                    // An inlined copy may have lost the line (folded into its caller's
-                    // code); the others, or the out-of-line code, still have it.
-                    None if f.inlined => Vec::new(),
+                    None if f.inlined && !must => Vec::new(),
                     None => {
                         let mut near: Vec<(u64, u64)> =
                             lines.iter().map(|l| (l.line.abs_diff(wanted), l.line)).collect();
@@ -297,11 +298,13 @@ impl KernelSource {
         let mut sites = Vec::new();
         match (&point.function, &point.file, point.line) {
             (Some(function), file, line) => {
-                for f in self.functions(function, file.as_deref())? {
-                    self.function_sites(&place, function, &f, line, &mut sites)?;
+                let functions = self.functions(function, file.as_deref())?;
+                for f in &functions {
+                    self.function_sites(&place, function, f, line, false, &mut sites)?;
                 }
                 if sites.is_empty() {
-                    return Err(SourceError::NoFunction(place));
+                    // No instance has the line: the first one says which lines have code.
+                    self.function_sites(&place, function, &functions[0], line, true, &mut sites)?;
                 }
             }
             (None, Some(file), Some(line)) => {
