@@ -169,7 +169,14 @@ fn jobs() -> Vec<Job> {
              --skip a_vcpu_blocked_on_a_stalled_stdout",
             4,
         ),
-        Job::suite("kprobe_oracle_on_kvm_amd", "probes", "--skip watch", 11),
+        // The source-target tests prove nothing new on kvm_amd: their lines become plain
+        // probes before the boot, which the oracle tests run here.
+        Job::suite(
+            "kprobe_oracle_on_kvm_amd",
+            "probes",
+            "--skip watch --skip source_line --skip source_lines --skip an_inlined_function",
+            11,
+        ),
         Job {
             env: &[("HVPROBE_L1_TSC_RELIABLE", "1")],
             ..Job::suite("guest_clock_stamps_on_kvm_amd", "clock", "", 4)

@@ -64,7 +64,7 @@ fn under_kaslr_every_symbol_source_agrees_with_the_guests_own_kallsyms() {
     }
     let pattern = format!("grep -wE '{}' /proc/kallsyms", SYMBOLS.join("|"));
     args.extend(["--workload", &pattern]);
-    let run = hvprobe(&args, BOOT_TIMEOUT);
+    let run = common::kaslr_run(&args, BOOT_TIMEOUT);
     assert_eq!(run.code, Some(0), "{}", run.tail());
 
     let mut guest: HashMap<String, u64> = HashMap::new();

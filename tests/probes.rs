@@ -293,7 +293,7 @@ fn kaslr_oracle_run(name: &str, probes: &str, workload: &str, extra: &[&str]) ->
         probes.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
-    let run = hvprobe(&args, KASLR_BOOT_TIMEOUT);
+    let run = common::kaslr_run(&args, KASLR_BOOT_TIMEOUT);
     let _ = std::fs::remove_file(probes);
     common::assert_randomized(&run);
     run

@@ -255,7 +255,7 @@ fn host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_
     common::require_kvm();
     let probes = probe_file("stacks-kaslr", "p:ana/write vfs_write\n");
     let workload = workload(false);
-    let run = hvprobe(
+    let run = common::kaslr_run(
         &[
             "run",
             "--kaslr",
