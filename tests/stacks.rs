@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{hvprobe, restore_with, snapshot, Run};
+use common::{restore_with, snapshot, Run};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(420);
 const KASLR_BOOT_TIMEOUT: Duration = Duration::from_secs(900);

@@ -468,17 +468,22 @@ impl DebugInfo {
         })
     }
 
-    /// Visits `unit`'s DIEs depth first, going into those `visit` says to; bounded by
-    /// [`MAX_DEPTH`].
-    fn walk_unit(&self, unit: usize, visit: &mut dyn FnMut(DieRef, gimli::DwTag) -> Walk) -> Result<(), DwarfError> {
+    /// Visits the DIEs under `from` (the unit's root when `None`) depth first, with their
+    /// depth below it, going into those `visit` says to; bounded by [`MAX_DEPTH`].
+    fn walk(
+        &self,
+        unit: usize,
+        from: Option<UnitOffset<usize>>,
+        visit: &mut dyn FnMut(DieRef, gimli::DwTag, usize) -> Walk,
+    ) -> Result<(), DwarfError> {
         let entry = &self.units[unit];
-        let mut tree = entry.unit.entries_tree(None).map_err(malformed(".debug_info"))?;
+        let mut tree = entry.unit.entries_tree(from).map_err(malformed(".debug_info"))?;
         let root = tree.root().map_err(malformed(".debug_info"))?;
         fn recurse(
             node: gimli::EntriesTreeNode<'_, '_, R>,
             unit: usize,
             depth: usize,
-            visit: &mut dyn FnMut(DieRef, gimli::DwTag) -> Walk,
+            visit: &mut dyn FnMut(DieRef, gimli::DwTag, usize) -> Walk,
         ) -> Result<(), DwarfError> {
             if depth > MAX_DEPTH {
                 return Err(DwarfError::TooDeep);
@@ -490,13 +495,18 @@ impl DebugInfo {
                     unit,
                     offset: e.offset(),
                 };
-                if visit(die, e.tag()) == Walk::Into {
+                if visit(die, e.tag(), depth) == Walk::Into {
                     recurse(child, unit, depth + 1, visit)?;
                 }
             }
             Ok(())
         }
         recurse(root, unit, 0, visit)
+    }
+
+    /// [`walk`](Self::walk) over a whole unit.
+    fn walk_unit(&self, unit: usize, visit: &mut dyn FnMut(DieRef, gimli::DwTag) -> Walk) -> Result<(), DwarfError> {
+        self.walk(unit, None, &mut |die, tag, _| visit(die, tag))
     }
 
     /// The functions named `name` whose own (out-of-line) code holds `address`, or, with no
@@ -683,13 +693,30 @@ impl DebugInfo {
     pub fn variables_at(&self, function: &Function, address: u64) -> Result<Vec<Variable>, DwarfError> {
         let frame_base_is_cfa = self.frame_base_is_cfa(function.die);
         let mut found: Vec<(usize, Variable)> = Vec::new();
-        let unit = function.die.unit;
-        let mut tree = self.units[unit]
-            .unit
-            .entries_tree(Some(function.die.offset))
-            .map_err(malformed(".debug_info"))?;
-        let root = tree.root().map_err(malformed(".debug_info"))?;
-        self.collect_variables(root, unit, 0, address, frame_base_is_cfa, &mut found)?;
+        self.walk(
+            function.die.unit,
+            Some(function.die.offset),
+            &mut |die, tag, depth| match tag {
+                gimli::DW_TAG_formal_parameter | gimli::DW_TAG_variable => {
+                    if let Some(name) = self.name_of(die) {
+                        found.push((
+                            depth,
+                            Variable {
+                                name,
+                                is_parameter: tag == gimli::DW_TAG_formal_parameter,
+                                global: false,
+                                ty: self.type_of(die),
+                                location: self.location_at(die, address, frame_base_is_cfa),
+                            },
+                        ));
+                    }
+                    Walk::Skip
+                }
+                gimli::DW_TAG_lexical_block if self.die_ranges(die).iter().any(|r| r.contains(&address)) => Walk::Into,
+                // An inlined call's variables are its own, not the function's.
+                _ => Walk::Skip,
+            },
+        )?;
         // Innermost first, then parameters before variables, then declaration order.
         found.sort_by_key(|(depth, v)| (std::cmp::Reverse(*depth), !v.is_parameter));
         let mut seen = std::collections::HashSet::new();
@@ -736,50 +763,6 @@ impl DebugInfo {
             });
         }
         Ok(out)
-    }
-
-    fn collect_variables(
-        &self,
-        node: gimli::EntriesTreeNode<'_, '_, R>,
-        unit: usize,
-        depth: usize,
-        address: u64,
-        frame_base_is_cfa: bool,
-        out: &mut Vec<(usize, Variable)>,
-    ) -> Result<(), DwarfError> {
-        if depth > MAX_DEPTH {
-            return Err(DwarfError::TooDeep);
-        }
-        let mut children = node.children();
-        while let Some(child) = children.next().map_err(malformed(".debug_info"))? {
-            let e = child.entry();
-            let die = DieRef {
-                unit,
-                offset: e.offset(),
-            };
-            match e.tag() {
-                gimli::DW_TAG_formal_parameter | gimli::DW_TAG_variable => {
-                    let Some(name) = self.name_of(die) else { continue };
-                    let location = self.location_at(die, address, frame_base_is_cfa);
-                    out.push((
-                        depth,
-                        Variable {
-                            name,
-                            is_parameter: e.tag() == gimli::DW_TAG_formal_parameter,
-                            global: false,
-                            ty: self.type_of(die),
-                            location,
-                        },
-                    ));
-                }
-                gimli::DW_TAG_lexical_block if self.die_ranges(die).iter().any(|r| r.contains(&address)) => {
-                    self.collect_variables(child, unit, depth + 1, address, frame_base_is_cfa, out)?;
-                }
-                // An inlined call's variables are its own, not the function's.
-                _ => {}
-            }
-        }
-        Ok(())
     }
 
     fn frame_base_is_cfa(&self, function: DieRef) -> bool {
