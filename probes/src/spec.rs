@@ -1288,7 +1288,8 @@ impl<'a> LineParser<'a> {
         }
         let point = match place.split_once('@') {
             Some((function, file)) => {
-                if !is_symbol_name(function) {
+                // One function: a pattern names many (wildcards are symbol targets only).
+                if !is_symbol_name(function) || is_wildcard_pattern(function) {
                     return Err(self.err(function, SpecErrorKind::BadTarget(text.to_owned())));
                 }
                 if file.is_empty() || file.contains('@') {
@@ -1817,10 +1818,20 @@ fn event_name_of(kind: char, target: &Target) -> String {
                 base.split('.').next().unwrap_or(base).replace('-', "_")
             };
             let name = point.function.clone().unwrap_or_else(stem);
-            match (point.line, kind) {
+            let name = match (point.line, kind) {
                 (Some(line), _) => format!("{name}_L{line}"),
                 (None, 'r') => format!("{name}__return"),
                 (None, _) => name,
+            };
+            // What an event name may hold (`[A-Za-z_][A-Za-z0-9_]*`), as perf probe makes
+            // one of a file's name.
+            let name: String = name
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            match name.starts_with(|c: char| c.is_ascii_digit()) {
+                true => format!("_{name}"),
+                false => name,
             }
         }
     }
