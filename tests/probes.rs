@@ -875,6 +875,47 @@ fn source_line_probes_read_variables_as_the_guests_event_and_the_read_itself_say
     }
 }
 
+/// A struct on the stack, by member: `__do_sys_newfstatat`'s `struct kstat stat` lives at
+/// `DW_OP_fbreg` (the frame's CFA, which ORC gives at the site, plus an offset); at its
+/// line 7 (after `vfs_fstatat` filled it) `stat.size` and `stat.ino` are what the guest's
+/// own `stat` prints for the file.
+#[test]
+fn a_struct_on_the_stack_reads_by_member_what_the_guests_stat_prints() {
+    let dir = snapshot(1);
+    let probes = probe_file(
+        "stack-struct",
+        "p:s/st __do_sys_newfstatat:7 size=stat.size ino=stat.ino error\n",
+    );
+    let run = restore_with(
+        &dir,
+        1,
+        "busybox stat -c 'STAT %s %i' /init /hvprobe /proc/version",
+        &["--probes", probes.to_str().unwrap()],
+    );
+    let _ = std::fs::remove_file(&probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let printed: Vec<(String, String)> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.trim_end_matches('\r').strip_prefix("STAT "))
+        .map(|l| {
+            let (size, ino) = l.split_once(' ').unwrap();
+            (size.to_owned(), ino.to_owned())
+        })
+        .collect();
+    assert_eq!(printed.len(), 3, "{}", run.tail());
+    let hits: Vec<(String, String)> = run
+        .stdout
+        .lines()
+        .filter_map(parse_trace_line)
+        .filter(|l| l.event == "st" && l.task.starts_with("busybox-") && l.args["error"] == "0")
+        .map(|l| (l.args["size"].clone(), l.args["ino"].clone()))
+        .collect();
+    for file in &printed {
+        assert!(hits.contains(file), "{file:?} not among {hits:?}\n{}", run.tail());
+    }
+}
+
 /// `hvprobe lines` numbers `vfs_read`'s lines from its declaration as perf probe's `-L`
 /// does (line 23 is `if (ret > 0)` in the source the bundled kernel was built from), and
 /// `hvprobe vars` puts `vfs_read:23` at an address binutils' `addr2line` maps to that

@@ -638,8 +638,9 @@ impl KernelSource {
             bits = member.bits;
         }
         let arg_type = match (self.debug.shape(ty), bits) {
-            (TypeShape::Integer { size, .. }, Some((bit, width))) => {
-                let _ = size;
+            // A bitfield: read from the byte its first bit is in, in the smallest container
+            // that holds it.
+            (TypeShape::Integer { .. }, Some((bit, width))) => {
                 let container_bits = [8u8, 16, 32, 64]
                     .into_iter()
                     .find(|&c| u16::from(bit) + u16::from(width) <= u16::from(c))
