@@ -210,6 +210,12 @@ fn source_targets_dwarf_cannot_place_or_read_are_refused_before_boot() {
         ("p vfs_read@fs/nosuch.c\n", "no function `vfs_read` in a file ending `fs/nosuch.c`"),
         ("p no_such_function_here:3\n", "no function `no_such_function_here` in the kernel's DWARF"),
         ("p fs/read_write.c:1\n", "no line 1 with code in a file ending `fs/read_write.c`"),
+        // A symbol target on an inlined function says how to reach it.
+        (
+            "p fsnotify_access\n",
+            "unknown symbol \"fsnotify_access\" (the kernel's DWARF has it inlined: probe its \
+             instances with fsnotify_access@include/linux/fsnotify.h)",
+        ),
     ] {
         let file = spec_file("source", text);
         common::assert_refused_before_boot(&["--probes", file.to_str().unwrap()], message);

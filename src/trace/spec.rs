@@ -87,6 +87,37 @@ impl KernelSourceFiles {
     }
 }
 
+/// A check's error, and for an unknown symbol that the kernel's DWARF knows as an inlined
+/// function (no symbol of its own), how to reach it: perf probe's `FUNC` finds inlined
+/// functions, a `kprobe_events` symbol cannot.
+fn with_inlined_hint(e: hvprobe_probes::spec::SpecError, kernel: &KernelSourceFiles) -> String {
+    let SpecErrorKind::UnknownProbeSymbol(name) = &e.kind else {
+        return e.to_string();
+    };
+    let files = kernel
+        .get()
+        .ok()
+        .and_then(|k| k.functions(name.as_str(), None).ok())
+        .map(|fs| {
+            let mut files: Vec<String> = fs.into_iter().filter_map(|f| f.decl_file).collect();
+            files.sort();
+            files.dedup();
+            files
+        })
+        .unwrap_or_default();
+    match files.first() {
+        Some(file) => {
+            let tail = file.rsplit('/').take(3).collect::<Vec<_>>();
+            let short: Vec<&str> = tail.into_iter().rev().collect();
+            format!(
+                "{e} (the kernel's DWARF has it inlined: probe its instances with {name}@{})",
+                short.join("/")
+            )
+        }
+        None => e.to_string(),
+    }
+}
+
 /// A spec line with a source target as the plain probes it stands for (one per site),
 /// any other line as it is.
 fn resolve_source_target(
@@ -420,7 +451,7 @@ pub fn check_before_boot(
                         | ProbeSpec::Watch { args, .. },
                     ) => event.request.args = args,
                     Ok(ProbeSpec::Remove { .. }) => {}
-                    Err(e) => problems.push((p.line, e.to_string())),
+                    Err(e) => problems.push((p.line, with_inlined_hint(e, kernel_source))),
                 }
             }
             events.push(event);
