@@ -45,6 +45,11 @@ pub enum WhyNotOptimized {
     Region(Arc<NotOptimizable>),
     #[error("the guest's own int3 is at the probe address")]
     SharedWithGuest,
+    #[error(
+        "the guest's own jump to {target} is at the probe address (its optimized kprobe: it \
+         writes its bytes back when it goes, over a jump of ours)"
+    )]
+    GuestJump { target: Gva },
     #[error("it is not armed (disabled, disarmed or gone)")]
     NotArmed,
     #[error("vCPU {cpu} is stopped inside the region at {rip} (tried again at the next pause)")]
@@ -231,6 +236,21 @@ impl Tracer {
         self.reclaim_detours(view, reg);
     }
 
+    /// Where a `jmp rel32` at a probe site goes when that is outside the kernel's text: a
+    /// jump the guest wrote over its own code (its optimized kprobe's, into an instruction
+    /// page), which the guest puts its original bytes back over when its probe goes.
+    fn guest_jump(&self, insn: &crate::insn::ProbedInsn) -> Option<Gva> {
+        let [0xe9, a, b, c, d] = insn.bytes[..] else {
+            return None;
+        };
+        let target = Gva(insn
+            .next_addr()
+            .0
+            .wrapping_add(i32::from_le_bytes([a, b, c, d]) as i64 as u64));
+        let text = super::text_range(&self.view.symbols)?;
+        (!text.contains(&target)).then_some(target)
+    }
+
     /// Why the site at `addr` may not be optimized now for reasons of state (the switch,
     /// the probes' conditions); `None` when the text may be planned.
     fn blocking_reason(&self, reg: &Registry, addr: Gva) -> Option<WhyNotOptimized> {
@@ -240,6 +260,9 @@ impl Tracer {
         let site = reg.sites.get(&addr)?;
         if site.shared_with_guest() {
             return Some(WhyNotOptimized::SharedWithGuest);
+        }
+        if let Some(target) = site.insn.as_ref().and_then(|i| self.guest_jump(i)) {
+            return Some(WhyNotOptimized::GuestJump { target });
         }
         for id in &site.probes {
             let probe = reg.probes.get(id)?;
