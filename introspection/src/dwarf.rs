@@ -176,7 +176,7 @@ pub struct Function {
 impl Function {
     /// The address its code starts at (the lowest of its ranges).
     pub fn low_pc(&self) -> u64 {
-        self.ranges.iter().map(|r| r.start).min().unwrap_or(0)
+        lowest(&self.ranges)
     }
 
     /// Where its code is entered: `DW_AT_entry_pc` inside its ranges, else its lowest
@@ -244,7 +244,6 @@ struct UnitEntry {
     /// Where the unit's DIEs are in `.debug_info`, to resolve cross-unit references.
     section: Range<usize>,
     ranges: Vec<Range<u64>>,
-    name: String,
 }
 
 /// A vmlinux's DWARF, indexed by unit.
@@ -317,24 +316,13 @@ impl DebugInfo {
                     ranges.push(r.begin..r.end);
                 }
             }
-            let name = unit
-                .name
-                .as_ref()
-                .and_then(|n| n.to_string_lossy().ok().map(|s| s.into_owned()))
-                .unwrap_or_default();
             units.push(UnitEntry {
                 unit,
                 section: start..end,
                 ranges,
-                name,
             });
         }
         Ok(DebugInfo { dwarf, units })
-    }
-
-    /// The source file each unit was compiled from (`DW_AT_name`), for messages.
-    pub fn unit_names(&self) -> impl Iterator<Item = &str> {
-        self.units.iter().map(|u| u.name.as_str())
     }
 
     fn unit_of_section_offset(&self, offset: usize) -> Option<usize> {
@@ -415,6 +403,11 @@ impl DebugInfo {
         Some(if dir.is_empty() { name } else { format!("{dir}/{name}") })
     }
 
+    /// Whether the code of `die` (a function, an inlined call, a block) holds `address`.
+    fn holds(&self, die: DieRef, address: u64) -> bool {
+        self.die_ranges(die).iter().any(|r| r.contains(&address))
+    }
+
     fn die_ranges(&self, die: DieRef) -> Vec<Range<u64>> {
         let Some(entry) = self.units.get(die.unit) else {
             return Vec::new();
@@ -441,7 +434,7 @@ impl DebugInfo {
             None => (die.unit, None),
         };
         let ranges = self.die_ranges(die);
-        let low = ranges.iter().map(|r| r.start).min().unwrap_or(0);
+        let low = lowest(&ranges);
         let entry_pc = self
             .entry(die)
             .and_then(|e| match e.attr_value(gimli::DW_AT_entry_pc)? {
@@ -521,11 +514,13 @@ impl DebugInfo {
             }
             self.walk_unit(unit, &mut |die, tag| match tag {
                 gimli::DW_TAG_subprogram => {
-                    let Some(f) = self.function(die, false) else {
-                        return Walk::Skip;
-                    };
-                    if f.name == name && !f.ranges.is_empty() && address.is_none_or(|a| f.contains(a)) {
-                        found.push(f);
+                    // The name first: a unit has thousands of functions, one of them this.
+                    if self.name_of(die).as_deref() == Some(name) {
+                        if let Some(f) = self.function(die, false) {
+                            if !f.ranges.is_empty() && address.is_none_or(|a| f.contains(a)) {
+                                found.push(f);
+                            }
+                        }
                     }
                     Walk::Skip
                 }
@@ -592,10 +587,11 @@ impl DebugInfo {
             .collect())
     }
 
-    /// Every statement row of every unit for line `line` of a file whose path ends with
-    /// `file` (at a `/`), at most [`MAX_LINE_SITES`] + 1 (the caller refuses more).
-    pub fn file_line(&self, file: &str, line: u64) -> Result<Vec<(String, u64)>, DwarfError> {
-        let mut found: Vec<(String, u64)> = Vec::new();
+    /// The address of every statement start of line `line` of a file whose path ends with
+    /// `file` (at a `/`), in every unit, at most [`MAX_LINE_SITES`] + 1 (the caller refuses
+    /// more).
+    pub fn file_line(&self, file: &str, line: u64) -> Result<Vec<u64>, DwarfError> {
+        let mut found: Vec<u64> = Vec::new();
         for unit in 0..self.units.len() {
             let mut files: BTreeMap<u64, bool> = BTreeMap::new();
             self.statement_starts(unit, &mut |l, file_index, address| {
@@ -606,8 +602,8 @@ impl DebugInfo {
                     self.file_name(unit, file_index)
                         .is_some_and(|f| path_ends_with(&f, file))
                 });
-                if matches && !found.iter().any(|(_, a)| *a == address) {
-                    found.push((file.to_owned(), address));
+                if matches && !found.contains(&address) {
+                    found.push(address);
                 }
                 found.len() <= MAX_LINE_SITES
             })?;
@@ -658,7 +654,7 @@ impl DebugInfo {
             let mut innermost = None;
             self.walk_unit(unit, &mut |die, tag| match tag {
                 gimli::DW_TAG_subprogram | gimli::DW_TAG_inlined_subroutine => {
-                    if !self.die_ranges(die).iter().any(|r| r.contains(&address)) {
+                    if !self.holds(die, address) {
                         return Walk::Skip;
                     }
                     let inlined = tag == gimli::DW_TAG_inlined_subroutine;
@@ -670,13 +666,7 @@ impl DebugInfo {
                     }
                     Walk::Into
                 }
-                gimli::DW_TAG_lexical_block => {
-                    if self.die_ranges(die).iter().any(|r| r.contains(&address)) {
-                        Walk::Into
-                    } else {
-                        Walk::Skip
-                    }
-                }
+                gimli::DW_TAG_lexical_block if self.holds(die, address) => Walk::Into,
                 gimli::DW_TAG_namespace => Walk::Into,
                 _ => Walk::Skip,
             })?;
@@ -712,7 +702,7 @@ impl DebugInfo {
                     }
                     Walk::Skip
                 }
-                gimli::DW_TAG_lexical_block if self.die_ranges(die).iter().any(|r| r.contains(&address)) => Walk::Into,
+                gimli::DW_TAG_lexical_block if self.holds(die, address) => Walk::Into,
                 // An inlined call's variables are its own, not the function's.
                 _ => Walk::Skip,
             },
@@ -731,25 +721,17 @@ impl DebugInfo {
     /// and the `extern`s it declares — for a name the function's scope does not have (as
     /// perf probe looks there too).
     pub fn unit_variables(&self, function: &Function) -> Result<Vec<Variable>, DwarfError> {
-        let unit = function.die.unit;
         let mut out = Vec::new();
-        let mut tree = self.units[unit]
-            .unit
-            .entries_tree(None)
-            .map_err(malformed(".debug_info"))?;
-        let root = tree.root().map_err(malformed(".debug_info"))?;
-        let mut children = root.children();
-        while let Some(child) = children.next().map_err(malformed(".debug_info"))? {
-            let e = child.entry();
-            if e.tag() != gimli::DW_TAG_variable {
-                continue;
+        self.walk(function.die.unit, None, &mut |die, tag, _| {
+            if tag != gimli::DW_TAG_variable {
+                return Walk::Skip;
             }
-            let die = DieRef {
-                unit,
-                offset: e.offset(),
+            let Some(name) = self.name_of(die) else {
+                return Walk::Skip;
             };
-            let Some(name) = self.name_of(die) else { continue };
-            let declaration = matches!(e.attr_value(gimli::DW_AT_declaration), Some(AttributeValue::Flag(true)));
+            let declaration = self
+                .entry(die)
+                .is_some_and(|e| matches!(e.attr_value(gimli::DW_AT_declaration), Some(AttributeValue::Flag(true))));
             let location = match self.location_at(die, 0, false) {
                 Err(Unavailable::OptimizedOut) if declaration => Err(Unavailable::Declaration),
                 other => other,
@@ -761,7 +743,8 @@ impl DebugInfo {
                 ty: self.type_of(die),
                 location,
             });
-        }
+            Walk::Skip
+        })?;
         Ok(out)
     }
 
@@ -931,7 +914,10 @@ impl DebugInfo {
                     let (offset, bits) = match (bit_size, bit_offset) {
                         (Some(width), Some(bit)) => {
                             // A bitfield: the byte its first bit is in, and the bit there.
-                            (byte_offset + bit / 8, Some(((bit % 8) as u8, width.min(64) as u8)))
+                            (
+                                byte_offset.checked_add(bit / 8)?,
+                                Some(((bit % 8) as u8, width.min(64) as u8)),
+                            )
                         }
                         _ => (byte_offset, None),
                     };
@@ -943,7 +929,7 @@ impl DebugInfo {
                     if let Some(inner) = self.strip(self.type_of(die)) {
                         if let Some(m) = self.member_in(inner, name, depth + 1) {
                             return Some(Member {
-                                offset: m.offset + byte_offset,
+                                offset: m.offset.checked_add(byte_offset)?,
                                 ..m
                             });
                         }
@@ -986,6 +972,11 @@ impl DebugInfo {
 enum Walk {
     Into,
     Skip,
+}
+
+/// The lowest address of `ranges` (0 for none).
+fn lowest(ranges: &[Range<u64>]) -> u64 {
+    ranges.iter().map(|r| r.start).min().unwrap_or(0)
 }
 
 /// Whether `path` ends with `tail` at a path component (`fs/read_write.c` matches

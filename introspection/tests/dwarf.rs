@@ -120,7 +120,7 @@ fn lines_parameters_inlined_calls_and_members_are_where_c_and_the_abi_put_them()
     // `t.c:11` (`counter += a;`) is in step, and the file must match at a path component.
     let sites = debug.file_line("t.c", 11).unwrap();
     assert!(
-        !sites.is_empty() && sites.iter().all(|(_, a)| step.contains(*a)),
+        !sites.is_empty() && sites.iter().all(|&a| step.contains(a)),
         "{sites:?}"
     );
     assert!(debug.file_line("xt.c", 11).unwrap().is_empty());

@@ -316,7 +316,7 @@ impl KernelSource {
                         line,
                     });
                 }
-                for (_, a) in found {
+                for a in found {
                     let Some((innermost, _)) = self.debug.scope_at(a)? else {
                         return Err(SourceError::NoSymbol { place, address: a });
                     };
