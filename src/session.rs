@@ -102,7 +102,7 @@ impl RunSession {
                 return Err(crate::trace::SessionError::PerfettoWithoutProbes.into())
             }
             (None, ControlSocket::Off) => None,
-            (_, _) => {
+            _ => {
                 let optimize = options
                     .optimize
                     .unwrap_or_else(|| optimize_by_default(hvprobe_vmm::Backend::detect()));

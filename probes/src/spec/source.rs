@@ -260,7 +260,7 @@ impl KernelSource {
         let addresses = match line {
             None => vec![f.entry()],
             Some(rln) => {
-                let wanted = f.decl_line + u64::from(rln);
+                let wanted = f.decl_line.saturating_add(u64::from(rln));
                 let lines = self.debug.lines(f)?;
                 match lines.iter().find(|l| l.line == wanted) {
                     Some(l) => l.addresses.clone(),
@@ -422,18 +422,8 @@ impl KernelSource {
                 FetchExpr::Params | FetchExpr::Vars => {
                     let params_only = arg.expr == FetchExpr::Params;
                     for v in variables[..locals].iter().filter(|v| v.is_parameter || !params_only) {
-                        let r = BtfRef {
-                            base: BtfBase::Param(v.name.clone()),
-                            fields: Vec::new(),
-                        };
-                        match self.variable(place, site, &variables, &r) {
-                            Ok((expr, ty)) => out.push(FetchArg {
-                                name: v.name.clone(),
-                                expr,
-                                ty,
-                                array_len: None,
-                                typed: false,
-                            }),
+                        match self.whole_variable(place, site, &variables, &v.name) {
+                            Ok(fetch) => out.push(fetch),
                             Err(e) => notes.push(format!("{arg} skips `{}`: {e}", v.name)),
                         }
                     }
@@ -516,21 +506,31 @@ impl KernelSource {
         let place = site.to_string();
         Ok(variables
             .iter()
-            .map(|v| {
-                let r = BtfRef {
-                    base: BtfBase::Param(v.name.clone()),
-                    fields: Vec::new(),
-                };
-                let fetch = self.variable(&place, site, &variables, &r).map(|(expr, ty)| FetchArg {
-                    name: v.name.clone(),
-                    expr,
-                    ty,
-                    array_len: None,
-                    typed: false,
-                });
-                (v.clone(), fetch)
-            })
+            .map(|v| (v.clone(), self.whole_variable(&place, site, &variables, &v.name)))
             .collect())
+    }
+
+    /// The fetch-arg that reads the variable `name` whole, named after it and typed from
+    /// DWARF (what `$vars` and `hvprobe vars` give for each variable).
+    fn whole_variable(
+        &self,
+        place: &str,
+        site: &Site,
+        variables: &[hvprobe_introspection::dwarf::Variable],
+        name: &str,
+    ) -> Result<FetchArg, SourceError> {
+        let r = BtfRef {
+            base: BtfBase::Param(name.to_owned()),
+            fields: Vec::new(),
+        };
+        let (expr, ty) = self.variable(place, site, variables, &r)?;
+        Ok(FetchArg {
+            name: name.to_owned(),
+            expr,
+            ty,
+            array_len: None,
+            typed: false,
+        })
     }
 
     /// A variable (and its `->`/`.` fields) at a site: how to fetch it and its type.
@@ -614,16 +614,21 @@ impl KernelSource {
                     format!("{} has no member `{field}`", self.debug.type_name(container)),
                 ));
             };
+            // The same checked sum whether the struct is reached through a register or a symbol.
+            let moved = |offset: i64| {
+                i64::try_from(member.offset)
+                    .ok()
+                    .and_then(|m| offset.checked_add(m))
+                    .ok_or_else(|| field_error(&path, "the member's offset overflows".into()))
+            };
             value = match value {
                 Value::Memory { base, offset } => Value::Memory {
                     base,
-                    offset: offset
-                        .checked_add(member.offset as i64)
-                        .ok_or_else(|| field_error(&path, "the member's offset overflows".into()))?,
+                    offset: moved(offset)?,
                 },
                 Value::Symbol { name, offset } => Value::Symbol {
                     name,
-                    offset: offset + member.offset as i64,
+                    offset: moved(offset)?,
                 },
                 Value::Direct(_) => {
                     return Err(field_error(
