@@ -197,7 +197,31 @@ pub struct KprobeRequest {
     pub filter: Option<RecordFilter>,
 }
 
+/// What the probes of one event have alike (Linux 5.7's multi-probe events, Linux's
+/// `append_trace_kprobe` rule): their kind, and fields of the same names and types; the
+/// fetches themselves may differ per site (perf probe's several sites of one line or
+/// inlined function).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventShape {
+    kind: std::mem::Discriminant<ProbeKind>,
+    fields: Vec<(String, crate::spec::ArgType, Option<u32>)>,
+}
+
 impl KprobeRequest {
+    /// The shape of the event this request makes.
+    pub fn event_shape(&self) -> EventShape {
+        EventShape {
+            kind: std::mem::discriminant(&self.kind),
+            fields: self.args.iter().map(|a| (a.name.clone(), a.ty, a.array_len)).collect(),
+        }
+    }
+
+    /// Whether this request may be one more probe of an event of `shape` (a watch is
+    /// always an event of its own).
+    pub fn may_join(&self, shape: &EventShape) -> bool {
+        !matches!(self.kind, ProbeKind::Watch { .. }) && self.event_shape() == *shape
+    }
+
     /// A probe without handlers that emits an event per hit.
     pub fn event(point: ProbePoint, group: &str, event: &str, args: Vec<FetchArg>) -> Self {
         KprobeRequest {

@@ -198,22 +198,24 @@ pub(super) fn parse_spec_text(
                 continue;
             }
         };
-        // (A wildcard's events are named per function, once the kernel is known.) One
-        // event may stand for several probes of one kind that record the same fields (Linux
-        // 5.7's multi-probe events): the sites of one source target, or lines that say so.
-        let same_shape = |p: &SpecProbe| {
-            std::mem::discriminant(&p.request.kind) == std::mem::discriminant(&kind)
-                && p.request.args.len() == args.len()
-                && p.request
-                    .args
-                    .iter()
-                    .zip(&args)
-                    .all(|(a, b)| a.name == b.name && a.ty == b.ty && a.array_len == b.array_len)
+        let point = match target {
+            Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
+            Target::Address(a) => ProbePoint::Address(a),
+            Target::Source(_) => unreachable!("resolved into symbol targets above"),
         };
-        if let Some(other) = probes
-            .iter()
-            .find(|p| !event.is_empty() && p.request.group == group && p.request.event == event && !same_shape(p))
-        {
+        let request = KprobeRequest {
+            kind,
+            ..KprobeRequest::event(point, &group, &event, args)
+        };
+        // (A wildcard's events are named per function, once the kernel is known.) A probe
+        // may join an event defined above ([`KprobeRequest::may_join`]): the sites of one
+        // source target, or lines that say so.
+        if let Some(other) = probes.iter().find(|p| {
+            !event.is_empty()
+                && p.request.group == group
+                && p.request.event == event
+                && !request.may_join(&p.request.event_shape())
+        }) {
             problems.push((
                 line,
                 format!(
@@ -223,18 +225,10 @@ pub(super) fn parse_spec_text(
             ));
             continue;
         }
-        let point = match target {
-            Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
-            Target::Address(a) => ProbePoint::Address(a),
-            Target::Source(_) => unreachable!("resolved into symbol targets above"),
-        };
         probes.push(SpecProbe {
             line,
             text: lines.get(line - 1).copied().unwrap_or_default().to_owned(),
-            request: KprobeRequest {
-                kind,
-                ..KprobeRequest::event(point, &group, &event, args)
-            },
+            request,
         });
     }
     (probes, removals, problems)

@@ -12,7 +12,9 @@ use hvprobe_arch::{Gva, INT3};
 use super::optimize::{jump_intact, unoptimize, Detour, DetourCodes, WhyNotOptimized};
 use super::placement::Placement;
 use super::watch::WatchPlacement;
-use super::{hex, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT};
+use super::{
+    hex, EventShape, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT,
+};
 use crate::detour::event::filter::RecordFilter;
 use crate::insn::{self, Execution, ProbedInsn};
 use crate::machine::{KernelMemory, PausedView};
@@ -65,70 +67,38 @@ pub(super) struct Probe {
     pub trace_location: String,
 }
 
-/// The user's events and what each records: one event may stand for several probes (Linux
-/// 5.7's multi-probe events, perf probe's several sites of one line or inlined function),
-/// when they are of one kind and record fields of the same names and types (Linux's
-/// `append_trace_kprobe` rule; the fetches themselves may differ per site).
+/// The user's events, each with its shape and how many probes it stands for (one event
+/// may stand for several: [`KprobeRequest::may_join`]).
 #[derive(Clone, Default)]
 struct EventNames {
-    events: HashMap<(String, String), EventShape>,
-}
-
-#[derive(Clone)]
-struct EventShape {
-    probes: usize,
-    kind: std::mem::Discriminant<ProbeKind>,
-    fields: Vec<(String, crate::spec::ArgType, Option<u32>)>,
-}
-
-impl EventShape {
-    fn of(request: &KprobeRequest) -> EventShape {
-        EventShape {
-            probes: 0,
-            kind: std::mem::discriminant(&request.kind),
-            fields: request
-                .args
-                .iter()
-                .map(|a| (a.name.clone(), a.ty, a.array_len))
-                .collect(),
-        }
-    }
+    events: HashMap<(String, String), (usize, EventShape)>,
 }
 
 impl EventNames {
     /// Whether `request` may be a probe of its event: a new event, or one more probe of
-    /// an event of the same kind and fields (a watch is always an event of its own).
+    /// an event it may join.
     fn admit(&self, request: &KprobeRequest) -> Result<(), ProbeError> {
-        let duplicate = || ProbeError::DuplicateEvent {
-            group: request.group.clone(),
-            event: request.event.clone(),
-        };
         match self.events.get(&(request.group.clone(), request.event.clone())) {
-            None => Ok(()),
-            Some(_) if matches!(request.kind, ProbeKind::Watch { .. }) => Err(duplicate()),
-            Some(shape) => {
-                let new = EventShape::of(request);
-                if shape.kind == new.kind && shape.fields == new.fields {
-                    Ok(())
-                } else {
-                    Err(duplicate())
-                }
-            }
+            Some((_, shape)) if !request.may_join(shape) => Err(ProbeError::DuplicateEvent {
+                group: request.group.clone(),
+                event: request.event.clone(),
+            }),
+            _ => Ok(()),
         }
     }
 
     fn add(&mut self, request: &KprobeRequest) {
         self.events
             .entry((request.group.clone(), request.event.clone()))
-            .or_insert_with(|| EventShape::of(request))
-            .probes += 1;
+            .or_insert_with(|| (0, request.event_shape()))
+            .0 += 1;
     }
 
     fn remove(&mut self, group: &str, event: &str) {
         let key = (group.to_owned(), event.to_owned());
-        if let Some(shape) = self.events.get_mut(&key) {
-            shape.probes -= 1;
-            if shape.probes == 0 {
+        if let Some((probes, _)) = self.events.get_mut(&key) {
+            *probes -= 1;
+            if *probes == 0 {
                 self.events.remove(&key);
             }
         }
