@@ -11,7 +11,7 @@ use super::*;
 #[derive(Default)]
 pub struct KernelSourceFiles {
     files: SourceFiles,
-    loaded: OnceLock<Result<KernelSource, String>>,
+    loaded: OnceLock<Result<KernelSource, Arc<KernelSourceError>>>,
 }
 
 #[derive(Debug, Default)]
@@ -51,40 +51,55 @@ impl KernelSourceFiles {
         KernelSourceFiles::default()
     }
 
-    pub fn get(&self) -> Result<&KernelSource, String> {
+    pub fn get(&self) -> Result<&KernelSource, Arc<KernelSourceError>> {
         self.loaded
-            .get_or_init(|| {
-                let (vmlinux, debuginfo) = match &self.files {
-                    SourceFiles::None => {
-                        return Err(
-                            "source targets need the kernel's vmlinux with its DWARF (--vmlinux FILE)".to_owned(),
-                        )
-                    }
-                    SourceFiles::Paths(v, d) => (v.clone(), d.clone()),
-                    SourceFiles::Bundled => {
-                        let guest = crate::guest::BundledGuest::ensure_built().map_err(|e| e.to_string())?;
-                        (guest.vmlinux, guest.debuginfo)
-                    }
-                };
-                let (vmlinux, debuginfo) = (&vmlinux, &debuginfo);
-                let debug = DebugInfo::open(debuginfo).map_err(|e| e.to_string())?;
-                let symbols = SymbolTable::from_elf_file(vmlinux).map_err(|e| format!("{}: {e}", vmlinux.display()))?;
-                let orc = match ElfImage::open(vmlinux) {
-                    Ok(image) => OrcTable::read(&image, &symbols)
-                        .map_err(|e| {
-                            tracing::warn!("{}: its ORC table: {e}; stack variables are refused", vmlinux.display())
-                        })
-                        .ok(),
-                    Err(e) => {
-                        tracing::warn!("{}: {e}; stack variables are refused", vmlinux.display());
-                        None
-                    }
-                };
-                Ok(KernelSource::new(debug, symbols, orc))
-            })
+            .get_or_init(|| self.load().map_err(Arc::new))
             .as_ref()
-            .map_err(Clone::clone)
+            .map_err(Arc::clone)
     }
+
+    fn load(&self) -> Result<KernelSource, KernelSourceError> {
+        let (vmlinux, debuginfo) = match &self.files {
+            SourceFiles::None => return Err(KernelSourceError::NoFiles),
+            SourceFiles::Paths(v, d) => (v.clone(), d.clone()),
+            SourceFiles::Bundled => {
+                let guest = crate::guest::BundledGuest::ensure_built()?;
+                (guest.vmlinux, guest.debuginfo)
+            }
+        };
+        let debug = DebugInfo::open(&debuginfo)?;
+        let symbols = SymbolTable::from_elf_file(&vmlinux).map_err(|source| KernelSourceError::Symbols {
+            path: vmlinux.display().to_string(),
+            source,
+        })?;
+        let orc = match ElfImage::open(&vmlinux) {
+            Ok(image) => OrcTable::read(&image, &symbols)
+                .map_err(|e| tracing::warn!("{}: its ORC table: {e}; stack variables are refused", vmlinux.display()))
+                .ok(),
+            Err(e) => {
+                tracing::warn!("{}: {e}; stack variables are refused", vmlinux.display());
+                None
+            }
+        };
+        Ok(KernelSource::new(debug, symbols, orc))
+    }
+}
+
+/// Why the kernel's DWARF for source targets is not there.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelSourceError {
+    #[error("source targets need the kernel's vmlinux with its DWARF (--vmlinux FILE)")]
+    NoFiles,
+    #[error(transparent)]
+    Guest(#[from] crate::guest::GuestError),
+    #[error(transparent)]
+    Dwarf(#[from] hvprobe_introspection::dwarf::DwarfError),
+    #[error("{path}: {source}")]
+    Symbols {
+        path: String,
+        #[source]
+        source: hvprobe_introspection::symbols::SymbolError,
+    },
 }
 
 /// A check's error, and for an unknown symbol that the kernel's DWARF knows as an inlined
@@ -423,9 +438,9 @@ pub fn check_before_boot(
             let line = lines.get(p.line - 1).copied().unwrap_or_default();
             let mut event = p.clone();
             // A source target's line was checked as it was resolved into its sites.
-            let from_source = matches!(
-                parse_line(line),
-                Ok(Some(
+            let spec = parse_line(line).ok().flatten().filter(|spec| {
+                !matches!(
+                    spec,
                     ProbeSpec::Kprobe {
                         target: Target::Source(_),
                         ..
@@ -433,9 +448,9 @@ pub fn check_before_boot(
                         target: Target::Source(_),
                         ..
                     }
-                ))
-            );
-            if let (false, Ok(Some(spec))) = (from_source, parse_line(line)) {
+                )
+            });
+            if let Some(spec) = spec {
                 match check_spec(line, p.line, Some(&source), &spec, &kernel) {
                     // The filters and triggers bind to the fields as they will be armed
                     // (`$arg*` and `$argN` named after the parameters).
