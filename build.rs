@@ -11,6 +11,7 @@ const INPUTS: &[&str] = &[
     "kernel",
     "init",
     "workloads",
+    "modules",
     // virtiofsd's build, for shared directories, and the cache protocol it follows.
     "build-virtiofsd.sh",
     "cache.sh",

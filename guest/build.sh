@@ -26,6 +26,7 @@ shopt -s nullglob
 PATCHES=("$HERE"/kernel/patches/*.patch)
 INIT_SRCS=("$HERE"/init/*.c "$HERE"/init/*.h "$HERE"/init/profile)
 WORKLOADS=("$HERE"/workloads/*.c)
+MODULE_SRCS=("$HERE"/modules/*.c "$HERE"/modules/Kbuild)
 shopt -u nullglob
 [ -f "$FRAGMENT" ] || die "missing $FRAGMENT"
 [ -f "$CMDLINE_SRC" ] || die "missing $CMDLINE_SRC"
@@ -35,7 +36,7 @@ pkgver() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || true; }
 
 key_material() {
     local f
-    for f in "$SELF" "$FRAGMENT" "$CMDLINE_SRC" "${PATCHES[@]}" "${INIT_SRCS[@]}" "${WORKLOADS[@]}"; do
+    for f in "$SELF" "$FRAGMENT" "$CMDLINE_SRC" "${PATCHES[@]}" "${INIT_SRCS[@]}" "${WORKLOADS[@]}" "${MODULE_SRCS[@]}"; do
         printf '%s\n' "${f#"$HERE"/}"
         sha256sum <"$f"
     done
@@ -209,6 +210,17 @@ cp "$OBJ/arch/x86/boot/bzImage" "$TMP/out/bzImage"
 cp "$OBJ/System.map" "$TMP/out/System.map"
 cp "$OBJ/.config" "$TMP/out/config"
 
+# ---- the test module (guest/modules): out of tree, against this kernel -------------
+# `make modules` writes the Module.symvers an external module links against (the
+# configuration builds no module of its own). The initramfs gets it without DWARF; the
+# artefact directory keeps it whole (hvprobe_test.ko) for tools that read its DWARF.
+log "building the test module"
+run "${KMAKE[@]}" modules
+cp -r "$HERE/modules" "$TMP/modules"
+run "${KMAKE[@]}" M="$TMP/modules" modules
+cp "$TMP/modules/hvprobe_test.ko" "$TMP/out/hvprobe_test.ko"
+run objcopy --strip-debug "$TMP/modules/hvprobe_test.ko" "$TMP/bin-hvprobe_test.ko"
+
 # ---- user space ----------------------------------------------------------------
 log "building /init and workloads"
 mkdir -p "$TMP/bin"
@@ -233,7 +245,7 @@ GEN="$OBJ/usr/gen_init_cpio"
 [ -x "$GEN" ] || run "${KMAKE[@]}" usr/gen_init_cpio
 LIST="$TMP/initramfs.list"
 {
-    for d in /bin /sbin /usr /usr/bin /usr/sbin /dev /proc /sys /tmp /root /etc /hvprobe; do
+    for d in /bin /sbin /usr /usr/bin /usr/sbin /usr/lib /usr/lib/hvprobe /dev /proc /sys /tmp /root /etc /hvprobe; do
         echo "dir $d 0755 0 0"
     done
     echo "nod /dev/console 0600 0 0 c 5 1"
@@ -254,6 +266,7 @@ LIST="$TMP/initramfs.list"
     for n in "${WL_NAMES[@]}"; do
         echo "file /usr/bin/$n $TMP/bin/$n 0755 0 0"
     done
+    echo "file /usr/lib/hvprobe/hvprobe_test.ko $TMP/bin-hvprobe_test.ko 0644 0 0"
     echo "file /etc/profile $HERE/init/profile 0644 0 0"
     echo "file /etc/passwd $TMP/passwd 0644 0 0"
     echo "file /etc/group $TMP/group 0644 0 0"

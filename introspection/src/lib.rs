@@ -10,6 +10,7 @@ pub mod btf;
 pub mod dwarf;
 pub mod facts;
 pub mod memory;
+pub mod modules;
 pub mod stacks;
 pub mod symbols;
 pub mod task;
