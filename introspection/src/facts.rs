@@ -148,12 +148,18 @@ impl ExceptionTable {
     pub fn read<M: GuestVirtRead + ?Sized>(mem: &M, syms: &SymbolTable) -> Result<Self, FactsError> {
         let range = bounds(syms, "__start___ex_table", "__stop___ex_table")?;
         let raw = read_table(mem, "__ex_table", &range, 12)?;
+        Ok(ExceptionTable::parse(range.start, &raw))
+    }
+
+    /// The table from its bytes (whole 12-byte entries; a partial one at the end is
+    /// ignored), which start at `start`: a module's, or the kernel's.
+    pub fn parse(start: Gva, raw: &[u8]) -> Self {
         let field = |c: &[u8], i: usize| i32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
         let mut entries: Vec<ExTableEntry> = raw
             .chunks_exact(12)
             .enumerate()
             .map(|(i, c)| {
-                let at = range.start.0 + 12 * i as u64;
+                let at = start.0.wrapping_add(12 * i as u64);
                 ExTableEntry {
                     insn: Gva(at.wrapping_add_signed(field(c, 0).into())),
                     fixup: Gva((at + 4).wrapping_add_signed(field(c, 4).into())),
@@ -163,7 +169,7 @@ impl ExceptionTable {
             .collect();
         // Built sorted (scripts/sorttable), but a guest that sorts at boot may not be yet.
         entries.sort_by_key(|e| e.insn);
-        Ok(ExceptionTable { entries })
+        ExceptionTable { entries }
     }
 
     pub fn entries(&self) -> &[ExTableEntry] {

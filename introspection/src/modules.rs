@@ -15,6 +15,7 @@ use std::ops::Range;
 use hvprobe_arch::Gva;
 
 use crate::btf::{Btf, BtfError};
+use crate::facts::ExceptionTable;
 use crate::memory::{GuestVirtRead, MemoryError};
 use crate::symbols::{Symbol, SymbolSource, SymbolTable};
 use crate::unwind::{OrcError, OrcTable};
@@ -37,7 +38,7 @@ pub struct ModuleBudget {
     pub max_strtab: u64,
     /// ORC entries of one module.
     pub max_orc_entries: u64,
-    /// Entries of one module's kprobe blacklist.
+    /// Entries of one module's kprobe blacklist, and of its exception table.
     pub max_blacklist: u64,
     /// Bytes read for all modules together: at most the guest's memory.
     pub max_total_bytes: u64,
@@ -156,6 +157,8 @@ pub struct ModuleLayout {
     kprobes: Option<(u64, u64, u64, u64)>,
     /// `noinstr_text_start`, `noinstr_text_size`.
     noinstr: Option<(u64, u64)>,
+    /// `extable`, `num_exentries`.
+    extable: Option<(u64, u64)>,
 }
 
 impl ModuleLayout {
@@ -210,11 +213,19 @@ impl ModuleLayout {
             (Ok(list), Ok(n), Ok(start), Ok(size)) => Some((list, n, start, size)),
             _ => None,
         };
-        let noinstr = match (member("noinstr_text_start", 8, PTR), member("noinstr_text_size", 4, UINT)) {
+        let noinstr = match (
+            member("noinstr_text_start", 8, PTR),
+            member("noinstr_text_size", 4, UINT),
+        ) {
             (Ok(start), Ok(size)) => Some((start, size)),
             _ => None,
         };
+        let extable = match (member("extable", 8, PTR), member("num_exentries", 4, UINT)) {
+            (Ok(table), Ok(n)) => Some((table, n)),
+            _ => None,
+        };
         Ok(ModuleLayout {
+            extable,
             state: member("state", 4, "4 (enum module_state)")?,
             list: member("list", 16, "16 (struct list_head)")?,
             name: name.offset,
@@ -259,6 +270,8 @@ pub struct LoadedModule {
     /// Code kprobes must not touch: each `NOKPROBE_SYMBOL` function, `.kprobes.text`,
     /// `.noinstr.text`.
     pub blacklist: Vec<(Range<Gva>, ModuleBlacklistReason)>,
+    /// Its instructions that may fault, with their fixups.
+    pub extable: ExceptionTable,
 }
 
 /// Why a module's code is off limits to kprobes.
@@ -295,7 +308,10 @@ impl LoadedModule {
 
     /// Why kprobes may not go at `at`, if the module forbids it.
     pub fn blacklisted(&self, at: Gva) -> Option<ModuleBlacklistReason> {
-        self.blacklist.iter().find(|(r, _)| r.contains(&at)).map(|(_, why)| *why)
+        self.blacklist
+            .iter()
+            .find(|(r, _)| r.contains(&at))
+            .map(|(_, why)| *why)
     }
 }
 
@@ -495,11 +511,12 @@ fn read_module_charged(
             } else {
                 let ip_bytes = r.bytes(ip_table, count * 4, "ORC address table")?;
                 let orc_bytes = r.bytes(entry_table, count * ORC_ENTRY_SIZE, "ORC entry table")?;
-                let table = OrcTable::from_tables(ip_table, &ip_bytes, &orc_bytes, core_text.clone(), init_text.clone())
-                    .map_err(|source| ModuleError::Orc {
-                        module: name.clone(),
-                        source,
-                    })?;
+                let table =
+                    OrcTable::from_tables(ip_table, &ip_bytes, &orc_bytes, core_text.clone(), init_text.clone())
+                        .map_err(|source| ModuleError::Orc {
+                            module: name.clone(),
+                            source,
+                        })?;
                 Some(table)
             }
         }
@@ -518,25 +535,45 @@ fn read_module_charged(
                 // Linux blacklists the whole function the address is in.
                 if let Some(d) = symbols.describe(addr) {
                     let start = addr.0 - d.offset;
-                    blacklist.push((r.range(start, d.size, "blacklisted function")?, ModuleBlacklistReason::Nokprobe));
+                    blacklist.push((
+                        r.range(start, d.size, "blacklisted function")?,
+                        ModuleBlacklistReason::Nokprobe,
+                    ));
                 }
             }
         }
         let start = r.u64(at, text_start, ".kprobes.text")?;
         let size = u64::from(r.u32(at, text_size, ".kprobes.text")?);
         if start != 0 && size != 0 {
-            blacklist.push((r.range(start, size, ".kprobes.text")?, ModuleBlacklistReason::KprobesText));
+            blacklist.push((
+                r.range(start, size, ".kprobes.text")?,
+                ModuleBlacklistReason::KprobesText,
+            ));
         }
     }
     if let Some((text_start, text_size)) = layout.noinstr {
         let start = r.u64(at, text_start, ".noinstr.text")?;
         let size = u64::from(r.u32(at, text_size, ".noinstr.text")?);
         if start != 0 && size != 0 {
-            blacklist.push((r.range(start, size, ".noinstr.text")?, ModuleBlacklistReason::NoinstrText));
+            blacklist.push((
+                r.range(start, size, ".noinstr.text")?,
+                ModuleBlacklistReason::NoinstrText,
+            ));
+        }
+    }
+
+    let mut extable = ExceptionTable::default();
+    if let Some((table, num)) = layout.extable {
+        let count = u64::from(r.u32(at, num, "exception table")?);
+        let count = r.limit("its exception table", count, budget.max_blacklist)?;
+        let table = Gva(r.u64(at, table, "exception table")?);
+        if count > 0 && table.0 != 0 {
+            extable = ExceptionTable::parse(table, &r.bytes(table, count * 12, "exception table")?);
         }
     }
 
     Ok(LoadedModule {
+        extable,
         name,
         address: at,
         state,
@@ -589,14 +626,20 @@ fn read_symbols<M: GuestVirtRead + ?Sized>(
         let size = u64::from_le_bytes(sym[16..24].try_into().expect("8 bytes"));
         let Some(rest) = strings.get(name_off..) else { continue };
         let rest = &rest[..rest.len().min(KSYM_NAME_LEN)];
-        let Some(len) = rest.iter().position(|&b| b == 0) else { continue };
+        let Some(len) = rest.iter().position(|&b| b == 0) else {
+            continue;
+        };
         if len == 0 || value == 0 {
             continue;
         }
         symbols.push(Symbol {
             name: escaped(&rest[..len]),
             addr: Gva(value),
-            kind: if kind.is_ascii_alphabetic() { char::from(kind) } else { '?' },
+            kind: if kind.is_ascii_alphabetic() {
+                char::from(kind)
+            } else {
+                '?'
+            },
             size: Some(size).filter(|&s| s != 0),
         });
     }
@@ -615,7 +658,7 @@ fn read_up_to<M: GuestVirtRead + ?Sized>(
         Ok(b) => Ok(b),
         Err(ModuleError::Memory { .. }) => {
             // Up to the end of the last page that can be read.
-            let page_end = (at.0 | 0xfff).checked_add(1).unwrap_or(u64::MAX);
+            let page_end = (at.0 | 0xfff).saturating_add(1);
             let mut readable = page_end.saturating_sub(at.0).min(len);
             let mut out = r.bytes(at, readable, what)?;
             while readable < len {

@@ -326,6 +326,44 @@ impl OrcTable {
     }
 }
 
+/// Where a walk finds its ORC entries: the kernel's table, and each loaded module's.
+pub trait OrcLookup {
+    /// Whether the guest counts `ip` as its text (`__kernel_text_address`).
+    fn is_text(&self, ip: Gva) -> bool;
+    /// `orc_find`: the entry for `ip`.
+    fn find(&self, ip: Gva) -> Option<OrcEntry>;
+}
+
+impl OrcLookup for OrcTable {
+    fn is_text(&self, ip: Gva) -> bool {
+        OrcTable::is_text(self, ip)
+    }
+
+    fn find(&self, ip: Gva) -> Option<OrcEntry> {
+        OrcTable::find(self, ip)
+    }
+}
+
+/// The kernel's ORC table and its modules' (each covering its module's text), as the
+/// guest's `orc_find` looks in them.
+pub struct KernelAndModules<'a> {
+    pub kernel: &'a OrcTable,
+    pub modules: Vec<&'a OrcTable>,
+}
+
+impl OrcLookup for KernelAndModules<'_> {
+    fn is_text(&self, ip: Gva) -> bool {
+        self.kernel.is_text(ip) || self.modules.iter().any(|m| m.is_text(ip))
+    }
+
+    fn find(&self, ip: Gva) -> Option<OrcEntry> {
+        if ip.0 == 0 || self.kernel.is_text(ip) {
+            return self.kernel.find(ip);
+        }
+        self.modules.iter().find(|m| m.is_text(ip))?.find(ip)
+    }
+}
+
 /// `blocks[b]`: the index of the last entry at or below `text.start + b * LOOKUP_BLOCK`
 /// (0 when none is), for every block of `text` and one past its end.
 fn lookup_blocks(ips: &[u64], text: &Range<Gva>) -> Vec<u32> {
@@ -418,7 +456,7 @@ enum RegsAt {
 }
 
 struct Walk<'a, M: ?Sized> {
-    orc: &'a OrcTable,
+    orc: &'a dyn OrcLookup,
     mem: &'a M,
     start: StartRegs,
     stacks: &'a [StackBounds],
@@ -674,7 +712,7 @@ fn on_stack(range: &Range<Gva>, addr: u64, len: u64) -> bool {
 /// return address read from a stack slot (address, slot) to the real one, where the host's
 /// return probe trampoline stands in for it; `rethooks` does the same for the guest's own.
 pub fn unwind(
-    orc: &OrcTable,
+    orc: &dyn OrcLookup,
     mem: &(impl GuestVirtRead + ?Sized),
     start: StartRegs,
     stacks: &[StackBounds],

@@ -92,6 +92,11 @@ impl Machine for VmMachine {
         &self.kernel
     }
 
+    fn memory_size(&self) -> u64 {
+        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+        self.kernel.memory.phys().0.iter().map(|r| r.len()).sum()
+    }
+
     fn event_memory(&self) -> Option<&dyn RingMemory> {
         self.phys.as_ref().map(|p| p as &dyn RingMemory)
     }

@@ -21,6 +21,8 @@
 //!   handler runs, on both backends;
 //! - [`returns`]: every followed call returns to its own caller, through per-stack chains;
 //! - [`events`]: what a hit records, and that a record not taken is counted as missed;
+//! - [`modules`]: a probe on a module's code is armed exactly while that code is live —
+//!   from before the module's init runs until before its memory is freed;
 //! - [`stamps`]: every hit is stamped with the one chosen clock (the guest's trace clock, or
 //!   host time when it is chosen or cannot be had).
 
@@ -47,6 +49,7 @@ use crate::spec::FetchArg;
 mod event_rings;
 mod events;
 mod hit;
+mod modules;
 mod optimize;
 mod placement;
 mod registry;
@@ -80,8 +83,18 @@ pub struct ProbeId(pub u32);
 /// Where a probe goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProbePoint {
-    Symbol { name: String, offset: u64 },
+    Symbol {
+        name: String,
+        offset: u64,
+    },
     Address(Gva),
+    /// A symbol of a kernel module (`MOD:SYM+OFF`): armed while the module is loaded,
+    /// pending before it loads and after it unloads (see [`modules`]).
+    Module {
+        module: String,
+        name: String,
+        offset: u64,
+    },
 }
 
 /// What a pre-handler asks for after it ran.
@@ -264,6 +277,11 @@ pub enum ProbeError {
     },
     #[error("{what} is blacklisted: {reason}")]
     Blacklisted { what: String, reason: BlacklistReason },
+    #[error("{what} is blacklisted: {reason}")]
+    ModuleBlacklisted {
+        what: String,
+        reason: hvprobe_introspection::modules::ModuleBlacklistReason,
+    },
     #[error("{what} is inside a {kind} patch site at {site} that the guest rewrites itself")]
     PatchSite {
         what: String,
@@ -306,6 +324,14 @@ pub enum ProbeError {
     WatchOnProbe { what: String },
     #[error("{what}: an execution watch is on that instruction; a probe and a watch do not share one")]
     ProbeOnWatch { what: String },
+    #[error("{what}: module {module} has no text symbol {name:?}")]
+    UnknownModuleSymbol { what: String, module: String, name: String },
+    #[error("{what}: the guest's modules cannot be followed: {reason}")]
+    Modules { what: String, reason: String },
+    /// The module is not loaded: the probe waits for it (never returned to a caller of
+    /// `register`, which registers the probe as pending).
+    #[error("{what}: module {module} is not loaded")]
+    ModuleNotLoaded { what: String, module: String },
     #[error("setting the debug registers: {source}")]
     DebugRegisters {
         source: crate::machine::DebugRegistersError,
@@ -503,6 +529,8 @@ pub struct Tracer {
     frame_names: Mutex<HashMap<Gva, Option<String>>>,
     /// The debug registers last handed to the machine (see [`watch`]).
     debug_registers: Mutex<DebugRegisters>,
+    /// The guest's modules as last read, and the hooks that follow their loads and frees.
+    modules: modules::ModuleTracker,
     pub stats: EngineStats,
 }
 
@@ -545,6 +573,7 @@ impl Tracer {
             btf: OnceLock::new(),
             frame_names: Mutex::default(),
             debug_registers: Mutex::default(),
+            modules: modules::ModuleTracker::default(),
             stats: EngineStats::default(),
         }
     }

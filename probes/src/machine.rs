@@ -54,6 +54,9 @@ pub struct PauseFailed(pub Box<dyn std::error::Error + Send + Sync>);
 pub trait Machine: Send + Sync {
     fn kernel(&self) -> &dyn KernelMemory;
 
+    /// The guest's memory in bytes: what a reader of guest data may spend at most.
+    fn memory_size(&self) -> u64;
+
     /// Runs `edit` with every vCPU out of guest mode (all others when called from a vCPU
     /// thread), so that no vCPU executes text while it changes.
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) -> Result<(), PauseFailed>;

@@ -209,23 +209,34 @@ pub struct ListEntry {
     pub event: String,
     /// Why the probe is not jump-optimized, while optimization is on.
     pub not_optimized: Option<String>,
+    /// The module the probe is in (`MOD:SYM` probes).
+    pub module: Option<String>,
+    /// A module probe whose module is not loaded (yet, or again): no address, nothing in
+    /// the text. The kernel does not list these; hvprobe lists them `[PENDING]`.
+    pub pending: bool,
 }
 
 /// The debugfs `kprobes/list` line, without the newline, exactly as `report_probe` prints
-/// it for a probe outside modules: `%px  %s  %s+0x%x  %s ` (the module column is a blank)
+/// it: `%px  %s  %s+0x%x  %s ` (the last column is the module, a blank outside modules)
 /// then the flags, unseparated, in the kernel's order `[GONE]`, `[DISABLED]` (not shown
-/// when gone), `[OPTIMIZED]`, `[FTRACE]`:
+/// when gone), `[OPTIMIZED]`, `[FTRACE]`; a module probe waiting for its module (which
+/// the kernel does not list) is `[PENDING]` at address 0:
 ///
 /// ```text
 /// ffffffff81234560  k  do_sys_open+0x0    [DISABLED]
+/// ffffffffc0002010  k  hvprobe_test_work+0x0  hvprobe_test [GONE]
 /// ```
 pub fn kernel_listing_line(entry: &ListEntry) -> String {
     let mut line = format!(
-        "{:016x}  {}  {}    ",
+        "{:016x}  {}  {}  {} ",
         entry.address.0,
         entry.kind.letter(),
-        entry.location
+        entry.location,
+        entry.module.as_deref().unwrap_or(" ")
     );
+    if entry.pending {
+        line.push_str("[PENDING]");
+    }
     if entry.gone {
         line.push_str("[GONE]");
     }

@@ -33,6 +33,8 @@ pub const DEFAULT_GROUP: &str = "kprobes";
 pub const MAX_ARGS: usize = 128;
 /// Longest event or group name, in bytes (`MAX_EVENT_NAME_LEN` - 1 for the NUL).
 pub const MAX_EVENT_NAME_LEN: usize = 63;
+/// The kernel's `MODULE_NAME_LEN` (64 - sizeof(unsigned long)) less its NUL.
+pub const MAX_MODULE_NAME_LEN: usize = 55;
 /// Longest argument name, in bytes (`MAX_ARG_NAME_LEN`).
 pub const MAX_ARG_NAME_LEN: usize = 32;
 /// Longest fetch-arg text after `NAME=`, type included (`MAX_ARGSTR_LEN`).
@@ -103,6 +105,9 @@ pub enum Target {
     Symbol { name: String, offset: u64 },
     /// A kernel virtual address.
     Address(Gva),
+    /// A symbol of a kernel module plus a byte offset (`MOD:SYM+OFF`): armed when the
+    /// module is loaded (or loads).
+    ModuleSymbol { module: String, name: String, offset: u64 },
     /// A place in the kernel's source, as `perf probe` names one (`FUNC:RLN`, `FUNC@FILE`,
     /// `FUNC@FILE:RLN`, `FILE:LINE`): turned into `SYM+OFF` sites with the kernel's DWARF
     /// (see [`source`]).
@@ -527,8 +532,11 @@ pub enum SpecErrorKind {
     TooManyAlternatives(String),
     #[error("bad offset `{0}` after the symbol: expected +N, 0 <= N <= 4294967295")]
     BadTargetOffset(String),
-    #[error("module targets (`{0}`) are not supported yet")]
-    ModuleTargetNotSupported(String),
+    #[error(
+        "bad module target `{0}`: expected MODULE:SYMBOL[+OFFSET] (a module name of letters, digits \
+         and `_`, and one of its functions; module wildcards are not supported)"
+    )]
+    BadModuleTarget(String),
     #[error("bad source line `{0}`: expected a line number")]
     BadSourceLine(String),
     #[error("a return probe on a source target must name a function's entry (`FUNC@FILE%return`), not a line")]
@@ -821,7 +829,7 @@ impl SpecErrorKind {
             | K::UnknownProbeType(_)
             | K::JunkAfterProbeType(_)
             | K::MissingTarget
-            | K::ModuleTargetNotSupported(_)
+            | K::BadModuleTarget(_)
             | K::BadSourceLine(_)
             | K::RetprobeOnSourceLine
             | K::SourceVarsNotAtSource(_)
@@ -1067,7 +1075,7 @@ impl<'a> LineParser<'a> {
         };
         let (target, return_suffix) = self.parse_target(target_text)?;
         let is_return = is_r || return_suffix;
-        if let (true, Target::Symbol { offset, .. }) = (is_return, &target) {
+        if let (true, Target::Symbol { offset, .. } | Target::ModuleSymbol { offset, .. }) = (is_return, &target) {
             if *offset != 0 {
                 return Err(self.err(target_text, SpecErrorKind::RetprobeNotOnEntry(*offset)));
             }
@@ -1081,7 +1089,7 @@ impl<'a> LineParser<'a> {
             is_return,
             // Only a symbol+0 counts: the kernel decides "function entry" from the symbol.
             at_function_entry: match &target {
-                Target::Symbol { offset, .. } => *offset == 0,
+                Target::Symbol { offset, .. } | Target::ModuleSymbol { offset, .. } => *offset == 0,
                 Target::Source(point) => point.is_function_entry(),
                 Target::Address(_) => false,
             },
@@ -1235,9 +1243,19 @@ impl<'a> LineParser<'a> {
         if let Some(point) = self.parse_source_point(text, symbol_part, is_return)? {
             return Ok((Target::Source(point), is_return));
         }
-        if symbol_part.contains(':') {
-            return Err(self.err(text, SpecErrorKind::ModuleTargetNotSupported(symbol_part.to_owned())));
-        }
+        let (module, symbol_part) = match symbol_part.split_once(':') {
+            Some((module, symbol)) => {
+                let good_module = !module.is_empty()
+                    && module.len() <= MAX_MODULE_NAME_LEN
+                    && module.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+                let symbol_name = symbol.split(['+', '-']).next().unwrap_or("");
+                if !good_module || !is_symbol_name(symbol_name) || is_wildcard_pattern(symbol_name) {
+                    return Err(self.err(text, SpecErrorKind::BadModuleTarget(symbol_part.to_owned())));
+                }
+                (Some(module), symbol)
+            }
+            None => (None, symbol_part),
+        };
         let (name, offset) = match symbol_part.find(['+', '-']) {
             Some(sign) => {
                 let offset_text = &symbol_part[sign..];
@@ -1256,6 +1274,16 @@ impl<'a> LineParser<'a> {
         }
         if !is_symbol_name(name) {
             return Err(self.err(text, SpecErrorKind::BadTarget(text.to_owned())));
+        }
+        if let Some(module) = module {
+            return Ok((
+                Target::ModuleSymbol {
+                    module: module.to_owned(),
+                    name: name.to_owned(),
+                    offset,
+                },
+                is_return,
+            ));
         }
         Ok((
             Target::Symbol {
@@ -1807,6 +1835,8 @@ fn event_name_of(kind: char, target: &Target) -> String {
     }
     let mut name = match target {
         Target::Symbol { name, offset } => format!("{kind}_{name}_{offset}"),
+        // The kernel's name for `MOD:SYM` sanitizes the colon: `p_MOD_SYM_0`.
+        Target::ModuleSymbol { module, name, offset } => format!("{kind}_{module}_{name}_{offset}"),
         // The kernel prints a hashed %p here; the real address is more useful and stable.
         Target::Address(address) => format!("{kind}_{:#x}", address.raw()),
         // perf probe's names: `FUNC_L12` for a line, `FUNC` for a function; a file's line
@@ -1985,6 +2015,12 @@ impl fmt::Display for Target {
             Target::Symbol { name, offset: 0 } => f.write_str(name),
             Target::Symbol { name, offset } => write!(f, "{name}+{}", Number(*offset)),
             Target::Address(address) => write!(f, "{}", Number(address.raw())),
+            Target::ModuleSymbol {
+                module,
+                name,
+                offset: 0,
+            } => write!(f, "{module}:{name}"),
+            Target::ModuleSymbol { module, name, offset } => write!(f, "{module}:{name}+{}", Number(*offset)),
             Target::Source(point) => write!(f, "{point}"),
         }
     }

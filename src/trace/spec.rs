@@ -216,6 +216,7 @@ pub(super) fn parse_spec_text(
         let point = match target {
             Target::Symbol { name, offset } => ProbePoint::Symbol { name, offset },
             Target::Address(a) => ProbePoint::Address(a),
+            Target::ModuleSymbol { module, name, offset } => ProbePoint::Module { module, name, offset },
             Target::Source(_) => unreachable!("resolved into symbol targets above"),
         };
         let request = KprobeRequest {

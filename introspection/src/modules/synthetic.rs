@@ -96,17 +96,31 @@ pub fn btf() -> Vec<u8> {
     let layout = b.strukt(
         "module_layout",
         24,
-        &[("base", ptr, 0), ("size", uint, 8), ("text_size", uint, 12), ("ro_size", uint, 16)],
+        &[
+            ("base", ptr, 0),
+            ("size", uint, 8),
+            ("text_size", uint, 12),
+            ("ro_size", uint, 16),
+        ],
     );
     b.strukt(
         "mod_kallsyms",
         32,
-        &[("symtab", ptr, 0), ("num_symtab", uint, 8), ("strtab", ptr, 16), ("typetab", ptr, 24)],
+        &[
+            ("symtab", ptr, 0),
+            ("num_symtab", uint, 8),
+            ("strtab", ptr, 16),
+            ("typetab", ptr, 24),
+        ],
     );
     let arch = b.strukt(
         "mod_arch_specific",
         24,
-        &[("num_orcs", uint, 0), ("orc_unwind_ip", ptr, 8), ("orc_unwind", ptr, 16)],
+        &[
+            ("num_orcs", uint, 0),
+            ("orc_unwind_ip", ptr, 8),
+            ("orc_unwind", ptr, 16),
+        ],
     );
     b.strukt(
         "module",
@@ -128,7 +142,13 @@ pub fn btf() -> Vec<u8> {
         ],
     );
     let mut blob = vec![0x9f, 0xeb, 1, 0];
-    for w in [24u32, 0, b.types.len() as u32, b.types.len() as u32, b.strings.len() as u32] {
+    for w in [
+        24u32,
+        0,
+        b.types.len() as u32,
+        b.types.len() as u32,
+        b.strings.len() as u32,
+    ] {
         blob.extend_from_slice(&w.to_le_bytes());
     }
     blob.extend_from_slice(&b.types);
@@ -196,7 +216,11 @@ pub fn memory(names: &[&str]) -> SparseMemory {
         mem.write(base, &[0x90; TEXT_SIZE as usize]);
     }
     let first = if names.is_empty() { MODULES_HEAD } else { node(0) };
-    let last = if names.is_empty() { MODULES_HEAD } else { node(names.len() - 1) };
+    let last = if names.is_empty() {
+        MODULES_HEAD
+    } else {
+        node(names.len() - 1)
+    };
     mem.put_u64(MODULES_HEAD, first);
     mem.put_u64(MODULES_HEAD + 8, last);
     mem

@@ -14,7 +14,10 @@ fn budget() -> ModuleBudget {
 fn reads_every_module_with_its_symbols_orc_and_blacklist() {
     let mem = synthetic::memory(&["alpha", "beta"]);
     let modules = read_modules(&mem, &layout(), Gva(MODULES_HEAD), &budget()).unwrap();
-    assert_eq!(modules.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["alpha", "beta"]);
+    assert_eq!(
+        modules.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(),
+        ["alpha", "beta"]
+    );
     let beta = &modules[1];
     let base = MODULE_BASE + MODULE_STRIDE;
     assert_eq!(beta.address, Gva(base + STRUCT_MODULE));
@@ -23,7 +26,10 @@ fn reads_every_module_with_its_symbols_orc_and_blacklist() {
     assert_eq!(beta.init_text, None);
     for (name, kind, off, size) in FUNCTIONS {
         let s = beta.symbols.lookup(name).unwrap();
-        assert_eq!((s.addr, s.kind, s.size), (Gva(base + off), char::from(*kind), Some(*size)));
+        assert_eq!(
+            (s.addr, s.kind, s.size),
+            (Gva(base + off), char::from(*kind), Some(*size))
+        );
     }
     let d = beta.symbols.describe(Gva(base + 0x45)).unwrap();
     assert_eq!((d.symbol.name.as_str(), d.offset), ("mod_fn_b", 5));
@@ -33,15 +39,23 @@ fn reads_every_module_with_its_symbols_orc_and_blacklist() {
     assert_eq!(orc.len(), 2);
     assert_eq!(orc.find(Gva(base + 0x45)).unwrap().sp_offset, 8);
     // The blacklisted address is inside mod_fn_a: the whole function is off limits.
-    assert_eq!(beta.blacklisted(Gva(base + 0x10)), Some(ModuleBlacklistReason::Nokprobe));
-    assert_eq!(beta.blacklisted(Gva(base + 0x2f)), Some(ModuleBlacklistReason::Nokprobe));
+    assert_eq!(
+        beta.blacklisted(Gva(base + 0x10)),
+        Some(ModuleBlacklistReason::Nokprobe)
+    );
+    assert_eq!(
+        beta.blacklisted(Gva(base + 0x2f)),
+        Some(ModuleBlacklistReason::Nokprobe)
+    );
     assert_eq!(beta.blacklisted(Gva(base + 0x40)), None);
 }
 
 #[test]
 fn an_empty_list_is_no_modules() {
     let mem = synthetic::memory(&[]);
-    assert!(read_modules(&mem, &layout(), Gva(MODULES_HEAD), &budget()).unwrap().is_empty());
+    assert!(read_modules(&mem, &layout(), Gva(MODULES_HEAD), &budget())
+        .unwrap()
+        .is_empty());
 }
 
 #[test]
@@ -61,17 +75,44 @@ fn hostile_counts_are_refused_before_anything_is_allocated() {
     let mut mem = synthetic::memory(&["alpha"]);
     mem.put_u32(MODULE_BASE + 0x2100 + 8, u32::MAX);
     let err = read_module(&mem, &layout(), Gva(m), &budget()).unwrap_err();
-    assert!(matches!(err, ModuleError::OverBudget { what: "its symbol count", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ModuleError::OverBudget {
+                what: "its symbol count",
+                ..
+            }
+        ),
+        "{err}"
+    );
     // An ORC count of 4 billion.
     let mut mem = synthetic::memory(&["alpha"]);
     mem.put_u32(m + 128, u32::MAX);
     let err = read_module(&mem, &layout(), Gva(m), &budget()).unwrap_err();
-    assert!(matches!(err, ModuleError::OverBudget { what: "its ORC entry count", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ModuleError::OverBudget {
+                what: "its ORC entry count",
+                ..
+            }
+        ),
+        "{err}"
+    );
     // A blacklist of 4 billion.
     let mut mem = synthetic::memory(&["alpha"]);
     mem.put_u32(m + 184, u32::MAX);
     let err = read_module(&mem, &layout(), Gva(m), &budget()).unwrap_err();
-    assert!(matches!(err, ModuleError::OverBudget { what: "its kprobe blacklist", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ModuleError::OverBudget {
+                what: "its kprobe blacklist",
+                ..
+            }
+        ),
+        "{err}"
+    );
     // A core layout that wraps the address space.
     let mut mem = synthetic::memory(&["alpha"]);
     mem.put_u64(m + 80, u64::MAX - 4);
@@ -95,7 +136,10 @@ fn names_are_escaped_and_unterminated_ones_cut() {
     let module = read_module(&mem, &layout(), Gva(m), &budget()).unwrap();
     assert_eq!(module.name, "ev\\x1b[2Jil\\x0a");
     mem.write(m + 24, &[b'a'; 56]);
-    assert_eq!(read_module(&mem, &layout(), Gva(m), &budget()).unwrap().name, "a".repeat(56));
+    assert_eq!(
+        read_module(&mem, &layout(), Gva(m), &budget()).unwrap().name,
+        "a".repeat(56)
+    );
     // A symbol name with no NUL within KSYM_NAME_LEN is skipped.
     mem.write(MODULE_BASE + 0x2300 + 1, &[b'x'; 600]);
     let module = read_module(&mem, &layout(), Gva(m), &budget()).unwrap();

@@ -60,6 +60,11 @@ impl Tracer {
             // its own handler.
             return BreakpointOutcome::Fatal(EngineFault::UnknownOutOfLineBreakpoint { cpu, at });
         }
+        if let Some(hook) = self.modules.hook_at(at) {
+            // Before the site's own handling and with no lock held: it arms or disarms
+            // module probes, which the vCPU must find done when it goes on.
+            self.on_module_hook(hook, cpu, vcpu);
+        }
         let reg = self.read_registry();
         let Some(site) = reg.sites.get(&at) else {
             return BreakpointOutcome::NotOurs;
@@ -188,9 +193,14 @@ impl Tracer {
             let Some(probe) = reg.probes.get(id).filter(|p| p.enabled) else {
                 continue;
             };
-            if probe.role == Role::TaskExit {
-                task_exit = true;
-                continue;
+            match probe.role {
+                Role::TaskExit => {
+                    task_exit = true;
+                    continue;
+                }
+                // Handled before the site (see `on_module_hook`).
+                Role::ModuleLoad | Role::ModuleFree => continue,
+                Role::User => {}
             }
             if let ProbeKind::Kretprobe { maxactive } = probe.kind {
                 self.enter_return_probe(*id, probe, maxactive, cpu, regs);

@@ -50,6 +50,8 @@ pub enum WhyNotOptimized {
          writes its bytes back when it goes, over a jump of ours)"
     )]
     GuestJump { target: Gva },
+    #[error("it is in module {0} (module probes stay int3 probes: the module may unload under a detour)")]
+    InModule(String),
     #[error("it is not armed (disabled, disarmed or gone)")]
     NotArmed,
     #[error("vCPU {cpu} is stopped inside the region at {rip} (tried again at the next pause)")]
@@ -85,9 +87,10 @@ impl WhyNotOptimized {
     fn permanent(&self) -> bool {
         match self {
             WhyNotOptimized::Region(r) => !r.is_temporary(),
-            WhyNotOptimized::OutOfReach { .. } | WhyNotOptimized::TooLong { .. } | WhyNotOptimized::NoOutOfLineArea => {
-                true
-            }
+            WhyNotOptimized::OutOfReach { .. }
+            | WhyNotOptimized::TooLong { .. }
+            | WhyNotOptimized::NoOutOfLineArea
+            | WhyNotOptimized::InModule(_) => true,
             _ => false,
         }
     }
@@ -260,6 +263,9 @@ impl Tracer {
         let site = reg.sites.get(&addr)?;
         if site.shared_with_guest() {
             return Some(WhyNotOptimized::SharedWithGuest);
+        }
+        if let Some(module) = &site.module {
+            return Some(WhyNotOptimized::InModule(module.clone()));
         }
         if let Some(target) = site.insn.as_ref().and_then(|i| self.guest_jump(i)) {
             return Some(WhyNotOptimized::GuestJump { target });

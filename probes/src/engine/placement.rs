@@ -26,6 +26,8 @@ pub(super) struct Placement {
     /// The original bytes at `site` (up to 15, within the function).
     pub bytes: Vec<u8>,
     pub may_fault: bool,
+    /// The module the site is in.
+    pub module: Option<String>,
 }
 
 /// The one text symbol `name` names, with `offset` inside it: what can be checked of a
@@ -80,18 +82,35 @@ impl Tracer {
     /// Resolves a probe point to where its int3 goes, with every check that needs no
     /// paused vCPU.
     pub(super) fn place(&self, point: &ProbePoint) -> Result<Placement, ProbeError> {
-        let symbols = &self.view.symbols;
-        let (address, what, named) = match point {
+        let (address, what, named, module) = match point {
             ProbePoint::Symbol { name, offset } => {
-                let symbol = resolve_symbol(symbols, name, *offset)?;
+                let symbol = resolve_symbol(&self.view.symbols, name, *offset)?;
                 let what = format!("{name}+{offset:#x}");
-                (Gva(symbol.addr.0 + offset), what.clone(), Some(what))
+                (Gva(symbol.addr.0 + offset), what.clone(), Some(what), None)
             }
-            ProbePoint::Address(a) => (*a, format!("{a}"), None),
+            ProbePoint::Address(a) => (*a, format!("{a}"), None, self.module_containing(*a)),
+            ProbePoint::Module { module, name, offset } => {
+                let what = format!("{module}:{name}+{offset:#x}");
+                let loaded = self.loaded_module(module, &what)?;
+                let symbol = match resolve_symbol(&loaded.symbols, name, *offset) {
+                    Err(ProbeError::UnknownSymbol(_)) => {
+                        return Err(ProbeError::UnknownModuleSymbol {
+                            what,
+                            module: module.clone(),
+                            name: name.clone(),
+                        })
+                    }
+                    other => other?,
+                };
+                let address = Gva(symbol.addr.0 + offset);
+                (address, what, Some(format!("{name}+{offset:#x}")), Some(loaded))
+            }
         };
+        let symbols = module.as_ref().map_or(&*self.view.symbols, |m| &m.symbols);
         let description = symbols
             .describe(address)
             .filter(|d| d.symbol.is_text())
+            .filter(|_| module.as_ref().is_none_or(|m| m.is_text(address)))
             .ok_or(ProbeError::NotInFunction(address))?;
         let function = description.symbol.name.clone();
         let func_start = Gva(address.0 - description.offset);
@@ -104,6 +123,9 @@ impl Tracer {
         };
         if let Some(reason) = self.view.blacklist.is_blacklisted(address) {
             return Err(ProbeError::Blacklisted { what, reason });
+        }
+        if let Some(reason) = module.as_ref().and_then(|m| m.blacklisted(address)) {
+            return Err(ProbeError::ModuleBlacklisted { what, reason });
         }
         let code = self.function_code(func_start, func_size, &what)?;
         let starts =
@@ -162,15 +184,21 @@ impl Tracer {
             });
         }
         let bytes = &code[offset_in_code..(offset_in_code + 15).min(code.len())];
+        let ex_table = module.as_ref().map_or(&self.view.ex_table, |m| &m.extable);
         Ok(Placement {
             address,
             location,
             site,
             at_function_entry: address == func_start,
-            trace_location: description.to_string(),
+            // `%pS` names a module symbol's module: `func+0x0/0x20 [mod]`.
+            trace_location: match &module {
+                Some(m) => format!("{description} [{}]", m.name),
+                None => description.to_string(),
+            },
             what,
             bytes: bytes.to_vec(),
-            may_fault: self.view.ex_table.lookup(site).is_some(),
+            may_fault: ex_table.lookup(site).is_some(),
+            module: module.as_ref().map(|m| m.name.clone()),
         })
     }
 

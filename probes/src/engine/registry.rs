@@ -39,6 +39,29 @@ pub(super) enum Role {
     /// followed calls that will never return are freed (the host's equivalent of Linux
     /// freeing a task's kretprobe instances when the task goes).
     TaskExit,
+    /// The engine's own, hidden: on the guest's `do_init_module` and `module_memfree`,
+    /// where module probes are armed and disarmed ([`super::modules`]).
+    ModuleLoad,
+    ModuleFree,
+}
+
+/// A probe's module, for a `MOD:SYM+OFF` probe.
+#[derive(Clone, Debug)]
+pub(super) struct ModuleBinding {
+    pub module: String,
+    pub symbol: String,
+    pub offset: u64,
+    pub state: ModuleProbeState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ModuleProbeState {
+    /// The module is not loaded and has not been since the probe was made.
+    Pending,
+    /// In the module's text.
+    Armed,
+    /// Its module's memory was freed (unloaded, or init text after the init ran).
+    Gone,
 }
 
 pub(super) struct Probe {
@@ -65,6 +88,42 @@ pub(super) struct Probe {
     pub counters: Arc<Counters>,
     /// `sym+0xoff/0xsize` of `address`, as hit events show it (`%pS`).
     pub trace_location: String,
+    /// The module, for a probe on a module's symbol (its site is 0 while not armed).
+    pub module: Option<ModuleBinding>,
+}
+
+impl Probe {
+    /// A probe as `request` asks for it, at `address` (no site yet).
+    fn new(role: Role, request: &KprobeRequest, address: Gva, location: String) -> Probe {
+        Probe {
+            role,
+            kind: request.kind,
+            group: request.group.clone(),
+            event: request.event.clone(),
+            address,
+            location,
+            site: Gva(0),
+            args: request.args.clone(),
+            emit_events: request.emit_events || !request.args.is_empty(),
+            pre: request.pre.clone(),
+            post: request.post.clone(),
+            data_size: request.data_size,
+            stack_trace: request.stack_trace,
+            filter: request.filter.clone(),
+            enabled: !request.disabled,
+            counters: Arc::default(),
+            trace_location: String::new(),
+            module: match &request.point {
+                ProbePoint::Module { module, name, offset } => Some(ModuleBinding {
+                    module: module.clone(),
+                    symbol: name.clone(),
+                    offset: *offset,
+                    state: ModuleProbeState::Pending,
+                }),
+                _ => None,
+            },
+        }
+    }
 }
 
 /// The user's events, each with its shape and how many probes it stands for (one event
@@ -124,6 +183,8 @@ pub(super) struct Site {
     pub detour: Option<Detour>,
     /// Why the site is not optimized (while the switch is on).
     pub not_optimized: Option<WhyNotOptimized>,
+    /// The module whose code it is in.
+    pub module: Option<String>,
 }
 
 impl Site {
@@ -179,6 +240,8 @@ impl Registry {
 enum Placed {
     Probe(Placement),
     Watch(WatchPlacement),
+    /// A module probe whose module is not loaded.
+    Pending,
 }
 
 impl Tracer {
@@ -192,13 +255,31 @@ impl Tracer {
     /// error says which request failed (0-based).
     pub fn register_all(&self, requests: Vec<KprobeRequest>) -> Result<Vec<ProbeId>, (usize, ProbeError)> {
         let mut placed = Vec::with_capacity(requests.len());
+        let wants_module_hooks = requests.iter().any(|r| matches!(r.point, ProbePoint::Module { .. }));
+        let module_hooks = if wants_module_hooks {
+            self.relist_modules("module probes").map_err(|e| (0, e))?;
+            Some(self.module_hook_placements().map_err(|e| (0, e))?)
+        } else {
+            None
+        };
         for (i, request) in requests.iter().enumerate() {
             if matches!(request.kind, ProbeKind::Watch { .. }) {
                 let watch = self.place_watch(request).map_err(|e| (i, e))?;
                 placed.push(Placed::Watch(watch));
                 continue;
             }
-            let placement = self.place(&request.point).map_err(|e| (i, e))?;
+            let placement = match self.place(&request.point) {
+                Err(ProbeError::ModuleNotLoaded { what, .. }) => {
+                    if let (ProbeKind::Kretprobe { .. }, ProbePoint::Module { offset: 1.., .. }) =
+                        (request.kind, &request.point)
+                    {
+                        return Err((i, ProbeError::ReturnProbeNotAtEntry { what }));
+                    }
+                    placed.push(Placed::Pending);
+                    continue;
+                }
+                other => other.map_err(|e| (i, e))?,
+            };
             if let ProbeKind::Kretprobe { .. } = request.kind {
                 if !placement.at_function_entry {
                     return Err((
@@ -228,6 +309,7 @@ impl Tracer {
                         self.register_paused(view.text(), &mut reg, request, placement, Role::User)
                     }
                     Placed::Watch(watch) => self.register_watch_paused(&mut reg, request, watch),
+                    Placed::Pending => self.register_pending_paused(&mut reg, request),
                 };
                 let registered = registered.and_then(|id| match self.sync_debug_registers(&reg) {
                     Ok(()) => Ok(id),
@@ -252,6 +334,16 @@ impl Tracer {
             }
             if let Some(hook) = &exit_hook {
                 self.ensure_task_exit_hook(view.text(), &mut reg, hook);
+            }
+            if let Some(hooks) = &module_hooks {
+                if let Err(e) = self.ensure_module_hooks(view.text(), &mut reg, hooks) {
+                    for id in done.drain(..).rev() {
+                        self.remove_paused(view, &mut reg, id);
+                    }
+                    self.drop_module_hooks_if_unused(view, &mut reg);
+                    result = Err((0, e));
+                    return;
+                }
             }
             result = Ok(done);
         })
@@ -280,6 +372,7 @@ impl Tracer {
                 continue;
             }
             match self.place(&request.point) {
+                Err(ProbeError::ModuleNotLoaded { .. }) => {}
                 Err(e) => problems.push((i, e)),
                 Ok(placement) => {
                     if matches!(request.kind, ProbeKind::Kretprobe { .. }) && !placement.at_function_entry {
@@ -319,6 +412,7 @@ impl Tracer {
                 self.remove_paused(view, &mut reg, *id);
             }
             self.drop_task_exit_hook_if_unused(view, &mut reg);
+            self.drop_module_hooks_if_unused(view, &mut reg);
             if let Err(e) = self.sync_debug_registers(&reg) {
                 result = Err(e);
             }
@@ -336,6 +430,7 @@ impl Tracer {
             for id in ids {
                 self.remove_paused(view, &mut reg, id);
             }
+            self.drop_module_hooks_if_unused(view, &mut reg);
             if let Err(e) = self.sync_debug_registers(&reg) {
                 tracing::error!("clearing the debug registers: {e}");
             }
@@ -414,7 +509,8 @@ impl Tracer {
                     },
                     location: p.location.clone(),
                     disabled: !p.enabled,
-                    gone: site.is_some_and(|s| s.gone),
+                    gone: site.is_some_and(|s| s.gone)
+                        || p.module.as_ref().is_some_and(|m| m.state == ModuleProbeState::Gone),
                     ftrace: false,
                     optimized: site.is_some_and(|s| s.detour.is_some()),
                     not_optimized: match (reg.optimization, site) {
@@ -425,6 +521,8 @@ impl Tracer {
                     nmissed: p.counters.nmissed.load(COUNT),
                     filtered_in_guest: p.counters.filtered_in_guest.load(COUNT),
                     event: format!("{}/{}", p.group, p.event),
+                    module: p.module.as_ref().map(|m| m.module.clone()),
+                    pending: p.module.as_ref().is_some_and(|m| m.state == ModuleProbeState::Pending),
                 }
             })
             .collect()
@@ -496,7 +594,7 @@ impl Tracer {
             .collect()
     }
 
-    fn register_paused(
+    pub(super) fn register_paused(
         &self,
         text: &dyn KernelMemory,
         reg: &mut Registry,
@@ -504,14 +602,53 @@ impl Tracer {
         placement: &Placement,
         role: Role,
     ) -> Result<ProbeId, ProbeError> {
-        if role == Role::User {
-            reg.events.admit(request)?;
-        }
         if reg.watch_slots.execute_at(placement.site) {
             return Err(ProbeError::ProbeOnWatch {
                 what: placement.what.clone(),
             });
         }
+        let id = ProbeId(reg.next_id);
+        if role == Role::User {
+            reg.events.admit(request)?;
+        }
+        reg.probes.insert(
+            id,
+            Probe::new(role, request, placement.address, placement.location.clone()),
+        );
+        if let Err(e) = self.attach_to_site(text, reg, id, placement) {
+            reg.probes.remove(&id);
+            return Err(e);
+        }
+        reg.next_id += 1;
+        if role == Role::User {
+            reg.events.add(request);
+        }
+        Ok(id)
+    }
+
+    /// Registers a module probe whose module is not loaded: no site until it loads.
+    fn register_pending_paused(&self, reg: &mut Registry, request: &KprobeRequest) -> Result<ProbeId, ProbeError> {
+        let ProbePoint::Module { name, offset, .. } = &request.point else {
+            unreachable!("only module probes are pending");
+        };
+        reg.events.admit(request)?;
+        let id = ProbeId(reg.next_id);
+        reg.next_id += 1;
+        reg.events.add(request);
+        let location = format!("{name}+{offset:#x}");
+        reg.probes.insert(id, Probe::new(Role::User, request, Gva(0), location));
+        Ok(id)
+    }
+
+    /// Puts registered probe `id` on the site of `placement` (made when new) and syncs
+    /// the site; the probe takes the placement's address and names.
+    pub(super) fn attach_to_site(
+        &self,
+        text: &dyn KernelMemory,
+        reg: &mut Registry,
+        id: ProbeId,
+        placement: &Placement,
+    ) -> Result<(), ProbeError> {
         if !reg.sites.contains_key(&placement.site) {
             // A new site inside an optimized region: the region goes back to its int3 (and
             // stays so while this probe lives), so the text here is the guest's again.
@@ -529,38 +666,39 @@ impl Tracer {
             let site = self.new_site(text, placement)?;
             reg.sites.insert(placement.site, site);
         }
-        let id = ProbeId(reg.next_id);
-        reg.next_id += 1;
-        if role == Role::User {
-            reg.events.add(request);
+        if let Some(probe) = reg.probes.get_mut(&id) {
+            probe.address = placement.address;
+            probe.site = placement.site;
+            probe.location = placement.location.clone();
+            probe.trace_location = placement.trace_location.clone();
+            if let Some(binding) = &mut probe.module {
+                binding.state = ModuleProbeState::Armed;
+            }
         }
-        reg.probes.insert(
-            id,
-            Probe {
-                role,
-                kind: request.kind,
-                group: request.group.clone(),
-                event: request.event.clone(),
-                address: placement.address,
-                location: placement.location.clone(),
-                site: placement.site,
-                args: request.args.clone(),
-                emit_events: request.emit_events || !request.args.is_empty(),
-                pre: request.pre.clone(),
-                post: request.post.clone(),
-                data_size: request.data_size,
-                stack_trace: request.stack_trace,
-                filter: request.filter.clone(),
-                enabled: !request.disabled,
-                counters: Arc::default(),
-                trace_location: placement.trace_location.clone(),
-            },
-        );
         if let Some(site) = reg.sites.get_mut(&placement.site) {
             site.probes.push(id);
         }
         sync_site(self, text, reg, placement.site);
-        Ok(id)
+        Ok(())
+    }
+
+    /// Takes the site at `addr` out of the text and the registry without a pause (its
+    /// memory is being freed: no vCPU runs it), its out-of-line copy retired; its probes
+    /// stay registered with no site. Their ids.
+    pub(super) fn detach_site(&self, text: &dyn KernelMemory, reg: &mut Registry, addr: Gva) -> Vec<ProbeId> {
+        let Some(mut site) = reg.sites.remove(&addr) else {
+            return Vec::new();
+        };
+        disarm(self, text, addr, &mut site, &mut reg.detour_codes);
+        if let Some((slot, _)) = site.slot {
+            self.retire_slot_later(slot);
+        }
+        for id in &site.probes {
+            if let Some(p) = reg.probes.get_mut(id) {
+                p.site = Gva(0);
+            }
+        }
+        site.probes
     }
 
     /// Registers a watch with the vCPUs paused: a probe with no site, and its debug
@@ -597,6 +735,7 @@ impl Tracer {
                 enabled: !request.disabled,
                 counters: Arc::default(),
                 trace_location: watch.trace_location.clone(),
+                module: None,
             },
         );
         Ok(id)
@@ -604,7 +743,7 @@ impl Tracer {
 
     /// Removes a probe with the vCPUs paused; its site goes with its last probe, and the
     /// site's out-of-line copy is freed once no vCPU can be in it.
-    fn remove_paused(&self, view: &dyn PausedView, reg: &mut Registry, id: ProbeId) {
+    pub(super) fn remove_paused(&self, view: &dyn PausedView, reg: &mut Registry, id: ProbeId) {
         let Some(probe) = reg.probes.remove(&id) else {
             return;
         };
@@ -714,6 +853,7 @@ impl Tracer {
                 gone: false,
                 detour: None,
                 not_optimized: None,
+                module: placement.module.clone(),
             });
         }
         let (insn, step) = analyze_site(placement)?;
@@ -776,6 +916,7 @@ impl Tracer {
             gone: false,
             detour: None,
             not_optimized: None,
+            module: placement.module.clone(),
         })
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hvprobe_arch::Gva;
-use hvprobe_introspection::unwind::{unwind, OrcTable, StartRegs, UnwindEnd};
+use hvprobe_introspection::unwind::{unwind, KernelAndModules, OrcTable, StartRegs, UnwindEnd};
 
 use super::{Tracer, COUNT};
 use crate::output::StackFrame;
@@ -42,7 +42,12 @@ impl Tracer {
         let orc = self.orc();
         let started = Instant::now();
         let frames = match orc.and_then(|orc| self.unwound(orc, cpu, regs)) {
-            Some(frames) => frames,
+            Some((_, Some(UnwindEnd::NotText(ip)))) if self.relist_modules_for(ip) => {
+                // Code of a module loaded since the list was read: once more with it.
+                orc.and_then(|orc| self.unwound(orc, cpu, regs))
+                    .map_or_else(|| vec![Gva(regs.rip)], |(f, _)| f)
+            }
+            Some((frames, _)) => frames,
             None => vec![Gva(regs.rip)],
         };
         let stack = {
@@ -56,7 +61,7 @@ impl Tracer {
                     address,
                     symbol: names
                         .entry(address)
-                        .or_insert_with(|| self.view.symbols.describe(address).map(|d| d.to_string()))
+                        .or_insert_with(|| self.describe_frame(address))
                         .clone(),
                 })
                 .collect()
@@ -68,7 +73,19 @@ impl Tracer {
         stack
     }
 
-    fn unwound(&self, orc: &OrcTable, cpu: usize, regs: &Regs) -> Option<Vec<Gva>> {
+    /// `func+0xoff/0xsize`, with ` [mod]` for a module's code, as ftrace's stack traces
+    /// print a frame.
+    fn describe_frame(&self, address: Gva) -> Option<String> {
+        if let Some(d) = self.view.symbols.describe(address) {
+            return Some(d.to_string());
+        }
+        let module = self.module_containing(address)?;
+        let d = module.symbols.describe(address)?;
+        Some(format!("{d} [{}]", module.name))
+    }
+
+    /// The frames, and how the walk ended when it ended early.
+    fn unwound(&self, orc: &OrcTable, cpu: usize, regs: &Regs) -> Option<(Vec<Gva>, Option<UnwindEnd>)> {
         let view = match self.machine.cpu_stacks(cpu) {
             Ok(s) => s,
             Err(e) => {
@@ -92,8 +109,13 @@ impl Tracer {
             di: regs.rdi,
             dx: regs.rdx,
         };
+        let modules = self.loaded_modules();
+        let tables = KernelAndModules {
+            kernel: orc,
+            modules: modules.iter().filter_map(|m| m.orc.as_ref()).collect(),
+        };
         let walked = unwind(
-            orc,
+            &tables,
             self.machine.kernel(),
             start,
             &view.stacks,
@@ -103,6 +125,7 @@ impl Tracer {
         if let UnwindEnd::Error(why) = &walked.end {
             tracing::debug!("vCPU {cpu}: the stack at {:#x} ends early: {why}", regs.rip);
         }
-        Some(walked.frames)
+        let end = matches!(walked.end, UnwindEnd::NotText(_)).then_some(walked.end);
+        Some((walked.frames, end))
     }
 }

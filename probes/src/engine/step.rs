@@ -126,6 +126,11 @@ impl Tracer {
 
     /// Gives a slot back (with the vCPUs paused): free now if no vCPU is stepping in it,
     /// else once it is not.
+    /// Retires a slot without a pause: it is reused once a pause finds no vCPU in it.
+    pub(super) fn retire_slot_later(&self, slot: Gva) {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).retired.push(slot);
+    }
+
     pub(super) fn retire_slot(&self, view: &dyn PausedView, slot: Gva) {
         let in_use = self.pending_slots().contains(&slot)
             || view

@@ -156,6 +156,10 @@ impl KernelMemory for FakeMachine {
 }
 
 impl Machine for FakeMachine {
+    fn memory_size(&self) -> u64 {
+        1 << 30
+    }
+
     fn kernel(&self) -> &dyn KernelMemory {
         self
     }

@@ -98,6 +98,13 @@ impl Tracer {
                 (Gva(address), format!("{name}+{offset:#x}"))
             }
             ProbePoint::Address(a) => (*a, a.to_string()),
+            ProbePoint::Module { module, name, offset } => {
+                return Err(ProbeError::WatchUnsupported {
+                    what: format!("{module}:{name}+{offset:#x}"),
+                    reason: "a watch does not follow a module's loads and unloads: give the address of a loaded \
+                             module's variable",
+                })
+            }
         };
         let description = symbols.describe(address);
         let support = self.machine.hardware_breakpoints();
@@ -138,7 +145,7 @@ impl Tracer {
         // The symbol the user named (as a probe's listing has it), or the one that
         // covers an address.
         let location = match &request.point {
-            ProbePoint::Symbol { .. } => what.clone(),
+            ProbePoint::Symbol { .. } | ProbePoint::Module { .. } => what.clone(),
             ProbePoint::Address(_) => description.as_ref().map_or_else(
                 || format!("{address}"),
                 |d| format!("{}+{:#x}", d.symbol.name, d.offset),

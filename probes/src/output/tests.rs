@@ -172,7 +172,39 @@ fn entry() -> ListEntry {
         filtered_in_guest: 0,
         event: "kprobes/p_do_sys_open_0".into(),
         not_optimized: None,
+        module: None,
+        pending: false,
     }
+}
+
+#[test]
+fn module_probes_list_their_module_as_report_probe_does() {
+    let armed = ListEntry {
+        address: Gva(0xffff_ffff_c000_2010),
+        location: "hvprobe_test_work+0x0".into(),
+        module: Some("hvprobe_test".into()),
+        ..entry()
+    };
+    assert_eq!(
+        kernel_listing_line(&armed),
+        "ffffffffc0002010  k  hvprobe_test_work+0x0  hvprobe_test "
+    );
+    assert_eq!(
+        kernel_listing_line(&ListEntry {
+            gone: true,
+            ..armed.clone()
+        }),
+        "ffffffffc0002010  k  hvprobe_test_work+0x0  hvprobe_test [GONE]"
+    );
+    let pending = ListEntry {
+        address: Gva(0),
+        pending: true,
+        ..armed
+    };
+    assert_eq!(
+        kernel_listing_line(&pending),
+        "0000000000000000  k  hvprobe_test_work+0x0  hvprobe_test [PENDING]"
+    );
 }
 
 #[test]

@@ -179,7 +179,7 @@ fn every_error_kind_maps_to_one_linux_code_or_is_an_extension() {
         SpecErrorKind::UnknownProbeType("x".into()),
         SpecErrorKind::JunkAfterProbeType("x".into()),
         SpecErrorKind::MissingTarget,
-        SpecErrorKind::ModuleTargetNotSupported("x".into()),
+        SpecErrorKind::BadModuleTarget("x".into()),
         SpecErrorKind::UprobeNotSupported("x".into()),
         SpecErrorKind::ArgsOnRemove,
         SpecErrorKind::JunkAfterDeref("x".into()),

@@ -506,10 +506,22 @@ fn target_errors() {
         err("p f+0x100000000"),
         (3, SpecErrorKind::BadTargetOffset("+0x100000000".into()))
     );
+    assert_eq!(err("p ext4:"), (3, SpecErrorKind::BadModuleTarget("ext4:".into())));
     assert_eq!(
-        err("p ext4:ext4_sync_file"),
-        (3, SpecErrorKind::ModuleTargetNotSupported("ext4:ext4_sync_file".into()))
+        err("p :ext4_sync_file"),
+        (3, SpecErrorKind::BadModuleTarget(":ext4_sync_file".into()))
     );
+    assert_eq!(
+        err("p ext4:ext4_*"),
+        (3, SpecErrorKind::BadModuleTarget("ext4:ext4_*".into()))
+    );
+    assert_eq!(err("p ex!t4:f"), (3, SpecErrorKind::BadModuleTarget("ex!t4:f".into())));
+    // The kernel's module names have `_` where the file's name has `-`.
+    assert_eq!(
+        err("p hvprobe-test:f"),
+        (3, SpecErrorKind::BadModuleTarget("hvprobe-test:f".into()))
+    );
+    assert_eq!(err("r ext4:f+4"), (3, SpecErrorKind::RetprobeNotOnEntry(4)));
     assert_eq!(
         err("p /bin/sh:0x10"),
         (3, SpecErrorKind::UprobeNotSupported("/bin/sh:0x10".into()))
@@ -730,6 +742,11 @@ fn type_errors() {
 fn display_is_the_canonical_form() {
     let cases = [
         ("p do_sys_open %ax", "p:kprobes/p_do_sys_open_0 do_sys_open arg1=%ax"),
+        (
+            "p ext4:ext4_sync_file",
+            "p:kprobes/p_ext4_ext4_sync_file_0 ext4:ext4_sync_file",
+        ),
+        ("r mod_x:f+0 %ax", "r:kprobes/r_mod_x_f_0 mod_x:f arg1=%ax"),
         ("p:g.e f+0x10 x=+0x10(%di):u32", "p:g/e f+16 x=+16(%di):u32"),
         ("r100:e f $retval:s64", "r100:kprobes/e f arg1=$retval:s64"),
         ("p:e f%return", "r:kprobes/e f"),
@@ -766,8 +783,12 @@ fn display_is_the_canonical_form() {
 fn error_display() {
     let e = parse_file("\n\n\np:e f %ax:u128", "a.spec").unwrap_err();
     assert_eq!(e.to_string(), "a.spec:4:11: unknown type `u128`");
-    let e = parse_line("p ext4:f").unwrap_err();
-    assert_eq!(e.to_string(), "1:3: module targets (`ext4:f`) are not supported yet");
+    let e = parse_line("p ext4:f*").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "1:3: bad module target `ext4:f*`: expected MODULE:SYMBOL[+OFFSET] (a module name of letters, digits \
+         and `_`, and one of its functions; module wildcards are not supported)"
+    );
 }
 
 /// Every valid line the tests know, for round trips and mutation.
@@ -1162,10 +1183,14 @@ fn source_targets_take_perf_probes_forms() {
         source(Some("vfs_read"), Some("fs/read_write.c"), None)
     );
     // Still what they were: a module target, a uprobe, a symbol.
-    assert!(matches!(
-        err("p ext4:ext4_file_write_iter").1,
-        SpecErrorKind::ModuleTargetNotSupported(_)
-    ));
+    assert_eq!(
+        target_of("p ext4:ext4_file_write_iter+0x10"),
+        Target::ModuleSymbol {
+            module: "ext4".into(),
+            name: "ext4_file_write_iter".into(),
+            offset: 0x10
+        }
+    );
     assert!(matches!(
         err("p /bin/bash:0x4245c0").1,
         SpecErrorKind::UprobeNotSupported(_)

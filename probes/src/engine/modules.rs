@@ -1,0 +1,380 @@
+//! Probes in kernel modules. Invariant: a probe on a module's code is armed exactly while
+//! that code is live — from before the module's init runs until before the memory it is
+//! in is freed — and is listed pending (its module not loaded) or `[GONE]` (unloaded)
+//! otherwise.
+//!
+//! Linux's kprobes follow modules through the module notifier (`MODULE_STATE_COMING`, and
+//! `MODULE_STATE_GOING`/`LIVE` to kill probes on freed code). The host has no notifier: it
+//! puts two hidden probes of its own on the guest's module loader while any module probe
+//! exists —
+//! - `do_init_module(mod)` (kept out of line by the kernel for debuggers; gdb's
+//!   `lx-symbols` breaks there too): the module's text is final and nothing has run it
+//!   yet. The host reads the `struct module` in `%rdi` and arms the module's pending
+//!   probes before the vCPU goes on, so a probe on the init function sees its call;
+//! - `module_memfree(region)`: the one function that frees module memory (the init
+//!   layout after the init ran, both layouts at unload or a failed load). The host takes
+//!   its int3s and jumps out of that memory before the vCPU goes on and marks their
+//!   probes `[GONE]`; they arm again if the module loads again (Linux's trace_kprobe
+//!   re-registers its probes when their module comes back).
+//!
+//! Both run on the hitting vCPU without pausing the others: the text they change is
+//! code no CPU can be executing (not yet run, or being freed).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hvprobe_arch::Gva;
+use hvprobe_introspection::modules::{self, LoadedModule, ModuleBudget, ModuleLayout, ModuleState};
+
+use super::placement::Placement;
+use super::registry::{ModuleBinding, ModuleProbeState, Registry, Role};
+use super::{KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer};
+use crate::machine::{KernelMemory, PausedView, Vcpu};
+
+/// How often a stack walk that ran into module code no read module covers may read the
+/// module list again.
+const RELIST_INTERVAL: Duration = Duration::from_secs(1);
+/// Where Linux x86-64 maps module code (`MODULES_VADDR`..`MODULES_END` with KASLR's
+/// largest image).
+const MODULE_AREA: std::ops::Range<u64> = 0xffff_ffff_a000_0000..0xffff_ffff_ff00_0000;
+
+/// The guest's modules as the engine last read them, and its hooks on the loader.
+#[derive(Default)]
+pub(super) struct ModuleTracker {
+    loaded: Mutex<Vec<Arc<LoadedModule>>>,
+    layout: Mutex<Option<ModuleLayout>>,
+    last_listed: Mutex<Option<Instant>>,
+    /// The sites of the hooks on `do_init_module` and `module_memfree` (0: none).
+    load_hook: AtomicU64,
+    free_hook: AtomicU64,
+}
+
+/// Which hook a hit is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ModuleHook {
+    Load,
+    Free,
+}
+
+impl ModuleTracker {
+    pub(super) fn hook_at(&self, at: Gva) -> Option<ModuleHook> {
+        if at.0 == 0 {
+            return None;
+        }
+        if self.load_hook.load(Ordering::Acquire) == at.0 {
+            Some(ModuleHook::Load)
+        } else if self.free_hook.load(Ordering::Acquire) == at.0 {
+            Some(ModuleHook::Free)
+        } else {
+            None
+        }
+    }
+
+    /// The read module whose memory holds `at`.
+    pub(super) fn containing(&self, at: Gva) -> Option<Arc<LoadedModule>> {
+        let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.iter().find(|m| m.contains(at)).cloned()
+    }
+
+    fn named(&self, name: &str) -> Option<Arc<LoadedModule>> {
+        let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.iter().find(|m| m.name == name).cloned()
+    }
+
+    fn replace(&self, module: Arc<LoadedModule>) {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        loaded.retain(|m| m.name != module.name && m.address != module.address);
+        loaded.push(module);
+    }
+}
+
+/// Whether a module in this state has code that may be probed (Linux refuses a kprobe in
+/// a module that is going, and a module not yet formed has no final code).
+fn probeable(state: ModuleState) -> bool {
+    matches!(state, ModuleState::Live | ModuleState::Coming)
+}
+
+impl Tracer {
+    fn module_layout(&self, what: &str) -> Result<ModuleLayout, ProbeError> {
+        let mut layout = self.modules.layout.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = *layout {
+            return Ok(l);
+        }
+        let btf = self.kernel_btf().ok_or_else(|| ProbeError::Modules {
+            what: what.to_owned(),
+            reason: "the guest kernel has no BTF to describe its struct module (CONFIG_DEBUG_INFO_BTF)".into(),
+        })?;
+        let l = ModuleLayout::from_btf(btf).map_err(|e| ProbeError::Modules {
+            what: what.to_owned(),
+            reason: e.to_string(),
+        })?;
+        *layout = Some(l);
+        Ok(l)
+    }
+
+    fn module_budget(&self) -> ModuleBudget {
+        ModuleBudget::for_memory(self.machine.memory_size())
+    }
+
+    /// Reads the guest's module list again (every module whole).
+    pub(super) fn relist_modules(&self, what: &str) -> Result<(), ProbeError> {
+        let layout = self.module_layout(what)?;
+        let head = self.view.symbols.lookup("modules").ok_or_else(|| ProbeError::Modules {
+            what: what.to_owned(),
+            reason: "the guest kernel has no symbol `modules` (built without CONFIG_MODULES?)".into(),
+        })?;
+        let read =
+            modules::read_modules(self.machine.kernel(), &layout, head.addr, &self.module_budget()).map_err(|e| {
+                ProbeError::Modules {
+                    what: what.to_owned(),
+                    reason: e.to_string(),
+                }
+            })?;
+        *self.modules.last_listed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        *self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner()) = read.into_iter().map(Arc::new).collect();
+        Ok(())
+    }
+
+    /// For a stack walk that met code in the module area no read module covers: reads
+    /// the list again, at most once per [`RELIST_INTERVAL`]. True when it did.
+    pub(super) fn relist_modules_for(&self, at: Gva) -> bool {
+        if !MODULE_AREA.contains(&at.0) || self.modules.containing(at).is_some() {
+            return false;
+        }
+        {
+            let last = self.modules.last_listed.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < RELIST_INTERVAL) {
+                return false;
+            }
+        }
+        match self.relist_modules("a stack through a module") {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!("{e}");
+                *self.modules.last_listed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+                false
+            }
+        }
+    }
+
+    /// The read modules (for stacks: their symbols and ORC tables).
+    pub(super) fn loaded_modules(&self) -> Vec<Arc<LoadedModule>> {
+        self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(super) fn module_containing(&self, at: Gva) -> Option<Arc<LoadedModule>> {
+        self.modules.containing(at)
+    }
+
+    /// The loaded module `name`, from the list as last read; `ModuleNotLoaded` when it is
+    /// not there or not in a state whose code may be probed.
+    pub(super) fn loaded_module(&self, name: &str, what: &str) -> Result<Arc<LoadedModule>, ProbeError> {
+        self.modules
+            .named(name)
+            .filter(|m| probeable(m.state))
+            .ok_or_else(|| ProbeError::ModuleNotLoaded {
+                what: what.to_owned(),
+                module: name.to_owned(),
+            })
+    }
+
+    /// Where the hooks go: the kernel's `do_init_module` and `module_memfree`.
+    pub(super) fn module_hook_placements(&self) -> Result<(Placement, Placement), ProbeError> {
+        let place = |name: &str| {
+            self.place(&ProbePoint::Symbol {
+                name: name.into(),
+                offset: 0,
+            })
+            .map_err(|e| ProbeError::Modules {
+                what: "module probes".into(),
+                reason: format!("the module loader cannot be followed at {name}: {e}"),
+            })
+        };
+        Ok((place("do_init_module")?, place("module_memfree")?))
+    }
+
+    /// Puts the hooks in (with the vCPUs paused), unless they are there.
+    pub(super) fn ensure_module_hooks(
+        &self,
+        text: &dyn KernelMemory,
+        reg: &mut Registry,
+        hooks: &(Placement, Placement),
+    ) -> Result<(), ProbeError> {
+        for (role, placement, slot) in [
+            (Role::ModuleLoad, &hooks.0, &self.modules.load_hook),
+            (Role::ModuleFree, &hooks.1, &self.modules.free_hook),
+        ] {
+            if reg.probes.values().any(|p| p.role == role) {
+                continue;
+            }
+            let request = KprobeRequest {
+                emit_events: false,
+                ..KprobeRequest::event(ProbePoint::Address(placement.address), "hvprobe", "module", Vec::new())
+            };
+            self.register_paused(text, reg, &request, placement, role)?;
+            slot.store(placement.site.0, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Takes the hooks out (with the vCPUs paused) when no module probe is left.
+    pub(super) fn drop_module_hooks_if_unused(&self, view: &dyn PausedView, reg: &mut Registry) {
+        if reg.probes.values().any(|p| p.module.is_some()) {
+            return;
+        }
+        let hooks: Vec<ProbeId> = reg
+            .probes
+            .iter()
+            .filter(|(_, p)| matches!(p.role, Role::ModuleLoad | Role::ModuleFree))
+            .map(|(id, _)| *id)
+            .collect();
+        if hooks.is_empty() {
+            return;
+        }
+        self.modules.load_hook.store(0, Ordering::Release);
+        self.modules.free_hook.store(0, Ordering::Release);
+        for id in hooks {
+            self.remove_paused(view, reg, id);
+        }
+    }
+
+    /// A hit of a hook, before the site's own handling: a module is about to run its
+    /// init, or module memory is about to be freed.
+    pub(super) fn on_module_hook(&self, hook: ModuleHook, cpu: usize, vcpu: &mut dyn Vcpu) {
+        let arg = match vcpu.regs() {
+            Ok(r) => r.rdi,
+            Err(e) => {
+                tracing::error!("vCPU {cpu}: the module hook's registers: {e}: module probes are not followed");
+                return;
+            }
+        };
+        match hook {
+            ModuleHook::Load => self.module_loading(Gva(arg)),
+            ModuleHook::Free => self.module_memory_freed(Gva(arg)),
+        }
+    }
+
+    /// `do_init_module(mod)`: read the module, arm its probes.
+    fn module_loading(&self, at: Gva) {
+        let what = format!("the module loading at {at}");
+        let module = match self.module_layout(&what).and_then(|layout| {
+            modules::read_module(self.machine.kernel(), &layout, at, &self.module_budget()).map_err(|e| {
+                ProbeError::Modules {
+                    what: what.clone(),
+                    reason: e.to_string(),
+                }
+            })
+        }) {
+            Ok(m) => Arc::new(m),
+            Err(e) => {
+                tracing::warn!("{e}: its probes stay pending");
+                return;
+            }
+        };
+        tracing::debug!("module {} loading ({} symbols)", module.name, module.symbols.len());
+        self.modules.replace(module.clone());
+        self.arm_module_probes(&module.name);
+    }
+
+    /// Arms the pending (or gone) probes of module `name`, which is loaded. Placed with
+    /// no lock held (placing reads the registry), then put in with the registry locked.
+    pub(super) fn arm_module_probes(&self, name: &str) {
+        let waiting: Vec<(ProbeId, ProbePoint, ProbeKind)> = self
+            .read_registry()
+            .probes
+            .iter()
+            .filter_map(|(id, p)| {
+                let b = p.module.as_ref()?;
+                (b.module == name && b.state != ModuleProbeState::Armed).then(|| (*id, b.point(), p.kind))
+            })
+            .collect();
+        if waiting.is_empty() {
+            return;
+        }
+        let mut placed = Vec::new();
+        for (id, point, kind) in waiting {
+            match self.place(&point) {
+                Ok(p) if matches!(kind, ProbeKind::Kretprobe { .. }) && !p.at_function_entry => {
+                    tracing::warn!(
+                        "{}: a return probe goes on a function's entry: it stays pending",
+                        p.what
+                    );
+                }
+                Ok(p) => placed.push((id, p)),
+                Err(e) => tracing::warn!("{e}: the probe stays pending"),
+            }
+        }
+        let text = self.machine.kernel();
+        let mut reg = self.write_registry();
+        for (id, placement) in placed {
+            let still_waiting = reg
+                .probes
+                .get(&id)
+                .and_then(|p| p.module.as_ref())
+                .is_some_and(|b| b.state != ModuleProbeState::Armed);
+            if !still_waiting {
+                continue;
+            }
+            if let Err(e) = self.attach_to_site(text, &mut reg, id, &placement) {
+                tracing::warn!("{e}: the probe stays pending");
+                continue;
+            }
+            if let Some(b) = reg.probes.get_mut(&id).and_then(|p| p.module.as_mut()) {
+                b.state = ModuleProbeState::Armed;
+            }
+        }
+    }
+
+    /// `module_memfree(region)`: if the region is a read module's core or init layout,
+    /// take our int3s out of it and mark their probes gone.
+    fn module_memory_freed(&self, region: Gva) {
+        if region.0 == 0 {
+            return;
+        }
+        let Some(module) = self.modules.containing(region) else {
+            return;
+        };
+        let range = if module.core.start == region {
+            module.core.clone()
+        } else if module.init.as_ref().is_some_and(|i| i.start == region) {
+            module.init.clone().unwrap_or(region..region)
+        } else {
+            return;
+        };
+        let text = self.machine.kernel();
+        let mut reg = self.write_registry();
+        let sites: Vec<Gva> = reg.sites.range(range.clone()).map(|(a, _)| *a).collect();
+        for addr in sites {
+            let ids = self.detach_site(text, &mut reg, addr);
+            for id in ids {
+                if let Some(b) = reg.probes.get_mut(&id).and_then(|p| p.module.as_mut()) {
+                    b.state = ModuleProbeState::Gone;
+                }
+            }
+        }
+        drop(reg);
+        let mut loaded = self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        if module.core.start == region {
+            tracing::debug!("module {} freed", module.name);
+            loaded.retain(|m| !Arc::ptr_eq(m, &module));
+        } else {
+            let mut without_init = (*module).clone();
+            without_init.init = None;
+            without_init.init_text = None;
+            loaded.retain(|m| !Arc::ptr_eq(m, &module));
+            loaded.push(Arc::new(without_init));
+        }
+    }
+}
+
+impl ModuleBinding {
+    /// The point the probe was asked for.
+    pub(super) fn point(&self) -> ProbePoint {
+        ProbePoint::Module {
+            module: self.module.clone(),
+            name: self.symbol.clone(),
+            offset: self.offset,
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! Probes in kernel modules (`MOD:SYM`) on the bundled guest, with its test module
+//! `hvprobe_test` (guest/modules/hvprobe_test.c), checked against the guest's own kprobe
+//! event on the same `MOD:SYM` (the oracle): set before the module loads, armed before its
+//! init runs, the same hits and values through an unload and a second load, `[GONE]`
+//! after the unload, stacks through the module's frames (`[hvprobe_test]`) equal to the
+//! guest's own `stacktrace` trigger, and the module's own kprobe blacklist honoured.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::{parse_trace_line, snapshot, Run, TraceLine};
+
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(480);
+/// hvprobe_test_init calls hvprobe_test_work this many times (HVPROBE_TEST_INIT_CALLS).
+const INIT_CALLS: usize = 3;
+/// Each `read -r l < /proc/hvprobe_test` is two read() calls: one call each.
+const CALLS_PER_READ: usize = 2;
+
+fn probe_file(name: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The guest's own event `gk` on `hvprobe_test:hvprobe_test_work` (defined and enabled
+/// before the module exists: Linux keeps it until the module comes), with a `stacktrace`
+/// trigger; then the module loaded, `reads` reads of its file, unloaded, loaded again for
+/// one more read and unloaded; then the guest's profile. The guest's trace is printed
+/// (marked) and cleared before each unload: the kernel names a module's addresses when
+/// the trace is read, and cannot once the module is gone.
+fn workload(reads: usize) -> String {
+    let dump = "while read -r l; do echo \"GUEST $l\"; done < $T/trace; echo > $T/trace";
+    format!(
+        "T=/sys/kernel/tracing; echo 1 > $T/options/sym-offset; \
+         echo 'p:gk hvprobe_test:hvprobe_test_work n=%di' > $T/kprobe_events; \
+         echo stacktrace > $T/events/kprobes/gk/trigger; echo 1 > $T/events/kprobes/gk/enable; \
+         busybox insmod /usr/lib/hvprobe/hvprobe_test.ko; \
+         i=0; while [ $i -lt {reads} ]; do read -r l < /proc/hvprobe_test; i=$((i+1)); done; \
+         {dump}; busybox rmmod hvprobe_test; echo UNLOADED-1; \
+         busybox insmod /usr/lib/hvprobe/hvprobe_test.ko; read -r l < /proc/hvprobe_test; \
+         {dump}; busybox rmmod hvprobe_test; echo UNLOADED-2; \
+         echo 0 > $T/events/kprobes/gk/enable; \
+         while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; echo CONSOLE-END; sleep 1"
+    )
+}
+
+const HOST_PROBES: &str = "\
+p:host/work hvprobe_test:hvprobe_test_work n=%di
+p:host/init hvprobe_test:hvprobe_test_init
+";
+
+fn run_with(cpus: u8, name: &str, probes: &str, workload: &str, extra: &[&str]) -> Run {
+    let dir = snapshot(cpus);
+    let file = probe_file(name, probes);
+    let mut args = vec!["--probes", file.to_str().unwrap(), "--no-control", "--sym-offset"];
+    args.extend_from_slice(extra);
+    let run = common::restore_with(&dir, cpus, workload, &args, RESTORE_TIMEOUT);
+    let _ = std::fs::remove_file(file);
+    run
+}
+
+fn lines<'a>(run: &'a Run, guest: bool, event: &'a str) -> Vec<TraceLine> {
+    run.stdout
+        .lines()
+        .filter(|l| l.starts_with("GUEST ") == guest)
+        .filter_map(parse_trace_line)
+        .filter(|l| l.event == event)
+        .collect()
+}
+
+/// Each `<stack trace>` of the output (the host's, or the guest's), its frames in order.
+fn stacks(run: &Run, guest: bool) -> Vec<Vec<String>> {
+    let mut out: Vec<Vec<String>> = Vec::new();
+    let mut current: Option<Vec<String>> = None;
+    for line in run.stdout.lines() {
+        let Some(line) = (if guest { line.strip_prefix("GUEST ") } else { Some(line) }) else {
+            continue;
+        };
+        if !guest && line.starts_with("GUEST ") {
+            continue;
+        }
+        let line = line.trim_start();
+        if let Some(frame) = line.strip_prefix("=> ") {
+            if let Some(s) = current.as_mut() {
+                s.push(frame.trim().to_owned());
+            }
+            continue;
+        }
+        out.extend(current.take());
+        if line.contains(": <stack trace>") {
+            current = Some(Vec::new());
+        }
+    }
+    out.extend(current);
+    out
+}
+
+#[test]
+fn a_module_probe_set_before_the_module_loads_sees_what_the_guests_own_sees_through_unload_and_reload() {
+    let reads = 4;
+    let run = run_with(
+        1,
+        "modules",
+        HOST_PROBES,
+        &workload(reads),
+        &["--trigger", "host/work:stacktrace"],
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert!(
+        run.stdout.contains("UNLOADED-2"),
+        "the workload did not finish\n{}",
+        run.tail()
+    );
+    let expected = 2 * INIT_CALLS + (reads + 1) * CALLS_PER_READ;
+
+    // The guest's own count, and its values in order, equal the host's.
+    let profile = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("PROFILE "))
+        .find(|l| l.split_whitespace().next() == Some("gk"))
+        .unwrap_or_else(|| panic!("no kprobe_profile line of gk\n{}", run.tail()));
+    let guest_hits: usize = profile.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert_eq!(guest_hits, expected, "the guest's own probe: {profile}");
+    let guest = lines(&run, true, "gk");
+    let host = lines(&run, false, "work");
+    let values = |l: &[TraceLine]| l.iter().map(|t| t.args["n"].clone()).collect::<Vec<_>>();
+    assert_eq!(host.len(), expected, "host hits\n{}", run.tail());
+    assert_eq!(values(&host), values(&guest), "fetched values differ");
+    // The init calls come first, with 101, 102, 103, each load.
+    assert_eq!(values(&host)[..INIT_CALLS], ["0x65", "0x66", "0x67"]);
+    // `%pS` names the module, as the guest's own event does.
+    let location = &guest[0].location;
+    assert!(location.ends_with(" [hvprobe_test]"), "guest location {location}");
+    assert!(
+        host.iter().all(|l| &l.location == location),
+        "host location, not {location}"
+    );
+    // The init function's probe fired once per load: armed before the init ran.
+    assert_eq!(lines(&run, false, "init").len(), 2, "{}", run.tail());
+
+    // Stacks through the module's frames, as the guest's own trigger unwinds them: the
+    // callers of the probed function's frame (the guest's stack starts in its own kprobe
+    // handler, called through ftrace from the function's entry).
+    let callers = |stacks: Vec<Vec<String>>| {
+        stacks
+            .into_iter()
+            .map(|s| {
+                let at = s
+                    .iter()
+                    .position(|f| f.starts_with("hvprobe_test_work+"))
+                    .unwrap_or_else(|| panic!("no hvprobe_test_work frame in {s:?}"));
+                s[at + 1..].to_vec()
+            })
+            .collect::<Vec<_>>()
+    };
+    let host_stacks = callers(stacks(&run, false));
+    let guest_stacks = callers(stacks(&run, true));
+    assert_eq!(host_stacks.len(), expected, "host stacks\n{}", run.tail());
+    assert_eq!(host_stacks, guest_stacks, "stacks differ");
+    assert!(
+        host_stacks[INIT_CALLS][0].starts_with("hvprobe_test_read+")
+            && host_stacks[INIT_CALLS][0].ends_with(" [hvprobe_test]"),
+        "a read's stack goes through the module's read: {:?}",
+        host_stacks[INIT_CALLS]
+    );
+    assert!(
+        host_stacks[0][0].starts_with("hvprobe_test_init+"),
+        "{:?}",
+        host_stacks[0]
+    );
+
+    // After the last unload both probes are listed [GONE] in the module.
+    let listed: Vec<&str> = run.stderr.lines().filter(|l| l.contains(" hvprobe_test [")).collect();
+    assert_eq!(listed.len(), 2, "listing\n{}", run.stderr);
+    assert!(listed.iter().all(|l| l.contains("[GONE]")), "{listed:?}");
+    common::assert_guest_healthy(&run, &[]);
+}
+
+#[test]
+fn a_blacklisted_or_unknown_module_function_stays_pending_with_the_reason() {
+    // Linux refuses to arm them when the module comes (and warns); so does hvprobe, and
+    // the listing keeps them [PENDING] with no hits. A module that never loads: the same.
+    let probes = "\
+p:host/work hvprobe_test:hvprobe_test_work
+p:host/noprobe hvprobe_test:hvprobe_test_noprobe
+p:host/nosuch hvprobe_test:no_such_function
+p:host/never no_such_module:f
+";
+    let workload = "busybox insmod /usr/lib/hvprobe/hvprobe_test.ko; read -r l < /proc/hvprobe_test; echo LOADED";
+    let run = run_with(1, "modules-refused", probes, workload, &[]);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    assert!(
+        run.stderr
+            .contains("hvprobe_test:hvprobe_test_noprobe+0x0 is blacklisted: on the module's kprobe blacklist"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr
+            .contains("module hvprobe_test has no text symbol \"no_such_function\""),
+        "{}",
+        run.stderr
+    );
+    let listed = |name: &str| {
+        run.stderr
+            .lines()
+            .find(|l| l.contains(&format!("event=host/{name}")))
+            .unwrap_or_else(|| panic!("no listing of {name}\n{}", run.stderr))
+            .to_owned()
+    };
+    for name in ["noprobe", "nosuch", "never"] {
+        let l = listed(name);
+        assert!(l.contains("[PENDING]") && l.contains("hits=0"), "{l}");
+    }
+    // The module stayed loaded: its probe is armed, with its hits.
+    let work = listed("work");
+    assert!(
+        !work.contains("[PENDING]")
+            && work.contains(" hvprobe_test ")
+            && work.contains(&format!("hits={}", INIT_CALLS + CALLS_PER_READ)),
+        "{work}"
+    );
+    common::assert_guest_healthy(&run, &[]);
+}
