@@ -160,6 +160,13 @@ pub fn btf() -> Vec<u8> {
 /// head), each with [`FUNCTIONS`], two ORC entries and [`BLACKLISTED`] on its blacklist.
 pub fn memory(names: &[&str]) -> SparseMemory {
     let mut mem = SparseMemory::new();
+    lay_out(names, &mut |at, bytes| mem.write(at, bytes));
+    mem
+}
+
+/// The bytes of [`memory`], handed to `write` (for a fake machine's own memory).
+pub fn lay_out(names: &[&str], write: &mut dyn FnMut(u64, &[u8])) {
+    let mut mem = Writer(write);
     let struct_at = |i: usize| MODULE_BASE + i as u64 * MODULE_STRIDE + STRUCT_MODULE;
     let node = |i: usize| struct_at(i) + u64::from(M_LIST);
     for (i, name) in names.iter().enumerate() {
@@ -223,5 +230,20 @@ pub fn memory(names: &[&str]) -> SparseMemory {
     };
     mem.put_u64(MODULES_HEAD, first);
     mem.put_u64(MODULES_HEAD + 8, last);
-    mem
+}
+
+struct Writer<'a>(&'a mut dyn FnMut(u64, &[u8]));
+
+impl Writer<'_> {
+    fn write(&mut self, at: u64, bytes: &[u8]) {
+        (self.0)(at, bytes)
+    }
+
+    fn put_u64(&mut self, at: u64, v: u64) {
+        self.write(at, &v.to_le_bytes())
+    }
+
+    fn put_u32(&mut self, at: u64, v: u32) {
+        self.write(at, &v.to_le_bytes())
+    }
 }

@@ -52,6 +52,8 @@ pub enum WhyNotOptimized {
     GuestJump { target: Gva },
     #[error("it is in module {0} (module probes stay int3 probes: the module may unload under a detour)")]
     InModule(String),
+    #[error("the engine follows module loads there (its hook must exit to the host at the probe address)")]
+    ModuleHook,
     #[error("it is not armed (disabled, disarmed or gone)")]
     NotArmed,
     #[error("vCPU {cpu} is stopped inside the region at {rip} (tried again at the next pause)")]
@@ -266,6 +268,14 @@ impl Tracer {
         }
         if let Some(module) = &site.module {
             return Some(WhyNotOptimized::InModule(module.clone()));
+        }
+        let hook = |id: &ProbeId| {
+            reg.probes
+                .get(id)
+                .is_some_and(|p| matches!(p.role, Role::ModuleLoad | Role::ModuleFree))
+        };
+        if site.probes.iter().any(hook) {
+            return Some(WhyNotOptimized::ModuleHook);
         }
         if let Some(target) = site.insn.as_ref().and_then(|i| self.guest_jump(i)) {
             return Some(WhyNotOptimized::GuestJump { target });

@@ -2806,3 +2806,5 @@ fn an_execution_watch_and_an_optimized_region_never_overlap() {
         t.why_not_optimized(id)
     );
 }
+
+mod modules;

@@ -1,0 +1,193 @@
+//! Module probes on the fake machine: pending before the module loads, armed at the
+//! `do_init_module` hook, `[GONE]` with the text restored at the `module_memfree` hook,
+//! armed again at the next load; the hooks gone with the last module probe.
+
+use super::*;
+use hvprobe_introspection::modules::synthetic::{self, MODULES_HEAD, MODULE_BASE, STRUCT_MODULE};
+
+/// The loader's functions (ftrace NOP; push %rbp; mov %rsp,%rbp; pop %rbp; ret: room
+/// for a jump after the NOP), in the padding after `traced`.
+const DO_INIT_MODULE: u64 = FUNC + 0xe0;
+const MODULE_MEMFREE: u64 = FUNC + 0xf0;
+const LOADER_CODE: &[u8] = &[0x0f, 0x1f, 0x44, 0x00, 0x00, 0x55, 0x48, 0x89, 0xe5, 0x5d, 0xc3];
+/// Where the kernel's BTF is.
+const BTF: u64 = 0xffff_ffff_8300_0000;
+
+fn machine() -> (Arc<FakeMachine>, u64) {
+    let m = FakeMachine::with_code();
+    m.write_virt(Gva(DO_INIT_MODULE), LOADER_CODE).unwrap();
+    m.write_virt(Gva(MODULE_MEMFREE), LOADER_CODE).unwrap();
+    let btf = synthetic::btf();
+    m.write_virt(Gva(BTF), &btf).unwrap();
+    // No module loaded yet: the list is empty.
+    synthetic::lay_out(&[], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    (m, btf.len() as u64)
+}
+
+fn module_tracer(m: &Arc<FakeMachine>, btf_len: u64) -> Tracer {
+    let map = format!(
+        "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{DO_INIT_MODULE:016x} T do_init_module\n\
+         {MODULE_MEMFREE:016x} W module_memfree\n{:016x} T _etext\n{MODULES_HEAD:016x} D modules\n\
+         {BTF:016x} R __start_BTF\n{:016x} R __stop_BTF\n",
+        MODULE_MEMFREE + 0x10,
+        BTF + btf_len
+    );
+    let view = KernelView {
+        symbols: Arc::new(SymbolTable::parse_system_map(&map).unwrap()),
+        blacklist: KprobeBlacklist::default(),
+        ex_table: ExceptionTable::default(),
+        patch_sites: PatchSites::default(),
+    };
+    let ool = OutOfLineArea {
+        start: Gva(OOL),
+        size: OOL_SIZE,
+        rings: Gva(OOL + OOL_SIZE),
+        rings_size: 0,
+    };
+    Tracer::new(m.clone(), view, Some(ool), None)
+}
+
+fn module_point(name: &str) -> ProbePoint {
+    ProbePoint::Module {
+        module: "alpha".into(),
+        name: name.into(),
+        offset: 0,
+    }
+}
+
+/// The guest's loader reaches `do_init_module(mod)` (or `module_memfree(region)`): the
+/// hook's hit on vCPU 0, with the argument in %rdi.
+fn loader_hit(t: &Tracer, function: u64, arg: u64) {
+    let site = function + 5;
+    let mut cpu = FakeVcpu::at(site);
+    cpu.regs.rdi = arg;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(site)),
+        BreakpointOutcome::Handled
+    ));
+}
+
+fn load(m: &FakeMachine, t: &Tracer) {
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    loader_hit(t, DO_INIT_MODULE, MODULE_BASE + STRUCT_MODULE);
+}
+
+fn unload(m: &FakeMachine, t: &Tracer) {
+    loader_hit(t, MODULE_MEMFREE, MODULE_BASE);
+    synthetic::lay_out(&[], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+}
+
+#[test]
+fn a_module_probe_waits_for_its_module_arms_at_its_load_and_goes_at_its_free() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    let loader_text = (m.bytes(DO_INIT_MODULE, 11), m.bytes(MODULE_MEMFREE, 11));
+    let id = t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    let listed = &t.listing()[0];
+    assert!(listed.pending && listed.address == Gva(0), "{listed:?}");
+    assert_eq!(
+        listing_line(listed),
+        "0000000000000000  k  mod_fn_b+0x0  alpha [PENDING] hits=0 nmissed=0 event=test/work"
+    );
+    // The hooks are in the loader, after its ftrace NOPs.
+    assert_eq!(m.bytes(DO_INIT_MODULE + 5, 1), [INT3]);
+    assert_eq!(m.bytes(MODULE_MEMFREE + 5, 1), [INT3]);
+    // Not in the listing: they are the engine's.
+    assert_eq!(t.listing().len(), 1);
+
+    let fn_b = MODULE_BASE + 0x40;
+    for round in 1..=2u64 {
+        load(&m, &t);
+        assert_eq!(m.bytes(fn_b, 1), [INT3], "armed at load {round}");
+        let listed = &t.listing()[0];
+        assert!(!listed.pending && !listed.gone, "{listed:?}");
+        assert_eq!(listed.address, Gva(fn_b));
+        assert_eq!(listed.module.as_deref(), Some("alpha"));
+        let mut cpu = FakeVcpu::at(fn_b);
+        assert!(matches!(
+            t.on_breakpoint(0, &mut cpu, Gva(fn_b)),
+            BreakpointOutcome::Handled
+        ));
+        assert_eq!(t.listing()[0].hits, round);
+
+        unload(&m, &t);
+        assert_eq!(m.bytes(fn_b, 1), [0x90], "the original byte back before the free");
+        assert!(t.listing()[0].gone, "{:?}", t.listing()[0]);
+        // A hit there now is not ours (the memory is the guest's again).
+        let mut cpu = FakeVcpu::at(fn_b);
+        assert!(matches!(
+            t.on_breakpoint(0, &mut cpu, Gva(fn_b)),
+            BreakpointOutcome::NotOurs
+        ));
+    }
+
+    // Freeing memory that is no module's changes nothing.
+    load(&m, &t);
+    loader_hit(&t, MODULE_MEMFREE, 0xffff_c900_0000_0000);
+    assert_eq!(m.bytes(fn_b, 1), [INT3]);
+
+    // The last module probe goes: its int3 and the loader's hooks go with it.
+    t.unregister(id).unwrap();
+    assert_eq!(m.bytes(fn_b, 1), [0x90]);
+    assert_eq!((m.bytes(DO_INIT_MODULE, 11), m.bytes(MODULE_MEMFREE, 11)), loader_text);
+}
+
+#[test]
+fn a_loaded_modules_blacklisted_or_unknown_function_is_refused_and_a_pending_one_stays_pending() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    // Pending: accepted (the module may bring it), then left pending when it does not.
+    let blacklisted = t.register(plain(module_point(synthetic::BLACKLISTED), "nope")).unwrap();
+    let unknown = t.register(plain(module_point("no_such"), "none")).unwrap();
+    load(&m, &t);
+    let listing = t.listing();
+    assert!(listing.iter().all(|l| l.pending), "{listing:?}");
+    assert_eq!(m.bytes(MODULE_BASE + 0x10, 1), [0x90]);
+    t.unregister_many(&[blacklisted, unknown]).unwrap();
+    // Loaded: refused at once, with the reason.
+    let e = t
+        .register(plain(module_point(synthetic::BLACKLISTED), "nope"))
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "alpha:mod_fn_a+0x0 is blacklisted: on the module's kprobe blacklist (NOKPROBE_SYMBOL)"
+    );
+    let e = t.register(plain(module_point("no_such"), "none")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "alpha:no_such+0x0: module alpha has no text symbol \"no_such\""
+    );
+    // A return probe off a function's entry is refused while the module is away too
+    // (unloaded while no module probe, nor hook, was in).
+    synthetic::lay_out(&[], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    let mut r = plain(
+        ProbePoint::Module {
+            module: "alpha".into(),
+            name: "mod_fn_b".into(),
+            offset: 4,
+        },
+        "ret",
+    );
+    r.kind = ProbeKind::Kretprobe { maxactive: 4 };
+    assert!(matches!(
+        t.register(r).unwrap_err(),
+        ProbeError::ReturnProbeNotAtEntry { .. }
+    ));
+}
+
+/// The hooks must exit to the host at every load and free: with optimization on they
+/// stay int3s (a detour's exit is at its code, not at the hook's address), and a load
+/// still arms the module's probes.
+#[test]
+fn the_loader_hooks_are_never_optimized_away() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    // (The machine can search its kernel stacks: nothing else stops an optimization.)
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    t.set_optimization(true).unwrap();
+    assert_eq!(m.bytes(DO_INIT_MODULE + 5, 1), [INT3], "do_init_module's hook");
+    assert_eq!(m.bytes(MODULE_MEMFREE + 5, 1), [INT3], "module_memfree's hook");
+    load(&m, &t);
+    assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [INT3]);
+}
