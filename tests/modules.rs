@@ -26,7 +26,7 @@ fn probe_file(name: &str, text: &str) -> PathBuf {
 
 /// The guest's own event `gk` on `hvprobe_test:hvprobe_test_work` (defined and enabled
 /// before the module exists: Linux keeps it until the module comes), with a `stacktrace`
-/// trigger; then the module loaded, `reads` reads of its file, unloaded, loaded again for
+/// trigger, and its return probe `gr`; then the module loaded, `reads` reads of its file, unloaded, loaded again for
 /// one more read and unloaded; then the guest's profile. The guest's trace is printed
 /// (marked) and cleared before each unload: the kernel names a module's addresses when
 /// the trace is read, and cannot once the module is gone.
@@ -35,19 +35,21 @@ fn workload(reads: usize) -> String {
     format!(
         "T=/sys/kernel/tracing; echo 1 > $T/options/sym-offset; \
          echo 'p:gk hvprobe_test:hvprobe_test_work n=%di' > $T/kprobe_events; \
-         echo stacktrace > $T/events/kprobes/gk/trigger; echo 1 > $T/events/kprobes/gk/enable; \
+         echo 'r:gr hvprobe_test:hvprobe_test_work ret=$retval' >> $T/kprobe_events; \
+         echo stacktrace > $T/events/kprobes/gk/trigger; echo 1 > $T/events/kprobes/enable; \
          busybox insmod /usr/lib/hvprobe/hvprobe_test.ko; \
          i=0; while [ $i -lt {reads} ]; do read -r l < /proc/hvprobe_test; i=$((i+1)); done; \
          {dump}; busybox rmmod hvprobe_test; echo UNLOADED-1; \
          busybox insmod /usr/lib/hvprobe/hvprobe_test.ko; read -r l < /proc/hvprobe_test; \
          {dump}; busybox rmmod hvprobe_test; echo UNLOADED-2; \
-         echo 0 > $T/events/kprobes/gk/enable; \
+         echo 0 > $T/events/kprobes/enable; \
          while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; echo CONSOLE-END; sleep 1"
     )
 }
 
 const HOST_PROBES: &str = "\
 p:host/work hvprobe_test:hvprobe_test_work n=%di
+r:host/ret hvprobe_test:hvprobe_test_work ret=$retval
 p:host/init hvprobe_test:hvprobe_test_init
 ";
 
@@ -129,6 +131,15 @@ fn a_module_probe_set_before_the_module_loads_sees_what_the_guests_own_sees_thro
     let values = |l: &[TraceLine]| l.iter().map(|t| t.args["n"].clone()).collect::<Vec<_>>();
     assert_eq!(host.len(), expected, "host hits\n{}", run.tail());
     assert_eq!(values(&host), values(&guest), "fetched values differ");
+    // The returns too, with the same values (the guest's own kretprobe on the module).
+    let returned = |l: &[TraceLine]| l.iter().map(|t| t.args["ret"].clone()).collect::<Vec<_>>();
+    let host_returns = lines(&run, false, "ret");
+    assert_eq!(host_returns.len(), expected, "host returns\n{}", run.tail());
+    assert_eq!(
+        returned(&host_returns),
+        returned(&lines(&run, true, "gr")),
+        "return values differ"
+    );
     // The init calls come first, with 101, 102, 103, each load.
     assert_eq!(values(&host)[..INIT_CALLS], ["0x65", "0x66", "0x67"]);
     // `%pS` names the module, as the guest's own event does.
@@ -174,7 +185,7 @@ fn a_module_probe_set_before_the_module_loads_sees_what_the_guests_own_sees_thro
 
     // After the last unload both probes are listed [GONE] in the module.
     let listed: Vec<&str> = run.stderr.lines().filter(|l| l.contains(" hvprobe_test [")).collect();
-    assert_eq!(listed.len(), 2, "listing\n{}", run.stderr);
+    assert_eq!(listed.len(), 3, "listing\n{}", run.stderr);
     assert!(listed.iter().all(|l| l.contains("[GONE]")), "{listed:?}");
     common::assert_guest_healthy(&run, &[]);
 }

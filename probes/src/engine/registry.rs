@@ -275,6 +275,9 @@ impl Tracer {
                     {
                         return Err((i, ProbeError::ReturnProbeNotAtEntry { what }));
                     }
+                    if let ProbeKind::Kretprobe { .. } = request.kind {
+                        self.make_trampoline().map_err(|e| (i, e))?;
+                    }
                     placed.push(Placed::Pending);
                     continue;
                 }

@@ -191,3 +191,37 @@ fn the_loader_hooks_are_never_optimized_away() {
     load(&m, &t);
     assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [INT3]);
 }
+
+/// A return probe registered while its module is away follows calls once the module
+/// loads (its trampoline is made at registration, as for any return probe).
+#[test]
+fn a_pending_return_probe_follows_calls_once_its_module_loads() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    let mut req = plain(module_point("mod_fn_b"), "ret");
+    req.kind = ProbeKind::Kretprobe { maxactive: 4 };
+    t.register(req).unwrap();
+    load(&m, &t);
+    let fn_b = MODULE_BASE + 0x40;
+    let caller = FUNC + 0x20;
+    let mut cpu = FakeVcpu::at(fn_b);
+    let slot = cpu.regs.rsp;
+    m.write_virt(Gva(slot), &caller.to_le_bytes()).unwrap();
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(fn_b)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(
+        m.read_u64(Gva(slot)).unwrap(),
+        OOL,
+        "return address swapped for the trampoline"
+    );
+    cpu.regs.rip = OOL;
+    cpu.regs.rsp = slot + 8;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OOL)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, caller);
+    assert_eq!(t.listing()[0].hits, 1);
+}
