@@ -135,10 +135,19 @@ fn a_module_probe_set_before_the_module_loads_sees_what_the_guests_own_sees_thro
     let returned = |l: &[TraceLine]| l.iter().map(|t| t.args["ret"].clone()).collect::<Vec<_>>();
     let host_returns = lines(&run, false, "ret");
     assert_eq!(host_returns.len(), expected, "host returns\n{}", run.tail());
+    let guest_returns = lines(&run, true, "gr");
     assert_eq!(
         returned(&host_returns),
-        returned(&lines(&run, true, "gr")),
+        returned(&guest_returns),
         "return values differ"
+    );
+    // `(CALLER <- FUNCTION)`, both in the module, named as the guest names them.
+    let at = |l: &[TraceLine]| l.iter().map(|t| t.location.clone()).collect::<Vec<_>>();
+    assert_eq!(at(&host_returns), at(&guest_returns), "return locations differ");
+    let read_return = &guest_returns[INIT_CALLS].location;
+    assert!(
+        read_return.starts_with("hvprobe_test_read+") && read_return.ends_with(" [hvprobe_test] <- hvprobe_test_work"),
+        "{read_return}"
     );
     // The init calls come first, with 101, 102, 103, each load.
     assert_eq!(values(&host)[..INIT_CALLS], ["0x65", "0x66", "0x67"]);

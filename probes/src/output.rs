@@ -106,7 +106,8 @@ fn context(hit: &HitRecord) -> String {
 /// The hit's lines in ftrace's `trace` file, without the last newline: the event's line,
 /// then, when it carries a kernel stack, the stack entry the `stacktrace` trigger adds
 /// after it (`trace_stack_print`: the context and `<stack trace>`, then ` => ` and a
-/// frame per line). A frame is its function's name, or `func+0xoff/0xsize` with
+/// frame per line). A frame is its function's name (`kallsyms_lookup`'s: a module's
+/// without its module), or `func+0xoff/0xsize` (`func+0xoff/0xsize [mod]`) with
 /// `sym_offset` (ftrace's `sym-offset` option); `0x%08lx` where no symbol covers it.
 pub fn ftrace_text(hit: &HitRecord, sym_offset: bool) -> String {
     let mut text = ftrace_line(hit);

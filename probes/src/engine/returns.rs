@@ -195,6 +195,26 @@ impl Tracer {
 
     /// The return address a followed call's stack slot stands for (the latest call on
     /// `slot`), for a stack walk that reads the trampoline there.
+    /// Where a call whose return address at `slot` was `to` really returns: `to`, unless
+    /// it is the guest's own return trampoline (its kretprobe swapped the address before
+    /// ours saw it), then the address the guest's rethook node for that slot keeps — what
+    /// the guest's own kretprobe event names as the caller.
+    fn real_return_address(&self, cpu: usize, slot: Gva, to: Gva) -> Gva {
+        if Some(to) != self.guest_return_trampoline {
+            return to;
+        }
+        match self.machine.cpu_stacks(cpu) {
+            Ok(view) => view
+                .rethooks
+                .and_then(|r| r.returns.iter().find(|n| n.frame == slot).map(|n| n.ret_addr))
+                .unwrap_or(to),
+            Err(e) => {
+                tracing::debug!("vCPU {cpu}: the guest's rethooks: {e}");
+                to
+            }
+        }
+    }
+
     pub(super) fn return_address_at(&self, slot: Gva) -> Option<Gva> {
         self.lock_returns().top_at(slot.0).map(|i| Gva(i.return_address))
     }
@@ -366,11 +386,8 @@ impl Tracer {
                 event.record.retprobe_caller = Some(
                     caller
                         .get_or_insert_with(|| {
-                            self.view
-                                .symbols
-                                .describe(Gva(return_address))
-                                .map(|d| d.to_string())
-                                .unwrap_or_else(|| format!("{return_address:#x}"))
+                            let to = self.real_return_address(cpu, Gva(slot), Gva(return_address));
+                            self.describe_frame(to).unwrap_or_else(|| format!("{:#x}", to.0))
                         })
                         .clone(),
                 );

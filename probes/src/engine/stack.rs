@@ -75,7 +75,7 @@ impl Tracer {
 
     /// `func+0xoff/0xsize`, with ` [mod]` for a module's code, as ftrace's stack traces
     /// print a frame.
-    fn describe_frame(&self, address: Gva) -> Option<String> {
+    pub(super) fn describe_frame(&self, address: Gva) -> Option<String> {
         if let Some(d) = self.view.symbols.describe(address) {
             return Some(d.to_string());
         }

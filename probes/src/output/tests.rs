@@ -295,3 +295,37 @@ fn a_guest_comm_with_control_bytes_is_escaped_in_text() {
     let parsed: serde_json::Value = serde_json::from_str(&json_line(&hit)).unwrap();
     assert_eq!(parsed["comm"], hit.comm);
 }
+
+/// ftrace prints a name without its offset with `kallsyms_lookup`, which gives a module's
+/// symbol without its module (`trace_seq_print_sym`): a return probe's function, and stack
+/// frames without `sym-offset`; with `sym-offset` (`sprint_symbol`) the module is there.
+#[test]
+fn a_module_symbol_is_named_as_ftrace_names_it() {
+    let ret = HitRecord {
+        location: "hvprobe_test_work+0x0/0x20 [hvprobe_test]".into(),
+        retprobe_caller: Some("hvprobe_test_read+0x1c/0x97 [hvprobe_test]".into()),
+        args: Vec::new(),
+        stack: Some(vec![
+            StackFrame {
+                address: Gva(0xffff_ffff_c000_0000),
+                symbol: Some("hvprobe_test_work+0x0/0x20 [hvprobe_test]".into()),
+            },
+            StackFrame {
+                address: Gva(0xffff_ffff_8123_4560),
+                symbol: Some("vfs_read+0x80/0x260".into()),
+            },
+        ]),
+        ..kprobe_hit()
+    };
+    let text = ftrace_text(&ret, false);
+    assert!(
+        text.contains("myprobe: (hvprobe_test_read+0x1c/0x97 [hvprobe_test] <- hvprobe_test_work)"),
+        "{text}"
+    );
+    assert!(text.ends_with(" => hvprobe_test_work\n => vfs_read"), "{text}");
+    let with_offsets = ftrace_text(&ret, true);
+    assert!(
+        with_offsets.ends_with(" => hvprobe_test_work+0x0/0x20 [hvprobe_test]\n => vfs_read+0x80/0x260"),
+        "{with_offsets}"
+    );
+}
