@@ -223,17 +223,16 @@ impl Tracer {
         if reg.probes.values().any(|p| p.module.is_some()) {
             return;
         }
+        // (Also when the hooks went with every other probe: an int3 the guest puts there
+        // later is not a hook.)
+        self.modules.load_hook.store(0, Ordering::Release);
+        self.modules.free_hook.store(0, Ordering::Release);
         let hooks: Vec<ProbeId> = reg
             .probes
             .iter()
             .filter(|(_, p)| matches!(p.role, Role::ModuleLoad | Role::ModuleFree))
             .map(|(id, _)| *id)
             .collect();
-        if hooks.is_empty() {
-            return;
-        }
-        self.modules.load_hook.store(0, Ordering::Release);
-        self.modules.free_hook.store(0, Ordering::Release);
         for id in hooks {
             self.remove_paused(view, reg, id);
         }

@@ -130,6 +130,19 @@ fn a_module_probe_waits_for_its_module_arms_at_its_load_and_goes_at_its_free() {
     t.unregister(id).unwrap();
     assert_eq!(m.bytes(fn_b, 1), [0x90]);
     assert_eq!((m.bytes(DO_INIT_MODULE, 11), m.bytes(MODULE_MEMFREE, 11)), loader_text);
+    assert!(t.modules.hook_at(Gva(DO_INIT_MODULE + 5)).is_none());
+}
+
+/// Every probe removed at once (the end of a run): the hooks are no hooks any more.
+#[test]
+fn the_hooks_are_forgotten_when_every_probe_goes() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    assert!(t.modules.hook_at(Gva(DO_INIT_MODULE + 5)).is_some());
+    t.unregister_all().unwrap();
+    assert!(t.modules.hook_at(Gva(DO_INIT_MODULE + 5)).is_none());
+    assert!(t.modules.hook_at(Gva(MODULE_MEMFREE + 5)).is_none());
 }
 
 #[test]
