@@ -49,6 +49,13 @@ pub enum DwarfError {
     },
     #[error("the kernel's DWARF nests DIEs deeper than {MAX_DEPTH} levels")]
     TooDeep,
+    #[error("{path}: relocation {index} of {section} is not one a module's DWARF has ({reason})")]
+    BadRelocation {
+        path: String,
+        section: String,
+        index: usize,
+        reason: String,
+    },
 }
 
 fn malformed(what: &'static str) -> impl FnOnce(gimli::Error) -> DwarfError {
@@ -246,10 +253,13 @@ struct UnitEntry {
     ranges: Vec<Range<u64>>,
 }
 
-/// A vmlinux's DWARF, indexed by unit.
+/// A vmlinux's DWARF (or a module's: a relocatable `.ko`), indexed by unit.
 pub struct DebugInfo {
     dwarf: gimli::Dwarf<R>,
     units: Vec<UnitEntry>,
+    /// For a relocatable object (a `.ko`): its functions and variables at the addresses
+    /// its DWARF was relocated to (see [`DebugInfo::object_symbols`]).
+    object_symbols: Option<crate::symbols::SymbolTable>,
 }
 
 impl std::fmt::Debug for DebugInfo {
@@ -281,11 +291,8 @@ impl DebugInfo {
         } else {
             RunTimeEndian::Big
         };
-        let section = |wanted: &str| -> Option<&[u8]> {
-            let header = elf
-                .section_headers
-                .iter()
-                .find(|h| elf.shdr_strtab.get_at(h.sh_name) == Some(wanted))?;
+        let section_bytes = |index: usize| -> Option<&[u8]> {
+            let header = elf.section_headers.get(index)?;
             if header.sh_type == goblin::elf::section_header::SHT_NOBITS {
                 return None;
             }
@@ -293,12 +300,25 @@ impl DebugInfo {
             let end = start.checked_add(usize::try_from(header.sh_size).ok()?)?;
             data.get(start..end)
         };
-        if section(".debug_info").is_none() {
+        let index_of = |wanted: &str| {
+            elf.section_headers
+                .iter()
+                .position(|h| elf.shdr_strtab.get_at(h.sh_name) == Some(wanted))
+        };
+        if index_of(".debug_info").and_then(section_bytes).is_none() {
             return Err(DwarfError::NoDwarf { path: name.to_owned() });
         }
+        let object = (elf.header.e_type == goblin::elf::header::ET_REL).then(|| relocatable::Layout::of(&elf));
         let load = |id: gimli::SectionId| -> Result<R, DwarfError> {
-            let bytes = section(id.name()).unwrap_or(&[]);
-            Ok(EndianArcSlice::new(Arc::from(bytes), endian))
+            let Some(index) = index_of(id.name()) else {
+                return Ok(EndianArcSlice::new(Arc::from(&[][..]), endian));
+            };
+            let bytes = section_bytes(index).unwrap_or(&[]);
+            let bytes: Arc<[u8]> = match &object {
+                Some(layout) => Arc::from(layout.relocated(&elf, index, bytes, name)?),
+                None => Arc::from(bytes),
+            };
+            Ok(EndianArcSlice::new(bytes, endian))
         };
         let dwarf = gimli::Dwarf::load(load)?;
         let mut units = Vec::new();
@@ -322,7 +342,21 @@ impl DebugInfo {
                 ranges,
             });
         }
-        Ok(DebugInfo { dwarf, units })
+        let object_symbols = object.map(|layout| layout.symbols(&elf));
+        Ok(DebugInfo {
+            dwarf,
+            units,
+            object_symbols,
+        })
+    }
+
+    /// For a relocatable object (a module's `.ko`): its symbols at the addresses its DWARF
+    /// was relocated to — each allocated section laid out after the other from 0x1000, as
+    /// no loader would, but consistently, so that an address the DWARF gives is a
+    /// function of these symbols plus an offset (what a `MOD:SYM+OFF` probe needs). `None`
+    /// for a linked image (its own symbol table has its addresses).
+    pub fn object_symbols(&self) -> Option<&crate::symbols::SymbolTable> {
+        self.object_symbols.as_ref()
     }
 
     fn unit_of_section_offset(&self, offset: usize) -> Option<usize> {
@@ -1044,6 +1078,8 @@ fn describe_ops(ops: &[Operation<R>]) -> String {
         .collect();
     names.join(" ")
 }
+
+mod relocatable;
 
 #[cfg(test)]
 mod tests {

@@ -135,3 +135,48 @@ fn a_program_without_dwarf_is_refused_by_name() {
     let e = DebugInfo::open(path.with_file_name("missing")).unwrap_err();
     assert!(matches!(e, DwarfError::Io { .. }), "{e}");
 }
+
+/// A relocatable object (what a module's `.ko` is): its DWARF's addresses are relocations
+/// against its sections, which the reader lays out; the object's own symbols name the
+/// same places, so a line is `FUNC+OFF` of a symbol the loaded module has too.
+#[test]
+fn an_objects_dwarf_is_relocated_onto_its_own_symbols() {
+    // Each function in a section of its own, as the kernel's modules have some (.init.text).
+    let path = compiled("object", &["-g", "-O2", "-c", "-ffunction-sections"]);
+    let debug = DebugInfo::open(&path).unwrap();
+    let symbols = debug.object_symbols().expect("an object's symbols");
+    for name in ["step", "main"] {
+        let f = debug.functions_named(name, None).unwrap();
+        assert_eq!(f.len(), 1, "{name}");
+        assert_eq!(
+            f[0].entry(),
+            symbols.lookup(name).unwrap().addr.0,
+            "{name}'s DWARF entry is its symbol"
+        );
+        assert!(symbols.lookup(name).unwrap().is_text());
+    }
+    let step = &debug.functions_named("step", None).unwrap()[0];
+    let main = &debug.functions_named("main", None).unwrap()[0];
+    assert!(
+        !step.contains(main.entry()) && !main.contains(step.entry()),
+        "two sections, apart"
+    );
+    let lines = debug.lines(step).unwrap();
+    assert!(lines.iter().any(|l| l.line == 11), "{lines:?}");
+    assert!(lines.iter().all(|l| l.addresses.iter().all(|&a| step.contains(a))));
+    let sites = debug.file_line("t.c", 11).unwrap();
+    assert!(
+        !sites.is_empty() && sites.iter().all(|&a| step.contains(a)),
+        "{sites:?}"
+    );
+    // The global's DW_OP_addr is relocated too.
+    let globals = debug.unit_variables(step).unwrap();
+    let counter = globals.iter().find(|v| v.name == "counter").expect("counter");
+    assert_eq!(
+        counter.location,
+        Ok(Location::Memory(symbols.lookup("counter").unwrap().addr.0))
+    );
+    // A linked program has no object symbols: its own table has the addresses.
+    let linked = DebugInfo::open(compiled("linked", &["-g", "-O2"])).unwrap();
+    assert!(linked.object_symbols().is_none());
+}
