@@ -249,6 +249,11 @@ pub struct RunArgs {
     /// name its symbols), and must be that kernel's [default: the bundled guest's].
     #[arg(long, value_name = "FILE")]
     pub vmlinux: Option<PathBuf>,
+    /// A module's .ko with its DWARF, for probes on its source lines (`MOD:FUNC:N`,
+    /// `MOD:FUNC@FILE`, `MOD:FILE:LINE`: perf probe's `-m`), refused when built for another
+    /// kernel; repeatable [the bundled guest's test module is always known].
+    #[arg(long, value_name = "FILE.ko")]
+    pub module_debuginfo: Vec<PathBuf>,
     /// Sample every vCPU's instruction pointer this often (ms) and print the hottest guest
     /// functions at exit.
     #[arg(long, value_name = "MS")]
@@ -358,6 +363,10 @@ pub struct DwarfArgs {
     /// vmlinux.debug].
     #[arg(long, value_name = "FILE")]
     pub debuginfo: Option<PathBuf>,
+    /// A module's .ko with its DWARF, for `MOD:FUNC…` (perf probe's `-m`); repeatable
+    /// [the bundled guest's test module is always known].
+    #[arg(long, value_name = "FILE.ko")]
+    pub module_debuginfo: Vec<PathBuf>,
 }
 
 #[derive(Args)]

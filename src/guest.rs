@@ -128,6 +128,8 @@ pub struct BundledGuest {
     pub vmlinux: PathBuf,
     /// The vmlinux's DWARF (`objcopy --only-keep-debug`), for source-line probes.
     pub debuginfo: PathBuf,
+    /// The test module (guest/modules), with its DWARF; the initramfs has it without.
+    pub test_module: PathBuf,
     pub bzimage: PathBuf,
     pub system_map: PathBuf,
     pub initramfs: PathBuf,
@@ -220,6 +222,7 @@ impl BundledGuest {
             dir: dir.into(),
             vmlinux: file("vmlinux")?,
             debuginfo: file("vmlinux.debug")?,
+            test_module: file("hvprobe_test.ko")?,
             bzimage: file("bzImage")?,
             system_map: file("System.map")?,
             initramfs: file("initramfs.cpio")?,

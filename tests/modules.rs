@@ -245,3 +245,113 @@ p:host/never no_such_module:f
     );
     common::assert_guest_healthy(&run, &[]);
 }
+
+/// `hvprobe vars MOD:FUNC:N` on the test module's `.ko` (its DWARF, relocated): the site
+/// (`FUNC+0xOFF`) and, per variable, the register it is in there.
+fn module_vars(target: &str) -> (String, std::collections::BTreeMap<String, String>) {
+    let run = common::hvprobe(&["vars", target], Duration::from_secs(300));
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let site = run
+        .stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("@<")?.strip_suffix('>'))
+        .unwrap_or_else(|| panic!("no site\n{}", run.stdout))
+        .to_owned();
+    let fetches = run
+        .stdout
+        .lines()
+        .filter_map(|l| {
+            let (_, fetch) = l.split_once(" var ").or_else(|| l.split_once(" param "))?;
+            let (name, at) = fetch.trim().split_once('=')?;
+            Some((name.to_owned(), at.to_owned()))
+        })
+        .collect();
+    (site, fetches)
+}
+
+/// perf probe's `-m MOD` lines: `hvprobe_test:hvprobe_test_read:10` (`*pos += 1;`) with the
+/// variables `len` and `*pos` by name, resolved from the module's `.ko` before the boot,
+/// armed when the module loads, fetching what the guest's own kprobe event fetches with
+/// the registers the DWARF names at that address (both int3s share the instruction: the
+/// guest's kprobe optimization is off, or the guest would put its jump over both); and the
+/// shell's reads say what those values must be (one byte a `read()`, the file position 0
+/// then 1).
+#[test]
+fn a_module_source_line_reads_its_variables_as_the_guests_own_event_and_the_reads_say() {
+    let (site, fetches) = module_vars("hvprobe_test:hvprobe_test_read:10");
+    assert!(site.starts_with("hvprobe_test_read+0x"), "{site}");
+    let (len, pos) = (&fetches["len"], &fetches["pos"]);
+    let reg = |fetch: &str| fetch.split(':').next().unwrap().to_owned();
+    let guest_event = format!("p:gl hvprobe_test:{site} len={len} fpos=+0({}):s64", reg(pos));
+    let workload = format!(
+        "T=/sys/kernel/tracing; echo 0 > /proc/sys/debug/kprobes-optimization; \
+         echo '{guest_event}' > $T/kprobe_events; echo 1 > $T/events/kprobes/enable; \
+         busybox insmod /usr/lib/hvprobe/hvprobe_test.ko; \
+         i=0; while [ $i -lt 3 ]; do read -r l < /proc/hvprobe_test; i=$((i+1)); done; \
+         echo 0 > $T/events/kprobes/enable; \
+         while read -r l; do echo \"GUEST $l\"; done < $T/trace; busybox rmmod hvprobe_test; echo CONSOLE-END"
+    );
+    let run = run_with(
+        1,
+        "module-lines",
+        "p:host/inc hvprobe_test:hvprobe_test_read:10 len fpos=+0(pos):s64\n",
+        &workload,
+        &[],
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let values = |l: &[TraceLine]| {
+        l.iter()
+            .map(|t| (t.location.clone(), t.args["len"].clone(), t.args["fpos"].clone()))
+            .collect::<Vec<_>>()
+    };
+    let host = values(&lines(&run, false, "inc"));
+    let guest = values(&lines(&run, true, "gl"));
+    // Three `read -r l`, each two one-byte read()s that return data (the digit, then the
+    // newline): the position is 0, then 1.
+    assert_eq!(host.len(), 6, "{}", run.tail());
+    assert_eq!(host, guest, "the host's and the guest's values differ");
+    let positions: Vec<&str> = host.iter().map(|(_, _, p)| p.as_str()).collect();
+    assert_eq!(positions, ["0", "1", "0", "1", "0", "1"]);
+    assert!(
+        host.iter()
+            .all(|(at, len, _)| len == "1" && at.starts_with(&format!("{site}/"))),
+        "{host:?}"
+    );
+    common::assert_guest_healthy(&run, &[]);
+}
+
+/// A `.ko` built for another kernel is refused before the boot (its `vermagic` names
+/// another release: its code, and so its lines, would be elsewhere), as is a module the
+/// run has no `.ko` for.
+#[test]
+fn a_modules_ko_for_another_kernel_or_none_is_refused_before_the_boot() {
+    let guest = common::bundled_guest_dir();
+    let mut ko = std::fs::read(guest.join("hvprobe_test.ko")).unwrap();
+    let at = ko.windows(9).position(|w| w == b"vermagic=").expect("a vermagic") + 9;
+    ko[at] = if ko[at] == b'5' { b'4' } else { b'5' };
+    let other = std::env::temp_dir().join(format!("hvprobe-test-{}-other.ko", std::process::id()));
+    std::fs::write(&other, &ko).unwrap();
+    let probes = probe_file("module-other", "p:host/inc hvprobe_test:hvprobe_test_read:10 len\n");
+    let refused = |extra: &[&str]| {
+        let mut args = vec!["run", "--probes", probes.to_str().unwrap(), "--workload", "true"];
+        args.extend_from_slice(extra);
+        let run = common::hvprobe(&args, Duration::from_secs(300));
+        assert_ne!(run.code, Some(0), "{}", run.tail());
+        assert!(!run.stdout.contains("hvprobe-init"), "it booted\n{}", run.tail());
+        run.stderr
+    };
+    let stderr = refused(&["--module-debuginfo", other.to_str().unwrap()]);
+    assert!(
+        stderr.contains("built for kernel 5.1.") || stderr.contains("built for kernel 4."),
+        "{stderr}"
+    );
+    assert!(stderr.contains("(give the module of this kernel)"), "{stderr}");
+    let _ = std::fs::remove_file(&other);
+    std::fs::write(&probes, "p:host/x nosuch:f:3\n").unwrap();
+    let stderr = refused(&[]);
+    assert!(
+        stderr.contains("source targets in module nosuch need its .ko with DWARF (--module-debuginfo FILE.ko)"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_file(probes);
+}

@@ -124,6 +124,9 @@ pub struct SourcePoint {
     /// The line: relative to the function's declaration line when there is a function
     /// (perf probe's `RLN`: the declaration is line 0), else the file's line.
     pub line: Option<u32>,
+    /// The module whose source it is (`MOD:FUNC:N`, `MOD:FUNC@FILE`, `MOD:FILE:LINE`: perf
+    /// probe's `-m MOD`); `None`: the kernel's.
+    pub module: Option<String>,
 }
 
 impl SourcePoint {
@@ -1228,7 +1231,8 @@ impl<'a> LineParser<'a> {
         if let Some(address) = parse_unsigned(text) {
             return Ok((Target::Address(Gva(address)), false));
         }
-        let source_file = text.split([':', '%']).next().is_some_and(is_source_file);
+        // (The file of a module's `MOD:FILE:LINE` is the second part.)
+        let source_file = text.split([':', '%']).take(2).any(is_source_file);
         if text.contains('/') && text.contains(':') && !source_file {
             return Err(self.err(text, SpecErrorKind::UprobeNotSupported(text.to_owned())));
         }
@@ -1240,14 +1244,29 @@ impl<'a> LineParser<'a> {
             }
             None => (text, false),
         };
+        // A module's source: `MOD:` before a source form (one with a `@` or a line).
+        if let Some((module, rest)) = symbol_part.split_once(':') {
+            if is_module_name(module)
+                && (rest.contains(['@', ':']) || rest.split(':').next().is_some_and(is_source_file))
+            {
+                return match self.parse_source_point(text, rest, is_return)? {
+                    Some(point) => Ok((
+                        Target::Source(SourcePoint {
+                            module: Some(module.to_owned()),
+                            ..point
+                        }),
+                        is_return,
+                    )),
+                    None => Err(self.err(text, SpecErrorKind::BadModuleTarget(symbol_part.to_owned()))),
+                };
+            }
+        }
         if let Some(point) = self.parse_source_point(text, symbol_part, is_return)? {
             return Ok((Target::Source(point), is_return));
         }
         let (module, symbol_part) = match symbol_part.split_once(':') {
             Some((module, symbol)) => {
-                let good_module = !module.is_empty()
-                    && module.len() <= MAX_MODULE_NAME_LEN
-                    && module.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+                let good_module = is_module_name(module);
                 let symbol_name = symbol.split(['+', '-']).next().unwrap_or("");
                 if !good_module || !is_symbol_name(symbol_name) || is_wildcard_pattern(symbol_name) {
                     return Err(self.err(text, SpecErrorKind::BadModuleTarget(symbol_part.to_owned())));
@@ -1327,6 +1346,7 @@ impl<'a> LineParser<'a> {
                     function: Some(function.to_owned()),
                     file: Some(file.to_owned()),
                     line,
+                    module: None,
                 }
             }
             None => {
@@ -1336,12 +1356,14 @@ impl<'a> LineParser<'a> {
                         function: None,
                         file: Some(place.to_owned()),
                         line: Some(line),
+                        module: None,
                     }
                 } else if is_symbol_name(place) && !is_wildcard_pattern(place) {
                     SourcePoint {
                         function: Some(place.to_owned()),
                         file: None,
                         line: Some(line),
+                        module: None,
                     }
                 } else {
                     return Err(self.err(text, SpecErrorKind::BadTarget(text.to_owned())));
@@ -1889,6 +1911,14 @@ fn is_source_file(place: &str) -> bool {
     [".c", ".h", ".S", ".rs"].iter().any(|ext| name.ends_with(ext))
 }
 
+/// A kernel module's name as the kernel keeps it: letters, digits and `_` (the file's `-`
+/// becomes `_`), at most `MODULE_NAME_LEN` - 1 bytes.
+fn is_module_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_MODULE_NAME_LEN
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
 fn is_symbol_name(name: &str) -> bool {
     let ok = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'*' | b'?' | b'{' | b'}' | b',');
     let well_formed = !name.contains(['{', '}', ','])
@@ -2028,6 +2058,9 @@ impl fmt::Display for Target {
 
 impl fmt::Display for SourcePoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(module) = &self.module {
+            write!(f, "{module}:")?;
+        }
         match (&self.function, &self.file) {
             (Some(function), Some(file)) => write!(f, "{function}@{file}")?,
             (Some(function), None) => f.write_str(function)?,

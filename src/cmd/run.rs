@@ -39,10 +39,13 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(dir) = &args.snapshot {
         // Source targets read the restored kernel's DWARF: --vmlinux's, or the bundled
         // guest's (what `snapshot create` saves by default).
-        trace.kernel_source = Arc::new(match &args.vmlinux {
-            Some(v) => KernelSourceFiles::new(v.clone(), v.clone()),
-            None => KernelSourceFiles::bundled(),
-        });
+        trace.kernel_source = Arc::new(
+            match &args.vmlinux {
+                Some(v) => KernelSourceFiles::new(v.clone(), v.clone()),
+                None => KernelSourceFiles::bundled(),
+            }
+            .with_modules(args.module_debuginfo.clone()),
+        );
         return crate::cmd::snapshot::run_restored(
             dir,
             args.machine.cpus,
@@ -64,6 +67,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     for spec in &args.resolve {
         check_symbol_spec(spec)?;
     }
+    for file in &args.module_debuginfo {
+        std::fs::metadata(file).map_err(|e| format!("--module-debuginfo {}: {e}", file.display()))?;
+    }
     if args.kaslr && args.machine.kernel.is_some() {
         return Err(
             "--kaslr boots the bundled guest's bzImage; for your own kernel pass a bzImage with --kernel \
@@ -81,7 +87,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             (None, Some(g)) => g.debuginfo.clone(),
             _ => vmlinux.clone(),
         };
-        trace.kernel_source = Arc::new(KernelSourceFiles::new(vmlinux.clone(), debuginfo));
+        let files = match bundled_kernel {
+            // The bundled guest's files are known by name: its test module's .ko too.
+            Some(_) if args.vmlinux.is_none() => KernelSourceFiles::bundled(),
+            _ => KernelSourceFiles::new(vmlinux.clone(), debuginfo),
+        };
+        trace.kernel_source = Arc::new(files.with_modules(args.module_debuginfo.clone()));
     }
     match &args.probes {
         Some(file) => check_probes_before_boot(

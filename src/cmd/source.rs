@@ -25,7 +25,25 @@ fn kernel_source(args: &DwarfArgs) -> Result<KernelSourceFiles, Box<dyn std::err
     for file in [&vmlinux, &debuginfo] {
         std::fs::metadata(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     }
-    Ok(KernelSourceFiles::new(vmlinux, debuginfo))
+    for file in &args.module_debuginfo {
+        std::fs::metadata(file).map_err(|e| format!("--module-debuginfo {}: {e}", file.display()))?;
+    }
+    let files = match (&args.vmlinux, &args.debuginfo) {
+        (None, None) => KernelSourceFiles::bundled(),
+        _ => KernelSourceFiles::new(vmlinux, debuginfo),
+    };
+    Ok(files.with_modules(args.module_debuginfo.clone()))
+}
+
+/// The kernel's source, or module `module`'s.
+fn source_of<'f>(
+    files: &'f KernelSourceFiles,
+    module: Option<&str>,
+) -> Result<&'f KernelSource, Box<dyn std::error::Error>> {
+    Ok(match module {
+        Some(m) => files.get_module(m)?,
+        None => files.get()?,
+    })
 }
 
 /// A source target as a spec line's target parses it (`FUNC` alone: its entry).
@@ -43,17 +61,40 @@ fn source_point(text: &str) -> Result<SourcePoint, Box<dyn std::error::Error>> {
             function: Some(name),
             file: None,
             line: None,
+            module: None,
         }),
-        _ => Err(format!("{text}: not a source target (FUNC, FUNC:N, FUNC@FILE[:N] or FILE:LINE)").into()),
+        Some(ProbeSpec::Kprobe {
+            target:
+                Target::ModuleSymbol {
+                    module,
+                    name,
+                    offset: 0,
+                },
+            ..
+        }) => Ok(SourcePoint {
+            function: Some(name),
+            file: None,
+            line: None,
+            module: Some(module),
+        }),
+        _ => Err(format!(
+            "{text}: not a source target ([MOD:]FUNC, [MOD:]FUNC:N, [MOD:]FUNC@FILE[:N] or [MOD:]FILE:LINE)"
+        )
+        .into()),
     }
 }
 
 pub fn lines(args: LinesArgs) -> CliResult {
     let files = kernel_source(&args.dwarf)?;
-    let kernel: &KernelSource = files.get()?;
-    let (name, file) = match args.function.split_once('@') {
+    // `MOD:FUNC`: a module's function (a `:` before any `@`).
+    let (module, function) = match args.function.split_once(':') {
+        Some((m, f)) if !m.contains('@') => (Some(m), f),
+        _ => (None, args.function.as_str()),
+    };
+    let kernel = source_of(&files, module)?;
+    let (name, file) = match function.split_once('@') {
         Some((f, file)) => (f, Some(file)),
-        None => (args.function.as_str(), None),
+        None => (function, None),
     };
     let function = kernel.function(name, file)?;
     let lines = kernel.debug.lines(&function)?;
@@ -107,8 +148,8 @@ fn read_source(path: &str, root: Option<&Path>) -> Option<String> {
 
 pub fn vars(args: VarsArgs) -> CliResult {
     let files = kernel_source(&args.dwarf)?;
-    let kernel: &KernelSource = files.get()?;
     let point = source_point(&args.target)?;
+    let kernel = source_of(&files, point.module.as_deref())?;
     let located = kernel.locate(&point)?;
     println!("Available variables at {}", args.target);
     for (site, scope) in &located.sites {

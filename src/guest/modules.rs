@@ -354,10 +354,17 @@ pub fn kernel_release_of(path: &Path) -> std::io::Result<Option<String>> {
 }
 
 /// The release in a module's `vermagic=RELEASE …` (its .modinfo), when it has one.
-fn vermagic_release(module: &[u8]) -> Option<String> {
+pub(crate) fn vermagic_release(module: &[u8]) -> Option<String> {
     const VERMAGIC: &[u8] = b"vermagic=";
     let at = module.windows(VERMAGIC.len()).position(|w| w == VERMAGIC)?;
     release_word(&module[at + VERMAGIC.len()..])
+}
+
+/// The module's own name, as the kernel will call it (`name=` in its .modinfo).
+pub(crate) fn modinfo_name(module: &[u8]) -> Option<String> {
+    const NAME: &[u8] = b"\0name=";
+    let at = module.windows(NAME.len()).position(|w| w == NAME)?;
+    release_word(&module[at + NAME.len()..])
 }
 
 fn release_word(text: &[u8]) -> Option<String> {

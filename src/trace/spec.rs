@@ -12,6 +12,18 @@ use super::*;
 pub struct KernelSourceFiles {
     files: SourceFiles,
     loaded: OnceLock<Result<KernelSource, Arc<KernelSourceError>>>,
+    /// Modules' `.ko` files with their DWARF (`--module-debuginfo`), for `MOD:` source
+    /// targets; with the bundled guest, its test module's too.
+    module_files: Vec<PathBuf>,
+    modules: OnceLock<Vec<ModuleSource>>,
+}
+
+/// A module's `.ko`, by the name the kernel gives the module, its source read when a
+/// line first needs it.
+struct ModuleSource {
+    name: String,
+    path: PathBuf,
+    loaded: OnceLock<Result<KernelSource, Arc<KernelSourceError>>>,
 }
 
 #[derive(Debug, Default)]
@@ -34,7 +46,7 @@ impl KernelSourceFiles {
     pub fn new(vmlinux: PathBuf, debuginfo: PathBuf) -> KernelSourceFiles {
         KernelSourceFiles {
             files: SourceFiles::Paths(vmlinux, debuginfo),
-            loaded: OnceLock::new(),
+            ..KernelSourceFiles::default()
         }
     }
 
@@ -42,8 +54,89 @@ impl KernelSourceFiles {
     pub fn bundled() -> KernelSourceFiles {
         KernelSourceFiles {
             files: SourceFiles::Bundled,
-            loaded: OnceLock::new(),
+            ..KernelSourceFiles::default()
         }
+    }
+
+    /// With these modules' `.ko` files (each with its DWARF), for `MOD:` source targets.
+    pub fn with_modules(mut self, files: Vec<PathBuf>) -> KernelSourceFiles {
+        self.module_files = files;
+        self
+    }
+
+    /// The source of module `name`: its `.ko` among those given (or the bundled guest's
+    /// test module), checked to be built for this kernel.
+    pub fn get_module(&self, name: &str) -> Result<&KernelSource, Arc<KernelSourceError>> {
+        let modules = self.modules.get_or_init(|| self.module_sources());
+        let module = modules.iter().find(|m| m.name == name).ok_or_else(|| {
+            Arc::new(KernelSourceError::NoModuleFile {
+                module: name.to_owned(),
+            })
+        })?;
+        module
+            .loaded
+            .get_or_init(|| self.load_module(&module.name, &module.path).map_err(Arc::new))
+            .as_ref()
+            .map_err(Arc::clone)
+    }
+
+    /// The given `.ko` files by their modules' names (a file whose name cannot be read
+    /// goes by its file name, `-` as `_`, as the kernel names modules).
+    fn module_sources(&self) -> Vec<ModuleSource> {
+        let mut paths = self.module_files.clone();
+        if let SourceFiles::Bundled = self.files {
+            if let Ok(guest) = crate::guest::BundledGuest::ensure_built() {
+                paths.push(guest.test_module);
+            }
+        }
+        paths
+            .into_iter()
+            .map(|path| {
+                let by_file = || {
+                    let stem = path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    stem.split(".ko").next().unwrap_or_default().replace('-', "_")
+                };
+                let name = std::fs::read(&path)
+                    .ok()
+                    .and_then(|bytes| crate::guest::modules::modinfo_name(&bytes))
+                    .unwrap_or_else(by_file);
+                ModuleSource {
+                    name,
+                    path,
+                    loaded: OnceLock::new(),
+                }
+            })
+            .collect()
+    }
+
+    fn load_module(&self, name: &str, path: &Path) -> Result<KernelSource, KernelSourceError> {
+        let shown = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|source| KernelSourceError::ModuleFile {
+            path: shown.clone(),
+            source,
+        })?;
+        // A module of another build of the kernel has other code: its lines would be
+        // somewhere else in the running module.
+        let kernel = match &self.files {
+            SourceFiles::Paths(vmlinux, _) => Some(vmlinux.clone()),
+            SourceFiles::Bundled => crate::guest::BundledGuest::ensure_built().ok().map(|g| g.vmlinux),
+            SourceFiles::None => None,
+        };
+        let release = kernel.and_then(|k| crate::guest::modules::kernel_release_of(&k).ok().flatten());
+        if let (Some(release), Some(built_for)) = (release, crate::guest::modules::vermagic_release(&bytes)) {
+            if release != built_for {
+                return Err(KernelSourceError::ModuleForAnotherKernel {
+                    path: shown,
+                    built_for,
+                    release,
+                });
+            }
+        }
+        let debug = DebugInfo::parse(&bytes, &shown)?;
+        KernelSource::for_module(name, debug).map_err(|source| KernelSourceError::Module { path: shown, source })
     }
 
     /// None: source targets are refused with the reason.
@@ -100,6 +193,26 @@ pub enum KernelSourceError {
         #[source]
         source: hvprobe_introspection::symbols::SymbolError,
     },
+    #[error("source targets in module {module} need its .ko with DWARF (--module-debuginfo FILE.ko)")]
+    NoModuleFile { module: String },
+    #[error("{path}: {source}")]
+    ModuleFile {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: built for kernel {built_for}, the kernel is {release} (give the module of this kernel)")]
+    ModuleForAnotherKernel {
+        path: String,
+        built_for: String,
+        release: String,
+    },
+    #[error("{path}: {source}")]
+    Module {
+        path: String,
+        #[source]
+        source: hvprobe_probes::spec::source::SourceError,
+    },
 }
 
 /// A check's error, and for an unknown symbol that the kernel's DWARF knows as an inlined
@@ -148,7 +261,15 @@ fn resolve_source_target(
     if !matches!(target, Target::Source(_)) {
         return Ok(vec![spec]);
     }
-    let kernel = kernel.get().map_err(|e| format!("{source}:{line}: {target}: {e}"))?;
+    let module = match target {
+        Target::Source(point) => point.module.clone(),
+        _ => None,
+    };
+    let kernel = match &module {
+        Some(m) => kernel.get_module(m),
+        None => kernel.get(),
+    }
+    .map_err(|e| format!("{source}:{line}: {target}: {e}"))?;
     let (specs, notes) = kernel.resolve(&spec).map_err(|e| format!("{source}:{line}: {e}"))?;
     for note in notes {
         tracing::warn!("{source}:{line}: {note}");

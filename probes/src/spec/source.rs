@@ -41,6 +41,9 @@ pub struct KernelSource {
     /// Each function's inlined instances, once searched (a search reads every unit: a run
     /// resolves its spec before the boot and again when its session starts).
     inlined: std::sync::Mutex<std::collections::HashMap<String, Vec<Function>>>,
+    /// The module this is the source of (its `.ko`'s DWARF and symbols): sites become
+    /// `MOD:SYM+OFF` probes.
+    module: Option<String>,
 }
 
 /// A source target's problem, in perf probe's terms where it has one.
@@ -48,6 +51,17 @@ pub struct KernelSource {
 pub enum SourceError {
     #[error("no function `{0}` in the kernel's DWARF")]
     NoFunction(String),
+    #[error("the file given for module {0} is not a module (a relocatable .ko) but a linked image")]
+    NotAModule(String),
+    #[error(
+        "{place}: `{name}` is a global or static variable of module {module}, which a probe cannot read by \
+         name yet (its address is known only once the module is loaded)"
+    )]
+    ModuleGlobal {
+        place: String,
+        name: String,
+        module: String,
+    },
     #[error("no function `{function}` in a file ending `{file}`")]
     NoFunctionInFile { function: String, file: String },
     #[error("`{function}` is defined in several files ({}): name one with {function}@FILE", files.join(", "))]
@@ -141,7 +155,22 @@ impl KernelSource {
             symbols,
             orc,
             inlined: Default::default(),
+            module: None,
         }
+    }
+
+    /// The source of module `module`, from its `.ko`'s DWARF (a relocatable object: its
+    /// own symbols name the places; its ORC data is not read, so a variable on the stack
+    /// frame is refused).
+    pub fn for_module(module: &str, debug: DebugInfo) -> Result<KernelSource, SourceError> {
+        let symbols = debug
+            .object_symbols()
+            .cloned()
+            .ok_or_else(|| SourceError::NotAModule(module.to_owned()))?;
+        Ok(KernelSource {
+            module: Some(module.to_owned()),
+            ..KernelSource::new(debug, symbols, None)
+        })
     }
 
     /// The inlined instances of `function` (see [`DebugInfo::inlined_instances`]).
@@ -384,9 +413,16 @@ impl KernelSource {
             let mut spec = spec.clone();
             match &mut spec {
                 ProbeSpec::Kprobe { target, args, .. } | ProbeSpec::Kretprobe { target, args, .. } => {
-                    *target = Target::Symbol {
-                        name: site.symbol.clone(),
-                        offset: site.offset,
+                    *target = match &self.module {
+                        Some(module) => Target::ModuleSymbol {
+                            module: module.clone(),
+                            name: site.symbol.clone(),
+                            offset: site.offset,
+                        },
+                        None => Target::Symbol {
+                            name: site.symbol.clone(),
+                            offset: site.offset,
+                        },
                     };
                     *args = resolved;
                 }
@@ -702,6 +738,13 @@ impl KernelSource {
                     base: FetchExpr::Register(Register::Sp),
                     offset: i64::from(entry.sp_offset) + offset,
                 }
+            }
+            Location::Memory(_) if self.module.is_some() => {
+                return Err(SourceError::ModuleGlobal {
+                    place: place.to_owned(),
+                    name: name.to_owned(),
+                    module: self.module.clone().unwrap_or_default(),
+                })
             }
             Location::Memory(address) => {
                 let d = self

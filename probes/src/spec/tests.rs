@@ -1149,7 +1149,56 @@ fn source(function: Option<&str>, file: Option<&str>, line: Option<u32>) -> Targ
         function: function.map(str::to_owned),
         file: file.map(str::to_owned),
         line,
+        module: None,
     })
+}
+
+fn in_module(module: &str, target: Target) -> Target {
+    let Target::Source(point) = target else {
+        panic!("{target:?}")
+    };
+    Target::Source(SourcePoint {
+        module: Some(module.to_owned()),
+        ..point
+    })
+}
+
+/// perf probe's `-m MOD` as a prefix: `MOD:` before a source form (with a `@` or a line);
+/// `MOD:SYM` alone stays a module symbol, `FUNC:N` the kernel's.
+#[test]
+fn module_source_targets() {
+    assert_eq!(target_of("p m:f:3"), in_module("m", source(Some("f"), None, Some(3))));
+    assert_eq!(
+        target_of("p hvprobe_test:hvprobe_test_work@hvprobe_test.c:2 n"),
+        in_module(
+            "hvprobe_test",
+            source(Some("hvprobe_test_work"), Some("hvprobe_test.c"), Some(2))
+        )
+    );
+    assert_eq!(
+        target_of("p m:x/m.c:40"),
+        in_module("m", source(None, Some("x/m.c"), Some(40)))
+    );
+    assert_eq!(
+        target_of("r m:f@m.c"),
+        in_module("m", source(Some("f"), Some("m.c"), None))
+    );
+    assert_eq!(
+        target_of("p m:f"),
+        Target::ModuleSymbol {
+            module: "m".into(),
+            name: "f".into(),
+            offset: 0
+        }
+    );
+    assert_eq!(target_of("p vfs_read:23"), source(Some("vfs_read"), None, Some(23)));
+    assert_eq!(
+        target_of("p vfs_read@fs/read_write.c:4"),
+        source(Some("vfs_read"), Some("fs/read_write.c"), Some(4))
+    );
+    assert_eq!(ok("p:e m:f:3").to_string(), "p:kprobes/e m:f:3");
+    assert!(matches!(err("p m:f:x").1, SpecErrorKind::BadModuleTarget(_)));
+    assert!(matches!(err("r m:f:3").1, SpecErrorKind::RetprobeOnSourceLine));
 }
 
 fn target_of(line: &str) -> Target {
