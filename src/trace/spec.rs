@@ -136,7 +136,10 @@ impl KernelSourceFiles {
             }
         }
         let debug = DebugInfo::parse(&bytes, &shown)?;
-        KernelSource::for_module(name, debug).map_err(|source| KernelSourceError::Module { path: shown, source })
+        KernelSource::for_module(name, debug).map_err(|source| KernelSourceError::Module {
+            path: shown,
+            source: Box::new(source),
+        })
     }
 
     /// None: source targets are refused with the reason.
@@ -211,7 +214,7 @@ pub enum KernelSourceError {
     Module {
         path: String,
         #[source]
-        source: hvprobe_probes::spec::source::SourceError,
+        source: Box<hvprobe_probes::spec::source::SourceError>,
     },
 }
 
