@@ -373,9 +373,7 @@ impl Vcpu for HitVcpu<'_> {
     }
 
     fn set_interrupt_table(&mut self, table: InterruptTable) -> Result<(), VcpuError> {
-        let mut s = self.sregs()?;
-        s.idt.base = table.base.0;
-        s.idt.limit = table.limit;
+        let s = with_interrupt_table(self.sregs()?, table, self.backend.reports_tr_busy());
         exit_regs::write_sregs(self.vcpu, &s).map_err(|e| vmm_error("KVM_SET_SREGS", e))?;
         self.sregs = Some(s);
         if let Some(state) = &mut self.state {
@@ -393,5 +391,103 @@ impl Vcpu for HitVcpu<'_> {
     fn user_memory(&mut self) -> Option<Box<dyn GuestVirtRead + '_>> {
         let state = self.state()?;
         Some(Box::new(live_memory(self.mem, &state)))
+    }
+}
+
+/// The busy bit of a TSS's type: 11 is a busy 64-bit TSS, 9 an available one (3 and 1 for
+/// a 16-bit TSS).
+const TSS_BUSY: u8 = 0x2;
+
+/// The segment registers to write to set the IDTR to `table`, from `sregs` as KVM reported
+/// them at this exit: for the guest, only its IDTR changes. Where KVM reports TR busy
+/// whatever the vCPU holds (`reports_tr_busy`, [`Backend::reports_tr_busy`]: kvm_amd), TR
+/// goes back with the busy bit clear, as a vCPU that ran LTR holds it; written back as
+/// reported, it would be marked busy.
+fn with_interrupt_table(
+    mut sregs: kvm_bindings::kvm_sregs,
+    table: InterruptTable,
+    reports_tr_busy: bool,
+) -> kvm_bindings::kvm_sregs {
+    sregs.idt.base = table.base.0;
+    sregs.idt.limit = table.limit;
+    if reports_tr_busy && sregs.tr.s == 0 && matches!(sregs.tr.type_, 3 | 11) {
+        sregs.tr.type_ &= !TSS_BUSY;
+    }
+    sregs
+}
+
+#[cfg(test)]
+mod tests {
+    use kvm_bindings::{kvm_dtable, kvm_segment, kvm_sregs};
+
+    use super::*;
+
+    /// What kvm_amd reports at an exit of a 64-bit Linux guest (Debian's 6.1 kernel, CPU 0,
+    /// measured in the nested-SVM lane): its TSS busy, though the guest's LTR loaded it
+    /// available.
+    fn reported_by_kvm_amd() -> kvm_sregs {
+        kvm_sregs {
+            tr: kvm_segment {
+                base: 0xffff_fe00_0000_3000,
+                limit: 0x4087,
+                selector: 0x40,
+                type_: 11,
+                present: 1,
+                ..Default::default()
+            },
+            idt: kvm_dtable {
+                base: 0xffff_fe00_0000_0000,
+                limit: 0xfff,
+                ..Default::default()
+            },
+            cr0: 0x8005_0033,
+            efer: 0xd01,
+            ..Default::default()
+        }
+    }
+
+    const GUARD: InterruptTable = InterruptTable {
+        base: Gva(0xffff_ffff_9dbf_ef00),
+        limit: 0xfff,
+    };
+
+    #[test]
+    fn a_step_guards_idt_changes_only_the_idtr_and_hands_kvm_amd_tr_back_available() {
+        let read = reported_by_kvm_amd();
+        let written = with_interrupt_table(read, GUARD, true);
+        assert_eq!((written.idt.base, written.idt.limit), (GUARD.base.0, GUARD.limit));
+        // Marked busy in the VMCB, it makes QEMU's TCG refuse the guest's ioperm() ports.
+        assert_eq!(written.tr.type_, 9, "an available 64-bit TSS, as LTR loaded it");
+        let expected = kvm_sregs {
+            idt: written.idt,
+            tr: kvm_segment { type_: 9, ..read.tr },
+            ..read
+        };
+        assert_eq!(written, expected, "nothing else changes");
+    }
+
+    #[test]
+    fn where_kvm_reports_tr_as_it_holds_it_tr_goes_back_unchanged() {
+        // kvm_intel: VMX wants a busy TSS in TR, and the VMCS has it so.
+        let read = reported_by_kvm_amd();
+        let written = with_interrupt_table(read, GUARD, false);
+        assert_eq!(written.tr, read.tr);
+        assert_eq!(written.idt.base, GUARD.base.0);
+    }
+
+    #[test]
+    fn only_a_tss_loses_its_busy_bit() {
+        let mut read = reported_by_kvm_amd();
+        read.tr.type_ = 3; // a busy 16-bit TSS: KVM's TR at reset
+        assert_eq!(with_interrupt_table(read, GUARD, true).tr.type_, 1);
+        read.tr.type_ = 2; // an LDT (KVM's report of a TR of type 0): not a TSS
+        assert_eq!(with_interrupt_table(read, GUARD, true).tr.type_, 2);
+        // A code segment's type 11 is not a TSS's: only system segments are TSSes.
+        read.tr = kvm_segment {
+            s: 1,
+            type_: 11,
+            ..read.tr
+        };
+        assert_eq!(with_interrupt_table(read, GUARD, true).tr.type_, 11);
     }
 }

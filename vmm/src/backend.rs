@@ -7,6 +7,7 @@
 
 use std::fmt;
 use std::path::Path;
+use std::sync::OnceLock;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -96,6 +97,21 @@ impl Backend {
     /// kvm_pvm's emulator checks the breakpoint again, so the VMM steps over it instead.
     pub fn honours_resume_flag(self) -> bool {
         self == Backend::Hardware
+    }
+
+    /// Whether KVM_GET_SREGS says the task register is busy whatever the vCPU holds, so
+    /// that segment registers read and written back with KVM_SET_SREGS change TR's type.
+    /// kvm_amd does: the VMCB keeps TR's type as the CPU loaded it (LTR loads an available
+    /// TSS), `svm_get_segment` sets the busy bit in what it reports ("the busy flag in the
+    /// tr selector isn't exposed"), and `svm_set_segment` stores the type it is given.
+    /// QEMU's TCG (the nested-SVM lane's L0) then takes TR for no TSS at all in
+    /// `helper_check_io` and refuses user-mode port I/O through the I/O bitmap: Debian's
+    /// stock kernel's init, whose ports come from ioperm(), died of a #GP at its next `out`
+    /// after one out-of-line step (whose step guard sets the IDTR, and with it every
+    /// segment register). kvm_intel reports TR as the VMCS holds it.
+    pub fn reports_tr_busy(self) -> bool {
+        static KVM_AMD: OnceLock<bool> = OnceLock::new();
+        self == Backend::Hardware && *KVM_AMD.get_or_init(|| Path::new("/sys/module/kvm_amd").exists())
     }
 
     /// Whether a guest int3 at CPL0 reaches us as an emulation failure (and not as a
