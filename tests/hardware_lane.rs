@@ -1084,9 +1084,11 @@ fn stock_kernel_with_devices_script() -> String {
     format!(
         "d=$(mktemp -d) && mkdir $d/img $d/out && echo on-the-disk > $d/img/hello && \
          truncate -s 32M $d/disk.img && mkfs.ext4 -q -d $d/img $d/disk.img && \
-         printf 'p:stock/open do_sys_openat2 path=+0(%%si):ustring\\np:stock/mf module_memfree\\n' > $d/probes || exit 1; \
+         printf 'p:stock/open do_sys_openat2 path=+0(%%si):ustring\\np:stock/mf module_memfree\\n\
+p:stock/blk virtio_blk:virtio_queue_rq\\n' > $d/probes || exit 1; \
          hvprobe run --kernel \"$HVPROBE_L1_KERNEL\" --modules \"$HVPROBE_L1_MODULES\" --symbols kallsyms \
-           --probes $d/probes --optimize off --rootfs / --rwdir /out=$d/out --disk $d/disk.img --workload '{workload}' 2>&1; \
+           --probes $d/probes --optimize off --trigger stock/blk:stacktrace --sym-offset \
+           --rootfs / --rwdir /out=$d/out --disk $d/disk.img --workload '{workload}' 2>&1; \
          echo \"RC=$?\"; echo \"RWDIR $(cat $d/out/r)\"; echo \"DISK $(debugfs -R 'cat /new' $d/disk.img 2>/dev/null)\""
     )
 }
@@ -1097,6 +1099,11 @@ fn stock_kernel_with_devices_script() -> String {
 /// the devices in the ACPI tables. The L1's root as `/` (--rootfs), a directory the guest
 /// writes (--rwdir), an ext4 disk read and written, and our probe on `do_sys_openat2`
 /// seeing the disk's file opened.
+///
+/// A probe on the stock `virtio_blk` module's request function
+/// (`virtio_blk:virtio_queue_rq`), given before the boot, waits for the init to load the
+/// module, then sees the disk's requests, with stacks unwound through the module with its
+/// ORC tables from the kernel's memory.
 ///
 /// With `--optimize off`, the probe on `module_memfree` steps its instruction out of line
 /// while the init loads the modules (the step guard sets the IDTR, so KVM_SET_SREGS).
@@ -1145,6 +1152,27 @@ fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
         "no hit opening /mnt/hello\n{}",
         tail(&run)
     );
+    // The module probe: armed when the init loaded virtio_blk, named as `%pS` names a
+    // module's code, its stacks unwound from the module into the block layer.
+    let blk: Vec<&str> = out.lines().filter(|l| l.contains(" blk: (virtio_queue_rq+0x0/")).collect();
+    assert!(!blk.is_empty(), "no hit of virtio_blk:virtio_queue_rq\n{}", tail(&run));
+    assert!(blk.iter().all(|l| l.contains(" [virtio_blk])")), "{blk:?}");
+    let frames: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix(" => ")).collect();
+    assert!(
+        frames.iter().any(|f| f.starts_with("virtio_queue_rq+0x0/") && f.ends_with(" [virtio_blk]")),
+        "no stack through the module\n{}",
+        tail(&run)
+    );
+    assert!(
+        frames.iter().any(|f| f.starts_with("blk_mq_")),
+        "the stack did not reach the block layer past the module's frame\n{}",
+        tail(&run)
+    );
+    let listed = out
+        .lines()
+        .find(|l| l.contains("event=stock/blk"))
+        .unwrap_or_else(|| panic!("no listing of stock/blk\n{}", tail(&run)));
+    assert!(listed.contains("virtio_queue_rq+0x0  virtio_blk ") && !listed.contains("[PENDING]"), "{listed}");
     // The init's port I/O came after out-of-line steps (module_memfree runs once a
     // module's init is done).
     let stepped: u64 = out
