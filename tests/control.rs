@@ -912,3 +912,63 @@ fn a_source_line_probe_fetches_what_the_guests_event_and_a_hand_written_probe_fe
         assert_eq!(hand.get(task), guest.get(task), "{task}");
     }
 }
+
+/// A wildcard over a module's functions (`MOD:PATTERN`, bpftrace's `kprobe:MOD:PATTERN`)
+/// covers what the loaded module has when it is added: here every function of the test
+/// module whose name matches, each its own event, counting the module's calls; the same
+/// wildcard while the module is not loaded is refused with the reason, and the probes go
+/// `[GONE]` when the module unloads.
+#[test]
+fn a_wildcard_over_a_loaded_modules_functions_probes_each_of_them() {
+    let workload = "stty -echo < /dev/ttyS0; echo 'WAIT 1'; read -r go < /dev/ttyS0; \
+                    busybox insmod /usr/lib/hvprobe/hvprobe_test.ko; \
+                    echo 'WAIT 2'; read -r go < /dev/ttyS0; \
+                    i=0; while [ $i -lt 2 ]; do read -r l < /proc/hvprobe_test; i=$((i+1)); done; \
+                    busybox rmmod hvprobe_test; echo 'WAIT END'; read -r go < /dev/ttyS0; echo DONE";
+    let dir = snapshot(1);
+    let mut live = LiveRun::start(&dir, 1, "module-wildcard", workload, &[]);
+    live.wait_for("WAIT 1");
+    let refused = live.probe(&["add", "p:live/ hvprobe_test:hvprobe_test_{work,read}"]);
+    assert_ne!(refused.code, Some(0), "{}", refused.tail());
+    assert!(
+        refused
+            .stderr
+            .contains("module hvprobe_test is not loaded: a wildcard covers the functions of a loaded module"),
+        "{}",
+        refused.stderr
+    );
+    live.go();
+    live.wait_for("WAIT 2");
+    let added = live.probe(&["add", "p:live/ hvprobe_test:hvprobe_test_{work,read}"]);
+    assert_eq!(added.code, Some(0), "{}", added.tail());
+    let nothing = live.probe(&["add", "p:live/ hvprobe_test:nothing_like_this*"]);
+    assert_ne!(nothing.code, Some(0), "{}", nothing.tail());
+    assert!(
+        nothing.stderr.contains("matches no function of module hvprobe_test"),
+        "{}",
+        nothing.stderr
+    );
+    live.go();
+    live.wait_for("WAIT END");
+    let listed = live.probe(&["list"]);
+    live.go();
+    let run = live.finish();
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    let hits = |event: &str| {
+        run.stdout
+            .lines()
+            .filter_map(common::parse_trace_line)
+            .filter(|l| l.event == event)
+            .count()
+    };
+    // Two `read -r l`, two read() calls each.
+    assert_eq!(hits("p_hvprobe_test_hvprobe_test_read_0"), 4, "{}", run.tail());
+    assert_eq!(hits("p_hvprobe_test_hvprobe_test_work_0"), 4, "{}", run.tail());
+    let module_lines: Vec<&str> = listed
+        .stdout
+        .lines()
+        .filter(|l| l.contains(" hvprobe_test ["))
+        .collect();
+    assert_eq!(module_lines.len(), 2, "{}", listed.stdout);
+    assert!(module_lines.iter().all(|l| l.contains("[GONE]")), "{module_lines:?}");
+}

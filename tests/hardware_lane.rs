@@ -1154,12 +1154,17 @@ fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
     );
     // The module probe: armed when the init loaded virtio_blk, named as `%pS` names a
     // module's code, its stacks unwound from the module into the block layer.
-    let blk: Vec<&str> = out.lines().filter(|l| l.contains(" blk: (virtio_queue_rq+0x0/")).collect();
+    let blk: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains(" blk: (virtio_queue_rq+0x0/"))
+        .collect();
     assert!(!blk.is_empty(), "no hit of virtio_blk:virtio_queue_rq\n{}", tail(&run));
     assert!(blk.iter().all(|l| l.contains(" [virtio_blk])")), "{blk:?}");
     let frames: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix(" => ")).collect();
     assert!(
-        frames.iter().any(|f| f.starts_with("virtio_queue_rq+0x0/") && f.ends_with(" [virtio_blk]")),
+        frames
+            .iter()
+            .any(|f| f.starts_with("virtio_queue_rq+0x0/") && f.ends_with(" [virtio_blk]")),
         "no stack through the module\n{}",
         tail(&run)
     );
@@ -1172,7 +1177,10 @@ fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
         .lines()
         .find(|l| l.contains("event=stock/blk"))
         .unwrap_or_else(|| panic!("no listing of stock/blk\n{}", tail(&run)));
-    assert!(listed.contains("virtio_queue_rq+0x0  virtio_blk ") && !listed.contains("[PENDING]"), "{listed}");
+    assert!(
+        listed.contains("virtio_queue_rq+0x0  virtio_blk ") && !listed.contains("[PENDING]"),
+        "{listed}"
+    );
     // The init's port I/O came after out-of-line steps (module_memfree runs once a
     // module's init is done).
     let stepped: u64 = out

@@ -139,7 +139,7 @@ impl SourcePoint {
 impl Target {
     /// A symbol pattern (`*`, `?`, `{a,b}`): one probe per function it matches.
     pub fn is_wildcard(&self) -> bool {
-        matches!(self, Target::Symbol { name, .. } if is_wildcard_pattern(name))
+        matches!(self, Target::Symbol { name, .. } | Target::ModuleSymbol { name, .. } if is_wildcard_pattern(name))
     }
 }
 
@@ -537,7 +537,7 @@ pub enum SpecErrorKind {
     BadTargetOffset(String),
     #[error(
         "bad module target `{0}`: expected MODULE:SYMBOL[+OFFSET] (a module name of letters, digits \
-         and `_`, and one of its functions; module wildcards are not supported)"
+         and `_`, and one of its functions or a pattern of them)"
     )]
     BadModuleTarget(String),
     #[error("bad source line `{0}`: expected a line number")]
@@ -1099,7 +1099,13 @@ impl<'a> LineParser<'a> {
             at_source: matches!(target, Target::Source(_)),
         };
 
-        if target.is_wildcard() && (event.is_some() || matches!(target, Target::Symbol { offset: 1.., .. })) {
+        if target.is_wildcard()
+            && (event.is_some()
+                || matches!(
+                    target,
+                    Target::Symbol { offset: 1.., .. } | Target::ModuleSymbol { offset: 1.., .. }
+                ))
+        {
             return Err(self.err(target_text, SpecErrorKind::NamedWildcard));
         }
         let group = group.unwrap_or_else(|| DEFAULT_GROUP.to_owned());
@@ -1268,7 +1274,7 @@ impl<'a> LineParser<'a> {
             Some((module, symbol)) => {
                 let good_module = is_module_name(module);
                 let symbol_name = symbol.split(['+', '-']).next().unwrap_or("");
-                if !good_module || !is_symbol_name(symbol_name) || is_wildcard_pattern(symbol_name) {
+                if !good_module || !is_symbol_name(symbol_name) {
                     return Err(self.err(text, SpecErrorKind::BadModuleTarget(symbol_part.to_owned())));
                 }
                 (Some(module), symbol)

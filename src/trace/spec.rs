@@ -456,28 +456,56 @@ pub(super) fn refusal(source: &str, p: &SpecProbe, e: &ProbeError) -> String {
 
 /// The text functions a wildcard line matches, each as its own probe.
 pub(super) fn expand_wildcard(p: &SpecProbe, pattern: &str, symbols: &SymbolTable) -> Vec<SpecProbe> {
-    let is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
-    let mut functions: Vec<&str> = symbols
+    let functions = symbols
         .symbols()
         .iter()
-        .filter(|s| s.is_text() && wildcard_matches(pattern, &s.name))
-        .map(|s| s.name.as_str())
-        .collect();
-    functions.sort_unstable();
-    functions.dedup();
-    functions
+        .filter(|s| s.is_text())
+        .map(|s| s.name.as_str());
+    probes_of_matches(p, pattern, None, functions)
+}
+
+/// A probe of `p`'s for each of `functions` that `pattern` matches (of `module`'s, or the
+/// kernel's), named as the kernel names an unnamed probe.
+fn probes_of_matches<'f>(
+    p: &SpecProbe,
+    pattern: &str,
+    module: Option<&str>,
+    functions: impl Iterator<Item = &'f str>,
+) -> Vec<SpecProbe> {
+    let is_return = matches!(p.request.kind, ProbeKind::Kretprobe { .. });
+    let mut matched: Vec<&str> = functions.filter(|name| wildcard_matches(pattern, name)).collect();
+    matched.sort_unstable();
+    matched.dedup();
+    matched
         .into_iter()
         .map(|function| {
-            let target = Target::Symbol {
-                name: function.to_string(),
-                offset: 0,
+            let (target, point) = match module {
+                Some(module) => (
+                    Target::ModuleSymbol {
+                        module: module.to_owned(),
+                        name: function.to_owned(),
+                        offset: 0,
+                    },
+                    ProbePoint::Module {
+                        module: module.to_owned(),
+                        name: function.to_owned(),
+                        offset: 0,
+                    },
+                ),
+                None => (
+                    Target::Symbol {
+                        name: function.to_owned(),
+                        offset: 0,
+                    },
+                    ProbePoint::Symbol {
+                        name: function.to_owned(),
+                        offset: 0,
+                    },
+                ),
             };
             let mut request = p.request.clone();
             request.event = default_event_name(is_return, &target);
-            request.point = ProbePoint::Symbol {
-                name: function.to_string(),
-                offset: 0,
-            };
+            request.point = point;
             SpecProbe {
                 line: p.line,
                 text: p.text.clone(),
@@ -485,6 +513,42 @@ pub(super) fn expand_wildcard(p: &SpecProbe, pattern: &str, symbols: &SymbolTabl
             }
         })
         .collect()
+}
+
+/// The wildcard over a module's functions of a probe, if it has one: `(module, pattern)`.
+fn module_wildcard_of(p: &SpecProbe) -> Option<(&str, &str)> {
+    match &p.request.point {
+        ProbePoint::Module { module, name, .. } if is_wildcard_pattern(name) => Some((module, name)),
+        _ => None,
+    }
+}
+
+/// The probes of a wildcard over module `module`'s functions, from the module as loaded
+/// now (bpftrace's `kprobe:MOD:PATTERN` covers what is loaded when it attaches), or why
+/// there are none.
+fn expand_module_wildcard(
+    tracer: &Tracer,
+    p: &SpecProbe,
+    module: &str,
+    pattern: &str,
+    source: &str,
+) -> Result<Vec<SpecProbe>, String> {
+    let functions = tracer.module_functions(module).map_err(|e| match e {
+        hvprobe_probes::engine::ProbeError::ModuleNotLoaded { .. } => format!(
+            "{source}:{}: {module}:{pattern}: module {module} is not loaded: a wildcard covers the functions of a \
+             loaded module (add it when the module is loaded, or name each function: those wait for it)",
+            p.line
+        ),
+        other => format!("{source}:{}: {other}", p.line),
+    })?;
+    let probes = probes_of_matches(p, pattern, Some(module), functions.iter().map(String::as_str));
+    if probes.is_empty() {
+        return Err(format!(
+            "{source}:{}: {module}:{pattern}: matches no function of module {module}",
+            p.line
+        ));
+    }
+    Ok(probes)
 }
 
 /// `SOURCE:LINE: PATTERN: matches no kernel function`, for a wildcard with nothing to arm.
@@ -718,6 +782,16 @@ pub(super) fn expand_and_check(
                     SpecErrorKind::UnknownDataSymbol(name.to_owned())
                 ),
             ));
+            continue;
+        }
+        if let Some((module, pattern)) = module_wildcard_of(p) {
+            match expand_module_wildcard(tracer, p, module, pattern, source) {
+                Ok(functions) => {
+                    from_wildcard.extend(std::iter::repeat_n(Some(index), functions.len()));
+                    expanded.extend(functions);
+                }
+                Err(problem) => problems.push((p.line, problem)),
+            }
             continue;
         }
         match wildcard_of(p) {

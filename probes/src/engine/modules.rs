@@ -179,6 +179,25 @@ impl Tracer {
             })
     }
 
+    /// The functions of loaded module `name` (its text symbols, sorted, once each), read
+    /// from the guest's module list now: what a wildcard `MOD:PATTERN` covers, as
+    /// bpftrace's `kprobe:MOD:PATTERN` covers what is loaded when it attaches.
+    pub fn module_functions(&self, name: &str) -> Result<Vec<String>, ProbeError> {
+        let what = format!("{name}:*");
+        self.relist_modules(&what)?;
+        let module = self.loaded_module(name, &what)?;
+        let mut functions: Vec<String> = module
+            .symbols
+            .symbols()
+            .iter()
+            .filter(|s| s.is_text() && module.is_text(s.addr))
+            .map(|s| s.name.clone())
+            .collect();
+        functions.sort_unstable();
+        functions.dedup();
+        Ok(functions)
+    }
+
     /// Where the hooks go: the kernel's `do_init_module` and `module_memfree`.
     pub(super) fn module_hook_placements(&self) -> Result<(Placement, Placement), ProbeError> {
         let place = |name: &str| {
