@@ -159,6 +159,10 @@ pub struct ModuleLayout {
     noinstr: Option<(u64, u64)>,
     /// `extable`, `num_exentries`.
     extable: Option<(u64, u64)>,
+    /// `jump_entries`, `num_jump_entries` (CONFIG_JUMP_LABEL).
+    jump_entries: Option<(u64, u64)>,
+    /// `static_call_sites`, `num_static_call_sites` (CONFIG_HAVE_STATIC_CALL_INLINE).
+    static_call_sites: Option<(u64, u64)>,
 }
 
 impl ModuleLayout {
@@ -224,8 +228,21 @@ impl ModuleLayout {
             (Ok(table), Ok(n)) => Some((table, n)),
             _ => None,
         };
+        let jump_entries = match (member("jump_entries", 8, PTR), member("num_jump_entries", 4, UINT)) {
+            (Ok(table), Ok(n)) => Some((table, n)),
+            _ => None,
+        };
+        let static_call_sites = match (
+            member("static_call_sites", 8, PTR),
+            member("num_static_call_sites", 4, UINT),
+        ) {
+            (Ok(table), Ok(n)) => Some((table, n)),
+            _ => None,
+        };
         Ok(ModuleLayout {
             extable,
+            jump_entries,
+            static_call_sites,
             state: member("state", 4, "4 (enum module_state)")?,
             list: member("list", 16, "16 (struct list_head)")?,
             name: name.offset,
@@ -272,6 +289,10 @@ pub struct LoadedModule {
     pub blacklist: Vec<(Range<Gva>, ModuleBlacklistReason)>,
     /// Its instructions that may fault, with their fixups.
     pub extable: ExceptionTable,
+    /// Its jump table (`struct jump_entry`, 16 bytes each) and static-call site table
+    /// (8 bytes each): where the kernel rewrites the module's code itself.
+    pub jump_table: Option<Range<Gva>>,
+    pub static_call_table: Option<Range<Gva>>,
 }
 
 /// Why a module's code is off limits to kprobes.
@@ -572,7 +593,23 @@ fn read_module_charged(
         }
     }
 
+    let mut table =
+        |fields: Option<(u64, u64)>, size: u64, what: &'static str| -> Result<Option<Range<Gva>>, ModuleError> {
+            let Some((table, num)) = fields else { return Ok(None) };
+            let count = u64::from(r.u32(at, num, what)?);
+            let count = r.limit(what, count, budget.max_blacklist)?;
+            let start = r.u64(at, table, what)?;
+            if count == 0 || start == 0 {
+                return Ok(None);
+            }
+            Ok(Some(r.range(start, count * size, what)?))
+        };
+    let jump_table = table(layout.jump_entries, 16, "its jump table")?;
+    let static_call_table = table(layout.static_call_sites, 8, "its static call sites")?;
+
     Ok(LoadedModule {
+        jump_table,
+        static_call_table,
         extable,
         name,
         address: at,

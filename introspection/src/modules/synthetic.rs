@@ -22,6 +22,9 @@ const TYPETAB: u64 = 0x2400;
 const ORC_IPS: u64 = 0x2500;
 const ORC_ENTRIES: u64 = 0x2600;
 const BLACKLIST: u64 = 0x2700;
+const JUMP_TABLE: u64 = 0x2800;
+/// A jump label's 5-byte site in each module's `mod_fn_b` (its jump table's one entry).
+pub const JUMP_LABEL: u64 = 0x48;
 /// Each module's functions: (name, type letter, offset in the core text, size).
 pub const FUNCTIONS: &[(&str, u8, u64, u64)] = &[("mod_fn_a", b't', 0x10, 0x20), ("mod_fn_b", b'T', 0x40, 0x30)];
 /// `mod_fn_a` is on each module's kprobe blacklist.
@@ -41,7 +44,9 @@ const M_BLACKLIST: u32 = 176;
 const M_NUM_BLACKLIST: u32 = 184;
 const M_NOINSTR_START: u32 = 192;
 const M_NOINSTR_SIZE: u32 = 200;
-const M_SIZE: u32 = 208;
+const M_JUMP_ENTRIES: u32 = 208;
+const M_NUM_JUMP_ENTRIES: u32 = 216;
+const M_SIZE: u32 = 224;
 
 struct Builder {
     types: Vec<u8>,
@@ -139,6 +144,8 @@ pub fn btf() -> Vec<u8> {
             ("num_kprobe_blacklist", uint, M_NUM_BLACKLIST),
             ("noinstr_text_start", ptr, M_NOINSTR_START),
             ("noinstr_text_size", uint, M_NOINSTR_SIZE),
+            ("jump_entries", ptr, M_JUMP_ENTRIES),
+            ("num_jump_entries", uint, M_NUM_JUMP_ENTRIES),
         ],
     );
     let mut blob = vec![0x9f, 0xeb, 1, 0];
@@ -219,6 +226,16 @@ pub fn lay_out(names: &[&str], write: &mut dyn FnMut(u64, &[u8])) {
         mem.put_u64(m + u64::from(M_BLACKLIST), base + BLACKLIST);
         mem.put_u32(m + u64::from(M_NUM_BLACKLIST), 1);
         mem.put_u64(base + BLACKLIST, base + blacklisted + 4);
+        // One jump label (`struct jump_entry`: code, target, key, relative).
+        let entry = base + JUMP_TABLE;
+        mem.put_u64(m + u64::from(M_JUMP_ENTRIES), entry);
+        mem.put_u32(m + u64::from(M_NUM_JUMP_ENTRIES), 1);
+        mem.put_u32(entry, ((base + JUMP_LABEL) as i64 - entry as i64) as i32 as u32);
+        mem.put_u32(
+            entry + 4,
+            ((base + JUMP_LABEL + 5) as i64 - (entry + 4) as i64) as i32 as u32,
+        );
+        mem.put_u64(entry + 8, 0);
         // The text itself (so that a page walk finds it): NOPs.
         mem.write(base, &[0x90; TEXT_SIZE as usize]);
     }

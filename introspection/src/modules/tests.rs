@@ -48,6 +48,10 @@ fn reads_every_module_with_its_symbols_orc_and_blacklist() {
         Some(ModuleBlacklistReason::Nokprobe)
     );
     assert_eq!(beta.blacklisted(Gva(base + 0x40)), None);
+    // Its jump table: one 16-byte entry.
+    let jump = beta.jump_table.clone().unwrap();
+    assert_eq!(jump.end.0 - jump.start.0, 16);
+    assert_eq!(beta.static_call_table, None);
 }
 
 #[test]

@@ -176,6 +176,25 @@ impl Tracer {
                 site: p.range.start,
             });
         }
+        if let Some(m) = &module {
+            // The module's own jump labels and static calls, read from its tables now.
+            let sites = super::PatchSites::read_tables(
+                self.machine.kernel(),
+                m.jump_table.clone(),
+                m.static_call_table.clone(),
+            )
+            .map_err(|e| ProbeError::Unprobeable {
+                what: what.clone(),
+                reason: format!("module {}'s patch sites cannot be read: {e}", m.name),
+            })?;
+            if let Some(p) = sites.containing(site) {
+                return Err(ProbeError::PatchSite {
+                    what,
+                    kind: p.kind,
+                    site: p.range.start,
+                });
+            }
+        }
         let offset_in_code = (site.0 - func_start.0) as usize;
         if offset_in_code >= code.len() {
             return Err(ProbeError::Unprobeable {

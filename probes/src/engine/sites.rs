@@ -73,8 +73,37 @@ impl PatchSites {
     /// Reads `__jump_table` and `.static_call_sites` from guest memory. A kernel without
     /// one of them simply has no such sites.
     pub fn read<M: GuestVirtRead + ?Sized>(mem: &M, symbols: &SymbolTable) -> Result<Self, PatchSitesError> {
+        let jump_table = bounds(symbols, "__jump_table", "__start___jump_table", "__stop___jump_table")?;
+        let static_calls = bounds(
+            symbols,
+            ".static_call_sites",
+            "__start_static_call_sites",
+            "__stop_static_call_sites",
+        )?;
+        Self::read_tables(mem, jump_table, static_calls)
+    }
+
+    /// The sites of a jump table and a static-call site table at these bytes (a module's:
+    /// `mod->jump_entries`, `mod->static_call_sites`; or the kernel's).
+    pub fn read_tables<M: GuestVirtRead + ?Sized>(
+        mem: &M,
+        jump_table: Option<Range<Gva>>,
+        static_calls: Option<Range<Gva>>,
+    ) -> Result<Self, PatchSitesError> {
+        for (table, range) in [("__jump_table", &jump_table), (".static_call_sites", &static_calls)] {
+            if let Some(r) = range {
+                let len = r.end.0.saturating_sub(r.start.0);
+                if len > MAX_SITE_TABLE_BYTES {
+                    return Err(PatchSitesError::OverBudget {
+                        table,
+                        len,
+                        limit: MAX_SITE_TABLE_BYTES,
+                    });
+                }
+            }
+        }
         let mut sites = Vec::new();
-        if let Some(table) = bounds(symbols, "__jump_table", "__start___jump_table", "__stop___jump_table")? {
+        if let Some(table) = jump_table {
             for at in entries(&table, JUMP_ENTRY_SIZE) {
                 let code = mem.read_u32(at)? as i32;
                 let site = Gva(at.0.wrapping_add_signed(i64::from(code)));
@@ -87,12 +116,7 @@ impl PatchSites {
                 });
             }
         }
-        if let Some(table) = bounds(
-            symbols,
-            ".static_call_sites",
-            "__start_static_call_sites",
-            "__stop_static_call_sites",
-        )? {
+        if let Some(table) = static_calls {
             for at in entries(&table, STATIC_CALL_SITE_SIZE) {
                 let rel = mem.read_u32(at)? as i32;
                 let site = Gva(at.0.wrapping_add_signed(i64::from(rel)));

@@ -170,6 +170,23 @@ fn a_loaded_modules_blacklisted_or_unknown_function_is_refused_and_a_pending_one
         e.to_string(),
         "alpha:no_such+0x0: module alpha has no text symbol \"no_such\""
     );
+    // The module's own jump label (its jump table, as the kernel's are refused).
+    let label = ProbePoint::Module {
+        module: "alpha".into(),
+        name: "mod_fn_b".into(),
+        offset: synthetic::JUMP_LABEL - 0x40 + 2,
+    };
+    let e = t.register(plain(label, "label")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ProbeError::PatchSite {
+                kind: PatchSiteKind::JumpLabel,
+                ..
+            }
+        ),
+        "{e}"
+    );
     // A return probe off a function's entry is refused while the module is away too
     // (unloaded while no module probe, nor hook, was in).
     synthetic::lay_out(&[], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
