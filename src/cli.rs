@@ -259,7 +259,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "MS")]
     pub sample_ms: Option<u64>,
     /// Probes to arm, in the kernel's kprobe_events syntax (one per line: `p[:[GRP/]EVENT]
-    /// SYM[+OFFS]|ADDR [FETCHARGS]`, `-:[GRP/]EVENT`, `#` comments), and watches on the
+    /// SYM[+OFFS]|MOD:SYM[+OFFS]|ADDR [FETCHARGS]`, `-:[GRP/]EVENT`, `#` comments; a module's
+    /// probe waits for the module to load), and watches on the
     /// debug registers (`w[:[GRP/]EVENT] SYM[+OFFS]|ADDR[/LEN][:w|rw|x] [FETCHARGS]`, at most
     /// four; data watches need hardware KVM). A booted guest gets
     /// them when it reaches /init; a restored one before it runs. Hits are printed on stdout,
