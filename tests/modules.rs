@@ -355,3 +355,24 @@ fn a_modules_ko_for_another_kernel_or_none_is_refused_before_the_boot() {
     );
     let _ = std::fs::remove_file(probes);
 }
+
+/// A module function's BTF arguments (its parameters by name) are refused with the way to
+/// read them: the module's own BTF is not read.
+#[test]
+fn btf_arguments_of_a_module_function_are_refused_with_the_alternatives() {
+    let run = run_with(
+        1,
+        "module-btf",
+        "p:host/work hvprobe_test:hvprobe_test_work n\n",
+        "busybox insmod /usr/lib/hvprobe/hvprobe_test.ko",
+        &[],
+    );
+    assert_ne!(run.code, Some(0), "{}", run.tail());
+    assert!(
+        run.stderr.contains(
+            "hvprobe_test:hvprobe_test_work: BTF arguments (parameter names, $arg*, ->fields) need the module's BTF"
+        ),
+        "{}",
+        run.stderr
+    );
+}

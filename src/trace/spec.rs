@@ -835,6 +835,29 @@ pub(super) fn expand_and_check(
                 continue;
             }
         }
+        // A module function's parameters are in the module's BTF, which is not read: its
+        // BTF fetch-args would fetch nothing at every hit.
+        if let (true, ProbePoint::Module { module, name, .. }) = (has_btf_args(&p.request.args), &p.request.point) {
+            match wildcard {
+                Some(w) => {
+                    *skipped
+                        .entry(w)
+                        .or_default()
+                        .entry("without those BTF arguments")
+                        .or_default() += 1
+                }
+                None => problems.push((
+                    p.line,
+                    format!(
+                        "{source}:{}: {module}:{name}: BTF arguments (parameter names, $arg*, ->fields) need the \
+                         module's BTF, which hvprobe does not read: fetch registers ($argN, %REG), or give a \
+                         source line of the module with its .ko (MOD:FUNC@FILE)",
+                        p.line
+                    ),
+                )),
+            }
+            continue;
+        }
         if let (true, ProbePoint::Symbol { name, .. }) = (has_btf_args(&p.request.args), &p.request.point) {
             match resolve_btf_args(name, &p.request.args, tracer.kernel_btf().map(|b| b.as_ref())) {
                 Ok(args) => p.request.args = args,

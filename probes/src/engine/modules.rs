@@ -18,7 +18,11 @@
 //!   re-registers its probes when their module comes back).
 //!
 //! Both run on the hitting vCPU without pausing the others: the text they change is
-//! code no CPU can be executing (not yet run, or being freed).
+//! code that has not run its init (only a module parameter's own handlers could, and a
+//! single-byte int3 write is how text patching starts anyway) or is being freed. The
+//! hooks stay in while the global switch is off, and each module site notes the memory
+//! (core or init layout) it is in, so that a free takes it out whatever the module list
+//! says by then.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -124,6 +128,8 @@ impl Tracer {
             what: what.to_owned(),
             reason: "the guest kernel has no symbol `modules` (built without CONFIG_MODULES?)".into(),
         })?;
+        // Read and stored under the list's lock: a load noted meanwhile is not lost.
+        let mut loaded = self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner());
         let read =
             modules::read_modules(self.machine.kernel(), &layout, head.addr, &self.module_budget()).map_err(|e| {
                 ProbeError::Modules {
@@ -131,8 +137,9 @@ impl Tracer {
                     reason: e.to_string(),
                 }
             })?;
+        *loaded = read.into_iter().map(Arc::new).collect();
+        drop(loaded);
         *self.modules.last_listed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-        *self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner()) = read.into_iter().map(Arc::new).collect();
         Ok(())
     }
 
@@ -350,19 +357,16 @@ impl Tracer {
         if region.0 == 0 {
             return;
         }
-        let Some(module) = self.modules.containing(region) else {
-            return;
-        };
-        let range = if module.core.start == region {
-            module.core.clone()
-        } else if module.init.as_ref().is_some_and(|i| i.start == region) {
-            module.init.clone().unwrap_or(region..region)
-        } else {
-            return;
-        };
+        // The sites in that memory, as noted when each was armed (not through the module
+        // list, which a read in between may have left without the module).
         let text = self.machine.kernel();
         let mut reg = self.write_registry();
-        let sites: Vec<Gva> = reg.sites.range(range.clone()).map(|(a, _)| *a).collect();
+        let sites: Vec<Gva> = reg
+            .sites
+            .iter()
+            .filter(|(_, s)| s.module.as_ref().is_some_and(|(_, layout)| *layout == region))
+            .map(|(a, _)| *a)
+            .collect();
         for addr in sites {
             let ids = self.detach_site(text, &mut reg, addr);
             for id in ids {
@@ -372,17 +376,22 @@ impl Tracer {
             }
         }
         drop(reg);
+        // The list as read: without the freed module (or its init layout).
         let mut loaded = self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner());
-        if module.core.start == region {
-            tracing::debug!("module {} freed", module.name);
-            loaded.retain(|m| !Arc::ptr_eq(m, &module));
-        } else {
-            let mut without_init = (*module).clone();
-            without_init.init = None;
-            without_init.init_text = None;
-            loaded.retain(|m| !Arc::ptr_eq(m, &module));
-            loaded.push(Arc::new(without_init));
+        let mut kept = Vec::with_capacity(loaded.len());
+        for m in loaded.drain(..) {
+            if m.core.start == region {
+                tracing::debug!("module {} freed", m.name);
+            } else if m.init.as_ref().is_some_and(|i| i.start == region) {
+                let mut without_init = (*m).clone();
+                without_init.init = None;
+                without_init.init_text = None;
+                kept.push(Arc::new(without_init));
+            } else {
+                kept.push(m);
+            }
         }
+        *loaded = kept;
     }
 }
 

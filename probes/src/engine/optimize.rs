@@ -266,7 +266,7 @@ impl Tracer {
         if site.shared_with_guest() {
             return Some(WhyNotOptimized::SharedWithGuest);
         }
-        if let Some(module) = &site.module {
+        if let Some((module, _)) = &site.module {
             return Some(WhyNotOptimized::InModule(module.clone()));
         }
         let hook = |id: &ProbeId| {

@@ -26,8 +26,9 @@ pub(super) struct Placement {
     /// The original bytes at `site` (up to 15, within the function).
     pub bytes: Vec<u8>,
     pub may_fault: bool,
-    /// The module the site is in.
-    pub module: Option<String>,
+    /// The module the site is in, and the start of its memory (core or init layout)
+    /// that holds the site.
+    pub module: Option<(String, Gva)>,
 }
 
 /// The one text symbol `name` names, with `offset` inside it: what can be checked of a
@@ -88,7 +89,24 @@ impl Tracer {
                 let what = format!("{name}+{offset:#x}");
                 (Gva(symbol.addr.0 + offset), what.clone(), Some(what), None)
             }
-            ProbePoint::Address(a) => (*a, format!("{a}"), None, self.module_containing(*a)),
+            ProbePoint::Address(a) => {
+                if let Some(m) = self.module_containing(*a) {
+                    // A raw address would stay where the module was after it unloads.
+                    let named = m.symbols.describe(*a).map_or_else(
+                        || format!("{}:SYM+OFF", m.name),
+                        |d| format!("{}:{}+{:#x}", m.name, d.symbol.name, d.offset),
+                    );
+                    return Err(ProbeError::Unprobeable {
+                        what: format!("{a}"),
+                        reason: format!(
+                            "it is in module {}'s memory: give it as {named}, which follows the module's loads \
+                             and unloads",
+                            m.name
+                        ),
+                    });
+                }
+                (*a, format!("{a}"), None, None)
+            }
             ProbePoint::Module { module, name, offset } => {
                 let what = format!("{module}:{name}+{offset:#x}");
                 let loaded = self.loaded_module(module, &what)?;
@@ -217,7 +235,13 @@ impl Tracer {
             what,
             bytes: bytes.to_vec(),
             may_fault: ex_table.lookup(site).is_some(),
-            module: module.as_ref().map(|m| m.name.clone()),
+            module: module.as_ref().map(|m| {
+                let layout = match &m.init {
+                    Some(init) if init.contains(&site) => init.start,
+                    _ => m.core.start,
+                };
+                (m.name.clone(), layout)
+            }),
         })
     }
 

@@ -183,8 +183,9 @@ pub(super) struct Site {
     pub detour: Option<Detour>,
     /// Why the site is not optimized (while the switch is on).
     pub not_optimized: Option<WhyNotOptimized>,
-    /// The module whose code it is in.
-    pub module: Option<String>,
+    /// The module whose code it is in, and the start of the module's memory (its core or
+    /// init layout) that holds it: a free of that memory takes the site out.
+    pub module: Option<(String, Gva)>,
 }
 
 impl Site {
@@ -962,11 +963,18 @@ fn step_name(step: &insn::OutOfLine) -> String {
 /// Writes or removes the int3 of the site at `addr` to match its probes and the global
 /// switch. A site it finds the guest rewrote is counted gone.
 fn sync_site(tracer: &Tracer, text: &dyn KernelMemory, reg: &mut Registry, addr: Gva) {
-    let want = reg.armed
-        && reg
-            .sites
-            .get(&addr)
-            .is_some_and(|s| s.probes.iter().any(|id| reg.probes.get(id).is_some_and(|p| p.enabled)));
+    let enabled = |role: Option<Role>| {
+        reg.sites.get(&addr).is_some_and(|s| {
+            s.probes.iter().any(|id| {
+                reg.probes
+                    .get(id)
+                    .is_some_and(|p| p.enabled && role.is_none_or(|r| p.role == r))
+            })
+        })
+    };
+    // The module loader's hooks stay in while the global switch is off: a module freed
+    // meanwhile must still take our int3s with it.
+    let want = (reg.armed && enabled(None)) || enabled(Some(Role::ModuleLoad)) || enabled(Some(Role::ModuleFree));
     let Some(site) = reg.sites.get_mut(&addr) else { return };
     let was_gone = site.gone;
     if want && !site.armed && !site.gone {

@@ -255,3 +255,69 @@ fn a_pending_return_probe_follows_calls_once_its_module_loads() {
     assert_eq!(cpu.regs.rip, caller);
     assert_eq!(t.listing()[0].hits, 1);
 }
+
+/// The global switch off: the loader hooks stay in (a module that unloads meanwhile must
+/// still take our int3s with it), and switching back on arms nothing in freed memory.
+#[test]
+fn the_loader_hooks_stay_armed_while_the_global_switch_is_off() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    load(&m, &t);
+    let fn_b = MODULE_BASE + 0x40;
+    assert_eq!(m.bytes(fn_b, 1), [INT3]);
+    t.set_armed(false).unwrap();
+    assert_eq!(m.bytes(fn_b, 1), [0x90]);
+    assert_eq!(m.bytes(MODULE_MEMFREE + 5, 1), [INT3], "the free hook stays");
+    unload(&m, &t);
+    // Other code where the module was: its first byte as the probed one was.
+    m.write_virt(Gva(fn_b), &[0x90, 0x0f, 0x0b]).unwrap();
+    t.set_armed(true).unwrap();
+    assert_eq!(
+        m.bytes(fn_b, 3),
+        [0x90, 0x0f, 0x0b],
+        "nothing written into freed memory"
+    );
+    assert!(t.listing()[0].gone, "{:?}", t.listing()[0]);
+}
+
+/// An address in a module's code is refused: only `MOD:SYM+OFF` follows the module's
+/// unload (a raw address would stay in the freed memory).
+#[test]
+fn an_address_in_a_modules_code_is_refused_with_the_way_to_probe_it() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    let id = t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    load(&m, &t);
+    t.unregister(id).unwrap();
+    let e = t
+        .register(plain(ProbePoint::Address(Gva(MODULE_BASE + 0x40)), "addr"))
+        .unwrap_err();
+    assert!(e.to_string().contains("give it as alpha:mod_fn_b+0x0"), "{e}");
+    assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [0x90]);
+}
+
+/// The module list read again between the module leaving it and its memory being freed
+/// (another module probe added then): the free still takes our int3 out — what a site
+/// is in was noted when it was armed.
+#[test]
+fn a_free_takes_the_int3s_out_even_when_the_list_was_read_again_before_it() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    load(&m, &t);
+    let fn_b = MODULE_BASE + 0x40;
+    // free_module: the module leaves the list, ...
+    synthetic::lay_out(&[], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    // ... a probe of another module is added (its registration reads the list), ...
+    let other = ProbePoint::Module {
+        module: "other".into(),
+        name: "x".into(),
+        offset: 0,
+    };
+    t.register(plain(other, "other")).unwrap();
+    // ... and the memory is freed.
+    loader_hit(&t, MODULE_MEMFREE, MODULE_BASE);
+    assert_eq!(m.bytes(fn_b, 1), [0x90]);
+    assert!(t.listing()[0].gone, "{:?}", t.listing()[0]);
+}
