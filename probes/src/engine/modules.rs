@@ -351,6 +351,52 @@ impl Tracer {
         }
     }
 
+    /// Arms, with the vCPUs paused, the pending probes whose module the list now shows
+    /// loaded (its code may be running: the pause is what makes the write safe).
+    pub(super) fn arm_pending_of_loaded_modules(&self) {
+        if let Err(e) = self.relist_modules("module probes") {
+            tracing::warn!("{e}");
+            return;
+        }
+        let waiting: Vec<(ProbeId, ProbePoint, ProbeKind)> = self
+            .read_registry()
+            .probes
+            .iter()
+            .filter_map(|(id, p)| {
+                let b = p.module.as_ref()?;
+                (b.state == ModuleProbeState::Pending).then(|| (*id, b.point(), p.kind))
+            })
+            .collect();
+        let placed: Vec<(ProbeId, super::placement::Placement)> = waiting
+            .into_iter()
+            .filter_map(|(id, point, kind)| {
+                let p = self.place(&point).ok()?;
+                (!matches!(kind, ProbeKind::Kretprobe { .. }) || p.at_function_entry).then_some((id, p))
+            })
+            .collect();
+        if placed.is_empty() {
+            return;
+        }
+        let paused = self.paused(&mut |view| {
+            let mut reg = self.write_registry();
+            for (id, placement) in &placed {
+                let still_waiting = reg
+                    .probes
+                    .get(id)
+                    .and_then(|p| p.module.as_ref())
+                    .is_some_and(|b| b.state == ModuleProbeState::Pending);
+                if still_waiting {
+                    if let Err(e) = self.attach_to_site(view.text(), &mut reg, *id, placement) {
+                        tracing::warn!("{e}: the probe stays pending");
+                    }
+                }
+            }
+        });
+        if let Err(e) = paused {
+            tracing::warn!("arming the probes of a module loaded meanwhile: {e}; they wait for its next load");
+        }
+    }
+
     /// `module_memfree(region)`: if the region is a read module's core or init layout,
     /// take our int3s out of it and mark their probes gone.
     fn module_memory_freed(&self, region: Gva) {

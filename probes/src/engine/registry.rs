@@ -352,6 +352,11 @@ impl Tracer {
             result = Ok(done);
         })
         .map_err(|e| (0, e.into()))?;
+        if result.is_ok() && placed.iter().any(|p| matches!(p, Placed::Pending)) {
+            // A module that loaded between the list's read and the pause: its load came
+            // before our hook (or it was the first module probe), so arm its probes now.
+            self.arm_pending_of_loaded_modules();
+        }
         result
     }
 

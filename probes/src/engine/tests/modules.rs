@@ -321,3 +321,19 @@ fn a_free_takes_the_int3s_out_even_when_the_list_was_read_again_before_it() {
     assert_eq!(m.bytes(fn_b, 1), [0x90]);
     assert!(t.listing()[0].gone, "{:?}", t.listing()[0]);
 }
+
+/// The module loads while a probe of it is being registered — after the list was read,
+/// before the pause (and so before the load hook was in): the probe is armed all the
+/// same, not left pending on a loaded module.
+#[test]
+fn a_module_that_loads_while_its_probe_is_registered_gets_the_probe() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    *m.before_pause.lock().unwrap() = Some(Box::new(|m: &FakeMachine| {
+        synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    }));
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    let listed = &t.listing()[0];
+    assert!(!listed.pending, "{listed:?}");
+    assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [INT3]);
+}
