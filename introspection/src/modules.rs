@@ -168,8 +168,8 @@ pub struct ModuleLayout {
 impl ModuleLayout {
     /// The layout as the kernel's BTF describes it.
     pub fn from_btf(btf: &Btf) -> Result<ModuleLayout, ModuleError> {
-        let member = |path: &'static str, expected: u64, what: &'static str| -> Result<u64, ModuleError> {
-            let m = btf.member_offset("module", path)?;
+        let field = |strukt: &str, path: &'static str, expected: u64, what: &'static str| {
+            let m = btf.member_offset(strukt, path)?;
             if m.size != expected || m.bitfield_size != 0 {
                 return Err(ModuleError::UnexpectedLayout {
                     member: path,
@@ -179,17 +179,8 @@ impl ModuleLayout {
             }
             Ok(m.offset)
         };
-        let ks = |path: &'static str, expected: u64, what: &'static str| -> Result<u64, ModuleError> {
-            let m = btf.member_offset("mod_kallsyms", path)?;
-            if m.size != expected || m.bitfield_size != 0 {
-                return Err(ModuleError::UnexpectedLayout {
-                    member: path,
-                    size: m.size,
-                    expected: what,
-                });
-            }
-            Ok(m.offset)
-        };
+        let member = |path, expected, what| field("module", path, expected, what);
+        let ks = |path, expected, what| field("mod_kallsyms", path, expected, what);
         let name = btf.member_offset("module", "name")?;
         if name.size == 0 || name.size > 256 {
             return Err(ModuleError::UnexpectedLayout {

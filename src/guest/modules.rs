@@ -281,8 +281,8 @@ impl ModuleTree {
                 path: path.clone(),
                 source,
             })?;
-            if let (Some(kernel), Some(built_for)) = (kernel, vermagic_release(&bytes)) {
-                if built_for != kernel {
+            if let Some(kernel) = kernel {
+                if let Some(built_for) = built_for_another(&bytes, kernel) {
                     return Err(ModulesError::WrongRelease {
                         dir: self.dir.clone(),
                         module: name.clone(),
@@ -353,8 +353,14 @@ pub fn kernel_release_of(path: &Path) -> std::io::Result<Option<String>> {
     }
 }
 
+/// The release a module was built for, when its `vermagic` names one other than the
+/// kernel's `release` (a module of another build has other code).
+pub(crate) fn built_for_another(module: &[u8], release: &str) -> Option<String> {
+    vermagic_release(module).filter(|built_for| built_for != release)
+}
+
 /// The release in a module's `vermagic=RELEASE …` (its .modinfo), when it has one.
-pub(crate) fn vermagic_release(module: &[u8]) -> Option<String> {
+fn vermagic_release(module: &[u8]) -> Option<String> {
     const VERMAGIC: &[u8] = b"vermagic=";
     let at = module.windows(VERMAGIC.len()).position(|w| w == VERMAGIC)?;
     release_word(&module[at + VERMAGIC.len()..])

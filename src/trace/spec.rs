@@ -126,8 +126,8 @@ impl KernelSourceFiles {
             SourceFiles::None => None,
         };
         let release = kernel.and_then(|k| crate::guest::modules::kernel_release_of(&k).ok().flatten());
-        if let (Some(release), Some(built_for)) = (release, crate::guest::modules::vermagic_release(&bytes)) {
-            if release != built_for {
+        if let Some(release) = release {
+            if let Some(built_for) = crate::guest::modules::built_for_another(&bytes, &release) {
                 return Err(KernelSourceError::ModuleForAnotherKernel {
                     path: shown,
                     built_for,
@@ -757,6 +757,25 @@ pub(super) fn plan(
     Ok((armed, notes))
 }
 
+/// Why a wildcard's function is skipped when it lacks the BTF arguments its line names.
+const WITHOUT_BTF_ARGS: &str = "without those BTF arguments";
+
+/// A probe that cannot be armed as its line asks: one of its wildcard's functions skipped
+/// and counted by `kind`, or, for a line of its own, the line's refusal.
+fn skip_or_refuse(
+    skipped: &mut BTreeMap<usize, BTreeMap<&'static str, usize>>,
+    problems: &mut LineProblems,
+    wildcard: Option<usize>,
+    kind: &'static str,
+    line: usize,
+    refusal: impl FnOnce() -> String,
+) {
+    match wildcard {
+        Some(w) => *skipped.entry(w).or_default().entry(kind).or_default() += 1,
+        None => problems.push((line, refusal())),
+    }
+}
+
 /// [`plan`]'s work: what to arm, the wildcard notes, and every refusal with its line.
 pub(super) fn expand_and_check(
     tracer: &Tracer,
@@ -825,56 +844,32 @@ pub(super) fn expand_and_check(
                 .kernel_btf()
                 .and_then(|btf| void_retval(name, &p.request.args, btf))
             {
-                match wildcard {
-                    Some(w) => *skipped.entry(w).or_default().entry("returning void").or_default() += 1,
-                    None => problems.push((
-                        p.line,
-                        locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string(),
-                    )),
-                }
+                skip_or_refuse(&mut skipped, &mut problems, wildcard, "returning void", p.line, || {
+                    locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string()
+                });
                 continue;
             }
         }
         // A module function's parameters are in the module's BTF, which is not read: its
         // BTF fetch-args would fetch nothing at every hit.
         if let (true, ProbePoint::Module { module, name, .. }) = (has_btf_args(&p.request.args), &p.request.point) {
-            match wildcard {
-                Some(w) => {
-                    *skipped
-                        .entry(w)
-                        .or_default()
-                        .entry("without those BTF arguments")
-                        .or_default() += 1
-                }
-                None => problems.push((
-                    p.line,
-                    format!(
-                        "{source}:{}: {module}:{name}: BTF arguments (parameter names, $arg*, ->fields) need the \
-                         module's BTF, which hvprobe does not read: fetch registers ($argN, %REG), or give a \
-                         source line of the module with its .ko (MOD:FUNC@FILE)",
-                        p.line
-                    ),
-                )),
-            }
+            skip_or_refuse(&mut skipped, &mut problems, wildcard, WITHOUT_BTF_ARGS, p.line, || {
+                format!(
+                    "{source}:{}: {module}:{name}: BTF arguments (parameter names, $arg*, ->fields) need the \
+                     module's BTF, which hvprobe does not read: fetch registers ($argN, %REG), or give a source \
+                     line of the module with its .ko (MOD:FUNC@FILE)",
+                    p.line
+                )
+            });
             continue;
         }
         if let (true, ProbePoint::Symbol { name, .. }) = (has_btf_args(&p.request.args), &p.request.point) {
             match resolve_btf_args(name, &p.request.args, tracer.kernel_btf().map(|b| b.as_ref())) {
                 Ok(args) => p.request.args = args,
                 Err(e) => {
-                    match wildcard {
-                        Some(w) => {
-                            *skipped
-                                .entry(w)
-                                .or_default()
-                                .entry("without those BTF arguments")
-                                .or_default() += 1
-                        }
-                        None => problems.push((
-                            p.line,
-                            locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string(),
-                        )),
-                    }
+                    skip_or_refuse(&mut skipped, &mut problems, wildcard, WITHOUT_BTF_ARGS, p.line, || {
+                        locate_btf_error(&p.text, p.line, Some(source), &p.request.args, e).to_string()
+                    });
                     continue;
                 }
             }

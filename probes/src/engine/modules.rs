@@ -302,21 +302,51 @@ impl Tracer {
         self.arm_module_probes(&module.name);
     }
 
-    /// Arms the pending (or gone) probes of module `name`, which is loaded. Placed with
-    /// no lock held (placing reads the registry), then put in with the registry locked.
+    /// Arms the pending (or gone) probes of module `name`, which is loaded, before its
+    /// init runs (no pause: nothing runs its code yet).
     pub(super) fn arm_module_probes(&self, name: &str) {
+        let waits = |b: &ModuleBinding| b.module == name && b.state != ModuleProbeState::Armed;
+        let placed = self.place_waiting(&waits);
+        if placed.is_empty() {
+            return;
+        }
+        let mut reg = self.write_registry();
+        self.attach_waiting(self.machine.kernel(), &mut reg, &placed, &waits);
+    }
+
+    /// Arms, with the vCPUs paused, the pending probes whose module the list now shows
+    /// loaded (its code may be running: the pause is what makes the write safe).
+    pub(super) fn arm_pending_of_loaded_modules(&self) {
+        if let Err(e) = self.relist_modules("module probes") {
+            tracing::warn!("{e}");
+            return;
+        }
+        let waits = |b: &ModuleBinding| b.state == ModuleProbeState::Pending;
+        let placed = self.place_waiting(&waits);
+        if placed.is_empty() {
+            return;
+        }
+        let paused = self.paused(&mut |view| {
+            let mut reg = self.write_registry();
+            self.attach_waiting(view.text(), &mut reg, &placed, &waits);
+        });
+        if let Err(e) = paused {
+            tracing::warn!("arming the probes of a module loaded meanwhile: {e}; they wait for its next load");
+        }
+    }
+
+    /// The module probes `waits` picks, placed in their (loaded) modules, with no lock
+    /// held (placing reads the registry); those that cannot be placed stay as they are.
+    fn place_waiting(&self, waits: &dyn Fn(&ModuleBinding) -> bool) -> Vec<(ProbeId, Placement)> {
         let waiting: Vec<(ProbeId, ProbePoint, ProbeKind)> = self
             .read_registry()
             .probes
             .iter()
             .filter_map(|(id, p)| {
                 let b = p.module.as_ref()?;
-                (b.module == name && b.state != ModuleProbeState::Armed).then(|| (*id, b.point(), p.kind))
+                waits(b).then(|| (*id, b.point(), p.kind))
             })
             .collect();
-        if waiting.is_empty() {
-            return;
-        }
         let mut placed = Vec::new();
         for (id, point, kind) in waiting {
             match self.place(&point) {
@@ -327,73 +357,30 @@ impl Tracer {
                     );
                 }
                 Ok(p) => placed.push((id, p)),
+                // (Its module is not loaded: nothing to say.)
+                Err(ProbeError::ModuleNotLoaded { .. }) => {}
                 Err(e) => tracing::warn!("{e}: the probe stays pending"),
             }
         }
-        let text = self.machine.kernel();
-        let mut reg = self.write_registry();
-        for (id, placement) in placed {
-            let still_waiting = reg
-                .probes
-                .get(&id)
-                .and_then(|p| p.module.as_ref())
-                .is_some_and(|b| b.state != ModuleProbeState::Armed);
-            if !still_waiting {
-                continue;
-            }
-            if let Err(e) = self.attach_to_site(text, &mut reg, id, &placement) {
-                tracing::warn!("{e}: the probe stays pending");
-                continue;
-            }
-            if let Some(b) = reg.probes.get_mut(&id).and_then(|p| p.module.as_mut()) {
-                b.state = ModuleProbeState::Armed;
-            }
-        }
+        placed
     }
 
-    /// Arms, with the vCPUs paused, the pending probes whose module the list now shows
-    /// loaded (its code may be running: the pause is what makes the write safe).
-    pub(super) fn arm_pending_of_loaded_modules(&self) {
-        if let Err(e) = self.relist_modules("module probes") {
-            tracing::warn!("{e}");
-            return;
-        }
-        let waiting: Vec<(ProbeId, ProbePoint, ProbeKind)> = self
-            .read_registry()
-            .probes
-            .iter()
-            .filter_map(|(id, p)| {
-                let b = p.module.as_ref()?;
-                (b.state == ModuleProbeState::Pending).then(|| (*id, b.point(), p.kind))
-            })
-            .collect();
-        let placed: Vec<(ProbeId, super::placement::Placement)> = waiting
-            .into_iter()
-            .filter_map(|(id, point, kind)| {
-                let p = self.place(&point).ok()?;
-                (!matches!(kind, ProbeKind::Kretprobe { .. }) || p.at_function_entry).then_some((id, p))
-            })
-            .collect();
-        if placed.is_empty() {
-            return;
-        }
-        let paused = self.paused(&mut |view| {
-            let mut reg = self.write_registry();
-            for (id, placement) in &placed {
-                let still_waiting = reg
-                    .probes
-                    .get(id)
-                    .and_then(|p| p.module.as_ref())
-                    .is_some_and(|b| b.state == ModuleProbeState::Pending);
-                if still_waiting {
-                    if let Err(e) = self.attach_to_site(view.text(), &mut reg, *id, placement) {
-                        tracing::warn!("{e}: the probe stays pending");
-                    }
+    /// Puts the placed probes that `waits` still picks (the registry may have changed
+    /// since they were placed) on their sites.
+    fn attach_waiting(
+        &self,
+        text: &dyn KernelMemory,
+        reg: &mut Registry,
+        placed: &[(ProbeId, Placement)],
+        waits: &dyn Fn(&ModuleBinding) -> bool,
+    ) {
+        for (id, placement) in placed {
+            let still_waiting = reg.probes.get(id).and_then(|p| p.module.as_ref()).is_some_and(waits);
+            if still_waiting {
+                if let Err(e) = self.attach_to_site(text, reg, *id, placement) {
+                    tracing::warn!("{e}: the probe stays pending");
                 }
             }
-        });
-        if let Err(e) = paused {
-            tracing::warn!("arming the probes of a module loaded meanwhile: {e}; they wait for its next load");
         }
     }
 
