@@ -13,70 +13,21 @@
 mod guest_common;
 
 use guest_common::Input;
+use hvprobe_introspection::btf::builder::Builder;
 use hvprobe_introspection::btf::{Btf, Kind};
 use hvprobe_introspection::stacks::StacksLayout;
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_introspection::task::TaskLayout;
 use libfuzzer_sys::fuzz_target;
 
-struct Builder {
-    types: Vec<u8>,
-    strings: Vec<u8>,
-    next: u32,
-}
-
-impl Builder {
-    fn str(&mut self, s: &str) -> u32 {
-        if s.is_empty() {
-            return 0;
-        }
-        let off = self.strings.len() as u32;
-        self.strings.extend_from_slice(s.as_bytes());
-        self.strings.push(0);
-        off
-    }
-
-    fn raw(&mut self, name: &str, kind: u32, kflag: bool, vlen: u32, size_or_type: u32, tail: &[u32]) -> u32 {
-        let name_off = self.str(name);
-        let info = (kind << 24) | vlen | if kflag { 1 << 31 } else { 0 };
-        for w in [name_off, info, size_or_type].iter().chain(tail) {
-            self.types.extend_from_slice(&w.to_le_bytes());
-        }
-        self.next += 1;
-        self.next - 1
-    }
-
-    fn agg(&mut self, kind: u32, name: &str, size: u32, members: &[(&str, u32, u32)]) -> u32 {
-        let mut tail = Vec::new();
-        for &(n, t, off) in members {
-            tail.extend([self.str(n), t, off]);
-        }
-        self.raw(name, kind, false, members.len() as u32, size, &tail)
-    }
-
-    fn blob(&self) -> Vec<u8> {
-        let mut b = vec![0x9f, 0xeb, 1, 0];
-        for w in [
-            24u32,
-            0,
-            self.types.len() as u32,
-            self.types.len() as u32,
-            self.strings.len() as u32,
-        ] {
-            b.extend_from_slice(&w.to_le_bytes());
-        }
-        b.extend_from_slice(&self.types);
-        b.extend_from_slice(&self.strings);
-        b
-    }
+/// Structs and unions with (name, type, bit offset) members.
+fn agg(b: &mut Builder, kind: u32, name: &str, size: u32, members: &[(&str, u32, u32)]) -> u32 {
+    let members: Vec<(&str, u32, u32, u32)> = members.iter().map(|&(n, t, off)| (n, t, off, 0)).collect();
+    b.aggregate(kind, name, size, false, &members)
 }
 
 fn baseline() -> Vec<u8> {
-    let mut b = Builder {
-        types: Vec::new(),
-        strings: vec![0],
-        next: 1,
-    };
+    let mut b = Builder::new();
     let int = b.raw("int", 1, false, 0, 4, &[(1 << 24) | 32]);
     let long = b.raw("long", 1, false, 0, 8, &[(1 << 24) | 64]);
     let ch = b.raw("char", 1, false, 0, 1, &[8]);
@@ -84,12 +35,13 @@ fn baseline() -> Vec<u8> {
     let cpid = b.raw("", 10, false, 0, pid_t, &[]);
     let comm = b.raw("", 3, false, 0, 0, &[ch, int, 16]);
     let ptr = b.raw("", 2, false, 0, 0, &[]);
-    let list = b.agg(4, "list_head", 16, &[("next", ptr, 0), ("prev", ptr, 64)]);
-    let thread = b.agg(4, "thread_struct", 16, &[("sp", long, 0), ("fsbase", long, 64)]);
-    let anon_inner = b.agg(5, "", 8, &[("pid", cpid, 0), ("tgid", pid_t, 32)]);
-    let anon = b.agg(4, "", 16, &[("", anon_inner, 0), ("on_cpu", int, 64)]);
-    let sched = b.agg(4, "sched_entity", 16, &[("group_node", list, 0)]);
-    b.agg(
+    let list = agg(&mut b, 4, "list_head", 16, &[("next", ptr, 0), ("prev", ptr, 64)]);
+    let thread = agg(&mut b, 4, "thread_struct", 16, &[("sp", long, 0), ("fsbase", long, 64)]);
+    let anon_inner = agg(&mut b, 5, "", 8, &[("pid", cpid, 0), ("tgid", pid_t, 32)]);
+    let anon = agg(&mut b, 4, "", 16, &[("", anon_inner, 0), ("on_cpu", int, 64)]);
+    let sched = agg(&mut b, 4, "sched_entity", 16, &[("group_node", list, 0)]);
+    agg(
+        &mut b,
         4,
         "task_struct",
         256,
@@ -104,11 +56,12 @@ fn baseline() -> Vec<u8> {
             ("thread", thread, 768),
         ],
     );
-    b.agg(4, "signal_struct", 16, &[("thread_head", list, 0)]);
-    b.agg(4, "rq", 64, &[("idle", ptr, 0), ("cfs_tasks", list, 64)]);
-    b.agg(4, "irq_stack", 16384, &[("stack", comm, 0)]);
+    agg(&mut b, 4, "signal_struct", 16, &[("thread_head", list, 0)]);
+    agg(&mut b, 4, "rq", 64, &[("idle", ptr, 0), ("cfs_tasks", list, 64)]);
+    agg(&mut b, 4, "irq_stack", 16384, &[("stack", comm, 0)]);
     let st = b.raw("", 3, false, 0, 0, &[ch, int, 4096]);
-    b.agg(
+    agg(
+        &mut b,
         4,
         "cea_exception_stacks",
         32768,
@@ -118,7 +71,7 @@ fn baseline() -> Vec<u8> {
             ("DB_stack", st, 5 * 8 * 4096),
         ],
     );
-    b.agg(4, "cpumask", 8, &[("bits", long, 0)]);
+    agg(&mut b, 4, "cpumask", 8, &[("bits", long, 0)]);
     b.blob()
 }
 

@@ -734,85 +734,14 @@ fn parse_types(sec: &[u8], str_len: usize) -> Result<Vec<BtfType>, BtfError> {
     Ok(types)
 }
 
+#[doc(hidden)]
+pub mod builder;
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Builds BTF blobs by hand for tests.
-    #[derive(Default)]
-    struct Builder {
-        types: Vec<u8>,
-        strings: Vec<u8>,
-        next_id: TypeId,
-    }
-
-    impl Builder {
-        fn new() -> Builder {
-            Builder {
-                types: Vec::new(),
-                strings: vec![0],
-                next_id: 1,
-            }
-        }
-
-        fn str(&mut self, s: &str) -> u32 {
-            if s.is_empty() {
-                return 0;
-            }
-            let off = self.strings.len() as u32;
-            self.strings.extend_from_slice(s.as_bytes());
-            self.strings.push(0);
-            off
-        }
-
-        fn raw(&mut self, name: &str, kind: u32, kflag: bool, vlen: u32, size_or_type: u32, tail: &[u32]) -> TypeId {
-            let name_off = self.str(name);
-            let info = (kind << 24) | vlen | if kflag { 1 << 31 } else { 0 };
-            for w in [name_off, info, size_or_type].iter().chain(tail) {
-                self.types.extend_from_slice(&w.to_le_bytes());
-            }
-            self.next_id += 1;
-            self.next_id - 1
-        }
-
-        fn int(&mut self, name: &str, size: u32, bits: u32, signed: bool) -> TypeId {
-            self.raw(name, 1, false, 0, size, &[(if signed { 1 << 24 } else { 0 }) | bits])
-        }
-
-        /// A struct (or union, kind 5) with (name, type, bit offset, bitfield size) members.
-        fn aggregate(
-            &mut self,
-            kind: u32,
-            name: &str,
-            size: u32,
-            kflag: bool,
-            members: &[(&str, TypeId, u32, u32)],
-        ) -> TypeId {
-            let mut tail = Vec::new();
-            for &(n, t, off, bf) in members {
-                tail.extend([self.str(n), t, if kflag { (bf << 24) | off } else { off }]);
-            }
-            self.raw(name, kind, kflag, members.len() as u32, size, &tail)
-        }
-
-        fn blob(&self) -> Vec<u8> {
-            let mut b = Vec::new();
-            b.extend_from_slice(&BTF_MAGIC.to_le_bytes());
-            b.extend_from_slice(&[BTF_VERSION, 0]);
-            for w in [
-                24u32,
-                0,
-                self.types.len() as u32,
-                self.types.len() as u32,
-                self.strings.len() as u32,
-            ] {
-                b.extend_from_slice(&w.to_le_bytes());
-            }
-            b.extend_from_slice(&self.types);
-            b.extend_from_slice(&self.strings);
-            b
-        }
-    }
+    use builder::Builder;
 
     /// A miniature task_struct using every kind, with the layout quirks the real one has:
     /// members inside anonymous structs/unions, bitfields, typedef'd and const types.
@@ -1038,7 +967,7 @@ mod tests {
         // A trailing partial record.
         let mut b = Builder::new();
         b.int("int", 4, 32, true);
-        b.types.extend_from_slice(&[0; 5]);
+        b.type_bytes(&[0; 5]);
         assert!(matches!(expect_err(&b.blob()), BtfError::TruncatedType { id: 2, .. }));
     }
 

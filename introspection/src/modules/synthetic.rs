@@ -4,6 +4,7 @@
 //! blacklist. For the reader's tests and its fuzz target (which patches it as a hostile
 //! guest would); nothing else uses it.
 
+use crate::btf::builder::Builder;
 use crate::memory::SparseMemory;
 
 /// Where the synthetic guest keeps the kernel's `modules` list head.
@@ -48,57 +49,24 @@ const M_JUMP_ENTRIES: u32 = 208;
 const M_NUM_JUMP_ENTRIES: u32 = 216;
 const M_SIZE: u32 = 224;
 
-struct Builder {
-    types: Vec<u8>,
-    strings: Vec<u8>,
-    next: u32,
-}
-
-impl Builder {
-    fn str(&mut self, s: &str) -> u32 {
-        if s.is_empty() {
-            return 0;
-        }
-        let off = self.strings.len() as u32;
-        self.strings.extend_from_slice(s.as_bytes());
-        self.strings.push(0);
-        off
-    }
-
-    fn raw(&mut self, name: &str, kind: u32, vlen: u32, size_or_type: u32, tail: &[u32]) -> u32 {
-        let name_off = self.str(name);
-        for w in [name_off, (kind << 24) | vlen, size_or_type].iter().chain(tail) {
-            self.types.extend_from_slice(&w.to_le_bytes());
-        }
-        self.next += 1;
-        self.next - 1
-    }
-
-    /// A struct with (name, type, byte offset) members.
-    fn strukt(&mut self, name: &str, size: u32, members: &[(&str, u32, u32)]) -> u32 {
-        let mut tail = Vec::new();
-        for &(n, t, off) in members {
-            tail.extend([self.str(n), t, off * 8]);
-        }
-        self.raw(name, 4, members.len() as u32, size, &tail)
-    }
+/// A struct with (name, type, byte offset) members.
+fn strukt(b: &mut Builder, name: &str, size: u32, members: &[(&str, u32, u32)]) -> u32 {
+    let members: Vec<(&str, u32, u32, u32)> = members.iter().map(|&(n, t, off)| (n, t, off * 8, 0)).collect();
+    b.aggregate(4, name, size, false, &members)
 }
 
 /// BTF describing Linux 6.1's `struct module` as far as the reader looks.
 pub fn btf() -> Vec<u8> {
-    let mut b = Builder {
-        types: Vec::new(),
-        strings: vec![0],
-        next: 1,
-    };
-    let int = b.raw("int", 1, 0, 4, &[(1 << 24) | 32]);
-    let uint = b.raw("unsigned int", 1, 0, 4, &[32]);
-    let ch = b.raw("char", 1, 0, 1, &[8]);
-    let ptr = b.raw("", 2, 0, 0, &[]);
-    let name = b.raw("", 3, 0, 0, &[ch, int, 56]);
-    let state = b.raw("module_state", 6, 0, 4, &[]);
-    let list = b.strukt("list_head", 16, &[("next", ptr, 0), ("prev", ptr, 8)]);
-    let layout = b.strukt(
+    let mut b = Builder::new();
+    let int = b.raw("int", 1, false, 0, 4, &[(1 << 24) | 32]);
+    let uint = b.raw("unsigned int", 1, false, 0, 4, &[32]);
+    let ch = b.raw("char", 1, false, 0, 1, &[8]);
+    let ptr = b.raw("", 2, false, 0, 0, &[]);
+    let name = b.raw("", 3, false, 0, 0, &[ch, int, 56]);
+    let state = b.raw("module_state", 6, false, 0, 4, &[]);
+    let list = strukt(&mut b, "list_head", 16, &[("next", ptr, 0), ("prev", ptr, 8)]);
+    let layout = strukt(
+        &mut b,
         "module_layout",
         24,
         &[
@@ -108,7 +76,8 @@ pub fn btf() -> Vec<u8> {
             ("ro_size", uint, 16),
         ],
     );
-    b.strukt(
+    strukt(
+        &mut b,
         "mod_kallsyms",
         32,
         &[
@@ -118,7 +87,8 @@ pub fn btf() -> Vec<u8> {
             ("typetab", ptr, 24),
         ],
     );
-    let arch = b.strukt(
+    let arch = strukt(
+        &mut b,
         "mod_arch_specific",
         24,
         &[
@@ -127,7 +97,8 @@ pub fn btf() -> Vec<u8> {
             ("orc_unwind", ptr, 16),
         ],
     );
-    b.strukt(
+    strukt(
+        &mut b,
         "module",
         M_SIZE,
         &[
@@ -148,19 +119,7 @@ pub fn btf() -> Vec<u8> {
             ("num_jump_entries", uint, M_NUM_JUMP_ENTRIES),
         ],
     );
-    let mut blob = vec![0x9f, 0xeb, 1, 0];
-    for w in [
-        24u32,
-        0,
-        b.types.len() as u32,
-        b.types.len() as u32,
-        b.strings.len() as u32,
-    ] {
-        blob.extend_from_slice(&w.to_le_bytes());
-    }
-    blob.extend_from_slice(&b.types);
-    blob.extend_from_slice(&b.strings);
-    blob
+    b.blob()
 }
 
 /// Memory with `names.len()` live modules in the `modules` list (the first name at the

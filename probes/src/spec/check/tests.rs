@@ -1,4 +1,3 @@
-use hvprobe_introspection::btf::{BTF_MAGIC, BTF_VERSION};
 use hvprobe_introspection::memory::MemoryError;
 use hvprobe_introspection::symbols::SymbolSource;
 
@@ -6,44 +5,26 @@ use super::*;
 use crate::spec::conformance::caret;
 use crate::spec::{parse_line, LinuxError, Register};
 
-/// Builds a BTF blob by hand.
-struct Builder {
-    types: Vec<u8>,
-    strings: Vec<u8>,
-    next_id: TypeId,
+/// Builds a BTF blob by hand: the introspection crate's builder, and the shapes these
+/// tests use.
+struct Builder(hvprobe_introspection::btf::builder::Builder);
+
+impl std::ops::Deref for Builder {
+    type Target = hvprobe_introspection::btf::builder::Builder;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Builder {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
 }
 
 impl Builder {
     fn new() -> Builder {
-        Builder {
-            types: Vec::new(),
-            strings: vec![0],
-            next_id: 1,
-        }
-    }
-
-    fn str(&mut self, s: &str) -> u32 {
-        if s.is_empty() {
-            return 0;
-        }
-        let off = self.strings.len() as u32;
-        self.strings.extend_from_slice(s.as_bytes());
-        self.strings.push(0);
-        off
-    }
-
-    fn raw(&mut self, name: &str, kind: u32, kflag: bool, vlen: u32, size_or_type: u32, tail: &[u32]) -> TypeId {
-        let name_off = self.str(name);
-        let info = (kind << 24) | vlen | if kflag { 1 << 31 } else { 0 };
-        for w in [name_off, info, size_or_type].iter().chain(tail) {
-            self.types.extend_from_slice(&w.to_le_bytes());
-        }
-        self.next_id += 1;
-        self.next_id - 1
-    }
-
-    fn int(&mut self, name: &str, size: u32, bits: u32, signed: bool) -> TypeId {
-        self.raw(name, 1, false, 0, size, &[(if signed { 1 << 24 } else { 0 }) | bits])
+        Builder(hvprobe_introspection::btf::builder::Builder::new())
     }
 
     fn ptr(&mut self, to: TypeId) -> TypeId {
@@ -56,11 +37,7 @@ impl Builder {
 
     /// A struct with kind_flag set: (name, type, bit offset, bitfield width) members.
     fn strukt(&mut self, name: &str, size: u32, members: &[(&str, TypeId, u32, u32)]) -> TypeId {
-        let mut tail = Vec::new();
-        for &(n, t, off, bf) in members {
-            tail.extend([self.str(n), t, (bf << 24) | off]);
-        }
-        self.raw(name, 4, true, members.len() as u32, size, &tail)
+        self.aggregate(4, name, size, true, members)
     }
 
     fn func(&mut self, name: &str, returns: TypeId, params: &[(&str, TypeId)]) -> TypeId {
@@ -73,21 +50,7 @@ impl Builder {
     }
 
     fn btf(&self) -> Btf {
-        let mut b = Vec::new();
-        b.extend_from_slice(&BTF_MAGIC.to_le_bytes());
-        b.extend_from_slice(&[BTF_VERSION, 0]);
-        for w in [
-            24u32,
-            0,
-            self.types.len() as u32,
-            self.types.len() as u32,
-            self.strings.len() as u32,
-        ] {
-            b.extend_from_slice(&w.to_le_bytes());
-        }
-        b.extend_from_slice(&self.types);
-        b.extend_from_slice(&self.strings);
-        Btf::parse(&b).expect("the test BTF parses")
+        Btf::parse(&self.blob()).expect("the test BTF parses")
     }
 }
 
