@@ -84,7 +84,10 @@ pub fn build_tracer(
         tracing::info!("jump optimization unavailable: the guest's kernel stacks cannot be found: {e}");
     }
     let task = crate::task::TaskContext::read(&memory, symbols).ok();
-    let facts = GuestKernelFacts::from_symbols(symbols, task.as_ref().map(|t| &t.layout));
+    let facts = GuestKernelFacts::from_symbols(symbols, task.as_ref().map(|t| &t.layout)).map(|f| GuestKernelFacts {
+        rethooks: stacks.as_ref().ok().and_then(|l| l.rethooks),
+        ..f
+    });
     let clock = guest_clock(mem, &memory, symbols, cpus as usize, &[(0, *state)])
         .map_err(|e| tracing::warn!("the guest's trace clock cannot be computed: {e}; hits are stamped with host time"))
         .ok();

@@ -343,6 +343,7 @@ fn facts() -> GuestKernelFacts {
         copy_from_user_nofault: None,
         strncpy_from_user_nofault: None,
         thread_size: 16 << 10,
+        rethooks: None,
     }
 }
 
@@ -454,6 +455,7 @@ fn arm_probe(
         record_task,
         filter,
         displaced: &displaced,
+        returns: None,
     })
     .unwrap();
     assert!(detour.code.len() < 0x1000 && detour_offset + 0x1000 <= RINGS_OFFSET);
@@ -944,6 +946,7 @@ fn full_rings_in_guest_memory_drain_and_decode_whole() {
         record_task: true,
         filter: None,
         displaced: &|_| Ok(vec![0xc3]),
+        returns: None,
     })
     .unwrap();
     let mut reader = RingReader::new(rings);

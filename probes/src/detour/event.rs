@@ -110,6 +110,10 @@ pub struct GuestKernelFacts {
     /// `THREAD_SIZE`, a power of two: the kernel's bound for `$stackN` (16 KiB; 32 KiB
     /// with KASAN).
     pub thread_size: u32,
+    /// The guest's kretprobes' per-task list (`CONFIG_RETHOOK`), for an exit-free return
+    /// probe's caller when the guest swapped the return address first (from BTF; set by
+    /// the integrator).
+    pub rethooks: Option<hvprobe_introspection::stacks::RethookLayout>,
 }
 
 /// Why [`GuestKernelFacts::from_symbols`] could not fill the facts.
@@ -153,6 +157,7 @@ impl GuestKernelFacts {
             copy_from_user_nofault: function("copy_from_user_nofault"),
             strncpy_from_user_nofault: function("strncpy_from_user_nofault"),
             thread_size: DEFAULT_THREAD_SIZE,
+            rethooks: None,
         })
     }
 }
@@ -190,6 +195,10 @@ pub struct EventDetourParams<'a> {
     /// is counted in the detour's entry of the rings' filter table, not recorded.
     pub filter: Option<&'a RecordFilter>,
     pub displaced: DisplacedAt<'a>,
+    /// A return probe's: the detour at the entry keeps the call in one of the probe's
+    /// slots and swaps its return address for the slot's stub; the records are written at
+    /// the return ([`returns`]).
+    pub returns: Option<ReturnDetourParams>,
 }
 
 /// A generated detour.
@@ -203,6 +212,9 @@ pub struct EventDetour {
     pub hot_path: HotPath,
     /// How much of [`EventDetourParams::filter`] the detour runs; `None` when none of it.
     pub filter: Option<FilterInGuest>,
+    /// A return probe's stubs: the return address of a call in slot `first_slot + i` is
+    /// `stubs + i * RETURN_STUB_SIZE`.
+    pub stubs: Option<Gva>,
 }
 
 /// The instructions of the detour a hit executes when the ring has room, nothing faults
@@ -239,6 +251,10 @@ pub enum DetourCodeError {
     BadMissSlot { slot: u32, slots: u32 },
     #[error("the displaced instructions: {0}")]
     Displaced(#[from] NotOptimizable),
+    #[error("{count} arguments to save at the entry: a return detour saves at most {MAX_SAVED_ARGS}")]
+    TooManySaved { count: usize },
+    #[error("slots {first}..{end}: the calls-in-flight table has {slots}")]
+    BadReturnSlots { first: u32, end: u64, slots: u32 },
     #[error("assembling the detour: {0}")]
     Assemble(String),
 }
@@ -259,7 +275,18 @@ pub struct EventLayout {
     pub faults_written: bool,
     /// Where the task stamp is, when the records have one.
     pub task: Option<u32>,
+    /// A return probe's records: where the call's caller and its entry's TSC are.
+    pub ret: Option<ReturnFields>,
     pub args: Vec<ArgLayout>,
+}
+
+/// The fields a return's record has after the task stamp: the address the call returned
+/// to as the caller (never one of our stubs, nor the guest's rethook trampoline when its
+/// node was found), the entry's TSC, then the `$argN` words the entry saved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReturnFields {
+    pub caller: u32,
+    pub entry_tsc: u32,
 }
 
 /// The task a record was written by.
@@ -295,6 +322,9 @@ pub enum ArgKind {
     Array { area: u32, elem: u32, count: u32 },
     /// Always `(fault)` (an unknown `@SYM`, `$comm` with a numeric type).
     Fault,
+    /// `$duration` of a return: nanoseconds from the entry's stamp to the return's, which
+    /// the host computes on its trace clock ([`EventLayout::decode_with`]).
+    Duration,
 }
 
 impl EventLayout {
@@ -314,6 +344,23 @@ impl EventLayout {
     /// [`super::ring::RawEvent::record`] gives it), as the host's fetch would show them.
     /// The record is guest memory: anything out of its bounds is `(fault)`.
     pub fn decode(&self, record: &[u8], symbols: &SymbolTable) -> Vec<(String, ArgValue)> {
+        self.decode_with(record, symbols, None)
+    }
+
+    /// A return's caller and its entry's TSC, from one of its records.
+    pub fn call(&self, record: &[u8]) -> Option<(Gva, u64)> {
+        let f = self.ret?;
+        let u64_at = |at: u32| {
+            Some(u64::from_le_bytes(
+                record.get(at as usize..at as usize + 8)?.try_into().ok()?,
+            ))
+        };
+        Some((Gva(u64_at(f.caller)?), u64_at(f.entry_tsc)?))
+    }
+
+    /// [`decode`](Self::decode), with a return's `$duration` (nanoseconds, computed by the
+    /// caller from the two stamps; `None` makes it `(fault)`).
+    pub fn decode_with(&self, record: &[u8], symbols: &SymbolTable, duration: Option<u64>) -> Vec<(String, ArgValue)> {
         let u64_at = |at: u32| -> Option<u64> {
             let at = at as usize;
             Some(u64::from_le_bytes(record.get(at..at + 8)?.try_into().ok()?))
@@ -332,6 +379,7 @@ impl EventLayout {
                 } else {
                     match arg.kind {
                         ArgKind::Fault => fault_shaped(arg.array_len),
+                        ArgKind::Duration => convert(arg.ty, duration, symbols),
                         ArgKind::Value => convert(arg.ty, u64_at(arg.slot), symbols),
                         ArgKind::String { area, len } => {
                             match record.get(area as usize..area as usize + len as usize) {
@@ -386,6 +434,8 @@ enum Value {
     Add(Box<Value>, i64),
     /// The 8-byte word at the inner value, read fault-safe.
     Load(Box<Value>, bool),
+    /// At a return: the `k`th argument word the entry saved (in the record by then).
+    Saved(u32),
 }
 
 impl Value {
@@ -430,6 +480,8 @@ enum Plan {
     },
     /// `current->comm` into the byte area.
     Comm,
+    /// `$duration`: computed by the host from the record's two stamps.
+    Duration,
     Fault,
 }
 
@@ -438,7 +490,7 @@ impl Plan {
         match self {
             Plan::Value(v) => v.needs_call(),
             Plan::Memory { .. } | Plan::Array { .. } | Plan::String { .. } => true,
-            Plan::Comm | Plan::Fault => false,
+            Plan::Comm | Plan::Fault | Plan::Duration => false,
         }
     }
 
@@ -454,7 +506,29 @@ fn unsupported(arg: &FetchArg, what: &str) -> DetourCodeError {
     }
 }
 
-fn locate(arg: &FetchArg, expr: &FetchExpr, symbols: &SymbolTable) -> Result<Place, DetourCodeError> {
+/// Where the fetch-args are evaluated: at the probe, or (`saved`: the `$argN` numbers the
+/// entry saved, in their order there) at a return probe's return.
+#[derive(Clone, Copy)]
+struct At<'a> {
+    symbols: &'a SymbolTable,
+    saved: Option<&'a [u32]>,
+}
+
+fn locate(arg: &FetchArg, expr: &FetchExpr, at: At<'_>) -> Result<Place, DetourCodeError> {
+    let symbols = at.symbols;
+    if let Some(saved) = at.saved {
+        match expr {
+            FetchExpr::Arg(n) => {
+                return match saved.iter().position(|s| s == n) {
+                    Some(k) => Ok(Place::Value(Value::Saved(k as u32))),
+                    None => Err(unsupported(arg, "an argument the entry did not save")),
+                }
+            }
+            FetchExpr::Retval => return Ok(Place::Value(Value::Reg(Register::Ax))),
+            FetchExpr::StackEntry(_) => return Err(unsupported(arg, "a stack word at a return")),
+            _ => {}
+        }
+    }
     Ok(match expr {
         FetchExpr::Register(r) => Place::Value(Value::Reg(*r)),
         FetchExpr::Memory(gva) => Place::Memory {
@@ -471,24 +545,19 @@ fn locate(arg: &FetchArg, expr: &FetchExpr, symbols: &SymbolTable) -> Result<Pla
         FetchExpr::StackEntry(n) => Place::Value(Value::StackWord(*n)),
         FetchExpr::StackPointer => Place::Value(Value::StackPointer),
         FetchExpr::Arg(n) => Place::Value(match n {
-            1 => Value::Reg(Register::Di),
-            2 => Value::Reg(Register::Si),
-            3 => Value::Reg(Register::Dx),
-            4 => Value::Reg(Register::Cx),
-            5 => Value::Reg(Register::R8),
-            6 => Value::Reg(Register::R9),
+            1..=6 => Value::Reg(ARG_REGISTERS[*n as usize - 1]),
             n if *n > 6 => Value::StackWord(n - 6),
             _ => return Err(unsupported(arg, "$arg0")),
         }),
-        FetchExpr::Retval => return Err(unsupported(arg, "$retval (return probes are not event detours)")),
-        FetchExpr::Duration => return Err(unsupported(arg, "$duration (return probes are not event detours)")),
+        FetchExpr::Retval => return Err(unsupported(arg, "$retval (a return probe's, at its return)")),
+        FetchExpr::Duration => return Err(unsupported(arg, "$duration (a return probe's, at its return)")),
         FetchExpr::Comm => Place::Comm,
         FetchExpr::Immediate(v) => Place::Value(Value::Imm(*v)),
         FetchExpr::ImmString(_) => return Err(unsupported(arg, "an immediate string")),
         FetchExpr::Btf(_) | FetchExpr::AllArgs | FetchExpr::Params | FetchExpr::Vars => {
             return Err(unsupported(arg, "an unresolved BTF or DWARF argument"))
         }
-        FetchExpr::Deref { offset, user, base } => match value_of(arg, base, symbols)? {
+        FetchExpr::Deref { offset, user, base } => match value_of(arg, base, at)? {
             Some(v) => Place::Memory {
                 addr: Value::Add(Box::new(v), *offset),
                 user: *user,
@@ -499,16 +568,19 @@ fn locate(arg: &FetchArg, expr: &FetchExpr, symbols: &SymbolTable) -> Result<Pla
 }
 
 /// The 8-byte value of an expression; `None` when it always faults.
-fn value_of(arg: &FetchArg, expr: &FetchExpr, symbols: &SymbolTable) -> Result<Option<Value>, DetourCodeError> {
-    Ok(match locate(arg, expr, symbols)? {
+fn value_of(arg: &FetchArg, expr: &FetchExpr, at: At<'_>) -> Result<Option<Value>, DetourCodeError> {
+    Ok(match locate(arg, expr, at)? {
         Place::Value(v) => Some(v),
         Place::Memory { addr, user } => Some(Value::Load(Box::new(addr), user)),
         Place::Comm | Place::Fault => None,
     })
 }
 
-fn plan(arg: &FetchArg, symbols: &SymbolTable) -> Result<Plan, DetourCodeError> {
-    let place = locate(arg, &arg.expr, symbols)?;
+fn plan(arg: &FetchArg, at: At<'_>) -> Result<Plan, DetourCodeError> {
+    if at.saved.is_some() && arg.expr == FetchExpr::Duration {
+        return Ok(Plan::Duration);
+    }
+    let place = locate(arg, &arg.expr, at)?;
     Ok(match arg.ty {
         ArgType::String | ArgType::UString => {
             let user_type = arg.ty == ArgType::UString;
@@ -549,15 +621,29 @@ fn plan(arg: &FetchArg, symbols: &SymbolTable) -> Result<Plan, DetourCodeError> 
 
 /// Where the detour keeps what it saved: `[base + offset]`.
 struct Frame {
-    calls: bool,
+    /// A return's code: `slot` holds its call's slot from start to end (pushed after the
+    /// others: `rsi`, or `r13` when there are calls, which keep it).
+    slot: Option<AsmRegister64>,
     base: AsmRegister64,
     /// The record pointer (callee-saved when there are calls).
     rec: AsmRegister64,
     saved: Vec<(Register, i32)>,
+    /// The registers pushed after `pushfq`, in push order.
+    pushed: Vec<AsmRegister64>,
     flags: i32,
     /// Offset of the probe's `rsp`.
     rsp0: i32,
 }
+
+/// `$arg1`..`$arg6` (the x86-64 SysV argument registers).
+const ARG_REGISTERS: [Register; 6] = [
+    Register::Di,
+    Register::Si,
+    Register::Dx,
+    Register::Cx,
+    Register::R8,
+    Register::R9,
+];
 
 /// The registers pushed after `pushfq`, in push order.
 const PUSHED_PLAIN: [AsmRegister64; 4] = [rax, rcx, rdx, rbx];
@@ -588,6 +674,8 @@ fn spec_register(r: AsmRegister64) -> Option<Register> {
         Register::R12
     } else if r == rbp {
         Register::Bp
+    } else if r == r13 {
+        Register::R13
     } else {
         return None;
     })
@@ -615,8 +703,14 @@ fn asm_register(r: Register) -> Option<AsmRegister64> {
 }
 
 impl Frame {
-    fn new(calls: bool) -> Frame {
-        let pushed: &[AsmRegister64] = if calls { &PUSHED_CALLS } else { &PUSHED_PLAIN };
+    fn new(calls: bool, at_return: bool) -> Frame {
+        let slot = at_return.then_some(if calls { r13 } else { rsi });
+        let mut pushed: Vec<AsmRegister64> = if calls {
+            PUSHED_CALLS.to_vec()
+        } else {
+            PUSHED_PLAIN.to_vec()
+        };
+        pushed.extend(slot);
         let n = pushed.len() as i32;
         // The last pushed is at [rsp] (and [rbp] with calls: `mov rbp, rsp` follows).
         let saved = pushed
@@ -625,7 +719,8 @@ impl Frame {
             .filter_map(|(i, r)| Some((spec_register(*r)?, 8 * (n - 1 - i as i32))))
             .collect();
         Frame {
-            calls,
+            slot,
+            pushed,
             base: if calls { rbp } else { rsp },
             rec: if calls { r12 } else { rcx },
             saved,
@@ -638,12 +733,8 @@ impl Frame {
         self.saved.iter().find(|(s, _)| *s == r).map(|(_, off)| *off)
     }
 
-    fn pushed(&self) -> &'static [AsmRegister64] {
-        if self.calls {
-            &PUSHED_CALLS
-        } else {
-            &PUSHED_PLAIN
-        }
+    fn pushed(&self) -> Vec<AsmRegister64> {
+        self.pushed.clone()
     }
 }
 
@@ -675,6 +766,8 @@ struct Gen<'p> {
     frame: Frame,
     cold: Vec<Cold>,
     thread_mask: u32,
+    /// A return's code: where the record holds the arguments the entry saved.
+    saved_area: Option<i32>,
 }
 
 fn disp(v: u64) -> Option<i32> {
@@ -698,7 +791,12 @@ impl Gen<'_> {
     /// `dst = ` the guest register `r` at the probe address.
     fn read_register(&mut self, dst: AsmRegister64, r: Register) -> Result<(), DetourCodeError> {
         let (base, rsp0, flags) = (self.frame.base, self.frame.rsp0, self.frame.flags);
+        let at_return = self.saved_area.is_some();
         match r {
+            // At a return, where the call returns to (the prologue put it back in the slot)
+            // and the stack pointer after the `ret`, as the host's trapped return shows them.
+            Register::Ip if at_return => self.a.mov(dst, qword_ptr(base + rsp0))?,
+            Register::Sp if at_return => self.a.lea(dst, qword_ptr(base + (rsp0 + 8)))?,
             Register::Ip => self.a.mov(dst, self.p.probe_address.0)?,
             Register::OrigAx => self.a.mov(dst, NO_ORIG_AX)?,
             Register::Flags => self.a.mov(dst, qword_ptr(base + flags))?,
@@ -775,6 +873,13 @@ impl Gen<'_> {
                 self.a.lea(dst, qword_ptr(base + rsp0))?
             }
             Value::StackWord(n) => self.checked_stack_word(dst, eax, *n)?,
+            Value::Saved(k) => {
+                let area = self
+                    .saved_area
+                    .ok_or_else(|| DetourCodeError::Assemble("a saved argument outside a return".into()))?;
+                let rec = self.frame.rec;
+                self.a.mov(dst, qword_ptr(rec + (area + 8 * *k as i32)))?
+            }
             Value::Add(inner, off) => {
                 self.emit_value(dst, inner, fault, arg, slot)?;
                 match i32::try_from(*off) {
@@ -897,11 +1002,23 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
             Some(_) => {}
         }
     }
-    let plans = p
-        .args
-        .iter()
-        .map(|arg| plan(arg, p.symbols))
-        .collect::<Result<Vec<_>, _>>()?;
+    let saved = p.returns.map(|_| crate::fetch::args_named(p.args));
+    if let Some(saved) = &saved {
+        if saved.len() > MAX_SAVED_ARGS {
+            return Err(DetourCodeError::TooManySaved { count: saved.len() });
+        }
+        if p.kernel.current_task.is_none() {
+            return Err(DetourCodeError::MissingFact {
+                arg: "(the return)".into(),
+                fact: "current_task",
+            });
+        }
+    }
+    let at = At {
+        symbols: p.symbols,
+        saved: saved.as_deref(),
+    };
+    let plans = p.args.iter().map(|arg| plan(arg, at)).collect::<Result<Vec<_>, _>>()?;
     for (arg, plan) in p.args.iter().zip(&plans) {
         if matches!(plan, Plan::Comm) && (p.kernel.current_task.is_none() || p.kernel.comm_offset.is_none()) {
             return Err(DetourCodeError::MissingFact {
@@ -922,7 +1039,13 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
         });
     }
     let task = p.record_task.then_some(RECORD_HEADER_SIZE);
-    let first_slot = RECORD_HEADER_SIZE + if p.record_task { TASK_STAMP_SIZE } else { 0 };
+    let after_task = RECORD_HEADER_SIZE + if p.record_task { TASK_STAMP_SIZE } else { 0 };
+    let ret = saved.as_ref().map(|_| ReturnFields {
+        caller: after_task,
+        entry_tsc: after_task + 8,
+    });
+    let saved_area = ret.map(|r| r.entry_tsc + 8);
+    let first_slot = after_task + saved.as_ref().map_or(0, |s| 16 + 8 * s.len() as u32);
 
     // The record: header, the task stamp, one slot per argument, then the byte areas.
     let mut slots = Vec::with_capacity(plans.len());
@@ -959,6 +1082,7 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
         size: area as u32,
         faults_written: fallible,
         task,
+        ret,
         args: p
             .args
             .iter()
@@ -972,6 +1096,7 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
                 fault_bit: s.fault_bit,
                 kind: match plan {
                     Plan::Fault => ArgKind::Fault,
+                    Plan::Duration => ArgKind::Duration,
                     Plan::String { .. } => ArgKind::String {
                         area: s.area.unwrap_or(0),
                         len: p.string_size,
@@ -1002,12 +1127,23 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
         task_fields,
         layout: &layout,
         filter: filter.as_ref().map(|(f, _, last_arg)| (f, *last_arg)),
+        saved: saved.as_deref().zip(saved_area),
     };
+    if let (Some(r), Some(saved)) = (&p.returns, &saved) {
+        let (code, hot_path, stubs) = returns::return_detour(p, r, &record, saved)?;
+        return Ok(EventDetour {
+            code,
+            layout,
+            hot_path,
+            filter: filter.map(|(_, how, _)| how),
+            stubs: Some(stubs),
+        });
+    }
 
     // The displaced instructions' length, then assemble until their address is stable.
     let mut displaced = (p.displaced)(p.detour_ip)?;
     for _ in 0..8 {
-        let (code, displaced_ip) = assemble(p, &record, &displaced)?;
+        let (code, displaced_ip) = assemble(p, p.detour_ip, &record, Tail::Displaced(&displaced))?;
         let again = (p.displaced)(displaced_ip)?;
         if again == displaced {
             let hot_path = count_hot_path(&code, p.detour_ip);
@@ -1016,6 +1152,7 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
                 layout,
                 hot_path,
                 filter: filter.map(|(_, how, _)| how),
+                stubs: None,
             });
         }
         displaced = again;
@@ -1036,14 +1173,27 @@ struct Record<'r> {
     layout: &'r EventLayout,
     /// The filter the detour runs, and the last fetch-arg it reads.
     filter: Option<(&'r RecordFilter, Option<usize>)>,
+    /// A return's: the `$argN` numbers the entry saves, and where the record holds them.
+    saved: Option<(&'r [u32], u32)>,
 }
 
-/// Assembles the detour with `displaced` in place; returns the code and where the
-/// displaced instructions landed.
+/// How the detour's code ends.
+#[derive(Clone, Copy)]
+enum Tail<'a> {
+    /// The displaced instructions, then the jump back (an entry's record).
+    Displaced(&'a [u8]),
+    /// A return's record: the call's slot is checked first and freed last, and the code
+    /// ends with `ret` to where the call returns.
+    Return(&'a ReturnDetourParams),
+}
+
+/// Assembles the record-writing code at `ip`, ending as `tail` says; returns the code and
+/// where the displaced instructions landed (`ip` for a return's code).
 fn assemble(
     p: &EventDetourParams<'_>,
+    ip: Gva,
     record: &Record<'_>,
-    displaced: &[u8],
+    tail: Tail<'_>,
 ) -> Result<(Vec<u8>, Gva), DetourCodeError> {
     let Record {
         plans,
@@ -1052,16 +1202,23 @@ fn assemble(
         task_fields,
         layout,
         filter,
+        saved,
     } = *record;
+    let at_return = match tail {
+        Tail::Return(r) => Some(r),
+        Tail::Displaced(_) => None,
+    };
     let calls = plans.iter().any(Plan::needs_call);
-    let frame = Frame::new(calls);
+    let frame = Frame::new(calls, at_return.is_some());
     let mut g = Gen {
         a: CodeAssembler::new(64)?,
         p,
         frame,
         cold: Vec::new(),
         thread_mask: p.kernel.thread_size - 1,
+        saved_area: saved.map(|(_, at)| at as i32),
     };
+    let mut no_call = g.a().create_label();
     let geometry = p.rings.geometry();
     let rec = g.frame.rec;
     let mut bad_cpu = g.a().create_label();
@@ -1076,12 +1233,15 @@ fn assemble(
     g.a().pushfq()?;
     g.a().cli()?;
     for r in g.frame.pushed() {
-        g.a.push(*r)?;
+        g.a.push(r)?;
     }
     if calls {
         g.a().mov(rbp, rsp)?;
         g.a().and(rsp, -16)?;
         g.a().cld()?;
+    }
+    if let Some(r) = at_return {
+        returns::take_call(&mut g, r, no_call)?;
     }
     // 3. This CPU's ring.
     g.a().mov(eax, dword_ptr(p.kernel.cpu_number as i64 as u64).gs())?;
@@ -1135,6 +1295,9 @@ fn assemble(
         g.a().mov(qword_ptr(rec + (at + 8)), rdx)?;
         g.a().mov(rdx, qword_ptr(rax + (comm + 8)))?;
         g.a().mov(qword_ptr(rec + (at + 16)), rdx)?;
+    }
+    if let (Some(fields), Some((saved, _))) = (layout.ret, saved) {
+        returns::copy_call(&mut g, fields, saved.len())?;
     }
     // A filter on no fetch-arg runs before any is fetched.
     if let Some((f, None)) = filter {
@@ -1235,6 +1398,7 @@ fn assemble(
                 g.a().mov(qword_ptr(rec + (at + 8)), rdx)?;
             }
             Plan::Fault => g.a().jmp(fault)?,
+            Plan::Duration => {}
         }
         g.a().set_label(&mut next)?;
         g.a().zero_bytes()?;
@@ -1257,6 +1421,10 @@ fn assemble(
     g.a().mov(byte_ptr(rbx + BUSY as i32), 0)?;
     // 6. Restore, displaced instructions, jump back.
     g.a().set_label(&mut restore)?;
+    if let Some(slot) = g.frame.slot {
+        // The call is over: its slot is free for the next (nothing reads it after this).
+        g.a().mov(qword_ptr(slot + returns::SLOT_OWNER), 0)?;
+    }
     if calls {
         g.a().mov(rsp, rbp)?;
     }
@@ -1265,7 +1433,14 @@ fn assemble(
     }
     g.a().popfq()?;
     g.a().set_label(&mut displaced_label)?;
-    g.a().db(displaced)?;
+    match tail {
+        Tail::Displaced(displaced) => g.a().db(displaced)?,
+        Tail::Return(_) => g.a().ret()?,
+    }
+    // A return with no call of ours on record in its slot: trap to the host, which stops
+    // the VM with the reason rather than return anywhere.
+    g.a().set_label(&mut no_call)?;
+    g.a().int3()?;
 
     // Cold paths: each miss in its ring's (or the global) counter, then in the probe's.
     let probe_missed = p
@@ -1337,7 +1512,7 @@ fn assemble(
     }
 
     let result =
-        g.a.assemble_options(p.detour_ip.0, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+        g.a.assemble_options(ip.0, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
     let displaced_ip = result.label_ip(&displaced_label)?;
     Ok((result.inner.code_buffer, Gva(displaced_ip)))
 }
@@ -1346,8 +1521,13 @@ fn assemble(
 /// not taken (the code is laid out so), unconditional jumps followed, calls counted as
 /// one instruction, until the jump out of the detour (counted).
 pub fn count_hot_path(code: &[u8], ip: Gva) -> HotPath {
+    count_path_from(code, ip, ip)
+}
+
+/// [`count_hot_path`] from `start`, an address in the code at `ip`.
+pub fn count_path_from(code: &[u8], ip: Gva, start: Gva) -> HotPath {
     let end = ip.0.wrapping_add(code.len() as u64);
-    let mut at = ip.0;
+    let mut at = start.0;
     let mut count = HotPath {
         instructions: 0,
         calls: 0,
@@ -1382,5 +1562,8 @@ pub fn count_hot_path(code: &[u8], ip: Gva) -> HotPath {
 }
 
 pub mod filter;
+pub mod returns;
 #[cfg(test)]
 mod tests;
+
+pub use returns::{ReturnDetourParams, MAX_SAVED_ARGS, RETURN_SLOT_SIZE, RETURN_STUB_SIZE};

@@ -27,7 +27,8 @@ use super::events::hit_record;
 use super::optimize::{WhyNotOptimized, DETOUR_BLOCK};
 use super::registry::Counters;
 use super::{HitEvent, ProbeId, Tracer, COUNT};
-use crate::detour::event::{EventLayout, GuestKernelFacts};
+use crate::detour::event::returns::{SLOT_FRAME, SLOT_OWNER};
+use crate::detour::event::{EventLayout, GuestKernelFacts, RETURN_SLOT_SIZE};
 use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingMemory, RingReader};
 use crate::regs::Regs;
 
@@ -41,6 +42,9 @@ const RECORD_SIZE: u32 = 512;
 /// Most entries of the miss table, i.e. event detours at once (32 KiB of table; fewer in a
 /// small out-of-line area, one per two detour blocks of it: no event detour is smaller).
 const MAX_MISS_SLOTS: u32 = 4096;
+/// Slots of exit-free return probes' calls-in-flight table (128 KiB of the writable part,
+/// taken before the rings): `maxactive` each, so ~100 probes at the default of 10.
+const RETURN_TABLE_SLOTS: u32 = 1024;
 
 /// The rings and what the engine needs to write detours into them and read them back.
 pub(super) struct EventSetup {
@@ -55,6 +59,72 @@ pub(super) struct EventSetup {
     /// Which probe each entry of the rings' miss table counts for. Lock order: the
     /// registry first, then this.
     miss_owners: Mutex<Vec<Option<MissOwner>>>,
+    /// Exit-free return probes' calls in flight, when there is room for the table.
+    pub returns: Option<ReturnTable>,
+}
+
+/// The calls-in-flight table of exit-free return probes (see
+/// [`crate::detour::event::returns`]) and which of its slots are given to a probe's code.
+/// A slot range goes back only when its code is reclaimed and every slot in it is free.
+pub(super) struct ReturnTable {
+    pub gva: Gva,
+    gpa: Gpa,
+    pub slots: u32,
+    /// Per slot: given to a probe's code.
+    given: Mutex<Vec<bool>>,
+}
+
+impl ReturnTable {
+    /// `count` consecutive slots not given to any code: the first.
+    pub fn take(&self, count: u32) -> Option<u32> {
+        let mut given = self.given.lock().unwrap_or_else(|e| e.into_inner());
+        let count = count as usize;
+        let first = (0..=given.len().checked_sub(count)?).find(|&i| given[i..i + count].iter().all(|g| !g))?;
+        given[first..first + count].iter_mut().for_each(|g| *g = true);
+        Some(first as u32)
+    }
+
+    pub fn give_back(&self, first: u32, count: u32) {
+        let mut given = self.given.lock().unwrap_or_else(|e| e.into_inner());
+        for g in given.iter_mut().skip(first as usize).take(count as usize) {
+            *g = false;
+        }
+    }
+
+    fn slot_gpa(&self, slot: u32, field: i32) -> Gpa {
+        Gpa(self.gpa.0 + u64::from(slot) * u64::from(RETURN_SLOT_SIZE) + field as u64)
+    }
+
+    /// A slot's field, read from guest memory (the guest's to write: a bad value makes a
+    /// wrong answer for that slot, nothing more).
+    pub fn field(&self, mem: &dyn RingMemory, slot: u32, field: i32) -> Option<u64> {
+        (slot < self.slots)
+            .then(|| mem.load_u64_acquire(self.slot_gpa(slot, field)).ok())
+            .flatten()
+    }
+
+    /// Whether every slot of `first..first + count` is free (no call of its code in flight).
+    pub fn all_free(&self, mem: &dyn RingMemory, first: u32, count: u32) -> bool {
+        (first..first.saturating_add(count)).all(|s| self.field(mem, s, SLOT_OWNER) == Some(0))
+    }
+
+    /// Frees every slot in use whose call's stack slot is in `stack` (a task entered
+    /// `do_exit`: nothing on its stack returns); returns how many.
+    pub fn free_on_stack(&self, mem: &dyn RingMemory, stack: std::ops::Range<u64>) -> usize {
+        let given: Vec<u32> = {
+            let given = self.given.lock().unwrap_or_else(|e| e.into_inner());
+            (0..self.slots).filter(|&s| given[s as usize]).collect()
+        };
+        let mut freed = 0;
+        for slot in given {
+            let owned = self.field(mem, slot, SLOT_OWNER).is_some_and(|o| o != 0);
+            let frame = self.field(mem, slot, SLOT_FRAME).unwrap_or(0);
+            if owned && stack.contains(&frame) && mem.store_u64_release(self.slot_gpa(slot, SLOT_OWNER), 0).is_ok() {
+                freed += 1;
+            }
+        }
+        freed
+    }
 }
 
 /// The probe a slot of the miss and filter tables counts for: its counters (shared with
@@ -158,8 +228,31 @@ impl Tracer {
         let slots = u32::try_from(area / (2 * DETOUR_BLOCK))
             .unwrap_or(u32::MAX)
             .clamp(1, MAX_MISS_SLOTS);
-        // The rings, with their miss and filter tables, in the area's writable part.
-        let (gva, room) = self.ool.map_or((Gva(0), 0), |a| (a.rings, a.rings_size));
+        // The rings, with their miss and filter tables, in the area's writable part, after
+        // the return table when there is room for both.
+        let (mut gva, mut room) = self.ool.map_or((Gva(0), 0), |a| (a.rings, a.rings_size));
+        let table_bytes = u64::from(RETURN_TABLE_SLOTS) * u64::from(RETURN_SLOT_SIZE);
+        let returns = (room >= 4 * table_bytes).then(|| {
+            let table = ReturnTable {
+                gva,
+                gpa: gpa_of(gva),
+                slots: RETURN_TABLE_SLOTS,
+                given: Mutex::new(vec![false; RETURN_TABLE_SLOTS as usize]),
+            };
+            gva = Gva(gva.0 + table_bytes);
+            room -= table_bytes;
+            table
+        });
+        if let Some(table) = &returns {
+            for slot in 0..table.slots {
+                let gpa = table.slot_gpa(slot, SLOT_OWNER);
+                mem.store_u64_release(gpa, 0).map_err(|source| RingError::Memory {
+                    what: "the return table",
+                    gpa,
+                    source,
+                })?;
+            }
+        }
         let geometry = |capacity| RingGeometry::new(cpus.max(1), capacity, RECORD_SIZE)?.with_probe_slots(slots);
         let mut capacity = RING_CAPACITY;
         while geometry(capacity)?.total_size() > room && capacity > MIN_RING_CAPACITY {
@@ -179,6 +272,7 @@ impl Tracer {
             layouts: RwLock::new(HashMap::new()),
             missed_seen: Mutex::new((0, Instant::now())),
             miss_owners: Mutex::new((0..slots).map(|_| None).collect()),
+            returns,
         };
         self.events.set(setup).map_err(|_| EventSetupError::AlreadySetUp)
     }
@@ -315,6 +409,24 @@ impl Tracer {
             self.stats.optimized_events.fetch_add(1, COUNT);
             probe.counters.hits.fetch_add(1, COUNT);
             let task = layout.task(raw.record);
+            // An exit-free return's record: its caller and its entry's stamp.
+            let call = layout.call(raw.record);
+            let duration = call.and_then(|(_, entry_tsc)| self.tsc_span_ns(raw.ring as usize, entry_tsc, raw.tsc));
+            let mut record = hit_record(
+                probe,
+                task.as_ref().map(|t| String::from_utf8_lossy(&t.comm).into_owned()),
+                task.as_ref().map(|t| t.pid),
+                raw.cpu as usize,
+                self.record_timestamp_ns(raw.ring as usize, raw.tsc, drained_at),
+                layout.decode_with(raw.record, &self.view.symbols, duration),
+            );
+            if let Some((caller, entry_tsc)) = call {
+                record.retprobe_caller = Some(
+                    self.describe_frame(caller)
+                        .unwrap_or_else(|| format!("{:#x}", caller.0)),
+                );
+                record.entry_timestamp_ns = Some(self.record_timestamp_ns(raw.ring as usize, entry_tsc, drained_at));
+            }
             let event = HitEvent {
                 probe: id,
                 address: probe.address,
@@ -322,14 +434,7 @@ impl Tracer {
                     rip: probe.address.0,
                     ..Regs::default()
                 },
-                record: hit_record(
-                    probe,
-                    task.as_ref().map(|t| String::from_utf8_lossy(&t.comm).into_owned()),
-                    task.as_ref().map(|t| t.pid),
-                    raw.cpu as usize,
-                    self.record_timestamp_ns(raw.ring as usize, raw.tsc, drained_at),
-                    layout.decode(raw.record, &self.view.symbols),
-                ),
+                record,
             };
             self.send_event(probe, event);
         }

@@ -25,7 +25,7 @@ use super::placement::compiler_bytes;
 use super::registry::{Counters, Registry, Role, Site};
 use super::{ProbeError, ProbeId, ProbeKind, Tracer, COUNT};
 use crate::detour::event::filter::RecordFilter;
-use crate::detour::event::{event_detour, EventDetourParams, EventLayout, DEFAULT_STRING_SIZE};
+use crate::detour::event::{event_detour, EventDetourParams, EventLayout, ReturnDetourParams, DEFAULT_STRING_SIZE};
 use crate::detour::{
     check_probe, jump_bytes, plan_region, relocate, Code, DetourFacts, DetourRegion, FunctionText, IndirectThunks,
     NotOptimizable, ProbeConditions, JMP_REL32_LEN,
@@ -81,6 +81,8 @@ pub enum WhyNotOptimized {
     EventCode(String),
     #[error("every entry of the event rings' miss table is taken ({slots} event detours at once)")]
     NoMissSlot { slots: u32 },
+    #[error("the calls-in-flight table has no {maxactive} free slots for its exit-free return (maxactive)")]
+    NoReturnSlots { maxactive: u32 },
 }
 
 impl WhyNotOptimized {
@@ -112,6 +114,8 @@ pub(super) struct Detour {
     pub kind: DetourKind,
     /// An event detour's entry in the rings' miss table.
     pub miss_slot: Option<u32>,
+    /// An exit-free return probe's slots.
+    pub returns: Option<ReturnSlots>,
 }
 
 /// What a detour does before the displaced instructions.
@@ -140,6 +144,9 @@ pub(super) struct DetourCode {
     pub kind: DetourKind,
     /// An event detour's entry in the rings' miss table, given back with its blocks.
     pub miss_slot: Option<u32>,
+    /// An exit-free return probe's slots: given back with its blocks, once every one is
+    /// free (no call of it in flight).
+    pub returns: Option<ReturnSlots>,
 }
 
 /// A probe that only records, for its event detour.
@@ -149,6 +156,17 @@ struct EventProbe {
     args: Vec<crate::spec::FetchArg>,
     filter: Option<RecordFilter>,
     counters: Arc<Counters>,
+    /// A return probe's `maxactive`: its detour follows calls in the guest.
+    maxactive: Option<u32>,
+}
+
+/// The calls-in-flight slots an exit-free return probe's code was given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ReturnSlots {
+    pub first: u32,
+    pub count: u32,
+    /// The first slot's stub.
+    pub stubs: Gva,
 }
 
 /// Every detour's code by its address.
@@ -222,6 +240,7 @@ impl Tracer {
                                     blocks,
                                     kind: detour.kind,
                                     miss_slot: detour.miss_slot,
+                                    returns: detour.returns,
                                 },
                             );
                             if let Some(site) = reg.sites.get_mut(addr) {
@@ -338,10 +357,32 @@ impl Tracer {
             Some(probe) => Some(self.take_miss_slot(&probe.counters)?),
             None => None,
         };
-        let written = self.write_detour(view, addr, region, event.as_ref(), miss_slot, area);
-        if let (Err(_), Some(slot)) = (&written, miss_slot) {
+        let first_slot = match event.as_ref().and_then(|p| p.maxactive) {
+            Some(count) => match self.events.get().and_then(|s| s.returns.as_ref()) {
+                Some(table) => match table.take(count) {
+                    Some(first) => Some((first, count)),
+                    None => {
+                        if let Some(slot) = miss_slot {
+                            self.release_miss_slot(slot);
+                        }
+                        return Err(WhyNotOptimized::NoReturnSlots { maxactive: count });
+                    }
+                },
+                None => None,
+            },
+            None => None,
+        };
+        let written = self.write_detour(view, addr, region, event.as_ref(), miss_slot, first_slot, area);
+        if written.is_err() {
             // The jump was not written: nothing can run the detour.
-            self.release_miss_slot(slot);
+            if let Some(slot) = miss_slot {
+                self.release_miss_slot(slot);
+            }
+            if let (Some((first, count)), Some(table)) =
+                (first_slot, self.events.get().and_then(|s| s.returns.as_ref()))
+            {
+                table.give_back(first, count);
+            }
         }
         written
     }
@@ -355,20 +396,23 @@ impl Tracer {
         region: DetourRegion,
         event: Option<&EventProbe>,
         miss_slot: Option<u32>,
+        first_slot: Option<(u32, u32)>,
         area: super::OutOfLineArea,
     ) -> Result<(Detour, u64), WhyNotOptimized> {
-        // The detour's code at `code`, and for an event detour its record layout.
-        let make = |code: Gva| -> Result<(Vec<u8>, Option<EventLayout>), WhyNotOptimized> {
+        // The detour's code at `code`, for an event detour its record layout, and for an
+        // exit-free return probe its first stub.
+        type Made = (Vec<u8>, Option<EventLayout>, Option<Gva>);
+        let make = |code: Gva| -> Result<Made, WhyNotOptimized> {
             match (event, miss_slot) {
                 (Some(probe), Some(slot)) => self
-                    .event_code(&region, probe, slot, code)
-                    .map(|(code, layout)| (code, Some(layout))),
+                    .event_code(&region, probe, slot, first_slot, code, area)
+                    .map(|(code, layout, stubs)| (code, Some(layout), stubs)),
                 _ => {
                     let relocated = relocate(&region, Gva(code.0 + 1), region.end())
                         .map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
                     let mut detour = vec![INT3];
                     detour.extend_from_slice(&relocated);
-                    Ok((detour, None))
+                    Ok((detour, None, None))
                 }
             }
         };
@@ -383,7 +427,7 @@ impl Tracer {
                 &jump_bytes(addr, code).ok_or(WhyNotOptimized::OutOfReach { detour: code })?,
                 &region,
             );
-            let (detour, layout) = make(code)?;
+            let (detour, layout, stubs) = make(code)?;
             if detour.len() as u64 > blocks * DETOUR_BLOCK {
                 return Err(WhyNotOptimized::TooLong { len: detour.len() });
             }
@@ -415,16 +459,19 @@ impl Tracer {
                 }
                 _ => DetourKind::Sync,
             };
-            Ok((jump, kind))
+            Ok((jump, kind, stubs))
         })();
         match written {
-            Ok((jump, kind)) => Ok((
+            Ok((jump, kind, stubs)) => Ok((
                 Detour {
                     region,
                     code,
                     jump,
                     kind,
                     miss_slot,
+                    returns: first_slot
+                        .zip(stubs)
+                        .map(|((first, count), stubs)| ReturnSlots { first, count, stubs }),
                 },
                 blocks,
             )),
@@ -443,8 +490,13 @@ impl Tracer {
         let site = reg.sites.get(&addr)?;
         let [id] = site.probes.as_slice() else { return None };
         let probe = reg.probes.get(id)?;
+        let maxactive = match probe.kind {
+            ProbeKind::Kprobe => None,
+            // In the guest only when there is a table for its calls.
+            ProbeKind::Kretprobe { maxactive } if self.events.get()?.returns.is_some() => Some(maxactive),
+            _ => return None,
+        };
         let records_only = probe.role == Role::User
-            && probe.kind == ProbeKind::Kprobe
             && probe.pre.is_none()
             && probe.post.is_none()
             && probe.emit_events
@@ -456,6 +508,7 @@ impl Tracer {
             args: probe.args.clone(),
             filter: probe.filter.clone(),
             counters: probe.counters.clone(),
+            maxactive,
         })
     }
 
@@ -465,11 +518,24 @@ impl Tracer {
         region: &DetourRegion,
         probe: &EventProbe,
         miss_slot: u32,
+        first_slot: Option<(u32, u32)>,
         code: Gva,
-    ) -> Result<(Vec<u8>, EventLayout), WhyNotOptimized> {
+        area: super::OutOfLineArea,
+    ) -> Result<(Vec<u8>, EventLayout, Option<Gva>), WhyNotOptimized> {
         let setup = self.events.get().ok_or(WhyNotOptimized::NoRoom)?;
         let displaced = |ip: Gva| relocate(region, ip, region.end());
         let facts = &setup.facts;
+        let returns = match (first_slot, &setup.returns) {
+            (Some((first_slot, maxactive)), Some(table)) => Some(ReturnDetourParams {
+                table: table.gva,
+                table_slots: table.slots,
+                first_slot,
+                maxactive,
+                code_area: (area.start, area.size),
+                rethooks: facts.rethooks,
+            }),
+            _ => None,
+        };
         let generated = event_detour(&EventDetourParams {
             probe_id: probe.id.0,
             miss_slot,
@@ -483,9 +549,10 @@ impl Tracer {
             record_task: facts.current_task.is_some() && facts.pid_offset.is_some() && facts.comm_offset.is_some(),
             filter: probe.filter.as_ref(),
             displaced: &displaced,
+            returns,
         })
         .map_err(|e| WhyNotOptimized::EventCode(e.to_string()))?;
-        Ok((generated.code, generated.layout))
+        Ok((generated.code, generated.layout, generated.stubs))
     }
 
     /// The region a jump at `addr` would displace, planned on the function's own bytes.
@@ -553,10 +620,27 @@ impl Tracer {
             if rips.iter().any(|(_, rip)| range.contains(rip)) {
                 continue;
             }
+            // An exit-free return probe's code stays while a call of it is in flight: the
+            // call returns through its stub.
+            let returns = reg.detour_codes.get(&code).and_then(|d| d.returns);
+            let table = self
+                .events
+                .get()
+                .and_then(|s| Some((s.returns.as_ref()?, self.machine.event_memory()?)));
+            if let (Some(r), Some((table, mem))) = (returns, table) {
+                if !table.all_free(mem, r.first, r.count) {
+                    continue;
+                }
+            }
             match view.saved_on_stacks(code..Gva(range.end)) {
                 Ok(saved) if saved.is_empty() => {
-                    if let Some(slot) = reg.detour_codes.remove(&code).and_then(|d| d.miss_slot) {
-                        self.release_miss_slot(slot);
+                    if let Some(d) = reg.detour_codes.remove(&code) {
+                        if let Some(slot) = d.miss_slot {
+                            self.release_miss_slot(slot);
+                        }
+                        if let (Some(r), Some((table, _))) = (d.returns, table) {
+                            table.give_back(r.first, r.count);
+                        }
                     }
                     self.free_detour(code, blocks);
                 }

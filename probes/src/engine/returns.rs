@@ -200,6 +200,9 @@ impl Tracer {
     /// ours saw it), then the address the guest's rethook node for that slot keeps — what
     /// the guest's own kretprobe event names as the caller.
     fn real_return_address(&self, cpu: usize, slot: Gva, to: Gva) -> Gva {
+        if let Some(caller) = self.exit_free_caller(slot, to) {
+            return caller;
+        }
         if Some(to) != self.guest_return_trampoline {
             return to;
         }
@@ -342,8 +345,36 @@ impl Tracer {
 
     /// A task entered `do_exit`: nothing on its stack will return.
     pub(super) fn task_exits(&self, rsp: u64) {
-        let freed = self.lock_returns().drop_stack(rsp);
+        let mut freed = self.lock_returns().drop_stack(rsp);
+        // And the calls exit-free return probes follow in the guest on that stack.
+        if let (Some(table), Some(mem)) = (
+            self.events.get().and_then(|s| s.returns.as_ref()),
+            self.machine.event_memory(),
+        ) {
+            let stack = region(rsp);
+            freed += table.free_on_stack(mem, stack..stack + STACK_REGION);
+        }
         self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
+    }
+
+    /// Where a call an exit-free return probe follows returns to, when `to` is one of its
+    /// stubs (read at the stack slot `slot`): the caller the entry recorded in the call's
+    /// slot, if that slot is in use for `slot`. `None` when `to` is no stub of ours.
+    pub(super) fn exit_free_caller(&self, slot: Gva, to: Gva) -> Option<Gva> {
+        use crate::detour::event::returns::{stub_slot, SLOT_CALLER, SLOT_FRAME, SLOT_OWNER};
+        // Stubs are in the out-of-line area's code, which the guest cannot write.
+        if !self.ool.is_some_and(|a| a.contains(to)) {
+            return None;
+        }
+        let setup = self.events.get()?;
+        let (table, mem) = (setup.returns.as_ref()?, self.machine.event_memory()?);
+        let mut stub = [0u8; 5];
+        self.machine.kernel().read_virt(to, &mut stub).ok()?;
+        let n = stub_slot(&stub, table.slots)?;
+        let in_use = table.field(mem, n, SLOT_OWNER).is_some_and(|o| o != 0);
+        (in_use && table.field(mem, n, SLOT_FRAME) == Some(slot.0))
+            .then(|| table.field(mem, n, SLOT_CALLER).map(Gva))
+            .flatten()
     }
 
     /// The trampoline's int3: followed calls returned. Their return handlers and events,

@@ -96,7 +96,7 @@ impl Tracer {
         let trampoline = self.trampoline.get().copied();
         let recover = |ip: Gva, slot: Gva| match trampoline {
             Some(t) if t == ip => self.return_address_at(slot).unwrap_or(ip),
-            _ => ip,
+            _ => self.exit_free_caller(slot, ip).unwrap_or(ip),
         };
         let start = StartRegs {
             ip: regs.rip,

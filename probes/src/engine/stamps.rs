@@ -85,6 +85,18 @@ impl Tracer {
         }
     }
 
+    /// Nanoseconds on the guest's clock from guest TSC `from` to `to` on `cpu` (an
+    /// exit-free return's `$duration`); `None` without a guest clock, or when `to` is
+    /// before `from`.
+    pub(crate) fn tsc_span_ns(&self, cpu: usize, from: u64, to: u64) -> Option<u64> {
+        let clock = self.guest_clock.get()?;
+        let (a, b) = (
+            clock.ns_at_guest_tsc(cpu, from).ok()?,
+            clock.ns_at_guest_tsc(cpu, to).ok()?,
+        );
+        b.checked_sub(a)
+    }
+
     /// Host time since the tracer started, in nanoseconds.
     pub(crate) fn host_timestamp_ns(&self) -> u64 {
         self.started.elapsed().as_nanos() as u64

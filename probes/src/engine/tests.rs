@@ -2137,6 +2137,7 @@ fn event_tracer() -> (Arc<FakeMachine>, Tracer, Arc<Events>) {
         copy_from_user_nofault: None,
         strncpy_from_user_nofault: None,
         thread_size: crate::detour::event::DEFAULT_THREAD_SIZE,
+        rethooks: None,
     };
     t.enable_event_detours(1, facts, &|gva: Gva| Gpa(RINGS_GPA + (gva.0 - OOL)))
         .unwrap();

@@ -54,6 +54,7 @@ fn layout(rings: &EventRings) -> Result<EventLayout, Box<dyn std::error::Error>>
         copy_from_user_nofault: None,
         strncpy_from_user_nofault: None,
         thread_size: 16 << 10,
+        rethooks: None,
     };
     let detour = event_detour(&EventDetourParams {
         probe_id: PROBE_ID,
@@ -68,6 +69,7 @@ fn layout(rings: &EventRings) -> Result<EventLayout, Box<dyn std::error::Error>>
         record_task: true,
         filter: None,
         displaced: &|_| Ok(vec![0xc3]),
+        returns: None,
     })?;
     Ok(detour.layout)
 }

@@ -194,7 +194,7 @@ fn storage(field: RecordField, layout: &EventLayout) -> Option<(Storage, Option<
                     at: arg.slot,
                     width: u8::try_from(value_size(ty)).ok()?,
                 },
-                (ArgKind::Array { .. }, _) => return None,
+                (ArgKind::Array { .. } | ArgKind::Duration, _) => return None,
             };
             (storage, arg.fault_bit)
         }

@@ -39,6 +39,7 @@ pub(super) fn facts() -> GuestKernelFacts {
         copy_from_user_nofault: None,
         strncpy_from_user_nofault: None,
         thread_size: DEFAULT_THREAD_SIZE,
+        rethooks: None,
     }
 }
 
@@ -111,6 +112,7 @@ pub(super) fn generate_params(
         record_task,
         filter,
         displaced: &displaced,
+        returns: None,
     })
 }
 
@@ -275,6 +277,7 @@ fn rings_and_calls_are_reached_from_wherever_the_detour_is() {
         record_task: false,
         filter: None,
         displaced: &displaced,
+        returns: None,
     };
     // The jump back to the probe's function is out of reach from there.
     assert!(matches!(
@@ -372,6 +375,7 @@ fn each_miss_path_counts_the_probes_entry_with_a_locked_increment() {
         record_task: false,
         filter: None,
         displaced: &displaced,
+        returns: None,
     };
     assert_eq!(
         event_detour(&params),

@@ -1,0 +1,395 @@
+//! Exit-free return probes: a return probe's detour keeps each call it follows in the
+//! guest, and the call's return writes the record — no VM exit at the entry or at the
+//! return.
+//!
+//! # The calls-in-flight table
+//!
+//! A table of [`RETURN_SLOT_SIZE`]-byte slots in the writable part of the out-of-line
+//! area; each return probe owns `maxactive` consecutive slots (Linux's kretprobe
+//! instances), and each slot has a *stub* in the probe's code: `push imm32 <slot>; jmp
+//! <return code>`. A slot holds the task that owns it (`current`, 0 when free), the stack
+//! slot of the return address (`frame`), the return address the entry found there (`ret`),
+//! the caller to report (`caller`), the entry's TSC and the `$argN` words the probe's
+//! fetch-args name.
+//!
+//! # At the entry (the detour the probe's jump goes to)
+//!
+//! `pushfq; cli`, four registers saved, then a `lock cmpxchg` takes the first free slot of
+//! the probe's (owner 0 → `current`): none free is counted in the probe's `nmissed` (its
+//! entry of the rings' miss table) and the call runs unfollowed, as Linux's kprobes do past
+//! `maxactive`. The slot gets the frame, the return address, the caller, the TSC and the
+//! saved arguments, and only then is the return address swapped for the slot's stub. The
+//! caller is the return address unless it is
+//! - another probe's stub (a function tail-called by a followed one, or a second return
+//!   probe on the same function): that slot's caller, when that slot is on the same stack
+//!   slot and owned by the same task; the return then runs both, latest first, and the call
+//!   returns through the other stub;
+//! - the guest's own `arch_rethook_trampoline` (its kretprobe swapped the address first):
+//!   the `ret_addr` of the node of `current->rethooks` whose `frame` is this stack slot
+//!   (at most [`MAX_RETHOOK_WALK`] nodes; the list is the guest's, walked with plain loads as
+//!   its own trampoline walks it).
+//!
+//! Then the displaced instructions run and jump back.
+//!
+//! # At the return (the stub, then the probe's return code)
+//!
+//! The stub's `push` puts the slot number where the return address was. The return code
+//! saves the flags (`cli`) and its registers, checks that the slot is one of the probe's,
+//! owned by `current`, for this stack slot — anything else traps to the host (an `int3`),
+//! which stops the VM with the reason: nothing is returned to that was not on record — and
+//! writes the real return address back in its place. The record is the event detour's
+//! (ring, task stamp, fetch-args; `$retval` is `rax`, `$argN` the entry's words, `%ip` the
+//! return address, `%sp` the stack pointer after the return), with the call's caller and
+//! entry TSC (the host computes `$duration` from the two stamps). The slot is freed last,
+//! on every path (a full ring or a nested hit still returns), then `ret`.
+//!
+//! A slot whose task exited (`do_exit` never returns) is freed by the host at the task's
+//! `do_exit` hook, as the trapped path frees its calls; the host reads the table (guest
+//! memory: each owner is checked against the stacks it may be on).
+
+use hvprobe_arch::Gva;
+use hvprobe_introspection::stacks::RethookLayout;
+use iced_x86::code_asm::*;
+
+use super::{
+    assemble, count_path_from, DetourCodeError, EventDetourParams, Gen, HotPath, Record, ReturnFields, Tail, Value,
+};
+
+/// Bytes of one slot of the calls-in-flight table.
+pub const RETURN_SLOT_SIZE: u32 = 128;
+/// `log2(RETURN_SLOT_SIZE)`.
+const SLOT_SHIFT: u32 = 7;
+/// Bytes of one slot's stub (`push imm32` is 5 bytes, `jmp rel32` 5, int3 padding).
+pub const RETURN_STUB_SIZE: u64 = 16;
+/// `log2(RETURN_SLOT_SIZE / RETURN_STUB_SIZE)`: a slot's offset to its stub's.
+const SLOT_TO_STUB_SHIFT: u8 = 3;
+/// The `push imm32` opcode that starts every stub.
+pub const STUB_OPCODE: u8 = 0x68;
+
+/// Offsets in a slot.
+pub const SLOT_OWNER: i32 = 0;
+pub const SLOT_FRAME: i32 = 8;
+pub const SLOT_RET: i32 = 16;
+pub const SLOT_CALLER: i32 = 24;
+pub const SLOT_TSC: i32 = 32;
+pub const SLOT_ARGS: i32 = 40;
+/// Most `$argN` words an entry saves (what fits in a slot).
+pub const MAX_SAVED_ARGS: usize = ((RETURN_SLOT_SIZE as i32 - SLOT_ARGS) / 8) as usize;
+/// Most nodes of `current->rethooks` an entry reads to find the guest's saved return
+/// address (a task's kretprobes nest a few calls deep).
+pub const MAX_RETHOOK_WALK: i32 = 16;
+
+/// What a return probe's detour needs on top of an event detour's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReturnDetourParams {
+    /// The calls-in-flight table, in memory the guest may write.
+    pub table: Gva,
+    /// Slots the table has.
+    pub table_slots: u32,
+    /// The probe's slots: `first_slot..first_slot + maxactive`.
+    pub first_slot: u32,
+    pub maxactive: u32,
+    /// The out-of-line area's code (start, size): a return address in it may be a stub.
+    pub code_area: (Gva, u64),
+    /// The guest's kretprobes' list, to name the caller when the guest swapped first.
+    pub rethooks: Option<RethookLayout>,
+}
+
+impl ReturnDetourParams {
+    /// The address of slot `i` of the table.
+    pub fn slot(&self, i: u32) -> Gva {
+        Gva(self.table.0.wrapping_add(u64::from(i) * u64::from(RETURN_SLOT_SIZE)))
+    }
+}
+
+/// The slot a stub at `at` (bytes `stub`, read from the guest) stands for, when it is one:
+/// `push imm32` of a slot the table has.
+pub fn stub_slot(stub: &[u8], table_slots: u32) -> Option<u32> {
+    let [STUB_OPCODE, a, b, c, d, ..] = *stub else {
+        return None;
+    };
+    let slot = u32::from_le_bytes([a, b, c, d]);
+    (slot < table_slots).then_some(slot)
+}
+
+/// The return code's prologue: the slot the stub pushed, checked (else `no_call`), in
+/// the frame's slot register; the real return address back in the stack slot.
+pub(super) fn take_call(g: &mut Gen<'_>, r: &ReturnDetourParams, no_call: CodeLabel) -> Result<(), DetourCodeError> {
+    let (base, rsp0) = (g.frame.base, g.frame.rsp0);
+    let slot = g
+        .frame
+        .slot
+        .ok_or_else(|| DetourCodeError::Assemble("a return's code without a slot register".into()))?;
+    let current = g.p.kernel.current_task.unwrap_or(0);
+    g.a().mov(eax, dword_ptr(base + rsp0))?;
+    g.a().sub(eax, r.first_slot as i32)?;
+    g.a().cmp(eax, r.maxactive as i32)?;
+    g.a().jae(no_call)?;
+    g.a().shl(rax, SLOT_SHIFT)?;
+    g.a().mov(slot, r.slot(r.first_slot).0)?;
+    g.a().add(slot, rax)?;
+    g.a().mov(rax, qword_ptr(current as i64 as u64).gs())?;
+    g.a().cmp(qword_ptr(slot + SLOT_OWNER), rax)?;
+    g.a().jne(no_call)?;
+    g.a().lea(rax, qword_ptr(base + rsp0))?;
+    g.a().cmp(qword_ptr(slot + SLOT_FRAME), rax)?;
+    g.a().jne(no_call)?;
+    g.a().mov(rax, qword_ptr(slot + SLOT_RET))?;
+    g.a().mov(qword_ptr(base + rsp0), rax)?;
+    Ok(())
+}
+
+/// Copies the call's caller, entry TSC and saved arguments from its slot into the record.
+pub(super) fn copy_call(g: &mut Gen<'_>, fields: ReturnFields, saved: usize) -> Result<(), DetourCodeError> {
+    let (rec, slot) = (g.frame.rec, g.frame.slot.unwrap_or(rsi));
+    let mut moves = vec![(SLOT_CALLER, fields.caller as i32), (SLOT_TSC, fields.entry_tsc as i32)];
+    moves.extend((0..saved as i32).map(|k| (SLOT_ARGS + 8 * k, fields.entry_tsc as i32 + 8 + 8 * k)));
+    for (from, to) in moves {
+        g.a().mov(rax, qword_ptr(slot + from))?;
+        g.a().mov(qword_ptr(rec + to), rax)?;
+    }
+    Ok(())
+}
+
+/// The entry's code at `p.detour_ip`: see the module docs. `stubs` is where the probe's
+/// first stub is; returns the code and where the displaced instructions landed.
+fn entry_code(
+    p: &EventDetourParams<'_>,
+    r: &ReturnDetourParams,
+    saved: &[u32],
+    stubs: Gva,
+    displaced: &[u8],
+) -> Result<(Vec<u8>, Gva), DetourCodeError> {
+    let mut g = Gen {
+        a: CodeAssembler::new(64)?,
+        p,
+        frame: super::Frame::new(false, false),
+        cold: Vec::new(),
+        thread_mask: p.kernel.thread_size - 1,
+        saved_area: None,
+    };
+    let (base, rsp0) = (g.frame.base, g.frame.rsp0);
+    let current = p.kernel.current_task.unwrap_or(0);
+    let probe_missed = p
+        .rings
+        .probe_missed_gva(p.miss_slot)
+        .ok_or(DetourCodeError::BadMissSlot {
+            slot: p.miss_slot,
+            slots: p.rings.geometry().probe_slots(),
+        })?;
+    let mut take = g.a().create_label();
+    let mut busy = g.a().create_label();
+    let mut resolved = g.a().create_label();
+    let mut chained = g.a().create_label();
+    let mut guest_swapped = g.a().create_label();
+    let mut restore = g.a().create_label();
+    let mut displaced_label = g.a().create_label();
+
+    g.a().pushfq()?;
+    g.a().cli()?;
+    for reg in g.frame.pushed() {
+        g.a.push(reg)?;
+    }
+    // A free slot of the probe's: owner 0 → current.
+    g.a().mov(rcx, qword_ptr(current as i64 as u64).gs())?;
+    g.a().mov(rbx, r.slot(r.first_slot).0)?;
+    g.a().mov(edx, r.maxactive)?;
+    g.a().set_label(&mut take)?;
+    g.a().xor(eax, eax)?;
+    g.a().lock().cmpxchg(qword_ptr(rbx + SLOT_OWNER), rcx)?;
+    g.a().jne(busy)?;
+    // The call: its stack slot, return address and caller.
+    g.a().lea(rax, qword_ptr(base + rsp0))?;
+    g.a().mov(qword_ptr(rbx + SLOT_FRAME), rax)?;
+    g.a().mov(rdx, qword_ptr(rax))?;
+    g.a().mov(qword_ptr(rbx + SLOT_RET), rdx)?;
+    g.a().mov(qword_ptr(rbx + SLOT_CALLER), rdx)?;
+    g.a().mov(rax, r.code_area.0 .0)?;
+    g.a().mov(rcx, rdx)?;
+    g.a().sub(rcx, rax)?;
+    g.a().mov(rax, r.code_area.1)?;
+    g.a().cmp(rcx, rax)?;
+    g.a().jb(chained)?;
+    if let Some(rethooks) = &r.rethooks {
+        g.a().mov(rax, rethooks.trampoline.0)?;
+        g.a().cmp(rdx, rax)?;
+        g.a().je(guest_swapped)?;
+    }
+    g.a().set_label(&mut resolved)?;
+    g.a().rdtsc()?;
+    g.a().mov(dword_ptr(rbx + SLOT_TSC), eax)?;
+    g.a().mov(dword_ptr(rbx + (SLOT_TSC + 4)), edx)?;
+    for (k, n) in saved.iter().enumerate() {
+        let value = match n {
+            1..=6 => Value::Reg(super::ARG_REGISTERS[*n as usize - 1]),
+            n => Value::StackWord(n - 6),
+        };
+        match value {
+            Value::StackWord(w) => g.checked_stack_word(rax, edx, w)?,
+            Value::Reg(reg) => g.read_register(rax, reg)?,
+            _ => unreachable!("an argument is a register or a stack word"),
+        }
+        g.a().mov(qword_ptr(rbx + (SLOT_ARGS + 8 * k as i32)), rax)?;
+    }
+    // Only now, with the slot complete, the return goes through its stub.
+    g.a().mov(rax, rbx)?;
+    g.a().mov(rdx, r.slot(r.first_slot).0)?;
+    g.a().sub(rax, rdx)?;
+    g.a().shr(rax, SLOT_TO_STUB_SHIFT as u32)?;
+    g.a().mov(rdx, stubs.0)?;
+    g.a().add(rax, rdx)?;
+    g.a().mov(rdx, qword_ptr(rbx + SLOT_FRAME))?;
+    g.a().mov(qword_ptr(rdx), rax)?;
+    g.a().set_label(&mut restore)?;
+    for reg in g.frame.pushed().iter().rev() {
+        g.a.pop(*reg)?;
+    }
+    g.a().popfq()?;
+    g.a().set_label(&mut displaced_label)?;
+    g.a().db(displaced)?;
+
+    // Cold: the next slot; none free.
+    g.a().set_label(&mut busy)?;
+    g.a().add(rbx, RETURN_SLOT_SIZE as i32)?;
+    g.a().dec(edx)?;
+    g.a().jne(take)?;
+    g.inc_counter(probe_missed.0, true)?;
+    g.a().jmp(restore)?;
+    // Cold: the return address is in our code: another probe's stub on this stack slot?
+    // (rdx = the return address.)
+    g.a().set_label(&mut chained)?;
+    g.a().cmp(byte_ptr(rdx), STUB_OPCODE as i32)?;
+    g.a().jne(resolved)?;
+    g.a().mov(eax, dword_ptr(rdx + 1))?;
+    g.a().cmp(eax, r.table_slots as i32)?;
+    g.a().jae(resolved)?;
+    g.a().shl(rax, SLOT_SHIFT)?;
+    g.a().mov(rcx, r.table.0)?;
+    g.a().add(rax, rcx)?;
+    g.a().mov(rcx, qword_ptr(rax + SLOT_FRAME))?;
+    g.a().cmp(rcx, qword_ptr(rbx + SLOT_FRAME))?;
+    g.a().jne(resolved)?;
+    g.a().mov(rcx, qword_ptr(rax + SLOT_OWNER))?;
+    g.a().cmp(rcx, qword_ptr(rbx + SLOT_OWNER))?;
+    g.a().jne(resolved)?;
+    g.a().mov(rcx, qword_ptr(rax + SLOT_CALLER))?;
+    g.a().mov(qword_ptr(rbx + SLOT_CALLER), rcx)?;
+    g.a().jmp(resolved)?;
+    // Cold: the guest's kretprobe swapped first: its node for this stack slot.
+    if let Some(rethooks) = &r.rethooks {
+        let to = |off: u64| -> Result<i32, DetourCodeError> {
+            i32::try_from(off.wrapping_sub(rethooks.node_llist) as i64)
+                .map_err(|_| DetourCodeError::Assemble("rethook_node offsets".into()))
+        };
+        let (frame, ret_addr) = (to(rethooks.node_frame)?, to(rethooks.node_ret_addr)?);
+        let list = i32::try_from(rethooks.task_rethooks)
+            .map_err(|_| DetourCodeError::Assemble("task_struct.rethooks offset".into()))?;
+        let mut walk = g.a().create_label();
+        let mut found = g.a().create_label();
+        g.a().set_label(&mut guest_swapped)?;
+        g.a().mov(rax, qword_ptr(current as i64 as u64).gs())?;
+        g.a().mov(rax, qword_ptr(rax + list))?;
+        g.a().mov(ecx, MAX_RETHOOK_WALK)?;
+        g.a().set_label(&mut walk)?;
+        g.a().test(rax, rax)?;
+        g.a().je(resolved)?;
+        g.a().mov(rdx, qword_ptr(rax + frame))?;
+        g.a().cmp(rdx, qword_ptr(rbx + SLOT_FRAME))?;
+        g.a().je(found)?;
+        g.a().mov(rax, qword_ptr(rax))?;
+        g.a().dec(ecx)?;
+        g.a().jne(walk)?;
+        g.a().jmp(resolved)?;
+        g.a().set_label(&mut found)?;
+        g.a().mov(rdx, qword_ptr(rax + ret_addr))?;
+        g.a().mov(qword_ptr(rbx + SLOT_CALLER), rdx)?;
+        g.a().jmp(resolved)?;
+    }
+    for c in std::mem::take(&mut g.cold) {
+        if let super::Cold::Zero { mut label, dst, back } = c {
+            g.a().set_label(&mut label)?;
+            g.a().xor(super::low32(dst), super::low32(dst))?;
+            g.a().jmp(back)?;
+        }
+    }
+    let result = g.a.assemble_options(
+        p.detour_ip.0,
+        iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS,
+    )?;
+    let displaced_ip = result.label_ip(&displaced_label)?;
+    Ok((result.inner.code_buffer, Gva(displaced_ip)))
+}
+
+/// The stubs of slots `first..first + count`, at `at`, each jumping to `return_code`.
+fn stubs(first: u32, count: u32, at: Gva, return_code: Gva) -> Result<Vec<u8>, DetourCodeError> {
+    let mut bytes = Vec::with_capacity(count as usize * RETURN_STUB_SIZE as usize);
+    for i in 0..count {
+        let ip = at.0 + u64::from(i) * RETURN_STUB_SIZE;
+        let rel =
+            i32::try_from(return_code.0.wrapping_sub(ip + 10) as i64).map_err(|_| DetourCodeError::OutOfReach {
+                what: "the return code",
+                from: Gva(ip),
+                target: return_code,
+            })?;
+        bytes.push(STUB_OPCODE);
+        bytes.extend_from_slice(&(first + i).to_le_bytes());
+        bytes.push(0xe9);
+        bytes.extend_from_slice(&rel.to_le_bytes());
+        bytes.resize(
+            bytes.len().next_multiple_of(RETURN_STUB_SIZE as usize),
+            hvprobe_arch::INT3,
+        );
+    }
+    Ok(bytes)
+}
+
+fn align(at: u64) -> u64 {
+    at.next_multiple_of(RETURN_STUB_SIZE)
+}
+
+/// A return probe's whole code at `p.detour_ip`: the entry, the return code, the stubs
+/// (each part 16-byte aligned). Returns it, the hot path of a call (entry and return
+/// together) and where the first stub is.
+pub(super) fn return_detour(
+    p: &EventDetourParams<'_>,
+    r: &ReturnDetourParams,
+    record: &Record<'_>,
+    saved: &[u32],
+) -> Result<(Vec<u8>, HotPath, Gva), DetourCodeError> {
+    let end = u64::from(r.first_slot) + u64::from(r.maxactive);
+    if r.maxactive == 0 || end > u64::from(r.table_slots) {
+        return Err(DetourCodeError::BadReturnSlots {
+            first: r.first_slot,
+            end,
+            slots: r.table_slots,
+        });
+    }
+    let mut displaced = (p.displaced)(p.detour_ip)?;
+    let mut stubs_at = Gva(p.detour_ip.0);
+    for _ in 0..8 {
+        let (entry, displaced_ip) = entry_code(p, r, saved, stubs_at, &displaced)?;
+        let return_at = Gva(align(p.detour_ip.0 + entry.len() as u64));
+        let (ret, _) = assemble(p, return_at, record, Tail::Return(r))?;
+        let next_stubs = Gva(align(return_at.0 + ret.len() as u64));
+        let again = (p.displaced)(displaced_ip)?;
+        if next_stubs == stubs_at && again == displaced {
+            let mut code = entry;
+            code.resize((return_at.0 - p.detour_ip.0) as usize, hvprobe_arch::INT3);
+            code.extend_from_slice(&ret);
+            code.resize((stubs_at.0 - p.detour_ip.0) as usize, hvprobe_arch::INT3);
+            code.extend_from_slice(&stubs(r.first_slot, r.maxactive, stubs_at, return_at)?);
+            let at_entry = count_path_from(&code, p.detour_ip, p.detour_ip);
+            let at_return = count_path_from(&code, p.detour_ip, stubs_at);
+            let hot_path = HotPath {
+                instructions: at_entry.instructions + at_return.instructions,
+                calls: at_entry.calls + at_return.calls,
+            };
+            return Ok((code, hot_path, stubs_at));
+        }
+        stubs_at = next_stubs;
+        displaced = again;
+    }
+    Err(DetourCodeError::Assemble(
+        "the return detour's layout did not settle".into(),
+    ))
+}
