@@ -385,8 +385,54 @@ fn bad_probes_are_refused_with_the_reason_and_the_line() {
 
 #[test]
 fn host_and_guest_return_probes_see_the_same_returns_and_values() {
+    let run = return_oracle("kretprobe", "off");
+    let list = listing(&run);
+    assert!(run.stderr.contains("  r  "), "{}", run.tail());
+    assert_eq!(list.len(), 0, "the kretprobe is listed with r, not k");
+}
+
+/// The return oracle with the return probe jump-optimized: an exit-free return probe (its
+/// entry's detour keeps the call in the guest, the return writes the record) sees the
+/// same returns, values and callers as the guest's own kretprobe on the same function and
+/// as the trapped path, with no exit for any call.
+#[test]
+fn exit_free_return_probes_see_what_the_guest_sees_with_no_exit() {
+    let run = return_oracle("kretprobe-exit-free", "on");
+    let (hits, emulated, stepped, int3, steps) = exit_counts(&run);
+    assert!(hits >= LOOP_CALLS as u64, "{}", run.tail());
+    assert_eq!((emulated, stepped, steps), (0, 0, 0), "no hit trapped\n{}", run.tail());
+    let reinjected: u64 = run
+        .stderr
+        .lines()
+        .find_map(|l| {
+            l.split(" guest int3 re-injected")
+                .next()
+                .filter(|_| l.contains(" guest int3 re-injected"))
+        })
+        .and_then(|l| l.rsplit(", ").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no re-injection count\n{}", run.tail()));
+    // The only exits of ours are the hidden do_exit hook's (one per task that exits).
+    assert!(
+        int3 - reinjected < LOOP_CALLS as u64 / 4,
+        "{} int3 exits of ours for {LOOP_CALLS} calls\n{}",
+        int3 - reinjected,
+        run.tail()
+    );
+    assert!(
+        run.stderr
+            .lines()
+            .any(|l| l.contains("  r  ") && l.contains("[OPTIMIZED]")),
+        "the return probe is optimized\n{}",
+        run.tail()
+    );
+}
+
+/// The guest's own kretprobe event and ours on `__x64_sys_getppid` around the loop, with
+/// `--optimize OPTIMIZE`: the same returns, values and callers.
+fn return_oracle(name: &str, optimize: &str) -> Run {
     let dir = snapshot(1);
-    let probes = probe_file("kretprobe", "r:host/getppid_ret __x64_sys_getppid ret=$retval\n");
+    let probes = probe_file(name, "r:host/getppid_ret __x64_sys_getppid ret=$retval\n");
     let workload = format!(
         "T=/sys/kernel/tracing; echo 'r:gr __x64_sys_getppid ret=$retval' > $T/kprobe_events; \
          echo 1 > $T/events/kprobes/gr/enable; hvprobe-loop {LOOP_CALLS}; echo 0 > $T/events/kprobes/gr/enable; \
@@ -397,7 +443,7 @@ fn host_and_guest_return_probes_see_the_same_returns_and_values() {
         &dir,
         1,
         &workload,
-        &["--probes", probes.to_str().unwrap(), "--optimize=off"],
+        &["--probes", probes.to_str().unwrap(), &format!("--optimize={optimize}")],
     );
     assert_eq!(run.code, Some(0), "{}", run.tail());
     let profile = run.stdout.lines().find_map(|l| l.strip_prefix("PROFILE ")).unwrap();
@@ -421,10 +467,8 @@ fn host_and_guest_return_probes_see_the_same_returns_and_values() {
     let host = returns(false);
     assert_eq!(guest.len(), LOOP_CALLS, "{}", run.tail());
     assert_eq!(host, guest, "return values or callers differ");
-    let list = listing(&run);
-    assert!(run.stderr.contains("  r  "), "{}", run.tail());
-    assert_eq!(list.len(), 0, "the kretprobe is listed with r, not k");
     let _ = std::fs::remove_file(probes);
+    run
 }
 
 /// `$duration` and `$argN` at a return, against the guest's own clock: `sleep 0.2` sleeps
@@ -1340,4 +1384,78 @@ fn four_watches_fire_together_and_a_fifth_is_refused_naming_them() {
     assert!(!run.console_has_line("RAN"), "nothing runs after a refused file");
     let _ = std::fs::remove_file(probes);
     let _ = std::fs::remove_file(five);
+}
+
+/// Exit-free return probes on `vfs_read` and on `ksys_read`, which `__x64_sys_read`
+/// tail-calls (`jmp ksys_read`: its return goes through the same stack slot as
+/// `__x64_sys_read`'s), beside the guest's own kretprobe events on both: a shell's
+/// one-byte `read -r` loop gives the same returns, values and callers, in order, with no
+/// exit for any call.
+#[test]
+fn exit_free_return_probes_on_read_and_a_tail_called_function_agree_with_the_guests() {
+    let dir = snapshot(1);
+    let probes = probe_file(
+        "exit-free-read",
+        "r:host/vfs vfs_read ret=$retval\nr:host/ksys ksys_read ret=$retval\n",
+    );
+    let workload = "T=/sys/kernel/tracing; echo 'r:gvfs vfs_read ret=$retval' > $T/kprobe_events; \
+         echo 'r:gksys ksys_read ret=$retval' >> $T/kprobe_events; echo abc > /tmp/f; \
+         sh -c 'echo LOOP $$; echo 1 > /sys/kernel/tracing/events/kprobes/enable; i=0; \
+         while [ $i -lt 10 ]; do read -r l < /tmp/f; i=$((i+1)); done; \
+         echo 0 > /sys/kernel/tracing/events/kprobes/enable'; \
+         while read l; do case $l in *' gvfs: '*|*' gksys: '*) echo \"GUEST $l\";; esac; done < $T/trace";
+    let run = restore_with(
+        &dir,
+        1,
+        workload,
+        &["--probes", probes.to_str().unwrap(), "--optimize=on"],
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(&run, &[]);
+    let pid = run
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("LOOP "))
+        .unwrap_or_else(|| panic!("no loop pid\n{}", run.tail()))
+        .trim()
+        .to_string();
+    let returns = |guest: bool| -> Vec<(String, String, String)> {
+        run.stdout
+            .lines()
+            .filter(|l| l.starts_with("GUEST ") == guest)
+            .filter_map(parse_trace_line)
+            .filter(|l| l.task.rsplit('-').next() == Some(pid.as_str()))
+            .map(|l| {
+                (
+                    l.event.trim_start_matches('g').to_string(),
+                    l.location,
+                    l.args["ret"].clone(),
+                )
+            })
+            .collect()
+    };
+    let (host, guest) = (returns(false), returns(true));
+    // Ten loops of four one-byte reads ("abc\n"), each a ksys_read and a vfs_read.
+    assert!(
+        guest.len() >= 80,
+        "{} returns in the guest's trace\n{}",
+        guest.len(),
+        run.tail()
+    );
+    assert_eq!(host, guest, "returns, callers or values differ");
+    assert!(
+        guest
+            .iter()
+            .any(|(e, at, _)| e == "ksys" && !at.contains("rethook") && !at.contains("0xffffffff82")),
+        "{guest:?}"
+    );
+    let (_, emulated, stepped, int3, steps) = exit_counts(&run);
+    assert_eq!((emulated, stepped, steps), (0, 0, 0), "no call trapped\n{}", run.tail());
+    assert!(
+        int3 < 40,
+        "{int3} int3 exits for {} returns\n{}",
+        host.len(),
+        run.tail()
+    );
+    let _ = std::fs::remove_file(probes);
 }
