@@ -7,12 +7,15 @@
 # (taken half-way, under load), and the kernel text hashes the same after the probes are
 # removed as after a run without them.
 #
-#   bench/storm.sh [SECONDS]     (default 600; CI runs a short one)
+#   bench/storm.sh [SECONDS] [OPTIMIZE]   (default 600 and auto; CI runs a short one of
+#                                         each: `auto` traps every return probe's call on
+#                                         kvm_pvm, `on` makes them exit-free)
 #
 # Prints a summary (duration, hits, oopses, window counts, text hashes) and exits 0/1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-600}
+optimize=${2:-auto}
 cpus=2
 hvprobe=${HVPROBE:-./target/release/hvprobe}
 [ -n "${HVPROBE:-}" ] || cargo build --release --locked -q
@@ -95,7 +98,7 @@ echo \"STORM guest-problems=\$n\""
 started=$(date +%s)
 set +e
 "$hvprobe" run --snapshot "$snap" --cpus "$cpus" --workload "$workload" --probes "$work/storm.probes" --text-hash \
-    > "$work/out" 2> "$work/err"
+    --optimize "$optimize" > "$work/out" 2> "$work/err"
 status=$?
 set -e
 elapsed=$(( $(date +%s) - started ))
@@ -109,7 +112,7 @@ problems=$(grep -oE 'STORM guest-problems=[0-9]+' "$work/out" | cut -d= -f2 || t
 iterations=$(grep -oE 'STORM iterations=[0-9]+' "$work/out" | cut -d= -f2 || true)
 summary=$(grep -E '^hvprobe: (probe hits|probes gone)' "$work/err" || true)
 
-echo "storm: ${seconds} s of guest time asked, ${elapsed} s wall, exit status $status, ${iterations:-?} workload iterations"
+echo "storm: ${seconds} s of guest time asked (--optimize $optimize), ${elapsed} s wall, exit status $status, ${iterations:-?} workload iterations"
 echo "${summary:-storm: no summary line}" | sed "s/^/storm: /"
 echo "storm: guest problems logged: ${problems:-?}"
 grep -E '^GUEST-LOG' "$work/out" || true

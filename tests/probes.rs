@@ -1459,3 +1459,77 @@ fn exit_free_return_probes_on_read_and_a_tail_called_function_agree_with_the_gue
     );
     let _ = std::fs::remove_file(probes);
 }
+
+/// Exit-free return probes on two vCPUs: two shells pinned to the two CPUs each run a
+/// one-byte `read -r` loop at once; every `ksys_read` of each is followed and returns its
+/// value, as does the `vfs_read` inside it, with the callers named, and no call traps.
+#[test]
+fn exit_free_return_probes_follow_both_vcpus_calls() {
+    let dir = snapshot(2);
+    let probes = probe_file(
+        "exit-free-2cpu",
+        "r:host/vfs vfs_read ret=$retval\nr:host/ksys ksys_read ret=$retval\n",
+    );
+    let workload = "echo abc > /tmp/f; for c in 0 1; do taskset -c $c sh -c 'echo LOOP $$; i=0; \
+         while [ $i -lt 20 ]; do read -r l < /tmp/f; i=$((i+1)); done' & done; wait";
+    let run = restore_with(
+        &dir,
+        2,
+        workload,
+        &["--probes", probes.to_str().unwrap(), "--optimize=on"],
+    );
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(&run, &[]);
+    let pids: Vec<String> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("LOOP "))
+        .map(|p| p.trim().to_string())
+        .collect();
+    assert_eq!(pids.len(), 2, "{}", run.tail());
+    let lines: Vec<TraceLine> = run.stdout.lines().filter_map(parse_trace_line).collect();
+    let mut cpus = std::collections::BTreeSet::new();
+    for pid in &pids {
+        let of = |event: &str| -> Vec<&TraceLine> {
+            lines
+                .iter()
+                .filter(|l| l.event == event && l.task.rsplit('-').next() == Some(pid.as_str()))
+                .collect()
+        };
+        let (ksys, vfs) = (of("ksys"), of("vfs"));
+        // Twenty loops of one-byte reads up to the newline of "abc\n".
+        assert!(
+            ksys.len() >= 80,
+            "task {pid}: {} ksys_read returns\n{}",
+            ksys.len(),
+            run.tail()
+        );
+        let values = |v: &[&TraceLine]| v.iter().map(|l| l.args["ret"].clone()).collect::<Vec<_>>();
+        assert_eq!(values(&ksys), values(&vfs), "task {pid}: the values differ");
+        for l in &ksys {
+            assert!(
+                l.location.ends_with("<- ksys_read") && l.location.starts_with("pvm_user_syscall")
+                    || l.location.starts_with("do_syscall_64"),
+                "{}",
+                l.location
+            );
+        }
+        assert!(
+            vfs.iter().all(|l| l.location.starts_with("ksys_read+")),
+            "{:?}",
+            vfs[0].location
+        );
+        cpus.extend(
+            run.stdout
+                .lines()
+                .filter(|l| l.contains(&format!("-{pid} ")))
+                .filter_map(|l| l.split('[').nth(1)?.split(']').next()?.trim().parse::<u32>().ok()),
+        );
+    }
+    assert_eq!(cpus.len(), 2, "the loops ran on both vCPUs");
+    let (_, emulated, stepped, int3, steps) = exit_counts(&run);
+    assert_eq!((emulated, stepped, steps), (0, 0, 0), "no call trapped\n{}", run.tail());
+    assert!(int3 < 40, "{int3} int3 exits\n{}", run.tail());
+    assert!(run.stderr.contains("nmissed=0 event=host/ksys"), "{}", run.tail());
+    let _ = std::fs::remove_file(probes);
+}

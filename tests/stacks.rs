@@ -410,3 +410,68 @@ fn a_hist_keyed_by_stacktrace_counts_the_stacks_the_guests_own_counts() {
     assert_eq!(host, guest, "\n{}", run.tail());
     assert_eq!(host.iter().map(|(_, n)| n).sum::<u64>(), 3);
 }
+
+/// An exit-free return probe on `ksys_write` (`--optimize on`): during every write its
+/// stub is in `ksys_write`'s return slot — after the guest's own kretprobe on the same
+/// function swapped in its trampoline, so the probe's entry found the caller in the task's
+/// rethook list — and the host's stacks still name every caller, through the stub, down
+/// to the entry from user mode. The guest's own unwinder does not know the stub (it is no
+/// kernel text): its stacks stop at that frame, as they do at the trapped path's
+/// trampoline (docs/known-issues.md); up to there they equal the host's.
+#[test]
+fn host_stacks_through_an_exit_free_return_probes_stub_equal_the_guests_own() {
+    let dir = snapshot(1);
+    let probes = probe_file(
+        "stacks-exit-free",
+        "p:ana/write vfs_write\nr:ana/ksysret ksys_write ret=$retval\n",
+    );
+    let run = restore_with(
+        &dir,
+        1,
+        &workload(false),
+        &[
+            "--probes",
+            probes.to_str().unwrap(),
+            "--no-control",
+            "--sym-offset",
+            "--filter",
+            "ana/write:comm == \"busybox\"",
+            // Its records would come between the lines of the guest's stacks.
+            "--filter",
+            "ana/ksysret:comm == \"nobody\"",
+            "--trigger",
+            "ana/write:stacktrace",
+            "--optimize",
+            "on",
+        ],
+        RESTORE_TIMEOUT,
+    );
+    let _ = std::fs::remove_file(probes);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(&run, &[]);
+    let (host, guest) = host_and_guest_stacks(&run);
+    let (host_writes, guest_writes) = (through(&host, "vfs_write"), through(&guest, "vfs_write"));
+    assert_eq!(guest_writes.len(), 4, "the guest's write stacks\n{}", run.tail());
+    assert_eq!(host_writes.len(), 4, "the host's write stacks\n{}", run.tail());
+    for ((_, h), (_, g)) in host_writes.iter().zip(&guest_writes) {
+        assert!(
+            h.starts_with(g),
+            "the guest's stack is the host's up to the stub\nhost {h:?}\nguest {g:?}"
+        );
+        assert_eq!(g.last().map(|f| function(f)), Some("ksys_write"), "{g:?}");
+        assert!(
+            h.iter()
+                .any(|f| function(f) == "pvm_user_syscall_fault" || function(f) == "do_syscall_64"),
+            "the host's goes on through the stub to the system call's entry: {h:?}"
+        );
+    }
+    let listed = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("event=ana/ksysret"))
+        .unwrap_or_else(|| panic!("no listing of the return probe\n{}", run.tail()));
+    assert!(
+        listed.contains("[OPTIMIZED]") && !listed.contains(" hits=0 "),
+        "{listed}"
+    );
+}

@@ -42,9 +42,12 @@ const RECORD_SIZE: u32 = 512;
 /// Most entries of the miss table, i.e. event detours at once (32 KiB of table; fewer in a
 /// small out-of-line area, one per two detour blocks of it: no event detour is smaller).
 const MAX_MISS_SLOTS: u32 = 4096;
-/// Slots of exit-free return probes' calls-in-flight table (128 KiB of the writable part,
-/// taken before the rings): `maxactive` each, so ~100 probes at the default of 10.
+/// Most slots of exit-free return probes' calls-in-flight table (128 KiB of the writable
+/// part, taken before the rings; at most a quarter of it): `maxactive` each, so ~100
+/// probes at the default of 10.
 const RETURN_TABLE_SLOTS: u32 = 1024;
+/// Fewer slots than this is no table (one probe at the default `maxactive` needs 10).
+const MIN_RETURN_TABLE_SLOTS: u32 = 16;
 
 /// The rings and what the engine needs to write detours into them and read them back.
 pub(super) struct EventSetup {
@@ -231,13 +234,16 @@ impl Tracer {
         // The rings, with their miss and filter tables, in the area's writable part, after
         // the return table when there is room for both.
         let (mut gva, mut room) = self.ool.map_or((Gva(0), 0), |a| (a.rings, a.rings_size));
-        let table_bytes = u64::from(RETURN_TABLE_SLOTS) * u64::from(RETURN_SLOT_SIZE);
-        let returns = (room >= 4 * table_bytes).then(|| {
+        let table_slots = u32::try_from(room / 4 / u64::from(RETURN_SLOT_SIZE))
+            .unwrap_or(u32::MAX)
+            .min(RETURN_TABLE_SLOTS);
+        let table_bytes = u64::from(table_slots) * u64::from(RETURN_SLOT_SIZE);
+        let returns = (table_slots >= MIN_RETURN_TABLE_SLOTS).then(|| {
             let table = ReturnTable {
                 gva,
                 gpa: gpa_of(gva),
-                slots: RETURN_TABLE_SLOTS,
-                given: Mutex::new(vec![false; RETURN_TABLE_SLOTS as usize]),
+                slots: table_slots,
+                given: Mutex::new(vec![false; table_slots as usize]),
             };
             gva = Gva(gva.0 + table_bytes);
             room -= table_bytes;

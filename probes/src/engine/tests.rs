@@ -2129,7 +2129,7 @@ fn event_tracer() -> (Arc<FakeMachine>, Tracer, Arc<Events>) {
     let t = Tracer::new(m.clone(), view, Some(ool), Some(sink));
     let facts = crate::detour::event::GuestKernelFacts {
         cpu_number: 0x1_0000,
-        current_task: None,
+        current_task: Some(0x1_0008),
         comm_offset: None,
         pid_offset: None,
         copy_from_kernel_nofault: None,
@@ -2189,6 +2189,127 @@ fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
     assert_eq!(t.drain_events(), capacity as usize);
     assert_eq!(t.stats.ring_missed.load(Ordering::Relaxed), 3);
     t.unregister(id).unwrap();
+}
+
+/// Where slot `n` of the calls-in-flight table's field `field` is, in the fake's rings
+/// memory (the table comes first in the writable half).
+fn return_slot_gpa(n: u32, field: i32) -> Gpa {
+    Gpa(RINGS_GPA + BIG_OOL / 2 + u64::from(n) * u64::from(crate::detour::event::RETURN_SLOT_SIZE) + field as u64)
+}
+
+/// An exit-free return probe's code and slots stay while a call of it is in flight (it
+/// returns through its stub), however the probe goes; they are reused once every slot is
+/// free. A task's calls go at its `do_exit`.
+#[test]
+fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
+    use crate::detour::event::returns::{SLOT_FRAME, SLOT_OWNER};
+    use crate::detour::ring::RingMemory;
+    let (m, t, _events) = event_tracer();
+    t.set_optimization(true).unwrap();
+    let recording = |event: &str| KprobeRequest {
+        kind: ProbeKind::Kretprobe { maxactive: 4 },
+        ..KprobeRequest::event(at("func", 0), "g", event, Vec::new())
+    };
+    let id = t.register(recording("ret")).unwrap();
+    assert_eq!(t.why_not_optimized(id), None);
+    let (code, slots) = {
+        let reg = t.read_registry();
+        let (at, d) = reg
+            .detour_codes
+            .iter()
+            .find(|(_, d)| d.returns.is_some())
+            .expect("an exit-free return probe's detour");
+        (*at, d.returns.unwrap())
+    };
+    assert_eq!(slots.count, 4);
+    // Its stubs are in its code: `push <slot>`.
+    let stub = m.bytes(slots.stubs.0, 5);
+    assert_eq!(stub[0], crate::detour::event::returns::STUB_OPCODE);
+    assert_eq!(u32::from_le_bytes(stub[1..5].try_into().unwrap()), slots.first);
+
+    // A call in flight in its second slot, on a task stack.
+    let mem = m.rings.as_ref().unwrap();
+    let frame = 0xffff_c900_0001_3f00u64;
+    mem.store_u64_release(return_slot_gpa(slots.first + 1, SLOT_OWNER), 0xffff_8880_0000_1000)
+        .unwrap();
+    mem.store_u64_release(return_slot_gpa(slots.first + 1, SLOT_FRAME), frame)
+        .unwrap();
+    t.unregister(id).unwrap();
+    t.set_optimization(true).unwrap();
+    {
+        let reg = t.read_registry();
+        assert!(
+            reg.detour_codes.contains_key(&code),
+            "the code stays while its call is in flight"
+        );
+    }
+    // A new probe does not get those slots.
+    let other = t.register(recording("other")).unwrap();
+    let other_slots = t
+        .read_registry()
+        .detour_codes
+        .values()
+        .find_map(|d| d.returns.filter(|r| *r != slots));
+    let other_slots = other_slots.expect("the new probe's slots");
+    assert!(other_slots.first >= slots.first + slots.count || other_slots.first + 4 <= slots.first);
+    t.unregister(other).unwrap();
+
+    // The task exits: its calls are freed, and then the code and the slots go.
+    t.task_exits(frame - 0x200);
+    assert_eq!(
+        mem.load_u64_acquire(return_slot_gpa(slots.first + 1, SLOT_OWNER))
+            .unwrap(),
+        0
+    );
+    t.set_optimization(true).unwrap();
+    let reg = t.read_registry();
+    assert!(
+        !reg.detour_codes.contains_key(&code),
+        "reclaimed once no call is in flight"
+    );
+    drop(reg);
+    let table = t.events.get().unwrap().returns.as_ref().unwrap();
+    assert_eq!(table.take(table.slots), Some(0), "every slot was given back");
+}
+
+/// A record an exit-free return probe's code wrote is a return: its caller, its entry's
+/// time and its `$duration`.
+#[test]
+fn an_exit_free_returns_record_carries_its_caller_and_entry() {
+    let (m, t, events) = event_tracer();
+    t.set_optimization(true).unwrap();
+    let args = vec![crate::spec::FetchArg {
+        name: "ret".into(),
+        expr: crate::spec::FetchExpr::Retval,
+        ty: crate::spec::ArgType::U64,
+        array_len: None,
+        typed: true,
+    }];
+    let id = t
+        .register(KprobeRequest {
+            kind: ProbeKind::Kretprobe { maxactive: 4 },
+            ..KprobeRequest::event(at("func", 0), "g", "ret", args)
+        })
+        .unwrap();
+    assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
+    let layout = t.events.get().unwrap().layouts.read().unwrap()[&id.0].clone();
+    let fields = layout.ret.expect("a return's layout");
+    let mut r = vec![0u8; layout.size as usize];
+    r[0..4].copy_from_slice(&id.0.to_le_bytes());
+    r[8..16].copy_from_slice(&500u64.to_le_bytes());
+    let caller = FUNC + 0x10;
+    r[fields.caller as usize..][..8].copy_from_slice(&caller.to_le_bytes());
+    r[fields.entry_tsc as usize..][..8].copy_from_slice(&400u64.to_le_bytes());
+    let slot = layout.args[0].slot as usize;
+    r[slot..slot + 8].copy_from_slice(&7u64.to_le_bytes());
+    let rings = *t.event_rings().unwrap();
+    assert!(m.rings.as_ref().unwrap().guest_record(&rings, 0, 0, &r).unwrap());
+    assert_eq!(t.drain_events(), 1);
+    let got = events.got.lock().unwrap().clone();
+    let record = &got[0].record;
+    assert_eq!(record.retprobe_caller.as_deref(), Some("func+0x10/0x40"), "{record:?}");
+    assert!(record.entry_timestamp_ns.is_some());
+    assert_eq!(record.args[0].1.to_string(), "7");
 }
 
 #[test]
