@@ -112,10 +112,12 @@ pub(super) struct Detour {
     /// it places a kprobe after ours — on the instruction boundaries after the region.
     pub jump: Vec<u8>,
     pub kind: DetourKind,
-    /// An event detour's entry in the rings' miss table.
-    pub miss_slot: Option<u32>,
-    /// An exit-free return probe's slots.
-    pub returns: Option<ReturnSlots>,
+    /// The probes its event detours record for, in order (none for a sync detour).
+    pub recorders: Vec<ProbeId>,
+    /// Its event detours' entries in the rings' miss table.
+    pub miss_slots: Vec<u32>,
+    /// Its exit-free return probes' slots.
+    pub returns: Vec<ReturnSlots>,
 }
 
 /// What a detour does before the displaced instructions.
@@ -142,11 +144,11 @@ pub(super) struct DetourCode {
     /// Detour blocks it takes.
     pub blocks: u64,
     pub kind: DetourKind,
-    /// An event detour's entry in the rings' miss table, given back with its blocks.
-    pub miss_slot: Option<u32>,
-    /// An exit-free return probe's slots: given back with its blocks, once every one is
-    /// free (no call of it in flight).
-    pub returns: Option<ReturnSlots>,
+    /// Its event detours' entries in the rings' miss table, given back with its blocks.
+    pub miss_slots: Vec<u32>,
+    /// Its exit-free return probes' slots: given back with its blocks, once every one is
+    /// free (no call of them in flight).
+    pub returns: Vec<ReturnSlots>,
 }
 
 /// A probe that only records, for its event detour.
@@ -158,6 +160,23 @@ struct EventProbe {
     counters: Arc<Counters>,
     /// A return probe's `maxactive`: its detour follows calls in the guest.
     maxactive: Option<u32>,
+}
+
+/// Most probes of one site whose detours record in the guest, one after the other.
+const MAX_RECORDERS: usize = 8;
+
+/// A probe whose event detour a site's code will hold, with what it was given: its entry
+/// of the miss table and, for a return probe, its slots of the calls-in-flight table.
+struct Recorder {
+    probe: EventProbe,
+    miss_slot: u32,
+    slots: Option<(u32, u32)>,
+}
+
+/// What one recorder's event detour came with.
+struct Made {
+    layout: EventLayout,
+    stubs: Option<Gva>,
 }
 
 /// The calls-in-flight slots an exit-free return probe's code was given.
@@ -215,7 +234,17 @@ impl Tracer {
         let addrs: Vec<Gva> = reg.sites.keys().copied().collect();
         for addr in &addrs {
             let blocked = self.blocking_reason(reg, *addr);
+            // A detour made for other probes than the site has now (one came or went): its
+            // event detours would record for the old ones only.
+            let wanted = self.recorder_ids(reg, *addr);
             let Some(site) = reg.sites.get_mut(addr) else { continue };
+            if blocked.is_none() && site.detour.as_ref().is_some_and(|d| d.recorders != wanted) {
+                unoptimize(view.text(), *addr, site, &mut reg.detour_codes);
+                self.stats.gone.fetch_add(u64::from(site.gone), COUNT);
+                if site.gone {
+                    continue;
+                }
+            }
             match (&site.detour, blocked) {
                 (Some(_), Some(why)) => {
                     unoptimize(view.text(), *addr, site, &mut reg.detour_codes);
@@ -239,8 +268,8 @@ impl Tracer {
                                     kept: false,
                                     blocks,
                                     kind: detour.kind,
-                                    miss_slot: detour.miss_slot,
-                                    returns: detour.returns,
+                                    miss_slots: detour.miss_slots.clone(),
+                                    returns: detour.returns.clone(),
                                 },
                             );
                             if let Some(site) = reg.sites.get_mut(addr) {
@@ -352,69 +381,83 @@ impl Tracer {
             Ok(_) => {}
             Err(e) => return Err(WhyNotOptimized::StacksUnreadable(e.to_string())),
         }
-        let event = self.event_only_probe(reg, addr);
-        let miss_slot = match &event {
-            Some(probe) => Some(self.take_miss_slot(&probe.counters)?),
-            None => None,
+        let recorders = match self.event_only_probes(reg, addr) {
+            Some(probes) => self.take_recorders(probes)?,
+            None => Vec::new(),
         };
-        let first_slot = match event.as_ref().and_then(|p| p.maxactive) {
-            Some(count) => match self.events.get().and_then(|s| s.returns.as_ref()) {
-                Some(table) => match table.take(count) {
-                    Some(first) => Some((first, count)),
-                    None => {
-                        if let Some(slot) = miss_slot {
-                            self.release_miss_slot(slot);
-                        }
-                        return Err(WhyNotOptimized::NoReturnSlots { maxactive: count });
-                    }
-                },
-                None => None,
-            },
-            None => None,
-        };
-        let written = self.write_detour(view, addr, region, event.as_ref(), miss_slot, first_slot, area);
+        let written = self.write_detour(view, addr, region, &recorders, area);
         if written.is_err() {
             // The jump was not written: nothing can run the detour.
-            if let Some(slot) = miss_slot {
-                self.release_miss_slot(slot);
-            }
-            if let (Some((first, count)), Some(table)) =
-                (first_slot, self.events.get().and_then(|s| s.returns.as_ref()))
-            {
-                table.give_back(first, count);
-            }
+            self.release_recorders(&recorders);
         }
         written
     }
 
-    /// Makes the detour (an event one when `event` is given, counting its misses in
-    /// `miss_slot`), writes it and then the jump (see [`Tracer::optimize_site`]).
+    /// Each probe's entry of the miss table and, for a return probe, its slots of the
+    /// calls-in-flight table; on a refusal, nothing stays taken.
+    fn take_recorders(&self, probes: Vec<EventProbe>) -> Result<Vec<Recorder>, WhyNotOptimized> {
+        let mut taken: Vec<Recorder> = Vec::with_capacity(probes.len());
+        for probe in probes {
+            let miss_slot = match self.take_miss_slot(&probe.counters) {
+                Ok(slot) => slot,
+                Err(why) => {
+                    self.release_recorders(&taken);
+                    return Err(why);
+                }
+            };
+            let slots = match probe.maxactive {
+                Some(count) => match self.return_table().and_then(|t| t.take(count)) {
+                    Some(first) => Some((first, count)),
+                    None => {
+                        self.release_miss_slot(miss_slot);
+                        self.release_recorders(&taken);
+                        return Err(WhyNotOptimized::NoReturnSlots { maxactive: count });
+                    }
+                },
+                None => None,
+            };
+            taken.push(Recorder {
+                probe,
+                miss_slot,
+                slots,
+            });
+        }
+        Ok(taken)
+    }
+
+    fn release_recorders(&self, recorders: &[Recorder]) {
+        for r in recorders {
+            self.release_miss_slot(r.miss_slot);
+            if let (Some((first, count)), Some(table)) = (r.slots, self.return_table()) {
+                table.give_back(first, count);
+            }
+        }
+    }
+
+    fn return_table(&self) -> Option<&super::event_rings::ReturnTable> {
+        self.events.get()?.returns.as_ref()
+    }
+
+    /// Makes the detour (event ones for `recorders`, one after the other, when there are
+    /// any), writes it and then the jump (see [`Tracer::optimize_site`]).
     fn write_detour(
         &self,
         view: &dyn PausedView,
         addr: Gva,
         region: DetourRegion,
-        event: Option<&EventProbe>,
-        miss_slot: Option<u32>,
-        first_slot: Option<(u32, u32)>,
+        recorders: &[Recorder],
         area: super::OutOfLineArea,
     ) -> Result<(Detour, u64), WhyNotOptimized> {
-        // The detour's code at `code`, for an event detour its record layout, and for an
-        // exit-free return probe its first stub.
-        type Made = (Vec<u8>, Option<EventLayout>, Option<Gva>);
-        let make = |code: Gva| -> Result<Made, WhyNotOptimized> {
-            match (event, miss_slot) {
-                (Some(probe), Some(slot)) => self
-                    .event_code(&region, probe, slot, first_slot, code, area)
-                    .map(|(code, layout, stubs)| (code, Some(layout), stubs)),
-                _ => {
-                    let relocated = relocate(&region, Gva(code.0 + 1), region.end())
-                        .map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
-                    let mut detour = vec![INT3];
-                    detour.extend_from_slice(&relocated);
-                    Ok((detour, None, None))
-                }
+        // The detour's code at `code`, and each recorder's record layout and stubs.
+        let make = |code: Gva| -> Result<(Vec<u8>, Vec<Made>), WhyNotOptimized> {
+            if recorders.is_empty() {
+                let relocated = relocate(&region, Gva(code.0 + 1), region.end())
+                    .map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
+                let mut detour = vec![INT3];
+                detour.extend_from_slice(&relocated);
+                return Ok((detour, Vec::new()));
             }
+            self.event_chain(&region, recorders, code, area)
         };
         // Sized at the area's last block, then made where it goes (its length does not
         // depend on where it is; checked).
@@ -427,7 +470,7 @@ impl Tracer {
                 &jump_bytes(addr, code).ok_or(WhyNotOptimized::OutOfReach { detour: code })?,
                 &region,
             );
-            let (detour, layout, stubs) = make(code)?;
+            let (detour, made) = make(code)?;
             if detour.len() as u64 > blocks * DETOUR_BLOCK {
                 return Err(WhyNotOptimized::TooLong { len: detour.len() });
             }
@@ -447,31 +490,41 @@ impl Tracer {
             }
             text.write_virt(addr, &jump)
                 .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
-            let kind = match (layout, event, self.events.get()) {
-                (Some(layout), Some(probe), Some(setup)) => {
+            let kind = match self.events.get() {
+                Some(setup) if !made.is_empty() => {
                     // Before the registry is released: no record of it is drained earlier.
-                    setup
-                        .layouts
-                        .write()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(probe.id.0, layout);
+                    let mut layouts = setup.layouts.write().unwrap_or_else(|e| e.into_inner());
+                    for (r, m) in recorders.iter().zip(&made) {
+                        layouts.insert(r.probe.id.0, m.layout.clone());
+                    }
                     DetourKind::Event
                 }
                 _ => DetourKind::Sync,
             };
-            Ok((jump, kind, stubs))
+            let returns = recorders
+                .iter()
+                .zip(&made)
+                .filter_map(|(r, m)| {
+                    let (first, count) = r.slots?;
+                    Some(ReturnSlots {
+                        first,
+                        count,
+                        stubs: m.stubs?,
+                    })
+                })
+                .collect();
+            Ok((jump, kind, returns))
         })();
         match written {
-            Ok((jump, kind, stubs)) => Ok((
+            Ok((jump, kind, returns)) => Ok((
                 Detour {
                     region,
                     code,
                     jump,
                     kind,
-                    miss_slot,
-                    returns: first_slot
-                        .zip(stubs)
-                        .map(|((first, count), stubs)| ReturnSlots { first, count, stubs }),
+                    recorders: recorders.iter().map(|r| r.probe.id).collect(),
+                    miss_slots: recorders.iter().map(|r| r.miss_slot).collect(),
+                    returns,
                 },
                 blocks,
             )),
@@ -482,48 +535,102 @@ impl Tracer {
         }
     }
 
-    /// The one probe of a site when it only records (no handler of any kind, a kprobe, the
-    /// user's, no kernel stack to unwind at its hits) and the rings are set up: its detour
-    /// can be an event one.
-    fn event_only_probe(&self, reg: &Registry, addr: Gva) -> Option<EventProbe> {
+    /// The probes of a site when every one only records (no handler of any kind, a kprobe
+    /// or a return probe, the user's, no kernel stack to unwind at its hits) and the rings
+    /// are set up (and, for a return probe, the calls-in-flight table): the site's detour
+    /// can be event ones, one after the other, in the site's order.
+    fn event_only_probes(&self, reg: &Registry, addr: Gva) -> Option<Vec<EventProbe>> {
         self.events.get()?;
         let site = reg.sites.get(&addr)?;
-        let [id] = site.probes.as_slice() else { return None };
-        let probe = reg.probes.get(id)?;
-        let maxactive = match probe.kind {
-            ProbeKind::Kprobe => None,
-            // In the guest only when there is a table for its calls.
-            ProbeKind::Kretprobe { maxactive } if self.events.get()?.returns.is_some() => Some(maxactive),
-            _ => return None,
-        };
-        let records_only = probe.role == Role::User
-            && probe.pre.is_none()
-            && probe.post.is_none()
-            && probe.emit_events
-            && !probe.stack_trace
-            && probe.enabled;
-        records_only.then(|| EventProbe {
-            id: *id,
-            address: probe.address,
-            args: probe.args.clone(),
-            filter: probe.filter.clone(),
-            counters: probe.counters.clone(),
-            maxactive,
-        })
+        if site.probes.is_empty() || site.probes.len() > MAX_RECORDERS {
+            return None;
+        }
+        site.probes
+            .iter()
+            .map(|id| {
+                let probe = reg.probes.get(id)?;
+                let maxactive = match probe.kind {
+                    ProbeKind::Kprobe => None,
+                    ProbeKind::Kretprobe { maxactive } if self.return_table().is_some() => Some(maxactive),
+                    _ => return None,
+                };
+                let records_only = probe.role == Role::User
+                    && probe.pre.is_none()
+                    && probe.post.is_none()
+                    && probe.emit_events
+                    && !probe.stack_trace
+                    && probe.enabled;
+                records_only.then(|| EventProbe {
+                    id: *id,
+                    address: probe.address,
+                    args: probe.args.clone(),
+                    filter: probe.filter.clone(),
+                    counters: probe.counters.clone(),
+                    maxactive,
+                })
+            })
+            .collect()
+    }
+
+    /// The probes an optimized site's detour records for now: [`Self::event_only_probes`]'s.
+    fn recorder_ids(&self, reg: &Registry, addr: Gva) -> Vec<ProbeId> {
+        self.event_only_probes(reg, addr)
+            .map(|probes| probes.iter().map(|p| p.id).collect())
+            .unwrap_or_default()
+    }
+
+    /// The event detours of `recorders` at `code`, one after the other (each but the last
+    /// jumps to the next where the displaced instructions would be), 16-byte aligned.
+    fn event_chain(
+        &self,
+        region: &DetourRegion,
+        recorders: &[Recorder],
+        code: Gva,
+        area: super::OutOfLineArea,
+    ) -> Result<(Vec<u8>, Vec<Made>), WhyNotOptimized> {
+        let mut starts: Vec<Gva> = vec![code; recorders.len()];
+        for _ in 0..8 {
+            let mut made = Vec::with_capacity(recorders.len());
+            let mut bytes = Vec::new();
+            let mut next_starts = Vec::with_capacity(recorders.len());
+            for (k, r) in recorders.iter().enumerate() {
+                let at = Gva(code.0 + bytes.len() as u64);
+                next_starts.push(at);
+                let next = starts.get(k + 1).copied();
+                let (part, layout, stubs) = self.event_code(region, r, next, at, area)?;
+                bytes.extend_from_slice(&part);
+                bytes.resize(bytes.len().next_multiple_of(16), INT3);
+                made.push(Made { layout, stubs });
+            }
+            if next_starts == starts {
+                return Ok((bytes, made));
+            }
+            starts = next_starts;
+        }
+        Err(WhyNotOptimized::EventCode(
+            "the event detours' layout did not settle".into(),
+        ))
     }
 
     /// An event detour's code at `code`, and the layout of its records.
+    /// `next`: the next event detour of the chain, which this one jumps to instead of
+    /// running the displaced instructions.
     fn event_code(
         &self,
         region: &DetourRegion,
-        probe: &EventProbe,
-        miss_slot: u32,
-        first_slot: Option<(u32, u32)>,
+        recorder: &Recorder,
+        next: Option<Gva>,
         code: Gva,
         area: super::OutOfLineArea,
     ) -> Result<(Vec<u8>, EventLayout, Option<Gva>), WhyNotOptimized> {
+        let (probe, miss_slot, first_slot) = (&recorder.probe, recorder.miss_slot, recorder.slots);
         let setup = self.events.get().ok_or(WhyNotOptimized::NoRoom)?;
-        let displaced = |ip: Gva| relocate(region, ip, region.end());
+        let displaced = |ip: Gva| match next {
+            Some(next) => jump_bytes(ip, next)
+                .map(|j| j.to_vec())
+                .ok_or(NotOptimizable::ReturnOutOfReach { from: ip, to: next }),
+            None => relocate(region, ip, region.end()),
+        };
         let facts = &setup.facts;
         let returns = match (first_slot, &setup.returns) {
             (Some((first_slot, maxactive)), Some(table)) => Some(ReturnDetourParams {
@@ -622,24 +729,30 @@ impl Tracer {
             }
             // An exit-free return probe's code stays while a call of it is in flight: the
             // call returns through its stub.
-            let returns = reg.detour_codes.get(&code).and_then(|d| d.returns);
+            let returns = reg
+                .detour_codes
+                .get(&code)
+                .map(|d| d.returns.clone())
+                .unwrap_or_default();
             let table = self
                 .events
                 .get()
                 .and_then(|s| Some((s.returns.as_ref()?, self.machine.event_memory()?)));
-            if let (Some(r), Some((table, mem))) = (returns, table) {
-                if !table.all_free(mem, r.first, r.count) {
+            if let Some((table, mem)) = table {
+                if returns.iter().any(|r| !table.all_free(mem, r.first, r.count)) {
                     continue;
                 }
             }
             match view.saved_on_stacks(code..Gva(range.end)) {
                 Ok(saved) if saved.is_empty() => {
                     if let Some(d) = reg.detour_codes.remove(&code) {
-                        if let Some(slot) = d.miss_slot {
+                        for slot in d.miss_slots {
                             self.release_miss_slot(slot);
                         }
-                        if let (Some(r), Some((table, _))) = (d.returns, table) {
-                            table.give_back(r.first, r.count);
+                        if let Some((table, _)) = table {
+                            for r in d.returns {
+                                table.give_back(r.first, r.count);
+                            }
                         }
                     }
                     self.free_detour(code, blocks);

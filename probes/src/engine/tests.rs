@@ -2217,9 +2217,9 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
         let (at, d) = reg
             .detour_codes
             .iter()
-            .find(|(_, d)| d.returns.is_some())
+            .find(|(_, d)| !d.returns.is_empty())
             .expect("an exit-free return probe's detour");
-        (*at, d.returns.unwrap())
+        (*at, d.returns[0])
     };
     assert_eq!(slots.count, 4);
     // Its stubs are in its code: `push <slot>`.
@@ -2249,7 +2249,7 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
         .read_registry()
         .detour_codes
         .values()
-        .find_map(|d| d.returns.filter(|r| *r != slots));
+        .find_map(|d| d.returns.iter().copied().find(|r| *r != slots));
     let other_slots = other_slots.expect("the new probe's slots");
     assert!(other_slots.first >= slots.first + slots.count || other_slots.first + 4 <= slots.first);
     t.unregister(other).unwrap();
@@ -2270,6 +2270,63 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
     drop(reg);
     let table = t.events.get().unwrap().returns.as_ref().unwrap();
     assert_eq!(table.take(table.slots), Some(0), "every slot was given back");
+}
+
+/// A kprobe and a return probe on one function entry (bpftrace's `kprobe`/`kretprobe`
+/// pair, `funclatency`) share one jump: its code is their two event detours one after the
+/// other, the kprobe's first (the site's order), each with its own miss-table entry; a
+/// third probe there with a handler makes the site a sync detour again.
+#[test]
+fn a_kprobe_and_a_return_probe_on_one_entry_share_one_jump_to_two_event_detours() {
+    let (m, t, _events) = event_tracer();
+    t.set_optimization(true).unwrap();
+    let k = t
+        .register(KprobeRequest::event(at("func", 0), "g", "entry", Vec::new()))
+        .unwrap();
+    let r = t
+        .register(KprobeRequest {
+            kind: ProbeKind::Kretprobe { maxactive: 4 },
+            ..KprobeRequest::event(at("func", 0), "g", "ret", Vec::new())
+        })
+        .unwrap();
+    assert_eq!((t.why_not_optimized(k), t.why_not_optimized(r)), (None, None));
+    let (code, blocks) = {
+        let reg = t.read_registry();
+        let (at, d) = reg
+            .detour_codes
+            .iter()
+            .find(|(_, d)| d.live && !d.returns.is_empty())
+            .expect("the function's live detour");
+        assert_eq!(d.kind, super::optimize::DetourKind::Event);
+        assert_eq!(d.miss_slots.len(), 2);
+        assert_eq!(d.returns.len(), 1);
+        (*at, d.blocks)
+    };
+    let layouts = t.events.get().unwrap().layouts.read().unwrap().clone();
+    assert!(layouts[&k.0].ret.is_none() && layouts[&r.0].ret.is_some());
+    // The kprobe's detour ends with a jump to the return probe's, 16-byte aligned after it.
+    let bytes = m.bytes(code.0, (blocks * super::optimize::DETOUR_BLOCK) as usize);
+    let jumps_on: Vec<u64> = iced_x86::Decoder::with_ip(64, &bytes, code.0, iced_x86::DecoderOptions::NONE)
+        .into_iter()
+        .filter(|i| i.mnemonic() == iced_x86::Mnemonic::Jmp && i.near_branch_target() > code.0)
+        .map(|i| i.near_branch_target())
+        .filter(|t| *t < code.0 + bytes.len() as u64 && t % 16 == 0)
+        .collect();
+    assert!(!jumps_on.is_empty(), "no jump from the first detour to the second");
+
+    // A probe with a handler on the same entry: one sync detour for the three.
+    let h = t
+        .register(KprobeRequest {
+            pre: Some(Arc::new(|_: &mut HitContext| PreAction::Continue)),
+            ..plain(at("func", 0), "handled")
+        })
+        .unwrap();
+    assert_eq!(t.why_not_optimized(h), None);
+    let reg = t.read_registry();
+    let site = reg.sites.get(&Gva(PUSH)).expect("the function's site");
+    let detour = site.detour.as_ref().expect("still optimized");
+    assert_eq!(detour.kind, super::optimize::DetourKind::Sync);
+    assert!(detour.miss_slots.is_empty() && detour.returns.is_empty());
 }
 
 /// A record an exit-free return probe's code wrote is a return: its caller, its entry's
@@ -2467,7 +2524,7 @@ fn a_probe_that_records_stacks_traps_in_a_sync_detour_never_an_event_one() {
 fn miss_slot(t: &Tracer, site: u64) -> u32 {
     let reg = t.read_registry();
     let detour = reg.sites[&Gva(site)].detour.as_ref().expect("optimized");
-    detour.miss_slot.expect("an event detour has a miss slot")
+    *detour.miss_slots.first().expect("an event detour has a miss slot")
 }
 
 /// Ring misses reach each probe's `nmissed` from its own detour's entry of the miss table:
@@ -2535,7 +2592,7 @@ fn ring_misses_are_folded_into_each_probes_nmissed() {
         .read_registry()
         .detour_codes
         .values()
-        .any(|d| d.miss_slot == Some(slot_b)));
+        .any(|d| d.miss_slots.contains(&slot_b)));
     fill();
     miss(b, slot_b);
     assert_eq!(listed("b"), (false, 0, 6));
@@ -2547,7 +2604,7 @@ fn ring_misses_are_folded_into_each_probes_nmissed() {
         .read_registry()
         .detour_codes
         .values()
-        .all(|d| d.miss_slot != Some(slot_b)));
+        .all(|d| !d.miss_slots.contains(&slot_b)));
     assert_eq!(listed("b"), (false, 0, 7), "the last count before the entry went");
     // b again: a new detour, whose entry's earlier count is not b's new misses.
     t.set_enabled(b, true).unwrap();

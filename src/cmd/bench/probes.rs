@@ -139,11 +139,11 @@ struct GuestVariant {
     /// whether it discards every call's hit (else it keeps every one).
     filter: Option<(&'static str, bool)>,
     /// The host probes are return probes recording `$retval` and `$duration` (trapped: an
-    /// exit at the entry, one at the return).
+    /// exit at the entry, one at the return; exit-free when optimized).
     ret: bool,
 }
 
-const GUEST_VARIANTS: [GuestVariant; 13] = [
+const GUEST_VARIANTS: [GuestVariant; 14] = [
     GuestVariant {
         label: "no probe",
         host_probes: &[],
@@ -261,7 +261,21 @@ const GUEST_VARIANTS: [GuestVariant; 13] = [
         filter: None,
         ret: true,
     },
+    GuestVariant {
+        label:
+            "exit-free host return probe on __x64_sys_getppid, $retval and $duration (recorded in the guest, no exit)",
+        host_probes: &[("__x64_sys_getppid", 0)],
+        guest_event: None,
+        optimize: true,
+        record: true,
+        filter: None,
+        ret: true,
+    },
 ];
+/// Indexes in [`GUEST_VARIANTS`] of the return probes' rows, for the ratios.
+const GUEST_KRETPROBE: usize = 11;
+const TRAPPED_RETURN: usize = 12;
+const EXIT_FREE_RETURN: usize = 13;
 
 /// The guest's own kprobe events every variant defines (only one enables one): `gk` at
 /// the entry of getppid (ftrace-based, as the kernel does at `+0`), `go` mid-function,
@@ -510,6 +524,8 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     let (base_us, lo, hi) = stat(0, |s| s.0, false);
     println!("  no probe: {base_us:.0} µs per getppid() call ({lo:.0}..{hi:.0})");
     let mut guest_kprobe_us = f64::NAN;
+    // Per return variant: (µs, guest instructions, exits) per call.
+    let mut returns = [(f64::NAN, f64::NAN, f64::NAN); 3];
     for (i, variant) in GUEST_VARIANTS.iter().enumerate().skip(1) {
         let (us, ulo, uhi) = stat(i, |s| s.0, true);
         let (instr, ilo, ihi) = stat(i, |s| s.1, true);
@@ -517,6 +533,12 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
         let (handling, _, _) = stat(i, |s| s.3, false);
         if i == 1 {
             guest_kprobe_us = us;
+        }
+        if let Some(k) = [GUEST_KRETPROBE, TRAPPED_RETURN, EXIT_FREE_RETURN]
+            .iter()
+            .position(|&r| r == i)
+        {
+            returns[k] = (us, instr, exits);
         }
         println!("  {}", variant.label);
         let host = if variant.host_probes.is_empty() {
@@ -544,6 +566,22 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     println!(
         "  (kvm_pvm emulates every guest kernel instruction, so the guest's in-kernel probe pays ~1 µs per \
          instruction; on hardware KVM the kernel runs natively and a host probe's exits dominate instead)"
+    );
+    println!();
+    println!("return probes per call (entry and return), side by side:");
+    let [guest, trapped, exit_free] = returns;
+    for (label, (us, instr, exits)) in [
+        ("guest's own kretprobe event", guest),
+        ("host return probe, trapped", trapped),
+        ("host return probe, exit-free", exit_free),
+    ] {
+        println!("  {label:<30} {us:+9.1} µs   {exits:+6.2} exits   {instr:+8.0} guest instructions");
+    }
+    println!(
+        "  guest kretprobe / exit-free: {:.1}x the time, {:.1}x the instructions; trapped / exit-free: {:.1}x the time",
+        guest.0 / exit_free.0,
+        guest.1 / exit_free.1,
+        trapped.0 / exit_free.0
     );
     Ok(ExitCode::SUCCESS)
 }
