@@ -478,9 +478,34 @@ fn return_oracle(name: &str, optimize: &str) -> Run {
 /// hist trigger on `lat.log2` puts every call in the bucket of 0.2 s.
 #[test]
 fn a_return_reports_its_entrys_arguments_and_the_calls_latency() {
+    return_latency("latency", "off");
+}
+
+/// The same with `--optimize on`: the kprobe and the return probe on `hrtimer_nanosleep`
+/// share one jump to their event detours, the return probe is exit-free, and `$duration`
+/// is the guest's TSC at the entry and at the return, on the guest's clock.
+#[test]
+fn an_exit_free_return_reports_its_entrys_arguments_and_the_calls_latency() {
+    let run = return_latency("latency-exit-free", "on");
+    let (_, emulated, stepped, _, steps) = exit_counts(&run);
+    assert_eq!((emulated, stepped, steps), (0, 0, 0), "no hit trapped\n{}", run.tail());
+    let listed = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("event=lat/sleep"))
+        .unwrap_or_else(|| panic!("no listing\n{}", run.tail()));
+    assert!(
+        listed.contains("[OPTIMIZED]") && !listed.contains("return trapped"),
+        "{listed}"
+    );
+}
+
+/// `sleep 0.2` three times under `p:lat/enter` and `r:lat/sleep` on `hrtimer_nanosleep`
+/// with `--optimize OPTIMIZE`: see [`a_return_reports_its_entrys_arguments_and_the_calls_latency`].
+fn return_latency(name: &str, optimize: &str) -> Run {
     let dir = snapshot(1);
     let probes = probe_file(
-        "latency",
+        name,
         "p:lat/enter hrtimer_nanosleep req=$arg1:u64
          r:lat/sleep hrtimer_nanosleep req=$arg1:u64 lat=$duration
          trigger lat/sleep hist:keys=lat.log2:vals=hitcount
@@ -490,7 +515,7 @@ fn a_return_reports_its_entrys_arguments_and_the_calls_latency() {
         &dir,
         1,
         "sleep 0.2; sleep 0.2; sleep 0.2",
-        &["--probes", probes.to_str().unwrap()],
+        &["--probes", probes.to_str().unwrap(), &format!("--optimize={optimize}")],
     );
     assert_eq!(run.code, Some(0), "{}", run.tail());
     common::assert_guest_healthy(&run, &[]);
@@ -525,6 +550,7 @@ fn a_return_reports_its_entrys_arguments_and_the_calls_latency() {
         run.tail()
     );
     let _ = std::fs::remove_file(probes);
+    run
 }
 
 /// The optimized oracle's probes beyond [`HOST_PROBES`], each with the guest's own event

@@ -210,6 +210,9 @@ pub struct ListEntry {
     pub event: String,
     /// Why the probe is not jump-optimized, while optimization is on.
     pub not_optimized: Option<String>,
+    /// An optimized return probe whose calls are followed on the host (its entry's detour
+    /// traps, and so does its return): why it is not exit-free.
+    pub return_trapped: Option<String>,
     /// The module the probe is in (`MOD:SYM` probes).
     pub module: Option<String>,
     /// A module probe whose module is not loaded (yet, or again): no address, nothing in
@@ -274,6 +277,9 @@ pub fn listing_line(entry: &ListEntry) -> String {
     );
     if let Some(why) = &entry.not_optimized {
         let _ = write!(line, " (not optimized: {why})");
+    }
+    if let Some(why) = &entry.return_trapped {
+        let _ = write!(line, " (return trapped: {why})");
     }
     line
 }

@@ -572,6 +572,46 @@ impl Tracer {
             .collect()
     }
 
+    /// Why a return probe `probe` at the optimized `site` is followed on the host (its
+    /// site's detour traps) rather than exit-free; `None` when it is exit-free or no return
+    /// probe.
+    pub(super) fn why_return_traps(
+        &self,
+        reg: &Registry,
+        probe: &super::registry::Probe,
+        site: &Site,
+    ) -> Option<String> {
+        let ProbeKind::Kretprobe { .. } = probe.kind else {
+            return None;
+        };
+        let detour = site.detour.as_ref()?;
+        if detour.kind == DetourKind::Event {
+            return None;
+        }
+        let records_only = |p: &super::registry::Probe| {
+            p.role == Role::User && p.pre.is_none() && p.post.is_none() && p.emit_events && !p.stack_trace
+        };
+        Some(if self.events.get().is_none() {
+            "no event rings (the guest's per-CPU facts are not known)".into()
+        } else if self.return_table().is_none() {
+            "no calls-in-flight table (the out-of-line area's writable part is too small)".into()
+        } else if probe.pre.is_some() || probe.post.is_some() {
+            "it has handlers, which run on the host".into()
+        } else if probe.stack_trace {
+            "it records kernel stacks, unwound on the host".into()
+        } else if site.probes.len() > MAX_RECORDERS {
+            format!("more than {MAX_RECORDERS} probes share its address")
+        } else if site
+            .probes
+            .iter()
+            .any(|id| reg.probes.get(id).is_some_and(|p| !records_only(p)))
+        {
+            "another probe at its address has handlers or records stacks".into()
+        } else {
+            "its exit-free detour cannot be made (see the log)".into()
+        })
+    }
+
     /// The probes an optimized site's detour records for now: [`Self::event_only_probes`]'s.
     fn recorder_ids(&self, reg: &Registry, addr: Gva) -> Vec<ProbeId> {
         self.event_only_probes(reg, addr)

@@ -526,6 +526,9 @@ impl Tracer {
                         (true, Some(s)) if s.detour.is_none() => s.not_optimized.as_ref().map(|w| w.to_string()),
                         _ => None,
                     },
+                    return_trapped: site
+                        .filter(|s| s.detour.is_some())
+                        .and_then(|s| self.why_return_traps(&reg, p, s)),
                     hits: p.counters.hits.load(COUNT),
                     nmissed: p.counters.nmissed.load(COUNT),
                     filtered_in_guest: p.counters.filtered_in_guest.load(COUNT),

@@ -2322,6 +2322,11 @@ fn a_kprobe_and_a_return_probe_on_one_entry_share_one_jump_to_two_event_detours(
         })
         .unwrap();
     assert_eq!(t.why_not_optimized(h), None);
+    let listed: Vec<_> = t.listing().into_iter().filter(|e| e.event == "g/ret").collect();
+    assert_eq!(
+        listed[0].return_trapped.as_deref(),
+        Some("another probe at its address has handlers or records stacks")
+    );
     let reg = t.read_registry();
     let site = reg.sites.get(&Gva(PUSH)).expect("the function's site");
     let detour = site.detour.as_ref().expect("still optimized");

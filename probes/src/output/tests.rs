@@ -172,6 +172,7 @@ fn entry() -> ListEntry {
         filtered_in_guest: 0,
         event: "kprobes/p_do_sys_open_0".into(),
         not_optimized: None,
+        return_trapped: None,
         module: None,
         pending: false,
     }

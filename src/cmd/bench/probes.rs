@@ -226,7 +226,7 @@ const GUEST_VARIANTS: [GuestVariant; 14] = [
         ret: false,
     },
     GuestVariant {
-        label: "guest's own kprobe event on __task_pid_nr_ns+0x32 (mid-function: its optprobe, a jump)",
+        label: "guest's own kprobe event on __task_pid_nr_ns+0x45 (mid-function: its optprobe, a jump)",
         host_probes: &[],
         guest_event: Some("go"),
         optimize: false,
@@ -235,8 +235,8 @@ const GUEST_VARIANTS: [GuestVariant; 14] = [
         ret: false,
     },
     GuestVariant {
-        label: "optimized event host probe on __task_pid_nr_ns+0x32, 4 fetch-args (recorded in the guest, no exit)",
-        host_probes: &[("__task_pid_nr_ns", 0x32)],
+        label: "optimized event host probe on __task_pid_nr_ns+0x45, 4 fetch-args (recorded in the guest, no exit)",
+        host_probes: &[("__task_pid_nr_ns", MID_FUNCTION)],
         guest_event: None,
         optimize: true,
         record: true,
@@ -277,12 +277,17 @@ const GUEST_KRETPROBE: usize = 11;
 const TRAPPED_RETURN: usize = 12;
 const EXIT_FREE_RETURN: usize = 13;
 
+/// The mid-function probes' offset in `__task_pid_nr_ns`: `mov 0x5d8(%rdi),%rax` in the
+/// bundled guest (getppid's path, 7 bytes: the guest's optprobe and our jump both fit);
+/// `tests/probes.rs` checks the instruction is there.
+const MID_FUNCTION: u64 = 0x45;
+
 /// The guest's own kprobe events every variant defines (only one enables one): `gk` at
 /// the entry of getppid (ftrace-based, as the kernel does at `+0`), `go` mid-function,
 /// where the kernel jump-optimizes its probe (checked in its `kprobes/list`).
 const GUEST_EVENTS: [&str; 3] = [
     "p:gk __x64_sys_getppid",
-    "p:go __task_pid_nr_ns+0x32",
+    "p:go __task_pid_nr_ns+0x45",
     "r:gr __x64_sys_getppid ret=$retval",
 ];
 /// What the guest prints when its `go` probe is `[OPTIMIZED]`.
@@ -379,7 +384,7 @@ fn run_guest(
     }
     if variant.guest_event == Some("go") && !console.contents().contains(GUEST_OPTIMIZED) {
         return Err(format!(
-            "the guest did not jump-optimize its probe on __task_pid_nr_ns+0x32\n{}",
+            "the guest did not jump-optimize its probe on __task_pid_nr_ns+0x45\n{}",
             console.tail(20)
         )
         .into());
