@@ -128,6 +128,7 @@ fn jobs() -> Vec<Job> {
         Job::suite("hardware_breakpoints_on_kvm_amd/watches", "probes", "watch", 3),
         Job::suite("a_busy_trace_stops_cleanly_on_kvm_amd", "stop", "", 2),
         Job::suite("event_detours_on_kvm_amd", "event_detour", "", 10),
+        Job::suite("return_detours_on_kvm_amd", "return_detour", "", 4),
         Job::suite("filters_and_hist_triggers_on_kvm_amd", "analysis", "", 6),
         Job::suite("disks_on_kvm_amd", "disks", "a_root_disk_is_read_and_written", 1),
         Job::script("bench_io_runs_beside_qemu_on_kvm_amd", bench_io_script),
@@ -914,6 +915,16 @@ fn kernel_stacks_on_kvm_amd() {
 #[test]
 fn event_detours_on_kvm_amd() {
     suite("event_detours_on_kvm_amd");
+}
+
+/// Exit-free return probes on code blobs at native speed (every return recorded with its
+/// value, entry argument and caller, recursion past `maxactive`, a tail call, a return
+/// with no call on record trapping), from `live/tests/return_detour.rs`. On the bundled
+/// guest they run in the oracle job (`tests/probes.rs`'s `exit_free_*`, and the latency
+/// test, whose kprobe and return probe share one jump on hardware KVM by default).
+#[test]
+fn return_detours_on_kvm_amd() {
+    suite("return_detours_on_kvm_amd");
 }
 
 /// Event filters and hist triggers against the guest's own, on the int3 path and in event

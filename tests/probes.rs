@@ -1481,13 +1481,15 @@ fn exit_free_return_probes_on_read_and_a_tail_called_function_agree_with_the_gue
 
 /// Exit-free return probes on two vCPUs: two shells pinned to the two CPUs each run a
 /// one-byte `read -r` loop at once; every `ksys_read` of each is followed and returns its
-/// value, as does the `vfs_read` inside it, with the callers named, and no call traps.
+/// value — to both return probes on it (their detours one after the other: the second's
+/// entry finds the first's stub and takes its caller) — as does the `vfs_read` inside it,
+/// with the callers named, and no call traps.
 #[test]
 fn exit_free_return_probes_follow_both_vcpus_calls() {
     let dir = snapshot(2);
     let probes = probe_file(
         "exit-free-2cpu",
-        "r:host/vfs vfs_read ret=$retval\nr:host/ksys ksys_read ret=$retval\n",
+        "r:host/vfs vfs_read ret=$retval\nr:host/ksys ksys_read ret=$retval\nr:host/ksys2 ksys_read ret=$retval\n",
     );
     let workload = "echo abc > /tmp/f; for c in 0 1; do taskset -c $c sh -c 'echo LOOP $$; i=0; \
          while [ $i -lt 20 ]; do read -r l < /tmp/f; i=$((i+1)); done' & done; wait";
@@ -1515,7 +1517,7 @@ fn exit_free_return_probes_follow_both_vcpus_calls() {
                 .filter(|l| l.event == event && l.task.rsplit('-').next() == Some(pid.as_str()))
                 .collect()
         };
-        let (ksys, vfs) = (of("ksys"), of("vfs"));
+        let (ksys, vfs, ksys2) = (of("ksys"), of("vfs"), of("ksys2"));
         // Twenty loops of one-byte reads up to the newline of "abc\n".
         assert!(
             ksys.len() >= 80,
@@ -1525,6 +1527,12 @@ fn exit_free_return_probes_follow_both_vcpus_calls() {
         );
         let values = |v: &[&TraceLine]| v.iter().map(|l| l.args["ret"].clone()).collect::<Vec<_>>();
         assert_eq!(values(&ksys), values(&vfs), "task {pid}: the values differ");
+        let callers = |v: &[&TraceLine]| v.iter().map(|l| l.location.clone()).collect::<Vec<_>>();
+        assert_eq!(
+            (values(&ksys2), callers(&ksys2)),
+            (values(&ksys), callers(&ksys)),
+            "task {pid}: the second return probe on ksys_read"
+        );
         for l in &ksys {
             assert!(
                 l.location.ends_with("<- ksys_read") && l.location.starts_with("pvm_user_syscall")
