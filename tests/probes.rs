@@ -401,17 +401,7 @@ fn exit_free_return_probes_see_what_the_guest_sees_with_no_exit() {
     let (hits, emulated, stepped, int3, steps) = exit_counts(&run);
     assert!(hits >= LOOP_CALLS as u64, "{}", run.tail());
     assert_eq!((emulated, stepped, steps), (0, 0, 0), "no hit trapped\n{}", run.tail());
-    let reinjected: u64 = run
-        .stderr
-        .lines()
-        .find_map(|l| {
-            l.split(" guest int3 re-injected")
-                .next()
-                .filter(|_| l.contains(" guest int3 re-injected"))
-        })
-        .and_then(|l| l.rsplit(", ").next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no re-injection count\n{}", run.tail()));
+    let reinjected = guest_int3s_reinjected(&run);
     // The only exits of ours are the hidden do_exit hook's (one per task that exits).
     assert!(
         int3 - reinjected < LOOP_CALLS as u64 / 4,
@@ -746,17 +736,7 @@ fn check_optimized(run: &Run, loops: usize, which: GuestEvents) {
     assert!(sync < 20, "{sync} sync hits\n{}", run.tail());
     assert_eq!(number_after("rings missed"), 0);
     // (A booted guest's own int3s, its text_poke at boot, are re-injected to it.)
-    let reinjected: u64 = run
-        .stderr
-        .lines()
-        .find_map(|l| {
-            l.split(" guest int3 re-injected")
-                .next()
-                .filter(|_| l.contains(" guest int3 re-injected"))
-        })
-        .and_then(|l| l.rsplit(", ").next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no re-injection count\n{}", run.tail()));
+    let reinjected = guest_int3s_reinjected(run);
     assert_eq!(
         int3 - reinjected,
         sync,

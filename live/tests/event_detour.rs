@@ -12,25 +12,25 @@
 //! `insn_emulation`, exact on kvm_pvm where all CPL0 code is emulated), the rings drained
 //! while the guest runs, and two vCPUs each in their own ring.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hvprobe_analysis::fields::EventFields;
 use hvprobe_analysis::filter::FilterExpr;
 use hvprobe_arch::{Gpa, Gva};
-use hvprobe_introspection::facts::ExceptionTable;
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{GuestPhys, CODE_BLOB_OOL_VA};
 use hvprobe_probes::detour::event::filter::{FilterInGuest, RecordFilter};
 use hvprobe_probes::detour::event::{event_detour, EventDetour, EventDetourParams, GuestKernelFacts, TaskStamp};
+use hvprobe_probes::detour::relocate;
 use hvprobe_probes::detour::ring::{EventBatch, EventRings, RingGeometry, RingReader};
-use hvprobe_probes::detour::{plan_region, relocate, Code, DetourFacts, FunctionText, IndirectThunks};
-use hvprobe_probes::engine::PatchSites;
 use hvprobe_probes::fetch::ArgValue;
 use hvprobe_probes::output::HitRecord;
 use hvprobe_probes::spec::{parse_line, FetchArg, ProbeSpec};
-use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START, OOL_CODE_SIZE, PDE_START};
-use hvprobe_vmm::{CodeBlob, StopReason, Vm, VmOutcome, CODE_BLOB_START};
+use hvprobe_vmm::layout::{OOL_AREA_SIZE, OOL_AREA_START, OOL_CODE_SIZE};
+use hvprobe_vmm::{StopReason, Vm, VmOutcome, CODE_BLOB_START};
 use iced_x86::code_asm::*;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -79,12 +79,6 @@ const DETOUR_OFFSET: u64 = 0x1000;
 /// memory slot is read-only to it).
 const RINGS_OFFSET: u64 = OOL_CODE_SIZE;
 const ITERATIONS: u64 = 64;
-
-fn require_kvm() {
-    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
-        panic!("this test runs code blobs and needs /dev/kvm, which cannot be opened: {e}");
-    }
-}
 
 fn asm(ip: u64, f: impl FnOnce(&mut CodeAssembler) -> Result<(), IcedError>) -> Vec<u8> {
     let mut a = CodeAssembler::new(64).unwrap();
@@ -356,24 +350,7 @@ fn args(spec: &str) -> Vec<FetchArg> {
 
 /// A code-blob VM with the out-of-line area mapped at [`CODE_BLOB_OOL_VA`].
 fn vm(cpus: u8, iterations: u64) -> Vm {
-    require_kvm();
-    let vm = Vm::new_code_blob(&CodeBlob {
-        code: blob(cpus, iterations),
-        cpus,
-        handlers: Vec::new(),
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
-    // The second page directory covers 1..2 GiB: its first two 2 MiB pages are the area,
-    // its code half (read-only to the guest: its own memory slot) and its rings half.
-    for (i, half) in [0, OOL_CODE_SIZE].into_iter().enumerate() {
-        vm.memory()
-            .write_obj(
-                (OOL_AREA_START.0 + half) | 0x83,
-                GuestAddress(PDE_START + 0x1000 + 8 * i as u64),
-            )
-            .unwrap();
-    }
-    vm
+    common::blob_vm(blob(cpus, iterations), cpus)
 }
 
 struct Armed {
@@ -419,26 +396,7 @@ fn arm_probe(
     filter: Option<&RecordFilter>,
 ) -> EventDetour {
     let mem = vm.memory();
-    let code = blob(rings.geometry().cpus() as u8, 1);
-    let func_bytes = &code[(func - B) as usize..(func - B) as usize + 0x100];
-    let ex = ExceptionTable::default();
-    let sites = PatchSites::default();
-    let thunks = IndirectThunks::default();
-    let function = FunctionText {
-        body: Code {
-            start: Gva(func),
-            bytes: func_bytes,
-        },
-        ftrace_site: None,
-        split_parts: &[],
-    };
-    let facts_ = DetourFacts {
-        ex_table: &ex,
-        patch_sites: &sites,
-        thunks: &thunks,
-    };
-    let region = plan_region(Gva(func), &function, &facts_, &[]).unwrap();
-    assert_eq!(region.size(), 11, "lea + RIP-relative mov");
+    let region = common::blob_region(&blob(rings.geometry().cpus() as u8, 1), func);
     let (args, symbols, kernel) = (args(spec), symbols(), facts());
     let displaced = |ip: Gva| relocate(&region, ip, region.end());
     let detour_ip = Gva(CODE_BLOB_OOL_VA + detour_offset);

@@ -13,21 +13,21 @@
 //! latest first, each naming the real caller); and a return whose slot is not the call's
 //! traps instead of returning anywhere.
 
+mod common;
+
 use std::sync::Arc;
 
 use hvprobe_arch::{Gpa, Gva};
-use hvprobe_introspection::facts::ExceptionTable;
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{GuestPhys, CODE_BLOB_OOL_VA};
 use hvprobe_probes::detour::event::{
     event_detour, EventDetour, EventDetourParams, GuestKernelFacts, ReturnDetourParams, RETURN_SLOT_SIZE,
 };
+use hvprobe_probes::detour::relocate;
 use hvprobe_probes::detour::ring::{EventBatch, EventRings, RingGeometry, RingReader};
-use hvprobe_probes::detour::{plan_region, relocate, Code, DetourFacts, FunctionText, IndirectThunks};
-use hvprobe_probes::engine::PatchSites;
 use hvprobe_probes::spec::{parse_line, FetchArg, ProbeSpec};
-use hvprobe_vmm::layout::{OOL_AREA_START, OOL_CODE_SIZE, PDE_START};
-use hvprobe_vmm::{CodeBlob, StopReason, Vm, VmOutcome, CODE_BLOB_START};
+use hvprobe_vmm::layout::{OOL_AREA_START, OOL_CODE_SIZE};
+use hvprobe_vmm::{StopReason, Vm, VmOutcome, CODE_BLOB_START};
 use iced_x86::code_asm::*;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -58,12 +58,6 @@ const RINGS_OFFSET: u64 = OOL_CODE_SIZE;
 const TABLE_OFFSET: u64 = OOL_CODE_SIZE + (1 << 20);
 const TABLE_SLOTS: u32 = 64;
 const ITERATIONS: u64 = 48;
-
-fn require_kvm() {
-    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
-        panic!("this test runs code blobs and needs /dev/kvm, which cannot be opened: {e}");
-    }
-}
 
 /// Assembles at `ip`; also returns the address of the label `mark` sets, if any.
 fn asm(ip: u64, f: impl FnOnce(&mut CodeAssembler, &mut CodeLabel) -> Result<(), IcedError>) -> (Vec<u8>, u64) {
@@ -229,23 +223,7 @@ fn return_args(spec: &str) -> Vec<FetchArg> {
 }
 
 fn vm(recurse: u64, tail: bool) -> Vm {
-    require_kvm();
-    let vm = Vm::new_code_blob(&CodeBlob {
-        code: blob().code,
-        cpus: 1,
-        handlers: Vec::new(),
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
-    // The out-of-line area in the second page directory (1..2 GiB): code half, then the
-    // writable half.
-    for (i, half) in [0, OOL_CODE_SIZE].into_iter().enumerate() {
-        vm.memory()
-            .write_obj(
-                (OOL_AREA_START.0 + half) | 0x83,
-                GuestAddress(PDE_START + 0x1000 + 8 * i as u64),
-            )
-            .unwrap();
-    }
+    let vm = common::blob_vm(blob().code, 1);
     vm.memory().write_obj(recurse, GuestAddress(RECURSE)).unwrap();
     vm.memory().write_obj(u64::from(tail), GuestAddress(TAIL)).unwrap();
     vm
@@ -279,28 +257,7 @@ fn arm_return(
     detour_offset: u64,
     spec: &str,
 ) -> EventDetour {
-    let code = blob().code;
-    let func_bytes = &code[(func - B) as usize..(func - B) as usize + 0x100];
-    let (ex, sites, thunks) = (
-        ExceptionTable::default(),
-        PatchSites::default(),
-        IndirectThunks::default(),
-    );
-    let function = FunctionText {
-        body: Code {
-            start: Gva(func),
-            bytes: func_bytes,
-        },
-        ftrace_site: None,
-        split_parts: &[],
-    };
-    let facts_ = DetourFacts {
-        ex_table: &ex,
-        patch_sites: &sites,
-        thunks: &thunks,
-    };
-    let region = plan_region(Gva(func), &function, &facts_, &[]).unwrap();
-    assert_eq!(region.size(), 11, "lea + RIP-relative mov");
+    let region = common::blob_region(&blob().code, func);
     let (args, symbols, kernel) = (return_args(spec), symbols(), facts());
     let displaced = |ip: Gva| relocate(&region, ip, region.end());
     let detour_ip = Gva(CODE_BLOB_OOL_VA + detour_offset);

@@ -30,15 +30,24 @@ impl Run {
             let lines: Vec<&str> = s.lines().collect();
             lines[lines.len().saturating_sub(n)..].join("\n")
         };
+        // hvprobe's own lines (its errors, why the guest stopped, the summary) wherever
+        // they are: a failure's console tail can push them out of the last lines.
+        let own: Vec<&str> = self
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("hvprobe: ") && !l.starts_with("hvprobe: control socket"))
+            .take(20)
+            .collect();
         format!(
-            "exit code {:?}\n--- {}, last {} lines ---\n{}\n--- {}, last {} lines ---\n{}",
+            "exit code {:?}\n--- {}, last {} lines ---\n{}\n--- {}, last {} lines ---\n{}\n--- hvprobe's own lines ---\n{}",
             self.code,
             stdout.0,
             stdout.1,
             last(&self.stdout, stdout.1),
             stderr.0,
             stderr.1,
-            last(&self.stderr, stderr.1)
+            last(&self.stderr, stderr.1),
+            own.join("\n")
         )
     }
 
