@@ -35,6 +35,9 @@ use crate::regs::Regs;
 
 /// The alignment and size of an x86-64 kernel stack (`THREAD_SIZE`, without KASAN).
 const STACK_REGION: u64 = 16 << 10;
+/// Most exit-free stubs followed from one stack slot to where its return goes (each is a
+/// return probe on a function tail-called by the previous one's, or on the same one).
+const MAX_STUBS_ON_A_SLOT: usize = 16;
 
 /// A call a return probe follows.
 struct Instance {
@@ -43,10 +46,11 @@ struct Instance {
     slot: u64,
     /// Where the call returns to: never the trampoline.
     return_address: u64,
-    /// The slot held the guest's own return trampoline at entry: its kretprobe swapped out
+    /// The slot held the guest's own return trampoline at entry, or an exit-free return
+    /// probe's stub that returns to ours: the guest's kretprobe or that probe swapped out
     /// what was there before (ours, for the calls already on this slot), so this call and
-    /// the later ones on the slot return first, through the guest's trampoline, and the
-    /// earlier ones when it returns to ours again.
+    /// the later ones on the slot return first, through that return, and the earlier ones
+    /// when it returns to ours again.
     after_guest_swap: bool,
     /// The probe's private data for this call.
     data: Vec<u8>,
@@ -104,6 +108,11 @@ impl ReturnChains {
         *chain = live;
         self.forget(&dead);
         dead.len()
+    }
+
+    /// The earliest instance on `slot`.
+    fn first_at(&self, slot: u64) -> Option<&Instance> {
+        self.chains.get(&region(slot))?.iter().find(|i| i.slot == slot)
     }
 
     /// The latest instance on `slot`.
@@ -188,9 +197,30 @@ impl Tracer {
     /// swapped ours after us, and returns to ours when it is done).
     fn still_swapped(&self, trampoline: Gva, i: &Instance) -> bool {
         match self.machine.kernel().read_u64(Gva(i.slot)) {
-            Ok(v) => v == trampoline.0 || self.guest_return_trampoline.is_some_and(|g| g.0 == v),
+            Ok(v) => {
+                let v = self.through_exit_free_stubs(Gva(i.slot), Gva(v));
+                v == trampoline || self.guest_return_trampoline == Some(v)
+            }
             Err(_) => false,
         }
+    }
+
+    /// Where a return through `to` at the stack slot `slot` goes after the exit-free
+    /// return probes' stubs it passes (a function tail-called by a followed one: its entry
+    /// kept our trampoline as the return address and put its stub in the slot): `to`
+    /// itself when it is no stub in use for `slot`.
+    fn through_exit_free_stubs(&self, slot: Gva, mut to: Gva) -> Gva {
+        use crate::detour::event::returns::SLOT_RET;
+        for _ in 0..MAX_STUBS_ON_A_SLOT {
+            match self.exit_free_slot(slot, to) {
+                Some(n) => match self.exit_free_field(n, SLOT_RET) {
+                    Some(ret) => to = Gva(ret),
+                    None => break,
+                },
+                None => break,
+            }
+        }
+        to
     }
 
     /// The return address a followed call's stack slot stands for (the latest call on
@@ -201,6 +231,13 @@ impl Tracer {
     /// the guest's own kretprobe event names as the caller.
     fn real_return_address(&self, cpu: usize, slot: Gva, to: Gva) -> Gva {
         if let Some(caller) = self.exit_free_caller(slot, to) {
+            // The stub's entry found our trampoline (a function a followed one tail-called):
+            // the caller is the one the first call followed on this slot returns to.
+            if self.trampoline.get() == Some(&caller) {
+                if let Some(first) = self.lock_returns().first_at(slot.0) {
+                    return Gva(first.return_address);
+                }
+            }
             return caller;
         }
         if Some(to) != self.guest_return_trampoline {
@@ -247,7 +284,10 @@ impl Tracer {
         };
         let mut returns = self.lock_returns();
         let swapped_already = found == trampoline.0;
-        let after_guest_swap = Some(found) == self.guest_return_trampoline.map(|g| g.0);
+        // The guest's kretprobe, or an exit-free return probe's entry (of a function a
+        // followed one tail-called), swapped our trampoline out: this call returns first.
+        let after_guest_swap = Some(found) == self.guest_return_trampoline.map(|g| g.0)
+            || (!swapped_already && self.through_exit_free_stubs(Gva(slot), Gva(found)) == trampoline);
         let mut abandoned = returns.prune_below(slot, |i| self.still_swapped(trampoline, i));
         let return_address = if swapped_already {
             if returns
@@ -361,20 +401,31 @@ impl Tracer {
     /// stubs (read at the stack slot `slot`): the caller the entry recorded in the call's
     /// slot, if that slot is in use for `slot`. `None` when `to` is no stub of ours.
     pub(super) fn exit_free_caller(&self, slot: Gva, to: Gva) -> Option<Gva> {
-        use crate::detour::event::returns::{stub_slot, SLOT_CALLER, SLOT_FRAME, SLOT_OWNER};
+        let n = self.exit_free_slot(slot, to)?;
+        self.exit_free_field(n, crate::detour::event::returns::SLOT_CALLER)
+            .map(Gva)
+    }
+
+    /// The slot of the calls-in-flight table whose stub `to` is, when that slot is in use
+    /// for a call whose return address was at `slot`.
+    fn exit_free_slot(&self, slot: Gva, to: Gva) -> Option<u32> {
+        use crate::detour::event::returns::{stub_slot, SLOT_FRAME, SLOT_OWNER};
         // Stubs are in the out-of-line area's code, which the guest cannot write.
         if !self.ool.is_some_and(|a| a.contains(to)) {
             return None;
         }
-        let setup = self.events.get()?;
-        let (table, mem) = (setup.returns.as_ref()?, self.machine.event_memory()?);
+        let table = self.events.get()?.returns.as_ref()?;
         let mut stub = [0u8; 5];
         self.machine.kernel().read_virt(to, &mut stub).ok()?;
         let n = stub_slot(&stub, table.slots)?;
-        let in_use = table.field(mem, n, SLOT_OWNER).is_some_and(|o| o != 0);
-        (in_use && table.field(mem, n, SLOT_FRAME) == Some(slot.0))
-            .then(|| table.field(mem, n, SLOT_CALLER).map(Gva))
-            .flatten()
+        let in_use = self.exit_free_field(n, SLOT_OWNER).is_some_and(|o| o != 0);
+        (in_use && self.exit_free_field(n, SLOT_FRAME) == Some(slot.0)).then_some(n)
+    }
+
+    /// A field of slot `n` of the calls-in-flight table (guest memory).
+    fn exit_free_field(&self, n: u32, field: i32) -> Option<u64> {
+        let table = self.events.get()?.returns.as_ref()?;
+        table.field(self.machine.event_memory()?, n, field)
     }
 
     /// The trampoline's int3: followed calls returned. Their return handlers and events,

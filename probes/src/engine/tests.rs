@@ -2334,6 +2334,146 @@ fn a_kprobe_and_a_return_probe_on_one_entry_share_one_jump_to_two_event_detours(
     assert!(detour.miss_slots.is_empty() && detour.returns.is_empty());
 }
 
+/// A trapped return probe's call whose return address an exit-free return probe's entry
+/// then swapped for its stub (the function it tail-called) is still in flight: the stub
+/// returns to the trampoline. A reclaim at `maxactive` must not free it (it did: its slot
+/// held the stub, not the trampoline, so the call looked abandoned and its return found
+/// nothing on record).
+#[test]
+fn a_trapped_call_behind_an_exit_free_stub_is_not_reclaimed() {
+    use crate::detour::event::returns::{SLOT_FRAME, SLOT_OWNER, SLOT_RET, STUB_OPCODE};
+    use crate::detour::ring::RingMemory;
+    let (m, t, _events) = event_tracer();
+    let mut req = return_probe("trapped", 1);
+    req.post = Some(Arc::new(|_: &mut HitContext| {}));
+    t.register(req).unwrap();
+    let trampoline = *t.trampoline.get().unwrap();
+    let caller = 0xffff_ffff_8100_0abc_u64;
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = cpu.regs.rsp;
+    m.write_virt(Gva(slot), &caller.to_le_bytes()).unwrap();
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(m.read_u64(Gva(slot)).unwrap(), trampoline.0);
+
+    // An exit-free probe's entry follows the same call in slot 5 of the table: it keeps
+    // the trampoline as the return address and puts slot 5's stub in the stack slot.
+    let stub = OOL + 0x4000;
+    let mut bytes = vec![STUB_OPCODE];
+    bytes.extend_from_slice(&5u32.to_le_bytes());
+    m.write_virt(Gva(stub), &bytes).unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    for (field, value) in [
+        (SLOT_OWNER, 0xffff_8880_0000_1000),
+        (SLOT_FRAME, slot),
+        (SLOT_RET, trampoline.0),
+    ] {
+        mem.store_u64_release(return_slot_gpa(5, field), value).unwrap();
+    }
+    m.write_virt(Gva(slot), &stub.to_le_bytes()).unwrap();
+
+    // Another call of the trapped probe, on another stack, at its maxactive (1).
+    let mut other = FakeVcpu::at(PUSH);
+    other.regs.rsp = slot + 0x10_0000;
+    m.write_virt(Gva(other.regs.rsp), &caller.to_le_bytes()).unwrap();
+    t.on_breakpoint(1, &mut other, Gva(PUSH));
+    assert_eq!(
+        t.stats.returns_abandoned.load(COUNT),
+        0,
+        "the call behind the stub was freed"
+    );
+    assert_eq!(t.listing()[0].nmissed, 1, "the new call is missed instead");
+
+    // The stub's return code returns to the trampoline: the call returns to its caller.
+    cpu.regs = Regs {
+        rip: trampoline.0,
+        rsp: slot + 8,
+        ..cpu.regs
+    };
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, trampoline),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, caller);
+}
+
+/// A trapped return probe's call on a stack slot where an exit-free probe's stub stands
+/// (trapped `f` tail-calls exit-free `g`, which tail-calls trapped `h`): `h`'s call returns
+/// first, to the stub, and `f`'s when the stub's code returns to the trampoline again. It
+/// took `h`'s entry for a new call and dropped `f`'s, or returned both at once.
+#[test]
+fn a_trapped_call_entered_over_an_exit_free_stub_returns_to_the_stub_first() {
+    use crate::detour::event::returns::{SLOT_CALLER, SLOT_FRAME, SLOT_OWNER, SLOT_RET, STUB_OPCODE};
+    use crate::detour::ring::RingMemory;
+    let (m, t, events) = event_tracer();
+    let returned = Arc::new(Mutex::new(Vec::new()));
+    let r = returned.clone();
+    let mut req = return_probe("trapped", 4);
+    req.emit_events = true;
+    req.post = Some(Arc::new(move |ctx: &mut HitContext| {
+        r.lock().unwrap().push(ctx.regs.rip);
+    }));
+    t.register(req).unwrap();
+    let trampoline = *t.trampoline.get().unwrap();
+    let caller = 0xffff_ffff_8100_0abc_u64;
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = cpu.regs.rsp;
+    m.write_virt(Gva(slot), &caller.to_le_bytes()).unwrap();
+    t.on_breakpoint(0, &mut cpu, Gva(PUSH));
+    // g's entry: slot 5, returning to the trampoline, its stub in the stack slot.
+    let stub = OOL + 0x4000;
+    let mut bytes = vec![STUB_OPCODE];
+    bytes.extend_from_slice(&5u32.to_le_bytes());
+    m.write_virt(Gva(stub), &bytes).unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    // (Its entry found our trampoline there: that is the return address and the caller it
+    // keeps.)
+    for (field, value) in [
+        (SLOT_OWNER, 0xffff_8880_0000_1000),
+        (SLOT_FRAME, slot),
+        (SLOT_RET, trampoline.0),
+        (SLOT_CALLER, trampoline.0),
+    ] {
+        mem.store_u64_release(return_slot_gpa(5, field), value).unwrap();
+    }
+    m.write_virt(Gva(slot), &stub.to_le_bytes()).unwrap();
+    // h's entry (the same probe stands in for it) on the same stack slot.
+    let mut h = FakeVcpu::at(PUSH);
+    h.regs.rsp = slot;
+    t.on_breakpoint(0, &mut h, Gva(PUSH));
+    assert_eq!(t.returns_in_flight(), 2, "f's call is still followed");
+    assert_eq!(m.read_u64(Gva(slot)).unwrap(), trampoline.0);
+
+    // h returns: to the stub, alone.
+    cpu.regs = Regs {
+        rip: trampoline.0,
+        rsp: slot + 8,
+        ..cpu.regs
+    };
+    t.on_breakpoint(0, &mut cpu, trampoline);
+    assert_eq!(cpu.regs.rip, stub);
+    assert_eq!(t.returns_in_flight(), 1);
+    // The stub's code records g's return and returns to the trampoline: f returns.
+    mem.store_u64_release(return_slot_gpa(5, SLOT_OWNER), 0).unwrap();
+    cpu.regs.rip = trampoline.0;
+    t.on_breakpoint(0, &mut cpu, trampoline);
+    assert_eq!(cpu.regs.rip, caller);
+    assert_eq!(t.returns_in_flight(), 0);
+    assert_eq!(returned.lock().unwrap().len(), 2);
+    // Both name the real caller: h's through the stub (whose entry found our trampoline)
+    // and the call f's entry followed, never the trampoline.
+    let named: Vec<Option<String>> = events
+        .got
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| e.record.retprobe_caller.clone())
+        .collect();
+    assert_eq!(named, vec![Some(format!("{caller:#x}")); 2], "{named:?}");
+}
+
 /// A record an exit-free return probe's code wrote is a return: its caller, its entry's
 /// time and its `$duration`.
 #[test]
