@@ -548,3 +548,77 @@ fn the_task_stamp_costs_seven_instructions_and_decodes() {
         Err(DetourCodeError::MissingFact { .. })
     ));
 }
+
+/// An exit-free return probe's detour for `spec` (a `r:` line's fetch-args), probe 42's
+/// slots 8..18 of a 64-slot table, with or without the task stamp.
+fn generate_return(spec: &str, record_task: bool) -> Result<EventDetour, DetourCodeError> {
+    let region = region();
+    let displaced = |ip: Gva| relocate(&region, ip, region.end());
+    let args = match crate::spec::parse_line(&format!("r:g/e func {spec}")).unwrap() {
+        Some(crate::spec::ProbeSpec::Kretprobe { args, .. }) => args,
+        other => panic!("{other:?}"),
+    };
+    let (rings, symbols) = (rings(256), symbols());
+    event_detour(&EventDetourParams {
+        probe_id: 42,
+        miss_slot: 3,
+        probe_address: Gva(FUNC),
+        detour_ip: Gva(DETOUR),
+        args: &args,
+        rings: &rings,
+        kernel: &facts(),
+        symbols: &symbols,
+        string_size: 32,
+        record_task,
+        filter: None,
+        displaced: &displaced,
+        returns: Some(ReturnDetourParams {
+            table: Gva(RINGS + 0x10_0000),
+            table_slots: 64,
+            first_slot: 8,
+            maxactive: 10,
+            code_area: (Gva(DETOUR & !0xf_ffff), 2 << 20),
+            rethooks: None,
+        }),
+    })
+}
+
+/// The target: a call through an exit-free return probe with `$retval` and
+/// `$duration` — entry and return together, the task stamp included — is at most 120
+/// guest instructions; its stubs follow its code, one per slot, each `push <slot>` and a
+/// jump to the return code.
+#[test]
+fn an_exit_free_return_with_retval_and_duration_costs_at_most_120_instructions() {
+    let d = generate_return("ret=$retval lat=$duration", true).unwrap();
+    eprintln!("entry and return together: {:?}", d.hot_path);
+    assert!(d.hot_path.instructions <= 120, "{:?}", d.hot_path);
+    assert_eq!(d.hot_path.calls, 0);
+    let stubs = d.stubs.expect("stubs");
+    let first = (stubs.0 - DETOUR) as usize;
+    assert_eq!(
+        d.code.len() - first,
+        10 * RETURN_STUB_SIZE as usize,
+        "one stub per slot"
+    );
+    for (i, stub) in d.code[first..].chunks(RETURN_STUB_SIZE as usize).enumerate() {
+        assert_eq!(super::returns::stub_slot(stub, 64), Some(8 + i as u32));
+        assert_eq!(stub[5], 0xe9, "jmp rel32 to the return code");
+    }
+    let layout = d.layout;
+    assert!(layout.ret.is_some());
+    assert_eq!(layout.args[1].kind, ArgKind::Duration);
+}
+
+/// What an exit-free return probe cannot record is refused with the reason (the probe
+/// keeps the trapped path): a stack word at the return, too many saved arguments, slots
+/// the table does not have, no `current_task`.
+#[test]
+fn what_an_exit_free_return_cannot_do_is_refused_with_the_reason() {
+    let err = generate_return("s=$stack1", false).unwrap_err();
+    assert!(err.to_string().contains("a stack word at a return"), "{err}");
+    let many: Vec<String> = (1..=12).map(|n| format!("a{n}=$arg{n}")).collect();
+    assert!(matches!(
+        generate_return(&many.join(" "), false),
+        Err(DetourCodeError::TooManySaved { count: 12 })
+    ));
+}
