@@ -27,7 +27,7 @@ use super::events::hit_record;
 use super::optimize::{WhyNotOptimized, DETOUR_BLOCK};
 use super::registry::Counters;
 use super::{HitEvent, ProbeId, Tracer, COUNT};
-use crate::detour::event::returns::{SLOT_FRAME, SLOT_OWNER};
+use crate::detour::event::returns::SLOT_OWNER;
 use crate::detour::event::{EventLayout, GuestKernelFacts, RETURN_SLOT_SIZE};
 use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingMemory, RingReader};
 use crate::regs::Regs;
@@ -111,22 +111,30 @@ impl ReturnTable {
         (first..first.saturating_add(count)).all(|s| self.field(mem, s, SLOT_OWNER) == Some(0))
     }
 
-    /// Frees every slot in use whose call's stack slot is in `stack` (a task entered
-    /// `do_exit`: nothing on its stack returns); returns how many.
-    pub fn free_on_stack(&self, mem: &dyn RingMemory, stack: std::ops::Range<u64>) -> usize {
+    /// The slots given to a probe's code that are in use (a call in flight).
+    pub fn in_use(&self, mem: &dyn RingMemory) -> Vec<u32> {
         let given: Vec<u32> = {
             let given = self.given.lock().unwrap_or_else(|e| e.into_inner());
             (0..self.slots).filter(|&s| given[s as usize]).collect()
         };
-        let mut freed = 0;
-        for slot in given {
-            let owned = self.field(mem, slot, SLOT_OWNER).is_some_and(|o| o != 0);
-            let frame = self.field(mem, slot, SLOT_FRAME).unwrap_or(0);
-            if owned && stack.contains(&frame) && mem.store_u64_release(self.slot_gpa(slot, SLOT_OWNER), 0).is_ok() {
-                freed += 1;
-            }
-        }
-        freed
+        given
+            .into_iter()
+            .filter(|&s| self.field(mem, s, SLOT_OWNER).is_some_and(|o| o != 0))
+            .collect()
+    }
+
+    /// Frees every slot `task` owns (the guest is freeing that `task_struct`: none of its
+    /// calls returns any more); returns how many. A slot another task took meanwhile is
+    /// not touched: only the owner's own entries write a slot's owner, and this one does
+    /// not run again.
+    pub fn free_owned_by(&self, mem: &dyn RingMemory, task: Gva) -> usize {
+        self.in_use(mem)
+            .into_iter()
+            .filter(|&slot| {
+                self.field(mem, slot, SLOT_OWNER) == Some(task.0)
+                    && mem.store_u64_release(self.slot_gpa(slot, SLOT_OWNER), 0).is_ok()
+            })
+            .count()
     }
 }
 

@@ -198,6 +198,11 @@ impl Tracer {
                     task_exit = true;
                     continue;
                 }
+                Role::TaskFree => {
+                    // `free_task(tsk)`: nothing of that task runs any more.
+                    self.task_freed(Gva(regs.rdi));
+                    continue;
+                }
                 // Handled before the site (see `on_module_hook`).
                 Role::ModuleLoad | Role::ModuleFree => continue,
                 Role::User => {}

@@ -287,6 +287,11 @@ impl Tracer {
             }
         }
         self.reclaim_detours(view, reg);
+        // The task hooks outlive the last return probe while its exit-free code has calls
+        // in flight: they may go once that code is reclaimed.
+        if reg.detour_codes.values().all(|d| d.returns.is_empty()) {
+            self.drop_task_exit_hook_if_unused(view, reg);
+        }
     }
 
     /// Where a `jmp rel32` at a probe site goes when that is outside the kernel's text: a

@@ -39,6 +39,11 @@ pub(super) enum Role {
     /// followed calls that will never return are freed (the host's equivalent of Linux
     /// freeing a task's kretprobe instances when the task goes).
     TaskExit,
+    /// The engine's own, hidden: on the guest's `free_task`, where the calls exit-free
+    /// return probes follow in the guest for the task being freed (its last ones never
+    /// returned: `do_exit`'s final schedule, or calls after `do_exit` began) are freed —
+    /// Linux's `rethook_flush_task` at the same moment.
+    TaskFree,
     /// The engine's own, hidden: on the guest's `do_init_module` and `module_memfree`,
     /// where module probes are armed and disarmed ([`super::modules`]).
     ModuleLoad,
@@ -298,10 +303,10 @@ impl Tracer {
             placed.push(Placed::Probe(placement));
         }
         let wants_exit_hook = requests.iter().any(|r| matches!(r.kind, ProbeKind::Kretprobe { .. }));
-        let exit_hook = if wants_exit_hook {
-            self.task_exit_placement()
+        let task_hooks = if wants_exit_hook {
+            self.task_hook_placements()
         } else {
-            None
+            Vec::new()
         };
         let mut result = Ok(Vec::new());
         self.paused(&mut |view| {
@@ -336,9 +341,7 @@ impl Tracer {
                     }
                 }
             }
-            if let Some(hook) = &exit_hook {
-                self.ensure_task_exit_hook(view.text(), &mut reg, hook);
-            }
+            self.ensure_task_hooks(view.text(), &mut reg, &task_hooks);
             if let Some(hooks) = &module_hooks {
                 if let Err(e) = self.ensure_module_hooks(view.text(), &mut reg, hooks) {
                     for id in done.drain(..).rev() {
@@ -793,51 +796,69 @@ impl Tracer {
         }
     }
 
-    /// Where the task-exit hook goes, if the guest has a `do_exit` we can probe.
-    fn task_exit_placement(&self) -> Option<Placement> {
-        let point = ProbePoint::Symbol {
-            name: "do_exit".into(),
-            offset: 0,
-        };
-        match self.place(&point) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                tracing::debug!("no task-exit hook ({e}): calls of exiting tasks are freed when their stack is reused");
-                None
+    /// Where the task hooks go: `do_exit` (the trapped path's calls of an exiting task) and
+    /// `free_task` (the exit-free path's), those the guest has and we can probe.
+    fn task_hook_placements(&self) -> Vec<(Role, Placement)> {
+        [(Role::TaskExit, "do_exit"), (Role::TaskFree, "free_task")]
+            .into_iter()
+            .filter_map(|(role, name)| {
+                let point = ProbePoint::Symbol {
+                    name: name.into(),
+                    offset: 0,
+                };
+                match self.place(&point) {
+                    Ok(p) => Some((role, p)),
+                    Err(e) => {
+                        tracing::debug!("no {name} hook ({e}): its tasks' calls are freed when their stack is reused");
+                        None
+                    }
+                }
+            })
+            .collect()
+    }
+
+    fn ensure_task_hooks(&self, text: &dyn KernelMemory, reg: &mut Registry, hooks: &[(Role, Placement)]) {
+        for (role, placement) in hooks {
+            if reg.probes.values().any(|p| p.role == *role) {
+                continue;
+            }
+            let request = KprobeRequest {
+                emit_events: false,
+                ..KprobeRequest::event(
+                    ProbePoint::Address(placement.address),
+                    "hvprobe",
+                    if *role == Role::TaskExit {
+                        "task_exit"
+                    } else {
+                        "task_free"
+                    },
+                    Vec::new(),
+                )
+            };
+            if let Err(e) = self.register_paused(text, reg, &request, placement, *role) {
+                tracing::warn!(
+                    "cannot hook the guest's {} ({e}): calls of exiting tasks are freed later",
+                    placement.what
+                );
             }
         }
     }
 
-    fn ensure_task_exit_hook(&self, text: &dyn KernelMemory, reg: &mut Registry, placement: &Placement) {
-        if reg.probes.values().any(|p| p.role == Role::TaskExit) {
-            return;
-        }
-        let request = KprobeRequest {
-            emit_events: false,
-            ..KprobeRequest::event(
-                ProbePoint::Address(placement.address),
-                "hvprobe",
-                "task_exit",
-                Vec::new(),
-            )
-        };
-        if let Err(e) = self.register_paused(text, reg, &request, placement, Role::TaskExit) {
-            tracing::warn!("cannot hook the guest's do_exit ({e}): calls of exiting tasks are freed later");
-        }
-    }
-
-    fn drop_task_exit_hook_if_unused(&self, view: &dyn PausedView, reg: &mut Registry) {
+    /// Takes the task hooks out when no return probe is left and no exit-free return
+    /// probe's code still has calls in flight (they are freed at `free_task`).
+    pub(super) fn drop_task_exit_hook_if_unused(&self, view: &dyn PausedView, reg: &mut Registry) {
         let returns_left = reg
             .probes
             .values()
             .any(|p| matches!(p.kind, ProbeKind::Kretprobe { .. }));
-        if returns_left {
+        let exit_free_code_left = reg.detour_codes.values().any(|d| !d.returns.is_empty());
+        if returns_left || exit_free_code_left {
             return;
         }
         let hooks: Vec<ProbeId> = reg
             .probes
             .iter()
-            .filter(|(_, p)| p.role == Role::TaskExit)
+            .filter(|(_, p)| matches!(p.role, Role::TaskExit | Role::TaskFree))
             .map(|(id, _)| *id)
             .collect();
         for id in hooks {

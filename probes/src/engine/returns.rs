@@ -196,13 +196,37 @@ impl Tracer {
     /// or the guest's own rethook trampoline (the guest's kretprobe on the same function
     /// swapped ours after us, and returns to ours when it is done).
     fn still_swapped(&self, trampoline: Gva, i: &Instance) -> bool {
+        let returns_to_us = |v: Gva| v == trampoline || self.guest_return_trampoline == Some(v);
         match self.machine.kernel().read_u64(Gva(i.slot)) {
-            Ok(v) => {
-                let v = self.through_exit_free_stubs(Gva(i.slot), Gva(v));
-                v == trampoline || self.guest_return_trampoline == Some(v)
-            }
+            Ok(v) if returns_to_us(self.through_exit_free_stubs(Gva(i.slot), Gva(v))) => true,
+            // An exit-free return probe's call on the slot is returning (between the
+            // function's `ret` and its code putting the real return address back, the slot
+            // holds the stub's pushed slot number, or what an interrupt wrote there): its
+            // slot still says where it returns to.
+            Ok(_) => self
+                .exit_free_slots_on(Gva(i.slot))
+                .into_iter()
+                .filter_map(|n| self.exit_free_field(n, crate::detour::event::returns::SLOT_RET))
+                .any(|ret| returns_to_us(self.through_exit_free_stubs(Gva(i.slot), Gva(ret)))),
             Err(_) => false,
         }
+    }
+
+    /// The slots of the calls-in-flight table in use for a call whose return address was
+    /// at `slot`.
+    fn exit_free_slots_on(&self, slot: Gva) -> Vec<u32> {
+        use crate::detour::event::returns::SLOT_FRAME;
+        let (Some(table), Some(mem)) = (
+            self.events.get().and_then(|s| s.returns.as_ref()),
+            self.machine.event_memory(),
+        ) else {
+            return Vec::new();
+        };
+        table
+            .in_use(mem)
+            .into_iter()
+            .filter(|&n| table.field(mem, n, SLOT_FRAME) == Some(slot.0))
+            .collect()
     }
 
     /// Where a return through `to` at the stack slot `slot` goes after the exit-free
@@ -385,16 +409,21 @@ impl Tracer {
 
     /// A task entered `do_exit`: nothing on its stack will return.
     pub(super) fn task_exits(&self, rsp: u64) {
-        let mut freed = self.lock_returns().drop_stack(rsp);
-        // And the calls exit-free return probes follow in the guest on that stack.
+        let freed = self.lock_returns().drop_stack(rsp);
+        self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
+    }
+
+    /// The guest frees the `task_struct` at `task`: the calls exit-free return probes
+    /// follow for it in the guest will never return (those it made in `do_exit` after the
+    /// hook there, its final schedule among them, too).
+    pub(super) fn task_freed(&self, task: Gva) {
         if let (Some(table), Some(mem)) = (
             self.events.get().and_then(|s| s.returns.as_ref()),
             self.machine.event_memory(),
         ) {
-            let stack = region(rsp);
-            freed += table.free_on_stack(mem, stack..stack + STACK_REGION);
+            let freed = table.free_owned_by(mem, task);
+            self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
         }
-        self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
     }
 
     /// Where a call an exit-free return probe follows returns to, when `to` is one of its

@@ -47,6 +47,8 @@ const OTHER: u64 = FUNC + 0x40;
 /// `do_exit`: ftrace NOP; push %rbp; ret.
 const DO_EXIT: u64 = FUNC + 0x80;
 const DO_EXIT_CODE: &[u8] = &[0x0f, 0x1f, 0x44, 0x00, 0x00, 0x55, 0xc3];
+/// `free_task`: the same code as `do_exit`'s.
+const FREE_TASK: u64 = FUNC + 0x90;
 /// `traced`: the call the guest's ftrace put in place of the NOP, into a trampoline it
 /// allocated (no kernel symbol there); push %rbp; ret.
 const TRACED: u64 = FUNC + 0xc0;
@@ -103,6 +105,7 @@ impl FakeMachine {
         m.write_virt(Gva(FUNC), FUNC_CODE).unwrap();
         m.write_virt(Gva(OTHER), &[0xc3]).unwrap();
         m.write_virt(Gva(DO_EXIT), DO_EXIT_CODE).unwrap();
+        m.write_virt(Gva(FREE_TASK), DO_EXIT_CODE).unwrap();
         m.write_virt(Gva(LOOPING), LOOPING_CODE).unwrap();
         m.write_virt(Gva(TRACED), &TRACED_CODE).unwrap();
         m.write_virt(Gva(STACK_TOP - 0x1000), &[0u8; 0x1000]).unwrap();
@@ -303,6 +306,7 @@ impl EventSink for Events {
 fn symbols() -> SymbolTable {
     SymbolTable::parse_system_map(&format!(
         "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{OTHER:016x} T other\n{DO_EXIT:016x} T do_exit\n\
+         {FREE_TASK:016x} T free_task\n\
          {LOOPING:016x} T looping\n{TRACED:016x} T traced\n{:016x} T _etext\n\
          {GUEST_RETHOOK:016x} T arch_rethook_trampoline\n",
         TRACED + TRACED_CODE.len() as u64
@@ -2234,6 +2238,19 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
         .unwrap();
     mem.store_u64_release(return_slot_gpa(slots.first + 1, SLOT_FRAME), frame)
         .unwrap();
+    use super::registry::Role;
+    let hooks = |t: &Tracer| -> Vec<Role> {
+        let reg = t.read_registry();
+        let mut roles: Vec<Role> = reg
+            .probes
+            .values()
+            .map(|p| p.role)
+            .filter(|r| *r != Role::User)
+            .collect();
+        roles.sort_by_key(|r| format!("{r:?}"));
+        roles
+    };
+    assert_eq!(hooks(&t), [Role::TaskExit, Role::TaskFree]);
     t.unregister(id).unwrap();
     t.set_optimization(true).unwrap();
     {
@@ -2243,6 +2260,11 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
             "the code stays while its call is in flight"
         );
     }
+    assert_eq!(
+        hooks(&t),
+        [Role::TaskExit, Role::TaskFree],
+        "the task hooks stay while a call is in flight: free_task frees it"
+    );
     // A new probe does not get those slots.
     let other = t.register(recording("other")).unwrap();
     let other_slots = t
@@ -2254,8 +2276,15 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
     assert!(other_slots.first >= slots.first + slots.count || other_slots.first + 4 <= slots.first);
     t.unregister(other).unwrap();
 
-    // The task exits: its calls are freed, and then the code and the slots go.
-    t.task_exits(frame - 0x200);
+    // The task is freed: its calls are freed, and then the code and the slots go.
+    t.task_freed(Gva(0xffff_8880_0000_2000));
+    assert_ne!(
+        mem.load_u64_acquire(return_slot_gpa(slots.first + 1, SLOT_OWNER))
+            .unwrap(),
+        0,
+        "another task's call stays"
+    );
+    t.task_freed(Gva(0xffff_8880_0000_1000));
     assert_eq!(
         mem.load_u64_acquire(return_slot_gpa(slots.first + 1, SLOT_OWNER))
             .unwrap(),
@@ -2268,6 +2297,7 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
         "reclaimed once no call is in flight"
     );
     drop(reg);
+    assert!(hooks(&t).is_empty(), "and the hooks go with it");
     let table = t.events.get().unwrap().returns.as_ref().unwrap();
     assert_eq!(table.take(table.slots), Some(0), "every slot was given back");
 }
@@ -2358,8 +2388,11 @@ fn a_trapped_call_behind_an_exit_free_stub_is_not_reclaimed() {
     ));
     assert_eq!(m.read_u64(Gva(slot)).unwrap(), trampoline.0);
 
-    // An exit-free probe's entry follows the same call in slot 5 of the table: it keeps
-    // the trampoline as the return address and puts slot 5's stub in the stack slot.
+    // An exit-free probe's entry follows the same call in slot 5 of the table (its code
+    // was given slots 0..8): it keeps the trampoline as the return address and puts slot
+    // 5's stub in the stack slot.
+    let table = t.events.get().unwrap().returns.as_ref().unwrap();
+    assert_eq!(table.take(8), Some(0));
     let stub = OOL + 0x4000;
     let mut bytes = vec![STUB_OPCODE];
     bytes.extend_from_slice(&5u32.to_le_bytes());
@@ -2385,6 +2418,18 @@ fn a_trapped_call_behind_an_exit_free_stub_is_not_reclaimed() {
         "the call behind the stub was freed"
     );
     assert_eq!(t.listing()[0].nmissed, 1, "the new call is missed instead");
+    // The exit-free function returned: its stub pushed its slot number where the return
+    // address was, and its code has not yet put the trampoline back. Still in flight.
+    m.write_virt(Gva(slot), &5u64.to_le_bytes()).unwrap();
+    let mut third = FakeVcpu::at(PUSH);
+    third.regs.rsp = slot + 0x20_0000;
+    m.write_virt(Gva(third.regs.rsp), &caller.to_le_bytes()).unwrap();
+    t.on_breakpoint(1, &mut third, Gva(PUSH));
+    assert_eq!(
+        t.stats.returns_abandoned.load(COUNT),
+        0,
+        "the call was freed while the stub's code returned"
+    );
 
     // The stub's return code returns to the trampoline: the call returns to its caller.
     cpu.regs = Regs {

@@ -35,7 +35,7 @@
 //!
 //! The stub's `push` puts the slot number where the return address was. The return code
 //! saves the flags (`cli`) and its registers, checks that the slot is one of the probe's,
-//! owned by `current`, for this stack slot — anything else traps to the host (an `int3`),
+//! in use, for this stack slot — anything else traps to the host (an `int3`),
 //! which stops the VM with the reason: nothing is returned to that was not on record — and
 //! writes the real return address back in its place. The record is the event detour's
 //! (ring, task stamp, fetch-args; `$retval` is `rax`, `$argN` the entry's words, `%ip` the
@@ -43,9 +43,10 @@
 //! entry TSC (the host computes `$duration` from the two stamps). The slot is freed last,
 //! on every path (a full ring or a nested hit still returns), then `ret`.
 //!
-//! A slot whose task exited (`do_exit` never returns) is freed by the host at the task's
-//! `do_exit` hook, as the trapped path frees its calls; the host reads the table (guest
-//! memory: each owner is checked against the stacks it may be on).
+//! A slot whose task went without returning (`do_exit` never returns, nor its final
+//! schedule) is freed by the host when the guest frees the task (a hidden hook on
+//! `free_task`: every slot that task owns, Linux's `rethook_flush_task`); the host reads
+//! the table (guest memory, one bounded read per slot).
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::stacks::RethookLayout;
@@ -112,15 +113,18 @@ pub fn stub_slot(stub: &[u8], table_slots: u32) -> Option<u32> {
     (slot < table_slots).then_some(slot)
 }
 
-/// The return code's prologue: the slot the stub pushed, checked (else `no_call`), in
-/// the frame's slot register; the real return address back in the stack slot.
+/// The return code's prologue: the slot the stub pushed, checked (one of the probe's, in
+/// use, for this stack slot; else `no_call`), in the frame's slot register; the real
+/// return address back in the stack slot. The stack slot names the call: no two calls in
+/// flight share one (a tail call's share it through two slots and two stubs); the owner
+/// is not compared with `current`, which a function such as `__switch_to` returns under
+/// another task than it was entered under.
 pub(super) fn take_call(g: &mut Gen<'_>, r: &ReturnDetourParams, no_call: CodeLabel) -> Result<(), DetourCodeError> {
     let (base, rsp0) = (g.frame.base, g.frame.rsp0);
     let slot = g
         .frame
         .slot
         .ok_or_else(|| DetourCodeError::Assemble("a return's code without a slot register".into()))?;
-    let current = g.p.kernel.current_task.unwrap_or(0);
     g.a().mov(eax, dword_ptr(base + rsp0))?;
     g.a().sub(eax, r.first_slot as i32)?;
     g.a().cmp(eax, r.maxactive as i32)?;
@@ -128,9 +132,8 @@ pub(super) fn take_call(g: &mut Gen<'_>, r: &ReturnDetourParams, no_call: CodeLa
     g.a().shl(rax, SLOT_SHIFT)?;
     g.a().mov(slot, r.slot(r.first_slot).0)?;
     g.a().add(slot, rax)?;
-    g.a().mov(rax, qword_ptr(current as i64 as u64).gs())?;
-    g.a().cmp(qword_ptr(slot + SLOT_OWNER), rax)?;
-    g.a().jne(no_call)?;
+    g.a().cmp(qword_ptr(slot + SLOT_OWNER), 0)?;
+    g.a().je(no_call)?;
     g.a().lea(rax, qword_ptr(base + rsp0))?;
     g.a().cmp(qword_ptr(slot + SLOT_FRAME), rax)?;
     g.a().jne(no_call)?;
