@@ -783,7 +783,18 @@ fn rel32_reaches(from: Gva, to: Gva, span: u64) -> bool {
 /// a few hundred bytes, a few KiB with many arguments).
 const CODE_SPAN: u64 = 64 << 10;
 
-impl Gen<'_> {
+impl<'p> Gen<'p> {
+    fn new(p: &'p EventDetourParams<'p>, frame: Frame, saved_area: Option<i32>) -> Result<Self, DetourCodeError> {
+        Ok(Gen {
+            a: CodeAssembler::new(64)?,
+            p,
+            frame,
+            cold: Vec::new(),
+            thread_mask: p.kernel.thread_size - 1,
+            saved_area,
+        })
+    }
+
     fn a(&mut self) -> &mut CodeAssembler {
         &mut self.a
     }
@@ -1210,14 +1221,7 @@ fn assemble(
     };
     let calls = plans.iter().any(Plan::needs_call);
     let frame = Frame::new(calls, at_return.is_some());
-    let mut g = Gen {
-        a: CodeAssembler::new(64)?,
-        p,
-        frame,
-        cold: Vec::new(),
-        thread_mask: p.kernel.thread_size - 1,
-        saved_area: saved.map(|(_, at)| at as i32),
-    };
+    let mut g = Gen::new(p, frame, saved.map(|(_, at)| at as i32))?;
     let mut no_call = g.a().create_label();
     let geometry = p.rings.geometry();
     let rec = g.frame.rec;

@@ -111,13 +111,15 @@ impl ReturnTable {
         (first..first.saturating_add(count)).all(|s| self.field(mem, s, SLOT_OWNER) == Some(0))
     }
 
+    /// The slots given to a probe's code.
+    fn given_slots(&self) -> Vec<u32> {
+        let given = self.given.lock().unwrap_or_else(|e| e.into_inner());
+        (0..self.slots).filter(|&s| given[s as usize]).collect()
+    }
+
     /// The slots given to a probe's code that are in use (a call in flight).
     pub fn in_use(&self, mem: &dyn RingMemory) -> Vec<u32> {
-        let given: Vec<u32> = {
-            let given = self.given.lock().unwrap_or_else(|e| e.into_inner());
-            (0..self.slots).filter(|&s| given[s as usize]).collect()
-        };
-        given
+        self.given_slots()
             .into_iter()
             .filter(|&s| self.field(mem, s, SLOT_OWNER).is_some_and(|o| o != 0))
             .collect()
@@ -128,7 +130,7 @@ impl ReturnTable {
     /// not touched: only the owner's own entries write a slot's owner, and this one does
     /// not run again.
     pub fn free_owned_by(&self, mem: &dyn RingMemory, task: Gva) -> usize {
-        self.in_use(mem)
+        self.given_slots()
             .into_iter()
             .filter(|&slot| {
                 self.field(mem, slot, SLOT_OWNER) == Some(task.0)

@@ -100,6 +100,12 @@ impl WhyNotOptimized {
     }
 }
 
+/// Whether a probe only records (no handler of any kind, the user's, no kernel stack to
+/// unwind at its hits): what an event detour can do for it.
+fn records_only(probe: &super::registry::Probe) -> bool {
+    probe.role == Role::User && probe.pre.is_none() && probe.post.is_none() && probe.emit_events && !probe.stack_trace
+}
+
 /// The jump at an optimized site.
 #[derive(Clone, Debug)]
 pub(super) struct Detour {
@@ -236,9 +242,14 @@ impl Tracer {
             let blocked = self.blocking_reason(reg, *addr);
             // A detour made for other probes than the site has now (one came or went): its
             // event detours would record for the old ones only.
-            let wanted = self.recorder_ids(reg, *addr);
+            let stale = blocked.is_none()
+                && reg
+                    .sites
+                    .get(addr)
+                    .and_then(|s| s.detour.as_ref())
+                    .is_some_and(|d| d.recorders != self.recorder_ids(reg, *addr));
             let Some(site) = reg.sites.get_mut(addr) else { continue };
-            if blocked.is_none() && site.detour.as_ref().is_some_and(|d| d.recorders != wanted) {
+            if stale {
                 unoptimize(view.text(), *addr, site, &mut reg.detour_codes);
                 self.stats.gone.fetch_add(u64::from(site.gone), COUNT);
                 if site.gone {
@@ -545,6 +556,29 @@ impl Tracer {
     /// are set up (and, for a return probe, the calls-in-flight table): the site's detour
     /// can be event ones, one after the other, in the site's order.
     fn event_only_probes(&self, reg: &Registry, addr: Gva) -> Option<Vec<EventProbe>> {
+        self.recorders_of(reg, addr, |id, probe, maxactive| EventProbe {
+            id,
+            address: probe.address,
+            args: probe.args.clone(),
+            filter: probe.filter.clone(),
+            counters: probe.counters.clone(),
+            maxactive,
+        })
+    }
+
+    /// The probes an optimized site's detour records for now: [`Self::event_only_probes`]'s.
+    fn recorder_ids(&self, reg: &Registry, addr: Gva) -> Vec<ProbeId> {
+        self.recorders_of(reg, addr, |id, _, _| id).unwrap_or_default()
+    }
+
+    /// `make` of each probe of the site at `addr` (with a return probe's `maxactive`) when
+    /// every one of them can record in the guest ([`Self::event_only_probes`]).
+    fn recorders_of<T>(
+        &self,
+        reg: &Registry,
+        addr: Gva,
+        make: impl Fn(ProbeId, &super::registry::Probe, Option<u32>) -> T,
+    ) -> Option<Vec<T>> {
         self.events.get()?;
         let site = reg.sites.get(&addr)?;
         if site.probes.is_empty() || site.probes.len() > MAX_RECORDERS {
@@ -559,20 +593,7 @@ impl Tracer {
                     ProbeKind::Kretprobe { maxactive } if self.return_table().is_some() => Some(maxactive),
                     _ => return None,
                 };
-                let records_only = probe.role == Role::User
-                    && probe.pre.is_none()
-                    && probe.post.is_none()
-                    && probe.emit_events
-                    && !probe.stack_trace
-                    && probe.enabled;
-                records_only.then(|| EventProbe {
-                    id: *id,
-                    address: probe.address,
-                    args: probe.args.clone(),
-                    filter: probe.filter.clone(),
-                    counters: probe.counters.clone(),
-                    maxactive,
-                })
+                (records_only(probe) && probe.enabled).then(|| make(*id, probe, maxactive))
             })
             .collect()
     }
@@ -593,9 +614,6 @@ impl Tracer {
         if detour.kind == DetourKind::Event {
             return None;
         }
-        let records_only = |p: &super::registry::Probe| {
-            p.role == Role::User && p.pre.is_none() && p.post.is_none() && p.emit_events && !p.stack_trace
-        };
         Some(if self.events.get().is_none() {
             "no event rings (the guest's per-CPU facts are not known)".into()
         } else if self.return_table().is_none() {
@@ -615,13 +633,6 @@ impl Tracer {
         } else {
             "its exit-free detour cannot be made (see the log)".into()
         })
-    }
-
-    /// The probes an optimized site's detour records for now: [`Self::event_only_probes`]'s.
-    fn recorder_ids(&self, reg: &Registry, addr: Gva) -> Vec<ProbeId> {
-        self.event_only_probes(reg, addr)
-            .map(|probes| probes.iter().map(|p| p.id).collect())
-            .unwrap_or_default()
     }
 
     /// The event detours of `recorders` at `code`, one after the other (each but the last

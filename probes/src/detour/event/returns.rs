@@ -52,9 +52,8 @@ use hvprobe_arch::Gva;
 use hvprobe_introspection::stacks::RethookLayout;
 use iced_x86::code_asm::*;
 
-use super::{
-    assemble, count_path_from, DetourCodeError, EventDetourParams, Gen, HotPath, Record, ReturnFields, Tail, Value,
-};
+use super::{assemble, count_path_from, DetourCodeError, EventDetourParams, Gen, HotPath, Record, ReturnFields, Tail};
+use crate::detour::jump_bytes;
 
 /// Bytes of one slot of the calls-in-flight table.
 pub const RETURN_SLOT_SIZE: u32 = 128;
@@ -163,14 +162,7 @@ fn entry_code(
     stubs: Gva,
     displaced: &[u8],
 ) -> Result<(Vec<u8>, Gva), DetourCodeError> {
-    let mut g = Gen {
-        a: CodeAssembler::new(64)?,
-        p,
-        frame: super::Frame::new(false, false),
-        cold: Vec::new(),
-        thread_mask: p.kernel.thread_size - 1,
-        saved_area: None,
-    };
+    let mut g = Gen::new(p, super::Frame::new(false, false), None)?;
     let (base, rsp0) = (g.frame.base, g.frame.rsp0);
     let current = p.kernel.current_task.unwrap_or(0);
     let probe_missed = p
@@ -222,15 +214,10 @@ fn entry_code(
     g.a().rdtsc()?;
     g.a().mov(dword_ptr(rbx + SLOT_TSC), eax)?;
     g.a().mov(dword_ptr(rbx + (SLOT_TSC + 4)), edx)?;
-    for (k, n) in saved.iter().enumerate() {
-        let value = match n {
-            1..=6 => Value::Reg(super::ARG_REGISTERS[*n as usize - 1]),
-            n => Value::StackWord(n - 6),
-        };
-        match value {
-            Value::StackWord(w) => g.checked_stack_word(rax, edx, w)?,
-            Value::Reg(reg) => g.read_register(rax, reg)?,
-            _ => unreachable!("an argument is a register or a stack word"),
+    for (k, &n) in saved.iter().enumerate() {
+        match n {
+            1..=6 => g.read_register(rax, super::ARG_REGISTERS[n as usize - 1])?,
+            n => g.checked_stack_word(rax, edx, n - 6)?,
         }
         g.a().mov(qword_ptr(rbx + (SLOT_ARGS + 8 * k as i32)), rax)?;
     }
@@ -328,16 +315,15 @@ fn stubs(first: u32, count: u32, at: Gva, return_code: Gva) -> Result<Vec<u8>, D
     let mut bytes = Vec::with_capacity(count as usize * RETURN_STUB_SIZE as usize);
     for i in 0..count {
         let ip = at.0 + u64::from(i) * RETURN_STUB_SIZE;
-        let rel =
-            i32::try_from(return_code.0.wrapping_sub(ip + 10) as i64).map_err(|_| DetourCodeError::OutOfReach {
-                what: "the return code",
-                from: Gva(ip),
-                target: return_code,
-            })?;
+        // `push imm32` is 5 bytes; the jump follows it.
+        let jump = jump_bytes(Gva(ip + 5), return_code).ok_or(DetourCodeError::OutOfReach {
+            what: "the return code",
+            from: Gva(ip),
+            target: return_code,
+        })?;
         bytes.push(STUB_OPCODE);
         bytes.extend_from_slice(&(first + i).to_le_bytes());
-        bytes.push(0xe9);
-        bytes.extend_from_slice(&rel.to_le_bytes());
+        bytes.extend_from_slice(&jump);
         bytes.resize(
             bytes.len().next_multiple_of(RETURN_STUB_SIZE as usize),
             hvprobe_arch::INT3,
