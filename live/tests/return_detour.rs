@@ -299,6 +299,18 @@ fn run(vm: Vm) -> (VmOutcome, GuestMemoryMmap) {
     (outcome, mem)
 }
 
+/// [`run`], to the loop's end, every call having returned what it should.
+fn run_to_its_end(vm: Vm) -> (VmOutcome, GuestMemoryMmap) {
+    let (outcome, mem) = run(vm);
+    assert_eq!(outcome.reason, StopReason::GuestExit(0), "{outcome:?}");
+    assert_eq!(
+        mem.read_obj::<u64>(GuestAddress(BAD_RETURNS)).unwrap(),
+        0,
+        "wrong return values"
+    );
+    (outcome, mem)
+}
+
 fn dumps(mem: &GuestMemoryMmap) -> Vec<[u64; 17]> {
     (0..ITERATIONS)
         .map(|i| {
@@ -372,13 +384,7 @@ fn every_return_is_recorded_in_guest_with_its_value_entry_argument_and_caller_an
     let vm = vm(0, false);
     let rings = new_rings(&vm);
     let detour = arm_return(&vm, &rings, FUNC, 7, 0, 3, 4, DETOUR_OFFSET, SPEC);
-    let (probed, mem) = run(vm);
-    assert_eq!(probed.reason, StopReason::GuestExit(0), "{probed:?}");
-    assert_eq!(
-        mem.read_obj::<u64>(GuestAddress(BAD_RETURNS)).unwrap(),
-        0,
-        "wrong return values"
-    );
+    let (probed, mem) = run_to_its_end(vm);
     let after = dumps(&mem);
     for (i, (a, b)) in reference.iter().zip(&after).enumerate() {
         assert_eq!(a, b, "iteration {i}: registers or flags after the return differ");
@@ -448,13 +454,7 @@ fn recursion_past_maxactive_runs_unfollowed_counted_missed_and_returns_right() {
         DETOUR_OFFSET,
         "ret=$retval:s64 a1=$arg1:u64",
     );
-    let (probed, mem) = run(vm);
-    assert_eq!(probed.reason, StopReason::GuestExit(0), "{probed:?}");
-    assert_eq!(
-        mem.read_obj::<u64>(GuestAddress(BAD_RETURNS)).unwrap(),
-        0,
-        "wrong return values"
-    );
+    let (_, mem) = run_to_its_end(vm);
     let calls_per_iteration = |i: u64| if i <= recurse { i + 1 } else { 1 };
     let calls: u64 = (0..ITERATIONS).map(calls_per_iteration).sum();
     let followed: u64 = (0..ITERATIONS).map(|i| calls_per_iteration(i).min(2)).sum();
@@ -505,13 +505,7 @@ fn a_tail_call_between_two_probed_functions_records_both_latest_first_with_the_r
         DETOUR2_OFFSET,
         "ret=$retval:s64 a1=$arg1:u64",
     );
-    let (probed, mem) = run(vm);
-    assert_eq!(probed.reason, StopReason::GuestExit(0), "{probed:?}");
-    assert_eq!(
-        mem.read_obj::<u64>(GuestAddress(BAD_RETURNS)).unwrap(),
-        0,
-        "wrong return values"
-    );
+    let (_, mem) = run_to_its_end(vm);
     let returns = drain(&rings, &mem, &[&outer, &inner]);
     assert_eq!(returns.len() as u64, 2 * ITERATIONS);
     let caller = blob().loop_caller;

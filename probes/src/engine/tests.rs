@@ -2201,6 +2201,29 @@ fn return_slot_gpa(n: u32, field: i32) -> Gpa {
     Gpa(RINGS_GPA + BIG_OOL / 2 + u64::from(n) * u64::from(crate::detour::event::RETURN_SLOT_SIZE) + field as u64)
 }
 
+/// Plays an exit-free return probe's entry on the fake: the call whose return address was
+/// at the stack slot `frame` (and was `ret`) is kept in slot `n` of the table by `owner`,
+/// and the stack slot gets slot `n`'s stub, written at `stub`. The entry's caller is `ret`
+/// (what it keeps when `ret` is our trampoline, which it cannot see through). Returns the stub.
+fn play_exit_free_entry(m: &FakeMachine, n: u32, owner: u64, frame: u64, ret: u64, stub: u64) -> u64 {
+    use crate::detour::event::returns::{SLOT_CALLER, SLOT_FRAME, SLOT_OWNER, SLOT_RET, STUB_OPCODE};
+    use crate::detour::ring::RingMemory;
+    let mut bytes = vec![STUB_OPCODE];
+    bytes.extend_from_slice(&n.to_le_bytes());
+    m.write_virt(Gva(stub), &bytes).unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    for (field, value) in [
+        (SLOT_OWNER, owner),
+        (SLOT_FRAME, frame),
+        (SLOT_RET, ret),
+        (SLOT_CALLER, ret),
+    ] {
+        mem.store_u64_release(return_slot_gpa(n, field), value).unwrap();
+    }
+    m.write_virt(Gva(frame), &stub.to_le_bytes()).unwrap();
+    stub
+}
+
 /// An exit-free return probe's code and slots stay while a call of it is in flight (it
 /// returns through its stub), however the probe goes; they are reused once every slot is
 /// free. A task's calls go at its `do_exit`.
@@ -2371,8 +2394,6 @@ fn a_kprobe_and_a_return_probe_on_one_entry_share_one_jump_to_two_event_detours(
 /// nothing on record).
 #[test]
 fn a_trapped_call_behind_an_exit_free_stub_is_not_reclaimed() {
-    use crate::detour::event::returns::{SLOT_FRAME, SLOT_OWNER, SLOT_RET, STUB_OPCODE};
-    use crate::detour::ring::RingMemory;
     let (m, t, _events) = event_tracer();
     let mut req = return_probe("trapped", 1);
     req.post = Some(Arc::new(|_: &mut HitContext| {}));
@@ -2393,19 +2414,7 @@ fn a_trapped_call_behind_an_exit_free_stub_is_not_reclaimed() {
     // 5's stub in the stack slot.
     let table = t.events.get().unwrap().returns.as_ref().unwrap();
     assert_eq!(table.take(8), Some(0));
-    let stub = OOL + 0x4000;
-    let mut bytes = vec![STUB_OPCODE];
-    bytes.extend_from_slice(&5u32.to_le_bytes());
-    m.write_virt(Gva(stub), &bytes).unwrap();
-    let mem = m.rings.as_ref().unwrap();
-    for (field, value) in [
-        (SLOT_OWNER, 0xffff_8880_0000_1000),
-        (SLOT_FRAME, slot),
-        (SLOT_RET, trampoline.0),
-    ] {
-        mem.store_u64_release(return_slot_gpa(5, field), value).unwrap();
-    }
-    m.write_virt(Gva(slot), &stub.to_le_bytes()).unwrap();
+    play_exit_free_entry(&m, 5, 0xffff_8880_0000_1000, slot, trampoline.0, OOL + 0x4000);
 
     // Another call of the trapped probe, on another stack, at its maxactive (1).
     let mut other = FakeVcpu::at(PUSH);
@@ -2450,7 +2459,7 @@ fn a_trapped_call_behind_an_exit_free_stub_is_not_reclaimed() {
 /// took `h`'s entry for a new call and dropped `f`'s, or returned both at once.
 #[test]
 fn a_trapped_call_entered_over_an_exit_free_stub_returns_to_the_stub_first() {
-    use crate::detour::event::returns::{SLOT_CALLER, SLOT_FRAME, SLOT_OWNER, SLOT_RET, STUB_OPCODE};
+    use crate::detour::event::returns::SLOT_OWNER;
     use crate::detour::ring::RingMemory;
     let (m, t, events) = event_tracer();
     let returned = Arc::new(Mutex::new(Vec::new()));
@@ -2468,22 +2477,8 @@ fn a_trapped_call_entered_over_an_exit_free_stub_returns_to_the_stub_first() {
     m.write_virt(Gva(slot), &caller.to_le_bytes()).unwrap();
     t.on_breakpoint(0, &mut cpu, Gva(PUSH));
     // g's entry: slot 5, returning to the trampoline, its stub in the stack slot.
-    let stub = OOL + 0x4000;
-    let mut bytes = vec![STUB_OPCODE];
-    bytes.extend_from_slice(&5u32.to_le_bytes());
-    m.write_virt(Gva(stub), &bytes).unwrap();
+    let stub = play_exit_free_entry(&m, 5, 0xffff_8880_0000_1000, slot, trampoline.0, OOL + 0x4000);
     let mem = m.rings.as_ref().unwrap();
-    // (Its entry found our trampoline there: that is the return address and the caller it
-    // keeps.)
-    for (field, value) in [
-        (SLOT_OWNER, 0xffff_8880_0000_1000),
-        (SLOT_FRAME, slot),
-        (SLOT_RET, trampoline.0),
-        (SLOT_CALLER, trampoline.0),
-    ] {
-        mem.store_u64_release(return_slot_gpa(5, field), value).unwrap();
-    }
-    m.write_virt(Gva(slot), &stub.to_le_bytes()).unwrap();
     // h's entry (the same probe stands in for it) on the same stack slot.
     let mut h = FakeVcpu::at(PUSH);
     h.regs.rsp = slot;

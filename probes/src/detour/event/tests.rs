@@ -96,15 +96,28 @@ pub(super) fn generate_params(
     record_task: bool,
     filter: Option<&RecordFilter>,
 ) -> Result<EventDetour, DetourCodeError> {
+    generate_from(&args(spec), record_size, kernel, record_task, filter, None)
+}
+
+/// The detour of probe 42 (slot 3 of rings of `record_size` bytes per record) on `func`
+/// for `args`; a return probe's with `returns`.
+fn generate_from(
+    args: &[FetchArg],
+    record_size: u32,
+    kernel: &GuestKernelFacts,
+    record_task: bool,
+    filter: Option<&RecordFilter>,
+    returns: Option<ReturnDetourParams>,
+) -> Result<EventDetour, DetourCodeError> {
     let region = region();
     let displaced = |ip: Gva| relocate(&region, ip, region.end());
-    let (args, rings, symbols) = (args(spec), rings(record_size), symbols());
+    let (rings, symbols) = (rings(record_size), symbols());
     event_detour(&EventDetourParams {
         probe_id: 42,
         miss_slot: 3,
         probe_address: Gva(FUNC),
         detour_ip: Gva(DETOUR),
-        args: &args,
+        args,
         rings: &rings,
         kernel,
         symbols: &symbols,
@@ -112,7 +125,7 @@ pub(super) fn generate_params(
         record_task,
         filter,
         displaced: &displaced,
-        returns: None,
+        returns,
     })
 }
 
@@ -552,35 +565,19 @@ fn the_task_stamp_costs_seven_instructions_and_decodes() {
 /// An exit-free return probe's detour for `spec` (a `r:` line's fetch-args), probe 42's
 /// slots 8..18 of a 64-slot table, with or without the task stamp.
 fn generate_return(spec: &str, record_task: bool) -> Result<EventDetour, DetourCodeError> {
-    let region = region();
-    let displaced = |ip: Gva| relocate(&region, ip, region.end());
     let args = match crate::spec::parse_line(&format!("r:g/e func {spec}")).unwrap() {
         Some(crate::spec::ProbeSpec::Kretprobe { args, .. }) => args,
         other => panic!("{other:?}"),
     };
-    let (rings, symbols) = (rings(256), symbols());
-    event_detour(&EventDetourParams {
-        probe_id: 42,
-        miss_slot: 3,
-        probe_address: Gva(FUNC),
-        detour_ip: Gva(DETOUR),
-        args: &args,
-        rings: &rings,
-        kernel: &facts(),
-        symbols: &symbols,
-        string_size: 32,
-        record_task,
-        filter: None,
-        displaced: &displaced,
-        returns: Some(ReturnDetourParams {
-            table: Gva(RINGS + 0x10_0000),
-            table_slots: 64,
-            first_slot: 8,
-            maxactive: 10,
-            code_area: (Gva(DETOUR & !0xf_ffff), 2 << 20),
-            rethooks: None,
-        }),
-    })
+    let returns = ReturnDetourParams {
+        table: Gva(RINGS + 0x10_0000),
+        table_slots: 64,
+        first_slot: 8,
+        maxactive: 10,
+        code_area: (Gva(DETOUR & !0xf_ffff), 2 << 20),
+        rethooks: None,
+    };
+    generate_from(&args, 256, &facts(), record_task, None, Some(returns))
 }
 
 /// The target: a call through an exit-free return probe with `$retval` and
