@@ -70,6 +70,8 @@ pub struct TaskLayout {
 /// What [`task_info`] reads from a `task_struct`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskInfo {
+    /// Where its `task_struct` is (what the guest's `current` holds while it runs).
+    pub address: Gva,
     /// The executable name (up to the first NUL; invalid UTF-8 replaced).
     pub comm: String,
     /// The thread id (`task_struct.pid`).
@@ -216,6 +218,7 @@ pub fn task_info(reader: &impl GuestVirtRead, layout: &TaskLayout, task: Gva) ->
     let tgid_at = field("task_struct.tgid", layout.tgid_offset)?;
     let tgid = reader.read_u32(tgid_at.1).map_err(mem_err(tgid_at))? as i32;
     Ok(TaskInfo {
+        address: task,
         comm: String::from_utf8_lossy(&comm[..end]).into_owned(),
         pid,
         tgid,

@@ -188,6 +188,7 @@ fn init_task_from_vmlinux_file() {
     assert_eq!(
         info,
         TaskInfo {
+            address: init_task,
             comm: "swapper".into(),
             pid: 0,
             tgid: 0

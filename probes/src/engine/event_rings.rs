@@ -125,10 +125,9 @@ impl ReturnTable {
             .collect()
     }
 
-    /// Frees every slot `task` owns (the guest is freeing that `task_struct`: none of its
-    /// calls returns any more); returns how many. A slot another task took meanwhile is
-    /// not touched: only the owner's own entries write a slot's owner, and this one does
-    /// not run again.
+    /// Frees every slot `task` owns (none of its calls returns any more: it is in
+    /// `do_exit`, or being freed); returns how many. A slot another task is taking is not
+    /// touched: only the owner's own entries write a slot's owner, and this one runs none.
     pub fn free_owned_by(&self, mem: &dyn RingMemory, task: Gva) -> usize {
         self.given_slots()
             .into_iter()

@@ -200,7 +200,7 @@ impl Tracer {
                 }
                 Role::TaskFree => {
                     // `free_task(tsk)`: nothing of that task runs any more.
-                    self.task_freed(Gva(regs.rdi));
+                    self.exit_free_calls_end(Gva(regs.rdi));
                     continue;
                 }
                 // Handled before the site (see `on_module_hook`).
@@ -247,6 +247,9 @@ impl Tracer {
         if task_exit {
             // After the task's own probes on `do_exit`: nothing on its stack returns.
             self.task_exits(regs.rsp);
+            if let Some(exiting) = task.get_or_insert_with(|| vcpu.current_task()) {
+                self.exit_free_calls_end(exiting.address);
+            }
         }
         (action, posts)
     }

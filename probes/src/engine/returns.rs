@@ -413,10 +413,15 @@ impl Tracer {
         self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
     }
 
-    /// The guest frees the `task_struct` at `task`: the calls exit-free return probes
-    /// follow for it in the guest will never return (those it made in `do_exit` after the
-    /// hook there, its final schedule among them, too).
-    pub(super) fn task_freed(&self, task: Gva) {
+    /// The task at `task` entered `do_exit` (its calls in flight are its callers, which
+    /// never return) or is being freed (its calls made in `do_exit` after that hook, its
+    /// final schedule among them, never return either): frees the calls exit-free return
+    /// probes follow for it in the guest. Freeing at `do_exit` keeps `maxactive` from
+    /// running out when tasks exit faster than RCU frees them (Linux frees a task's
+    /// kretprobe instances only then, and misses meanwhile). Only the owner's own entries
+    /// write a slot's owner, and that task runs none now: a slot another task is taking
+    /// is never touched.
+    pub(super) fn exit_free_calls_end(&self, task: Gva) {
         if let (Some(table), Some(mem)) = (
             self.events.get().and_then(|s| s.returns.as_ref()),
             self.machine.event_memory(),

@@ -234,6 +234,8 @@ struct FakeVcpu {
     idt: crate::machine::InterruptTable,
     /// Make `set_single_step(true)` fail, as a KVM_SET_GUEST_DEBUG that fails would.
     step_fails: bool,
+    /// The guest's `current` (none: the fake knows no task layout).
+    task: Option<hvprobe_introspection::task::TaskInfo>,
 }
 
 impl FakeVcpu {
@@ -249,6 +251,7 @@ impl FakeVcpu {
             stepping: false,
             idt: GUEST_IDT,
             step_fails: false,
+            task: None,
         }
     }
 }
@@ -279,7 +282,7 @@ impl Vcpu for FakeVcpu {
         Ok(())
     }
     fn current_task(&mut self) -> Option<hvprobe_introspection::task::TaskInfo> {
-        None
+        self.task.clone()
     }
     fn user_memory(&mut self) -> Option<Box<dyn GuestVirtRead + '_>> {
         None
@@ -2300,14 +2303,14 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
     t.unregister(other).unwrap();
 
     // The task is freed: its calls are freed, and then the code and the slots go.
-    t.task_freed(Gva(0xffff_8880_0000_2000));
+    t.exit_free_calls_end(Gva(0xffff_8880_0000_2000));
     assert_ne!(
         mem.load_u64_acquire(return_slot_gpa(slots.first + 1, SLOT_OWNER))
             .unwrap(),
         0,
         "another task's call stays"
     );
-    t.task_freed(Gva(0xffff_8880_0000_1000));
+    t.exit_free_calls_end(Gva(0xffff_8880_0000_1000));
     assert_eq!(
         mem.load_u64_acquire(return_slot_gpa(slots.first + 1, SLOT_OWNER))
             .unwrap(),
@@ -2323,6 +2326,70 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
     assert!(hooks(&t).is_empty(), "and the hooks go with it");
     let table = t.events.get().unwrap().returns.as_ref().unwrap();
     assert_eq!(table.take(table.slots), Some(0), "every slot was given back");
+}
+
+/// A task's exit-free calls in flight are freed when it enters `do_exit` (they are its
+/// callers: none returns), not only when RCU frees the task: processes that exit faster
+/// than that (the lane's kvm_amd guest: seven `/bin/true` through `do_group_exit`) never
+/// use up `maxactive`. Another task's call, and a slot being taken, stay.
+#[test]
+fn an_exiting_tasks_exit_free_calls_are_freed_at_its_do_exit() {
+    use crate::detour::event::returns::SLOT_OWNER;
+    use crate::detour::ring::RingMemory;
+    use hvprobe_introspection::task::TaskInfo;
+    let (m, t, _events) = event_tracer();
+    t.set_optimization(true).unwrap();
+    let id = t
+        .register(KprobeRequest {
+            kind: ProbeKind::Kretprobe { maxactive: 2 },
+            ..KprobeRequest::event(at("func", 0), "g", "ret", Vec::new())
+        })
+        .unwrap();
+    assert_eq!(t.why_not_optimized(id), None);
+    let slots = t
+        .read_registry()
+        .detour_codes
+        .values()
+        .find_map(|d| d.returns.first().copied())
+        .expect("an exit-free return probe's slots");
+    let (exiting, other) = (0xffff_8880_0000_1000u64, 0xffff_8880_0000_2000u64);
+    let stack = STACK_TOP + 0x4000;
+    m.write_virt(Gva(stack - 0x1000), &[0u8; 0x1000]).unwrap();
+    play_exit_free_entry(
+        &m,
+        slots.first,
+        exiting,
+        stack - 0x100,
+        0xffff_ffff_8100_0abc,
+        slots.stubs.0,
+    );
+    play_exit_free_entry(
+        &m,
+        slots.first + 1,
+        other,
+        STACK_TOP - 0x100,
+        0xffff_ffff_8100_0abc,
+        slots.stubs.0 + crate::detour::event::returns::RETURN_STUB_SIZE,
+    );
+
+    let mut cpu = FakeVcpu::at(DO_EXIT + 5);
+    cpu.regs.rsp = stack - 0x400;
+    cpu.task = Some(TaskInfo {
+        address: Gva(exiting),
+        comm: "true".into(),
+        pid: 42,
+        tgid: 42,
+    });
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(DO_EXIT + 5)),
+        BreakpointOutcome::Handled
+    ));
+    let mem = m.rings.as_ref().unwrap();
+    let owner = |n: u32| mem.load_u64_acquire(return_slot_gpa(n, SLOT_OWNER)).unwrap();
+    assert_eq!(owner(slots.first), 0, "the exiting task's call is freed at do_exit");
+    assert_eq!(owner(slots.first + 1), other, "another task's call stays");
+    assert_eq!(t.stats.returns_abandoned.load(Ordering::Relaxed), 1);
+    t.unregister(id).unwrap();
 }
 
 /// A kprobe and a return probe on one function entry (bpftrace's `kprobe`/`kretprobe`

@@ -44,9 +44,10 @@
 //! on every path (a full ring or a nested hit still returns), then `ret`.
 //!
 //! A slot whose task went without returning (`do_exit` never returns, nor its final
-//! schedule) is freed by the host when the guest frees the task (a hidden hook on
-//! `free_task`: every slot that task owns, Linux's `rethook_flush_task`); the host reads
-//! the table (guest memory, one bounded read per slot).
+//! schedule) is freed by the host when the task enters `do_exit` and when the guest frees
+//! it (hidden hooks on `do_exit` and `free_task`: every slot that task owns; Linux's
+//! `rethook_flush_task` runs at the second only); the host reads the table (guest memory,
+//! one bounded read per slot).
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::stacks::RethookLayout;
