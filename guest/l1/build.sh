@@ -3,10 +3,12 @@
 #   - QEMU 10.2.2 with qemu-svm-int3-intercept.patch (build-qemu.sh);
 #   - virtiofsd (crates.io, pinned; ../build-virtiofsd.sh), which shares the host's files
 #     with the L1;
-#   - the L1 kernel, Debian's linux-image-cloud-amd64, and an initramfs of busybox, this
-#     directory's init and the modules it loads (kvm_amd, virtio-fs, overlay); the kernel's
-#     whole module tree (with depmod's modules.dep), for L2 runs of that kernel with
-#     `hvprobe run --modules` (HVPROBE_L1_MODULES).
+#   - the L1 kernel, Debian's linux-image-cloud-amd64 (from the suite
+#     HVPROBE_L1_KERNEL_SUITE names, e.g. bookworm-backports; default: apt's candidate),
+#     and an initramfs of busybox, this directory's init and the modules it loads
+#     (kvm_amd, virtio-fs, overlay; those the kernel has built in are skipped, compressed
+#     ones unpacked); the kernel's whole module tree (with depmod's modules.dep), for L2
+#     runs of that kernel with `hvprobe run --modules` (HVPROBE_L1_MODULES).
 # Writes lane.env (the parts' paths) and prints its path on stdout. Warm, it only checks.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,6 +17,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 cache_stdout_is_the_result
 cache="$hvprobe_cache/l1"
 KERNEL_PACKAGE=linux-image-cloud-amd64
+apt_suite=()
+[ -n "${HVPROBE_L1_KERNEL_SUITE:-}" ] && apt_suite=(-t "$HVPROBE_L1_KERNEL_SUITE")
 # The modules the L1's init loads, dependencies first.
 MODULES=(virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko
          drivers/virtio/virtio_ring.ko drivers/virtio/virtio.ko
@@ -32,10 +36,10 @@ qemu=$("$here/build-qemu.sh")
 virtiofsd=$("$here/../build-virtiofsd.sh")
 
 # The kernel package the metapackage points at now, and its version: the L1 kernel's key.
-image_package=$(apt-cache depends "$KERNEL_PACKAGE" 2>/dev/null \
+image_package=$(apt-cache "${apt_suite[@]}" depends "$KERNEL_PACKAGE" 2>/dev/null \
     | sed -n 's/^ *Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
-[ -n "$image_package" ] || { log "apt knows no $KERNEL_PACKAGE (run guest/l1/install-deps.sh)"; exit 1; }
-image_version=$(apt-cache policy "$image_package" | sed -n 's/^ *Candidate: //p')
+[ -n "$image_package" ] || { log "apt knows no $KERNEL_PACKAGE ${apt_suite[*]} (run guest/l1/install-deps.sh)"; exit 1; }
+image_version=$(apt-cache "${apt_suite[@]}" policy "$image_package" | sed -n 's/^ *Candidate: //p')
 release=${image_package#linux-image-}
 # v2: with the module tree.
 kernel_dir="$cache/kernel-v2-${image_package}_$image_version"
@@ -51,8 +55,15 @@ if [ ! -f "$kernel_dir/vmlinuz" ]; then
     cp "$work/root/boot/System.map-$release" "$work/out/System.map"
     cp "$work/root/boot/config-$release" "$work/out/config"
     mkdir -p "$work/out/modules"
+    tree="$work/root/lib/modules/$release"
     for m in "${MODULES[@]}"; do
-        cp "$work/root/lib/modules/$release/kernel/$m" "$work/out/modules/"
+        if [ -f "$tree/kernel/$m" ]; then
+            cp "$tree/kernel/$m" "$work/out/modules/"
+        elif [ -f "$tree/kernel/$m.xz" ]; then
+            xz -dc "$tree/kernel/$m.xz" > "$work/out/modules/$(basename "$m")"
+        elif ! grep -qx "kernel/$m" "$tree/modules.builtin"; then
+            rm -rf "$work"; log "$image_package has no module $m, nor has it built in"; exit 1
+        fi
     done
     # The package leaves modules.dep to its postinst's depmod.
     depmod -b "$work/root" "$release"
@@ -73,7 +84,9 @@ if [ ! -f "$initramfs" ]; then
     ln -s busybox "$work/bin/sh"
     install -m 0755 "$here/init" "$work/init"
     cp "$kernel_dir"/modules/*.ko "$work/modules/"
-    for m in "${MODULES[@]}"; do basename "$m"; done > "$work/modules.order"
+    for m in "${MODULES[@]}"; do
+        if [ -f "$kernel_dir/modules/$(basename "$m")" ]; then basename "$m"; fi
+    done > "$work/modules.order"
     (cd "$work" && find . | sort | cpio --quiet -o -H newc -R 0:0) > "$initramfs.tmp"
     cache_publish "$initramfs.tmp" "$initramfs"
     rm -rf "$work"
