@@ -163,20 +163,31 @@ fn jobs() -> Vec<Job> {
         // (hvprobe's vCPU thread blocked writing to a full pipe while the test pauses the
         // VM every half second) panics the L1 kernel (a task stack overflow in its
         // page-fault entry, on the vCPU thread): 3 of 4 runs there; it runs on kvm_pvm.
+        // The source-line test proves nothing new here (its line becomes a plain probe on
+        // the host; the guest's optimized kprobe under ours, which it found in the lane,
+        // is reproduced and tested on kvm_pvm) and took 128 s of the job's 266 (a debug
+        // build reading the kernel's DWARF under TCG).
         Job::suite(
             "live_control_on_kvm_amd",
             "control",
             "--skip a_stream_that_does_not_read --skip optimizing_and_unoptimizing_in_a_loop \
-             --skip a_vcpu_blocked_on_a_stalled_stdout",
+             --skip a_vcpu_blocked_on_a_stalled_stdout --skip a_source_line_probe_fetches",
             4,
         ),
-        // The source-target tests prove nothing new on kvm_amd: their lines become plain
-        // probes before the boot, which the oracle tests run here.
+        // Skipped: what proves nothing new on kvm_amd. The source-target tests' lines
+        // become plain probes before the boot, which the oracle tests run here; refusals,
+        // JSON output and the formats of fetched values (immediate strings, bitfields,
+        // arrays, BTF names over the trapped path) are the engine's reading of guest
+        // memory, the same on any backend (the optimized BTF test runs: its fetches run in
+        // the detour, natively here); KASLR runs with the optimized oracle and the stacks
+        // job. Measured in the lane, these five took 166 s of the suite's 412.
         Job::suite(
             "kprobe_oracle_on_kvm_amd",
             "probes",
             "--skip watch --skip source_line --skip source_lines --skip an_inlined_function \
-             --skip a_struct_on_the_stack",
+             --skip a_struct_on_the_stack --skip bad_probes_are_refused --skip json_output \
+             --skip by_register_and_offset --skip immediate_strings \
+             --skip host_and_guest_kprobes_agree_under_kaslr",
             11,
         ),
         Job {
