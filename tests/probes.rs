@@ -139,8 +139,6 @@ fn check_oracle(run: &Run, loops: usize) -> usize {
     expected
 }
 
-/// `hvprobe: probe hits N (emulated E, stepped out of line S, ...)` and the run line's
-/// `(I int3, T single-step)`.
 /// The pids the workload's loops printed (`LOOP $$`), in order.
 fn loop_pids(run: &Run) -> Vec<String> {
     run.stdout
@@ -163,6 +161,8 @@ fn nothing_emulated_or_stepped(run: &Run) -> (u64, u64) {
     (hits, int3)
 }
 
+/// `hvprobe: probe hits N (emulated E, stepped out of line S, ...)` and the run line's
+/// `(I int3, T single-step)`.
 fn exit_counts(run: &Run) -> (u64, u64, u64, u64, u64) {
     let number_after = |text: &str, key: &str| -> u64 {
         let at = text.find(key).unwrap_or_else(|| panic!("no {key:?} in\n{text}")) + key.len();

@@ -246,10 +246,8 @@ impl Tracer {
         }
         if task_exit {
             // After the task's own probes on `do_exit`: nothing on its stack returns.
-            self.task_exits(regs.rsp);
-            if let Some(exiting) = task.get_or_insert_with(|| vcpu.current_task()) {
-                self.exit_free_calls_end(exiting.address);
-            }
+            let exiting = task.get_or_insert_with(|| vcpu.current_task());
+            self.task_exits(regs.rsp, exiting.as_ref().map(|t| t.address));
         }
         (action, posts)
     }

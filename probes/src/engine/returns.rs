@@ -407,10 +407,15 @@ impl Tracer {
         });
     }
 
-    /// A task entered `do_exit`: nothing on its stack will return.
-    pub(super) fn task_exits(&self, rsp: u64) {
+    /// A task entered `do_exit` on the stack `rsp` is on: nothing on its stack will
+    /// return. Its trapped calls go, and its exit-free ones when `task` (its
+    /// `task_struct`) is known.
+    pub(super) fn task_exits(&self, rsp: u64, task: Option<Gva>) {
         let freed = self.lock_returns().drop_stack(rsp);
         self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
+        if let Some(task) = task {
+            self.exit_free_calls_end(task);
+        }
     }
 
     /// The task at `task` entered `do_exit` (its calls in flight are its callers, which
@@ -418,9 +423,8 @@ impl Tracer {
     /// final schedule among them, never return either): frees the calls exit-free return
     /// probes follow for it in the guest. Freeing at `do_exit` keeps `maxactive` from
     /// running out when tasks exit faster than RCU frees them (Linux frees a task's
-    /// kretprobe instances only then, and misses meanwhile). Only the owner's own entries
-    /// write a slot's owner, and that task runs none now: a slot another task is taking
-    /// is never touched.
+    /// kretprobe instances only then). Only the owner's own entries write a slot's owner,
+    /// and that task runs none now: a slot another task is taking is never touched.
     pub(super) fn exit_free_calls_end(&self, task: Gva) {
         if let (Some(table), Some(mem)) = (
             self.events.get().and_then(|s| s.returns.as_ref()),

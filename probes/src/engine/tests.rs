@@ -2331,7 +2331,7 @@ fn an_exit_free_return_probes_code_and_slots_outlive_its_calls_in_flight() {
 /// A task's exit-free calls in flight are freed when it enters `do_exit` (they are its
 /// callers: none returns), not only when RCU frees the task: processes that exit faster
 /// than that (the lane's kvm_amd guest: seven `/bin/true` through `do_group_exit`) never
-/// use up `maxactive`. Another task's call, and a slot being taken, stay.
+/// use up `maxactive`. Another task's call stays.
 #[test]
 fn an_exiting_tasks_exit_free_calls_are_freed_at_its_do_exit() {
     use crate::detour::event::returns::SLOT_OWNER;
