@@ -414,14 +414,9 @@ fn run_l1(jobs: &[&Planned], env: L1Env) -> L1Run {
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let mut script = format!(
         "mark={mark}\n\
-         # After a job that failed: what the L1 logged, and the exceptions KVM injected\n\
-         # into its guests and the instructions it emulated (guest/l1/init traces them).\n\
-         l1_log() {{\n\
-         \x20   mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null\n\
-         \x20   echo \"hvprobe-l1: the L1's kernel log, last 30 lines:\"; dmesg | tail -n 30\n\
-         \x20   echo \"hvprobe-l1: exceptions KVM injected into its guests and instructions it emulated, last 40:\"\n\
-         \x20   grep -v '^#' /sys/kernel/tracing/trace 2>/dev/null | tail -n 40\n\
-         }}\n\
+         # After a job that failed: the L1's kernel log and what its KVM did to its\n\
+         # guests (guest/l1/log, put at /run/hvprobe-l1-log by guest/l1/init).\n\
+         l1_log() {{ /run/hvprobe-l1-log 2>&1 || echo \"hvprobe-l1: /run/hvprobe-l1-log failed\"; }}\n\
          job() {{ # NAME SCRIPT\n\
          \x20   printf '\\n%s begin %s\\n' \"$mark\" \"$1\"\n\
          \x20   started=$SECONDS\n\

@@ -74,7 +74,7 @@ if [ ! -f "$kernel_dir/vmlinuz" ]; then
     rm -rf "$work"
 fi
 
-initramfs_key=$( { cat "$here/init" "$0" /bin/busybox; echo "$kernel_dir"; } | sha256sum | cut -c1-16)
+initramfs_key=$( { cat "$here/init" "$here/log" "$0" /bin/busybox; echo "$kernel_dir"; } | sha256sum | cut -c1-16)
 initramfs="$cache/initramfs-$initramfs_key.cpio"
 if [ ! -f "$initramfs" ]; then
     log "building the L1 initramfs"
@@ -83,6 +83,7 @@ if [ ! -f "$initramfs" ]; then
     cp /bin/busybox "$work/bin/busybox"
     ln -s busybox "$work/bin/sh"
     install -m 0755 "$here/init" "$work/init"
+    install -m 0755 "$here/log" "$work/log"
     cp "$kernel_dir"/modules/*.ko "$work/modules/"
     for m in "${MODULES[@]}"; do
         if [ -f "$kernel_dir/modules/$(basename "$m")" ]; then basename "$m"; fi
