@@ -147,6 +147,10 @@ fn jobs() -> Vec<Job> {
             "a_stock_debian_kernel_is_traced_with_symbols_from_its_memory",
             stock_kernel_script,
         ),
+        Job::script(
+            "a_restored_stock_debian_kernel_keeps_its_inits_ports_on_kvm_amd",
+            restored_stock_kernel_script,
+        ),
         // tests/stacks.rs, not live/tests/stacks.rs.
         Job::suite(
             "kernel_stacks_on_kvm_amd",
@@ -1221,6 +1225,35 @@ const STOCK_PROBES: &str = "p:stock/getppid __x64_sys_getppid di=%di comm=$comm
 r:stock/getppid_ret __x64_sys_getppid ret=$retval
 p:stock/rd vfs_read $arg* fpos=file->f_pos
 ";
+
+fn restored_stock_kernel_script() -> String {
+    "hvprobe snapshot create --kernel \"$HVPROBE_L1_KERNEL\" --out $TMPDIR/snap 2>&1 || exit 1\n\
+     hvprobe run --snapshot $TMPDIR/snap --workload 'echo \"RESTORED $(uname -r)\"' 2>&1; echo \"RC=$?\""
+        .to_string()
+}
+
+/// Debian's stock kernel saved waiting for its workload and restored: its init, whose
+/// ports to the VMM come from ioperm() (the kernel has no `/dev/port`), tells the VMM the
+/// workload started and its status through them. kvm_amd reports TR busy in what
+/// KVM_GET_SREGS gave the snapshot; restored as recorded, TR was marked busy and the L0's
+/// TCG refused the init's ports (a #GP at its first `out`).
+#[test]
+fn a_restored_stock_debian_kernel_keeps_its_inits_ports_on_kvm_amd() {
+    let run = job("a_restored_stock_debian_kernel_keeps_its_inits_ports_on_kvm_amd");
+    let out = &run.stdout;
+    assert!(
+        !out.contains("general protection fault"),
+        "the restored init lost its ioperm() ports (TR restored busy?)\n{}",
+        tail(&run)
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("RESTORED ") && l.trim_end().ends_with("-cloud-amd64")),
+        "the restored stock kernel did not run its workload\n{}",
+        tail(&run)
+    );
+    assert!(out.contains("RC=0"), "{}", tail(&run));
+}
 
 fn stock_kernel_script() -> String {
     // The kernel's own event on vfs_read, in registers: its 6.1 has no BTF arguments. The

@@ -16,7 +16,7 @@ use hvprobe_probes::machine::{
     SegmentSelectors, StackScanError, Vcpu, VcpuError,
 };
 use hvprobe_probes::regs::Regs;
-use hvprobe_vmm::{exit_regs, set_guest_debug, Backend, VcpuControl, VcpuState};
+use hvprobe_vmm::{exit_regs, segments_as_held, set_guest_debug, Backend, VcpuControl, VcpuState};
 use kvm_ioctls::VcpuFd;
 use vm_memory::GuestMemoryMmap;
 
@@ -394,25 +394,17 @@ impl Vcpu for HitVcpu<'_> {
     }
 }
 
-/// The busy bit of a TSS's type: 11 is a busy 64-bit TSS, 9 an available one (3 and 1 for
-/// a 16-bit TSS).
-const TSS_BUSY: u8 = 0x2;
-
 /// The segment registers to write to set the IDTR to `table`, from `sregs` as KVM reported
-/// them at this exit: for the guest, only its IDTR changes. Where KVM reports TR busy
-/// whatever the vCPU holds (`reports_tr_busy`, [`Backend::reports_tr_busy`]: kvm_amd), TR
-/// goes back with the busy bit clear, as a vCPU that ran LTR holds it; written back as
-/// reported, it would be marked busy.
+/// them at this exit: for the guest, only its IDTR changes (TR goes back as the vCPU holds
+/// it, [`segments_as_held`]).
 fn with_interrupt_table(
-    mut sregs: kvm_bindings::kvm_sregs,
+    sregs: kvm_bindings::kvm_sregs,
     table: InterruptTable,
     reports_tr_busy: bool,
 ) -> kvm_bindings::kvm_sregs {
+    let mut sregs = segments_as_held(sregs, reports_tr_busy);
     sregs.idt.base = table.base.0;
     sregs.idt.limit = table.limit;
-    if reports_tr_busy && sregs.tr.s == 0 && matches!(sregs.tr.type_, 3 | 11) {
-        sregs.tr.type_ &= !TSS_BUSY;
-    }
     sregs
 }
 
@@ -473,21 +465,5 @@ mod tests {
         let written = with_interrupt_table(read, GUARD, false);
         assert_eq!(written.tr, read.tr);
         assert_eq!(written.idt.base, GUARD.base.0);
-    }
-
-    #[test]
-    fn only_a_tss_loses_its_busy_bit() {
-        let mut read = reported_by_kvm_amd();
-        read.tr.type_ = 3; // a busy 16-bit TSS: KVM's TR at reset
-        assert_eq!(with_interrupt_table(read, GUARD, true).tr.type_, 1);
-        read.tr.type_ = 2; // an LDT (KVM's report of a TR of type 0): not a TSS
-        assert_eq!(with_interrupt_table(read, GUARD, true).tr.type_, 2);
-        // A code segment's type 11 is not a TSS's: only system segments are TSSes.
-        read.tr = kvm_segment {
-            s: 1,
-            type_: 11,
-            ..read.tr
-        };
-        assert_eq!(with_interrupt_table(read, GUARD, true).tr.type_, 11);
     }
 }

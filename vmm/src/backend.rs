@@ -9,6 +9,8 @@ use std::fmt;
 use std::path::Path;
 use std::sync::OnceLock;
 
+use kvm_bindings::kvm_sregs;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// VMX or SVM.
@@ -108,10 +110,18 @@ impl Backend {
     /// `helper_check_io` and refuses user-mode port I/O through the I/O bitmap: Debian's
     /// stock kernel's init, whose ports come from ioperm(), died of a #GP at its next `out`
     /// after one out-of-line step (whose step guard sets the IDTR, and with it every
-    /// segment register). kvm_intel reports TR as the VMCS holds it.
+    /// segment register), and after a snapshot's restore. kvm_intel reports TR as the VMCS
+    /// holds it.
     pub fn reports_tr_busy(self) -> bool {
         static KVM_AMD: OnceLock<bool> = OnceLock::new();
         self == Backend::Hardware && *KVM_AMD.get_or_init(|| Path::new("/sys/module/kvm_amd").exists())
+    }
+
+    /// The segment registers KVM_GET_SREGS reported, fit to write back with
+    /// KVM_SET_SREGS (a step guard's IDTR, a snapshot's restore): see
+    /// [`segments_as_held`].
+    pub fn segments_as_held(self, sregs: kvm_sregs) -> kvm_sregs {
+        segments_as_held(sregs, self.reports_tr_busy())
     }
 
     /// Whether a guest int3 at CPL0 reaches us as an emulation failure (and not as a
@@ -121,11 +131,89 @@ impl Backend {
     }
 }
 
+/// The busy bit of a TSS's type: 11 is a busy 64-bit TSS, 9 an available one (3 and 1 for
+/// a 16-bit TSS).
+const TSS_BUSY: u8 = 0x2;
+
+/// The segment registers KVM reported, as the vCPU holds them: where KVM reports TR busy
+/// whatever the vCPU holds (`reports_tr_busy`, [`Backend::reports_tr_busy`]: kvm_amd),
+/// TR's busy bit is cleared, as a vCPU that ran LTR holds it; written back as reported, it
+/// would be marked busy. Everything else is as reported.
+pub fn segments_as_held(mut sregs: kvm_sregs, reports_tr_busy: bool) -> kvm_sregs {
+    if reports_tr_busy && sregs.tr.s == 0 && matches!(sregs.tr.type_, 3 | 11) {
+        sregs.tr.type_ &= !TSS_BUSY;
+    }
+    sregs
+}
+
 impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Backend::Hardware => write!(f, "hardware KVM (VMX/SVM)"),
             Backend::Pvm => write!(f, "kvm_pvm (guest kernel code is emulated)"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvm_bindings::kvm_segment;
+
+    use super::*;
+
+    /// TR as kvm_amd reports it for a 64-bit Linux guest (Debian's 6.1 kernel, CPU 0,
+    /// measured in the nested-SVM lane): busy, though the guest's LTR loaded it available.
+    fn reported_by_kvm_amd() -> kvm_sregs {
+        kvm_sregs {
+            tr: kvm_segment {
+                base: 0xffff_fe00_0000_3000,
+                limit: 0x4087,
+                selector: 0x40,
+                type_: 11,
+                present: 1,
+                ..Default::default()
+            },
+            cr0: 0x8005_0033,
+            efer: 0xd01,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn on_kvm_amd_tr_goes_back_available_and_nothing_else_changes() {
+        let read = reported_by_kvm_amd();
+        let held = segments_as_held(read, true);
+        // Marked busy in the VMCB, it makes QEMU's TCG refuse the guest's ioperm() ports.
+        assert_eq!(held.tr.type_, 9, "an available 64-bit TSS, as LTR loaded it");
+        assert_eq!(
+            held,
+            kvm_sregs {
+                tr: kvm_segment { type_: 9, ..read.tr },
+                ..read
+            }
+        );
+    }
+
+    #[test]
+    fn where_kvm_reports_tr_as_it_holds_it_tr_goes_back_unchanged() {
+        // kvm_intel: VMX wants a busy TSS in TR, and the VMCS has it so.
+        let read = reported_by_kvm_amd();
+        assert_eq!(segments_as_held(read, false), read);
+    }
+
+    #[test]
+    fn only_a_tss_loses_its_busy_bit() {
+        let mut read = reported_by_kvm_amd();
+        read.tr.type_ = 3; // a busy 16-bit TSS: KVM's TR at reset
+        assert_eq!(segments_as_held(read, true).tr.type_, 1);
+        read.tr.type_ = 2; // an LDT (KVM's report of a TR of type 0): not a TSS
+        assert_eq!(segments_as_held(read, true).tr.type_, 2);
+        // A code segment's type 11 is not a TSS's: only system segments are TSSes.
+        read.tr = kvm_segment {
+            s: 1,
+            type_: 11,
+            ..read.tr
+        };
+        assert_eq!(segments_as_held(read, true).tr.type_, 11);
     }
 }

@@ -20,7 +20,7 @@ mod vcpu;
 pub mod virtio;
 mod vm;
 
-pub use backend::Backend;
+pub use backend::{segments_as_held, Backend};
 pub use boot::{kernel_format, KernelFormat};
 pub use breakpoint::reinject_breakpoint;
 pub use console::{ConsoleLog, ConsoleOutput};

@@ -871,11 +871,16 @@ fn save_vcpu(kvm: &Kvm, vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuRecord
 /// sregs against it), MSRs, sregs (APIC base, paging) before regs, FPU and extended
 /// state, then the LAPIC, and the TSC deadline again after it (KVM ignores that MSR while
 /// the LAPIC timer is not in deadline mode), pending events, mp_state, debug registers.
-fn restore_vcpu(cpu: usize, vcpu: &VcpuFd, v: &VcpuRecord) -> Result<(), Error> {
+///
+/// The segment registers go back as the vCPU held them ([`Backend::segments_as_held`]):
+/// kvm_amd recorded TR busy whatever the vCPU held, and restored so, the lane's QEMU TCG
+/// refused a restored guest's ioperm() ports.
+fn restore_vcpu(cpu: usize, vcpu: &VcpuFd, v: &VcpuRecord, backend: Backend) -> Result<(), Error> {
     let cpuid = CpuId::from_entries(&v.cpuid).map_err(crate::error::list_err("CPUID entries"))?;
     vcpu.set_cpuid2(&cpuid).map_err(kvm_err("KVM_SET_CPUID2"))?;
     write_msrs(cpu, vcpu, &v.msrs)?;
-    vcpu.set_sregs(&v.sregs).map_err(kvm_err("KVM_SET_SREGS"))?;
+    vcpu.set_sregs(&backend.segments_as_held(*v.sregs))
+        .map_err(kvm_err("KVM_SET_SREGS"))?;
     vcpu.set_regs(&v.regs).map_err(kvm_err("KVM_SET_REGS"))?;
     vcpu.set_fpu(&v.fpu).map_err(kvm_err("KVM_SET_FPU"))?;
     if let Some(xsave) = &v.xsave {
@@ -1226,7 +1231,7 @@ impl Vm {
             .map(|cpu| vm_fd.create_vcpu(cpu as u64).map_err(kvm_err("KVM_CREATE_VCPU")))
             .collect::<Result<Vec<_>, _>>()?;
         for (cpu, (vcpu, record)) in vcpus.iter().zip(&state.vcpus).enumerate() {
-            restore_vcpu(cpu, vcpu, record)?;
+            restore_vcpu(cpu, vcpu, record, backend)?;
         }
         let blocks: Vec<Box<dyn VirtioDevice>> = images
             .into_iter()
