@@ -1143,8 +1143,7 @@ fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
     assert!(out.contains("RC=0"), "{}", tail(&run));
     assert!(out.contains("KVM backend: hardware KVM"), "{}", tail(&run));
     assert!(
-        out.lines()
-            .any(|l| l.starts_with("UNAME ") && l.trim_end().ends_with("-cloud-amd64")),
+        printed_a_cloud_kernel_release(out, "UNAME "),
         "not Debian's cloud kernel\n{}",
         tail(&run)
     );
@@ -1226,6 +1225,13 @@ r:stock/getppid_ret __x64_sys_getppid ret=$retval
 p:stock/rd vfs_read $arg* fpos=file->f_pos
 ";
 
+/// Whether the guest printed a line `TAG<release>` naming Debian's cloud kernel (the
+/// stock-kernel jobs' workloads print `uname -r` so).
+fn printed_a_cloud_kernel_release(out: &str, tag: &str) -> bool {
+    out.lines()
+        .any(|l| l.starts_with(tag) && l.trim_end().ends_with("-cloud-amd64"))
+}
+
 fn restored_stock_kernel_script() -> String {
     "hvprobe snapshot create --kernel \"$HVPROBE_L1_KERNEL\" --out $TMPDIR/snap 2>&1 || exit 1\n\
      hvprobe run --snapshot $TMPDIR/snap --workload 'echo \"RESTORED $(uname -r)\"' 2>&1; echo \"RC=$?\""
@@ -1247,8 +1253,7 @@ fn a_restored_stock_debian_kernel_keeps_its_inits_ports_on_kvm_amd() {
         tail(&run)
     );
     assert!(
-        out.lines()
-            .any(|l| l.starts_with("RESTORED ") && l.trim_end().ends_with("-cloud-amd64")),
+        printed_a_cloud_kernel_release(out, "RESTORED "),
         "the restored stock kernel did not run its workload\n{}",
         tail(&run)
     );
@@ -1284,8 +1289,7 @@ fn a_stock_debian_kernel_is_traced_with_symbols_from_its_memory() {
     assert!(out.contains("KVM backend: hardware KVM"), "{}", tail(&run));
     assert!(out.contains("loaded as bzImage"), "{}", tail(&run));
     assert!(
-        out.lines()
-            .any(|l| l.starts_with("UNAME ") && l.trim_end().ends_with("-cloud-amd64")),
+        printed_a_cloud_kernel_release(out, "UNAME "),
         "not Debian's cloud kernel\n{}",
         tail(&run)
     );
