@@ -546,6 +546,8 @@ pub enum SpecErrorKind {
     RetprobeOnSourceLine,
     #[error("${0} needs a source target (FUNC:LINE, FUNC@FILE or FILE:LINE), whose DWARF lists the variables")]
     SourceVarsNotAtSource(String),
+    #[error("${0} takes no NAME= or :TYPE: each variable it lists keeps its own name and DWARF type")]
+    SourceVarsTakeNoNameOrType(String),
     #[error("`{0}` looks like a uprobe target; only kernel probes are supported")]
     UprobeNotSupported(String),
     #[error("unknown target suffix `{0}` (only `%return` is allowed)")]
@@ -836,6 +838,7 @@ impl SpecErrorKind {
             | K::BadSourceLine(_)
             | K::RetprobeOnSourceLine
             | K::SourceVarsNotAtSource(_)
+            | K::SourceVarsTakeNoNameOrType(_)
             | K::UprobeNotSupported(_)
             | K::ArgsOnRemove
             | K::JunkAfterDeref(_) => return None,
@@ -1474,6 +1477,14 @@ impl<'a> LineParser<'a> {
         let is_comm = expr_text == "$comm" || expr_text == "$COMM" || expr_text.starts_with("\\\"");
         if is_comm && (array_len.is_some() || type_name.is_some_and(|t| t != "string")) {
             return Err(self.err(type_name.unwrap_or(body), SpecErrorKind::CommNotString));
+        }
+        // `$params` and `$vars` become one argument per variable, each named and typed
+        // from DWARF: a name or type given here would have nothing to apply to.
+        if context.at_source && (named || type_text.is_some()) {
+            if let Some(list) = expr_text.strip_prefix('$').filter(|v| matches!(*v, "params" | "vars")) {
+                let at = if named { text } else { type_text.unwrap_or(body) };
+                return Err(self.err(at, SpecErrorKind::SourceVarsTakeNoNameOrType(list.to_owned())));
+            }
         }
         let ty = match type_name {
             Some(t) => self.parse_type(t)?,

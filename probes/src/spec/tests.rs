@@ -1281,6 +1281,21 @@ fn source_targets_read_variables_by_name_anywhere_and_refuse_what_cannot_be() {
         err("p vfs_read $vars").1,
         SpecErrorKind::SourceVarsNotAtSource("vars".into())
     );
+    // Each variable `$params` and `$vars` expand to keeps its own name and type, so a
+    // name or a type on them is refused (perf probe drops it silently; the spec fuzzer's
+    // `$vars:char` came back from its canonical text as `$vars`).
+    assert_eq!(
+        err("p vfs_read:23 $vars:char"),
+        (21, SpecErrorKind::SourceVarsTakeNoNameOrType("vars".into()))
+    );
+    assert_eq!(
+        err("p vfs_read:23 x=$params"),
+        (15, SpecErrorKind::SourceVarsTakeNoNameOrType("params".into()))
+    );
+    assert_eq!(
+        err("p vfs_read:23 $params:u32[2]"),
+        (23, SpecErrorKind::SourceVarsTakeNoNameOrType("params".into()))
+    );
     // Nor does a watch go on a line.
     assert_eq!(err("w vfs_read@read_write.c:x").1, SpecErrorKind::WatchTargetNotSingle);
     assert!(matches!(err("p vfs_read@").1, SpecErrorKind::BadTarget(_)));
