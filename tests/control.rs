@@ -665,12 +665,22 @@ fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_
         host + nmissed,
         guest,
         "the host's probe, optimized and not by turns, saw each call once or counted it missed ({listing}); \
-         hit lines of other tasks or broken: {:?}",
+         hit lines of other tasks or broken: {:?}; hits of one task with the same timestamp: {:?}; \
+         the loops' hits per task: {:?}; the run's counts: {:?}",
         run.stdout
             .lines()
             .filter(|l| l.contains("gp: (") && !l.trim_start().starts_with("hvprobe-loop-"))
             .take(5)
-            .collect::<Vec<_>>()
+            .collect::<Vec<_>>(),
+        repeated_hits(&run.stdout, " gp: (")
+            .into_iter()
+            .take(10)
+            .collect::<Vec<_>>(),
+        hits_per_task(&run.stdout, " gp: ("),
+        run.stderr
+            .lines()
+            .filter(|l| l.starts_with("hvprobe: probe hits") || l.starts_with("hvprobe: probes gone"))
+            .collect::<Vec<_>>(),
     );
     common::assert_guest_healthy(&run, &[]);
     let hash = |run: &Run| {
@@ -971,4 +981,29 @@ fn a_wildcard_over_a_loaded_modules_functions_probes_each_of_them() {
         .collect();
     assert_eq!(module_lines.len(), 2, "{}", listed.stdout);
     assert!(module_lines.iter().all(|l| l.contains("[GONE]")), "{module_lines:?}");
+}
+
+/// Hit lines (containing `event`) of one task at one timestamp, with how often each came:
+/// a call the host reported twice.
+fn repeated_hits(stdout: &str, event: &str) -> Vec<(String, usize)> {
+    let mut seen: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    for line in stdout.lines().filter(|l| l.contains(event)) {
+        let mut fields = line.split_whitespace();
+        let (Some(task), Some(_cpu), Some(stamp)) = (fields.next(), fields.next(), fields.next()) else {
+            continue;
+        };
+        *seen.entry(format!("{task} {stamp}")).or_default() += 1;
+    }
+    seen.into_iter().filter(|(_, n)| *n > 1).collect()
+}
+
+/// How many hit lines (containing `event`) each task has.
+fn hits_per_task(stdout: &str, event: &str) -> std::collections::BTreeMap<String, usize> {
+    let mut per_task = std::collections::BTreeMap::new();
+    for line in stdout.lines().filter(|l| l.contains(event)) {
+        if let Some(task) = line.split_whitespace().next() {
+            *per_task.entry(task.to_owned()).or_default() += 1;
+        }
+    }
+    per_task
 }
