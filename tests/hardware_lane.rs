@@ -1210,7 +1210,9 @@ fn btf_arguments_fetch_what_the_stock_kernels_own_event_fetches(out: &str, run: 
     }
     // A line of the event is whole when it has its five values and each is a number: the
     // kernel prints to the same serial console, and a message of its own can land inside
-    // a line the workload writes (`fpos=180[`, in a lane run with two L1s).
+    // a line the workload writes (`fpos=40[   52.609514] clocksource: timekeeping
+    // watchdog on CPU0: Marking clocksource 'tsc' as unstable …`, in a lane run with two
+    // L1s).
     let number = |v: &str| {
         v.strip_prefix("0x")
             .map_or_else(|| v.parse::<i64>().is_ok(), |hex| u64::from_str_radix(hex, 16).is_ok())
