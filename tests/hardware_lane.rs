@@ -249,29 +249,25 @@ fn job(name: &str) -> Run {
         let jobs = jobs();
         let me = find_job(&jobs, name);
         let args: Vec<String> = std::env::args().skip(1).collect();
+        let l1s = l1s_at_once();
+        // With one L1, only this job's settings: the others' L1 comes when their tests ask.
         let wanted: Vec<&Job> = jobs
             .iter()
             .filter(|j| !finished.contains_key(j.name))
             .filter(|j| j.name == me.name || selected(j.test(), &args))
+            .filter(|j| l1s > 1 || j.env == me.env)
             .collect();
-        let l1s = l1s_at_once();
-        let runs: Vec<BTreeMap<String, Run>> = if l1s == 1 {
-            // One L1 of this job's settings; the others' come when their tests ask.
-            let batch: Vec<&Job> = wanted.into_iter().filter(|j| j.env == me.env).collect();
-            vec![in_one_l1(&planned(&batch), me.env)]
-        } else {
-            let shares = shared_out(&wanted, l1s);
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = shares
-                    .iter()
-                    .map(|share| scope.spawn(move || in_l1s_one_after_another(share)))
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-                    .collect()
-            })
-        };
+        let shares = shared_out(&wanted, l1s);
+        let runs: Vec<BTreeMap<String, Run>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = shares
+                .iter()
+                .map(|share| scope.spawn(move || in_l1s_one_after_another(share)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
         for run in runs {
             finished.extend(run);
         }
