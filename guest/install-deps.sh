@@ -7,7 +7,7 @@ PACKAGES=(linux-source-6.1 busybox-static gcc musl-tools make flex bison bc perl
           e2fsprogs debootstrap   # mkfs.ext4 -d, debugfs, debootstrap: the disk tests' images
           libcap-ng-dev libseccomp-dev pkg-config   # virtiofsd's build (guest/build-virtiofsd.sh)
           acpica-tools   # iasl: the VMM's ACPI tables checked by ACPICA's disassembler
-          python3)       # tests/shares.rs: the host's own python3 and sqlite3 under --rootfs /
+          python3)       # tests/integration/shares.rs: the host's own python3 and sqlite3 under --rootfs /
 SUDO=
 [ "$(id -u)" = 0 ] || SUDO=sudo
 missing=()

@@ -10,6 +10,7 @@
 //! `guest/l1/run` gives. A binary built before this one is refused, so that a partial
 //! build cannot run stale tests in the L1.
 
+#[path = "integration/common/mod.rs"]
 mod common;
 
 use std::collections::BTreeMap;
@@ -24,13 +25,13 @@ use common::{repo, Run};
 static LANE: Mutex<()> = Mutex::new(());
 
 /// L1s that run at once, each its share of the jobs one after the other
-/// (`HVPROBE_LANE_L1S`, 1 or 2; default 1). An L1 whose jobs run one L2 at a time keeps
+/// (`HVPROBE_LANE_L1S`, 1 or 2; default 2). An L1 whose jobs run one L2 at a time keeps
 /// about one of this host's two cores busy (53–56 % of both while the L1 of 20 jobs ran,
 /// a cold run on 2026-11-27), so two take the lane's jobs in less time.
 fn l1s_at_once() -> usize {
     match std::env::var("HVPROBE_LANE_L1S").ok().as_deref() {
-        None | Some("" | "1") => 1,
-        Some("2") => 2,
+        Some("1") => 1,
+        None | Some("" | "2") => 2,
         Some(other) => panic!("HVPROBE_LANE_L1S={other}: 1 or 2"),
     }
 }
@@ -48,12 +49,11 @@ const PLAIN_L1: L1Env = &[];
 
 /// What a job runs in the L1.
 enum Work {
-    /// Test binary `binary` of this workspace (the newest one that has test `having`, when
-    /// two binaries share the name); `args` are libtest's (filters, `--skip`). It must pass
-    /// and run at least `at_least` tests there.
+    /// Test binary `binary` of this workspace; `args` are libtest's (filters, `--skip`):
+    /// a suite of tests/integration is its module's filter (`probes::`). It must pass and
+    /// run at least `at_least` tests there.
     Suite {
         binary: &'static str,
-        having: Option<&'static str>,
         args: &'static str,
         at_least: usize,
     },
@@ -79,12 +79,7 @@ impl Job {
         Job {
             name,
             env: PLAIN_L1,
-            work: Work::Suite {
-                binary,
-                having: None,
-                args,
-                at_least,
-            },
+            work: Work::Suite { binary, args, at_least },
             seconds: TYPICAL_JOB_SECONDS,
         }
     }
@@ -92,14 +87,6 @@ impl Job {
     /// It takes about `seconds` in the L1.
     fn taking(mut self, seconds: u32) -> Job {
         self.seconds = seconds;
-        self
-    }
-
-    /// The suite's binary is the newest one named so that has test `test`.
-    fn having(mut self, test: &'static str) -> Job {
-        if let Work::Suite { having, .. } = &mut self.work {
-            *having = Some(test);
-        }
         self
     }
 
@@ -119,7 +106,7 @@ impl Job {
 
     fn binary(&self) -> Option<PathBuf> {
         match self.work {
-            Work::Suite { binary, having, .. } => Some(test_binary_having(binary, having)),
+            Work::Suite { binary, .. } => Some(test_binary(binary)),
             Work::Script(_) => None,
         }
     }
@@ -151,15 +138,26 @@ fn jobs() -> Vec<Job> {
         Job::suite("exit_loop_code_blobs_on_kvm_amd", "exit_loop", "", 4),
         Job::suite("registers_through_the_sync_area_on_kvm_amd", "exit_regs", "", 1),
         Job::suite("hardware_breakpoints_on_kvm_amd/debug_regs", "debug_regs", "", 2),
-        Job::suite("hardware_breakpoints_on_kvm_amd/watches", "probes", "watch", 3).taking(46),
-        Job::suite("a_busy_trace_stops_cleanly_on_kvm_amd", "stop", "", 2),
+        Job::suite(
+            "hardware_breakpoints_on_kvm_amd/watches",
+            "integration",
+            "probes::a_write_watch probes::an_execution_watch probes::four_watches",
+            3,
+        )
+        .taking(46),
+        Job::suite("a_busy_trace_stops_cleanly_on_kvm_amd", "integration", "stop::", 2),
         Job::suite("event_detours_on_kvm_amd", "event_detour", "", 10),
         Job::suite("return_detours_on_kvm_amd", "return_detour", "", 4),
-        Job::suite("filters_and_hist_triggers_on_kvm_amd", "analysis", "", 6).taking(79),
-        Job::suite("disks_on_kvm_amd", "disks", "a_root_disk_is_read_and_written", 1),
+        Job::suite("filters_and_hist_triggers_on_kvm_amd", "integration", "analysis::", 6).taking(79),
+        Job::suite(
+            "disks_on_kvm_amd",
+            "integration",
+            "disks::a_root_disk_is_read_and_written",
+            1,
+        ),
         Job::script("bench_io_runs_beside_qemu_on_kvm_amd", bench_io_script),
-        Job::suite("snapshots_and_restore_on_kvm_amd", "snapshot", "", 7).taking(106),
-        Job::suite("library_api_on_kvm_amd", "probe_api", "", 7).taking(37),
+        Job::suite("snapshots_and_restore_on_kvm_amd", "integration", "snapshot::", 7).taking(106),
+        Job::suite("library_api_on_kvm_amd", "integration", "probe_api::", 7).taking(37),
         Job::script("boots_and_hardening_on_kvm_amd", boots_and_hardening_script).taking(130),
         Job::script(
             "the_guests_int3_self_test_survives_every_boot_on_kvm_amd",
@@ -179,20 +177,18 @@ fn jobs() -> Vec<Job> {
             "a_restored_stock_debian_kernel_keeps_its_inits_ports_on_kvm_amd",
             restored_stock_kernel_script,
         ),
-        // tests/stacks.rs, not live/tests/stacks.rs.
         Job::suite(
             "kernel_stacks_on_kvm_amd",
-            "stacks",
-            "--skip host_stacks_equal_the_guests_own_on_one_vcpu \
+            "integration",
+            "stacks:: --skip host_stacks_equal_the_guests_own_on_one_vcpu \
              --skip host_stacks_equal_the_guests_own_on_two_vcpus",
             3,
         )
-        .having("host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_alone")
         .taking(56),
         // Skipped here, with the reason in docs/known-issues.md: the two-streams test hung
         // twice in full lane runs (its L2 looping on #PF injections from the L1's KVM), the
         // optimize-loop stress test failed in 3 of 4 full lane runs; both pass alone there
-        // and run on kvm_pvm in tests/control.rs. Not diagnosed. The stalled-stdout test
+        // and run on kvm_pvm in tests/integration/control.rs. Not diagnosed. The stalled-stdout test
         // (hvprobe's vCPU thread blocked writing to a full pipe while the test pauses the
         // VM every half second) panics the L1 kernel (a task stack overflow in its
         // page-fault entry, on the vCPU thread): 3 of 4 runs there; it runs on kvm_pvm.
@@ -202,8 +198,8 @@ fn jobs() -> Vec<Job> {
         // build reading the kernel's DWARF under TCG).
         Job::suite(
             "live_control_on_kvm_amd",
-            "control",
-            "--skip a_stream_that_does_not_read --skip optimizing_and_unoptimizing_in_a_loop \
+            "integration",
+            "control:: --skip a_stream_that_does_not_read --skip optimizing_and_unoptimizing_in_a_loop \
              --skip a_vcpu_blocked_on_a_stalled_stdout --skip a_source_line_probe_fetches",
             4,
         )
@@ -217,8 +213,8 @@ fn jobs() -> Vec<Job> {
         // job. Measured in the lane, these five took 166 s of the suite's 412.
         Job::suite(
             "kprobe_oracle_on_kvm_amd",
-            "probes",
-            "--skip watch --skip source_line --skip source_lines --skip an_inlined_function \
+            "integration",
+            "probes:: --skip watch --skip source_line --skip source_lines --skip an_inlined_function \
              --skip a_struct_on_the_stack --skip bad_probes_are_refused --skip json_output \
              --skip by_register_and_offset --skip immediate_strings \
              --skip host_and_guest_kprobes_agree_under_kaslr",
@@ -227,7 +223,7 @@ fn jobs() -> Vec<Job> {
         .taking(237),
         Job {
             env: &[("HVPROBE_L1_TSC_RELIABLE", "1")],
-            ..Job::suite("guest_clock_stamps_on_kvm_amd", "clock", "", 4).taking(81)
+            ..Job::suite("guest_clock_stamps_on_kvm_amd", "integration", "clock::", 4).taking(81)
         },
     ]
 }
@@ -663,12 +659,6 @@ fn second_try(what: &str, evidence: &str) {
 /// `NAME-HASH` in the directory of this one). `cargo test` builds every test binary before
 /// it runs any, so under it this is the current one.
 fn test_binary(name: &str) -> PathBuf {
-    test_binary_having(name, None)
-}
-
-/// [`test_binary`], of those that have test `test` (two crates of the workspace may
-/// each have a test binary of one name: `stacks`).
-fn test_binary_having(name: &str, test: Option<&str>) -> PathBuf {
     let me = std::env::current_exe().expect("current_exe");
     let deps = me.parent().expect("the test binary's directory");
     let mut found: Vec<(SystemTime, PathBuf)> = std::fs::read_dir(deps)
@@ -684,19 +674,9 @@ fn test_binary_having(name: &str, test: Option<&str>) -> PathBuf {
         .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
         .collect();
     found.sort();
-    let has_test = |path: &PathBuf| {
-        test.is_none_or(|test| {
-            Command::new(path)
-                .args(["--list", "--format", "terse"])
-                .output()
-                .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains(&format!("{test}: test")))
-        })
-    };
-    let path = found.into_iter().rev().map(|(_, p)| p).find(has_test);
-    path.unwrap_or_else(|| {
+    found.pop().map(|(_, path)| path).unwrap_or_else(|| {
         panic!(
-            "no test binary {name}{} in {}: build the workspace's tests (cargo test --workspace)",
-            test.map(|t| format!(" with test {t}")).unwrap_or_default(),
+            "no test binary {name} in {}: build the workspace's tests (cargo test --workspace)",
             deps.display()
         )
     })
@@ -783,7 +763,9 @@ fn the_lane_splits_an_l1s_output_into_its_jobs() {
 #[test]
 fn a_suites_panic_messages_are_kept_whole() {
     let mut output = String::from("running 2 tests\nfailures:\n\n---- oracle stdout ----\n");
-    output.push_str("thread 'oracle' panicked at tests/probes.rs:73:5:\nassertion failed\nexit code Some(1)\n");
+    output.push_str(
+        "thread 'oracle' panicked at tests/integration/probes.rs:73:5:\nassertion failed\nexit code Some(1)\n",
+    );
     for n in 0..30 {
         output.push_str(&format!("console line {n}\n"));
     }
@@ -825,6 +807,32 @@ fn the_lane_selects_the_jobs_of_the_tests_libtest_runs() {
             listed.contains(&format!("{}: test", job.test())),
             "job {} names no test of this binary",
             job.name
+        );
+    }
+}
+
+/// A suite job's filters and skips, given to its binary's `--list` here, select at least
+/// the tests the job must run in the L1: a renamed test or module fails here, not after
+/// an L1's boot.
+#[test]
+fn every_suite_jobs_filters_select_the_tests_it_needs() {
+    for job in jobs() {
+        let Work::Suite { args, at_least, .. } = job.work else {
+            continue;
+        };
+        let binary = job.binary().expect("a suite's binary");
+        let listed = Command::new(&binary)
+            .args(["--list", "--format", "terse"])
+            .args(args.split_whitespace())
+            .output()
+            .unwrap_or_else(|e| panic!("{}: {e}", binary.display()));
+        let listed = String::from_utf8_lossy(&listed.stdout);
+        let tests = listed.lines().filter(|l| l.ends_with(": test")).count();
+        assert!(
+            tests >= at_least,
+            "job {}: `{} {args}` selects {tests} tests, fewer than the {at_least} it must run\n{listed}",
+            job.name,
+            binary.display()
         );
     }
 }
@@ -996,7 +1004,7 @@ fn registers_through_the_sync_area_on_kvm_amd() {
 
 /// Hardware breakpoints the host sets (`KVM_GUESTDBG_USE_HW_BP`) on hardware KVM: there,
 /// unlike on kvm_pvm, a write watchpoint fires, and RF passes an execution breakpoint; and
-/// the watches of `tests/probes.rs` on the bundled guest (a write watch on a sysctl's
+/// the watches of `tests/integration/probes.rs` on the bundled guest (a write watch on a sysctl's
 /// variable reports every write there; kvm_pvm refuses it).
 #[test]
 fn hardware_breakpoints_on_kvm_amd() {
@@ -1058,7 +1066,7 @@ fn event_detours_on_kvm_amd() {
 /// Exit-free return probes on code blobs at native speed (every return recorded with its
 /// value, entry argument and caller, recursion past `maxactive`, a tail call, a return
 /// with no call on record trapping), from `live/tests/return_detour.rs`. On the bundled
-/// guest they run in the oracle job (`tests/probes.rs`'s `exit_free_*`, and the latency
+/// guest they run in the oracle job (`tests/integration/probes.rs`'s `exit_free_*`, and the latency
 /// test, whose kprobe and return probe share one jump on hardware KVM by default).
 #[test]
 fn return_detours_on_kvm_amd() {
@@ -1073,7 +1081,7 @@ fn filters_and_hist_triggers_on_kvm_amd() {
 }
 
 /// A virtio-blk root disk on hardware KVM: read, written, read-only disk refused, ext4 and
-/// block-layer probes against the guest's own events (`tests/disks.rs`).
+/// block-layer probes against the guest's own events (`tests/integration/disks.rs`).
 #[test]
 fn disks_on_kvm_amd() {
     suite("disks_on_kvm_amd");
@@ -1121,10 +1129,12 @@ fn library_api_on_kvm_amd() {
 }
 
 fn boots_and_hardening_script() -> String {
-    let binaries = [test_binary("boot"), test_binary("hardening"), test_binary("vcpu_panic")];
-    binaries
-        .iter()
-        .map(|b| format!("{} --test-threads=1 --color never || exit $?", b.display()))
+    let runs = [
+        (test_binary("integration"), "boot:: hardening::"),
+        (test_binary("vcpu_panic"), ""),
+    ];
+    runs.iter()
+        .map(|(b, filters)| format!("{} --test-threads=1 --color never {filters} || exit $?", b.display()))
         .collect::<Vec<_>>()
         .join("\n")
 }

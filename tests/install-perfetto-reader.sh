@@ -2,7 +2,7 @@
 # Installs what tests/perfetto_reader.py needs, the tests' independent reader of
 # `--perfetto FILE` traces: Perfetto's own generated trace protos (the `perfetto` PyPI
 # package ships perfetto_trace_pb2) and Google's protobuf runtime, in a virtualenv in
-# hvprobe's cache (tests/perfetto.rs finds it there; HVPROBE_PYTHON overrides). Nothing
+# hvprobe's cache (tests/integration/perfetto.rs finds it there; HVPROBE_PYTHON overrides). Nothing
 # in it downloads at run time: the reader never starts Perfetto's trace processor.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -279,7 +279,7 @@ const EXIT_FREE_RETURN: usize = 13;
 
 /// The mid-function probes' offset in `__task_pid_nr_ns`: `mov 0x5d8(%rdi),%rax` in the
 /// bundled guest (getppid's path, 7 bytes: the guest's optprobe and our jump both fit);
-/// `tests/probes.rs` checks the instruction is there.
+/// `tests/integration/probes.rs` checks the instruction is there.
 const MID_FUNCTION: u64 = 0x45;
 
 /// The guest's own kprobe events every variant defines (only one enables one): `gk` at

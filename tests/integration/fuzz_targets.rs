@@ -3,7 +3,7 @@
 //! `fuzz/.gitignore` keeps everything but `corpus/<target>/seed-*` out of a clean clone,
 //! so a target whose seeds live only in a working tree fails CI after an hour, not here.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! removed while two vCPUs hit them, and the two ways of executing a probed instruction
 //! checked exactly on a code blob.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 //! after the unload, stacks through the module's frames (`[hvprobe_test]`) equal to the
 //! guest's own `stacktrace` trigger, and the module's own kprobe blacklist honoured.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! interned data as Perfetto's trace processor does. A missing reader fails the test with
 //! what to install.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -26,7 +26,7 @@
 //!   3–15 µs after the guest's reading), so there the median may reach
 //!   [`LANE_MEDIAN_LAG_NS`]. The other bounds are the same everywhere.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! The bundled kernel has no soft-lockup detector (`CONFIG_SOFTLOCKUP_DETECTOR` is off):
 //! RCU's stall detector is the one that would complain.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! from another directory builds and boots the bundled guest from the build inputs it
 //! carries (build.rs embeds them; `guest::inputs` writes them into the cache).
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -3,7 +3,7 @@
 //! Each boot costs about a minute on kvm_pvm (guest kernel code is emulated), so every
 //! test checks as much as one boot can show.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! parses with today's command line (a renamed flag fails here, not in a reader's
 //! terminal), and the blocks marked ```` ```sh runnable ```` run and print what they say.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

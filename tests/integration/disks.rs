@@ -4,7 +4,7 @@
 //! The guest's root disk is an ext4 image made here with `mkfs.ext4 -d` from a directory
 //! holding the host's static busybox (no loop mount, no root needed).
 
-mod common;
+use crate::common;
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};

@@ -12,7 +12,7 @@
 //! function's ftrace call); the host's starts at the probe (`+0x0`). So the two are
 //! compared from the probed function down: its name, then every caller exactly.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

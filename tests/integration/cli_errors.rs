@@ -1,6 +1,6 @@
 //! Bad input to `hvprobe run` gives a clear error and a non-zero exit, never a panic.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

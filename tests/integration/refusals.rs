@@ -2,7 +2,7 @@
 //! arms nothing: syntax errors before the guest runs, placement refusals (unknown symbol,
 //! not an instruction boundary, blacklisted) once its kernel is known.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! kprobe event), two event streams at once with one that does not read, and the
 //! refusals of a bad `add`.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

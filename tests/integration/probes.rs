@@ -2,7 +2,7 @@
 //! (the oracle): the same hits, the same fetched values, no ftrace complaint, the kernel's
 //! text intact afterwards. Most tests restore a cached snapshot; one boots with KASLR.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

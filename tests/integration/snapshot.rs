@@ -6,7 +6,7 @@
 //! serialised with a `flock` and made visible by a rename, so parallel tests never see a
 //! half-written snapshot.
 
-mod common;
+use crate::common;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! A probe never hurts the guest: return probes that share a stack slot (a tail call),
 //! calls that never return, on the bundled guest restored from a cached snapshot.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! Introspection of a live guest from the host: symbols from every source against the
 //! guest's own /proc/kallsyms under KASLR, the current task, and bad symbol input.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;

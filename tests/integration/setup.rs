@@ -3,7 +3,7 @@
 //! side on a fresh machine: each part is built once, every builder prints its result and
 //! nothing else, and no reader sees half of a part.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

@@ -7,7 +7,7 @@
 //! runs the workload in an overlay of `--rootfs` (`hvprobe.rootfs=TAG`); a workload can
 //! also mount a share by hand (`mount -t virtiofs TAG DIR`, busybox's mount).
 
-mod common;
+use crate::common;
 
 use std::io::BufRead;
 use std::os::unix::fs::PermissionsExt;

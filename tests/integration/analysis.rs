@@ -7,7 +7,7 @@
 //! of `len(WORD) + 1` bytes each, from the only task called `busybox` (so `comm` picks
 //! them out of everything else the guest writes, and the two tracers see the same set).
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::time::Duration;

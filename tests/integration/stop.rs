@@ -2,7 +2,7 @@
 //! every probe removed, every hit taken printed, the listing and the summary on stderr,
 //! and the exit status 128 + the signal's number.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
