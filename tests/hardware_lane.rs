@@ -1,14 +1,15 @@
 //! The nested-SVM lane: hvprobe on hardware KVM (kvm_amd), tested on machines whose own
 //! `/dev/kvm` is kvm_pvm. An L1 guest booted with `guest/l1/run` (QEMU's TCG with nested
 //! SVM and the lane's INT3 patch, Debian's cloud kernel with kvm_amd) runs the [`jobs`] of
-//! the tests libtest runs, one after the other: this workspace's own test binaries, built
+//! the tests libtest runs, shared out between two L1s at once that each run their share one
+//! after the other ([`l1s_at_once`]): this workspace's own test binaries, built
 //! by the same `cargo test` (the tests that need real KVM debug exits pass on both
 //! backends from one source), and scripts; each test then checks its job's output.
 //!
-//! The lane's prerequisites (guest/l1/install-deps.sh, then guest/l1/build.sh; `.ci/run`
-//! does both) are not optional: without them every test here fails with the reason
-//! `guest/l1/run` gives. A binary built before this one is refused, so that a partial
-//! build cannot run stale tests in the L1.
+//! The lane's prerequisites (guest/l1/install-deps.sh, then guest/l1/build.sh; the
+//! README's set-up command does both, and the first lane test builds what is missing) are
+//! not optional: without them every test here fails with the reason `guest/l1/run` gives. A job takes the newest test binary of its name: `cargo test`
+//! builds every test binary before it runs any.
 
 #[path = "integration/common/mod.rs"]
 mod common;
@@ -114,8 +115,9 @@ impl Job {
     fn command(&self) -> String {
         match &self.work {
             // The L1 runs COMMAND on a serial port, which libtest takes for a terminal. One
-            // test, so one L2 guest, at a time: the restored L2s that triple-faulted in lane
-            // runs ran beside another L2 (25 restores in a row alone did not fail), and the
+            // test, so one L2 guest, at a time in an L1 (two L1s at once are two QEMUs):
+            // the restored L2s that triple-faulted in lane runs ran beside another L2 in
+            // their L1 (25 restores in a row alone did not fail), and the
             // L1's own panics show QEMU's nested SVM mixing up its guests' state and its own
             // (docs/known-issues.md).
             Work::Suite { args, .. } => format!(
