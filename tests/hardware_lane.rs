@@ -8,8 +8,9 @@
 //!
 //! The lane's prerequisites (guest/l1/install-deps.sh, then guest/l1/build.sh; the
 //! README's set-up command does both, and the first lane test builds what is missing) are
-//! not optional: without them every test here fails with the reason `guest/l1/run` gives. A job takes the newest test binary of its name: `cargo test`
-//! builds every test binary before it runs any.
+//! not optional: without them every test here fails with the reason `guest/l1/run` gives.
+//! A job takes the newest test binary of its name: `cargo test` builds every test binary
+//! before it runs any.
 
 #[path = "integration/common/mod.rs"]
 mod common;
@@ -120,13 +121,16 @@ impl Job {
             // their L1 (25 restores in a row alone did not fail), and the
             // L1's own panics show QEMU's nested SVM mixing up its guests' state and its own
             // (docs/known-issues.md).
-            Work::Suite { args, .. } => format!(
-                "{} --test-threads=1 --color never {args}",
-                self.binary().expect("a suite's binary").display()
-            ),
+            Work::Suite { args, .. } => in_l1_libtest(&self.binary().expect("a suite's binary"), args),
             Work::Script(script) => script(),
         }
     }
+}
+
+/// Test binary `binary` run by libtest in the L1 with `args` (filters, `--skip`): one test
+/// at a time, no colour codes on the L1's serial console.
+fn in_l1_libtest(binary: &Path, args: &str) -> String {
+    format!("{} --test-threads=1 --color never {args}", binary.display())
 }
 
 /// What a job not measured otherwise takes in the L1.
@@ -302,11 +306,7 @@ fn suite(name: &str) -> Run {
         }
         let binary = job_of.binary().expect("a suite's binary");
         let rerun = in_l1(
-            &format!(
-                "{} --test-threads=1 --color never --exact {}",
-                binary.display(),
-                first.failed.join(" ")
-            ),
+            &in_l1_libtest(&binary, &format!("--exact {}", first.failed.join(" "))),
             job_of.env,
         );
         let again = Verdicts::of(&rerun.stdout);
@@ -1136,7 +1136,7 @@ fn boots_and_hardening_script() -> String {
         (test_binary("vcpu_panic"), ""),
     ];
     runs.iter()
-        .map(|(b, filters)| format!("{} --test-threads=1 --color never {filters} || exit $?", b.display()))
+        .map(|(binary, filters)| format!("{} || exit $?", in_l1_libtest(binary, filters)))
         .collect::<Vec<_>>()
         .join("\n")
 }
