@@ -97,6 +97,10 @@ impl Machine for VmMachine {
         self.kernel.memory.phys().0.iter().map(|r| r.len()).sum()
     }
 
+    fn stopped_rips(&self) -> Vec<(usize, u64)> {
+        self.control.stopped_rips()
+    }
+
     fn event_memory(&self) -> Option<&dyn RingMemory> {
         self.phys.as_ref().map(|p| p as &dyn RingMemory)
     }

@@ -61,6 +61,13 @@ pub trait Machine: Send + Sync {
     /// thread), so that no vCPU executes text while it changes.
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) -> Result<(), PauseFailed>;
 
+    /// The index and RIP of every vCPU once the VM has stopped for good (no vCPU runs
+    /// guest code again): where each one left the guest. Empty while the VM runs or may
+    /// run again (a pause), and on a machine that does not keep them.
+    fn stopped_rips(&self) -> Vec<(usize, u64)> {
+        Vec::new()
+    }
+
     /// Guest-physical memory as event detours' rings are read and written, while the guest
     /// runs; `None` when the machine has none (no event detours then).
     fn event_memory(&self) -> Option<&dyn crate::detour::ring::RingMemory> {

@@ -215,6 +215,11 @@ pub struct EventDetour {
     /// A return probe's stubs: the return address of a call in slot `first_slot + i` is
     /// `stubs + i * RETURN_STUB_SIZE`.
     pub stubs: Option<Gva>,
+    /// The probe's miss-table increment on each path that counted a missed hit in a
+    /// ring's (or the global bad-CPU) counter first: a vCPU whose RIP is one of these has
+    /// counted its miss there and not yet in the probe's entry. The detour runs with
+    /// interrupts off, so only a stop of the VM leaves a vCPU there for good.
+    pub ring_counted_misses: Vec<Gva>,
 }
 
 /// The instructions of the detour a hit executes when the ring has room, nothing faults
@@ -1141,29 +1146,31 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
         saved: saved.as_deref().zip(saved_area),
     };
     if let (Some(r), Some(saved)) = (&p.returns, &saved) {
-        let (code, hot_path, stubs) = returns::return_detour(p, r, &record, saved)?;
+        let (code, hot_path, stubs, ring_counted_misses) = returns::return_detour(p, r, &record, saved)?;
         return Ok(EventDetour {
             code,
             layout,
             hot_path,
             filter: filter.map(|(_, how, _)| how),
             stubs: Some(stubs),
+            ring_counted_misses,
         });
     }
 
     // The displaced instructions' length, then assemble until their address is stable.
     let mut displaced = (p.displaced)(p.detour_ip)?;
     for _ in 0..8 {
-        let (code, displaced_ip) = assemble(p, p.detour_ip, &record, Tail::Displaced(&displaced))?;
-        let again = (p.displaced)(displaced_ip)?;
+        let assembled = assemble(p, p.detour_ip, &record, Tail::Displaced(&displaced))?;
+        let again = (p.displaced)(assembled.displaced_ip)?;
         if again == displaced {
-            let hot_path = count_hot_path(&code, p.detour_ip);
+            let hot_path = count_hot_path(&assembled.code, p.detour_ip);
             return Ok(EventDetour {
-                code,
+                code: assembled.code,
                 layout,
                 hot_path,
                 filter: filter.map(|(_, how, _)| how),
                 stubs: None,
+                ring_counted_misses: assembled.ring_counted_misses,
             });
         }
         displaced = again;
@@ -1198,14 +1205,22 @@ enum Tail<'a> {
     Return(&'a ReturnDetourParams),
 }
 
-/// Assembles the record-writing code at `ip`, ending as `tail` says; returns the code and
-/// where the displaced instructions landed (`ip` for a return's code).
+/// The record-writing code, assembled at its address.
+struct Assembled {
+    code: Vec<u8>,
+    /// Where the displaced instructions landed (the code's address for a return's code).
+    displaced_ip: Gva,
+    /// [`EventDetour::ring_counted_misses`] of this code.
+    ring_counted_misses: Vec<Gva>,
+}
+
+/// Assembles the record-writing code at `ip`, ending as `tail` says.
 fn assemble(
     p: &EventDetourParams<'_>,
     ip: Gva,
     record: &Record<'_>,
     tail: Tail<'_>,
-) -> Result<(Vec<u8>, Gva), DetourCodeError> {
+) -> Result<Assembled, DetourCodeError> {
     let Record {
         plans,
         slots,
@@ -1454,17 +1469,21 @@ fn assemble(
             slot: p.miss_slot,
             slots: geometry.probe_slots(),
         })?;
+    let mut ring_counted = [g.a().create_label(), g.a().create_label(), g.a().create_label()];
     g.a().set_label(&mut bad_cpu)?;
     let bad_cpu_counter = p.rings.gva().0.wrapping_add(GLOBAL_BAD_CPU);
     g.inc_counter(bad_cpu_counter, false)?;
+    g.a().set_label(&mut ring_counted[0])?;
     g.inc_counter(probe_missed.0, true)?;
     g.a().jmp(restore)?;
     g.a().set_label(&mut nested)?;
     g.a().inc(qword_ptr(rbx + MISSED_NESTED as i32))?;
+    g.a().set_label(&mut ring_counted[1])?;
     g.inc_counter(probe_missed.0, true)?;
     g.a().jmp(restore)?;
     g.a().set_label(&mut full)?;
     g.a().inc(qword_ptr(rbx + MISSED_FULL as i32))?;
+    g.a().set_label(&mut ring_counted[2])?;
     g.inc_counter(probe_missed.0, true)?;
     g.a().jmp(unbusy)?;
     if filter.is_some() {
@@ -1518,7 +1537,15 @@ fn assemble(
     let result =
         g.a.assemble_options(ip.0, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
     let displaced_ip = result.label_ip(&displaced_label)?;
-    Ok((result.inner.code_buffer, Gva(displaced_ip)))
+    let ring_counted_misses = ring_counted
+        .iter()
+        .map(|label| result.label_ip(label).map(Gva))
+        .collect::<Result<Vec<Gva>, iced_x86::IcedError>>()?;
+    Ok(Assembled {
+        code: result.inner.code_buffer,
+        displaced_ip: Gva(displaced_ip),
+        ring_counted_misses,
+    })
 }
 
 /// Counts the instructions from the entry along the common path: conditional branches

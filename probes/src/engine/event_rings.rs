@@ -6,7 +6,9 @@
 //! **or is counted as filtered out: a hit the detour's filter discarded in the guest, in
 //! its probe's hits and `filtered_in_guest` (from the detour's entry of the filter
 //! table)**; the host takes records and reads the counters without pausing the guest, at
-//! every drain (every 2 ms, and before every listing and removal).
+//! every drain (every 2 ms, and before every listing and removal). A vCPU the VM's stop
+//! left between a miss's two counts (its ring's, then its probe's entry) never makes the
+//! second: the host makes it for it, once the VM has stopped for good.
 //!
 //! A detour's slot (its entry of the miss table and of the filter table) belongs to one
 //! event detour's code from when the code is made until the code is reclaimed (nothing can
@@ -17,7 +19,7 @@
 //! [`EngineStats::ring_missed`]: super::EngineStats::ring_missed
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -62,6 +64,8 @@ pub(super) struct EventSetup {
     /// Which probe each entry of the rings' miss table counts for. Lock order: the
     /// registry first, then this.
     miss_owners: Mutex<Vec<Option<MissOwner>>>,
+    /// The misses the VM's stop cut short are counted (once).
+    stop_counted: AtomicBool,
     /// Exit-free return probes' calls in flight, when there is room for the table.
     pub returns: Option<ReturnTable>,
 }
@@ -287,6 +291,7 @@ impl Tracer {
             layouts: RwLock::new(HashMap::new()),
             missed_seen: Mutex::new((0, Instant::now())),
             miss_owners: Mutex::new((0..slots).map(|_| None).collect()),
+            stop_counted: AtomicBool::new(false),
             returns,
         };
         self.events.set(setup).map_err(|_| EventSetupError::AlreadySetUp)
@@ -355,6 +360,39 @@ impl Tracer {
         }
     }
 
+    /// Once the VM has stopped for good: a vCPU that stopped between a missed hit's two
+    /// counts (its ring's counter, then its probe's miss-table entry; the detour runs with
+    /// interrupts off, so only a stop leaves a vCPU there) will never make the second.
+    /// Counted here in that probe's `nmissed`, so that the probes' misses and the rings'
+    /// add up as they would had the guest gone on.
+    fn count_misses_the_stop_cut_short(&self, setup: &EventSetup) {
+        if setup.stop_counted.load(Ordering::Acquire) {
+            return;
+        }
+        let rips = self.machine.stopped_rips();
+        if rips.is_empty() || setup.stop_counted.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let slots: Vec<u32> = {
+            let reg = self.read_registry();
+            rips.iter()
+                .filter_map(|&(_, rip)| {
+                    let (_, code) = reg.detour_codes.range(..=Gva(rip)).next_back()?;
+                    code.ring_counted_misses
+                        .iter()
+                        .find(|(at, _)| at.0 == rip)
+                        .map(|(_, slot)| *slot)
+                })
+                .collect()
+        };
+        let owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
+        for slot in slots {
+            if let Some(Some(owner)) = owners.get(slot as usize) {
+                owner.counters.nmissed.fetch_add(1, COUNT);
+            }
+        }
+    }
+
     fn count_filtered_in_guest(&self, hits: u64) {
         self.stats.hits.fetch_add(hits, COUNT);
         self.stats.filtered_in_guest.fetch_add(hits, COUNT);
@@ -372,6 +410,7 @@ impl Tracer {
             return 0;
         };
         self.fold_probe_misses(setup, mem);
+        self.count_misses_the_stop_cut_short(setup);
         let mut reader = setup.reader.lock().unwrap_or_else(|e| e.into_inner());
         let (reader, batch) = &mut *reader;
         if let Err(e) = reader.drain(mem, batch) {

@@ -122,6 +122,9 @@ pub(super) struct Detour {
     pub recorders: Vec<ProbeId>,
     /// Its event detours' entries in the rings' miss table.
     pub miss_slots: Vec<u32>,
+    /// Where a vCPU has counted a missed hit in its ring and not yet in the miss-table
+    /// entry beside it ([`crate::detour::event::EventDetour::ring_counted_misses`]).
+    pub ring_counted_misses: Vec<(Gva, u32)>,
     /// Its exit-free return probes' slots.
     pub returns: Vec<ReturnSlots>,
 }
@@ -152,6 +155,8 @@ pub(super) struct DetourCode {
     pub kind: DetourKind,
     /// Its event detours' entries in the rings' miss table, given back with its blocks.
     pub miss_slots: Vec<u32>,
+    /// [`Detour::ring_counted_misses`].
+    pub ring_counted_misses: Vec<(Gva, u32)>,
     /// Its exit-free return probes' slots: given back with its blocks, once every one is
     /// free (no call of them in flight).
     pub returns: Vec<ReturnSlots>,
@@ -183,6 +188,7 @@ struct Recorder {
 struct Made {
     layout: EventLayout,
     stubs: Option<Gva>,
+    ring_counted_misses: Vec<Gva>,
 }
 
 /// The calls-in-flight slots an exit-free return probe's code was given.
@@ -280,6 +286,7 @@ impl Tracer {
                                     blocks,
                                     kind: detour.kind,
                                     miss_slots: detour.miss_slots.clone(),
+                                    ring_counted_misses: detour.ring_counted_misses.clone(),
                                     returns: detour.returns.clone(),
                                 },
                             );
@@ -529,10 +536,15 @@ impl Tracer {
                     })
                 })
                 .collect();
-            Ok((jump, kind, returns))
+            let ring_counted_misses = recorders
+                .iter()
+                .zip(&made)
+                .flat_map(|(r, m)| m.ring_counted_misses.iter().map(|at| (*at, r.miss_slot)))
+                .collect();
+            Ok((jump, kind, returns, ring_counted_misses))
         })();
         match written {
-            Ok((jump, kind, returns)) => Ok((
+            Ok((jump, kind, returns, ring_counted_misses)) => Ok((
                 Detour {
                     region,
                     code,
@@ -540,6 +552,7 @@ impl Tracer {
                     kind,
                     recorders: recorders.iter().map(|r| r.probe.id).collect(),
                     miss_slots: recorders.iter().map(|r| r.miss_slot).collect(),
+                    ring_counted_misses,
                     returns,
                 },
                 blocks,
@@ -653,10 +666,14 @@ impl Tracer {
                 let at = Gva(code.0 + bytes.len() as u64);
                 next_starts.push(at);
                 let next = starts.get(k + 1).copied();
-                let (part, layout, stubs) = self.event_code(region, r, next, at, area)?;
-                bytes.extend_from_slice(&part);
+                let generated = self.event_code(region, r, next, at, area)?;
+                bytes.extend_from_slice(&generated.code);
                 bytes.resize(bytes.len().next_multiple_of(16), INT3);
-                made.push(Made { layout, stubs });
+                made.push(Made {
+                    layout: generated.layout,
+                    stubs: generated.stubs,
+                    ring_counted_misses: generated.ring_counted_misses,
+                });
             }
             if next_starts == starts {
                 return Ok((bytes, made));
@@ -668,7 +685,7 @@ impl Tracer {
         ))
     }
 
-    /// An event detour's code at `code`, and the layout of its records.
+    /// An event detour at `code` (its code, the layout of its records, ...).
     /// `next`: the next event detour of the chain, which this one jumps to instead of
     /// running the displaced instructions.
     fn event_code(
@@ -678,7 +695,7 @@ impl Tracer {
         next: Option<Gva>,
         code: Gva,
         area: super::OutOfLineArea,
-    ) -> Result<(Vec<u8>, EventLayout, Option<Gva>), WhyNotOptimized> {
+    ) -> Result<crate::detour::event::EventDetour, WhyNotOptimized> {
         let (probe, miss_slot, first_slot) = (&recorder.probe, recorder.miss_slot, recorder.slots);
         let setup = self.events.get().ok_or(WhyNotOptimized::NoRoom)?;
         let displaced = |ip: Gva| match next {
@@ -715,7 +732,7 @@ impl Tracer {
             returns,
         })
         .map_err(|e| WhyNotOptimized::EventCode(e.to_string()))?;
-        Ok((generated.code, generated.layout, generated.stubs))
+        Ok(generated)
     }
 
     /// The region a jump at `addr` would displace, planned on the function's own bytes.

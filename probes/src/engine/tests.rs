@@ -92,6 +92,8 @@ struct FakeMachine {
     no_data_watches: AtomicBool,
     /// Inside `with_vcpus_paused`.
     paused_now: AtomicBool,
+    /// Where each vCPU left the guest once the VM stopped for good: (index, RIP).
+    stopped: Mutex<Vec<(usize, u64)>>,
 }
 
 /// Something the guest does to its memory.
@@ -169,6 +171,10 @@ impl Machine for FakeMachine {
 
     fn event_memory(&self) -> Option<&dyn crate::detour::ring::RingMemory> {
         self.rings.as_ref().map(|r| r as &dyn crate::detour::ring::RingMemory)
+    }
+
+    fn stopped_rips(&self) -> Vec<(usize, u64)> {
+        self.stopped.lock().unwrap().clone()
     }
 
     fn with_vcpus_paused(&self, edit: &mut dyn FnMut(&dyn PausedView)) -> Result<(), crate::machine::PauseFailed> {
@@ -2149,6 +2155,69 @@ fn event_tracer() -> (Arc<FakeMachine>, Tracer, Arc<Events>) {
     t.enable_event_detours(1, facts, &|gva: Gva| Gpa(RINGS_GPA + (gva.0 - OOL)))
         .unwrap();
     (m, t, events)
+}
+
+/// A missed hit is counted twice in the guest: in its ring's counter, then in its probe's
+/// miss-table entry. A vCPU the VM stopped for good between the two never makes the
+/// second, so the host counts it in the probe's `nmissed` (once) from where the vCPU
+/// stopped; a vCPU merely paused there makes it itself when it runs on.
+#[test]
+fn a_vcpu_stopped_between_a_misss_two_counts_has_it_counted_in_its_probes_nmissed() {
+    let (m, t, _events) = event_tracer();
+    t.set_optimization(true).unwrap();
+    let id = t
+        .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
+        .unwrap();
+    assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
+    let code = PUSH as i64 + 5 + i32::from_le_bytes(m.bytes(PUSH + 1, 4).try_into().unwrap()) as i64;
+    let code = code as u64;
+    // The full-ring path, read from the detour's own code: the ring's counter, then the
+    // locked increment of the probe's entry.
+    let bytes = m.bytes(code, 4096);
+    let insns: Vec<iced_x86::Instruction> =
+        iced_x86::Decoder::with_ip(64, &bytes, code, iced_x86::DecoderOptions::NONE)
+            .into_iter()
+            .take_while(|i| !i.is_invalid())
+            .collect();
+    let ring_count = insns
+        .iter()
+        .position(|i| {
+            i.mnemonic() == iced_x86::Mnemonic::Inc
+                && i.memory_base() == iced_x86::Register::RBX
+                && i.memory_displacement64() == crate::detour::ring::MISSED_FULL
+        })
+        .expect("the full-ring path counts in its ring");
+    let probe_count = &insns[ring_count + 1];
+    assert!(
+        probe_count.mnemonic() == iced_x86::Mnemonic::Inc && probe_count.has_lock_prefix(),
+        "{probe_count}"
+    );
+    let between = probe_count.ip();
+    // The guest's side of it: the ring is full, the hit counted in the ring only.
+    let rings = *t.event_rings().unwrap();
+    let mem = m.rings.as_ref().unwrap();
+    let record = || {
+        let mut r = vec![0u8; 24];
+        r[0..4].copy_from_slice(&id.0.to_le_bytes());
+        r
+    };
+    for _ in 0..rings.geometry().capacity() {
+        assert!(mem.guest_record(&rings, 0, miss_slot(&t, PUSH), &record()).unwrap());
+    }
+    let counter = Gpa(rings.gpa().0 + rings.geometry().ring_offset(0) + crate::detour::ring::MISSED_FULL);
+    crate::detour::ring::RingMemory::store_u64_release(mem, counter, 1).unwrap();
+    let counts = |t: &Tracer| (t.listing()[0].nmissed, t.stats.ring_missed.load(Ordering::Relaxed));
+
+    // Paused there (a live pause): the vCPU counts it itself when it runs on.
+    *m.parked.lock().unwrap() = vec![(0, between)];
+    t.set_optimization(true).unwrap();
+    assert_eq!(counts(&t), (0, 1));
+    // Stopped for good there (and another vCPU at the detour's entry, which has counted
+    // nothing): the host counts it, once.
+    *m.stopped.lock().unwrap() = vec![(0, between), (1, code)];
+    t.drain_events();
+    t.drain_events();
+    assert_eq!(counts(&t), (1, 1), "the probe's misses and the rings' agree");
 }
 
 #[test]

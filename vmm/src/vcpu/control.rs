@@ -157,6 +157,8 @@ struct ControlState {
     phases: Vec<Phase>,
     stop: Option<StopReason>,
     parked_state: Vec<Option<VcpuState>>,
+    /// Where each vCPU left the guest when its thread left its loop (its RIP then).
+    left_at: Vec<Option<u64>>,
 }
 
 impl ControlState {
@@ -229,6 +231,7 @@ impl VcpuControl {
                 phases: vec![Phase::NotStarted; vcpu_count],
                 stop: None,
                 parked_state: vec![None; vcpu_count],
+                left_at: vec![None; vcpu_count],
             }),
             changed: Condvar::new(),
             request_pending: AtomicBool::new(false),
@@ -452,11 +455,34 @@ impl VcpuControl {
         *self.slots[cpu].kick.lock().unwrap_or_else(|e| e.into_inner()) = kick;
         // A pause taken before this (while the vCPU had not started) is safe: the first
         // checkpoint parks the vCPU before it enters the guest.
-        self.lock().phases[cpu] = Phase::Running;
+        let mut st = self.lock();
+        st.phases[cpu] = Phase::Running;
+        st.left_at[cpu] = None;
+        drop(st);
         VcpuThread {
             control: Arc::clone(self),
             cpu,
         }
+    }
+
+    /// Records where vCPU `cpu` left the guest, as its thread leaves its loop.
+    pub(super) fn left_guest_at(&self, cpu: usize, rip: u64) {
+        self.lock().left_at[cpu] = Some(rip);
+    }
+
+    /// The index and RIP of every vCPU that ran, once the VM has stopped and every vCPU
+    /// thread has left its loop (no vCPU runs guest code again); empty before.
+    pub fn stopped_rips(&self) -> Vec<(usize, u64)> {
+        let st = self.lock();
+        let over = st.stop.is_some() && st.phases.iter().all(|p| matches!(p, Phase::Exited | Phase::NotStarted));
+        if !over {
+            return Vec::new();
+        }
+        st.left_at
+            .iter()
+            .enumerate()
+            .filter_map(|(cpu, rip)| Some((cpu, (*rip)?)))
+            .collect()
     }
 
     pub(crate) fn mark_started(&self) {
@@ -677,6 +703,30 @@ mod tests {
         wait_until("vCPU 0 runs again", || running.slices.load(Ordering::SeqCst) > frozen);
         control.stop(StopReason::Stopped);
         running.thread.join().unwrap();
+    }
+
+    /// Where the vCPUs left the guest is told only once the VM has stopped and every vCPU
+    /// thread is out of its loop: before that a vCPU may still run (or run on after a
+    /// pause), and what the engine settles from it would be counted twice.
+    #[test]
+    fn where_the_vcpus_left_the_guest_is_told_once_the_vm_stopped_for_good() {
+        let control = VcpuControl::new(3).unwrap();
+        control.mark_started();
+        let leaves_at =
+            |cpu: usize, rip: u64| -> OnExit { Box::new(move |control, _| control.left_guest_at(cpu, rip)) };
+        let first = fake_vcpu(&control, 0, false, Some(1), leaves_at(0, 0x1000));
+        let second = fake_vcpu(&control, 1, true, None, leaves_at(1, 0x2000));
+        first.thread.join().unwrap();
+        assert_eq!(control.stopped_rips(), [], "vCPU 1 still runs");
+        second.hold.store(false, Ordering::SeqCst);
+        wait_until("vCPU 1 left the guest once", || {
+            second.slices.load(Ordering::SeqCst) > 0
+        });
+        assert_eq!(control.stopped_rips(), [], "the VM has not stopped");
+        control.stop(StopReason::Stopped);
+        second.thread.join().unwrap();
+        // vCPU 2 never started: it left nowhere.
+        assert_eq!(control.stopped_rips(), [(0, 0x1000), (1, 0x2000)]);
     }
 
     /// A vCPU held on the host (here: "handling a console write" that never ends) used to

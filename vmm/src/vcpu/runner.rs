@@ -112,6 +112,12 @@ impl VcpuRunner {
                 message: format!("handing the registers to KVM at the end of the run: {e}"),
             });
         }
+        // Where the guest stopped on this vCPU: the probe engine settles what a hit in
+        // progress there had counted (see `VcpuControl::stopped_rips`).
+        match self.vcpu.get_regs() {
+            Ok(regs) => self.control.left_guest_at(self.cpu, regs.rip),
+            Err(e) => tracing::debug!("vCPU {}: no registers at the end of the run: {e}", self.cpu),
+        }
         self.vcpu
     }
 

@@ -339,13 +339,15 @@ fn align(at: u64) -> u64 {
 
 /// A return probe's whole code at `p.detour_ip`: the entry, the return code, the stubs
 /// (each part 16-byte aligned). Returns it, the hot path of a call (entry and return
-/// together) and where the first stub is.
+/// together), where the first stub is, and the return code's
+/// [`super::EventDetour::ring_counted_misses`] (the entry's one miss count, a call with no
+/// free slot, counts in no ring).
 pub(super) fn return_detour(
     p: &EventDetourParams<'_>,
     r: &ReturnDetourParams,
     record: &Record<'_>,
     saved: &[u32],
-) -> Result<(Vec<u8>, HotPath, Gva), DetourCodeError> {
+) -> Result<(Vec<u8>, HotPath, Gva, Vec<Gva>), DetourCodeError> {
     let end = u64::from(r.first_slot) + u64::from(r.maxactive);
     if r.maxactive == 0 || end > u64::from(r.table_slots) {
         return Err(DetourCodeError::BadReturnSlots {
@@ -359,7 +361,8 @@ pub(super) fn return_detour(
     for _ in 0..8 {
         let (entry, displaced_ip) = entry_code(p, r, saved, stubs_at, &displaced)?;
         let return_at = Gva(align(p.detour_ip.0 + entry.len() as u64));
-        let (ret, _) = assemble(p, return_at, record, Tail::Return(r))?;
+        let returning = assemble(p, return_at, record, Tail::Return(r))?;
+        let ret = returning.code;
         let next_stubs = Gva(align(return_at.0 + ret.len() as u64));
         let again = (p.displaced)(displaced_ip)?;
         if next_stubs == stubs_at && again == displaced {
@@ -374,7 +377,7 @@ pub(super) fn return_detour(
                 instructions: at_entry.instructions + at_return.instructions,
                 calls: at_entry.calls + at_return.calls,
             };
-            return Ok((code, hot_path, stubs_at));
+            return Ok((code, hot_path, stubs_at, returning.ring_counted_misses));
         }
         stubs_at = next_stubs;
         displaced = again;

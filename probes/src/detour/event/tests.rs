@@ -369,6 +369,10 @@ fn each_miss_path_counts_the_probes_entry_with_a_locked_increment() {
         // All of them after the jump back: off the common path.
         let popf = insns.iter().position(|i| i.code() == Code::Popfq).unwrap();
         assert!(probe_incs.iter().all(|at| *at > popf), "{text}");
+        // Where a vCPU has counted in the ring and not yet in the entry: the host's list
+        // of them is these three increments.
+        let between: Vec<Gva> = probe_incs.iter().map(|at| Gva(insns[*at].ip())).collect();
+        assert_eq!(d.ring_counted_misses, between, "{spec}\n{text}");
     }
     // An entry the table does not have is refused.
     let region = region();
@@ -600,6 +604,19 @@ fn an_exit_free_return_with_retval_and_duration_costs_at_most_120_instructions()
     for (i, stub) in d.code[first..].chunks(RETURN_STUB_SIZE as usize).enumerate() {
         assert_eq!(super::returns::stub_slot(stub, 64), Some(8 + i as u32));
         assert_eq!(stub[5], 0xe9, "jmp rel32 to the return code");
+    }
+    // The return code's record misses count in a ring first, as an entry's do (the
+    // entry's own miss, no free slot, counts in no ring): three places in the code, each
+    // the locked increment of the probe's entry.
+    assert_eq!(d.ring_counted_misses.len(), 3, "{:?}", d.ring_counted_misses);
+    let entry = rings(256).probe_missed_gva(3).unwrap().0;
+    for at in &d.ring_counted_misses {
+        let offset = (at.0 - DETOUR) as usize;
+        let insn = iced_x86::Decoder::with_ip(64, &d.code[offset..], at.0, iced_x86::DecoderOptions::NONE).decode();
+        assert!(
+            insn.mnemonic() == Mnemonic::Inc && insn.has_lock_prefix() && insn.memory_displacement64() == entry,
+            "{insn}"
+        );
     }
     let layout = d.layout;
     assert!(layout.ret.is_some());
