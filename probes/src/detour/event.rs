@@ -218,8 +218,9 @@ pub struct EventDetour {
     /// The probe's miss-table increment on each path that counted a missed hit in a
     /// ring's (or the global bad-CPU) counter first: a vCPU whose RIP is one of these has
     /// counted its miss there and not yet in the probe's entry. The detour runs with
-    /// interrupts off, so only a stop of the VM leaves a vCPU there for good.
-    pub ring_counted_misses: Vec<Gva>,
+    /// interrupts off: what leaves a vCPU there for good is a stop of the VM (or a stop
+    /// inside an NMI or exception handler that came in between, whose RIP is elsewhere).
+    pub ring_counted_miss_ips: Vec<Gva>,
 }
 
 /// The instructions of the detour a hit executes when the ring has room, nothing faults
@@ -1146,14 +1147,14 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
         saved: saved.as_deref().zip(saved_area),
     };
     if let (Some(r), Some(saved)) = (&p.returns, &saved) {
-        let (code, hot_path, stubs, ring_counted_misses) = returns::return_detour(p, r, &record, saved)?;
+        let (code, hot_path, stubs, ring_counted_miss_ips) = returns::return_detour(p, r, &record, saved)?;
         return Ok(EventDetour {
             code,
             layout,
             hot_path,
             filter: filter.map(|(_, how, _)| how),
             stubs: Some(stubs),
-            ring_counted_misses,
+            ring_counted_miss_ips,
         });
     }
 
@@ -1170,7 +1171,7 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
                 hot_path,
                 filter: filter.map(|(_, how, _)| how),
                 stubs: None,
-                ring_counted_misses: assembled.ring_counted_misses,
+                ring_counted_miss_ips: assembled.ring_counted_miss_ips,
             });
         }
         displaced = again;
@@ -1210,8 +1211,8 @@ struct Assembled {
     code: Vec<u8>,
     /// Where the displaced instructions landed (the code's address for a return's code).
     displaced_ip: Gva,
-    /// [`EventDetour::ring_counted_misses`] of this code.
-    ring_counted_misses: Vec<Gva>,
+    /// [`EventDetour::ring_counted_miss_ips`] of this code.
+    ring_counted_miss_ips: Vec<Gva>,
 }
 
 /// Assembles the record-writing code at `ip`, ending as `tail` says.
@@ -1537,14 +1538,14 @@ fn assemble(
     let result =
         g.a.assemble_options(ip.0, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
     let displaced_ip = result.label_ip(&displaced_label)?;
-    let ring_counted_misses = ring_counted
+    let ring_counted_miss_ips = ring_counted
         .iter()
         .map(|label| result.label_ip(label).map(Gva))
         .collect::<Result<Vec<Gva>, iced_x86::IcedError>>()?;
     Ok(Assembled {
         code: result.inner.code_buffer,
         displaced_ip: Gva(displaced_ip),
-        ring_counted_misses,
+        ring_counted_miss_ips,
     })
 }
 

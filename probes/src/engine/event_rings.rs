@@ -65,7 +65,7 @@ pub(super) struct EventSetup {
     /// registry first, then this.
     miss_owners: Mutex<Vec<Option<MissOwner>>>,
     /// The misses the VM's stop cut short are counted (once).
-    stop_counted: AtomicBool,
+    stop_cut_misses_counted: AtomicBool,
     /// Exit-free return probes' calls in flight, when there is room for the table.
     pub returns: Option<ReturnTable>,
 }
@@ -291,7 +291,7 @@ impl Tracer {
             layouts: RwLock::new(HashMap::new()),
             missed_seen: Mutex::new((0, Instant::now())),
             miss_owners: Mutex::new((0..slots).map(|_| None).collect()),
-            stop_counted: AtomicBool::new(false),
+            stop_cut_misses_counted: AtomicBool::new(false),
             returns,
         };
         self.events.set(setup).map_err(|_| EventSetupError::AlreadySetUp)
@@ -361,30 +361,29 @@ impl Tracer {
     }
 
     /// Once the VM has stopped for good: a vCPU that stopped between a missed hit's two
-    /// counts (its ring's counter, then its probe's miss-table entry; the detour runs with
-    /// interrupts off, so only a stop leaves a vCPU there) will never make the second.
-    /// Counted here in that probe's `nmissed`, so that the probes' misses and the rings'
-    /// add up as they would had the guest gone on.
+    /// counts (its ring's counter, then its probe's miss-table entry) will never make the
+    /// second. Counted here in that probe's `nmissed`, so that the probes' misses and the
+    /// rings' add up as they would had the guest gone on. (The detour runs with interrupts
+    /// off; a stop inside an NMI or exception handler that came in between leaves the RIP
+    /// in the handler, and that one miss stays in the ring's count only.)
     fn count_misses_the_stop_cut_short(&self, setup: &EventSetup) {
-        if setup.stop_counted.load(Ordering::Acquire) {
+        if setup.stop_cut_misses_counted.load(Ordering::Acquire) {
             return;
         }
         let rips = self.machine.stopped_rips();
-        if rips.is_empty() || setup.stop_counted.swap(true, Ordering::AcqRel) {
+        if rips.is_empty() || setup.stop_cut_misses_counted.swap(true, Ordering::AcqRel) {
             return;
         }
-        let slots: Vec<u32> = {
-            let reg = self.read_registry();
-            rips.iter()
-                .filter_map(|&(_, rip)| {
-                    let (_, code) = reg.detour_codes.range(..=Gva(rip)).next_back()?;
-                    code.ring_counted_misses
-                        .iter()
-                        .find(|(at, _)| at.0 == rip)
-                        .map(|(_, slot)| *slot)
-                })
-                .collect()
-        };
+        // The registry is held until the owners are counted: no slot goes to another
+        // probe's code in between.
+        let reg = self.read_registry();
+        let slots = rips.iter().filter_map(|&(_, rip)| {
+            let (_, code) = reg.detour_codes.range(..=Gva(rip)).next_back()?;
+            code.ring_counted_miss_ips
+                .iter()
+                .find(|(at, _)| at.0 == rip)
+                .map(|(_, slot)| *slot)
+        });
         let owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
         for slot in slots {
             if let Some(Some(owner)) = owners.get(slot as usize) {

@@ -123,8 +123,8 @@ pub(super) struct Detour {
     /// Its event detours' entries in the rings' miss table.
     pub miss_slots: Vec<u32>,
     /// Where a vCPU has counted a missed hit in its ring and not yet in the miss-table
-    /// entry beside it ([`crate::detour::event::EventDetour::ring_counted_misses`]).
-    pub ring_counted_misses: Vec<(Gva, u32)>,
+    /// entry beside it ([`crate::detour::event::EventDetour::ring_counted_miss_ips`]).
+    pub ring_counted_miss_ips: Vec<(Gva, u32)>,
     /// Its exit-free return probes' slots.
     pub returns: Vec<ReturnSlots>,
 }
@@ -155,8 +155,8 @@ pub(super) struct DetourCode {
     pub kind: DetourKind,
     /// Its event detours' entries in the rings' miss table, given back with its blocks.
     pub miss_slots: Vec<u32>,
-    /// [`Detour::ring_counted_misses`].
-    pub ring_counted_misses: Vec<(Gva, u32)>,
+    /// [`Detour::ring_counted_miss_ips`].
+    pub ring_counted_miss_ips: Vec<(Gva, u32)>,
     /// Its exit-free return probes' slots: given back with its blocks, once every one is
     /// free (no call of them in flight).
     pub returns: Vec<ReturnSlots>,
@@ -188,7 +188,7 @@ struct Recorder {
 struct Made {
     layout: EventLayout,
     stubs: Option<Gva>,
-    ring_counted_misses: Vec<Gva>,
+    ring_counted_miss_ips: Vec<Gva>,
 }
 
 /// The calls-in-flight slots an exit-free return probe's code was given.
@@ -286,7 +286,7 @@ impl Tracer {
                                     blocks,
                                     kind: detour.kind,
                                     miss_slots: detour.miss_slots.clone(),
-                                    ring_counted_misses: detour.ring_counted_misses.clone(),
+                                    ring_counted_miss_ips: detour.ring_counted_miss_ips.clone(),
                                     returns: detour.returns.clone(),
                                 },
                             );
@@ -536,15 +536,15 @@ impl Tracer {
                     })
                 })
                 .collect();
-            let ring_counted_misses = recorders
+            let ring_counted_miss_ips = recorders
                 .iter()
                 .zip(&made)
-                .flat_map(|(r, m)| m.ring_counted_misses.iter().map(|at| (*at, r.miss_slot)))
+                .flat_map(|(r, m)| m.ring_counted_miss_ips.iter().map(|at| (*at, r.miss_slot)))
                 .collect();
-            Ok((jump, kind, returns, ring_counted_misses))
+            Ok((jump, kind, returns, ring_counted_miss_ips))
         })();
         match written {
-            Ok((jump, kind, returns, ring_counted_misses)) => Ok((
+            Ok((jump, kind, returns, ring_counted_miss_ips)) => Ok((
                 Detour {
                     region,
                     code,
@@ -552,7 +552,7 @@ impl Tracer {
                     kind,
                     recorders: recorders.iter().map(|r| r.probe.id).collect(),
                     miss_slots: recorders.iter().map(|r| r.miss_slot).collect(),
-                    ring_counted_misses,
+                    ring_counted_miss_ips,
                     returns,
                 },
                 blocks,
@@ -672,7 +672,7 @@ impl Tracer {
                 made.push(Made {
                     layout: generated.layout,
                     stubs: generated.stubs,
-                    ring_counted_misses: generated.ring_counted_misses,
+                    ring_counted_miss_ips: generated.ring_counted_miss_ips,
                 });
             }
             if next_starts == starts {
@@ -685,7 +685,7 @@ impl Tracer {
         ))
     }
 
-    /// An event detour at `code` (its code, the layout of its records, ...).
+    /// The event detour generated at `code` ([`crate::detour::event::EventDetour`]).
     /// `next`: the next event detour of the chain, which this one jumps to instead of
     /// running the displaced instructions.
     fn event_code(
@@ -793,7 +793,10 @@ impl Tracer {
         if retired.is_empty() {
             return;
         }
-        let rips = view.parked_rips();
+        // A vCPU stopped for good counts too: a miss it was counting there is settled
+        // from this code's record (`count_misses_the_stop_cut_short`).
+        let mut rips = view.parked_rips();
+        rips.extend(self.machine.stopped_rips());
         for code in retired {
             let blocks = reg.detour_codes.get(&code).map_or(1, |d| d.blocks);
             let range = code.0..code.0 + blocks * DETOUR_BLOCK;

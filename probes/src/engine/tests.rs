@@ -2157,13 +2157,11 @@ fn event_tracer() -> (Arc<FakeMachine>, Tracer, Arc<Events>) {
     (m, t, events)
 }
 
-/// A missed hit is counted twice in the guest: in its ring's counter, then in its probe's
-/// miss-table entry. A vCPU the VM stopped for good between the two never makes the
-/// second, so the host counts it in the probe's `nmissed` (once) from where the vCPU
-/// stopped; a vCPU merely paused there makes it itself when it runs on.
-#[test]
-fn a_vcpu_stopped_between_a_misss_two_counts_has_it_counted_in_its_probes_nmissed() {
-    let (m, t, _events) = event_tracer();
+/// An event probe at `func`, its detour's entry, and where its full-ring path has counted a
+/// miss in the ring and not yet in the probe's entry (read from the detour's own code: the
+/// ring's counter, then the locked increment of the probe's entry). The ring is full and
+/// the guest has counted one miss in it only.
+fn event_probe_stopped_mid_miss(m: &FakeMachine, t: &Tracer) -> (u64, u64) {
     t.set_optimization(true).unwrap();
     let id = t
         .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
@@ -2171,8 +2169,6 @@ fn a_vcpu_stopped_between_a_misss_two_counts_has_it_counted_in_its_probes_nmisse
     assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
     let code = PUSH as i64 + 5 + i32::from_le_bytes(m.bytes(PUSH + 1, 4).try_into().unwrap()) as i64;
     let code = code as u64;
-    // The full-ring path, read from the detour's own code: the ring's counter, then the
-    // locked increment of the probe's entry.
     let bytes = m.bytes(code, 4096);
     let insns: Vec<iced_x86::Instruction> =
         iced_x86::Decoder::with_ip(64, &bytes, code, iced_x86::DecoderOptions::NONE)
@@ -2192,32 +2188,64 @@ fn a_vcpu_stopped_between_a_misss_two_counts_has_it_counted_in_its_probes_nmisse
         probe_count.mnemonic() == iced_x86::Mnemonic::Inc && probe_count.has_lock_prefix(),
         "{probe_count}"
     );
-    let between = probe_count.ip();
-    // The guest's side of it: the ring is full, the hit counted in the ring only.
     let rings = *t.event_rings().unwrap();
     let mem = m.rings.as_ref().unwrap();
-    let record = || {
-        let mut r = vec![0u8; 24];
-        r[0..4].copy_from_slice(&id.0.to_le_bytes());
-        r
-    };
+    let mut record = vec![0u8; 24];
+    record[0..4].copy_from_slice(&id.0.to_le_bytes());
     for _ in 0..rings.geometry().capacity() {
-        assert!(mem.guest_record(&rings, 0, miss_slot(&t, PUSH), &record()).unwrap());
+        assert!(mem.guest_record(&rings, 0, miss_slot(t, PUSH), &record).unwrap());
     }
     let counter = Gpa(rings.gpa().0 + rings.geometry().ring_offset(0) + crate::detour::ring::MISSED_FULL);
     crate::detour::ring::RingMemory::store_u64_release(mem, counter, 1).unwrap();
-    let counts = |t: &Tracer| (t.listing()[0].nmissed, t.stats.ring_missed.load(Ordering::Relaxed));
+    (code, probe_count.ip())
+}
 
-    // Paused there (a live pause): the vCPU counts it itself when it runs on.
+/// The probe's `nmissed` and the rings' missed total.
+fn miss_counts(t: &Tracer) -> (u64, u64) {
+    (t.listing()[0].nmissed, t.stats.ring_missed.load(Ordering::Relaxed))
+}
+
+/// A missed hit is counted twice in the guest: in its ring's counter, then in its probe's
+/// miss-table entry. A vCPU the VM stopped for good between the two never makes the
+/// second, so the host counts it in the probe's `nmissed` (once) from where the vCPU
+/// stopped; a vCPU merely paused there makes it itself when it runs on.
+#[test]
+fn a_vcpu_stopped_between_the_two_counts_of_a_miss_has_it_counted_in_its_probes_nmissed() {
+    let (m, t, _events) = event_tracer();
+    let (code, between) = event_probe_stopped_mid_miss(&m, &t);
+    // Paused there (a live pause; the pause's parked RIPs are not where a vCPU stopped):
+    // nothing is counted for it.
     *m.parked.lock().unwrap() = vec![(0, between)];
     t.set_optimization(true).unwrap();
-    assert_eq!(counts(&t), (0, 1));
+    assert_eq!(miss_counts(&t), (0, 1));
     // Stopped for good there (and another vCPU at the detour's entry, which has counted
     // nothing): the host counts it, once.
     *m.stopped.lock().unwrap() = vec![(0, between), (1, code)];
     t.drain_events();
     t.drain_events();
-    assert_eq!(counts(&t), (1, 1), "the probe's misses and the rings' agree");
+    assert_eq!(miss_counts(&t), (1, 1), "the probe's misses and the rings' agree");
+}
+
+/// A stop that lands while a pause is held (here one that retires the detour) leaves a
+/// vCPU the pause's parked RIPs do not show: the detour it stopped in is not reclaimed
+/// (its miss-table entry would go with it), and its cut-short miss is counted.
+#[test]
+fn a_detour_a_vcpu_stopped_in_is_kept_and_its_cut_short_miss_counted() {
+    let (m, t, _events) = event_tracer();
+    // The guest's stacks can be read and hold nothing of the detour: a retired detour
+    // no vCPU is in is reclaimed in the pause that retires it.
+    *m.stack_words.lock().unwrap() = Some(Vec::new());
+    let (code, between) = event_probe_stopped_mid_miss(&m, &t);
+    *m.before_pause.lock().unwrap() = Some(Box::new(move |m: &FakeMachine| {
+        *m.stopped.lock().unwrap() = vec![(0, between)];
+    }));
+    t.set_optimization(false).unwrap();
+    assert!(!t.listing()[0].optimized);
+    assert!(
+        t.read_registry().detour_codes.contains_key(&Gva(code)),
+        "the detour a vCPU stopped in is kept"
+    );
+    assert_eq!(miss_counts(&t), (1, 1));
 }
 
 #[test]

@@ -715,15 +715,13 @@ mod tests {
         let leaves_at =
             |cpu: usize, rip: u64| -> OnExit { Box::new(move |control, _| control.left_guest_at(cpu, rip)) };
         let first = fake_vcpu(&control, 0, false, Some(1), leaves_at(0, 0x1000));
-        let second = fake_vcpu(&control, 1, true, None, leaves_at(1, 0x2000));
         first.thread.join().unwrap();
-        assert_eq!(control.stopped_rips(), [], "vCPU 1 still runs");
-        second.hold.store(false, Ordering::SeqCst);
-        wait_until("vCPU 1 left the guest once", || {
-            second.slices.load(Ordering::SeqCst) > 0
-        });
         assert_eq!(control.stopped_rips(), [], "the VM has not stopped");
+        let second = fake_vcpu(&control, 1, true, None, leaves_at(1, 0x2000));
+        wait_until("vCPU 1 is in the guest", || second.in_guest.load(Ordering::SeqCst));
         control.stop(StopReason::Stopped);
+        assert_eq!(control.stopped_rips(), [], "vCPU 1 is still in the guest");
+        second.hold.store(false, Ordering::SeqCst);
         second.thread.join().unwrap();
         // vCPU 2 never started: it left nowhere.
         assert_eq!(control.stopped_rips(), [(0, 0x1000), (1, 0x2000)]);

@@ -340,7 +340,7 @@ fn align(at: u64) -> u64 {
 /// A return probe's whole code at `p.detour_ip`: the entry, the return code, the stubs
 /// (each part 16-byte aligned). Returns it, the hot path of a call (entry and return
 /// together), where the first stub is, and the return code's
-/// [`super::EventDetour::ring_counted_misses`] (the entry's one miss count, a call with no
+/// [`super::EventDetour::ring_counted_miss_ips`] (the entry's one miss count, a call with no
 /// free slot, counts in no ring).
 pub(super) fn return_detour(
     p: &EventDetourParams<'_>,
@@ -377,7 +377,7 @@ pub(super) fn return_detour(
                 instructions: at_entry.instructions + at_return.instructions,
                 calls: at_entry.calls + at_return.calls,
             };
-            return Ok((code, hot_path, stubs_at, returning.ring_counted_misses));
+            return Ok((code, hot_path, stubs_at, returning.ring_counted_miss_ips));
         }
         stubs_at = next_stubs;
         displaced = again;

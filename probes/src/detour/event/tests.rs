@@ -372,7 +372,7 @@ fn each_miss_path_counts_the_probes_entry_with_a_locked_increment() {
         // Where a vCPU has counted in the ring and not yet in the entry: the host's list
         // of them is these three increments.
         let between: Vec<Gva> = probe_incs.iter().map(|at| Gva(insns[*at].ip())).collect();
-        assert_eq!(d.ring_counted_misses, between, "{spec}\n{text}");
+        assert_eq!(d.ring_counted_miss_ips, between, "{spec}\n{text}");
     }
     // An entry the table does not have is refused.
     let region = region();
@@ -605,19 +605,29 @@ fn an_exit_free_return_with_retval_and_duration_costs_at_most_120_instructions()
         assert_eq!(super::returns::stub_slot(stub, 64), Some(8 + i as u32));
         assert_eq!(stub[5], 0xe9, "jmp rel32 to the return code");
     }
-    // The return code's record misses count in a ring first, as an entry's do (the
-    // entry's own miss, no free slot, counts in no ring): three places in the code, each
-    // the locked increment of the probe's entry.
-    assert_eq!(d.ring_counted_misses.len(), 3, "{:?}", d.ring_counted_misses);
+    // The return code's record misses count in a ring first, as an entry's do: three
+    // locked increments of the probe's entry, each right after its ring's (or the global)
+    // counter. The entry's own miss (no free slot) counts in no ring, and is not one.
     let entry = rings(256).probe_missed_gva(3).unwrap().0;
-    for at in &d.ring_counted_misses {
-        let offset = (at.0 - DETOUR) as usize;
-        let insn = iced_x86::Decoder::with_ip(64, &d.code[offset..], at.0, iced_x86::DecoderOptions::NONE).decode();
-        assert!(
-            insn.mnemonic() == Mnemonic::Inc && insn.has_lock_prefix() && insn.memory_displacement64() == entry,
-            "{insn}"
-        );
-    }
+    let insns: Vec<Instruction> = iced_x86::Decoder::with_ip(64, &d.code, DETOUR, iced_x86::DecoderOptions::NONE)
+        .into_iter()
+        .collect();
+    let entry_incs: Vec<usize> = (0..insns.len())
+        .filter(|&k| insns[k].mnemonic() == Mnemonic::Inc && insns[k].memory_displacement64() == entry)
+        .collect();
+    assert_eq!(entry_incs.len(), 4, "the entry's and the return code's three");
+    let bad_cpu = RINGS + crate::detour::ring::GLOBAL_BAD_CPU;
+    let after_ring: Vec<Gva> = entry_incs
+        .iter()
+        .filter(|&&k| {
+            let before = &insns[k - 1];
+            before.mnemonic() == Mnemonic::Inc
+                && [bad_cpu, MISSED_NESTED, MISSED_FULL].contains(&before.memory_displacement64())
+        })
+        .map(|&k| Gva(insns[k].ip()))
+        .collect();
+    assert_eq!(after_ring.len(), 3);
+    assert_eq!(d.ring_counted_miss_ips, after_ring);
     let layout = d.layout;
     assert!(layout.ret.is_some());
     assert_eq!(layout.args[1].kind, ArgKind::Duration);
