@@ -2167,8 +2167,7 @@ fn event_probe_stopped_mid_miss(m: &FakeMachine, t: &Tracer) -> (u64, u64) {
         .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
         .unwrap();
     assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
-    let code = PUSH as i64 + 5 + i32::from_le_bytes(m.bytes(PUSH + 1, 4).try_into().unwrap()) as i64;
-    let code = code as u64;
+    let code = jump_target(m, PUSH);
     let bytes = m.bytes(code, 4096);
     let insns: Vec<iced_x86::Instruction> =
         iced_x86::Decoder::with_ip(64, &bytes, code, iced_x86::DecoderOptions::NONE)
@@ -2256,8 +2255,11 @@ fn an_event_probe_gets_an_event_detour_and_its_ring_records_become_its_hits() {
         .register(KprobeRequest::event(at("func", 0), "g", "ev", Vec::new()))
         .unwrap();
     assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
-    let target = PUSH as i64 + 5 + i32::from_le_bytes(m.bytes(PUSH + 1, 4).try_into().unwrap()) as i64;
-    assert_ne!(m.bytes(target as u64, 1), [INT3], "an event detour does not trap");
+    assert_ne!(
+        m.bytes(jump_target(&m, PUSH), 1),
+        [INT3],
+        "an event detour does not trap"
+    );
 
     // The guest's detour wrote two records, and one for a probe that never existed.
     let rings = *t.event_rings().unwrap();
@@ -2864,9 +2866,18 @@ fn a_probe_that_records_stacks_traps_in_a_sync_detour_never_an_event_one() {
         })
         .unwrap();
     assert!(t.listing()[0].optimized, "{:?}", t.why_not_optimized(id));
-    let target = PUSH as i64 + 5 + i32::from_le_bytes(m.bytes(PUSH + 1, 4).try_into().unwrap()) as i64;
-    assert_eq!(m.bytes(target as u64, 1), [INT3], "a sync detour starts with its trap");
+    assert_eq!(
+        m.bytes(jump_target(&m, PUSH), 1),
+        [INT3],
+        "a sync detour starts with its trap"
+    );
     t.unregister(id).unwrap();
+}
+
+/// Where the `jmp rel32` the engine wrote at `site` goes: the site's detour.
+fn jump_target(m: &FakeMachine, site: u64) -> u64 {
+    let rel = i32::from_le_bytes(m.bytes(site + 1, 4).try_into().unwrap());
+    (site + 5).wrapping_add_signed(i64::from(rel))
 }
 
 /// The miss-table entry of the event detour at `site`.
