@@ -27,15 +27,22 @@ fn fuzz_targets() -> BTreeSet<String> {
     targets
 }
 
-/// The targets `.ci/run`'s `for target in …; do` loop of the fuzz step runs.
+/// The targets `.ci/run`'s fuzz step runs: its `fuzz_targets=(…)` list, which its
+/// `for target in "${fuzz_targets[@]}"; do` loop goes through.
 fn ci_targets() -> BTreeSet<String> {
     let script = std::fs::read_to_string(repo().join(".ci/run")).expect(".ci/run");
+    assert!(
+        script
+            .lines()
+            .any(|l| l.trim() == r#"for target in "${fuzz_targets[@]}"; do"#),
+        ".ci/run's fuzz step does not loop over fuzz_targets"
+    );
     let line = script
         .lines()
         .map(str::trim)
-        .find(|l| l.starts_with("for target in ") && l.ends_with("; do"))
-        .expect(".ci/run has no `for target in …; do` line (the bounded fuzz step)");
-    line["for target in ".len()..line.len() - "; do".len()]
+        .find(|l| l.starts_with("fuzz_targets=(") && l.ends_with(')'))
+        .expect(".ci/run has no `fuzz_targets=(…)` line (the bounded fuzz step)");
+    line["fuzz_targets=(".len()..line.len() - 1]
         .split_whitespace()
         .map(str::to_string)
         .collect()
