@@ -764,11 +764,12 @@ static void on_signal(int sig)
 /*
  * A kernel booted with `noxsave` (hvprobe's kvm_pvm fix-ups: KVM's emulator
  * cannot run XSAVE at CPL0) saves and restores only the x87/SSE registers of
- * a task, but user mode runs natively there and still sees AVX (CPUID and
- * XCR0 are the host's): the upper halves of YMM/ZMM and the opmask
- * registers would pass from one process to the next. glibc's string
- * functions use them (busybox is static glibc), so keep glibc on its SSE2
- * code.  A program that uses AVX by itself is not covered (README).
+ * a task, but AVX instructions still execute in user mode there, and on
+ * some hosts user mode's CPUID says AVX too: the upper halves of YMM/ZMM and
+ * the opmask registers would pass from one process to the next. glibc's
+ * string functions use them where CPUID says AVX (busybox is static glibc),
+ * so keep glibc on its SSE2 code whatever CPUID says. A program that uses AVX
+ * by itself is not covered (README).
  */
 #define NO_AVX_TUNABLES "GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX,-AVX2,-AVX512F,-AVX512CD," \
 	"-AVX512BW,-AVX512DQ,-AVX512ER,-AVX512PF,-AVX512VL,-AVX_Fast_Unaligned_Load," \

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: MIT OR Apache-2.0
+// hvprobe-cflags: -static -O2 -ffixed-xmm15
 /*
  * hvprobe-vecstate SECONDS: put a pattern in a vector register and spin in user mode for
  * SECONDS, checking it all the while; print "hvprobe-vecstate pid=PID regs=R
@@ -12,8 +13,8 @@
  * (XMM15). CPUID's word is beside it (A: 1 when CPUID says AVX is usable, OSXSAVE and
  * YMM state in XCR0): a kernel that does not switch YMM state (kvm_pvm's noxsave guest)
  * must not tell user mode AVX is usable, but whether user mode can run AVX anyway is up
- * to the host's CPU (a PVM guest's user mode runs with the host's CR4 and XCR0), and
- * that is the register a process could lose.
+ * to the host (on kvm_pvm it can, whatever its CPUID says), and that is the register a
+ * process could lose. Built with -ffixed-xmm15: the compiler leaves XMM15 to the asm.
  */
 #include <cpuid.h>
 #include <setjmp.h>
@@ -98,9 +99,9 @@ int main(int argc, char **argv)
 	void (*get)(uint64_t[2]) = ymm ? read_ymm_upper : read_xmm;
 
 	/*
-	 * Built without -mavx, the C code never writes ymm15 (a VEX-encoded write to xmm15
-	 * would clear the upper half) and uses no floating point; only the asm here touches
-	 * xmm15/ymm15.
+	 * Built without -mavx and with xmm15 fixed, the C code never writes ymm15 (a
+	 * VEX-encoded write to xmm15 would clear the upper half): only the asm here touches
+	 * xmm15/ymm15. Library code (clock_gettime, printf) is musl's, which keeps off it.
 	 */
 	set(pattern);
 	clock_gettime(CLOCK_MONOTONIC, &start);

@@ -180,14 +180,14 @@ fn calls_of_exiting_tasks_never_use_up_maxactive() {
 #[test]
 fn a_guest_process_keeps_its_vector_registers_while_busybox_runs_beside_it() {
     // On kvm_pvm the guest kernel runs with `noxsave` (its emulator cannot run XSAVE) and
-    // switches only x87/SSE state, while user mode runs AVX instructions with the host's
-    // CR4 and XCR0: glibc's string functions in busybox then overwrote (VZEROUPPER) the
-    // YMM upper halves of whatever process shared the CPU; a new process's TLS copy came
-    // out corrupt now and then (a `general protection` in busybox in a storm run,
-    // `dmesg | grep` segfaults before). Whether user mode's CPUID also says AVX is the
-    // host's CPU's business (on hosts with CPUID faulting kvm_pvm answers it from the
-    // guest's CPUID, and it says no), so hvprobe-vecstate checks the widest register an
-    // instruction reaches here: YMM where AVX executes, XMM otherwise.
+    // switches only x87/SSE state, while AVX instructions execute in user mode: where
+    // user mode's CPUID said AVX, glibc's string functions in busybox overwrote
+    // (VZEROUPPER) the YMM upper halves of whatever process shared the CPU; a new
+    // process's TLS copy came out corrupt now and then (a `general protection` in
+    // busybox in a storm run, `dmesg | grep` segfaults before). What user mode's CPUID says depends on the host
+    // (on the Intel host with CPUID faulting of 2026-11-28 it said no AVX while AVX
+    // executed), so hvprobe-vecstate checks the widest register an instruction reaches
+    // here: YMM where AVX executes, XMM otherwise.
     let host_has_avx = std::fs::read_to_string("/proc/cpuinfo")
         .map(|c| c.split_whitespace().any(|w| w == "avx"))
         .unwrap_or(false);
@@ -195,7 +195,9 @@ fn a_guest_process_keeps_its_vector_registers_while_busybox_runs_beside_it() {
     let run = restore_with(
         &dir,
         1,
-        "hvprobe-vecstate 15 & p=$!; \
+        "echo \"noxsave=$(busybox grep -c noxsave /proc/cmdline) \
+         tunables=$(busybox env | busybox grep -c '^GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX,')\"; \
+         hvprobe-vecstate 15 & p=$!; \
          for i in 1 2 3 4 5 6; do busybox grep -c Linux /proc/version; \
          busybox sed -n 1p /proc/version > /dev/null; done; wait $p; echo vecstate-status=$?",
         &[],
@@ -208,9 +210,21 @@ fn a_guest_process_keeps_its_vector_registers_while_busybox_runs_beside_it() {
         .lines()
         .find(|l| l.starts_with("hvprobe-vecstate "))
         .unwrap_or_else(|| panic!("no line from hvprobe-vecstate\n{}", run.tail()));
-    // The guest's user mode runs AVX wherever the host has it (kvm_pvm: the host's own
-    // CR4 and XCR0; kvm_amd: the guest kernel enables XSAVE): the check must be on YMM
-    // there, where busybox's AVX code could reach.
+    // The fix: under a `noxsave` kernel the init keeps glibc (busybox) off its AVX code,
+    // whatever the guest's user-mode CPUID says.
+    let fix = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("noxsave="))
+        .unwrap_or_else(|| panic!("no noxsave= line\n{}", run.tail()));
+    assert!(
+        fix == "noxsave=0 tunables=0" || fix == "noxsave=1 tunables=1",
+        "a noxsave kernel's processes must get glibc's AVX code turned off (and only they): {fix}"
+    );
+    // AVX executes in the guest's user mode wherever the host has it (kvm_pvm: whatever
+    // user mode's CPUID says; kvm_amd: the guest kernel enables XSAVE): the check must be
+    // on YMM there. Whether busybox's glibc would take its AVX code is CPUID's word
+    // (`cpuid-avx=`), so it shows through only where that says 1.
     let regs = line
         .split_whitespace()
         .find_map(|w| w.strip_prefix("regs="))
