@@ -184,10 +184,10 @@ fn a_guest_process_keeps_its_vector_registers_while_busybox_runs_beside_it() {
     // user mode's CPUID said AVX, glibc's string functions in busybox overwrote
     // (VZEROUPPER) the YMM upper halves of whatever process shared the CPU; a new
     // process's TLS copy came out corrupt now and then (a `general protection` in
-    // busybox in a storm run, `dmesg | grep` segfaults before). What user mode's CPUID says depends on the host
-    // (on the Intel host with CPUID faulting of 2026-11-28 it said no AVX while AVX
-    // executed), so hvprobe-vecstate checks the widest register an instruction reaches
-    // here: YMM where AVX executes, XMM otherwise.
+    // busybox in a storm run, `dmesg | grep` segfaults before). What user mode's CPUID
+    // says depends on the host (on the Intel host with CPUID faulting of 2026-11-28 it
+    // said no AVX while AVX executed), so hvprobe-vecstate checks the widest register an
+    // instruction reaches here: YMM where AVX executes, XMM otherwise.
     let host_has_avx = std::fs::read_to_string("/proc/cpuinfo")
         .map(|c| c.split_whitespace().any(|w| w == "avx"))
         .unwrap_or(false);
@@ -225,20 +225,20 @@ fn a_guest_process_keeps_its_vector_registers_while_busybox_runs_beside_it() {
     // user mode's CPUID says; kvm_amd: the guest kernel enables XSAVE): the check must be
     // on YMM there. Whether busybox's glibc would take its AVX code is CPUID's word
     // (`cpuid-avx=`), so it shows through only where that says 1.
-    let regs = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("regs="))
-        .unwrap_or_else(|| panic!("no regs= in {line:?}"));
-    assert!(
-        !host_has_avx || regs == "ymm",
-        "the host has AVX but no AVX instruction executes in the guest's user mode: {line}"
-    );
-    let field = |name: &str| -> u64 {
+    let value = |name: &str| -> &str {
         line.split_whitespace()
             .find_map(|w| w.strip_prefix(name))
-            .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {name} in {line:?}"))
     };
+    let field = |name: &str| -> u64 {
+        value(name)
+            .parse()
+            .unwrap_or_else(|_| panic!("{name} is not a number in {line:?}"))
+    };
+    assert!(
+        !host_has_avx || value("regs=") == "ymm",
+        "the host has AVX but no AVX instruction executes in the guest's user mode: {line}"
+    );
     assert!(field("checks=") > 1000, "hvprobe-vecstate hardly ran: {line}");
     assert_eq!(
         field("clobbered="),
