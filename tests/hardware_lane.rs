@@ -991,6 +991,68 @@ fn the_lane_builds_once_when_four_runs_start_it_together() {
     }
 }
 
+/// `guest/l1/stack-frames` reads a stack `guest/l1/run` saved at an L1's panic: the frames
+/// the CPU pushed for each exception (RIP, CS, RFLAGS, RSP, SS), from the top of the stack
+/// (the first taken) down, each RIP named after the kernel's offset; words that only look
+/// like a frame in part (a kernel CS with a user SS, RFLAGS without its bit 1) are not
+/// frames.
+#[test]
+fn the_panic_dump_reader_lists_a_stacks_exception_frames_first_taken_first() {
+    let dir = std::env::temp_dir().join(format!("hvprobe-stack-frames-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let offset: u64 = 0x2b60_0000;
+    let base: u64 = 0xffff_cfd5_0089_8000;
+    let text = 0xffff_ffff_8100_0000 + offset;
+    let mut words = vec![0u64; 0x4000 / 8];
+    // The first exception, from user mode, at the top; then two taken in the kernel's
+    // fault entry; then one with RFLAGS' bit 1 clear and one with a user SS under a kernel
+    // CS, neither a frame.
+    let frames: [(usize, [u64; 6]); 4] = [
+        (2040, [0x14, 0x40_1000, 0x33, 0x246, 0x7ffc_0000_1000, 0x2b]),
+        (1000, [0x0, text + 0x2007, 0x10, 0x86, base + 0x2010, 0x18]),
+        (500, [0x2, text + 0x1010, 0x10, 0x82, base + 0x1000, 0x18]),
+        (100, [0x0, text + 0x1010, 0x10, 0x80, base + 0x800, 0x18]),
+    ];
+    for (at, frame) in frames {
+        words[at..at + 6].copy_from_slice(&frame);
+    }
+    words[10..16].copy_from_slice(&[0, text + 0x1000, 0x10, 0x82, base, 0x2b]);
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    std::fs::write(dir.join("stack"), bytes).unwrap();
+    std::fs::write(dir.join("stack-base"), format!("{base:#x}\n")).unwrap();
+    std::fs::write(dir.join("kernel-offset"), format!("{offset:#x}\n")).unwrap();
+    let map = dir.join("System.map");
+    std::fs::write(
+        &map,
+        "ffffffff81001000 T error_entry\nffffffff81002000 T exc_page_fault\nffffffff82000000 D jiffies\n",
+    )
+    .unwrap();
+    let out = Command::new(repo().join("guest/l1/stack-frames"))
+        .arg(&dir)
+        .arg(&map)
+        .output()
+        .expect("run guest/l1/stack-frames");
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: Vec<&str> = stdout.lines().skip(1).collect();
+    assert!(stdout.starts_with("3 exception frames"), "{stdout}");
+    assert_eq!(listed.len(), 3, "{stdout}");
+    assert!(
+        listed[0].contains("RIP 0x401000 user mode") && listed[0].contains("error 0x14"),
+        "{stdout}"
+    );
+    assert!(listed[1].contains("exc_page_fault+0x7"), "{stdout}");
+    assert!(
+        listed[2].contains("error_entry+0x10") && listed[2].contains("error 0x2"),
+        "{stdout}"
+    );
+}
+
 // ---- The workspace's own suites, on kvm_amd ----
 
 #[test]
