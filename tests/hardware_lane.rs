@@ -537,6 +537,11 @@ fn run_l1(jobs: &[&Planned], env: L1Env) -> L1Run {
         ))
         .env("HVPROBE_BIN", env!("CARGO_BIN_EXE_hvprobe"))
         .env("HVPROBE_L1_TIMEOUT", timeout.to_string())
+        // An L1 panic's stack and registers, kept for the next one (docs/known-issues.md).
+        .env(
+            "HVPROBE_L1_PANIC_DUMP",
+            Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{mark}-panic")),
+        )
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
