@@ -1058,6 +1058,61 @@ fn the_panic_dump_reader_lists_a_stacks_exception_frames_first_taken_first() {
     );
 }
 
+/// A stack overflow's chain of like frames is listed by its first 12 and last 4 (the lane
+/// keeps only a failure's tail), with the count of those left out.
+#[test]
+fn the_panic_dump_reader_shortens_a_long_chain_to_its_first_and_last_frames() {
+    let dir = std::env::temp_dir().join(format!("hvprobe-stack-chain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base: u64 = 0xffff_cfd5_0089_8000;
+    let mut words = vec![0u64; 0x4000 / 8];
+    for k in 0..30 {
+        let at = 2040 - k * 60;
+        let rip = if k == 0 {
+            0xffff_ffff_8100_1010
+        } else {
+            0xffff_ffff_8100_2007
+        };
+        words[at..at + 6].copy_from_slice(&[0, rip, 0x10, 0x86, base + 8 * at as u64, 0x18]);
+    }
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    std::fs::write(dir.join("stack"), bytes).unwrap();
+    std::fs::write(dir.join("stack-base"), format!("{base:#x}\n")).unwrap();
+    std::fs::write(dir.join("kernel-offset"), "0x0\n").unwrap();
+    let map = dir.join("System.map");
+    std::fs::write(
+        &map,
+        "ffffffff81001000 T error_entry\nffffffff81002000 T exc_page_fault\n",
+    )
+    .unwrap();
+    let out = Command::new(repo().join("guest/l1/stack-frames"))
+        .arg(&dir)
+        .arg(&map)
+        .env_remove("HVPROBE_ALL_FRAMES")
+        .output()
+        .expect("run guest/l1/stack-frames");
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: Vec<&str> = stdout.lines().skip(1).collect();
+    assert!(stdout.starts_with("30 exception frames"), "{stdout}");
+    assert_eq!(listed.len(), 12 + 1 + 4, "{stdout}");
+    assert!(
+        listed[0].contains("error_entry+0x10"),
+        "the first taken first\n{stdout}"
+    );
+    assert!(listed[12].contains("14 more"), "{stdout}");
+    let last_rsp = base + 8 * (2040 - 29 * 60);
+    assert!(
+        listed[16].ends_with(&format!("RSP {last_rsp:#x}")),
+        "the last taken last\n{stdout}"
+    );
+}
+
 // ---- The workspace's own suites, on kvm_amd ----
 
 #[test]
