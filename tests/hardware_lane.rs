@@ -996,6 +996,33 @@ fn the_lane_builds_once_when_four_runs_start_it_together() {
     }
 }
 
+/// `guest/l1/stack-frames` run on a made dump: the 16 KiB stack `words` at `base`, the
+/// kernel `offset` and a System.map of `map`; its listing's lines, the header first.
+fn stack_frames(name: &str, words: &[u64], base: u64, offset: u64, map: &str) -> Vec<String> {
+    let dir = std::env::temp_dir().join(format!("hvprobe-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    std::fs::write(dir.join("stack"), bytes).unwrap();
+    std::fs::write(dir.join("stack-base"), format!("{base:#x}\n")).unwrap();
+    std::fs::write(dir.join("kernel-offset"), format!("{offset:#x}\n")).unwrap();
+    let map_file = dir.join("System.map");
+    std::fs::write(&map_file, map).unwrap();
+    let out = Command::new(repo().join("guest/l1/stack-frames"))
+        .arg(&dir)
+        .arg(&map_file)
+        .env_remove("HVPROBE_ALL_FRAMES")
+        .output()
+        .expect("run guest/l1/stack-frames");
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout.lines().map(str::to_string).collect()
+}
+
 /// `guest/l1/stack-frames` reads a stack `guest/l1/run` saved at an L1's panic: the frames
 /// the CPU pushed for each exception (RIP, CS, RFLAGS, RSP, SS), from the top of the stack
 /// (the first taken) down, each RIP named after the kernel's offset; words that only look
@@ -1003,8 +1030,6 @@ fn the_lane_builds_once_when_four_runs_start_it_together() {
 /// frames.
 #[test]
 fn the_panic_dump_reader_lists_a_stacks_exception_frames_first_taken_first() {
-    let dir = std::env::temp_dir().join(format!("hvprobe-stack-frames-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     let offset: u64 = 0x2b60_0000;
     let base: u64 = 0xffff_cfd5_0089_8000;
     let text = 0xffff_ffff_8100_0000 + offset;
@@ -1022,29 +1047,15 @@ fn the_panic_dump_reader_lists_a_stacks_exception_frames_first_taken_first() {
         words[at..at + 6].copy_from_slice(&frame);
     }
     words[10..16].copy_from_slice(&[0, text + 0x1000, 0x10, 0x82, base, 0x2b]);
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    std::fs::write(dir.join("stack"), bytes).unwrap();
-    std::fs::write(dir.join("stack-base"), format!("{base:#x}\n")).unwrap();
-    std::fs::write(dir.join("kernel-offset"), format!("{offset:#x}\n")).unwrap();
-    let map = dir.join("System.map");
-    std::fs::write(
-        &map,
+    let lines = stack_frames(
+        "stack-frames",
+        &words,
+        base,
+        offset,
         "ffffffff81001000 T error_entry\nffffffff81002000 T exc_page_fault\nffffffff82000000 D jiffies\n",
-    )
-    .unwrap();
-    let out = Command::new(repo().join("guest/l1/stack-frames"))
-        .arg(&dir)
-        .arg(&map)
-        .output()
-        .expect("run guest/l1/stack-frames");
-    let _ = std::fs::remove_dir_all(&dir);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
     );
-    let listed: Vec<&str> = stdout.lines().skip(1).collect();
+    let stdout = lines.join("\n");
+    let listed = &lines[1..];
     assert!(stdout.starts_with("3 exception frames"), "{stdout}");
     assert_eq!(listed.len(), 3, "{stdout}");
     assert!(
@@ -1062,8 +1073,6 @@ fn the_panic_dump_reader_lists_a_stacks_exception_frames_first_taken_first() {
 /// keeps only a failure's tail), with the count of those left out.
 #[test]
 fn the_panic_dump_reader_shortens_a_long_chain_to_its_first_and_last_frames() {
-    let dir = std::env::temp_dir().join(format!("hvprobe-stack-chain-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     let base: u64 = 0xffff_cfd5_0089_8000;
     let mut words = vec![0u64; 0x4000 / 8];
     for k in 0..30 {
@@ -1075,30 +1084,15 @@ fn the_panic_dump_reader_shortens_a_long_chain_to_its_first_and_last_frames() {
         };
         words[at..at + 6].copy_from_slice(&[0, rip, 0x10, 0x86, base + 8 * at as u64, 0x18]);
     }
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    std::fs::write(dir.join("stack"), bytes).unwrap();
-    std::fs::write(dir.join("stack-base"), format!("{base:#x}\n")).unwrap();
-    std::fs::write(dir.join("kernel-offset"), "0x0\n").unwrap();
-    let map = dir.join("System.map");
-    std::fs::write(
-        &map,
+    let lines = stack_frames(
+        "stack-chain",
+        &words,
+        base,
+        0,
         "ffffffff81001000 T error_entry\nffffffff81002000 T exc_page_fault\n",
-    )
-    .unwrap();
-    let out = Command::new(repo().join("guest/l1/stack-frames"))
-        .arg(&dir)
-        .arg(&map)
-        .env_remove("HVPROBE_ALL_FRAMES")
-        .output()
-        .expect("run guest/l1/stack-frames");
-    let _ = std::fs::remove_dir_all(&dir);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
     );
-    let listed: Vec<&str> = stdout.lines().skip(1).collect();
+    let stdout = lines.join("\n");
+    let listed = &lines[1..];
     assert!(stdout.starts_with("30 exception frames"), "{stdout}");
     assert_eq!(listed.len(), 12 + 1 + 4, "{stdout}");
     assert!(
