@@ -429,9 +429,9 @@ fn in_l1(command: &str, env: L1Env) -> Run {
 /// Runs `jobs` one after the other in one L1 with this build's `hvprobe` on its PATH, each
 /// in its own `TMPDIR`, each bounded by [`JOB_TIMEOUT`]. When the L1 kernel itself panics
 /// (seen in about one lane run of fifteen, in the L1's own entry code under QEMU's TCG
-/// emulation of nested SVM: not the code under test, which runs in the L1's guest), or
-/// loses a CPU's timer interrupts from its boot on (its RCU says so; `guest/l1/run` ends it
-/// then), the jobs it did not finish run once more in a new L1, and the reason is printed
+/// emulation of nested SVM: not the code under test, which runs in the L1's guest), loses
+/// a CPU's timer interrupts from its boot on (its RCU says so; `guest/l1/run` ends it
+/// then), or stops running its user space (`guest/l1/run` makes it panic then), the jobs it did not finish run once more in a new L1, and the reason is printed
 /// and counted ([`second_try`]).
 fn in_one_l1(jobs: &[Planned], env: L1Env) -> BTreeMap<String, Run> {
     let mut finished = BTreeMap::new();
@@ -455,7 +455,9 @@ fn in_one_l1(jobs: &[Planned], env: L1Env) -> BTreeMap<String, Run> {
         if left.is_empty() {
             break;
         }
+        // The stall first: an L1 that stopped running its user space is made to panic.
         let sick = [
+            ("has run no user space", "the L1 stopped running its user space"),
             ("Kernel panic - not syncing", "the L1 kernel panicked"),
             (
                 "the L1 kernel lost a CPU's timer",
@@ -1104,6 +1106,45 @@ fn the_panic_dump_reader_shortens_a_long_chain_to_its_first_and_last_frames() {
     assert!(
         listed[16].ends_with(&format!("RSP {last_rsp:#x}")),
         "the last taken last\n{stdout}"
+    );
+}
+
+/// An L1 whose user space stops running (here: its heartbeat stopped by COMMAND; in the
+/// lane once, an L1 busy in its kernel for 47 minutes with no job ending) is made to panic
+/// by an NMI after `HVPROBE_L1_STALL` seconds, and the run fails with the panic's stack
+/// instead of waiting for its timeout.
+#[test]
+fn an_l1_that_stops_running_its_user_space_is_ended_with_its_stack() {
+    // As every lane L1 runs: with the panic dump.
+    let dump = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("hvprobe-stall-{}", std::process::id()));
+    let started = std::time::Instant::now();
+    let out = Command::new(repo().join("guest/l1/run"))
+        .arg("kill -STOP $(cat /run/hvprobe-l1-heartbeat.pid) && echo stopped && sleep 900")
+        .env("HVPROBE_BIN", env!("CARGO_BIN_EXE_hvprobe"))
+        .env("HVPROBE_L1_STALL", "20")
+        .env("HVPROBE_L1_TIMEOUT", "600")
+        .env("HVPROBE_L1_PANIC_DUMP", &dump)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run guest/l1/run");
+    let took = started.elapsed();
+    let registers = std::fs::read_to_string(dump.join("registers")).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dump);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let show = format!("{}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}", out.status);
+    assert!(stdout.contains("stopped"), "COMMAND did not stop the heartbeat\n{show}");
+    assert_eq!(out.status.code(), Some(125), "{show}");
+    assert!(stderr.contains("has run no user space for 20 s"), "{show}");
+    assert!(
+        stderr.contains("Kernel panic - not syncing: NMI"),
+        "the L1 did not answer the NMI with a panic\n{show}"
+    );
+    assert!(stderr.contains("Call Trace"), "the panic named no stack\n{show}");
+    assert!(registers.contains("RIP="), "no registers saved\n{show}");
+    assert!(
+        took < Duration::from_secs(400),
+        "took {took:?}, not ended at the stall\n{show}"
     );
 }
 
