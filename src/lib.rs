@@ -16,5 +16,6 @@ pub mod sampler;
 pub mod session;
 pub mod shares;
 pub mod trace;
+pub mod where_stopped;
 
 pub use hvprobe_vmm as vmm;

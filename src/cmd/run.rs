@@ -175,6 +175,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             tasks,
         )
     });
+    let memory = vm.memory().clone();
     let outcome = vm.run(session.handler())?;
     let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
     let finish_failed = session.finish().err();
@@ -208,6 +209,13 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         exit_summary(&outcome),
     );
     report_refused_ool_writes(&outcome);
+    if crate::where_stopped::wanted(&outcome.reason) {
+        let symbols = introspection.as_ref().ok().and_then(|k| k.first()).map(|k| &k.table);
+        eprint!(
+            "{}",
+            crate::where_stopped::report(&outcome.vcpus_at_stop, &memory, symbols)
+        );
+    }
     let introspection_failed = match &introspection {
         Ok(kernels) => {
             for k in kernels {

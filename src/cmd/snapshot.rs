@@ -11,8 +11,10 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::{live_memory, load_symbols, SymbolsFrom, TaskContext};
 use hvprobe_vmm::{ConsoleLog, ConsoleOutput, DiskConfig, StopReason, Vm, VmConfig, VmOutcome};
+use vm_memory::GuestMemoryMmap;
 
 use crate::cli::CreateArgs;
 use crate::guest::{initrd_with_workload, workload_message, MachineFiles, WAIT_OPTION};
@@ -117,6 +119,10 @@ pub(crate) struct Restored {
     /// From the start of the restore to the guest's "workload started" event.
     pub(crate) to_workload_started: Option<Duration>,
     pub(crate) total: Duration,
+    /// The guest's memory and, when the run read them, its kernel's symbols: where its
+    /// vCPUs stopped is named with them ([`crate::where_stopped`]).
+    pub(crate) memory: GuestMemoryMmap,
+    pub(crate) symbols: Option<SymbolTable>,
 }
 
 pub(crate) fn restore_and_run(
@@ -149,6 +155,7 @@ pub(crate) fn restore_and_run(
         vm.feed_stdin_to_console();
     }
     let session = RunSession::start(trace, &vm)?;
+    let mut table = None;
     if session.needs_kernel() {
         // The restored guest's own kallsyms name its symbols: no file has to match it.
         let state = vm.vcpu_state(0)?;
@@ -164,6 +171,7 @@ pub(crate) fn restore_and_run(
                 };
                 session.kernel_up(vm.control(), &state, &symbols, tasks)?;
                 session.arm()?;
+                table = Some(symbols);
             }
             Err(e) if !session.requires_kernel() => session.symbols_unavailable(e.to_string()),
             Err(e) => return Err(e.into()),
@@ -172,9 +180,12 @@ pub(crate) fn restore_and_run(
     vm.send_console_input(workload_message(workload));
     let console = vm.console_log();
     let control = vm.control();
+    let memory = vm.memory().clone();
     let outcome = vm.run(session.handler())?;
     session.finish()?;
     Ok(Restored {
+        memory,
+        symbols: table,
         outcome,
         console,
         to_first_entry: control.first_entry().map(|t| t - started),
@@ -205,6 +216,19 @@ pub fn run_restored(
         crate::cmd::run::exit_summary(&r.outcome),
     );
     crate::cmd::run::report_refused_ool_writes(&r.outcome);
+    if crate::where_stopped::wanted(&r.outcome.reason) {
+        // A run without probes read no symbols: the guest's kallsyms name the places now.
+        let symbols = r.symbols.or_else(|| {
+            let state = &r.outcome.vcpus_at_stop.first()?.state;
+            load_symbols(&SymbolsFrom::Kallsyms, &live_memory(&r.memory, state), state.lstar)
+                .map(|k| k.table)
+                .ok()
+        });
+        eprint!(
+            "{}",
+            crate::where_stopped::report(&r.outcome.vcpus_at_stop, &r.memory, symbols.as_ref())
+        );
+    }
     match r.outcome.reason {
         StopReason::GuestExit(status) => Ok(ExitCode::from(status)),
         StopReason::Signal(sig) => Ok(ExitCode::from(crate::session::exit_status_for_signal(sig))),

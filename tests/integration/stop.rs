@@ -1,6 +1,6 @@
 //! SIGINT and SIGTERM during a busy trace stop hvprobe the way the guest's own end does:
 //! every probe removed, every hit taken printed, the listing and the summary on stderr,
-//! and the exit status 128 + the signal's number.
+//! where the vCPUs were, and the exit status 128 + the signal's number.
 
 use crate::common;
 
@@ -103,6 +103,15 @@ fn stop_a_busy_trace_with(signal: i32, expected_status: i32) {
     );
     assert!(stderr.contains("hvprobe: probe hits "), "the summary\n{tail}");
     assert!(stderr.contains("stopped by signal"), "{tail}");
+    // Where the guest was: its one vCPU, named from the kallsyms the probes were placed
+    // with, through its own page tables.
+    let at: Vec<&str> = stderr.lines().filter(|l| l.starts_with("hvprobe: vCPU ")).collect();
+    assert_eq!(at.len(), 1, "one line per vCPU\n{tail}");
+    assert!(at[0].starts_with("hvprobe: vCPU 0 stopped in "), "{tail}");
+    assert!(at[0].contains(", bytes "), "its RIP is mapped\n{tail}");
+    if at[0].contains("in kernel mode") {
+        assert!(at[0].contains("+0x"), "a kernel RIP is named\n{tail}");
+    }
 }
 
 #[test]

@@ -33,7 +33,7 @@ pub use snapshot::{snapshot_cache_name, snapshot_disks, SnapshotError, SnapshotI
 pub use vcpu::exit_regs;
 pub use vcpu::{
     set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PauseTimeout, PausedVcpus,
-    StopReason, StuckVcpu, VcpuActivity, VcpuControl, VcpuState, DEFAULT_PAUSE_DEADLINE,
+    PendingException, StopReason, StuckVcpu, VcpuActivity, VcpuAtStop, VcpuControl, VcpuState, DEFAULT_PAUSE_DEADLINE,
 };
 pub use virtio::block::{DiskConfig, DiskError};
 pub use virtio::fs::{FsConfig, FsError};

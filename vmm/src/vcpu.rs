@@ -13,7 +13,7 @@ mod stop;
 pub use control::{PauseTimeout, PausedVcpus, StuckVcpu, VcpuActivity, VcpuControl, DEFAULT_PAUSE_DEADLINE};
 pub use handler::{set_guest_debug, BreakpointDisposition, DebugHandler, NoProbes};
 pub use runner::{ExitCounters, VcpuRunner};
-pub use state::VcpuState;
+pub use state::{PendingException, VcpuAtStop, VcpuState};
 pub use stop::StopReason;
 
 use control::*;

@@ -120,6 +120,9 @@ pub struct VmOutcome {
     pub ool_writes_refused: u64,
     /// `None` for a code blob.
     pub kernel_format: Option<KernelFormat>,
+    /// Each vCPU as the run left it (one whose thread was lost, or whose state KVM would
+    /// not give, is missing).
+    pub vcpus_at_stop: Vec<crate::VcpuAtStop>,
 }
 
 pub struct Vm {
@@ -417,9 +420,16 @@ impl Vm {
                 }
             }
         }
+        let mut vcpus_at_stop = Vec::new();
         for (cpu, t) in threads.into_iter().enumerate() {
             match t.join() {
-                Ok(vcpu) => self.vcpus.push(vcpu),
+                Ok(vcpu) => {
+                    match crate::VcpuAtStop::read(cpu, &vcpu) {
+                        Ok(at_stop) => vcpus_at_stop.push(at_stop),
+                        Err(e) => tracing::warn!("vCPU {cpu}'s state at the stop: {e}"),
+                    }
+                    self.vcpus.push(vcpu)
+                }
                 // A panic outside the exit loop (which catches its own); the thread's
                 // registration already stopped the VM, and its vCPU is lost.
                 Err(_) => control.stop(StopReason::VcpuError {
@@ -449,6 +459,7 @@ impl Vm {
             kvm_exits: counters.kvm_exits.load(std::sync::atomic::Ordering::Relaxed),
             ool_writes_refused: counters.ool_writes_refused.load(std::sync::atomic::Ordering::Relaxed),
             kernel_format: self.kernel_format,
+            vcpus_at_stop,
         })
     }
 }

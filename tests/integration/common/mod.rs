@@ -57,7 +57,12 @@ impl Run {
     }
 }
 
-/// Runs `hvprobe ARGS` and kills it after `timeout`.
+/// How long a run stopped at its deadline by SIGTERM has to stop cleanly (and say where
+/// its vCPUs were) before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(20);
+
+/// Runs `hvprobe ARGS`; after `timeout` stops it with SIGTERM (it then says where each
+/// vCPU was: the failure shows where the guest hung), and kills it [`STOP_GRACE`] later.
 pub fn hvprobe(args: &[&str], timeout: Duration) -> Run {
     let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
         .args(args)
@@ -79,11 +84,17 @@ pub fn hvprobe(args: &[&str], timeout: Duration) -> Run {
         s
     });
     let deadline = Instant::now() + timeout;
+    let mut terminated = false;
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait for hvprobe") {
-            break Some(status);
+            break (!terminated).then_some(status);
         }
-        if Instant::now() > deadline {
+        if !terminated && Instant::now() > deadline {
+            // SAFETY: kill(2) on our own child's pid, not yet waited for; no memory involved.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            terminated = true;
+        }
+        if Instant::now() > deadline + STOP_GRACE {
             let _ = child.kill();
             let _ = child.wait();
             break None;

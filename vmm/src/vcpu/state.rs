@@ -75,3 +75,101 @@ impl VcpuState {
         self.sregs.cs.selector & 3 == 0
     }
 }
+
+/// A vCPU as a run left it: its state and the exception KVM was delivering to it. Read
+/// after its thread left KVM_RUN for the last time, so a run stopped from outside (a
+/// signal, a deadline) can say where the guest was.
+#[derive(Clone, Copy, Debug)]
+pub struct VcpuAtStop {
+    pub cpu: usize,
+    pub state: VcpuState,
+    pub exception: Option<PendingException>,
+}
+
+/// An exception KVM had queued or was injecting (`KVM_GET_VCPU_EVENTS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingException {
+    pub vector: u8,
+    pub error_code: Option<u32>,
+}
+
+impl VcpuAtStop {
+    pub fn read(cpu: usize, vcpu: &VcpuFd) -> Result<VcpuAtStop, Error> {
+        let events = vcpu.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+        Ok(VcpuAtStop {
+            cpu,
+            state: VcpuState::read(vcpu)?,
+            exception: PendingException::of(&events),
+        })
+    }
+}
+
+impl PendingException {
+    pub fn of(events: &kvm_bindings::kvm_vcpu_events) -> Option<PendingException> {
+        let e = &events.exception;
+        (e.injected != 0 || e.pending != 0).then_some(PendingException {
+            vector: e.nr,
+            error_code: (e.has_error_code != 0).then_some(e.error_code),
+        })
+    }
+}
+
+impl std::fmt::Display for PendingException {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const NAMES: [&str; 21] = [
+            "#DE",
+            "#DB",
+            "NMI",
+            "#BP",
+            "#OF",
+            "#BR",
+            "#UD",
+            "#NM",
+            "#DF",
+            "vector 9",
+            "#TS",
+            "#NP",
+            "#SS",
+            "#GP",
+            "#PF",
+            "vector 15",
+            "#MF",
+            "#AC",
+            "#MC",
+            "#XM",
+            "#VE",
+        ];
+        match NAMES.get(usize::from(self.vector)) {
+            Some(name) => write!(f, "{name}")?,
+            None => write!(f, "vector {}", self.vector)?,
+        }
+        if let Some(code) = self.error_code {
+            write!(f, " (error code {code:#x})")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exception_kvm_was_delivering_is_named_with_its_error_code() {
+        let mut events = kvm_bindings::kvm_vcpu_events::default();
+        assert_eq!(PendingException::of(&events), None);
+        events.exception.injected = 1;
+        events.exception.nr = 14;
+        events.exception.has_error_code = 1;
+        events.exception.error_code = 0x10;
+        let e = PendingException::of(&events).unwrap();
+        assert_eq!(e.to_string(), "#PF (error code 0x10)");
+        events.exception.injected = 0;
+        events.exception.pending = 1;
+        events.exception.nr = 3;
+        events.exception.has_error_code = 0;
+        assert_eq!(PendingException::of(&events).unwrap().to_string(), "#BP");
+        events.exception.nr = 200;
+        assert_eq!(PendingException::of(&events).unwrap().to_string(), "vector 200");
+    }
+}
