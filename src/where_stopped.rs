@@ -98,14 +98,7 @@ mod tests {
     }
 
     fn at(rip: u64, kernel: bool, exception: Option<PendingException>) -> VcpuAtStop {
-        let mut state = VcpuState {
-            regs: Default::default(),
-            sregs: Default::default(),
-            lstar: 0,
-            kernel_gs_base: 0,
-            kvm_system_time: 0,
-            tsc: None,
-        };
+        let mut state = VcpuState::default();
         state.regs.rip = rip;
         state.sregs.cs.selector = if kernel { 0x10 } else { 0x33 };
         state.sregs.cr3 = 0x1000;

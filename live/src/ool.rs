@@ -299,14 +299,7 @@ mod tests {
             "{text:016x} T _text\n{init_top_pgt:016x} D init_top_pgt\n{end:016x} B _end\n"
         ))
         .unwrap();
-        let mut state = VcpuState {
-            regs: Default::default(),
-            sregs: Default::default(),
-            lstar: 0,
-            kernel_gs_base: 0,
-            kvm_system_time: 0,
-            tsc: None,
-        };
+        let mut state = VcpuState::default();
         state.sregs.cr3 = process.pml4;
         state.sregs.cr4 = 0x20; // PAE, no LA57: 4-level paging
 

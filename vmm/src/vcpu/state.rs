@@ -7,8 +7,8 @@ use kvm_ioctls::VcpuFd;
 
 use crate::{kvm_err, Error};
 
-/// What a parked vCPU publishes about itself.
-#[derive(Clone, Copy, Debug)]
+/// What a parked vCPU publishes about itself. (`Default`: all zero, for tests' made states.)
+#[derive(Clone, Copy, Debug, Default)]
 pub struct VcpuState {
     pub regs: kvm_regs,
     pub sregs: kvm_sregs,
