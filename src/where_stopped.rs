@@ -4,18 +4,16 @@
 //! there, and the exception KVM was delivering. On hardware KVM this names an L2 that
 //! loops on an exception its L1's KVM keeps injecting (docs/known-issues.md).
 //!
-//! Reads the guest's page tables and 16 bytes per vCPU: bounded by the vCPU count.
+//! The guest's memory is read by [`hvprobe_introspection::place`]: one walk and 16 bytes
+//! per vCPU.
 
 use hvprobe_arch::Gva;
-use hvprobe_introspection::memory::GuestVirtRead;
+use hvprobe_introspection::place::{place, Code};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::live_memory;
 use hvprobe_probes::output::escape_guest_text;
 use hvprobe_vmm::{StopReason, VcpuAtStop};
 use vm_memory::GuestMemoryMmap;
-
-/// Bytes shown at each vCPU's RIP: the longest x86 instruction is 15.
-const BYTES_AT_RIP: usize = 16;
 
 /// Whether a run that ended for `reason` gets the report: when the guest did not end it
 /// itself, its vCPUs' places are the only account of what it was doing.
@@ -42,24 +40,20 @@ fn describe(v: &VcpuAtStop, mem: &GuestMemoryMmap, symbols: Option<&SymbolTable>
         v.cpu,
         if kernel { "kernel" } else { "user" }
     );
-    if kernel {
-        match symbols.and_then(|t| t.describe(Gva(rip))) {
-            Some(d) => line.push_str(&format!(" {}", escape_guest_text(&d.to_string()))),
-            None if symbols.is_some() => line.push_str(" (no kernel symbol)"),
-            None => {}
-        }
-    }
     // The vCPU's own page tables: what it ran through.
-    let paged = live_memory(mem, &v.state);
-    match paged.translate(Gva(rip)) {
-        Ok(t) => {
-            if !t.permissions.executable {
+    let at = place(&live_memory(mem, &v.state), symbols, Gva(rip), kernel);
+    match (&at.symbol, kernel && symbols.is_some()) {
+        (Some(name), _) => line.push_str(&format!(" {}", escape_guest_text(name))),
+        (None, true) => line.push_str(" (no kernel symbol)"),
+        (None, false) => {}
+    }
+    match at.code {
+        Code::Mapped { executable, bytes } => {
+            if !executable {
                 line.push_str(", mapped not executable");
             }
-            let n = usize::try_from(t.bytes_to_page_end()).map_or(BYTES_AT_RIP, |n| n.min(BYTES_AT_RIP));
-            let mut bytes = vec![0u8; n];
-            match paged.read_virt(Gva(rip), &mut bytes) {
-                Ok(()) => {
+            match bytes {
+                Ok(bytes) => {
                     line.push_str(", bytes");
                     for b in bytes {
                         line.push_str(&format!(" {b:02x}"));
@@ -68,7 +62,7 @@ fn describe(v: &VcpuAtStop, mem: &GuestMemoryMmap, symbols: Option<&SymbolTable>
                 Err(e) => line.push_str(&format!(", bytes unreadable: {e}")),
             }
         }
-        Err(e) => line.push_str(&format!(", not mapped by its page tables: {e}")),
+        Code::Unmapped(e) => line.push_str(&format!(", not mapped by its page tables: {e}")),
     }
     if let Some(e) = v.exception {
         line.push_str(&format!("; KVM was delivering {e}"));

@@ -7,7 +7,8 @@
 //! 5-level root above the 4-level one. Input: `[mode/MAXPHYADDR: u8] [CR3 low bits: u16]
 //! [4 addresses: u64 each] [read lengths: 4 x u16]`, then patches into the tables' and
 //! data frames (see `guest_common.rs`). Checked: no panic; a translation lands in the page
-//! it names and a read of a translated range returns the bytes of its frames.
+//! it names and a read of a translated range returns the bytes of its frames; a vCPU's
+//! place there (`hvprobe_introspection::place`) is mapped exactly when the walk translates.
 #![no_main]
 
 #[path = "guest_common.rs"]
@@ -17,6 +18,7 @@ use guest_common::Input;
 use hvprobe_arch::paging::{PageWalker, PagingMode, PhysRead};
 use hvprobe_arch::{Gpa, Gva};
 use hvprobe_introspection::memory::{GuestVirtRead, PagedGuestMemory, SparseMemory};
+use hvprobe_introspection::place::{place, Code, BYTES_AT_RIP};
 use libfuzzer_sys::fuzz_target;
 
 /// Guest-physical memory: a sparse memory addressed by GPA.
@@ -124,5 +126,14 @@ fuzz_target!(|data: &[u8]| {
         }
         let mut buf = vec![0u8; len];
         let _ = guest.read_virt(Gva(addr), &mut buf);
+        // A vCPU's place at the address (a run stopped from outside reports it): mapped
+        // exactly when the walk translates, never more than its bytes.
+        match place(&guest, None, Gva(addr), true).code {
+            Code::Mapped { bytes, .. } => {
+                assert!(guest.translate(Gva(addr)).is_ok());
+                assert!(bytes.map_or(0, |b| b.len()) <= BYTES_AT_RIP);
+            }
+            Code::Unmapped(_) => assert!(guest.translate(Gva(addr)).is_err()),
+        }
     }
 });

@@ -11,6 +11,7 @@ pub mod dwarf;
 pub mod facts;
 pub mod memory;
 pub mod modules;
+pub mod place;
 pub mod stacks;
 pub mod symbols;
 pub mod task;
