@@ -431,8 +431,9 @@ fn in_l1(command: &str, env: L1Env) -> Run {
 /// (seen in about one lane run of fifteen, in the L1's own entry code under QEMU's TCG
 /// emulation of nested SVM: not the code under test, which runs in the L1's guest), loses
 /// a CPU's timer interrupts from its boot on (its RCU says so; `guest/l1/run` ends it
-/// then), or stops running its user space (`guest/l1/run` makes it panic then), the jobs it did not finish run once more in a new L1, and the reason is printed
-/// and counted ([`second_try`]).
+/// then), or stops running its user space (`guest/l1/run` makes it panic then), the jobs
+/// it did not finish run once more in a new L1, and the reason is printed and counted
+/// ([`second_try`]).
 fn in_one_l1(jobs: &[Planned], env: L1Env) -> BTreeMap<String, Run> {
     let mut finished = BTreeMap::new();
     let mut left: Vec<&Planned> = jobs.iter().collect();
