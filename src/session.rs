@@ -209,6 +209,12 @@ impl RunSession {
         self.probes.as_ref().and_then(|p| p.failure())
     }
 
+    /// The name of what hvprobe keeps in the guest at `at` (a detour, an out-of-line copy),
+    /// while the probes are still there: for the report of where a stopped vCPU was.
+    pub fn hvprobe_code_at(&self, at: hvprobe_arch::Gva) -> Option<String> {
+        Some(self.probes.as_ref()?.out_of_line_place(at)?.to_string())
+    }
+
     /// After the run: the last hits, the listing and the engine's counters, every probe
     /// removed; then the SHA-256 of the kernel's text, when asked for and the kernel was
     /// ever up.

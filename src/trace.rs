@@ -234,6 +234,12 @@ fn event_matches(pattern: &str, group: &str, event: &str) -> bool {
 }
 
 impl TraceSession {
+    /// What hvprobe keeps in the guest at `at` (a detour, an out-of-line copy), if the
+    /// engine is attached and the address is its out-of-line area.
+    pub fn out_of_line_place(&self, at: hvprobe_arch::Gva) -> Option<hvprobe_probes::engine::OutOfLinePlace> {
+        self.handler.tracer()?.out_of_line_place(at)
+    }
+
     /// Parses the probe file (if any) and starts the printer. Nothing touches the guest yet.
     /// `optimize` is the run's choice (`options.optimize` or the backend's default).
     pub fn new(options: &crate::session::TraceOptions, optimize: bool, vm: &Vm) -> Result<TraceSession, SessionError> {

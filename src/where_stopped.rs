@@ -5,7 +5,8 @@
 //! loops on an exception its L1's KVM keeps injecting (docs/known-issues.md).
 //!
 //! The guest's memory is read by [`hvprobe_introspection::place`]: one walk and 16 bytes
-//! per vCPU.
+//! per vCPU. A vCPU in hvprobe's own code (a detour, an out-of-line copy) is named by the
+//! probe engine, asked before the run's probes are removed ([`HvprobeCode`]).
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::place::{place, Code};
@@ -13,6 +14,7 @@ use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_live::live_memory;
 use hvprobe_probes::output::escape_guest_text;
 use hvprobe_vmm::{StopReason, VcpuAtStop};
+use std::collections::BTreeMap;
 use vm_memory::GuestMemoryMmap;
 
 /// Whether a run that ended for `reason` gets the report: when the guest did not end it
@@ -24,15 +26,37 @@ pub fn wanted(reason: &StopReason) -> bool {
     )
 }
 
+/// What of hvprobe's own code in the guest each stopped vCPU's RIP is in, by RIP: taken
+/// while the probe engine still knows it (before the run's probes are removed).
+#[derive(Debug, Default)]
+pub struct HvprobeCode(BTreeMap<u64, String>);
+
+impl HvprobeCode {
+    /// `name(RIP)` for each vCPU's RIP: the engine's name of what it keeps there, if anything.
+    pub fn of(vcpus: &[VcpuAtStop], name: impl Fn(Gva) -> Option<String>) -> HvprobeCode {
+        HvprobeCode(
+            vcpus
+                .iter()
+                .filter_map(|v| Some((v.state.regs.rip, name(Gva(v.state.regs.rip))?)))
+                .collect(),
+        )
+    }
+}
+
 /// One line per vCPU, each starting `hvprobe: vCPU N stopped`.
-pub fn report(vcpus: &[VcpuAtStop], mem: &GuestMemoryMmap, symbols: Option<&SymbolTable>) -> String {
+pub fn report(
+    vcpus: &[VcpuAtStop],
+    mem: &GuestMemoryMmap,
+    symbols: Option<&SymbolTable>,
+    ours: &HvprobeCode,
+) -> String {
     vcpus
         .iter()
-        .map(|v| format!("hvprobe: {}\n", describe(v, mem, symbols)))
+        .map(|v| format!("hvprobe: {}\n", describe(v, mem, symbols, ours)))
         .collect()
 }
 
-fn describe(v: &VcpuAtStop, mem: &GuestMemoryMmap, symbols: Option<&SymbolTable>) -> String {
+fn describe(v: &VcpuAtStop, mem: &GuestMemoryMmap, symbols: Option<&SymbolTable>, ours: &HvprobeCode) -> String {
     let rip = v.state.regs.rip;
     let kernel = v.state.in_kernel_mode();
     let mut line = format!(
@@ -42,10 +66,11 @@ fn describe(v: &VcpuAtStop, mem: &GuestMemoryMmap, symbols: Option<&SymbolTable>
     );
     // The vCPU's own page tables: what it ran through.
     let at = place(&live_memory(mem, &v.state), symbols, Gva(rip), kernel);
-    match (&at.symbol, kernel && symbols.is_some()) {
-        (Some(name), _) => line.push_str(&format!(" {}", escape_guest_text(name))),
-        (None, true) => line.push_str(" (no kernel symbol)"),
-        (None, false) => {}
+    match (ours.0.get(&rip), &at.symbol, kernel && symbols.is_some()) {
+        (Some(code), _, _) => line.push_str(&format!(" in {code}")),
+        (None, Some(name), _) => line.push_str(&format!(" {}", escape_guest_text(name))),
+        (None, None, true) => line.push_str(" (no kernel symbol)"),
+        (None, None, false) => {}
     }
     match at.code {
         Code::Mapped { executable, bytes } => {
@@ -109,7 +134,12 @@ mod tests {
         let mem = memory();
         let symbols =
             SymbolTable::parse_system_map("ffffffff81000000 T default_idle\nffffffff81000100 T next\n").unwrap();
-        let said = report(&[at(TEXT + 1, true, None)], &mem, Some(&symbols));
+        let said = report(
+            &[at(TEXT + 1, true, None)],
+            &mem,
+            Some(&symbols),
+            &HvprobeCode::default(),
+        );
         assert_eq!(
             said,
             "hvprobe: vCPU 1 stopped in kernel mode at RIP 0xffffffff81000001 default_idle+0x1/0x100, bytes f4 00 00 00 00 \
@@ -121,13 +151,38 @@ mod tests {
             vector: 14,
             error_code: Some(0x10),
         };
-        let said = report(&[at(0xffff_ffff_c041_edcc, true, Some(fault))], &mem, Some(&symbols));
+        let said = report(
+            &[at(0xffff_ffff_c041_edcc, true, Some(fault))],
+            &mem,
+            Some(&symbols),
+            &HvprobeCode::default(),
+        );
         assert!(said.starts_with("hvprobe: vCPU 1 stopped in kernel mode at RIP 0xffffffffc041edcc (no kernel symbol), not mapped by its page tables: "), "{said}");
         assert!(said.ends_with("; KVM was delivering #PF (error code 0x10)\n"), "{said}");
         // User mode: no kernel symbol is looked for; without symbols none is promised.
-        let said = report(&[at(0x40_1000, false, None)], &mem, None);
+        let said = report(&[at(0x40_1000, false, None)], &mem, None, &HvprobeCode::default());
         assert!(
             said.starts_with("hvprobe: vCPU 1 stopped in user mode at RIP 0x401000, not mapped"),
+            "{said}"
+        );
+    }
+
+    /// hvprobe's own code is named as the engine names it, before any kernel symbol (the
+    /// lane's SIGTERM test stopped a vCPU in an event detour: "no kernel symbol" before).
+    #[test]
+    fn a_vcpu_in_hvprobes_code_is_named_by_the_engine() {
+        let mem = memory();
+        let symbols = SymbolTable::parse_system_map("ffffffff81000000 T default_idle\n").unwrap();
+        let vcpus = [at(TEXT + 1, true, None)];
+        let ours = HvprobeCode::of(&vcpus, |rip| {
+            (rip == Gva(TEXT + 1)).then(|| "hvprobe's event detour for vfs_read+0x0/0x1c0 (t/vfs_read)".to_string())
+        });
+        let said = report(&vcpus, &mem, Some(&symbols), &ours);
+        assert!(
+            said.starts_with(
+                "hvprobe: vCPU 1 stopped in kernel mode at RIP 0xffffffff81000001 in hvprobe's event detour for \
+                 vfs_read+0x0/0x1c0 (t/vfs_read), bytes f4"
+            ),
             "{said}"
         );
     }
@@ -135,7 +190,7 @@ mod tests {
     #[test]
     fn the_bytes_stop_at_the_end_of_a_mapped_page() {
         let mem = memory();
-        let said = report(&[at(TEXT + 0xffe, true, None)], &mem, None);
+        let said = report(&[at(TEXT + 0xffe, true, None)], &mem, None, &HvprobeCode::default());
         assert!(said.ends_with(", bytes 00 00\n"), "{said}");
     }
 

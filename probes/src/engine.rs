@@ -51,6 +51,7 @@ mod events;
 mod hit;
 mod modules;
 mod optimize;
+mod out_of_line;
 mod placement;
 mod registry;
 mod returns;
@@ -65,6 +66,7 @@ mod watch;
 
 pub use event_rings::EventSetupError;
 pub use optimize::WhyNotOptimized;
+pub use out_of_line::OutOfLinePlace;
 pub use placement::resolve_symbol;
 pub use sites::{PatchSite, PatchSiteKind, PatchSites, PatchSitesError, MAX_SITE_TABLE_BYTES};
 

@@ -178,6 +178,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let memory = vm.memory().clone();
     let outcome = vm.run(session.handler())?;
     let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
+    let hvprobe_code = crate::where_stopped::HvprobeCode::of(&outcome.vcpus_at_stop, |at| session.hvprobe_code_at(at));
     let finish_failed = session.finish().err();
     if let Some(e) = &finish_failed {
         eprintln!("hvprobe: error: {e}");
@@ -213,7 +214,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let symbols = introspection.as_ref().ok().and_then(|k| k.first()).map(|k| &k.table);
         eprint!(
             "{}",
-            crate::where_stopped::report(&outcome.vcpus_at_stop, &memory, symbols)
+            crate::where_stopped::report(&outcome.vcpus_at_stop, &memory, symbols, &hvprobe_code)
         );
     }
     let introspection_failed = match &introspection {

@@ -123,6 +123,8 @@ pub(crate) struct Restored {
     /// vCPUs stopped is named with them ([`crate::where_stopped`]).
     pub(crate) memory: GuestMemoryMmap,
     pub(crate) symbols: Option<SymbolTable>,
+    /// What of hvprobe's code in the guest the vCPUs stopped in, named before the probes went.
+    pub(crate) hvprobe_code: crate::where_stopped::HvprobeCode,
 }
 
 pub(crate) fn restore_and_run(
@@ -182,9 +184,11 @@ pub(crate) fn restore_and_run(
     let control = vm.control();
     let memory = vm.memory().clone();
     let outcome = vm.run(session.handler())?;
+    let hvprobe_code = crate::where_stopped::HvprobeCode::of(&outcome.vcpus_at_stop, |at| session.hvprobe_code_at(at));
     session.finish()?;
     Ok(Restored {
         memory,
+        hvprobe_code,
         symbols: table,
         outcome,
         console,
@@ -226,7 +230,7 @@ pub fn run_restored(
         });
         eprint!(
             "{}",
-            crate::where_stopped::report(&r.outcome.vcpus_at_stop, &r.memory, symbols.as_ref())
+            crate::where_stopped::report(&r.outcome.vcpus_at_stop, &r.memory, symbols.as_ref(), &r.hvprobe_code)
         );
     }
     match r.outcome.reason {

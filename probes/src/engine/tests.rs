@@ -1885,6 +1885,36 @@ fn an_optimized_probe_jumps_to_a_sync_detour_and_a_hit_takes_one_exit() {
     assert_eq!(m.bytes(FUNC, 0x20), original, "the text is as it was");
 }
 
+/// A vCPU stopped in the out-of-line area is in hvprobe's code: the engine names what is
+/// there (the lane's SIGTERM test stopped a vCPU in an event detour, which the report of
+/// where it stopped called "no kernel symbol").
+#[test]
+fn an_address_in_a_detour_is_named_with_its_site_and_probes() {
+    let m = FakeMachine::with_code();
+    let t = optimizing(&m);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let id = t.register(recording_probe(&seen)).unwrap();
+    let place = t.out_of_line_place(Gva(DETOUR + 3)).expect("in the area");
+    assert_eq!(
+        place.to_string(),
+        "hvprobe's sync detour for func+0x5/0x40 (test/opt)",
+        "{place:?}"
+    );
+    assert_eq!(t.out_of_line_place(Gva(FUNC)), None, "the kernel's text is not ours");
+    // The site's instruction copy, for the int3 the site takes while it is not optimized.
+    assert_eq!(
+        t.out_of_line_place(Gva(OOL + 2)),
+        Some(OutOfLinePlace::Copy {
+            site: "func+0x5/0x40".into(),
+            events: vec!["test/opt".into()]
+        })
+    );
+    assert_eq!(t.out_of_line_place(Gva(OOL + 0x800)), Some(OutOfLinePlace::Unused));
+    t.unregister(id).unwrap();
+    // No vCPU was in it (none parked there, none on a stack): given back.
+    assert_eq!(t.out_of_line_place(Gva(DETOUR)), Some(OutOfLinePlace::Unused));
+}
+
 #[test]
 fn the_switch_off_puts_the_int3_back_and_on_puts_the_jump_back() {
     let m = FakeMachine::with_code();
