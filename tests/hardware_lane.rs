@@ -407,6 +407,47 @@ fn in_l1s_one_after_another(share: &[&Job]) -> BTreeMap<String, Run> {
     finished
 }
 
+/// The `hvprobe` the L1s run, their jobs' tests included: the release build, made current
+/// here once per run of this test binary before any L1 starts (`cargo build --release`;
+/// nothing to do after the README's set-up command, about a minute when this workspace's
+/// code changed since). TCG emulates hvprobe's own code in the L1 as it does the L2's
+/// kernel: the probe oracle's job took 289 s there with it against 426 s with the tests'
+/// debug build (docs/testing.md). Under `cargo test --release` that is this build's.
+fn lane_hvprobe() -> &'static Path {
+    static HVPROBE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    HVPROBE.get_or_init(|| {
+        let this_build = PathBuf::from(env!("CARGO_BIN_EXE_hvprobe"));
+        if !cfg!(debug_assertions) {
+            return this_build;
+        }
+        // TARGET/debug/hvprobe: the release build goes to TARGET/release.
+        let target = this_build
+            .parent()
+            .and_then(Path::parent)
+            .expect("the hvprobe binary is in a profile's directory of the target directory");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let started = std::time::Instant::now();
+        let out = Command::new(&cargo)
+            .args(["build", "--release", "--bin", "hvprobe", "--target-dir"])
+            .arg(target)
+            .current_dir(repo())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", Path::new(&cargo).display()));
+        assert!(
+            out.status.success(),
+            "the lane's release hvprobe did not build (cargo build --release --bin hvprobe): {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        record_time(&format!(
+            "{:6}  the L1s' release hvprobe (cargo build --release)",
+            started.elapsed().as_secs()
+        ));
+        target.join("release/hvprobe")
+    })
+}
+
 /// A job as it goes to the L1.
 struct Planned {
     name: String,
@@ -512,6 +553,8 @@ fn run_l1(jobs: &[&Planned], env: L1Env) -> L1Run {
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let mut script = format!(
         "mark={mark}\n\
+         # The integration tests' jobs run the L1s' hvprobe too (tests/integration/common).\n\
+         export HVPROBE_TEST_BIN={hvprobe}\n\
          # After a job that failed: the L1's kernel log and what its KVM did to its\n\
          # guests (guest/l1/log, put at /run/hvprobe-l1-log by guest/l1/init).\n\
          l1_log() {{ /run/hvprobe-l1-log 2>&1 || echo \"hvprobe-l1: /run/hvprobe-l1-log failed\"; }}\n\
@@ -526,7 +569,8 @@ fn run_l1(jobs: &[&Planned], env: L1Env) -> L1Run {
          \x20   rm -rf \"$job_tmp\"\n\
          \x20   printf '\\n%s end %s %d %d\\n' \"$mark\" \"$1\" \"$status\" $((SECONDS - started))\n\
          }}\n",
-        timeout = JOB_TIMEOUT.as_secs()
+        timeout = JOB_TIMEOUT.as_secs(),
+        hvprobe = lane_hvprobe().display()
     );
     for (i, j) in jobs.iter().enumerate() {
         let file = dir.join(format!("job-{i}.sh"));
@@ -538,7 +582,7 @@ fn run_l1(jobs: &[&Planned], env: L1Env) -> L1Run {
         .arg(format!(
             "[ -e /sys/module/kvm_amd ] || {{ echo 'hvprobe-lane: no kvm_amd in the L1' >&2; exit 125; }}\n{script}"
         ))
-        .env("HVPROBE_BIN", env!("CARGO_BIN_EXE_hvprobe"))
+        .env("HVPROBE_BIN", lane_hvprobe())
         .env("HVPROBE_L1_TIMEOUT", timeout.to_string())
         // An L1 panic's stack and registers, kept for the next one (docs/known-issues.md).
         .env(
@@ -1121,7 +1165,7 @@ fn an_l1_that_stops_running_its_user_space_is_ended_with_its_stack() {
     let started = std::time::Instant::now();
     let out = Command::new(repo().join("guest/l1/run"))
         .arg("kill -STOP $(cat /run/hvprobe-l1-heartbeat.pid) && echo stopped && sleep 900")
-        .env("HVPROBE_BIN", env!("CARGO_BIN_EXE_hvprobe"))
+        .env("HVPROBE_BIN", lane_hvprobe())
         .env("HVPROBE_L1_STALL", "20")
         .env("HVPROBE_L1_TIMEOUT", "600")
         .env("HVPROBE_L1_PANIC_DUMP", &dump)

@@ -117,7 +117,7 @@ fn the_interactive_console_takes_input_and_the_shell_exit_status_ends_the_run() 
     use std::process::{Command, Stdio};
 
     require_kvm();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let mut child = Command::new(common::hvprobe_bin())
         .args(["run", "--cpus", "1"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -3,8 +3,10 @@
 
 use std::process::Command;
 
+use crate::common;
+
 fn hvprobe(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let out = Command::new(common::hvprobe_bin())
         .args(args)
         .output()
         .expect("run hvprobe");

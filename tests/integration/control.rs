@@ -50,7 +50,7 @@ impl LiveRun {
             workload.into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+        let mut child = Command::new(common::hvprobe_bin())
             .args(&args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -303,7 +303,7 @@ fn a_stream_that_does_not_read_drops_its_own_events_and_nobody_elses() {
     );
     live.wait_for("WAIT");
     // The reader: `hvprobe trace`, JSON lines.
-    let fast = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let fast = Command::new(common::hvprobe_bin())
         .args(["trace", "--format", "json", "--control", live.socket.to_str().unwrap()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

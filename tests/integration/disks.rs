@@ -324,7 +324,7 @@ fn synced_data_survives_a_sigterm_of_hvprobe_while_the_guest_syncs() {
     let dir = scratch("sigterm");
     let root = dir.join("root.img");
     ext4_image(&root, 16, &["sync", "sleep"], &[]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let mut child = Command::new(common::hvprobe_bin())
         .args([
             "run",
             "--disk",

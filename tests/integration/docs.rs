@@ -4,7 +4,7 @@
 
 use crate::common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use clap::Parser;
@@ -110,7 +110,7 @@ fn every_hvprobe_command_in_the_docs_parses() {
 #[test]
 fn runnable_blocks_run_and_print_their_shown_events() {
     common::require_kvm();
-    let bin = Path::new(env!("CARGO_BIN_EXE_hvprobe")).parent().unwrap().to_path_buf();
+    let bin = common::hvprobe_bin().parent().unwrap().to_path_buf();
     let mut ran = 0;
     for (path, text) in pages() {
         let blocks = blocks(&text);

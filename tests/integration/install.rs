@@ -16,7 +16,7 @@ fn a_copied_binary_run_from_another_directory_builds_and_boots_the_bundled_guest
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(root.join("bin")).unwrap();
     let binary = root.join("bin/hvprobe");
-    std::fs::copy(env!("CARGO_BIN_EXE_hvprobe"), &binary).unwrap();
+    std::fs::copy(common::hvprobe_bin(), &binary).unwrap();
     let elsewhere = root.join("cwd");
     std::fs::create_dir_all(&elsewhere).unwrap();
     let run = |args: &[&str]| {

@@ -385,7 +385,7 @@ fn sigterm_mid_run_leaves_a_complete_trace_of_every_hit_printed() {
     let probes = std::env::temp_dir().join(format!("hvprobe-perfetto-stop-{}.probes", std::process::id()));
     std::fs::write(&probes, PROBES).unwrap();
     let path = temp_trace("stopped");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let mut child = Command::new(common::hvprobe_bin())
         .args(["run", "--snapshot", dir.to_str().unwrap(), "--cpus", "1", "--probes"])
         .arg(&probes)
         .args(["--format", "text", "--perfetto"])
@@ -461,7 +461,7 @@ fn hvprobe_trace_writes_the_same_trace_from_a_running_guest() {
     let path = temp_trace("client");
     // The run waits for a console line before its workload, so that the client is
     // subscribed when the hits come.
-    let mut run = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let mut run = Command::new(common::hvprobe_bin())
         .args([
             "run",
             "--snapshot",
@@ -504,7 +504,7 @@ fn hvprobe_trace_writes_the_same_trace_from_a_running_guest() {
         .expect("the workload says WAIT")
         .starts_with("WAIT")
     {}
-    let client = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let client = Command::new(common::hvprobe_bin())
         .args(["trace", "--format", "text", "--perfetto"])
         .arg(&path)
         .arg("--control")

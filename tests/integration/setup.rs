@@ -169,7 +169,7 @@ cache_result "$part"
 fn four_guest_builds_at_once_build_the_guest_once() {
     let builders: Vec<_> = (0..4)
         .map(|_| {
-            Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+            Command::new(common::hvprobe_bin())
                 .arg("build-guest")
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())

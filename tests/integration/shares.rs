@@ -48,7 +48,7 @@ struct Background {
 }
 
 fn run_in_background(rwdir: &str, workload: &str) -> Background {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let mut child = Command::new(common::hvprobe_bin())
         .args(["run", "--rwdir", rwdir, "--workload", workload])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -15,7 +15,7 @@ fn stop_a_busy_trace_with(signal: i32, expected_status: i32) {
     let dir = snapshot(1);
     let probes = std::env::temp_dir().join(format!("hvprobe-stop-{}-{signal}.probes", std::process::id()));
     std::fs::write(&probes, "p:t/vfs_read vfs_read count=%dx:u64\n").unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let mut child = Command::new(common::hvprobe_bin())
         .args([
             "run",
             "--snapshot",

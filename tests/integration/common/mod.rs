@@ -57,6 +57,16 @@ impl Run {
     }
 }
 
+/// The `hvprobe` binary the tests run: this build's, or `$HVPROBE_TEST_BIN` when it is set
+/// (the nested-SVM lane runs its jobs with the release build, where TCG emulates hvprobe's
+/// own code too: tests/hardware_lane.rs).
+pub fn hvprobe_bin() -> PathBuf {
+    match std::env::var_os("HVPROBE_TEST_BIN") {
+        Some(bin) if !bin.is_empty() => PathBuf::from(bin),
+        _ => PathBuf::from(env!("CARGO_BIN_EXE_hvprobe")),
+    }
+}
+
 /// How long a run stopped at its deadline by SIGTERM has to stop cleanly (and say where
 /// its vCPUs were) before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(20);
@@ -64,7 +74,7 @@ const STOP_GRACE: Duration = Duration::from_secs(20);
 /// Runs `hvprobe ARGS`; after `timeout` stops it with SIGTERM (it then says where each
 /// vCPU was: the failure shows where the guest hung), and kills it [`STOP_GRACE`] later.
 pub fn hvprobe(args: &[&str], timeout: Duration) -> Run {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hvprobe"))
+    let mut child = Command::new(hvprobe_bin())
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
