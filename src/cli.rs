@@ -402,6 +402,10 @@ pub struct CreateArgs {
     pub out: PathBuf,
     #[command(flatten)]
     pub machine: MachineArgs,
+    /// Boot the bundled guest's bzImage with KASLR on: every restore of the snapshot has the
+    /// kernel where this boot put it (restores name its symbols from its kallsyms).
+    #[arg(long)]
+    pub kaslr: bool,
 }
 
 #[derive(Subcommand)]

@@ -76,6 +76,11 @@ pub fn workload_message(command: &str) -> Vec<u8> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuestError {
+    #[error(
+        "--kaslr boots the bundled guest's bzImage; for your own kernel pass a bzImage with --kernel \
+         (KASLR is on unless its command line says nokaslr)"
+    )]
+    KaslrWithOwnKernel,
     #[error("cannot run the guest build script {script}: {source}")]
     Spawn {
         script: PathBuf,
@@ -313,6 +318,9 @@ impl MachineFiles {
     /// The files of `machine`; `bzimage` boots the bundled guest's bzImage (KASLR) rather
     /// than its vmlinux.
     pub fn of(machine: &crate::cli::MachineArgs, bzimage: bool) -> Result<MachineFiles, GuestError> {
+        if bzimage && machine.kernel.is_some() {
+            return Err(GuestError::KaslrWithOwnKernel);
+        }
         // The devices first: a missing or busy image fails before a guest build.
         let root = machine
             .root

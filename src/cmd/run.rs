@@ -70,13 +70,6 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     for file in &args.module_debuginfo {
         std::fs::metadata(file).map_err(|e| format!("--module-debuginfo {}: {e}", file.display()))?;
     }
-    if args.kaslr && args.machine.kernel.is_some() {
-        return Err(
-            "--kaslr boots the bundled guest's bzImage; for your own kernel pass a bzImage with --kernel \
-                    (KASLR is on unless its command line says nokaslr)"
-                .into(),
-        );
-    }
     let files = MachineFiles::of(&args.machine, args.kaslr)?;
     let bundled_kernel = files.bundled_kernel();
     let sources = symbol_sources(&args, bundled_kernel)?;

@@ -52,7 +52,7 @@ pub(crate) fn wait_mode_config(
     if let Some(kernel) = &args.machine.kernel {
         hvprobe_vmm::kernel_format(kernel)?;
     }
-    let files = MachineFiles::of(&args.machine, false)?;
+    let files = MachineFiles::of(&args.machine, args.kaslr)?;
     let cmdline = format!("{} {WAIT_OPTION}", files.cmdline);
     let initrd = initrd_with_workload(&files, None)?;
     Ok(VmConfig {
@@ -164,6 +164,11 @@ pub(crate) fn restore_and_run(
         let memory = live_memory(vm.memory(), &state);
         match load_symbols(&SymbolsFrom::Kallsyms, &memory, state.lstar) {
             Ok(kernel) => {
+                // As a boot's summary names it: a snapshot of a KASLR boot keeps its slide.
+                eprintln!(
+                    "hvprobe: kernel symbols from {}: KASLR slide {:#x}",
+                    kernel.from, kernel.slide
+                );
                 let symbols = kernel.table;
                 let tasks = match session.has_probes() {
                     true => TaskContext::read(&memory, &symbols)

@@ -1,6 +1,6 @@
 //! Host-side kprobes on the bundled guest, checked against the guest's own kprobe events
 //! (the oracle): the same hits, the same fetched values, no ftrace complaint, the kernel's
-//! text intact afterwards. Most tests restore a cached snapshot; one boots with KASLR.
+//! text intact afterwards. The tests restore cached snapshots (those under KASLR the KASLR snapshot).
 
 use crate::common;
 
@@ -11,7 +11,6 @@ use std::time::Duration;
 use common::{hvprobe, parse_trace_line, snapshot, Run, TraceLine};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(480);
-const KASLR_BOOT_TIMEOUT: Duration = Duration::from_secs(900);
 const LOOP_CALLS: usize = 30;
 
 /// The host's probes: `__x64_sys_getppid` at +0 (an ftrace NOP, so the int3 goes on the
@@ -304,21 +303,14 @@ fn host_and_guest_kprobes_agree_under_kaslr() {
     }
 }
 
-/// A boot of the bundled guest with KASLR, running the oracle workload with the host's
-/// probes and `extra` flags; checked to have been randomized.
+/// A restore of the bundled guest's KASLR snapshot ([`common::kaslr_snapshot`]), running the
+/// oracle workload with the host's probes and `extra` flags; checked to have been randomized.
 fn kaslr_oracle_run(name: &str, probes: &str, workload: &str, extra: &[&str]) -> Run {
-    common::require_kvm();
+    let dir = common::kaslr_snapshot(1);
     let probes = probe_file(name, probes);
-    let mut args = vec![
-        "run",
-        "--kaslr",
-        "--workload",
-        workload,
-        "--probes",
-        probes.to_str().unwrap(),
-    ];
+    let mut args = vec!["--probes", probes.to_str().unwrap()];
     args.extend_from_slice(extra);
-    let run = common::kaslr_run(&args, KASLR_BOOT_TIMEOUT);
+    let run = restore_with(&dir, 1, workload, &args);
     let _ = std::fs::remove_file(probes);
     common::assert_randomized(&run);
     run

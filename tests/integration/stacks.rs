@@ -21,7 +21,6 @@ use std::time::Duration;
 use common::{restore_with, snapshot, Run};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(420);
-const KASLR_BOOT_TIMEOUT: Duration = Duration::from_secs(900);
 
 const HOST_PROBES: &str = "p:ana/write vfs_write\np:ana/tick update_process_times\n";
 /// Guest stack traces of timer ticks to compare (each costs the guest a lot of emulated
@@ -252,19 +251,17 @@ fn host_stacks_equal_the_guests_own_on_two_vcpus() {
 
 #[test]
 fn host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_alone() {
-    common::require_kvm();
+    // A restore names the kernel's symbols from its kallsyms alone.
+    let dir = common::kaslr_snapshot(1);
     let probes = probe_file("stacks-kaslr", "p:ana/write vfs_write\n");
     let workload = workload(false);
-    let run = common::kaslr_run(
+    let run = restore_with(
+        &dir,
+        1,
+        &workload,
         &[
-            "run",
-            "--kaslr",
-            "--symbols",
-            "kallsyms",
             "--no-control",
             "--sym-offset",
-            "--workload",
-            &workload,
             "--probes",
             probes.to_str().unwrap(),
             "--filter",
@@ -272,11 +269,15 @@ fn host_stacks_equal_the_guests_own_under_kaslr_with_kallsyms_from_guest_memory_
             "--trigger",
             "ana/write:stacktrace",
         ],
-        KASLR_BOOT_TIMEOUT,
+        RESTORE_TIMEOUT,
     );
     let _ = std::fs::remove_file(probes);
     common::assert_randomized(&run);
-    assert!(run.stderr.contains("kallsyms"), "{}", run.tail());
+    assert!(
+        run.stderr.contains("kernel symbols from guest kallsyms"),
+        "{}",
+        run.tail()
+    );
     check_run(&run, false);
 }
 

@@ -26,6 +26,7 @@ pub(crate) fn bench_snapshot(
     crate::cmd::snapshot::create(CreateArgs {
         out: out.clone(),
         machine: MachineArgs::bundled_guest(cpus),
+        kaslr: false,
     })?;
     Ok(out)
 }

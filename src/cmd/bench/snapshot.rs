@@ -20,6 +20,7 @@ pub fn bench(args: SnapshotBenchArgs) -> CliResult {
     let create = CreateArgs {
         out: std::env::temp_dir().join(format!("hvprobe-bench-snapshot-{}", std::process::id())),
         machine: MachineArgs::bundled_guest(args.cpus),
+        kaslr: false,
     };
     let config = wait_mode_config(&create, ConsoleOutput::Discard)?;
     eprintln!(
