@@ -48,6 +48,31 @@ fn an_empty_file_is_not_a_kernel() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// KASLR is the bundled bzImage's: for a kernel of one's own, its command line decides.
+/// One error for a boot and for a snapshot's boot, before either starts.
+#[test]
+fn kaslr_with_a_kernel_of_ones_own_is_refused_for_run_and_snapshot_create() {
+    // A kernel this VMM boots (a file that is none is refused for that first).
+    let kernel = common::bundled_guest_dir().join("vmlinux");
+    let kernel = kernel.to_str().unwrap();
+    let out = std::env::temp_dir().join(format!("hvprobe-kaslr-refused-{}", std::process::id()));
+    for args in [
+        vec!["run", "--kaslr", "--kernel", kernel, "--workload", "true"],
+        vec![
+            "snapshot",
+            "create",
+            "--kaslr",
+            "--kernel",
+            kernel,
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    ] {
+        assert_clean_error(&args, "--kaslr boots the bundled guest's bzImage");
+    }
+    assert!(!out.exists(), "no snapshot directory was made");
+}
+
 #[test]
 fn zero_vcpus_is_refused() {
     assert_clean_error(&["run", "--cpus", "0"], "0 vCPUs requested: 1 to 32 are supported");
