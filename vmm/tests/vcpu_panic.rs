@@ -2,7 +2,7 @@
 //! the other vCPUs stop, and nothing touches the dead thread's `kvm_run` or signals it.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hvprobe_arch::Gva;
 use hvprobe_vmm::{BreakpointDisposition, CodeBlob, DebugHandler, GuestEvent, StopReason, Vm, VmOutcome};
@@ -36,26 +36,32 @@ impl DebugHandler for PanickingHandler {
     }
 }
 
-/// Runs the VM in a thread; a run that has not ended after `limit` is stopped, and one
-/// that does not end even then (its vCPU threads hang) fails the test.
-fn run_with_limit(vm: Vm, limit: Duration) -> (VmOutcome, Duration) {
+/// Runs the VM in a thread; a run that has not ended after `limit` is stopped from
+/// outside (the second value says so), and one that does not end even then (its vCPU
+/// threads hang) fails the test.
+fn run_with_limit(vm: Vm, limit: Duration) -> (VmOutcome, bool) {
     let control = vm.control();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let started = Instant::now();
     std::thread::spawn(move || {
         let _ = done_tx.send(vm.run(Arc::new(PanickingHandler)));
     });
-    let outcome = match done_rx.recv_timeout(limit) {
-        Ok(outcome) => outcome,
+    let (outcome, stopped_from_outside) = match done_rx.recv_timeout(limit) {
+        Ok(outcome) => (outcome, false),
         Err(_) => {
             control.stop(StopReason::Stopped);
-            done_rx
+            let outcome = done_rx
                 .recv_timeout(Duration::from_secs(5))
-                .unwrap_or_else(|_| panic!("the VM did not stop within {limit:?}, nor after a stop"))
+                .unwrap_or_else(|_| panic!("the VM did not stop within {limit:?}, nor after a stop"));
+            (outcome, true)
         }
     };
-    (outcome.expect("run"), started.elapsed())
+    (outcome.expect("run"), stopped_from_outside)
 }
+
+/// Far beyond what the run takes (a few ms natively; 6.6 s once in the nested-SVM lane's
+/// L1 on a loaded host, which a 5 s bound on the run's time failed): the run must end by the
+/// handler's panic, not by the stop after it.
+const LIMIT: Duration = Duration::from_secs(120);
 
 fn panicking_handler_stops_the_vm(blob: &[u8], cpus: u8, expected: &str) {
     let vm = Vm::new_code_blob(&CodeBlob {
@@ -64,7 +70,7 @@ fn panicking_handler_stops_the_vm(blob: &[u8], cpus: u8, expected: &str) {
         handlers: Vec::new(),
     })
     .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
-    let (outcome, took) = run_with_limit(vm, Duration::from_secs(10));
+    let (outcome, stopped_from_outside) = run_with_limit(vm, LIMIT);
     match &outcome.reason {
         StopReason::HandlerPanicked { cpu: 0, message } if message == expected => {}
         other => panic!("{cpus} vCPUs: the run ended with {other:?}, not the handler's panic"),
@@ -74,7 +80,10 @@ fn panicking_handler_stops_the_vm(blob: &[u8], cpus: u8, expected: &str) {
         "the reason does not show the panic: {}",
         outcome.reason
     );
-    assert!(took < Duration::from_secs(5), "{cpus} vCPUs: stopping took {took:?}");
+    assert!(
+        !stopped_from_outside,
+        "{cpus} vCPUs: the panic was the reason, but the VM ran on until stopped from outside after {LIMIT:?}"
+    );
 }
 
 #[test]
