@@ -65,6 +65,14 @@ pub struct KernelSymbols {
     pub slide: i64,
 }
 
+/// `kernel symbols from SOURCE: KASLR slide 0x…`: the line a run's summary gives them (a
+/// boot's and a restore's alike; tests read the slide from it).
+impl std::fmt::Display for KernelSymbols {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "kernel symbols from {}: KASLR slide {:#x}", self.from, self.slide)
+    }
+}
+
 /// Link-time address of `_text` on x86-64 (`__START_KERNEL_map` + `CONFIG_PHYSICAL_START`
 /// at its default). Only used to report the slide when symbols come from kallsyms, which
 /// has run-time addresses and no link-time ones.

@@ -213,7 +213,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let introspection_failed = match &introspection {
         Ok(kernels) => {
             for k in kernels {
-                eprintln!("hvprobe: kernel symbols from {}: KASLR slide {:#x}", k.from, k.slide);
+                eprintln!("hvprobe: {k}");
             }
             false
         }

@@ -165,10 +165,7 @@ pub(crate) fn restore_and_run(
         match load_symbols(&SymbolsFrom::Kallsyms, &memory, state.lstar) {
             Ok(kernel) => {
                 // As a boot's summary names it: a snapshot of a KASLR boot keeps its slide.
-                eprintln!(
-                    "hvprobe: kernel symbols from {}: KASLR slide {:#x}",
-                    kernel.from, kernel.slide
-                );
+                eprintln!("hvprobe: {kernel}");
                 let symbols = kernel.table;
                 let tasks = match session.has_probes() {
                     true => TaskContext::read(&memory, &symbols)

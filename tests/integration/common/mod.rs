@@ -294,10 +294,17 @@ fn cached_snapshot(cpus: u8, kaslr: bool) -> PathBuf {
     assert_eq!(rc, 0, "flock: {}", std::io::Error::last_os_error());
     if !dir.join("state").exists() {
         let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-        let cpus = cpus.to_string();
+        let cpus_arg = cpus.to_string();
         for attempt in 1..=3 {
             let _ = std::fs::remove_dir_all(&tmp);
-            let mut args = vec!["snapshot", "create", "--out", tmp.to_str().unwrap(), "--cpus", &cpus];
+            let mut args = vec![
+                "snapshot",
+                "create",
+                "--out",
+                tmp.to_str().unwrap(),
+                "--cpus",
+                &cpus_arg,
+            ];
             if kaslr {
                 args.push("--kaslr");
             }
@@ -307,19 +314,7 @@ fn cached_snapshot(cpus: u8, kaslr: bool) -> PathBuf {
                 break;
             }
             // A restore names the slide from the kernel's kallsyms (the text hash needs them).
-            let restored = hvprobe(
-                &[
-                    "run",
-                    "--snapshot",
-                    tmp.to_str().unwrap(),
-                    "--cpus",
-                    &cpus,
-                    "--workload",
-                    "true",
-                    "--text-hash",
-                ],
-                SNAPSHOT_BOOT_TIMEOUT,
-            );
+            let restored = restore_with(&tmp, cpus, "true", &["--text-hash"], SNAPSHOT_BOOT_TIMEOUT);
             assert_eq!(
                 restored.code,
                 Some(0),
