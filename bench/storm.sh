@@ -22,25 +22,9 @@ hvprobe=${HVPROBE:-./target/release/hvprobe}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# The snapshot the tests use (created once, cached under ~/.cache/hvprobe).
-guest_dir=$("$hvprobe" build-guest | tail -n 1)
-cache=${HVPROBE_CACHE:-$HOME/.cache/hvprobe}
-version=$(grep -oE 'SNAPSHOT_FORMAT_VERSION: u32 = [0-9]+' vmm/src/snapshot.rs | grep -oE '[0-9]+$')
-snap="$cache/snapshots/$(basename "$guest_dir")-${cpus}cpu-v$version"
-if [ ! -f "$snap/state" ]; then
-    (
-        # The same lock as the tests' snapshot helper: one creator at a time.
-        # shellcheck source=../guest/cache.sh
-        . guest/cache.sh
-        cache_lock "$cache/snapshots/.lock-$(basename "$snap")" 9 "the ${cpus}-vCPU snapshot"
-        if [ ! -f "$snap/state" ]; then
-            echo "storm: creating the ${cpus}-vCPU snapshot (one boot)" >&2
-            rm -rf "$snap.tmp.$$"
-            "$hvprobe" snapshot create --out "$snap.tmp.$$" --cpus "$cpus" >/dev/null
-            cache_publish "$snap.tmp.$$" "$snap"
-        fi
-    )
-fi
+# The snapshot the tests use: hvprobe's cached one, made by one boot if missing.
+snap=$("$hvprobe" snapshot create --cached --cpus "$cpus" | tail -n 1)
+[ -f "$snap/state" ] || { echo "storm: no snapshot ($snap)" >&2; exit 1; }
 
 cat > "$work/storm.probes" <<'PROBES'
 # scheduler

@@ -398,12 +398,22 @@ pub enum SnapshotCommand {
 #[derive(Args)]
 pub struct CreateArgs {
     /// Directory to write the snapshot to (created if needed; `state` and `memory` in it).
-    #[arg(long, value_name = "DIR")]
-    pub out: PathBuf,
+    #[arg(long, value_name = "DIR", required_unless_present = "cached")]
+    pub out: Option<PathBuf>,
+    /// Keep the snapshot in hvprobe's cache and print its directory: the snapshot of the
+    /// bundled guest with --cpus vCPUs (and --kaslr), for this backend, made by the first
+    /// call (one at a time; the others wait) and reused by the next ones without a boot.
+    /// Only of the bundled guest as it boots by default.
+    #[arg(long, conflicts_with_all = [
+        "out", "kernel", "initrd", "cmdline", "mem", "disks", "root", "rootfs", "rwdirs",
+    ])]
+    pub cached: bool,
     #[command(flatten)]
     pub machine: MachineArgs,
     /// Boot the bundled guest's bzImage with KASLR on: every restore of the snapshot has the
-    /// kernel where this boot put it (restores name its symbols from its kallsyms).
+    /// kernel where this boot put it (restores name its symbols from its kallsyms). A boot
+    /// that KASLR leaves at the kernel's link address (about 1 in 500) is made again, at
+    /// most three times: the snapshot's kernel has moved.
     #[arg(long)]
     pub kaslr: bool,
 }
@@ -465,7 +475,7 @@ pub struct ArmBenchArgs {
     #[arg(long, default_value_t = 2)]
     pub cpus: u8,
     /// A snapshot of the bundled guest with that many vCPUs; without it the benchmark
-    /// boots the guest once to make one.
+    /// restores the cached one (`snapshot create --cached`), made by one boot if missing.
     #[arg(long, value_name = "DIR")]
     pub snapshot: Option<PathBuf>,
 }
@@ -514,7 +524,8 @@ pub struct ProbeBenchArgs {
     #[arg(long, default_value_t = 5)]
     pub runs: u32,
     /// A snapshot of the bundled guest (`hvprobe snapshot create`); without it the
-    /// benchmark boots the guest once to make one.
+    /// benchmark restores the cached one (`snapshot create --cached`), made by one boot if
+    /// missing.
     #[arg(long, value_name = "DIR")]
     pub snapshot: Option<PathBuf>,
 }

@@ -7,7 +7,8 @@
 //! serial console ([`workload_message`]). `snapshot create` stops the VM at that event and
 //! saves it; a restore puts the message into the UART and lets the guest go on.
 
-use std::path::Path;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -16,8 +17,8 @@ use hvprobe_live::{live_memory, load_symbols, SymbolsFrom, TaskContext};
 use hvprobe_vmm::{ConsoleLog, ConsoleOutput, DiskConfig, StopReason, Vm, VmConfig, VmOutcome};
 use vm_memory::GuestMemoryMmap;
 
-use crate::cli::CreateArgs;
-use crate::guest::{initrd_with_workload, workload_message, MachineFiles, WAIT_OPTION};
+use crate::cli::{CreateArgs, MachineArgs};
+use crate::guest::{cache_dir, initrd_with_workload, workload_message, BundledGuest, MachineFiles, WAIT_OPTION};
 use crate::session::{RunSession, TraceOptions};
 
 use crate::cmd::CliResult;
@@ -38,7 +39,19 @@ pub enum SnapshotCliError {
     NoWorkload,
     #[error("the restored guest did not finish its workload ({reason}); console tail:\n{tail}")]
     WorkloadFailed { reason: StopReason, tail: String },
+    #[error(
+        "KASLR left the kernel at its link address in {boots} boots in a row (about 1 boot in 500 \
+         draws it): is the guest's randomness broken?"
+    )]
+    KaslrNeverMoved { boots: u32 },
+    #[error("no cache directory for snapshots: set HVPROBE_CACHE or HOME, or pass --out DIR")]
+    NoCache,
+    #[error("the snapshot cache {}: {source}", path.display())]
+    Cache { path: PathBuf, source: std::io::Error },
 }
+
+/// Boots of `snapshot create --kaslr` until one moves the kernel.
+const KASLR_BOOTS: u32 = 3;
 
 /// The machine `snapshot create` boots.
 pub(crate) fn wait_mode_config(
@@ -68,11 +81,8 @@ pub(crate) fn wait_mode_config(
     })
 }
 
-/// Boots until the guest is ready and saves it; returns the boot's outcome.
-pub(crate) fn boot_and_save(
-    config: &VmConfig,
-    out: &Path,
-) -> Result<(VmOutcome, hvprobe_vmm::SnapshotInfo), Box<dyn std::error::Error>> {
+/// Boots until the guest's init waits for a workload.
+fn boot_until_ready(config: &VmConfig) -> Result<(Vm, VmOutcome), Box<dyn std::error::Error>> {
     let mut vm = Vm::new(config)?;
     let console = vm.console_log();
     let outcome = vm.run_until_ready()?;
@@ -83,16 +93,53 @@ pub(crate) fn boot_and_save(
         }
         .into());
     }
+    Ok((vm, outcome))
+}
+
+/// Boots until the guest is ready and saves it; returns the boot's outcome.
+pub(crate) fn boot_and_save(
+    config: &VmConfig,
+    out: &Path,
+) -> Result<(VmOutcome, hvprobe_vmm::SnapshotInfo), Box<dyn std::error::Error>> {
+    let (vm, outcome) = boot_until_ready(config)?;
     let info = vm.save_snapshot(out)?;
     Ok((outcome, info))
 }
 
 /// `hvprobe snapshot create`.
 pub fn create(args: CreateArgs) -> CliResult {
-    let config = wait_mode_config(&args, ConsoleOutput::Discard)?;
-    eprintln!("hvprobe: booting the guest until its init waits for a workload");
-    let started = Instant::now();
-    let (outcome, info) = boot_and_save(&config, &args.out)?;
+    match &args.out {
+        Some(out) => save(&args, out)?,
+        None => println!("{}", cached(args.machine.cpus, args.kaslr)?.display()),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Boots the machine of `args` until the guest is ready (with `--kaslr`, until its kernel
+/// has moved) and saves it to `out`.
+fn save(args: &CreateArgs, out: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let config = wait_mode_config(args, ConsoleOutput::Discard)?;
+    let mut boots = 0;
+    let (vm, outcome, started) = loop {
+        boots += 1;
+        eprintln!("hvprobe: booting the guest until its init waits for a workload");
+        let started = Instant::now();
+        let (vm, outcome) = boot_until_ready(&config)?;
+        if !args.kaslr {
+            break (vm, outcome, started);
+        }
+        let state = vm.vcpu_state(0)?;
+        let kernel = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?;
+        eprintln!("hvprobe: {kernel}");
+        if kernel.slide != 0 {
+            break (vm, outcome, started);
+        }
+        if boots == KASLR_BOOTS {
+            return Err(SnapshotCliError::KaslrNeverMoved { boots }.into());
+        }
+        eprintln!("hvprobe: KASLR left the kernel at its link address: booting again");
+    };
+    let info = vm.save_snapshot(out)?;
     eprintln!(
         "hvprobe: snapshot of {} vCPU(s), {} MiB in {}: guest ready after {:.2} s (boot to /init {}), \
          {} MiB of non-zero memory saved, {:.2} s in all",
@@ -107,7 +154,57 @@ pub fn create(args: CreateArgs) -> CliResult {
         info.memory_written >> 20,
         started.elapsed().as_secs_f64()
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(())
+}
+
+/// The snapshot of the bundled guest with `cpus` vCPUs (of a KASLR boot with `kaslr`) in
+/// hvprobe's cache (`snapshots/`), made if it is missing: one maker at a time (a lock per
+/// snapshot, which the kernel drops when its holder dies), each snapshot written beside
+/// its place and renamed into it, so that no reader sees half of one. Its name holds the
+/// bundled guest's key, the format and the backend: a snapshot of another build of the
+/// guest, or made on another backend, is never restored.
+pub(crate) fn cached(cpus: u8, kaslr: bool) -> Result<PathBuf, Box<dyn std::error::Error>> {
+    let guest = BundledGuest::ensure_built()?;
+    let key = guest.dir.file_name().unwrap_or_default().to_string_lossy();
+    let mut name = hvprobe_vmm::snapshot_cache_name(&key, cpus, hvprobe_vmm::Backend::detect());
+    if kaslr {
+        name.push_str("-kaslr");
+    }
+    let root = cache_dir().ok_or(SnapshotCliError::NoCache)?.join("snapshots");
+    let in_cache = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| SnapshotCliError::Cache { path, source }
+    };
+    std::fs::create_dir_all(&root).map_err(in_cache(&root))?;
+    let dir = root.join(&name);
+    let lock_path = root.join(format!(".lock-{name}"));
+    let lock = std::fs::File::create(&lock_path).map_err(in_cache(&lock_path))?;
+    let flock = |how| {
+        // SAFETY: flock on the descriptor `lock` owns, while it is open; no memory is
+        // involved, and the kernel drops the lock when the descriptor closes.
+        match unsafe { libc::flock(lock.as_raw_fd(), how) } {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    };
+    if flock(libc::LOCK_EX | libc::LOCK_NB).is_err() {
+        eprintln!("hvprobe: waiting for another maker of the snapshot {}", dir.display());
+        flock(libc::LOCK_EX).map_err(in_cache(&lock_path))?;
+    }
+    if !dir.join(hvprobe_vmm::snapshot::STATE_FILE).exists() {
+        let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let args = CreateArgs {
+            out: Some(tmp.clone()),
+            cached: false,
+            machine: MachineArgs::bundled_guest(cpus),
+            kaslr,
+        };
+        save(&args, &tmp)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&tmp, &dir).map_err(in_cache(&dir))?;
+    }
+    Ok(dir)
 }
 
 /// What one restore did, with its timings.

@@ -192,3 +192,28 @@ fn a_module_tree_that_cannot_serve_the_devices_is_refused_before_the_boot() {
     assert!(run.stderr.contains("--kernel <FILE>"), "{}", run.tail());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `snapshot create --cached` is the bundled guest's snapshot as it boots by default: a
+/// flag that would make another machine, or a directory of one's own, is refused with it
+/// before anything boots; and one of `--out` or `--cached` is needed.
+#[test]
+fn flags_a_cached_snapshot_cannot_have_are_refused_with_it() {
+    for (flag, value) in [
+        ("--out", "/tmp/hvprobe-cached-refused"),
+        ("--mem", "256"),
+        ("--cmdline", "quiet"),
+        ("--kernel", "/boot/vmlinuz"),
+        ("--disk", "/nonexistent.img"),
+    ] {
+        let run = hvprobe(&["snapshot", "create", "--cached", flag, value], QUICK);
+        assert_eq!(run.code, Some(2), "{flag}\n{}", run.tail());
+        assert!(
+            run.stderr.contains("'--cached' cannot be used with") && run.stderr.contains(flag),
+            "{flag}\n{}",
+            run.tail()
+        );
+    }
+    let run = hvprobe(&["snapshot", "create"], QUICK);
+    assert_eq!(run.code, Some(2), "{}", run.tail());
+    assert!(run.stderr.contains("--out <DIR>"), "{}", run.tail());
+}

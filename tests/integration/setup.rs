@@ -208,3 +208,79 @@ fn four_guest_builds_at_once_build_the_guest_once() {
         "{kernel_builds} of the four builders built the kernel"
     );
 }
+
+/// `hvprobe snapshot create --cached` twice at once on a cache without snapshots (the
+/// bundled guest's build linked in from the real cache): one boot, the other waits for it,
+/// both print the same directory, which holds a whole snapshot; a third call finds it and
+/// boots nothing.
+#[test]
+fn two_cached_snapshots_made_at_once_boot_once_and_print_one_directory() {
+    common::require_kvm();
+    common::bundled_guest_dir();
+    let real = common::cache_dir();
+    let cache = temp_dir("snapshot-cache");
+    for entry in std::fs::read_dir(&real).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "snapshots" {
+            std::os::unix::fs::symlink(entry.path(), cache.join(entry.file_name())).unwrap();
+        }
+    }
+    let maker = || {
+        Command::new(common::hvprobe_bin())
+            .args(["snapshot", "create", "--cached", "--cpus", "1"])
+            .env("HVPROBE_CACHE", &cache)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn hvprobe snapshot create --cached")
+    };
+    let makers = [maker(), maker()];
+    let outputs: Vec<Output> = makers.into_iter().map(|m| m.wait_with_output().unwrap()).collect();
+    let dir_of = |out: &Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            show("hvprobe snapshot create --cached", out)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert_eq!(
+            stdout.lines().count(),
+            1,
+            "{}",
+            show("stdout is the directory alone", out)
+        );
+        PathBuf::from(stdout.trim())
+    };
+    let dirs: Vec<PathBuf> = outputs.iter().map(dir_of).collect();
+    assert_eq!(dirs[0], dirs[1]);
+    assert!(dirs[0].starts_with(cache.join("snapshots")), "{}", dirs[0].display());
+    for file in ["state", "memory"] {
+        assert!(dirs[0].join(file).is_file(), "{} has no {file}", dirs[0].display());
+    }
+    let booted = |out: &Output| String::from_utf8_lossy(&out.stderr).contains("booting the guest");
+    assert_eq!(
+        outputs.iter().filter(|o| booted(o)).count(),
+        1,
+        "{}\n{}",
+        show("first", &outputs[0]),
+        show("second", &outputs[1])
+    );
+    // Only the snapshot and its lock are left: no temporary directory.
+    let mut left: Vec<String> = std::fs::read_dir(cache.join("snapshots"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    let name = dirs[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert_eq!(left, [format!(".lock-{name}"), name]);
+    let again = Command::new(common::hvprobe_bin())
+        .args(["snapshot", "create", "--cached", "--cpus", "1"])
+        .env("HVPROBE_CACHE", &cache)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(dir_of(&again), dirs[0]);
+    assert!(!booted(&again), "{}", show("the third call booted", &again));
+    let _ = std::fs::remove_dir_all(&cache);
+}

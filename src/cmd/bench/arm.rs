@@ -33,7 +33,7 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
         .copied()
         .max()
         .ok_or("--counts needs at least one number")?;
-    let dir = super::bench_snapshot(args.snapshot.as_deref(), args.cpus, "arm")?;
+    let dir = super::bench_snapshot(args.snapshot.as_deref(), args.cpus)?;
     let mut vm = Vm::restore(&dir, Some(args.cpus), ConsoleOutput::Discard, &[])?;
     let state = vm.vcpu_state(0)?;
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?.table;
@@ -125,9 +125,6 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
     }
     control.stop(StopReason::Stopped);
     let _ = runner.join();
-    if args.snapshot.is_none() {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
     result?;
     Ok(ExitCode::SUCCESS)
 }

@@ -8,25 +8,14 @@ pub mod io;
 pub mod probes;
 pub mod snapshot;
 
-use crate::cli::{CreateArgs, MachineArgs};
-
-/// The snapshot a guest benchmark restores: `given`, or one made now by booting the
-/// bundled guest with `cpus` vCPUs into a temporary directory (the caller removes it when
-/// `given` is `None`).
+/// The snapshot a guest benchmark restores: `given`, or the bundled guest's with `cpus`
+/// vCPUs from hvprobe's cache (`snapshot create --cached`: made by one boot if missing).
 pub(crate) fn bench_snapshot(
     given: Option<&std::path::Path>,
     cpus: u8,
-    bench: &str,
 ) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
-    if let Some(dir) = given {
-        return Ok(dir.to_path_buf());
+    match given {
+        Some(dir) => Ok(dir.to_path_buf()),
+        None => crate::cmd::snapshot::cached(cpus, false),
     }
-    let out = std::env::temp_dir().join(format!("hvprobe-bench-{bench}-{}", std::process::id()));
-    eprintln!("hvprobe: booting the bundled guest once for a snapshot (use --snapshot DIR to skip)");
-    crate::cmd::snapshot::create(CreateArgs {
-        out: out.clone(),
-        machine: MachineArgs::bundled_guest(cpus),
-        kaslr: false,
-    })?;
-    Ok(out)
 }

@@ -494,7 +494,7 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
     }
 
     println!();
-    let dir = super::bench_snapshot(args.snapshot.as_deref(), 1, "probes")?;
+    let dir = super::bench_snapshot(args.snapshot.as_deref(), 1)?;
     println!(
         "bundled guest, a getppid() loop of {} calls timed by the guest itself, median of {} runs (variants \
          interleaved); per hit = (variant - no probe in the same round) / calls:",
@@ -514,9 +514,6 @@ pub fn bench_probes(args: ProbeBenchArgs) -> CliResult {
                 r.handling.as_secs_f64() * 1e6 / r.hits.max(1) as f64,
             ));
         }
-    }
-    if args.snapshot.is_none() {
-        let _ = std::fs::remove_dir_all(&dir);
     }
     // Median and range over the rounds, relative to the same round's run without probes.
     let stat = |i: usize, pick: fn(&(f64, f64, f64, f64)) -> f64, relative: bool| -> (f64, f64, f64) {

@@ -17,8 +17,10 @@ pub fn bench(args: SnapshotBenchArgs) -> CliResult {
     if args.runs == 0 {
         return Err("--runs must be at least 1".into());
     }
+    let out = std::env::temp_dir().join(format!("hvprobe-bench-snapshot-{}", std::process::id()));
     let create = CreateArgs {
-        out: std::env::temp_dir().join(format!("hvprobe-bench-snapshot-{}", std::process::id())),
+        out: Some(out.clone()),
+        cached: false,
         machine: MachineArgs::bundled_guest(args.cpus),
         kaslr: false,
     };
@@ -27,8 +29,8 @@ pub fn bench(args: SnapshotBenchArgs) -> CliResult {
         "hvprobe: cold boot of the bundled guest ({} vCPU(s)) to its ready point",
         args.cpus
     );
-    let result = bench_with(&config, &create.out, &args);
-    let _ = std::fs::remove_dir_all(&create.out);
+    let result = bench_with(&config, &out, &args);
+    let _ = std::fs::remove_dir_all(&out);
     result
 }
 

@@ -3,9 +3,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::Read;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -267,75 +265,40 @@ pub fn snapshot(cpus: u8) -> PathBuf {
 }
 
 /// The snapshot of a KASLR boot of the bundled guest with `cpus` vCPUs (`snapshot create
-/// --kaslr`), created if the cache lacks it: the tests of probes and stacks under KASLR
-/// restore it instead of booting the bzImage each (a KASLR boot is ~70 s on kvm_pvm, where
-/// the decompressor is emulated too); the introspection test that compares every symbol
-/// source under KASLR still boots. Its kernel is checked to have moved, as [`kaslr_run`]
-/// checks a boot: one KASLR left in place is taken again, at most three times.
+/// --kaslr`, whose kernel has moved), created if the cache lacks it: the tests of probes
+/// and stacks under KASLR restore it instead of booting the bzImage each (a KASLR boot is
+/// ~70 s on kvm_pvm, where the decompressor is emulated too); the introspection test that
+/// compares every symbol source under KASLR still boots.
 pub fn kaslr_snapshot(cpus: u8) -> PathBuf {
     cached_snapshot(cpus, true)
 }
 
+/// `hvprobe snapshot create --cached`: the cache's snapshot, made by the first test that
+/// asks (the others wait for it), as the storm and the benchmarks find it.
 fn cached_snapshot(cpus: u8, kaslr: bool) -> PathBuf {
     require_kvm();
-    let guest_dir = bundled_guest_dir();
-    let key = guest_dir.file_name().unwrap().to_string_lossy().into_owned();
-    let mut name = hvprobe::vmm::snapshot_cache_name(&key, cpus, hvprobe::vmm::Backend::detect());
+    // Built first under its own (longer) deadline, as every test that boots it does.
+    bundled_guest_dir();
+    let cpus = cpus.to_string();
+    let mut args = vec!["snapshot", "create", "--cached", "--cpus", &cpus];
     if kaslr {
-        name.push_str("-kaslr");
+        args.push("--kaslr");
     }
-    let root = cache_dir().join("snapshots");
-    std::fs::create_dir_all(&root).unwrap();
-    let dir = root.join(&name);
-
-    let lock = File::create(root.join(format!(".lock-{name}"))).unwrap();
-    // SAFETY: flock on a descriptor we own; the lock is released when `lock` is closed.
-    let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
-    assert_eq!(rc, 0, "flock: {}", std::io::Error::last_os_error());
-    if !dir.join("state").exists() {
-        let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-        let cpus_arg = cpus.to_string();
-        for attempt in 1..=3 {
-            let _ = std::fs::remove_dir_all(&tmp);
-            let mut args = vec![
-                "snapshot",
-                "create",
-                "--out",
-                tmp.to_str().unwrap(),
-                "--cpus",
-                &cpus_arg,
-            ];
-            if kaslr {
-                args.push("--kaslr");
-            }
-            let run = hvprobe(&args, SNAPSHOT_BOOT_TIMEOUT);
-            assert_eq!(run.code, Some(0), "snapshot create failed\n{}", run.tail());
-            if !kaslr {
-                break;
-            }
-            // A restore names the slide from the kernel's kallsyms (the text hash needs them).
-            let restored = restore_with(&tmp, cpus, "true", &["--text-hash"], SNAPSHOT_BOOT_TIMEOUT);
-            assert_eq!(
-                restored.code,
-                Some(0),
-                "the new KASLR snapshot's restore failed\n{}",
-                restored.tail()
-            );
-            match slide_of(&restored).as_deref() {
-                None => panic!(
-                    "the restore of the new KASLR snapshot named no slide\n{}",
-                    restored.tail()
-                ),
-                Some("0x0") if attempt < 3 => {
-                    eprintln!("KASLR left the kernel in place (slide 0x0) in snapshot {attempt}: taking it again")
-                }
-                Some(_) => break,
-            }
-        }
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&tmp, &dir).unwrap();
-    }
-    drop(lock);
+    let run = hvprobe(&args, SNAPSHOT_BOOT_TIMEOUT * 3);
+    assert_eq!(run.code, Some(0), "snapshot create --cached failed\n{}", run.tail());
+    let dir = PathBuf::from(
+        run.stdout
+            .lines()
+            .last()
+            .expect("snapshot create --cached prints its directory")
+            .trim(),
+    );
+    assert!(
+        dir.join("state").is_file(),
+        "{} has no state\n{}",
+        dir.display(),
+        run.tail()
+    );
     dir
 }
 
