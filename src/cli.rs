@@ -328,7 +328,7 @@ pub struct RunArgs {
     /// images again: every --disk in its order, or none for the paths it saved; each must
     /// be the image the snapshot saw (its size, `,ro`, and its partition table).
     #[arg(long, value_name = "DIR", conflicts_with_all = [
-        "kernel", "initrd", "cmdline", "mem", "kaslr", "resolve", "sample_ms", "symbol_sources",
+        "kernel", "initrd", "cmdline", "mem", "kaslr", "resolve", "symbol_sources",
         "system_map", "root", "rootfs", "rwdirs", "virtiofsd",
     ])]
     pub snapshot: Option<PathBuf>,

@@ -76,6 +76,18 @@ impl Sampler {
     }
 }
 
+/// What a run prints of its samples: the hottest places (named with `symbols`) and the
+/// busiest user tasks, or why the places cannot be named.
+pub fn summary(samples: &[Sample], symbols: Option<&SymbolTable>) -> String {
+    match symbols {
+        Some(symbols) => report(samples, symbols, 30) + &task_report(samples, 10),
+        None => format!(
+            "hvprobe: {} samples taken, but no kernel symbols to name them\n",
+            samples.len()
+        ),
+    }
+}
+
 /// Tasks by the share of user-mode samples they ran in: `comm (pid N)` lines.
 pub fn task_report(samples: &[Sample], top: usize) -> String {
     let user: Vec<&Sample> = samples.iter().filter(|s| s.user_mode).collect();

@@ -39,6 +39,8 @@ pub struct TraceOptions {
     pub analysis: AnalysisFlags,
     /// The clock hits are stamped with (`--clock`).
     pub clock: TraceClock,
+    /// Sample every vCPU's RIP and task this often (`--sample-ms`).
+    pub sample_every: Option<std::time::Duration>,
 }
 
 /// Whether a run has a control socket, and where.

@@ -35,6 +35,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             triggers: args.trigger.clone(),
         },
         clock: args.clock.into(),
+        sample_every: args.sample_ms.map(|ms| Duration::from_millis(ms.max(1))),
     };
     if let Some(dir) = &args.snapshot {
         // Source targets read the restored kernel's DWARF: --vmlinux's, or the bundled
@@ -160,14 +161,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         );
         std::thread::spawn(move || introspect_when_up(&control, &mem, &sources, &resolve, &session, &tasks))
     };
-    let sampler = args.sample_ms.map(|ms| {
-        crate::sampler::Sampler::start(
-            vm.control(),
-            vm.memory().clone(),
-            Duration::from_millis(ms.max(1)),
-            tasks,
-        )
-    });
+    let sampler = trace
+        .sample_every
+        .map(|every| crate::sampler::Sampler::start(vm.control(), vm.memory().clone(), every, tasks));
     let memory = vm.memory().clone();
     let outcome = vm.run(session.handler())?;
     let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
@@ -178,17 +174,8 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let arming_failed = session.failure();
     if let Some(sampler) = sampler {
-        let samples = sampler.finish();
-        match introspection.as_ref().ok().and_then(|k| k.first()) {
-            Some(kernel) => {
-                eprint!("{}", crate::sampler::report(&samples, &kernel.table, 30));
-                eprint!("{}", crate::sampler::task_report(&samples, 10));
-            }
-            None => eprintln!(
-                "hvprobe: {} samples taken, but no kernel symbols to name them",
-                samples.len()
-            ),
-        }
+        let symbols = introspection.as_ref().ok().and_then(|k| k.first()).map(|k| &k.table);
+        eprint!("{}", crate::sampler::summary(&sampler.finish(), symbols));
     }
 
     let boot = match outcome.boot_to_init {

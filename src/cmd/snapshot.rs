@@ -10,6 +10,7 @@
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hvprobe_introspection::symbols::SymbolTable;
@@ -222,6 +223,8 @@ pub(crate) struct Restored {
     pub(crate) symbols: Option<SymbolTable>,
     /// What of hvprobe's code in the guest the vCPUs stopped in, named before the probes went.
     pub(crate) hvprobe_code: crate::where_stopped::HvprobeCode,
+    /// With `--sample-ms`, the samples taken.
+    pub(crate) samples: Option<Vec<crate::sampler::Sample>>,
 }
 
 pub(crate) fn restore_and_run(
@@ -255,7 +258,8 @@ pub(crate) fn restore_and_run(
     }
     let session = RunSession::start(trace, &vm)?;
     let mut table = None;
-    if session.needs_kernel() {
+    let tasks = Arc::new(OnceLock::new());
+    if session.needs_kernel() || trace.sample_every.is_some() {
         // The restored guest's own kallsyms name its symbols: no file has to match it.
         let state = vm.vcpu_state(0)?;
         let memory = live_memory(vm.memory(), &state);
@@ -264,20 +268,27 @@ pub(crate) fn restore_and_run(
                 // As a boot's summary names it: a snapshot of a KASLR boot keeps its slide.
                 eprintln!("hvprobe: {kernel}");
                 let symbols = kernel.table;
-                let tasks = match session.has_probes() {
-                    true => TaskContext::read(&memory, &symbols)
-                        .map_err(|reason| tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"))
-                        .ok(),
-                    false => None,
-                };
-                session.kernel_up(vm.control(), &state, &symbols, tasks)?;
-                session.arm()?;
+                if session.has_probes() || trace.sample_every.is_some() {
+                    match TaskContext::read(&memory, &symbols) {
+                        Ok(ctx) => {
+                            let _ = tasks.set(ctx);
+                        }
+                        Err(reason) => tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"),
+                    }
+                }
+                if session.needs_kernel() {
+                    session.kernel_up(vm.control(), &state, &symbols, tasks.get().copied())?;
+                    session.arm()?;
+                }
                 table = Some(symbols);
             }
             Err(e) if !session.requires_kernel() => session.symbols_unavailable(e.to_string()),
             Err(e) => return Err(e.into()),
         }
     }
+    let sampler = trace
+        .sample_every
+        .map(|every| crate::sampler::Sampler::start(vm.control(), vm.memory().clone(), every, tasks));
     vm.send_console_input(workload_message(workload));
     let console = vm.console_log();
     let control = vm.control();
@@ -288,6 +299,7 @@ pub(crate) fn restore_and_run(
     Ok(Restored {
         memory,
         hvprobe_code,
+        samples: sampler.map(crate::sampler::Sampler::finish),
         symbols: table,
         outcome,
         console,
@@ -319,6 +331,9 @@ pub fn run_restored(
         crate::cmd::run::exit_summary(&r.outcome),
     );
     crate::cmd::run::report_refused_ool_writes(&r.outcome);
+    if let Some(samples) = &r.samples {
+        eprint!("{}", crate::sampler::summary(samples, r.symbols.as_ref()));
+    }
     if crate::where_stopped::wanted(&r.outcome.reason) {
         // A run without probes read no symbols: the guest's kallsyms name the places now.
         let symbols = r.symbols.or_else(|| {

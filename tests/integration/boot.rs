@@ -45,6 +45,8 @@ fn one_vcpu_runs_the_workload_and_its_exit_status_comes_back() {
             "run",
             "--cpus",
             "1",
+            "--sample-ms",
+            "500",
             "--workload",
             "echo hvprobe-marker-$((6*7)); nproc; exit 7",
         ],
@@ -64,6 +66,18 @@ fn one_vcpu_runs_the_workload_and_its_exit_status_comes_back() {
     assert!(run.console_has_line("1"), "nproc did not print 1\n{}", run.tail());
     assert!(run.stderr.contains("guest exited with status 7"), "{}", run.tail());
     assert_booted_cleanly(&run);
+    // The boot sampled from the host: its hottest places named from the kernel's symbols.
+    let hottest = run
+        .stderr
+        .split("samples; hottest guest functions:\n")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no sample report\n{}", run.tail()));
+    let named = hottest
+        .lines()
+        .take_while(|l| !l.starts_with("hvprobe:"))
+        .filter(|l| l.split_whitespace().nth(2).is_some_and(|name| !name.starts_with('[')))
+        .count();
+    assert!(named >= 1, "no sampled place named a kernel function\n{}", run.tail());
     // The kernel's boot-time int3 self-test (and text_poke_bp) executed int3 at CPL0: on
     // kvm_pvm each one came to us and went back to the guest, which got on with its boot.
     if on_kvm_pvm() {

@@ -105,13 +105,13 @@ fn under_kaslr_every_symbol_source_agrees_with_the_guests_own_kallsyms() {
     assert_ne!(values[0], "0x0", "the bzImage boot was not randomized\n{}", run.tail());
 }
 
+/// A restored guest sampled from the host (a boot's sampling: the boot suite's one-vCPU
+/// test).
 #[test]
 fn the_current_task_read_from_guest_memory_is_the_spinning_workload() {
     require_kvm();
-    let run = hvprobe(
-        &["run", "--sample-ms", "100", "--workload", "hvprobe-spin 8"],
-        BOOT_TIMEOUT,
-    );
+    let dir = common::snapshot(1);
+    let run = common::restore_with(&dir, 1, "hvprobe-spin 8", &["--sample-ms", "100"], BOOT_TIMEOUT);
     assert_eq!(run.code, Some(0), "{}", run.tail());
     let pid = run
         .stdout
