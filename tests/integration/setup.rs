@@ -274,12 +274,7 @@ fn two_cached_snapshots_made_at_once_boot_once_and_print_one_directory() {
     left.sort();
     let name = dirs[0].file_name().unwrap().to_string_lossy().into_owned();
     assert_eq!(left, [format!(".lock-{name}"), name]);
-    let again = Command::new(common::hvprobe_bin())
-        .args(["snapshot", "create", "--cached", "--cpus", "1"])
-        .env("HVPROBE_CACHE", &cache)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let again = maker().wait_with_output().unwrap();
     assert_eq!(dir_of(&again), dirs[0]);
     assert!(!booted(&again), "{}", show("the third call booted", &again));
     let _ = std::fs::remove_dir_all(&cache);
