@@ -245,8 +245,8 @@ pub struct RunArgs {
     /// The kernel's vmlinux ELF, for symbols and, with its DWARF, for probes on source lines
     /// [default: the bundled guest's, or --kernel if it is an ELF].
     ///
-    /// With --snapshot it serves the source lines only (the restored kernel's kallsyms
-    /// name its symbols), and must be that kernel's [default: the bundled guest's].
+    /// With --snapshot it serves the source lines (and symbols with --symbols vmlinux), and
+    /// must be the restored kernel's [default: the bundled guest's].
     #[arg(long, value_name = "FILE")]
     pub vmlinux: Option<PathBuf>,
     /// A module's .ko with its DWARF, for probes on its source lines (`MOD:FUNC:N`,
@@ -323,13 +323,14 @@ pub struct RunArgs {
     /// booting.
     ///
     /// Needs --workload, and --cpus equal to the snapshot's. The snapshot fixes the
-    /// machine and the kernel, so the flags that choose them are refused with it, and its
-    /// symbols come from the restored kernel's kallsyms. A snapshot with disks takes its
+    /// machine and the kernel, so the flags that choose them are refused with it. Its
+    /// symbols come from the restored kernel's kallsyms unless --symbols names other
+    /// sources (a file-based one is the bundled guest's file unless --system-map or
+    /// --vmlinux gives it, and must match the restored kernel). A snapshot with disks takes its
     /// images again: every --disk in its order, or none for the paths it saved; each must
     /// be the image the snapshot saw (its size, `,ro`, and its partition table).
     #[arg(long, value_name = "DIR", conflicts_with_all = [
-        "kernel", "initrd", "cmdline", "mem", "kaslr", "resolve", "symbol_sources",
-        "system_map", "root", "rootfs", "rwdirs", "virtiofsd",
+        "kernel", "initrd", "cmdline", "mem", "kaslr", "root", "rootfs", "rwdirs", "virtiofsd",
     ])]
     pub snapshot: Option<PathBuf>,
 }

@@ -11,6 +11,7 @@ pub mod control;
 pub mod cpio;
 pub mod filters_and_triggers;
 pub mod guest;
+pub mod introspect;
 pub mod perfetto;
 pub mod sampler;
 pub mod session;

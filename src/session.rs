@@ -41,6 +41,8 @@ pub struct TraceOptions {
     pub clock: TraceClock,
     /// Sample every vCPU's RIP and task this often (`--sample-ms`).
     pub sample_every: Option<std::time::Duration>,
+    /// Where the kernel's symbols come from and which to print (`--symbols`, `--resolve`).
+    pub symbols: crate::introspect::SymbolRequest,
 }
 
 /// Whether a run has a control socket, and where.

@@ -6,12 +6,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
-use hvprobe_live::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
+use hvprobe_live::{wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
 use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuControl, Vm, VmConfig};
 
 use crate::cli::{RunArgs, SourceArg};
 use crate::filters_and_triggers::AnalysisFlags;
 use crate::guest::{initrd_with_workload, BundledGuest, MachineFiles};
+use crate::introspect::{introspect, ArmProbes, IntrospectionFailure, SymbolRequest};
 use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOptions};
 use crate::shares::{self, Daemons};
 use crate::trace::KernelSourceFiles;
@@ -36,6 +37,8 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         },
         clock: args.clock.into(),
         sample_every: args.sample_ms.map(|ms| Duration::from_millis(ms.max(1))),
+        // The boot's are its files' (below); a restore's the restored kernel's kallsyms.
+        symbols: SymbolRequest::default(),
     };
     if let Some(dir) = &args.snapshot {
         // Source targets read the restored kernel's DWARF: --vmlinux's, or the bundled
@@ -47,6 +50,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
             .with_modules(args.module_debuginfo.clone()),
         );
+        trace.symbols = restored_symbols(&args)?;
         return crate::cmd::snapshot::run_restored(
             dir,
             args.machine.cpus,
@@ -73,7 +77,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let files = MachineFiles::of(&args.machine, args.kaslr)?;
     let bundled_kernel = files.bundled_kernel();
-    let sources = symbol_sources(&args, bundled_kernel)?;
+    trace.symbols = SymbolRequest {
+        sources: symbol_sources(&args, bundled_kernel)?,
+        resolve: args.resolve.clone(),
+    };
+    let sources = &trace.symbols.sources;
     let vmlinux = vmlinux_of(&args, bundled_kernel)?;
     if let Some(vmlinux) = &vmlinux {
         // The DWARF: a --vmlinux's own, else the bundled guest's file beside its vmlinux.
@@ -92,7 +100,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Some(file) => check_probes_before_boot(
             file,
             args.machine.cpus,
-            &sources,
+            sources,
             vmlinux.as_deref(),
             &trace.kernel_source,
             &trace.analysis,
@@ -152,14 +160,14 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let session = RunSession::start(&trace, &vm)?;
     let tasks = Arc::new(OnceLock::new());
     let introspection = {
-        let (control, mem, resolve, tasks, session) = (
+        let (control, mem, tasks, session) = (
             vm.control(),
             vm.memory().clone(),
-            args.resolve.clone(),
             Arc::clone(&tasks),
             Arc::clone(&session),
         );
-        std::thread::spawn(move || introspect_when_up(&control, &mem, &sources, &resolve, &session, &tasks))
+        let request = trace.symbols.clone();
+        std::thread::spawn(move || introspect_when_up(&control, &mem, &request, &session, &tasks))
     };
     let sampler = trace
         .sample_every
@@ -340,106 +348,52 @@ fn symbol_sources(
         .collect()
 }
 
-/// Why the kernel could not be introspected; all but `NotUp` stop the VM.
-#[derive(Debug, thiserror::Error)]
-enum IntrospectionFailure {
-    /// The VM stopped before the kernel set up its syscall entry.
-    #[error("the guest kernel never came up far enough to be introspected")]
-    NotUp,
-    #[error(transparent)]
-    Symbols(#[from] hvprobe_live::KernelSymbolsError),
-    #[error("{source} (in {from})")]
-    Resolve { from: String, source: SymbolError },
-    #[error(transparent)]
-    Session(#[from] crate::trace::SessionError),
-    #[error("no kernel symbols: the probes cannot be placed")]
-    NoSymbols,
+/// A restore's symbols: the restored kernel's kallsyms unless `--symbols` names other
+/// sources. A file-based one without its file (`--system-map`, `--vmlinux`) is the bundled
+/// guest's, as most snapshots are; the restore refuses it when its `linux_banner` is not
+/// the restored kernel's.
+fn restored_symbols(args: &RunArgs) -> Result<SymbolRequest, Box<dyn std::error::Error>> {
+    for spec in &args.resolve {
+        check_symbol_spec(spec)?;
+    }
+    let sources = if args.symbol_sources.is_empty() {
+        SymbolRequest::default().sources
+    } else {
+        let wants_bundled = args.symbol_sources.iter().any(|s| match s {
+            SourceArg::SystemMap => args.system_map.is_none(),
+            SourceArg::Vmlinux => args.vmlinux.is_none(),
+            SourceArg::Kallsyms => false,
+        });
+        let bundled = wants_bundled.then(BundledGuest::ensure_built).transpose()?;
+        symbol_sources(args, bundled.as_ref())?
+    };
+    Ok(SymbolRequest {
+        sources,
+        resolve: args.resolve.clone(),
+    })
 }
 
-/// Once the guest kernel is up: loads symbols from every source (checking file-based ones
-/// against guest memory), prints the `--resolve` answers, names guest tasks (into `tasks`)
-/// and hands the kernel to the run's session, which arms the probes at `/init` (or at once
-/// if the guest is past it). A failure stops the VM.
+/// Once the guest kernel is up (all vCPUs paused): [`introspect`] it, arming the probes at
+/// `/init` (or at once if the guest is past it). A failure stops the VM.
 fn introspect_when_up(
     control: &Arc<VcpuControl>,
     mem: &vm_memory::GuestMemoryMmap,
-    sources: &[SymbolsFrom],
-    resolve: &[String],
+    request: &SymbolRequest,
     session: &RunSession,
     tasks: &OnceLock<TaskContext>,
 ) -> Result<Vec<KernelSymbols>, IntrospectionFailure> {
     let (paused, state) =
         wait_for_kernel(control, mem, Duration::from_millis(100)).ok_or(IntrospectionFailure::NotUp)?;
-    let memory = live_memory(mem, &state);
-    let mut kernels = Vec::new();
-    let mut failure = None;
-    for from in sources {
-        let started = std::time::Instant::now();
-        match load_symbols(from, &memory, state.lstar) {
-            Ok(kernel) => {
-                tracing::info!(
-                    "{} symbols from {} in {:.0} ms",
-                    kernel.table.len(),
-                    kernel.from,
-                    started.elapsed().as_secs_f64() * 1e3
-                );
-                for spec in resolve {
-                    match kernel.table.resolve(spec) {
-                        Ok(r) => eprintln!("{spec} = {:#x} ({})", r.addr.0, from.label()),
-                        Err(source) => {
-                            failure = Some(IntrospectionFailure::Resolve {
-                                from: from.to_string(),
-                                source,
-                            })
-                        }
-                    }
-                }
-                kernels.push(kernel);
-            }
-            Err(e) => failure = Some(e.into()),
-        }
-    }
-    if let (true, false, true, Some(why)) = (
-        kernels.is_empty(),
-        session.requires_kernel(),
-        resolve.is_empty(),
-        &failure,
-    ) {
-        // Only the control socket wanted the symbols: it tells its clients why, and the
-        // guest runs on.
-        session.symbols_unavailable(why.to_string());
-        failure = None;
-    }
-    if let Some(kernel) = kernels.first() {
-        match TaskContext::read(&memory, &kernel.table) {
-            Ok(ctx) => {
-                let _ = tasks.set(ctx);
-            }
-            Err(reason) => tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"),
-        }
-    }
-    if let (true, Some(kernel), None) = (session.needs_kernel(), kernels.first(), &failure) {
-        match session.kernel_up(Arc::clone(control), &state, &kernel.table, tasks.get().copied()) {
-            // Probes go in when the guest's boot-time text patching is over.
-            Ok(()) if control.boot_to_init().is_some() => {
-                if let Err(e) = session.arm() {
-                    failure = Some(e.into());
-                }
-            }
-            Ok(()) => session.arm_at_init(Arc::clone(control)),
-            Err(e) => failure = Some(e.into()),
-        }
-    } else if session.requires_kernel() && kernels.is_empty() && failure.is_none() {
-        failure = Some(IntrospectionFailure::NoSymbols);
-    }
+    let arm = match control.boot_to_init() {
+        Some(_) => ArmProbes::Now,
+        None => ArmProbes::AtInit,
+    };
+    let introspected = introspect(control, mem, &state, request, session, tasks, arm);
     drop(paused);
-    match failure {
-        Some(failure) => {
-            control.stop(StopReason::Stopped);
-            Err(failure)
-        }
-        None => Ok(kernels),
+    if introspected.is_err() {
+        control.stop(StopReason::Stopped);
     }
+    introspected
 }
 
 /// The run's exits for its last line: `N exits (I int3, S single-step, D debug-register),

@@ -14,12 +14,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hvprobe_introspection::symbols::SymbolTable;
-use hvprobe_live::{live_memory, load_symbols, SymbolsFrom, TaskContext};
+use hvprobe_live::{live_memory, load_symbols, SymbolsFrom};
 use hvprobe_vmm::{ConsoleLog, ConsoleOutput, DiskConfig, StopReason, Vm, VmConfig, VmOutcome};
 use vm_memory::GuestMemoryMmap;
 
 use crate::cli::{CreateArgs, MachineArgs};
 use crate::guest::{cache_dir, initrd_with_workload, workload_message, BundledGuest, MachineFiles, WAIT_OPTION};
+use crate::introspect::{introspect, ArmProbes};
 use crate::session::{RunSession, TraceOptions};
 
 use crate::cmd::CliResult;
@@ -257,34 +258,24 @@ pub(crate) fn restore_and_run(
         vm.feed_stdin_to_console();
     }
     let session = RunSession::start(trace, &vm)?;
-    let mut table = None;
     let tasks = Arc::new(OnceLock::new());
-    if session.needs_kernel() || trace.sample_every.is_some() {
-        // The restored guest's own kallsyms name its symbols: no file has to match it.
+    let mut table = None;
+    if session.needs_kernel() || trace.sample_every.is_some() || !trace.symbols.resolve.is_empty() {
         let state = vm.vcpu_state(0)?;
-        let memory = live_memory(vm.memory(), &state);
-        match load_symbols(&SymbolsFrom::Kallsyms, &memory, state.lstar) {
-            Ok(kernel) => {
-                // As a boot's summary names it: a snapshot of a KASLR boot keeps its slide.
-                eprintln!("hvprobe: {kernel}");
-                let symbols = kernel.table;
-                if session.has_probes() || trace.sample_every.is_some() {
-                    match TaskContext::read(&memory, &symbols) {
-                        Ok(ctx) => {
-                            let _ = tasks.set(ctx);
-                        }
-                        Err(reason) => tracing::warn!("$comm and pid of guest tasks are unavailable: {reason}"),
-                    }
-                }
-                if session.needs_kernel() {
-                    session.kernel_up(vm.control(), &state, &symbols, tasks.get().copied())?;
-                    session.arm()?;
-                }
-                table = Some(symbols);
-            }
-            Err(e) if !session.requires_kernel() => session.symbols_unavailable(e.to_string()),
-            Err(e) => return Err(e.into()),
+        let kernels = introspect(
+            &vm.control(),
+            vm.memory(),
+            &state,
+            &trace.symbols,
+            &session,
+            &tasks,
+            ArmProbes::Now,
+        )?;
+        for kernel in &kernels {
+            // As a boot's summary names it: a snapshot of a KASLR boot keeps its slide.
+            eprintln!("hvprobe: {kernel}");
         }
+        table = kernels.into_iter().next().map(|k| k.table);
     }
     let sampler = trace
         .sample_every

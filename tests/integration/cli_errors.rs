@@ -108,15 +108,15 @@ fn malformed_numbers_are_usage_errors() {
 
 /// A snapshot fixes the machine and the kernel: the flags that would choose them are
 /// refused with `--snapshot` (they were silently ignored), before anything is restored.
-/// (`--vmlinux` is not among them: with a snapshot it names the restored kernel's DWARF,
-/// for probes on source lines.)
+/// (`--vmlinux` and `--system-map` are not among them: with a snapshot they name the
+/// restored kernel's files, for source lines and `--symbols`.)
 #[test]
 fn flags_a_snapshot_fixes_are_refused_with_it() {
     for (flag, value) in [
         ("--mem", "256"),
         ("--cmdline", "quiet"),
-        ("--system-map", "/boot/System.map"),
         ("--kernel", "/boot/vmlinuz"),
+        ("--rootfs", "/"),
     ] {
         let run = hvprobe(
             &[

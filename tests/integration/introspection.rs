@@ -46,12 +46,13 @@ fn resolved(run: &Run) -> HashMap<String, HashMap<String, u64>> {
     by_source
 }
 
+/// On a restore of the KASLR snapshot (the probes' and stacks' tests restore it too), so
+/// no boot: each source is loaded from the restored memory, the files checked against it.
 #[test]
 fn under_kaslr_every_symbol_source_agrees_with_the_guests_own_kallsyms() {
     require_kvm();
+    let dir = common::kaslr_snapshot(1);
     let mut args = vec![
-        "run",
-        "--kaslr",
         "--symbols",
         "system-map",
         "--symbols",
@@ -63,8 +64,7 @@ fn under_kaslr_every_symbol_source_agrees_with_the_guests_own_kallsyms() {
         args.extend(["--resolve", s]);
     }
     let pattern = format!("grep -wE '{}' /proc/kallsyms", SYMBOLS.join("|"));
-    args.extend(["--workload", &pattern]);
-    let run = common::kaslr_run(&args, BOOT_TIMEOUT);
+    let run = common::restore_with(&dir, 1, &pattern, &args, BOOT_TIMEOUT);
     assert_eq!(run.code, Some(0), "{}", run.tail());
 
     let mut guest: HashMap<String, u64> = HashMap::new();
@@ -102,7 +102,7 @@ fn under_kaslr_every_symbol_source_agrees_with_the_guests_own_kallsyms() {
     assert_eq!(slides.len(), 3, "{}", run.tail());
     let values: Vec<&str> = slides.iter().map(|l| l.rsplit(' ').next().unwrap()).collect();
     assert!(values.iter().all(|v| *v == values[0]), "slides differ: {slides:?}");
-    assert_ne!(values[0], "0x0", "the bzImage boot was not randomized\n{}", run.tail());
+    common::assert_randomized(&run);
 }
 
 /// A restored guest sampled from the host (a boot's sampling: the boot suite's one-vCPU
@@ -131,9 +131,11 @@ fn the_current_task_read_from_guest_memory_is_the_spinning_workload() {
     );
 }
 
+/// On a restore (a boot checks its files with the same code, once its kernel is up).
 #[test]
 fn a_system_map_of_another_kernel_is_detected_and_refused() {
     require_kvm();
+    let dir = common::snapshot(1);
     let guest = bundled_guest_dir();
     let map = std::fs::read_to_string(guest.join("System.map")).unwrap();
     // Another build of "the same" kernel: its syscall entry is where ours is, the data
@@ -154,15 +156,17 @@ fn a_system_map_of_another_kernel_is_detected_and_refused() {
         .collect();
     let path = std::env::temp_dir().join(format!("hvprobe-other-{}.map", std::process::id()));
     std::fs::write(&path, other).unwrap();
-    let run = hvprobe(
+    let run = common::restore_with(
+        &dir,
+        1,
+        "true",
         &[
-            "run",
+            "--symbols",
+            "system-map",
             "--system-map",
             path.to_str().unwrap(),
             "--resolve",
             "vfs_read",
-            "--workload",
-            "true",
         ],
         BOOT_TIMEOUT,
     );
@@ -235,4 +239,18 @@ fn offline_symbols_resolve_describe_and_reject_bad_names() {
     assert_eq!(run.code, Some(1), "{}", run.tail());
     assert!(run.stderr.contains("vfs_read+zz"), "{}", run.tail());
     assert!(!run.stderr.contains("KVM backend"), "it booted anyway\n{}", run.tail());
+    let run = hvprobe(
+        &[
+            "run",
+            "--snapshot",
+            "/nonexistent",
+            "--resolve",
+            "vfs_read+zz",
+            "--workload",
+            "true",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(run.code, Some(1), "{}", run.tail());
+    assert!(run.stderr.contains("vfs_read+zz"), "a restore's too\n{}", run.tail());
 }

@@ -267,8 +267,8 @@ pub fn snapshot(cpus: u8) -> PathBuf {
 /// The snapshot of a KASLR boot of the bundled guest with `cpus` vCPUs (`snapshot create
 /// --kaslr`, whose kernel has moved), created if the cache lacks it: the tests of probes
 /// and stacks under KASLR restore it instead of booting the bzImage each (a KASLR boot is
-/// ~70 s on kvm_pvm, where the decompressor is emulated too); the introspection test that
-/// compares every symbol source under KASLR still boots.
+/// ~70 s on kvm_pvm, where the decompressor is emulated too), as does the introspection
+/// test that compares every symbol source under KASLR.
 pub fn kaslr_snapshot(cpus: u8) -> PathBuf {
     cached_snapshot(cpus, true)
 }
@@ -318,25 +318,6 @@ pub fn restore_with(dir: &Path, cpus: u8, workload: &str, extra: &[&str], timeou
     hvprobe(&args, timeout)
 }
 
-/// Fails unless the run's summary reports a KASLR slide other than 0: the kernel was
-/// randomized.
-/// `hvprobe ARGS` (a `run --kaslr`), booted again while KASLR leaves the kernel where it
-/// links: a 6.1 x86-64 kernel draws its virtual slot among ~500 (1 GiB in 2 MiB steps, less
-/// its size), slot 0 among them, and a run that drew it shows nothing of a slide (the lane
-/// drew it once in the stacks test). At most three boots; three zero slides in a row are a
-/// failure (the guest's randomness would be broken).
-pub fn kaslr_run(args: &[&str], timeout: Duration) -> Run {
-    assert!(args.contains(&"--kaslr"), "{args:?}");
-    for boot in 1..=3 {
-        let run = hvprobe(args, timeout);
-        if slide_of(&run).as_deref() != Some("0x0") || boot == 3 {
-            return run;
-        }
-        eprintln!("KASLR left the kernel in place (slide 0x0) on boot {boot}: booting again");
-    }
-    unreachable!("the third boot returns")
-}
-
 fn slide_of(run: &Run) -> Option<String> {
     run.stderr
         .lines()
@@ -344,6 +325,8 @@ fn slide_of(run: &Run) -> Option<String> {
         .map(|s| s.trim().to_owned())
 }
 
+/// Fails unless the run's summary reports a KASLR slide other than 0: the kernel was
+/// randomized.
 pub fn assert_randomized(run: &Run) {
     let slide = slide_of(run).unwrap_or_else(|| panic!("no slide reported\n{}", run.tail()));
     assert_ne!(slide, "0x0", "the kernel was not randomized");
