@@ -173,7 +173,7 @@ fn jobs() -> Vec<Job> {
             "the_guests_int3_self_test_survives_every_boot_on_kvm_amd",
             int3_self_test_script,
         )
-        .taking(246),
+        .taking(62),
         Job::script(
             "a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd",
             stock_kernel_with_devices_script,
@@ -1357,8 +1357,12 @@ fn boots_and_hardening_on_kvm_amd() {
 
 /// The guest's boot-time int3 self-test (`int3_selftest`) goes through our #BP
 /// re-injection at every boot with probes armed; an injected #BP lost to an interrupt
-/// killed the boot with `invalid opcode` in 3 of 13 runs before it went back as pending.
-const INT3_SELF_TEST_BOOTS: usize = 8;
+/// killed the boot with `invalid opcode` in 3 of 13 runs before the VMM delivered it
+/// itself. The race is tested where it is deterministic, by the exit-loop test that makes
+/// an interrupt pending while the vCPU is out on an int3 (`vmm/tests/exit_loop.rs`,
+/// `guest_owned_int3_with_an_interrupt_pending_…`, in the lane's code-blob job); these
+/// boots show it end to end, one with each vCPU count (8 boots took 246 s of the lane).
+const INT3_SELF_TEST_BOOTS: usize = 2;
 
 fn int3_self_test_script() -> String {
     format!(
