@@ -236,10 +236,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "SYM")]
     pub resolve: Vec<String>,
     /// Where kernel symbols come from (repeatable: --resolve then prints each source's answer)
-    /// [default: System.map if there is one, else the vmlinux, else the guest's kallsyms].
+    /// [default: System.map if there is one, else the vmlinux, else the guest's kallsyms; with
+    /// --snapshot, the restored kernel's kallsyms].
     #[arg(long = "symbols", value_enum, value_name = "SOURCE")]
     pub symbol_sources: Vec<SourceArg>,
-    /// System.map of the kernel [default: the bundled guest's].
+    /// System.map of the kernel [default: the bundled guest's]. With --snapshot it must be
+    /// the restored kernel's, and is then the default source of its symbols.
     #[arg(long)]
     pub system_map: Option<PathBuf>,
     /// The kernel's vmlinux ELF, for symbols and, with its DWARF, for probes on source lines

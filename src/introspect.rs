@@ -20,6 +20,14 @@ pub struct SymbolRequest {
     pub resolve: Vec<String>,
 }
 
+impl SymbolRequest {
+    /// Whether the user asked for anything beyond the default (a source of their choice, a
+    /// `--resolve`): a restore then introspects even when nothing else needs the kernel.
+    pub fn asked(&self) -> bool {
+        self.sources != [SymbolsFrom::Kallsyms] || !self.resolve.is_empty()
+    }
+}
+
 impl Default for SymbolRequest {
     /// A restore's default: the restored kernel's own kallsyms, which no file has to
     /// match, and nothing printed. (A boot's default is its files': `hvprobe run` says.)

@@ -37,7 +37,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         },
         clock: args.clock.into(),
         sample_every: args.sample_ms.map(|ms| Duration::from_millis(ms.max(1))),
-        // The boot's are its files' (below); a restore's the restored kernel's kallsyms.
+        // Set below, for a boot or a restore.
         symbols: SymbolRequest::default(),
     };
     if let Some(dir) = &args.snapshot {
@@ -50,12 +50,16 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
             .with_modules(args.module_debuginfo.clone()),
         );
+        let workload = args
+            .workload
+            .as_deref()
+            .ok_or(crate::cmd::snapshot::SnapshotCliError::NoWorkload)?;
         trace.symbols = restored_symbols(&args)?;
         return crate::cmd::snapshot::run_restored(
             dir,
             args.machine.cpus,
             &args.machine.disks,
-            args.workload.as_deref(),
+            workload,
             console_output(true, args.console_input, args.no_console),
             args.console_input,
             &trace,
@@ -348,24 +352,29 @@ fn symbol_sources(
         .collect()
 }
 
-/// A restore's symbols: the restored kernel's kallsyms unless `--symbols` names other
-/// sources. A file-based one without its file (`--system-map`, `--vmlinux`) is the bundled
-/// guest's, as most snapshots are; the restore refuses it when its `linux_banner` is not
-/// the restored kernel's.
+/// A restore's symbols: the restored kernel's kallsyms, unless `--symbols` names other
+/// sources or `--system-map` gives a map (as on a boot, a map given is the default then).
+/// A file-based source without its file is the bundled guest's, as most snapshots are;
+/// the restore refuses a file whose `linux_banner` is not the restored kernel's.
 fn restored_symbols(args: &RunArgs) -> Result<SymbolRequest, Box<dyn std::error::Error>> {
     for spec in &args.resolve {
         check_symbol_spec(spec)?;
     }
-    let sources = if args.symbol_sources.is_empty() {
-        SymbolRequest::default().sources
-    } else {
-        let wants_bundled = args.symbol_sources.iter().any(|s| match s {
-            SourceArg::SystemMap => args.system_map.is_none(),
-            SourceArg::Vmlinux => args.vmlinux.is_none(),
-            SourceArg::Kallsyms => false,
-        });
-        let bundled = wants_bundled.then(BundledGuest::ensure_built).transpose()?;
-        symbol_sources(args, bundled.as_ref())?
+    for path in [&args.system_map, &args.vmlinux].into_iter().flatten() {
+        std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    }
+    let sources = match (&args.system_map, args.symbol_sources.is_empty()) {
+        (Some(map), true) => vec![SymbolsFrom::SystemMap(map.clone())],
+        (None, true) => SymbolRequest::default().sources,
+        (_, false) => {
+            let wants_bundled = args.symbol_sources.iter().any(|s| match s {
+                SourceArg::SystemMap => args.system_map.is_none(),
+                SourceArg::Vmlinux => args.vmlinux.is_none(),
+                SourceArg::Kallsyms => false,
+            });
+            let bundled = wants_bundled.then(BundledGuest::ensure_built).transpose()?;
+            symbol_sources(args, bundled.as_ref())?
+        }
     };
     Ok(SymbolRequest {
         sources,

@@ -260,9 +260,9 @@ pub(crate) fn restore_and_run(
     let session = RunSession::start(trace, &vm)?;
     let tasks = Arc::new(OnceLock::new());
     let mut table = None;
-    if session.needs_kernel() || trace.sample_every.is_some() || !trace.symbols.resolve.is_empty() {
+    if session.needs_kernel() || trace.sample_every.is_some() || trace.symbols.asked() {
         let state = vm.vcpu_state(0)?;
-        let kernels = introspect(
+        let introspected = introspect(
             &vm.control(),
             vm.memory(),
             &state,
@@ -270,7 +270,18 @@ pub(crate) fn restore_and_run(
             &session,
             &tasks,
             ArmProbes::Now,
-        )?;
+        );
+        let kernels = match introspected {
+            Ok(kernels) => kernels,
+            Err(e) => {
+                // The guest never runs: what the session opened (a Perfetto trace, the
+                // control socket) is closed as at the end of a run.
+                if let Err(finish) = session.finish() {
+                    eprintln!("hvprobe: error: {finish}");
+                }
+                return Err(e.into());
+            }
+        };
         for kernel in &kernels {
             // As a boot's summary names it: a snapshot of a KASLR boot keeps its slide.
             eprintln!("hvprobe: {kernel}");
@@ -305,12 +316,11 @@ pub fn run_restored(
     dir: &Path,
     cpus: u8,
     disks: &[DiskConfig],
-    workload: Option<&str>,
+    workload: &str,
     output: ConsoleOutput,
     console_input: bool,
     trace: &TraceOptions,
 ) -> CliResult {
-    let workload = workload.ok_or(SnapshotCliError::NoWorkload)?;
     let r = restore_and_run(dir, cpus, disks, workload, output, console_input, trace)?;
     eprintln!(
         "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {}",
@@ -326,7 +336,8 @@ pub fn run_restored(
         eprint!("{}", crate::sampler::summary(samples, r.symbols.as_ref()));
     }
     if crate::where_stopped::wanted(&r.outcome.reason) {
-        // A run without probes read no symbols: the guest's kallsyms name the places now.
+        // A run that read no symbols (no probes, no --resolve): the guest's kallsyms name
+        // the places now.
         let symbols = r.symbols.or_else(|| {
             let state = &r.outcome.vcpus_at_stop.first()?.state;
             load_symbols(&SymbolsFrom::Kallsyms, &live_memory(&r.memory, state), state.lstar)

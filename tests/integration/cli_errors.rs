@@ -140,6 +140,32 @@ fn flags_a_snapshot_fixes_are_refused_with_it() {
     }
 }
 
+/// The files a restore's symbols would come from are checked before anything is restored
+/// (a `--system-map` alone was once taken and never read).
+#[test]
+fn a_restores_missing_symbol_file_is_refused_before_the_restore() {
+    for flag in ["--system-map", "--vmlinux"] {
+        let run = hvprobe(
+            &[
+                "run",
+                "--snapshot",
+                "/nonexistent/snapshot",
+                "--workload",
+                "true",
+                flag,
+                "/nonexistent/symbols",
+            ],
+            QUICK,
+        );
+        assert_eq!(run.code, Some(1), "{flag}\n{}", run.tail());
+        assert!(
+            run.stderr.contains("cannot read /nonexistent/symbols"),
+            "{flag}\n{}",
+            run.tail()
+        );
+    }
+}
+
 #[test]
 fn a_virtiofsd_without_a_share_to_serve_is_refused() {
     let run = hvprobe(&["run", "--virtiofsd", "/bin/true", "--workload", "true"], QUICK);

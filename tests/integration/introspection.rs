@@ -156,32 +156,26 @@ fn a_system_map_of_another_kernel_is_detected_and_refused() {
         .collect();
     let path = std::env::temp_dir().join(format!("hvprobe-other-{}.map", std::process::id()));
     std::fs::write(&path, other).unwrap();
-    let run = common::restore_with(
-        &dir,
-        1,
-        "true",
-        &[
-            "--symbols",
-            "system-map",
-            "--system-map",
-            path.to_str().unwrap(),
-            "--resolve",
-            "vfs_read",
-        ],
-        BOOT_TIMEOUT,
-    );
+    let map = path.to_str().unwrap();
+    // Named as a source, and given alone (the default source then, as on a boot).
+    for args in [
+        &["--symbols", "system-map", "--system-map", map, "--resolve", "vfs_read"][..],
+        &["--system-map", map, "--resolve", "vfs_read"][..],
+    ] {
+        let run = common::restore_with(&dir, 1, "true", args, BOOT_TIMEOUT);
+        assert_eq!(run.code, Some(1), "{args:?}\n{}", run.tail());
+        assert!(
+            run.stderr.contains("does not match the running kernel"),
+            "{args:?}\n{}",
+            run.tail()
+        );
+        assert!(
+            !run.stderr.contains("vfs_read = 0x"),
+            "a mismatched map was used\n{}",
+            run.tail()
+        );
+    }
     std::fs::remove_file(&path).unwrap();
-    assert_eq!(run.code, Some(1), "{}", run.tail());
-    assert!(
-        run.stderr.contains("does not match the running kernel"),
-        "{}",
-        run.tail()
-    );
-    assert!(
-        !run.stderr.contains("vfs_read = 0x"),
-        "a mismatched map was used\n{}",
-        run.tail()
-    );
 }
 
 #[test]
