@@ -3,12 +3,17 @@
 #   - QEMU 10.2.2 with qemu-svm-int3-intercept.patch (build-qemu.sh);
 #   - virtiofsd (crates.io, pinned; ../build-virtiofsd.sh), which shares the host's files
 #     with the L1;
-#   - the L1 kernel, Debian's linux-image-cloud-amd64 (from the suite
-#     HVPROBE_L1_KERNEL_SUITE names, e.g. bookworm-backports; default: apt's candidate),
+#   - the L1 kernel, Debian's linux-image-cloud-amd64 from the suite
+#     HVPROBE_L1_KERNEL_SUITE names (default bookworm-backports: 6.12; under bookworm's
+#     6.1 the L2 stopped or triple-faulted in ~4 % of runs, docs/known-issues.md),
 #     and an initramfs of busybox, this directory's init and the modules it loads
 #     (kvm_amd, virtio-fs, overlay; those the kernel has built in are skipped, compressed
-#     ones unpacked); the kernel's whole module tree (with depmod's modules.dep), for L2
-#     runs of that kernel with `hvprobe run --modules` (HVPROBE_L1_MODULES).
+#     ones unpacked);
+#   - the stock kernel the lane boots as an L2 (HVPROBE_L2_STOCK_KERNEL), the same
+#     package from the suite HVPROBE_L2_KERNEL_SUITE names (default: apt's candidate), so
+#     that the L1's kernel can change without changing what the stock-kernel jobs test;
+#     with its whole module tree (with depmod's modules.dep), for `hvprobe run --modules`
+#     (HVPROBE_L2_STOCK_MODULES). One download when both are the same.
 # Writes lane.env (the parts' paths) and prints its path on stdout. Warm, it only checks.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -17,8 +22,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 cache_stdout_is_the_result
 cache="$hvprobe_cache/l1"
 KERNEL_PACKAGE=linux-image-cloud-amd64
-apt_suite=()
-[ -n "${HVPROBE_L1_KERNEL_SUITE:-}" ] && apt_suite=(-t "$HVPROBE_L1_KERNEL_SUITE")
 # The modules the L1's init loads, dependencies first.
 MODULES=(virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko
          drivers/virtio/virtio_ring.ko drivers/virtio/virtio.ko
@@ -35,15 +38,21 @@ qemu=$("$here/build-qemu.sh")
 # The one build of virtiofsd, shared with `hvprobe run --rootfs/--rwdir` (its own lock).
 virtiofsd=$("$here/../build-virtiofsd.sh")
 
-# The kernel package the metapackage points at now, and its version: the L1 kernel's key.
-image_package=$(apt-cache "${apt_suite[@]}" depends "$KERNEL_PACKAGE" 2>/dev/null \
-    | sed -n 's/^ *Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
-[ -n "$image_package" ] || { log "apt knows no $KERNEL_PACKAGE ${apt_suite[*]} (run guest/l1/install-deps.sh)"; exit 1; }
-image_version=$(apt-cache "${apt_suite[@]}" policy "$image_package" | sed -n 's/^ *Candidate: //p')
-release=${image_package#linux-image-}
-# v2: with the module tree.
-kernel_dir="$cache/kernel-v2-${image_package}_$image_version"
-if [ ! -f "$kernel_dir/vmlinuz" ]; then
+# fetch_kernel SUITE: downloads (once) the kernel package $KERNEL_PACKAGE points at now in
+# SUITE (empty: apt's candidate) and sets kernel_dir, kernel_release and kernel_label.
+fetch_kernel() {
+    local apt_suite=() image_package image_version work tree m
+    [ -n "$1" ] && apt_suite=(-t "$1")
+    # The kernel package the metapackage points at now, and its version: the kernel's key.
+    image_package=$(apt-cache "${apt_suite[@]}" depends "$KERNEL_PACKAGE" 2>/dev/null \
+        | sed -n 's/^ *Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
+    [ -n "$image_package" ] || { log "apt knows no $KERNEL_PACKAGE ${apt_suite[*]} (run guest/l1/install-deps.sh)"; exit 1; }
+    image_version=$(apt-cache "${apt_suite[@]}" policy "$image_package" | sed -n 's/^ *Candidate: //p')
+    kernel_release=${image_package#linux-image-}
+    kernel_label="$image_package $image_version"
+    # v2: with the module tree.
+    kernel_dir="$cache/kernel-v2-${image_package}_$image_version"
+    [ -f "$kernel_dir/vmlinuz" ] && return
     command -v depmod >/dev/null || { log "depmod is missing (install kmod: guest/l1/install-deps.sh)"; exit 1; }
     log "downloading $image_package $image_version"
     work=$(mktemp -d "$cache/kernel.XXXXXX")
@@ -51,11 +60,11 @@ if [ ! -f "$kernel_dir/vmlinuz" ]; then
         || { rm -rf "$work"; log "apt-get download $image_package=$image_version failed"; exit 1; }
     dpkg-deb -x "$work"/*.deb "$work/root"
     mkdir -p "$work/out"
-    cp "$work/root/boot/vmlinuz-$release" "$work/out/vmlinuz"
-    cp "$work/root/boot/System.map-$release" "$work/out/System.map"
-    cp "$work/root/boot/config-$release" "$work/out/config"
+    cp "$work/root/boot/vmlinuz-$kernel_release" "$work/out/vmlinuz"
+    cp "$work/root/boot/System.map-$kernel_release" "$work/out/System.map"
+    cp "$work/root/boot/config-$kernel_release" "$work/out/config"
     mkdir -p "$work/out/modules"
-    tree="$work/root/lib/modules/$release"
+    tree="$work/root/lib/modules/$kernel_release"
     for m in "${MODULES[@]}"; do
         if [ -f "$tree/kernel/$m" ]; then
             cp "$tree/kernel/$m" "$work/out/modules/"
@@ -66,13 +75,17 @@ if [ ! -f "$kernel_dir/vmlinuz" ]; then
         fi
     done
     # The package leaves modules.dep to its postinst's depmod.
-    depmod -b "$work/root" "$release"
+    depmod -b "$work/root" "$kernel_release"
     mkdir -p "$work/out/lib/modules"
-    mv "$work/root/lib/modules/$release" "$work/out/lib/modules/$release"
+    mv "$work/root/lib/modules/$kernel_release" "$work/out/lib/modules/$kernel_release"
     echo "$image_version" > "$work/out/version"
     cache_publish "$work/out" "$kernel_dir"
     rm -rf "$work"
-fi
+}
+
+fetch_kernel "${HVPROBE_L2_KERNEL_SUITE:-}"
+l2_dir=$kernel_dir l2_release=$kernel_release l2_label=$kernel_label
+fetch_kernel "${HVPROBE_L1_KERNEL_SUITE:-bookworm-backports}"
 
 initramfs_key=$( { cat "$here/init" "$here/log" "$0" /bin/busybox; echo "$kernel_dir"; } | sha256sum | cut -c1-16)
 initramfs="$cache/initramfs-$initramfs_key.cpio"
@@ -97,8 +110,10 @@ cache_write_file "$cache/lane.env" <<ENV
 HVPROBE_L1_QEMU=$qemu
 HVPROBE_L1_VIRTIOFSD=$virtiofsd
 HVPROBE_L1_KERNEL=$kernel_dir/vmlinuz
-HVPROBE_L1_KERNEL_VERSION="$image_package $image_version"
-HVPROBE_L1_MODULES=$kernel_dir/lib/modules/$release
+HVPROBE_L1_KERNEL_VERSION="$kernel_label"
 HVPROBE_L1_INITRAMFS=$initramfs
+HVPROBE_L2_STOCK_KERNEL=$l2_dir/vmlinuz
+HVPROBE_L2_STOCK_KERNEL_VERSION="$l2_label"
+HVPROBE_L2_STOCK_MODULES=$l2_dir/lib/modules/$l2_release
 ENV
 cache_result "$cache/lane.env"
