@@ -4,7 +4,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::hvprobe;
+use common::{hvprobe, Run};
 
 const QUICK: Duration = Duration::from_secs(60);
 
@@ -106,6 +106,23 @@ fn malformed_numbers_are_usage_errors() {
     assert!(run.stderr.contains("invalid value 'two'"), "{}", run.tail());
 }
 
+/// `run --snapshot` of a directory that does not exist, with `flag value`: what is refused
+/// before the restore is refused before the snapshot is read.
+fn restore_of_no_snapshot_with(flag: &str, value: &str) -> Run {
+    hvprobe(
+        &[
+            "run",
+            "--snapshot",
+            "/nonexistent/snapshot",
+            "--workload",
+            "true",
+            flag,
+            value,
+        ],
+        QUICK,
+    )
+}
+
 /// A snapshot fixes the machine and the kernel: the flags that would choose them are
 /// refused with `--snapshot` (they were silently ignored), before anything is restored.
 /// (`--vmlinux` and `--system-map` are not among them: with a snapshot they name the
@@ -118,18 +135,7 @@ fn flags_a_snapshot_fixes_are_refused_with_it() {
         ("--kernel", "/boot/vmlinuz"),
         ("--rootfs", "/"),
     ] {
-        let run = hvprobe(
-            &[
-                "run",
-                "--snapshot",
-                "/nonexistent/snapshot",
-                "--workload",
-                "true",
-                flag,
-                value,
-            ],
-            QUICK,
-        );
+        let run = restore_of_no_snapshot_with(flag, value);
         assert_eq!(run.code, Some(2), "{flag}\n{}", run.tail());
         assert!(
             run.stderr
@@ -145,18 +151,7 @@ fn flags_a_snapshot_fixes_are_refused_with_it() {
 #[test]
 fn a_restores_missing_symbol_file_is_refused_before_the_restore() {
     for flag in ["--system-map", "--vmlinux"] {
-        let run = hvprobe(
-            &[
-                "run",
-                "--snapshot",
-                "/nonexistent/snapshot",
-                "--workload",
-                "true",
-                flag,
-                "/nonexistent/symbols",
-            ],
-            QUICK,
-        );
+        let run = restore_of_no_snapshot_with(flag, "/nonexistent/symbols");
         assert_eq!(run.code, Some(1), "{flag}\n{}", run.tail());
         assert!(
             run.stderr.contains("cannot read /nonexistent/symbols"),
