@@ -1040,6 +1040,14 @@ fn the_lane_builds_once_when_four_runs_start_it_together() {
             .unwrap_or_else(|| panic!("lane.env has no {var}:\n{env}"));
         assert!(Path::new(value).is_file(), "{var}={value} is not a file\n{env}");
     }
+    let modules = env
+        .lines()
+        .find_map(|l| l.strip_prefix("HVPROBE_L2_STOCK_MODULES="))
+        .unwrap_or_else(|| panic!("lane.env has no HVPROBE_L2_STOCK_MODULES:\n{env}"));
+    assert!(
+        Path::new(modules).join("modules.dep").is_file(),
+        "HVPROBE_L2_STOCK_MODULES={modules} has no modules.dep\n{env}"
+    );
     let stderr: String = outputs.iter().map(|o| String::from_utf8_lossy(&o.stderr)).collect();
     for build in [
         "building patched QEMU",
@@ -1408,7 +1416,8 @@ fn the_guests_int3_self_test_survives_every_boot_on_kvm_amd() {
     );
 }
 
-/// Debian's unmodified `linux-image-cloud-amd64` (the L1's own bzImage) as the L2, with
+/// Debian's unmodified `linux-image-cloud-amd64` (the lane's stock L2 kernel,
+/// `HVPROBE_L2_STOCK_KERNEL`: bookworm's 6.1 whatever the L1 runs) as the L2, with
 /// the bundled initramfs, symbols from kallsyms in guest memory alone (its KASLR on): our
 /// entry and return probes on `__x64_sys_getppid` count what that kernel's own kprobe
 /// event counts.

@@ -44,10 +44,14 @@ fetch_kernel() {
     local apt_suite=() image_package image_version work tree m
     [ -n "$1" ] && apt_suite=(-t "$1")
     # The kernel package the metapackage points at now, and its version: the kernel's key.
-    image_package=$(apt-cache "${apt_suite[@]}" depends "$KERNEL_PACKAGE" 2>/dev/null \
+    # (apt-cache fails for a suite apt does not know: the message below says so.)
+    image_package=$( { apt-cache "${apt_suite[@]}" depends "$KERNEL_PACKAGE" 2>/dev/null || true; } \
         | sed -n 's/^ *Depends: \(linux-image-[^ ]*\)$/\1/p' | head -1)
     [ -n "$image_package" ] || { log "apt knows no $KERNEL_PACKAGE ${apt_suite[*]} (run guest/l1/install-deps.sh)"; exit 1; }
-    image_version=$(apt-cache "${apt_suite[@]}" policy "$image_package" | sed -n 's/^ *Candidate: //p')
+    image_version=$( { apt-cache "${apt_suite[@]}" policy "$image_package" 2>/dev/null || true; } \
+        | sed -n 's/^ *Candidate: //p')
+    [ -n "$image_version" ] && [ "$image_version" != "(none)" ] \
+        || { log "apt has no candidate of $image_package ${apt_suite[*]} (apt-get update?)"; exit 1; }
     kernel_release=${image_package#linux-image-}
     kernel_label="$image_package $image_version"
     # v2: with the module tree.
@@ -57,7 +61,7 @@ fetch_kernel() {
     log "downloading $image_package $image_version"
     work=$(mktemp -d "$cache/kernel.XXXXXX")
     (cd "$work" && apt-get download -q "$image_package=$image_version" >/dev/null 2>&1) \
-        || { rm -rf "$work"; log "apt-get download $image_package=$image_version failed"; exit 1; }
+        || { rm -rf "$work"; log "apt-get download $image_package=$image_version failed (apt-get update?)"; exit 1; }
     dpkg-deb -x "$work"/*.deb "$work/root"
     mkdir -p "$work/out"
     cp "$work/root/boot/vmlinuz-$kernel_release" "$work/out/vmlinuz"
