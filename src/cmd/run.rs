@@ -73,9 +73,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(initrd) = &args.machine.initrd {
         std::fs::metadata(initrd).map_err(|e| format!("cannot read initrd {}: {e}", initrd.display()))?;
     }
-    for spec in &args.resolve {
-        check_symbol_spec(spec)?;
-    }
+    check_symbol_flags(&args)?;
     for file in &args.module_debuginfo {
         std::fs::metadata(file).map_err(|e| format!("--module-debuginfo {}: {e}", file.display()))?;
     }
@@ -290,12 +288,19 @@ fn check_probes_before_boot(
     Ok(())
 }
 
-/// Rejects a malformed `SYM[+OFFSET]` before anything boots.
-fn check_symbol_spec(spec: &str) -> Result<(), SymbolError> {
-    match SymbolTable::from_symbols(SymbolSource::SystemMap, Vec::new()).resolve(spec) {
-        Err(SymbolError::UnknownSymbol(_)) | Ok(_) => Ok(()),
-        Err(e) => Err(e),
+/// Rejects, before anything boots or is restored, a malformed `--resolve SYM[+OFFSET]` and
+/// a `--system-map` or `--vmlinux` that cannot be read.
+fn check_symbol_flags(args: &RunArgs) -> Result<(), Box<dyn std::error::Error>> {
+    for spec in &args.resolve {
+        match SymbolTable::from_symbols(SymbolSource::SystemMap, Vec::new()).resolve(spec) {
+            Err(SymbolError::UnknownSymbol(_)) | Ok(_) => {}
+            Err(e) => return Err(e.into()),
+        }
     }
+    for path in [&args.system_map, &args.vmlinux].into_iter().flatten() {
+        std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// The run's vmlinux ELF, if it has one: `--vmlinux`, the bundled guest's, or `--kernel`
@@ -312,7 +317,8 @@ fn vmlinux_of(
         .or_else(|| args.machine.kernel.clone().filter(|_| kernel_is_elf)))
 }
 
-/// The symbol sources of a run, in the order asked for (or the default).
+/// The symbol sources of a run, in the order asked for (or the default); the files named
+/// on the command line were checked by [`check_symbol_flags`].
 fn symbol_sources(
     args: &RunArgs,
     bundled: Option<&BundledGuest>,
@@ -322,9 +328,6 @@ fn symbol_sources(
         .clone()
         .or_else(|| bundled.map(|g| g.system_map.clone()));
     let vmlinux = vmlinux_of(args, bundled)?;
-    for path in [&args.system_map, &args.vmlinux].into_iter().flatten() {
-        std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    }
     let asked = if args.symbol_sources.is_empty() {
         vec![if system_map.is_some() {
             SourceArg::SystemMap
@@ -357,12 +360,7 @@ fn symbol_sources(
 /// A file-based source without its file is the bundled guest's, as most snapshots are;
 /// the restore refuses a file whose `linux_banner` is not the restored kernel's.
 fn restored_symbols(args: &RunArgs) -> Result<SymbolRequest, Box<dyn std::error::Error>> {
-    for spec in &args.resolve {
-        check_symbol_spec(spec)?;
-    }
-    for path in [&args.system_map, &args.vmlinux].into_iter().flatten() {
-        std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    }
+    check_symbol_flags(args)?;
     let sources = match (&args.system_map, args.symbol_sources.is_empty()) {
         (Some(map), true) => vec![SymbolsFrom::SystemMap(map.clone())],
         (None, true) => SymbolRequest::default().sources,
