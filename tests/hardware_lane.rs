@@ -1487,7 +1487,8 @@ fn stock_kernel_with_devices_script() -> String {
                     echo from-the-guest > /mnt/new && umount /mnt; echo through-rwdir > /out/r; \
                     echo \"UNAME $(uname -r)\"; echo \"ACPI-DEVICES $(grep -c LNRO0005 /proc/iomem)\"";
     format!(
-        "d=$(mktemp -d) && mkdir $d/img $d/out && echo on-the-disk > $d/img/hello && \
+        "{STOCK_RELEASE_LINE}\
+         d=$(mktemp -d) && mkdir $d/img $d/out && echo on-the-disk > $d/img/hello && \
          truncate -s 32M $d/disk.img && mkfs.ext4 -q -d $d/img $d/disk.img && \
          printf 'p:stock/open do_sys_openat2 path=+0(%%si):ustring\\np:stock/mf module_memfree\\n\
 p:stock/blk virtio_blk:virtio_queue_rq\\n' > $d/probes || exit 1; \
@@ -1526,11 +1527,9 @@ fn a_stock_debian_kernel_runs_with_a_disk_and_shared_directories_on_kvm_amd() {
     );
     assert!(out.contains("RC=0"), "{}", tail(&run));
     assert!(out.contains("KVM backend: hardware KVM"), "{}", tail(&run));
-    assert!(
-        printed_a_cloud_kernel_release(out, "UNAME "),
-        "not Debian's cloud kernel\n{}",
-        tail(&run)
-    );
+    if let Err(why) = printed_the_stock_kernels_release(out, "UNAME ") {
+        panic!("not the lane's stock kernel: {why}\n{}", tail(&run));
+    }
     // The drivers came from the kernel's own tree.
     assert!(
         out.contains("modules for the devices, from ") && out.contains("virtio_mmio virtio_blk fuse virtiofs overlay"),
@@ -1609,17 +1608,55 @@ r:stock/getppid_ret __x64_sys_getppid ret=$retval
 p:stock/rd vfs_read $arg* fpos=file->f_pos
 ";
 
-/// Whether the guest printed a line `TAG<release>` naming Debian's cloud kernel (the
-/// stock-kernel jobs' workloads print `uname -r` so).
-fn printed_a_cloud_kernel_release(out: &str, tag: &str) -> bool {
-    out.lines()
-        .any(|l| l.starts_with(tag) && l.trim_end().ends_with("-cloud-amd64"))
+/// The line a stock-kernel job's script prints first: the release of the stock L2 kernel
+/// the lane built, the name of its module tree (`HVPROBE_L2_STOCK_MODULES`, from the same
+/// package as `HVPROBE_L2_STOCK_KERNEL`).
+const STOCK_RELEASE_LINE: &str = "echo \"STOCK-RELEASE ${HVPROBE_L2_STOCK_MODULES##*/}\"\n";
+
+/// Whether the guest printed a line `TAG<release>` (the stock-kernel jobs' workloads print
+/// `uname -r` so) naming the stock kernel the script said it boots ([`STOCK_RELEASE_LINE`]):
+/// the L2 ran that kernel, not the L1's nor another one of the same flavour.
+fn printed_the_stock_kernels_release(out: &str, tag: &str) -> Result<(), String> {
+    let expected = out
+        .lines()
+        .find_map(|l| l.strip_prefix("STOCK-RELEASE "))
+        .map(str::trim_end)
+        .filter(|r| !r.is_empty())
+        .ok_or("the job's script did not name the stock kernel's release (HVPROBE_L2_STOCK_MODULES unset?)")?;
+    let printed: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix(tag))
+        .map(str::trim_end)
+        .collect();
+    if printed.contains(&expected) {
+        Ok(())
+    } else {
+        Err(format!(
+            "the L2 said {tag:?}{printed:?}, not the stock kernel {expected}"
+        ))
+    }
+}
+
+#[test]
+fn a_stock_kernel_job_takes_only_the_stock_kernels_release_from_its_l2() {
+    let said = "STOCK-RELEASE 6.1.0-56-cloud-amd64\nnoise\n";
+    assert_eq!(
+        printed_the_stock_kernels_release(&format!("{said}UNAME 6.1.0-56-cloud-amd64\n"), "UNAME "),
+        Ok(())
+    );
+    // The L1's own kernel, also Debian's cloud flavour, booted as the L2 by mistake.
+    let other = printed_the_stock_kernels_release(&format!("{said}UNAME 6.12.95+deb12-cloud-amd64\n"), "UNAME ");
+    assert!(other.unwrap_err().contains("not the stock kernel 6.1.0-56-cloud-amd64"));
+    assert!(printed_the_stock_kernels_release(said, "UNAME ").is_err());
+    assert!(printed_the_stock_kernels_release("STOCK-RELEASE \nUNAME \n", "UNAME ").is_err());
 }
 
 fn restored_stock_kernel_script() -> String {
-    "hvprobe snapshot create --kernel \"$HVPROBE_L2_STOCK_KERNEL\" --out $TMPDIR/snap 2>&1 || exit 1\n\
-     hvprobe run --snapshot $TMPDIR/snap --workload 'echo \"RESTORED $(uname -r)\"' 2>&1; echo \"RC=$?\""
-        .to_string()
+    format!(
+        "{STOCK_RELEASE_LINE}\
+         hvprobe snapshot create --kernel \"$HVPROBE_L2_STOCK_KERNEL\" --out $TMPDIR/snap 2>&1 || exit 1\n\
+         hvprobe run --snapshot $TMPDIR/snap --workload 'echo \"RESTORED $(uname -r)\"' 2>&1; echo \"RC=$?\""
+    )
 }
 
 /// Debian's stock kernel saved waiting for its workload and restored: its init, whose
@@ -1636,11 +1673,12 @@ fn a_restored_stock_debian_kernel_keeps_its_inits_ports_on_kvm_amd() {
         "the restored init lost its ioperm() ports (TR restored busy?)\n{}",
         tail(&run)
     );
-    assert!(
-        printed_a_cloud_kernel_release(out, "RESTORED "),
-        "the restored stock kernel did not run its workload\n{}",
-        tail(&run)
-    );
+    if let Err(why) = printed_the_stock_kernels_release(out, "RESTORED ") {
+        panic!(
+            "the restored stock kernel did not run its workload: {why}\n{}",
+            tail(&run)
+        );
+    }
     assert!(out.contains("RC=0"), "{}", tail(&run));
 }
 
@@ -1659,7 +1697,8 @@ fn stock_kernel_script() -> String {
          busybox grep \" grd: \" $T/trace | busybox sed \"s/^/GUEST /\""
     );
     format!(
-        "cat > $TMPDIR/stock.probes <<'EOF'\n{STOCK_PROBES}EOF\n\
+        "{STOCK_RELEASE_LINE}\
+         cat > $TMPDIR/stock.probes <<'EOF'\n{STOCK_PROBES}EOF\n\
          hvprobe run --kernel \"$HVPROBE_L2_STOCK_KERNEL\" --symbols kallsyms --probes $TMPDIR/stock.probes --workload '{workload}' 2>&1"
     )
 }
@@ -1672,11 +1711,9 @@ fn a_stock_debian_kernel_is_traced_with_symbols_from_its_memory() {
     assert_eq!(run.code, Some(0), "{}", tail(&run));
     assert!(out.contains("KVM backend: hardware KVM"), "{}", tail(&run));
     assert!(out.contains("loaded as bzImage"), "{}", tail(&run));
-    assert!(
-        printed_a_cloud_kernel_release(out, "UNAME "),
-        "not Debian's cloud kernel\n{}",
-        tail(&run)
-    );
+    if let Err(why) = printed_the_stock_kernels_release(out, "UNAME ") {
+        panic!("not the lane's stock kernel: {why}\n{}", tail(&run));
+    }
     assert!(out.contains("symbols from guest kallsyms"), "{}", tail(&run));
     let profile = out
         .lines()
