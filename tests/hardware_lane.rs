@@ -119,8 +119,8 @@ impl Job {
             // test, so one L2 guest, at a time in an L1 (two L1s at once are two QEMUs):
             // the restored L2s that triple-faulted in lane runs ran beside another L2 in
             // their L1 (25 restores in a row alone did not fail), and the
-            // L1's own panics show QEMU's nested SVM mixing up its guests' state and its own
-            // (docs/known-issues.md).
+            // L1's own panics showed the L1 kernel 6.1's nested SVM on TCG mixing up its
+            // guests' state and its own (docs/known-issues.md).
             Work::Suite { args, .. } => in_l1_libtest(&self.binary().expect("a suite's binary"), args),
             Work::Script(script) => script(),
         }
@@ -141,7 +141,8 @@ const TYPICAL_JOB_SECONDS: u32 = 30;
 /// dies takes the fewest finished jobs' time with it. Each job's seconds are its time in
 /// one warm lane run (99a67f1 with the stock L2 a kernel of its own, the L1 on Debian's
 /// 6.12; 2026-11-29, the slower Intel host of docs/testing.md, the release hvprobe; the
-/// lane prints them as `hvprobe-lane-times.txt`): only their proportions matter, for
+/// lane prints them as `hvprobe-lane-times.txt`; the live-control job's test back since
+/// is its rounds of `guest/l1/test-loop` added): only their proportions matter, for
 /// sharing the jobs out between L1s (the clock job's L1 comes after the other jobs of its
 /// share).
 fn jobs() -> Vec<Job> {
@@ -199,25 +200,28 @@ fn jobs() -> Vec<Job> {
             3,
         )
         .taking(172),
-        // Skipped here, with the reason in docs/known-issues.md: the two-streams test hung
-        // twice in full lane runs (its L2 looping on #PF injections from the L1's KVM), the
-        // optimize-loop stress test failed in 3 of 4 full lane runs; both pass alone there
-        // and run on kvm_pvm in tests/integration/control.rs. Not diagnosed. The stalled-stdout test
-        // (hvprobe's vCPU thread blocked writing to a full pipe while the test pauses the
-        // VM every half second) panics the L1 kernel (a task stack overflow in its
-        // page-fault entry, on the vCPU thread): 3 of 4 runs there; it runs on kvm_pvm.
-        // The source-line test proves nothing new here (its line becomes a plain probe on
-        // the host; the guest's optimized kprobe under ours, which it found in the lane,
-        // is reproduced and tested on kvm_pvm) and took 128 s of the job's 266 (a debug
-        // build reading the kernel's DWARF under TCG).
+        // The stalled-stdout test (hvprobe's vCPU thread blocked writing to a full pipe
+        // while the test pauses the VM every half second) panicked the L1 kernel 6.1 in 3
+        // of its 4 full lane runs (docs/known-issues.md); it runs here again since the L1
+        // runs 6.12 (4 of 4 rounds in two L1s at once, then a full lane run, 2026-11-29):
+        // the lane's standing check that the L1 panic stays gone. Skipped: the
+        // optimize-loop stress test, which failed in 3 of 4 full lane runs under 6.1 and,
+        // back here under 6.12, passed 4 of 4 rounds alone but failed its first full lane
+        // run (its guest printed nothing for 300 s after its loops; not diagnosed, see
+        // docs/known-issues.md; it runs on kvm_pvm); and, proving nothing new here, the
+        // stream that does not read (the host's queues, the same on every backend) and the
+        // source-line test (its line becomes a plain probe on the host; the guest's
+        // optimized kprobe under ours, which it found in the lane, is reproduced and
+        // tested on kvm_pvm), which took 128 s of the job's 266 (reading the kernel's
+        // DWARF under TCG).
         Job::suite(
             "live_control_on_kvm_amd",
             "integration",
             "control:: --skip a_stream_that_does_not_read --skip optimizing_and_unoptimizing_in_a_loop \
-             --skip a_vcpu_blocked_on_a_stalled_stdout --skip a_source_line_probe_fetches",
-            4,
+             --skip a_source_line_probe_fetches",
+            7,
         )
-        .taking(248),
+        .taking(400),
         // Skipped: what proves nothing new on kvm_amd. The source-target tests' lines
         // become plain probes before the boot, which the oracle tests run here; refusals,
         // JSON output and the formats of fetched values (immediate strings, bitfields,
@@ -288,9 +292,10 @@ fn job(name: &str) -> Run {
 }
 
 /// Runs the suite job `name` and checks that it passed and ran its tests. A test that
-/// failed or never finished runs once more, alone, and must pass then: the lane itself is
-/// not reliable yet (an L2 that hangs or triple-faults about once in a full lane run,
-/// docs/known-issues.md). Each such test is a second try of the lane's few.
+/// fails or never finishes in the L1 fails the job, with the failing tests named: the
+/// lane's old defects (an L2 that stopped or triple-faulted, an L1 panic, all under the
+/// L1 kernel 6.1's nested SVM, docs/known-issues.md) are gone with the L1 on 6.12, so a
+/// failure here is one to read, not to run again.
 fn suite(name: &str) -> Run {
     let jobs = jobs();
     let job_of = find_job(&jobs, name);
@@ -298,38 +303,18 @@ fn suite(name: &str) -> Run {
         panic!("lane job {name} is not a suite")
     };
     let run = job(name);
-    let first = Verdicts::of(&run.stdout);
-    let mut passed = first.passed.len();
-    if run.code != Some(0) {
-        assert!(
-            !first.failed.is_empty(),
-            "{name} failed on kvm_amd in the L1 with no test failing: no second try\n{}",
-            tail(&run)
-        );
-        for test in &first.failed {
-            second_try(
-                &format!("{name}: {test} failed or did not finish on kvm_amd"),
-                &tail(&run),
-            );
-        }
-        let binary = job_of.binary().expect("a suite's binary");
-        let rerun = in_l1(
-            &in_l1_libtest(&binary, &format!("--exact {}", first.failed.join(" "))),
-            job_of.env,
-        );
-        let again = Verdicts::of(&rerun.stdout);
-        assert!(
-            rerun.code == Some(0) && again.passed.len() == first.failed.len(),
-            "{name} failed on kvm_amd in the L1, and again when {:?} ran once more\n--- first run ---\n{}\n--- rerun ---\n{}",
-            first.failed,
-            tail(&run),
-            tail(&rerun)
-        );
-        passed += again.passed.len();
-    }
+    let verdicts = Verdicts::of(&run.stdout);
     assert!(
-        passed >= at_least,
-        "{name} ran {passed} tests in the L1, expected at least {at_least}\n{}",
+        run.code == Some(0),
+        "{name} failed on kvm_amd in the L1 (exit {:?}); failed or unfinished: {:?}\n{}",
+        run.code,
+        verdicts.failed,
+        tail(&run)
+    );
+    assert!(
+        verdicts.passed.len() >= at_least,
+        "{name} ran {} tests in the L1, expected at least {at_least}\n{}",
+        verdicts.passed.len(),
         tail(&run)
     );
     run
@@ -462,85 +447,56 @@ struct Planned {
     command: String,
 }
 
-/// Runs `command` alone in a new L1 (`env`: its settings).
-fn in_l1(command: &str, env: L1Env) -> Run {
-    let name = "alone";
-    let mut runs = in_one_l1(
-        &[Planned {
-            name: name.into(),
-            command: command.into(),
-        }],
-        env,
-    );
-    runs.remove(name).expect("the L1's only job")
-}
-
 /// Runs `jobs` one after the other in one L1 with this build's `hvprobe` on its PATH, each
-/// in its own `TMPDIR`, each bounded by [`JOB_TIMEOUT`]. When the L1 kernel itself panics
-/// (seen in about one lane run of fifteen, in the L1's own entry code under QEMU's TCG
-/// emulation of nested SVM: not the code under test, which runs in the L1's guest), loses
-/// a CPU's timer interrupts from its boot on (its RCU says so; `guest/l1/run` ends it
-/// then), or stops running its user space (`guest/l1/run` makes it panic then), the jobs
-/// it did not finish run once more in a new L1, and the reason is printed and counted
-/// ([`second_try`]).
+/// in its own `TMPDIR`, each bounded by [`JOB_TIMEOUT`]. When the L1 itself fails (its
+/// kernel panics, it loses a CPU's timer interrupts from its boot on — its RCU says so and
+/// `guest/l1/run` ends it — or it stops running its user space, which `guest/l1/run` makes
+/// a panic), the job it died under and the jobs it never began fail with that reason and
+/// the L1's evidence: nothing runs a second time.
 fn in_one_l1(jobs: &[Planned], env: L1Env) -> BTreeMap<String, Run> {
+    let all: Vec<&Planned> = jobs.iter().collect();
+    let l1 = run_l1(&all, env);
+    let outcome = JobOutputs::of(&l1.run.stdout, &l1.mark);
+    record_l1_time(&l1.run, &outcome, jobs.len());
     let mut finished = BTreeMap::new();
-    let mut left: Vec<&Planned> = jobs.iter().collect();
-    for attempt in 0..2 {
-        let l1 = run_l1(&left, env);
-        let outcome = JobOutputs::of(&l1.run.stdout, &l1.mark);
-        record_l1_time(&l1.run, &outcome, left.len());
-        for (name, (output, status, seconds)) in outcome.finished {
-            record_job_time(&name, seconds, left.len());
-            finished.insert(
-                name,
-                Run {
-                    code: Some(status),
-                    stdout: output,
-                    stderr: l1.run.stderr.clone(),
-                },
-            );
-        }
-        left.retain(|j| !finished.contains_key(&j.name));
-        if left.is_empty() {
-            break;
-        }
-        // The stall first: an L1 that stopped running its user space is made to panic.
-        let sick = [
-            ("has run no user space", "the L1 stopped running its user space"),
-            ("Kernel panic - not syncing", "the L1 kernel panicked"),
-            (
-                "the L1 kernel lost a CPU's timer",
-                "the L1 kernel lost a CPU's timer interrupts",
-            ),
-        ]
-        .into_iter()
-        .find(|(said, _)| l1.run.code == Some(125) && l1.run.stderr.contains(said));
-        let unfinished = |j: &Planned| -> Run {
-            let (stdout, what) = match &outcome.unfinished {
-                Some((name, output)) if *name == j.name => (output.clone(), "the L1 ended during this job"),
-                _ => (String::new(), "the L1 ended before this job began"),
-            };
+    for (name, (output, status, seconds)) in &outcome.finished {
+        record_job_time(name, *seconds, jobs.len());
+        finished.insert(
+            name.clone(),
+            Run {
+                code: Some(*status),
+                stdout: output.clone(),
+                stderr: l1.run.stderr.clone(),
+            },
+        );
+    }
+    // The stall first: an L1 that stopped running its user space is made to panic.
+    let l1_failure = [
+        ("has run no user space", "the L1 stopped running its user space"),
+        ("Kernel panic - not syncing", "the L1 kernel panicked"),
+        (
+            "the L1 kernel lost a CPU's timer",
+            "the L1 kernel lost a CPU's timer interrupts",
+        ),
+        ("timed out after", "the L1 ran out of its time"),
+    ]
+    .into_iter()
+    .find(|(said, _)| matches!(l1.run.code, Some(124 | 125)) && l1.run.stderr.contains(said))
+    .map_or("the L1 ended", |(_, what)| what);
+    let unfinished: Vec<&Planned> = jobs.iter().filter(|j| !finished.contains_key(&j.name)).collect();
+    for job in unfinished {
+        let (stdout, when) = match &outcome.unfinished {
+            Some((name, output)) if *name == job.name => (output.clone(), "during this job"),
+            _ => (String::new(), "before this job began"),
+        };
+        finished.insert(
+            job.name.clone(),
             Run {
                 code: l1.run.code.filter(|&c| c != 0).or(Some(125)),
                 stdout,
-                stderr: format!("hvprobe-lane: {what}\n{}", l1.run.stderr),
-            }
-        };
-        match sick {
-            Some((_, what)) if attempt == 0 => {
-                let names: Vec<&str> = left.iter().map(|j| j.name.as_str()).collect();
-                second_try(
-                    &format!("{what} under {}", names.join(", ")),
-                    &tail(&unfinished(left[0])),
-                );
-            }
-            _ => {
-                for j in left.drain(..) {
-                    finished.insert(j.name.clone(), unfinished(j));
-                }
-            }
-        }
+                stderr: format!("hvprobe-lane: {l1_failure} {when}\n{}", l1.run.stderr),
+            },
+        );
     }
     finished
 }
@@ -681,40 +637,6 @@ fn record_l1_time(run: &Run, outcome: &JobOutputs, jobs: usize) {
         total as u64,
         (total as u64).saturating_sub(in_jobs)
     ));
-}
-
-/// The second tries of this run of the lane, one line each.
-static SECOND_TRIES: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-/// More second tries than this in one run of the lane fail it: a lane that needs them is
-/// not a test of hvprobe any more.
-const MAX_SECOND_TRIES: usize = 1;
-
-/// Records that something of the lane needs a second try: printed at once past libtest's
-/// capture (a passing test's own output is never shown), appended to
-/// `target/tmp/hvprobe-lane-second-tries.txt` (`.ci/run` prints the file in its summary),
-/// and over [`MAX_SECOND_TRIES`] in this run the test fails here.
-fn second_try(what: &str, evidence: &str) {
-    use std::io::Write;
-    let mut tries = SECOND_TRIES.lock().unwrap_or_else(|e| e.into_inner());
-    tries.push(what.to_string());
-    let line = format!(
-        "hvprobe-lane: SECOND TRY {} of at most {MAX_SECOND_TRIES}: {what}",
-        tries.len()
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "{line}
-{evidence}"
-    );
-    let record = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hvprobe-lane-second-tries.txt");
-    if let Ok(mut file) = std::fs::OpenOptions::new().create(true).append(true).open(&record) {
-        let _ = writeln!(file, "{line}");
-    }
-    assert!(
-        tries.len() <= MAX_SECOND_TRIES,
-        "more than {MAX_SECOND_TRIES} second tries in this run of the lane: {tries:?}\n{evidence}"
-    );
 }
 
 /// The newest test binary `name` of this target directory (cargo names them
@@ -968,13 +890,21 @@ fn panic_messages(output: &str) -> Vec<String> {
 /// The end of each stream, after every panic message of the suite in the L1 (a failing
 /// test's message is often further up than the tail reaches).
 fn tail(run: &Run) -> String {
+    // The lane's own verdict on the L1 (why it ended) first: an L1 panic's dump is longer
+    // than the stderr tail below.
+    let lane: String = run
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("hvprobe-lane: "))
+        .map(|l| format!("{l}\n"))
+        .collect();
     let panics = panic_messages(&run.stdout);
     let panics = if panics.is_empty() {
         String::new()
     } else {
         format!("--- panics in the L1 ---\n{}\n", panics.join("\n"))
     };
-    format!("{panics}{}", run.tail_of(("output", 80), ("guest/l1/run", 90)))
+    format!("{lane}{panics}{}", run.tail_of(("output", 80), ("guest/l1/run", 90)))
 }
 
 /// The number after `key` in `text`, e.g. 7.01 in `boot to /init 7.01 s`.

@@ -112,8 +112,9 @@ impl LiveRun {
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    let _ = self.child.kill();
-                    let _ = self.child.wait();
+                    // Read on, so that hvprobe's last lines (where its vCPUs were) get out.
+                    self.stall_stdout(false);
+                    common::stop_at_deadline(&mut self.child);
                     panic!("no console line {prefix:?}: {e}\n{}", self.output(None).tail());
                 }
             }

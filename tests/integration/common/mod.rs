@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// What one `hvprobe` invocation did.
@@ -69,6 +69,27 @@ pub fn hvprobe_bin() -> PathBuf {
 /// its vCPUs were) before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(20);
 
+/// Stops a run that outlived its deadline: SIGTERM first, on which hvprobe says where each
+/// vCPU was (so the failure shows where the guest hung), then SIGKILL if it has not ended
+/// [`STOP_GRACE`] later. Waits for it either way.
+pub fn stop_at_deadline(child: &mut Child) {
+    if let Ok(Some(_)) = child.try_wait() {
+        return;
+    }
+    // SAFETY: kill(2) on our own child's pid, not yet waited for (try_wait above saw it
+    // running, and only this function waits for it now); no memory involved.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let grace = Instant::now() + STOP_GRACE;
+    while Instant::now() < grace {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// Runs `hvprobe ARGS`; after `timeout` stops it with SIGTERM (it then says where each
 /// vCPU was: the failure shows where the guest hung), and kills it [`STOP_GRACE`] later.
 pub fn hvprobe(args: &[&str], timeout: Duration) -> Run {
@@ -92,19 +113,12 @@ pub fn hvprobe(args: &[&str], timeout: Duration) -> Run {
         s
     });
     let deadline = Instant::now() + timeout;
-    let mut terminated = false;
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait for hvprobe") {
-            break (!terminated).then_some(status);
+            break Some(status);
         }
-        if !terminated && Instant::now() > deadline {
-            // SAFETY: kill(2) on our own child's pid, not yet waited for; no memory involved.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            terminated = true;
-        }
-        if Instant::now() > deadline + STOP_GRACE {
-            let _ = child.kill();
-            let _ = child.wait();
+        if Instant::now() > deadline {
+            stop_at_deadline(&mut child);
             break None;
         }
         std::thread::sleep(Duration::from_millis(100));
