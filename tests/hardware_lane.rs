@@ -454,18 +454,21 @@ struct Planned {
 /// a panic), the job it died under and the jobs it never began fail with that reason and
 /// the L1's evidence: nothing runs a second time.
 fn in_one_l1(jobs: &[Planned], env: L1Env) -> BTreeMap<String, Run> {
-    let all: Vec<&Planned> = jobs.iter().collect();
-    let l1 = run_l1(&all, env);
+    let l1 = run_l1(jobs, env);
     let outcome = JobOutputs::of(&l1.run.stdout, &l1.mark);
     record_l1_time(&l1.run, &outcome, jobs.len());
+    let JobOutputs {
+        finished: ended,
+        unfinished: died_under,
+    } = outcome;
     let mut finished = BTreeMap::new();
-    for (name, (output, status, seconds)) in &outcome.finished {
-        record_job_time(name, *seconds, jobs.len());
+    for (name, (stdout, status, seconds)) in ended {
+        record_job_time(&name, seconds, jobs.len());
         finished.insert(
-            name.clone(),
+            name,
             Run {
-                code: Some(*status),
-                stdout: output.clone(),
+                code: Some(status),
+                stdout,
                 stderr: l1.run.stderr.clone(),
             },
         );
@@ -485,7 +488,7 @@ fn in_one_l1(jobs: &[Planned], env: L1Env) -> BTreeMap<String, Run> {
     .map_or("the L1 ended", |(_, what)| what);
     let unfinished: Vec<&Planned> = jobs.iter().filter(|j| !finished.contains_key(&j.name)).collect();
     for job in unfinished {
-        let (stdout, when) = match &outcome.unfinished {
+        let (stdout, when) = match &died_under {
             Some((name, output)) if *name == job.name => (output.clone(), "during this job"),
             _ => (String::new(), "before this job began"),
         };
@@ -507,7 +510,7 @@ struct L1Run {
     mark: String,
 }
 
-fn run_l1(jobs: &[&Planned], env: L1Env) -> L1Run {
+fn run_l1(jobs: &[Planned], env: L1Env) -> L1Run {
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
