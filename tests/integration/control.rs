@@ -571,7 +571,8 @@ fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_
          taskset -c $c hvprobe-loop {BATCH} > /dev/null; n=$((n+1)); done; echo BATCHES $n) & done; \
          read -r stop < /dev/ttyS0; touch /tmp/stop; wait; \
          echo 0 > $T/events/kprobes/gk/enable; \
-         while read -r e h m; do echo \"PROFILE $h $m\"; done < $T/kprobe_profile; echo > $T/kprobe_events; echo DONE"
+         while read -r e h m; do echo \"PROFILE $h $m\"; done < $T/kprobe_profile; \
+         echo 'WAIT END'; read -r go < /dev/ttyS0; echo > $T/kprobe_events; echo DONE"
     );
     let mut live = LiveRun::start(
         &dir,
@@ -624,8 +625,12 @@ fn optimizing_and_unoptimizing_in_a_loop_under_two_busy_vcpus_loses_and_doubles_
     }
     live.go();
     let profile = live.wait_for("PROFILE");
+    // The guest waits until the changes have stopped: a change that fails while it still
+    // runs is a failure, and one racing its end would be the socket's going away.
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     let rounds = toggler.join().unwrap();
+    live.wait_for("WAIT END");
+    live.go();
     live.wait_for("DONE");
     let run = live.finish();
     // A change that failed: the run's own account of it.
