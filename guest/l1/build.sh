@@ -6,7 +6,7 @@
 #   - the L1 kernel, Debian's linux-image-cloud-amd64 from the suite
 #     HVPROBE_L1_KERNEL_SUITE names (default bookworm-backports: 6.12; under bookworm's
 #     6.1 the L2 stopped or triple-faulted in ~4 % of runs, docs/known-issues.md),
-#     and an initramfs of busybox, this directory's init and the modules it loads
+#     and an initramfs of busybox, this directory's init, hold-vm and the modules it loads
 #     (kvm_amd, virtio-fs, overlay; those the kernel has built in are skipped, compressed
 #     ones unpacked);
 #   - the stock kernel the lane boots as an L2 (HVPROBE_L2_STOCK_KERNEL), the same
@@ -91,7 +91,7 @@ fetch_kernel "${HVPROBE_L2_KERNEL_SUITE:-}"
 l2_dir=$kernel_dir l2_release=$kernel_release l2_label=$kernel_label
 fetch_kernel "${HVPROBE_L1_KERNEL_SUITE:-bookworm-backports}"
 
-initramfs_key=$( { cat "$here/init" "$here/log" "$0" /bin/busybox; echo "$kernel_dir"; } | sha256sum | cut -c1-16)
+initramfs_key=$( { cat "$here/init" "$here/log" "$here/hold-vm.c" "$0" /bin/busybox; echo "$kernel_dir"; } | sha256sum | cut -c1-16)
 initramfs="$cache/initramfs-$initramfs_key.cpio"
 if [ ! -f "$initramfs" ]; then
     log "building the L1 initramfs"
@@ -101,6 +101,8 @@ if [ ! -f "$initramfs" ]; then
     ln -s busybox "$work/bin/sh"
     install -m 0755 "$here/init" "$work/init"
     install -m 0755 "$here/log" "$work/log"
+    gcc -static -Os -Wall -Werror -o "$work/bin/hold-vm" "$here/hold-vm.c" \
+        || { rm -rf "$work"; log "building hold-vm (gcc -static) failed"; exit 1; }
     cp "$kernel_dir"/modules/*.ko "$work/modules/"
     for m in "${MODULES[@]}"; do
         if [ -f "$kernel_dir/modules/$(basename "$m")" ]; then basename "$m"; fi

@@ -8,6 +8,7 @@ SUDO=
 BPO_SOURCES=/etc/apt/sources.list.d/hvprobe-backports.sources
 PACKAGES=(ninja-build libglib2.0-dev libpixman-1-dev libfdt-dev zlib1g-dev pkg-config bzip2 curl libcap-ng-dev libseccomp-dev
           busybox-static cpio xz-utils seabios
+          libc6-dev  # hold-vm, a static C program in the L1 initramfs
           kmod)  # depmod: modules.dep of the stock L2 kernel's module tree, for its --modules
 # qemu-system-x86: QEMU with KVM inside the L1, beside hvprobe in `hvprobe bench io --qemu`.
 BPO_PACKAGES=(meson python3-pycotap qemu-system-data qemu-system-x86)
