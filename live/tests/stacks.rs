@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::GuestVirtRead;
-use hvprobe_introspection::stacks::{Extent, KernelStacks, StackOwner, StacksLayout};
+use hvprobe_introspection::stacks::{Extent, KernelStack, KernelStacks, StackOwner, StacksLayout};
 use hvprobe_introspection::symbols::SymbolTable;
 use hvprobe_introspection::task::select_per_cpu_base;
 use hvprobe_live::{kernel_memory, live_memory, load_symbols, narrow_to_vcpus, SymbolsFrom};
@@ -168,6 +168,10 @@ fn check_snapshot(cpus: u8) {
 
     // Each vCPU's current task is scanned from its stack pointer (kernel mode, when that is
     // on the task's stack) or not at all (user mode); then the CPU is in no exception handler.
+    // A snapshot can also catch a vCPU half-way through a context switch, on the next task's
+    // stack while `current_task` still names the previous one: then narrowing changes
+    // nothing of that CPU's stacks, which the stacks as read without narrowing show.
+    let unnarrowed = KernelStacks::read(&mem, &layout).expect("kernel stacks");
     for st in &states {
         let cpl = (st.sregs.cs.selector & 3) as u8;
         let base = select_per_cpu_base(cpl, st.sregs.gs.base, st.kernel_gs_base).expect("per-CPU base");
@@ -178,6 +182,27 @@ fn check_snapshot(cpus: u8) {
             .expect("the vCPU's CPU");
         let running = stacks.task_stack(cpu.current).expect("the current task's stack");
         let on_task_stack = running.bounds.contains(&Gva(st.regs.rsp));
+        let on_irq_stack = stacks
+            .stacks()
+            .iter()
+            .any(|s| s.owner == StackOwner::Irq { cpu: cpu.cpu } && s.bounds.contains(&Gva(st.regs.rsp)));
+        let next = stacks.stacks().iter().find(|s| {
+            matches!(s.owner, StackOwner::Task { task, .. } if task != cpu.current)
+                && s.bounds.contains(&Gva(st.regs.rsp))
+        });
+        if let (0, false, false, Some(next)) = (st.sregs.cs.selector & 3, on_task_stack, on_irq_stack, next) {
+            eprintln!("vCPU of CPU {} mid-switch, on the stack of {}", cpu.cpu, next.owner);
+            let of_this_cpu = |s: &&KernelStack| match &s.owner {
+                StackOwner::Task { task, .. } => *task == cpu.current || s.owner == next.owner,
+                StackOwner::Irq { cpu: c } | StackOwner::Exception { cpu: c, .. } | StackOwner::Entry { cpu: c } => {
+                    *c == cpu.cpu
+                }
+            };
+            let narrowed: Vec<_> = stacks.stacks().iter().filter(of_this_cpu).collect();
+            let read: Vec<_> = unnarrowed.stacks().iter().filter(of_this_cpu).collect();
+            assert_eq!(narrowed, read, "narrowing changed a mid-switch CPU's stacks");
+            continue;
+        }
         match st.sregs.cs.selector & 3 {
             0 if on_task_stack => {
                 assert_eq!(running.extent, Extent::FromVcpuSp, "{running:?}");
