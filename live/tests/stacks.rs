@@ -168,9 +168,11 @@ fn check_snapshot(cpus: u8) {
 
     // Each vCPU's current task is scanned from its stack pointer (kernel mode, when that is
     // on the task's stack) or not at all (user mode); then the CPU is in no exception handler.
-    // A snapshot can also catch a vCPU half-way through a context switch, on the next task's
-    // stack while `current_task` still names the previous one: then narrowing changes
-    // nothing of that CPU's stacks, which the stacks as read without narrowing show.
+    // A snapshot can also catch a kernel-mode vCPU on another stack: half-way through a
+    // context switch (on the next task's stack while `current_task` still names the previous
+    // one), in an IST exception handler or on the entry stack. Then narrowing changes
+    // nothing of that CPU's stacks, which the stacks as read without narrowing show; a
+    // stack pointer on no stack the reader found fails.
     let unnarrowed = KernelStacks::read(&mem, &layout).expect("kernel stacks");
     for st in &states {
         let cpl = (st.sregs.cs.selector & 3) as u8;
@@ -186,21 +188,22 @@ fn check_snapshot(cpus: u8) {
             .stacks()
             .iter()
             .any(|s| s.owner == StackOwner::Irq { cpu: cpu.cpu } && s.bounds.contains(&Gva(st.regs.rsp)));
-        let next = stacks.stacks().iter().find(|s| {
-            matches!(s.owner, StackOwner::Task { task, .. } if task != cpu.current)
-                && s.bounds.contains(&Gva(st.regs.rsp))
-        });
-        if let (0, false, false, Some(next)) = (st.sregs.cs.selector & 3, on_task_stack, on_irq_stack, next) {
-            eprintln!("vCPU of CPU {} mid-switch, on the stack of {}", cpu.cpu, next.owner);
+        let other = stacks.stacks().iter().find(|s| s.bounds.contains(&Gva(st.regs.rsp)));
+        if let (0, false, false, Some(other)) = (st.sregs.cs.selector & 3, on_task_stack, on_irq_stack, other) {
+            eprintln!("vCPU of CPU {} on another stack: {}", cpu.cpu, other.owner);
             let of_this_cpu = |s: &&KernelStack| match &s.owner {
-                StackOwner::Task { task, .. } => *task == cpu.current || s.owner == next.owner,
+                StackOwner::Task { task, .. } => *task == cpu.current || s.owner == other.owner,
                 StackOwner::Irq { cpu: c } | StackOwner::Exception { cpu: c, .. } | StackOwner::Entry { cpu: c } => {
                     *c == cpu.cpu
                 }
             };
             let narrowed: Vec<_> = stacks.stacks().iter().filter(of_this_cpu).collect();
             let read: Vec<_> = unnarrowed.stacks().iter().filter(of_this_cpu).collect();
-            assert_eq!(narrowed, read, "narrowing changed a mid-switch CPU's stacks");
+            assert_eq!(
+                narrowed, read,
+                "narrowing changed the stacks of a CPU on {}",
+                other.owner
+            );
             continue;
         }
         match st.sregs.cs.selector & 3 {
