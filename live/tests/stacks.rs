@@ -183,13 +183,16 @@ fn check_snapshot(cpus: u8) {
             .find(|c| c.per_cpu_base == base)
             .expect("the vCPU's CPU");
         let running = stacks.task_stack(cpu.current).expect("the current task's stack");
-        let on_task_stack = running.bounds.contains(&Gva(st.regs.rsp));
-        let on_irq_stack = stacks
+        let sp = Gva(st.regs.rsp);
+        let on_task_stack = running.bounds.contains(&sp);
+        let irq = stacks
             .stacks()
             .iter()
-            .any(|s| s.owner == StackOwner::Irq { cpu: cpu.cpu } && s.bounds.contains(&Gva(st.regs.rsp)));
-        let other = stacks.stacks().iter().find(|s| s.bounds.contains(&Gva(st.regs.rsp)));
-        if let (0, false, false, Some(other)) = (st.sregs.cs.selector & 3, on_task_stack, on_irq_stack, other) {
+            .find(|s| s.owner == StackOwner::Irq { cpu: cpu.cpu })
+            .expect("IRQ stack");
+        let on_irq_stack = irq.bounds.contains(&sp);
+        let other = stacks.stacks().iter().find(|s| s.bounds.contains(&sp));
+        if let (0, false, false, Some(other)) = (cpl, on_task_stack, on_irq_stack, other) {
             eprintln!("vCPU of CPU {} on another stack: {}", cpu.cpu, other.owner);
             let of_this_cpu = |s: &&KernelStack| match &s.owner {
                 StackOwner::Task { task, .. } => *task == cpu.current || s.owner == other.owner,
@@ -206,7 +209,7 @@ fn check_snapshot(cpus: u8) {
             );
             continue;
         }
-        match st.sregs.cs.selector & 3 {
+        match cpl {
             0 if on_task_stack => {
                 assert_eq!(running.extent, Extent::FromVcpuSp, "{running:?}");
                 assert_eq!(running.scan.start, Gva(st.regs.rsp & !7), "{running:?}");
@@ -214,12 +217,7 @@ fn check_snapshot(cpus: u8) {
             0 => {
                 // In an interrupt, on the CPU's IRQ stack: it is scanned from rsp, and the
                 // interrupted task from the stack pointer saved at the IRQ stack's top.
-                let irq = stacks
-                    .stacks()
-                    .iter()
-                    .find(|s| s.owner == StackOwner::Irq { cpu: cpu.cpu })
-                    .expect("IRQ stack");
-                assert!(irq.bounds.contains(&Gva(st.regs.rsp)), "vCPU on neither stack: {st:?}");
+                assert!(on_irq_stack, "vCPU on neither stack: {st:?}");
                 assert_eq!(
                     (irq.extent, irq.scan.start),
                     (Extent::FromVcpuSp, Gva(st.regs.rsp & !7))
