@@ -173,7 +173,7 @@ fn check_snapshot(cpus: u8) {
     // one), in an IST exception handler or on the entry stack. Then narrowing changes
     // nothing of that CPU's stacks, which the stacks as read without narrowing show; a
     // stack pointer on no stack the reader found fails.
-    let unnarrowed = KernelStacks::read(&mem, &layout).expect("kernel stacks");
+    let stacks_as_read = KernelStacks::read(&mem, &layout).expect("kernel stacks");
     for st in &states {
         let cpl = (st.sregs.cs.selector & 3) as u8;
         let base = select_per_cpu_base(cpl, st.sregs.gs.base, st.kernel_gs_base).expect("per-CPU base");
@@ -201,7 +201,7 @@ fn check_snapshot(cpus: u8) {
                 }
             };
             let narrowed: Vec<_> = stacks.stacks().iter().filter(of_this_cpu).collect();
-            let read: Vec<_> = unnarrowed.stacks().iter().filter(of_this_cpu).collect();
+            let read: Vec<_> = stacks_as_read.stacks().iter().filter(of_this_cpu).collect();
             assert_eq!(
                 narrowed, read,
                 "narrowing changed the stacks of a CPU on {}",
