@@ -720,10 +720,11 @@ impl TraceSession {
             s.ring_missed.load(Relaxed)
         );
         eprintln!(
-            "hvprobe: probes gone {}, steps an exception or NMI interrupted {}, emulations stepped instead {}, \
-             return-probe calls that never returned {}",
+            "hvprobe: probes gone {}, steps an exception or NMI interrupted {}, step traps the backend lost {}, \
+             emulations stepped instead {}, return-probe calls that never returned {}",
             s.gone.load(Relaxed),
             s.steps_interrupted.load(Relaxed),
+            s.step_traps_lost.load(Relaxed),
             s.emulation_fallbacks.load(Relaxed),
             s.returns_abandoned.load(Relaxed)
         );

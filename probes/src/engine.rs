@@ -397,8 +397,13 @@ pub struct EngineStats {
     /// out of line instead, so that the CPU raised the real fault.
     pub emulation_fallbacks: AtomicU64,
     /// Out-of-line steps an exception or NMI interrupted: the guest's handler was sent back
-    /// to the probe address with the guest's own flags.
+    /// to the probe address (or past the instruction, when it had completed) with the
+    /// guest's own flags.
     pub steps_interrupted: AtomicU64,
+    /// Out-of-line steps whose trap the backend never reported: the vCPU ran on to the int3
+    /// after the copy, where the step ended (kvm_pvm's emulator, after a fence, `serialize`,
+    /// `swapgs` or `out`).
+    pub step_traps_lost: AtomicU64,
     /// Probes found `[GONE]`: the guest rewrote the byte under our int3.
     pub gone: AtomicU64,
     /// Return-probe calls that never returned (their task exited, or their stack frame

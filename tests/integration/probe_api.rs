@@ -385,6 +385,57 @@ fn a_probe_on_the_guests_own_int3_runs_and_the_guests_kprobe_still_counts_every_
     );
 }
 
+/// Probes on instructions after which kvm_pvm's emulator loses the single-step trap, with
+/// RAX at an address that is not mapped: were the bytes after a copy anything but int3s
+/// (a fresh area's zeros are `add %al,(%rax)`), the vCPU would run them and fault there.
+const FENCES_BLOB: &[u8] = &[
+    0x48, 0xb8, 0, 0, 0, 0, 0, 0x40, 0, 0, // 0x00: movabs $0x400000000000,%rax
+    0x0f, 0xae, 0xf0, // 0x0a: mfence
+    0x0f, 0xae, 0xe8, // 0x0d: lfence
+    0x0f, 0xae, 0xf8, // 0x10: sfence
+    0xe6, 0x80, // 0x13: out %al,$0x80
+    0x66, 0xba, 0xf1, 0x0e, // 0x15: mov $0xef1,%dx
+    0x30, 0xc0, // 0x19: xor %al,%al
+    0xee, // 0x1b: out %al,(%dx)
+    0xf4, // 0x1c: hlt
+];
+
+#[test]
+fn a_step_whose_trap_the_backend_loses_ends_at_the_instruction_after_the_probe() {
+    let vm = blob_vm(FENCES_BLOB.to_vec());
+    let tracer = code_blob_tracer(&vm, 0x20).unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    for offset in [0x0a, 0x0d, 0x10, 0x13] {
+        let s = seen.clone();
+        let mut req = request("blob", &format!("at{offset:x}"));
+        req.point = ProbePoint::Symbol {
+            name: "blob".into(),
+            offset,
+        };
+        req.post = Some(Arc::new(move |ctx: &mut HitContext| {
+            s.lock().unwrap().push((offset, ctx.regs.rip - CODE_BLOB_START));
+        }));
+        tracer.register(req).unwrap();
+    }
+    let handler = ProbeHandler::new(&vm);
+    handler.attach(tracer.clone(), None);
+    let outcome = vm.run_for(handler, RUN_LIMIT).unwrap();
+    assert_eq!(outcome.reason, StopReason::GuestExit(0), "{outcome:?}");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [(0x0a, 0x0d), (0x0d, 0x10), (0x10, 0x13), (0x13, 0x15)],
+        "each probe once, its step ending at the next instruction"
+    );
+    let stats = &tracer.stats;
+    assert_eq!(stats.stepped.load(Ordering::Relaxed), 4);
+    let lost = if hvprobe_vmm::Backend::detect().loses_step_trap_after_some_instructions() {
+        4
+    } else {
+        0
+    };
+    assert_eq!(stats.step_traps_lost.load(Ordering::Relaxed), lost);
+}
+
 /// Loads through RBX, which first holds a non-canonical address (#GP); the guest's #GP
 /// handler points RBX at the data and returns. The load is stepped out of line, so the
 /// #GP is raised in the copy.

@@ -124,6 +124,15 @@ impl Backend {
         segments_as_held(sregs, self.reports_tr_busy())
     }
 
+    /// Whether the host's single-step (`KVM_GUESTDBG_SINGLESTEP`) misses its trap after
+    /// some instructions, so that the vCPU runs the next one too before it exits. Measured
+    /// (`vmm/tests/single_step.rs`): kvm_pvm's emulator does after `mfence`, `lfence`,
+    /// `sfence`, `serialize`, `swapgs` and `out`; hardware KVM never does. The probe
+    /// engine's out-of-line copies are followed by int3s for this.
+    pub fn loses_step_trap_after_some_instructions(self) -> bool {
+        self == Backend::Pvm
+    }
+
     /// Whether a guest int3 at CPL0 reaches us as an emulation failure (and not as a
     /// debug exit), with RIP pointing at the int3.
     pub fn int3_is_emulation_failure(self) -> bool {

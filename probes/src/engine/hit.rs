@@ -50,6 +50,12 @@ impl Tracer {
                 return self.detour_hit(cpu, vcpu, at, site, &reg);
             }
             drop(reg);
+            if let Some(outcome) = self.step_trap_lost(cpu, vcpu, at) {
+                return match outcome {
+                    StepOutcome::Fatal(fault) => BreakpointOutcome::Fatal(fault),
+                    _ => BreakpointOutcome::Handled,
+                };
+            }
             match self.step_guard_breakpoint(cpu, vcpu, at) {
                 Some(StepOutcome::Fatal(fault)) => return BreakpointOutcome::Fatal(fault),
                 Some(_) => return BreakpointOutcome::Handled,

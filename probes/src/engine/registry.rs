@@ -926,7 +926,11 @@ impl Tracer {
                         what: what.clone(),
                         source,
                     })
-                    .and_then(|copy| {
+                    .and_then(|mut copy| {
+                        // int3s after the copy, never what an earlier copy left there: a
+                        // backend that loses the step's trap (kvm_pvm after a fence) runs
+                        // on into them, and the engine ends the step at the first.
+                        copy.resize(super::SLOT_SIZE as usize, INT3);
                         text.write_virt(slot, &copy).map_err(|source| ProbeError::Memory {
                             what: what.clone(),
                             source,

@@ -21,7 +21,7 @@ use super::optimize::DETOUR_BLOCK;
 use super::step_guard::{self, StepGuard, GUARD_BYTES, IDT_BYTES};
 use super::{EngineFault, HitContext, OutOfLineArea, ProbeError, ProbeId, StepOutcome, Tracer, COUNT, SLOT_SIZE};
 use crate::insn::{self, OutOfLine, ProbedInsn};
-use crate::machine::{InterruptTable, PausedView, Vcpu, VcpuError};
+use crate::machine::{InterruptTable, KernelMemory, PausedView, Vcpu, VcpuError};
 use crate::regs::Regs;
 
 /// The out-of-line area's slots: handed out from the start, and reused when freed.
@@ -94,6 +94,7 @@ pub(super) type PendingSteps = HashMap<usize, PendingStep>;
 /// exception or interrupt in 64-bit mode), from the interrupted RIP on.
 const FRAME_RIP: u64 = 0;
 const FRAME_RFLAGS: u64 = 16;
+const FRAME_RSP: u64 = 24;
 
 impl Tracer {
     pub(super) fn has_out_of_line_area(&self) -> bool {
@@ -302,57 +303,83 @@ impl Tracer {
         let Some(pending) = self.stepping.lock().unwrap_or_else(|e| e.into_inner()).remove(&cpu) else {
             return StepOutcome::NotOurs;
         };
-        let kernel = self.machine.kernel();
-        let fault = |source| EngineFault::Vcpu {
-            cpu,
-            at: pending.site,
-            source,
-        };
-        let mut regs = match vcpu.regs() {
+        let regs = match vcpu.regs() {
             Ok(r) => r,
-            Err(e) => return StepOutcome::Fatal(fault(e)),
+            Err(source) => {
+                return StepOutcome::Fatal(EngineFault::Vcpu {
+                    cpu,
+                    at: pending.site,
+                    source,
+                })
+            }
         };
         // kvm_pvm reports the step trap at the first instruction of the handler an
         // exception or NMI was delivered to: the guard's stub.
         if let Some(vector) = self.step_guard.get().and_then(|g| g.vector_at(Gva(regs.rip))) {
             return self.step_interrupted(cpu, vcpu, vector, regs, pending);
         }
-        let fixup =
-            pending
-                .step
-                .fixup_after_step(&pending.insn, pending.slot, &mut regs, &mut super::KernelStack(kernel));
-        match fixup {
-            Ok(()) => {}
+        self.finish_step(cpu, vcpu, regs, pending)
+    }
+
+    /// An int3 exit at `at` in the out-of-line area: when it is the int3 right after the
+    /// copy this vCPU is stepping, the copy ran to its end and the backend never reported
+    /// the step's trap (kvm_pvm's emulator loses it after `mfence`, `lfence`, `sfence`,
+    /// `serialize`, `swapgs` and `out`), so the step ends here as if it had. Only a copy
+    /// that falls through can get there: a branch's copy leaves the slot.
+    pub(super) fn step_trap_lost(&self, cpu: usize, vcpu: &mut dyn Vcpu, at: Gva) -> Option<StepOutcome> {
+        let pending = {
+            let mut stepping = self.stepping.lock().unwrap_or_else(|e| e.into_inner());
+            let pending = stepping.get(&cpu)?;
+            let falls_through = matches!(pending.step.kind, insn::StepKind::Plain | insn::StepKind::PushFlags);
+            if !falls_through || pending.slot.0.checked_add(pending.insn.len as u64) != Some(at.0) {
+                return None;
+            }
+            stepping.remove(&cpu)?
+        };
+        let mut regs = match vcpu.regs() {
+            Ok(r) => r,
             Err(source) => {
-                let _ = vcpu.set_single_step(false);
-                let _ = vcpu.set_interrupt_table(pending.guest_idt);
-                return StepOutcome::Fatal(EngineFault::Insn {
+                return Some(StepOutcome::Fatal(EngineFault::Vcpu {
                     cpu,
                     at: pending.site,
-                    source: Box::new(source),
-                });
+                    source,
+                }))
             }
+        };
+        // On the int3, unexecuted (kvm_pvm), or past it (a #BP trap): the copy's end either way.
+        regs.rip = at.0;
+        self.stats.step_traps_lost.fetch_add(1, COUNT);
+        tracing::debug!(
+            "vCPU {cpu}: the step trap after the copy of {} never came; the step ends at the int3 after it",
+            pending.site
+        );
+        Some(self.finish_step(cpu, vcpu, regs, pending))
+    }
+
+    /// The copy ran to its end (`regs` as it left them: RIP after the copy or at a branch's
+    /// target): the registers and stack are put back in the function's terms, single-
+    /// stepping and the step guard go, the post-handlers run.
+    fn finish_step(&self, cpu: usize, vcpu: &mut dyn Vcpu, mut regs: Regs, pending: PendingStep) -> StepOutcome {
+        let kernel = self.machine.kernel();
+        let fault = |source| EngineFault::Vcpu {
+            cpu,
+            at: pending.site,
+            source,
+        };
+        let fixup = pending
+            .step
+            .fixup_after_step(&pending.insn, pending.slot, &mut regs, &mut super::KernelStack(kernel))
+            .and_then(|()| restore_pushed_if(kernel, &pending, regs.rsp));
+        if let Err(source) = fixup {
+            let _ = vcpu.set_single_step(false);
+            let _ = vcpu.set_interrupt_table(pending.guest_idt);
+            return StepOutcome::Fatal(EngineFault::Insn {
+                cpu,
+                at: pending.site,
+                source: Box::new(source),
+            });
         }
         regs.rflags = (regs.rflags & !rflags::IF) | pending.saved_if;
-        if pending.step.kind == insn::StepKind::PushFlags {
-            let mut stack = super::KernelStack(kernel);
-            let pushed = insn::StackAccess::read_u64(&mut stack, Gva(regs.rsp))
-                .map(|w| (w & !rflags::IF) | pending.saved_if)
-                .and_then(|w| insn::StackAccess::write_u64(&mut stack, Gva(regs.rsp), w));
-            if let Err(source) = pushed {
-                let _ = vcpu.set_single_step(false);
-                return StepOutcome::Fatal(EngineFault::Insn {
-                    cpu,
-                    at: pending.site,
-                    source: Box::new(insn::InsnError::Stack {
-                        addr: pending.insn.addr,
-                        bytes: insn::HexBytes(pending.insn.bytes.clone()),
-                        at: Gva(regs.rsp),
-                        source,
-                    }),
-                });
-            }
-        }
         if let Err(e) = vcpu
             .set_single_step(false)
             .and_then(|()| vcpu.set_interrupt_table(pending.guest_idt))
@@ -410,10 +437,14 @@ impl Tracer {
     }
 
     /// Exception or NMI `vector` was delivered during the step, through the guard's gate:
-    /// its frame is where the guest's own gate would have put it. The frame is made to say
-    /// the probe address and the guest's own flags (no TF, its IF), the guest's IDTR goes
-    /// back, and the vCPU goes on in the guest's handler for `vector`, which returns to the
-    /// probe (it hits again, as in Linux).
+    /// its frame is where the guest's own gate would have put it. Either the copy raised it
+    /// (or it came before the copy ran: frame RIP = the copy), and the frame is made to say
+    /// the probe address, which the guest's handler returns to and which hits again, as in
+    /// Linux; or it came after the copy completed, before the step's trap (frame RIP = the
+    /// copy's end or a branch's target), and the frame is made to say where the instruction
+    /// left off in the function, as a trap at the step's end would have, the post-handlers
+    /// running once. The frame's flags become the guest's own (no TF, its IF), the guest's
+    /// IDTR goes back, and the vCPU goes on in the guest's handler for `vector`.
     fn step_interrupted(
         &self,
         cpu: usize,
@@ -446,20 +477,57 @@ impl Tracer {
                 found,
             })
         };
-        let (rip, flags) = match (
-            kernel.read_u64(Gva(frame.wrapping_add(FRAME_RIP))),
-            kernel.read_u64(Gva(frame.wrapping_add(FRAME_RFLAGS))),
-        ) {
-            (Ok(rip), Ok(flags)) => (rip, flags),
-            (Err(e), _) | (_, Err(e)) => return guard_fault(format!("cannot be read: {e}")),
+        let word = |offset: u64| kernel.read_u64(Gva(frame.wrapping_add(offset)));
+        let (rip, flags, rsp) = match (word(FRAME_RIP), word(FRAME_RFLAGS), word(FRAME_RSP)) {
+            (Ok(rip), Ok(flags), Ok(rsp)) => (rip, flags, rsp),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return guard_fault(format!("cannot be read: {e}")),
         };
-        if rip != pending.slot.0 {
-            return guard_fault(format!("says RIP {rip:#x}, not the copy at {}", pending.slot));
-        }
         let flags = (flags & !(rflags::IF | rflags::TF)) | pending.saved_if;
+        let resume_at = if rip == pending.slot.0 {
+            at.0
+        } else {
+            // The instruction completed: its registers are the vCPU's, but for RIP, RSP and
+            // RFLAGS, which the frame holds.
+            let mut after = Regs {
+                rip,
+                rsp,
+                rflags: flags,
+                ..regs
+            };
+            let in_slot = (pending.slot.0..pending.slot.0.saturating_add(SLOT_SIZE)).contains(&rip);
+            let after_copy = pending.slot.0.wrapping_add(pending.insn.len as u64);
+            if in_slot && rip != after_copy {
+                return guard_fault(format!(
+                    "says RIP {rip:#x}, inside the out-of-line slot at {} but neither the copy's start nor its end",
+                    pending.slot
+                ));
+            }
+            let fixup = pending
+                .step
+                .fixup_after_step(&pending.insn, pending.slot, &mut after, &mut super::KernelStack(kernel))
+                .and_then(|()| restore_pushed_if(kernel, &pending, after.rsp));
+            if let Err(e) = fixup {
+                return guard_fault(format!(
+                    "says RIP {rip:#x}, after the copy at {}, but {e}",
+                    pending.slot
+                ));
+            }
+            self.run_posts(cpu, &pending.posts, &mut after);
+            // A post-handler's general registers go to the vCPU; RIP, RSP and RFLAGS are the
+            // frame's, which the guest's handler returns to.
+            regs = Regs {
+                rip: regs.rip,
+                rsp: regs.rsp,
+                rflags: regs.rflags,
+                cs: regs.cs,
+                ss: regs.ss,
+                ..after
+            };
+            after.rip
+        };
         let mut gate = [0u8; 16];
         let rewritten = kernel
-            .write_virt(Gva(frame.wrapping_add(FRAME_RIP)), &at.0.to_le_bytes())
+            .write_virt(Gva(frame.wrapping_add(FRAME_RIP)), &resume_at.to_le_bytes())
             .and_then(|()| kernel.write_virt(Gva(frame.wrapping_add(FRAME_RFLAGS)), &flags.to_le_bytes()))
             .and_then(|()| kernel.read_virt(step_guard::gate_address(pending.guest_idt.base, vector), &mut gate));
         if let Err(e) = rewritten {
@@ -471,10 +539,28 @@ impl Tracer {
         }
         self.stats.steps_interrupted.fetch_add(1, COUNT);
         tracing::debug!(
-            "vCPU {cpu}: vector {vector} during the out-of-line step of {at}: its handler returns to the probe"
+            "vCPU {cpu}: vector {vector} during the out-of-line step of {at}: its handler returns to {resume_at:#x}"
         );
         StepOutcome::Handled
     }
+}
+
+/// After a step of `pushf`: the pushed word at `rsp` gets the guest's IF back (the step ran
+/// with IF cleared). Other kinds push no flags.
+fn restore_pushed_if(kernel: &dyn KernelMemory, pending: &PendingStep, rsp: u64) -> Result<(), insn::InsnError> {
+    if pending.step.kind != insn::StepKind::PushFlags {
+        return Ok(());
+    }
+    let mut stack = super::KernelStack(kernel);
+    insn::StackAccess::read_u64(&mut stack, Gva(rsp))
+        .map(|w| (w & !rflags::IF) | pending.saved_if)
+        .and_then(|w| insn::StackAccess::write_u64(&mut stack, Gva(rsp), w))
+        .map_err(|source| insn::InsnError::Stack {
+            addr: pending.insn.addr,
+            bytes: insn::HexBytes(pending.insn.bytes.clone()),
+            at: Gva(rsp),
+            source,
+        })
 }
 
 /// Why the step guard could not be armed.

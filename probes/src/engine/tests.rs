@@ -1493,6 +1493,141 @@ fn a_step_that_ends_normally_gives_the_guest_its_idt_back() {
     assert_eq!(cpu.regs.rip, MOV_RIP + 7);
 }
 
+/// kvm_pvm's emulator loses the step trap after some instructions (`mfence`, `lfence`,
+/// `sfence`, `serialize`, `swapgs`, `out`: measured by `vmm/tests/single_step.rs`): the vCPU
+/// runs on past the copy. What follows a copy in its slot is int3s, never the bytes an
+/// earlier, longer copy left there, so the vCPU stops at once and the step ends there.
+#[test]
+fn a_step_whose_trap_the_backend_lost_ends_at_the_int3_after_the_copy() {
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let posts = Arc::new(AtomicU64::new(0));
+    let p = posts.clone();
+    // The slot first holds the 7-byte mov's copy, then (reused) the 1-byte push's.
+    let mov = t.register(plain(at("func", 9), "stepped")).unwrap();
+    let slot = {
+        let mut cpu = FakeVcpu::at(MOV_RIP);
+        assert!(matches!(
+            t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+            BreakpointOutcome::Handled
+        ));
+        let slot = cpu.regs.rip;
+        cpu.regs.rip += 7;
+        assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled));
+        slot
+    };
+    t.unregister(mov).unwrap();
+    let mut req = plain(at("func", 5), "push");
+    req.pre = None;
+    req.post = Some(Arc::new(move |_: &mut HitContext| {
+        p.fetch_add(1, Ordering::Relaxed);
+    }));
+    t.register(req).unwrap();
+    // RSP on a page that is not there: the host cannot emulate the push, it is stepped.
+    let mut cpu = FakeVcpu::at(PUSH);
+    cpu.regs.rsp = 0xffff_c900_0000_0000;
+    cpu.regs.rflags = 0x202;
+    m.unmapped.lock().unwrap().push(cpu.regs.rsp - 0x1000);
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(PUSH)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, slot, "the slot the mov's copy had");
+    assert_eq!(m.bytes(slot, 16), {
+        let mut b = vec![0x55];
+        b.extend([INT3; 15]);
+        b
+    });
+    // The copy ran (the push wrote below RSP) and no trap came: the int3 after it exits.
+    cpu.regs.rip = slot + 1;
+    cpu.regs.rsp -= 8;
+    let outcome = t.on_breakpoint(0, &mut cpu, Gva(slot + 1));
+    assert!(matches!(outcome, BreakpointOutcome::Handled), "{outcome:?}");
+    assert!(!cpu.stepping, "single-stepping off");
+    assert_eq!(cpu.idt, GUEST_IDT, "the guest's IDT back");
+    assert_eq!(cpu.regs.rip, PUSH + 1, "on in the function");
+    assert_eq!(cpu.regs.rflags & rflags::IF, rflags::IF, "with the guest's IF");
+    assert_eq!(posts.load(Ordering::Relaxed), 1, "the post-handler ran once");
+    assert_eq!(t.stats.step_traps_lost.load(Ordering::Relaxed), 1);
+    // Anywhere else in the slot, an int3 is still none of ours.
+    let outcome = t.on_breakpoint(0, &mut cpu, Gva(slot + 3));
+    assert!(
+        matches!(
+            outcome,
+            BreakpointOutcome::Fatal(EngineFault::UnknownOutOfLineBreakpoint { .. })
+        ),
+        "{outcome:?}"
+    );
+}
+
+/// An exception or NMI delivered at the boundary after the copy (frame RIP = the copy's
+/// end, or the target of a branch the copy took), before the step's trap: the instruction
+/// completed, so the guest's handler returns past the probe, not to it, and the hit is
+/// counted once.
+#[test]
+fn an_event_delivered_after_the_copy_completed_returns_past_the_probe() {
+    for route in [StepInterruption::StepTrap, StepInterruption::StubInt3] {
+        for vector in [2u8, 14] {
+            let m = FakeMachine::with_code();
+            let t = tracer(&m);
+            let posts = Arc::new(AtomicU64::new(0));
+            let p = posts.clone();
+            let mut req = plain(at("func", 9), "stepped");
+            req.post = Some(Arc::new(move |ctx: &mut HitContext| {
+                assert_eq!(ctx.regs.rip, MOV_RIP + 7, "the post-handler sees the instruction's end");
+                p.fetch_add(1, Ordering::Relaxed);
+            }));
+            t.register(req).unwrap();
+            let mut cpu = FakeVcpu::at(MOV_RIP);
+            cpu.regs.rflags = 0x202;
+            assert!(matches!(
+                t.on_breakpoint(0, &mut cpu, Gva(MOV_RIP)),
+                BreakpointOutcome::Handled
+            ));
+            let slot = cpu.regs.rip;
+            let frame_at = STACK_TOP - 0x800;
+            let error_code = super::step_guard::has_error_code(vector).then_some(0);
+            let frame = push_frame(&m, frame_at, error_code, slot + 7, cpu.regs.rflags | rflags::TF);
+            cpu.regs.rip = GUARD_STUBS + u64::from(vector);
+            cpu.regs.rsp = frame_at;
+            cpu.regs.rflags = 0x2;
+            match route {
+                StepInterruption::StepTrap => {
+                    assert!(matches!(t.on_single_step(0, &mut cpu), StepOutcome::Handled))
+                }
+                StepInterruption::StubInt3 => {
+                    let outcome = t.on_breakpoint(0, &mut cpu, Gva(GUARD_STUBS + u64::from(vector)));
+                    assert!(
+                        matches!(outcome, BreakpointOutcome::Handled),
+                        "{route:?} {vector}: {outcome:?}"
+                    )
+                }
+            }
+            assert!(!cpu.stepping);
+            assert_eq!(cpu.idt, GUEST_IDT, "{route:?} {vector}: the guest's IDT back");
+            assert_eq!(
+                cpu.regs.rip,
+                GUEST_HANDLERS + 0x10 * u64::from(vector),
+                "the guest's handler runs"
+            );
+            assert_eq!(
+                m.read_u64(Gva(frame)).unwrap(),
+                MOV_RIP + 7,
+                "{route:?} {vector}: it returns past the probe"
+            );
+            let flags = m.read_u64(Gva(frame + 16)).unwrap();
+            assert_eq!(flags & (rflags::IF | rflags::TF), rflags::IF, "the guest's IF, no TF");
+            assert_eq!(
+                posts.load(Ordering::Relaxed),
+                1,
+                "the instruction completed: its post-handler ran"
+            );
+            assert_eq!(t.stats.hits.load(Ordering::Relaxed), 1, "one hit");
+            assert_eq!(t.stats.steps_interrupted.load(Ordering::Relaxed), 1);
+        }
+    }
+}
+
 #[test]
 fn a_stub_int3_whose_frame_is_not_from_the_copy_stops_the_vm_with_the_guests_idt_back() {
     let (m, t, mut cpu) = stepping_the_mov();
