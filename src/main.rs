@@ -10,7 +10,9 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                // virtio-queue's own error lines come per request a guest breaks; the
+                // devices report the same, rate-limited (vmm's `log_limit`).
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,virtio_queue=off")),
         )
         .with_target(false)
         .init();

@@ -22,7 +22,11 @@ use vm_memory::GuestMemoryMmap;
 pub fn wanted(reason: &StopReason) -> bool {
     matches!(
         reason,
-        StopReason::Signal(_) | StopReason::Stopped | StopReason::VcpuError { .. } | StopReason::HandlerPanicked { .. }
+        StopReason::Signal(_)
+            | StopReason::Stopped
+            | StopReason::VcpuError { .. }
+            | StopReason::HandlerPanicked { .. }
+            | StopReason::ThreadPanicked { .. }
     )
 }
 

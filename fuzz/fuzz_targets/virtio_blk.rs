@@ -32,7 +32,7 @@ fn image() -> &'static DiskImage {
 
 fuzz_target!(|data: &[u8]| {
     let Some((mem, mut queue, avail_at)) = driver_queue(data) else { return };
-    if let Ok(used_any) = serve_queue(image(), &mem, &mut queue) {
+    if let Ok(used_any) = serve_queue(image(), &mem, &mut queue, &std::sync::atomic::AtomicBool::new(false)) {
         // The device's counts start at 0: it used one entry per available one, all of them.
         let avail: u16 = mem.read_obj(GuestAddress(avail_at + 2)).unwrap();
         assert_eq!(queue.next_used(), avail, "used entries against the available index");

@@ -21,7 +21,7 @@ use vm_memory::{Bytes, GuestAddress};
 fuzz_target!(|data: &[u8]| {
     let Some((mem, mut queue, avail_at)) = driver_queue(data) else { return };
     let mut lengths = Vec::new();
-    let served = serve_available(&mem, &mut queue, |chain| {
+    let served = serve_available(&mem, &mut queue, &std::sync::atomic::AtomicBool::new(false), |chain| {
         let written = answer_eio(&mem, chain);
         lengths.push(written);
         written

@@ -96,6 +96,7 @@ pub fn build_tracer(
         Some(text) => memory.with_kernel_text(text),
         None => memory,
     };
+    let panics = hvprobe_vmm::PanicStop::new(Arc::clone(&control));
     let machine = Arc::new(
         VmMachine::new(control, memory, hvprobe_vmm::Backend::detect())
             .with_stacks(stacks)
@@ -109,7 +110,7 @@ pub fn build_tracer(
         }
     }
     match facts {
-        Ok(facts) => enable_event_detours(&tracer, cpus, facts, ool),
+        Ok(facts) => enable_event_detours(&tracer, cpus, facts, ool, panics),
         Err(e) => tracing::info!("no event detours: {e}"),
     }
     Ok(tracer)
@@ -143,7 +144,15 @@ fn kernel_text(memory: &LiveKernel, symbols: &SymbolTable) -> Option<KernelText>
 
 /// Sets up event detours' rings (a probe that only records then needs no exit when it is
 /// optimized) and the thread that drains them; without them, such probes get sync detours.
-fn enable_event_detours(tracer: &Arc<Tracer>, cpus: u32, facts: GuestKernelFacts, ool: OutOfLineArea) {
+/// The drain parses what the guest wrote: if it panics, the run ends with the reason
+/// (`panics`) rather than go on with every event hit silently lost.
+fn enable_event_detours(
+    tracer: &Arc<Tracer>,
+    cpus: u32,
+    facts: GuestKernelFacts,
+    ool: OutOfLineArea,
+    panics: hvprobe_vmm::PanicStop,
+) {
     let gpa_of = |gva: Gva| Gpa(OOL_AREA_START.0 + (gva.0 - ool.start.0));
     if let Err(e) = tracer.enable_event_detours(cpus, facts, &gpa_of) {
         tracing::info!("no event detours: {e}");
@@ -151,13 +160,18 @@ fn enable_event_detours(tracer: &Arc<Tracer>, cpus: u32, facts: GuestKernelFacts
     }
     let capacity = tracer.event_rings().map_or(0, |r| r.geometry().capacity());
     let weak = Arc::downgrade(tracer);
-    let _ = std::thread::Builder::new().name("event-drain".into()).spawn(move || {
-        while let Some(tracer) = weak.upgrade() {
-            let taken = tracer.drain_events();
-            drop(tracer);
-            std::thread::sleep(drain_pause(taken, capacity));
-        }
+    let drain = std::thread::Builder::new().name("event-drain".into()).spawn(move || {
+        panics.run("event-drain", || {
+            while let Some(tracer) = weak.upgrade() {
+                let taken = tracer.drain_events();
+                drop(tracer);
+                std::thread::sleep(drain_pause(taken, capacity));
+            }
+        })
     });
+    if let Err(e) = drain {
+        tracing::warn!("no thread to drain the event rings ({e}): optimized probes' events would be lost");
+    }
 }
 
 /// How long the drain thread waits after a drain that took `taken` records from rings of

@@ -12,6 +12,7 @@ mod cpuid;
 mod devices;
 mod error;
 pub mod layout;
+pub mod log_limit;
 mod mptable;
 pub mod regs;
 pub mod snapshot;
@@ -32,7 +33,7 @@ pub use mptable::MAX_CPUS;
 pub use snapshot::{snapshot_cache_name, snapshot_disks, SnapshotError, SnapshotInfo, SNAPSHOT_FORMAT_VERSION};
 pub use vcpu::exit_regs;
 pub use vcpu::{
-    set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PauseTimeout, PausedVcpus,
+    set_guest_debug, BreakpointDisposition, DebugHandler, ExitCounters, NoProbes, PanicStop, PauseTimeout, PausedVcpus,
     PendingException, StopReason, StuckVcpu, VcpuActivity, VcpuAtStop, VcpuControl, VcpuState, DEFAULT_PAUSE_DEADLINE,
 };
 pub use virtio::block::{DiskConfig, DiskError};

@@ -1237,9 +1237,10 @@ impl Vm {
             .into_iter()
             .map(|image| Box::new(Block::new(image)) as Box<dyn VirtioDevice>)
             .collect();
-        let virtio = MmioDevices::attach(&vm_fd, &mem, blocks)?;
-        virtio.restore(&state.virtio)?;
         let mut vm = Vm::from_parts(kvm, vm_fd, backend, mem, vcpus, devices, console_log, false)?;
+        let panics = crate::vcpu::PanicStop::new(vm.control());
+        let virtio = MmioDevices::attach(&vm.vm_fd, &vm.mem, blocks, &panics)?;
+        virtio.restore(&state.virtio)?;
         vm.virtio = std::sync::Arc::new(virtio);
         Ok(vm)
     }

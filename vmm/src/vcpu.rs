@@ -14,7 +14,7 @@ pub use control::{PauseTimeout, PausedVcpus, StuckVcpu, VcpuActivity, VcpuContro
 pub use handler::{set_guest_debug, BreakpointDisposition, DebugHandler, NoProbes};
 pub use runner::{ExitCounters, VcpuRunner};
 pub use state::{PendingException, VcpuAtStop, VcpuState};
-pub use stop::StopReason;
+pub use stop::{PanicStop, StopReason};
 
 use control::*;
 use stop::*;

@@ -25,6 +25,7 @@ use vm_memory::{GuestAddress, GuestMemory, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::layout::{OOL_AREA_SIZE, OOL_AREA_START, VIRTIO_MMIO_START, VIRTIO_MMIO_WINDOW};
+use crate::vcpu::PanicStop;
 use crate::Error;
 
 /// Interrupt lines for virtio devices, in device order: IOAPIC pins the MP table routes
@@ -130,6 +131,8 @@ pub struct Activation {
     pub notify: Vec<EventFd>,
     pub interrupt: Arc<Interrupt>,
     pub acked_features: u64,
+    /// What the device's threads run under: a panic ends the run with the reason.
+    pub panics: PanicStop,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -276,10 +279,12 @@ impl MmioDevices {
     /// Attaches `devices` in order to the windows and lines of [`DeviceSlot::of`]: irqfds
     /// on the lines, an ioeventfd per queue on the notify register (the kick then wakes
     /// the device without a userspace exit). They see `mem` without its out-of-line area.
+    /// Their threads run under `panics`.
     pub fn attach(
         vm_fd: &VmFd,
         mem: &GuestMemoryMmap,
         devices: Vec<Box<dyn VirtioDevice>>,
+        panics: &PanicStop,
     ) -> Result<MmioDevices, Error> {
         if devices.len() > MAX_DEVICES {
             return Err(Error::TooManyDevices {
@@ -305,8 +310,14 @@ impl MmioDevices {
                     .map_err(crate::error::kvm_err("KVM_IOEVENTFD"))?;
                 notify.push(evt);
             }
-            let transport = mmio::MmioTransport::new(device, ram.clone(), Arc::new(Interrupt::new(irqfd)), notify)
-                .map_err(Error::VirtioQueue)?;
+            let transport = mmio::MmioTransport::new(
+                device,
+                ram.clone(),
+                Arc::new(Interrupt::new(irqfd)),
+                notify,
+                panics.clone(),
+            )
+            .map_err(Error::VirtioQueue)?;
             attached.push((slot, Mutex::new(transport)));
         }
         Ok(MmioDevices { devices: attached })
@@ -409,13 +420,22 @@ impl Drop for MmioDevices {
 /// Serves every request available in `queue` with `handle`, which answers one chain and
 /// returns the bytes it wrote into the chain's buffers (with notifications off meanwhile,
 /// and until none comes in as they are turned back on); says whether it used any.
+///
+/// Returns early, the rest left available, once `stop` is set: a driver that keeps
+/// submitting (another vCPU) would otherwise keep the server here for ever, and a device
+/// reset or a pause that waits for the server with it. What is left is served when the
+/// server next runs (the queue's state says where it stopped).
 pub fn serve_available<M: GuestMemory>(
     mem: &M,
     queue: &mut Queue,
+    stop: &AtomicBool,
     mut handle: impl FnMut(DescriptorChain<&M>) -> u32,
 ) -> Result<bool, virtio_queue::Error> {
     let mut used_any = false;
     loop {
+        if stop.load(Ordering::Acquire) {
+            return Ok(used_any);
+        }
         queue.disable_notification(mem)?;
         // Pop exactly what the available index announces. pop_descriptor_chain() returns
         // None quietly on a ring it cannot read (an index more than a ring ahead, a ring
@@ -428,6 +448,9 @@ pub fn serve_available<M: GuestMemory>(
             }
             if pending.0 == 0 {
                 break;
+            }
+            if stop.load(Ordering::Acquire) {
+                return Ok(used_any);
             }
             let chain = queue
                 .pop_descriptor_chain(mem)
@@ -455,6 +478,47 @@ pub fn device_memory(mem: &GuestMemoryMmap) -> Result<GuestMemoryMmap, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A driver that gets its next request in before the device looks, every time (as
+    /// another vCPU can): once `stop` is set, the server returns at the next request
+    /// instead of serving for as long as the guest keeps submitting.
+    #[test]
+    fn serving_stops_between_requests_once_asked_whatever_the_driver_submits() {
+        use vm_memory::Bytes;
+        const SIZE: u16 = 16;
+        let (desc, avail, used) = (GuestAddress(0), GuestAddress(0x1000), GuestAddress(0x2000));
+        let avail_idx = GuestAddress(0x1002);
+        let mem: GuestMemoryMmap = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        // Descriptor 0: 16 device-readable bytes at 0x8000; the ring's first entry, index 1.
+        mem.write_obj(0x8000u64, desc).unwrap();
+        mem.write_obj(16u32, GuestAddress(8)).unwrap();
+        mem.write_obj(1u16, avail_idx).unwrap();
+        let mut queue = Queue::new(SIZE).unwrap();
+        queue.set_size(SIZE);
+        queue.set_desc_table_address(Some(desc.0 as u32), Some((desc.0 >> 32) as u32));
+        queue.set_avail_ring_address(Some(avail.0 as u32), Some(0));
+        queue.set_used_ring_address(Some(used.0 as u32), Some(0));
+        queue.set_ready(true);
+        assert!(queue.is_valid(&mem));
+        let stop = AtomicBool::new(false);
+        let mut served = 0u32;
+        serve_available(&mem, &mut queue, &stop, |_chain| {
+            served += 1;
+            if served == 100 {
+                stop.store(true, Ordering::Release);
+            }
+            // Bounded only so that the test ends without the fix.
+            if served < 10_000 {
+                let next: u16 = mem.read_obj(avail_idx).unwrap();
+                mem.write_obj(0u16, GuestAddress(0x1004 + 2 * u64::from(next % SIZE)))
+                    .unwrap();
+                mem.write_obj(next.wrapping_add(1), avail_idx).unwrap();
+            }
+            0
+        })
+        .unwrap();
+        assert_eq!(served, 100, "requests served after the stop");
+    }
 
     #[test]
     fn slots_are_consecutive_windows_with_their_own_lines() {

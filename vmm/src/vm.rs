@@ -157,7 +157,8 @@ impl Vm {
             .map(|image| Box::new(Block::new(image)) as Box<dyn VirtioDevice>)
             .chain(shares.into_iter().map(|fs| Box::new(fs) as Box<dyn VirtioDevice>))
             .collect();
-        vm.virtio = Arc::new(MmioDevices::attach(&vm.vm_fd, &vm.mem, devices)?);
+        let panics = crate::vcpu::PanicStop::new(Arc::clone(&vm.control));
+        vm.virtio = Arc::new(MmioDevices::attach(&vm.vm_fd, &vm.mem, devices, &panics)?);
         let cmdline = match vm.virtio.cmdline() {
             announcements if announcements.is_empty() => config.cmdline.clone(),
             // Before the user's options, so that theirs come last.

@@ -25,6 +25,9 @@ pub enum StopReason {
     /// The [`DebugHandler`] panicked on vCPU `cpu`; `message` is the panic's text. The
     /// vCPU was left wherever the handler stopped, so the VM cannot go on.
     HandlerPanicked { cpu: usize, message: String },
+    /// A host thread that handles guest data (a device's worker, the event rings' drain)
+    /// panicked: the run ends rather than go on without it.
+    ThreadPanicked { thread: String, message: String },
 }
 
 impl std::fmt::Display for StopReason {
@@ -51,6 +54,39 @@ impl std::fmt::Display for StopReason {
             StopReason::HandlerPanicked { cpu, message } => {
                 write!(f, "the debug handler panicked on vCPU {cpu}: {message}")
             }
+            StopReason::ThreadPanicked { thread, message } => {
+                write!(f, "the host thread `{thread}` panicked: {message}")
+            }
+        }
+    }
+}
+
+/// How a host thread that handles guest data ends the run when it panics. Such a thread
+/// parses what the guest wrote (a queue, a ring); a panic there is a bug the guest found,
+/// and a thread that vanished would leave the guest's I/O or the probes' events stopped
+/// with no word. Cloned into each thread; it holds only the VM's stop.
+#[derive(Clone)]
+pub struct PanicStop(std::sync::Arc<super::VcpuControl>);
+
+impl PanicStop {
+    pub fn new(control: std::sync::Arc<super::VcpuControl>) -> PanicStop {
+        PanicStop(control)
+    }
+
+    /// Runs `work` (the body of the thread `thread`); if it panics, the run stops with
+    /// [`StopReason::ThreadPanicked`] and `None` is returned.
+    pub fn run<T>(&self, thread: &str, work: impl FnOnce() -> T) -> Option<T> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) {
+            Ok(done) => Some(done),
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                tracing::error!("the host thread `{thread}` panicked: {message}; the run ends");
+                self.0.stop(StopReason::ThreadPanicked {
+                    thread: thread.to_owned(),
+                    message,
+                });
+                None
+            }
         }
     }
 }
@@ -73,5 +109,37 @@ pub(super) fn signal_name(sig: i32) -> String {
         libc::SIGTERM => "SIGTERM".into(),
         libc::SIGHUP => "SIGHUP".into(),
         other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guarded_thread_that_panics_ends_the_run_with_its_name_and_message() {
+        let control = super::super::VcpuControl::new(1).unwrap();
+        let panics = PanicStop::new(std::sync::Arc::clone(&control));
+        let worker =
+            std::thread::spawn(move || panics.run("virtio-blk", || -> u32 { panic!("a chain of 70000 descriptors") }));
+        assert_eq!(
+            worker.join().expect("the panic is caught, the thread ends normally"),
+            None
+        );
+        assert_eq!(
+            control.stop_reason(),
+            Some(StopReason::ThreadPanicked {
+                thread: "virtio-blk".into(),
+                message: "a chain of 70000 descriptors".into()
+            })
+        );
+    }
+
+    #[test]
+    fn a_guarded_thread_that_ends_normally_gives_its_result_and_stops_nothing() {
+        let control = super::super::VcpuControl::new(1).unwrap();
+        let panics = PanicStop::new(std::sync::Arc::clone(&control));
+        assert_eq!(panics.run("event-drain", || 7), Some(7));
+        assert_eq!(control.stop_reason(), None);
     }
 }

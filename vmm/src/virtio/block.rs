@@ -14,6 +14,8 @@ use std::io::{Seek, SeekFrom};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use sha2::{Digest, Sha256};
@@ -29,6 +31,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{ActivateError, Activation, DeviceSave, Interrupt, SaveError, SavedDevice, VirtioDevice};
+use crate::vcpu::PanicStop;
 
 pub const SECTOR_SIZE: u64 = 512;
 /// Entries in the request queue: what Linux's driver uses when the device allows it.
@@ -376,33 +379,43 @@ pub struct Block {
     worker: Option<Worker>,
     /// The worker's server and kick while a save holds it stopped (until `resume`).
     held: Option<(RequestServer, EventFd)>,
+    /// What the worker runs under (from the activation, for a restart at `resume`).
+    panics: Option<PanicStop>,
 }
 
 struct Worker {
     stop: EventFd,
-    /// Gives back the server (image and queue) and its kick when it stops.
-    thread: JoinHandle<(RequestServer, EventFd)>,
+    /// Set before `stop` is signalled: the server checks it between requests.
+    stopping: Arc<AtomicBool>,
+    /// Gives back the server (image and queue) and its kick when it stops; `None` if it
+    /// panicked (and ended the run).
+    thread: JoinHandle<Option<(RequestServer, EventFd)>>,
 }
 
 impl Worker {
-    fn start(mut server: RequestServer, kick: EventFd) -> Result<Worker, ActivateError> {
+    fn start(mut server: RequestServer, kick: EventFd, panics: PanicStop) -> Result<Worker, ActivateError> {
         let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
         let stop_worker = stop.try_clone().map_err(ActivateError::EventFd)?;
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stopping_worker = Arc::clone(&stopping);
         let thread = std::thread::Builder::new()
             .name("virtio-blk".into())
             .spawn(move || {
-                server.run(&kick, &stop_worker);
-                (server, kick)
+                panics.run("virtio-blk", move || {
+                    server.run(&kick, &stop_worker, &stopping_worker);
+                    (server, kick)
+                })
             })
             .map_err(ActivateError::Thread)?;
-        Ok(Worker { stop, thread })
+        Ok(Worker { stop, stopping, thread })
     }
 
     /// Stops the thread after the request in hand; `None` if it panicked (the image is
     /// then gone with it).
     fn stop(self) -> Option<(RequestServer, EventFd)> {
+        self.stopping.store(true, std::sync::atomic::Ordering::Release);
         let _ = self.stop.write(1);
-        self.thread.join().ok()
+        self.thread.join().ok().flatten()
     }
 }
 
@@ -425,6 +438,7 @@ impl Block {
             features,
             worker: None,
             held: None,
+            panics: None,
         }
     }
 }
@@ -453,6 +467,7 @@ impl VirtioDevice for Block {
             mut queues,
             mut notify,
             interrupt,
+            panics,
             ..
         } = activation;
         if queues.len() != 1 || notify.len() != 1 {
@@ -473,7 +488,8 @@ impl VirtioDevice for Block {
             broken: false,
         };
         let kick = notify.remove(0);
-        self.worker = Some(Worker::start(server, kick)?);
+        self.worker = Some(Worker::start(server, kick, panics.clone())?);
+        self.panics = Some(panics);
         Ok(())
     }
 
@@ -509,8 +525,8 @@ impl VirtioDevice for Block {
 
     fn resume(&mut self) -> Result<(), SaveError> {
         // A kick that came while the worker was held is still pending on `kick`.
-        if let Some((server, kick)) = self.held.take() {
-            self.worker = Some(Worker::start(server, kick).map_err(SaveError::Restart)?);
+        if let (Some((server, kick)), Some(panics)) = (self.held.take(), self.panics.clone()) {
+            self.worker = Some(Worker::start(server, kick, panics).map_err(SaveError::Restart)?);
         }
         Ok(())
     }
@@ -544,7 +560,7 @@ const KICK: u64 = 1;
 const STOP: u64 = 2;
 
 impl RequestServer {
-    fn run(&mut self, kick: &EventFd, stop: &EventFd) {
+    fn run(&mut self, kick: &EventFd, stop: &EventFd, stopping: &AtomicBool) {
         let epoll = match Epoll::new() {
             Ok(e) => e,
             Err(e) => {
@@ -559,7 +575,7 @@ impl RequestServer {
             }
         }
         // A kick may have come before the thread was waiting.
-        self.serve();
+        self.serve(stopping);
         let mut events = [EpollEvent::default(); 2];
         loop {
             let n = match epoll.wait(-1, &mut events) {
@@ -575,19 +591,20 @@ impl RequestServer {
                     STOP => return,
                     _ => {
                         let _ = kick.read();
-                        self.serve();
+                        self.serve(stopping);
                     }
                 }
             }
         }
     }
 
-    /// Serves every available request, then interrupts the driver if it wants to be.
-    fn serve(&mut self) {
+    /// Serves every available request (until `stopping`), then interrupts the driver if it
+    /// wants to be.
+    fn serve(&mut self, stopping: &AtomicBool) {
         if self.broken {
             return;
         }
-        let result = serve_queue(&self.image, &self.mem, &mut self.queue).and_then(|used_any| {
+        let result = serve_queue(&self.image, &self.mem, &mut self.queue, stopping).and_then(|used_any| {
             // Nothing used, nothing to say (a kick for requests served already).
             if used_any && self.queue.needs_notification(&self.mem)? {
                 self.interrupt.signal_used_queue();
@@ -595,7 +612,7 @@ impl RequestServer {
             Ok(())
         });
         if let Err(e) = result {
-            tracing::warn!(
+            crate::warn_limited!(
                 "virtio-blk {}: the driver's queue is broken ({e}); the device needs a reset",
                 self.image.path.display()
             );
@@ -607,8 +624,13 @@ impl RequestServer {
 
 /// Serves every request available in `queue` from `image` (see [`super::serve_available`]);
 /// says whether it used any.
-pub fn serve_queue<M: GuestMemory>(image: &DiskImage, mem: &M, queue: &mut Queue) -> Result<bool, virtio_queue::Error> {
-    super::serve_available(mem, queue, |chain| handle_request(image, mem, chain))
+pub fn serve_queue<M: GuestMemory>(
+    image: &DiskImage,
+    mem: &M,
+    queue: &mut Queue,
+    stopping: &AtomicBool,
+) -> Result<bool, virtio_queue::Error> {
+    super::serve_available(mem, queue, stopping, |chain| handle_request(image, mem, chain))
 }
 
 /// What a request asks, checked against the image.
@@ -733,7 +755,7 @@ fn execute<M: GuestMemory>(image: &DiskImage, mem: &M, request: Request, segment
                 Ok(()) if write => (VIRTIO_BLK_S_OK, 0),
                 Ok(()) => (VIRTIO_BLK_S_OK, u32::try_from(total).unwrap_or(u32::MAX)),
                 Err(e) => {
-                    tracing::warn!("virtio-blk {}: {e}", image.path.display());
+                    crate::warn_limited!("virtio-blk {}: {e}", image.path.display());
                     ioerr
                 }
             }
@@ -742,7 +764,7 @@ fn execute<M: GuestMemory>(image: &DiskImage, mem: &M, request: Request, segment
         Request::Flush => match image.file.sync_all() {
             Ok(()) => (VIRTIO_BLK_S_OK, 0),
             Err(e) => {
-                tracing::warn!("virtio-blk {}: fsync: {e}", image.path.display());
+                crate::warn_limited!("virtio-blk {}: fsync: {e}", image.path.display());
                 ioerr
             }
         },

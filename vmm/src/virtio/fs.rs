@@ -119,6 +119,8 @@ pub struct Fs {
 
 struct Relay {
     stop: EventFd,
+    /// Set before `stop` is signalled: an orphaned relay checks it between requests.
+    stopping: Arc<std::sync::atomic::AtomicBool>,
     thread: JoinHandle<()>,
 }
 
@@ -257,6 +259,7 @@ impl Fs {
             notify,
             interrupt,
             acked_features,
+            ..
         } = activation;
         if queues.len() != NUM_QUEUES || notify.len() != NUM_QUEUES {
             return Err(ActivateError::QueueCount {
@@ -346,12 +349,27 @@ impl Fs {
     ) -> Result<(), ActivateError> {
         let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
         let stop_relay = stop.try_clone().map_err(ActivateError::EventFd)?;
+        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopping_relay = Arc::clone(&stopping);
         let tag = self.tag.clone();
         let thread = std::thread::Builder::new()
             .name(format!("virtio-fs-{}", self.tag))
-            .spawn(move || relay(&tag, &calls, socket.as_ref(), &stop_relay, &interrupt, kit))
+            .spawn(move || {
+                let panics = kit.panics.clone();
+                let thread = format!("virtio-fs-{tag}");
+                panics.run(&thread, || {
+                    relay(
+                        &tag,
+                        &calls,
+                        socket.as_ref(),
+                        (&stop_relay, &stopping_relay),
+                        &interrupt,
+                        kit,
+                    )
+                });
+            })
             .map_err(ActivateError::Thread)?;
-        self.relay = Some(Relay { stop, thread });
+        self.relay = Some(Relay { stop, stopping, thread });
         Ok(())
     }
 
@@ -360,6 +378,7 @@ impl Fs {
     /// that is logged, and the device is reset all the same.
     fn stop(&mut self) {
         if let Some(relay) = self.relay.take() {
+            relay.stopping.store(true, std::sync::atomic::Ordering::Release);
             let _ = relay.stop.write(1);
             if relay.thread.join().is_err() {
                 tracing::error!("virtio-fs {}: the interrupt relay panicked", self.tag);
@@ -417,7 +436,7 @@ impl VirtioDevice for Fs {
             Err(e @ ActivateError::VhostUser { .. }) => {
                 // Whatever was handed over is taken back, so the next activation starts clean.
                 self.stop();
-                tracing::warn!(
+                crate::warn_limited!(
                     "virtio-fs {}: {e}; the guest's requests to it are answered with EIO",
                     self.tag
                 );
@@ -450,6 +469,8 @@ struct OrphanKit {
     mem: vm_memory::GuestMemoryMmap,
     queues: Vec<Queue>,
     kicks: Vec<EventFd>,
+    /// What the relay runs under: it parses the guest's queues once orphaned.
+    panics: crate::vcpu::PanicStop,
 }
 
 impl OrphanKit {
@@ -470,6 +491,7 @@ impl OrphanKit {
             mem: activation.mem.clone(),
             queues,
             kicks,
+            panics: activation.panics.clone(),
         })
     }
 }
@@ -481,7 +503,7 @@ fn relay(
     tag: &str,
     calls: &[EventFd],
     socket: Option<&OwnedFd>,
-    stop: &EventFd,
+    (stop, stopping): (&EventFd, &std::sync::atomic::AtomicBool),
     interrupt: &Interrupt,
     kit: OrphanKit,
 ) {
@@ -514,7 +536,7 @@ fn relay(
             return;
         }
     }
-    let OrphanKit { mem, queues, kicks } = kit;
+    let OrphanKit { mem, queues, kicks, .. } = kit;
     let mut kit = Some((mem, queues));
     let mut orphaned: Option<orphan::Orphaned> = None;
     // Takes the queues over: from now on the kicks are the relay's to serve, and what the
@@ -544,11 +566,11 @@ fn relay(
                 if broken.get(index).copied().unwrap_or(true) {
                     continue;
                 }
-                match queues.serve(index) {
+                match queues.serve(index, stopping) {
                     Ok(true) => interrupt.signal_used_queue(),
                     Ok(false) => {}
                     Err(e) => {
-                        tracing::warn!(
+                        crate::warn_limited!(
                             "virtio-fs {tag}: the driver's queue {index} is broken ({e}); the device needs a reset"
                         );
                         broken[index] = true;

@@ -17,6 +17,8 @@ use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::vcpu::PanicStop;
+
 use super::{Activation, DeviceSave, Interrupt, RestoreError, SaveError, VirtioDevice};
 
 /// "virt", little-endian.
@@ -46,6 +48,8 @@ pub struct MmioTransport {
     device: Box<dyn VirtioDevice>,
     mem: GuestMemoryMmap,
     interrupt: Arc<Interrupt>,
+    /// Handed to the device at each activation, for its threads.
+    panics: PanicStop,
     notify: Vec<EventFd>,
     queues: Vec<Queue>,
     /// Per queue: the driver wrote a size or ring address virtio-queue refused (not a
@@ -65,6 +69,7 @@ impl MmioTransport {
         mem: GuestMemoryMmap,
         interrupt: Arc<Interrupt>,
         notify: Vec<EventFd>,
+        panics: PanicStop,
     ) -> Result<MmioTransport, virtio_queue::Error> {
         let queues = device
             .queue_max_sizes()
@@ -76,6 +81,7 @@ impl MmioTransport {
             mem,
             interrupt,
             notify,
+            panics,
             queue_refused: vec![false; queues.len()],
             queues,
             queue_select: 0,
@@ -277,7 +283,9 @@ impl MmioTransport {
         let mut queues = Vec::new();
         for (index, q) in self.queues.iter_mut().enumerate() {
             if self.queue_refused[index] || !q.is_valid(&self.mem) {
-                tracing::warn!("virtio-mmio: the driver set up queue {index} invalidly; the device needs a reset");
+                crate::warn_limited!(
+                    "virtio-mmio: the driver set up queue {index} invalidly; the device needs a reset"
+                );
                 self.needs_reset();
                 return;
             }
@@ -286,7 +294,7 @@ impl MmioTransport {
             match Queue::try_from(q.state()) {
                 Ok(copy) => queues.push(copy),
                 Err(e) => {
-                    tracing::warn!("virtio-mmio: queue {index}: {e}; the device needs a reset");
+                    crate::warn_limited!("virtio-mmio: queue {index}: {e}; the device needs a reset");
                     self.needs_reset();
                     return;
                 }
@@ -300,7 +308,7 @@ impl MmioTransport {
         {
             Ok(n) => n,
             Err(e) => {
-                tracing::warn!("virtio-mmio: cannot activate the device: {e}");
+                crate::warn_limited!("virtio-mmio: cannot activate the device: {e}");
                 self.needs_reset();
                 return;
             }
@@ -311,11 +319,12 @@ impl MmioTransport {
             notify,
             interrupt: Arc::clone(&self.interrupt),
             acked_features: self.driver_features,
+            panics: self.panics.clone(),
         };
         match self.device.activate(activation) {
             Ok(()) => self.active = true,
             Err(e) => {
-                tracing::warn!("virtio-mmio: cannot activate the device: {e}");
+                crate::warn_limited!("virtio-mmio: cannot activate the device: {e}");
                 self.needs_reset();
             }
         }
@@ -438,6 +447,7 @@ impl MmioTransport {
                     notify,
                     interrupt: Arc::clone(&self.interrupt),
                     acked_features: self.driver_features,
+                    panics: self.panics.clone(),
                 })
                 .map_err(|source| RestoreError::Activate { index, source })?;
             self.active = true;
@@ -535,7 +545,14 @@ mod tests {
         let interrupt = Arc::new(Interrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
         let notify = vec![EventFd::new(libc::EFD_NONBLOCK).unwrap()];
         (
-            MmioTransport::new(Box::new(recorder), mem, interrupt, notify).unwrap(),
+            MmioTransport::new(
+                Box::new(recorder),
+                mem,
+                interrupt,
+                notify,
+                PanicStop::new(crate::vcpu::VcpuControl::new(1).unwrap()),
+            )
+            .unwrap(),
             log,
         )
     }

@@ -1,4 +1,5 @@
 use std::io::Write;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -300,6 +301,7 @@ fn the_worker_serves_a_kick_and_interrupts_the_driver() {
     let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
     block
         .activate(Activation {
+            panics: crate::vcpu::PanicStop::new(crate::vcpu::VcpuControl::new(1).unwrap()),
             mem: mem.clone(),
             queues: vec![queue.create_queue().unwrap()],
             notify: vec![kick.try_clone().unwrap()],
@@ -378,7 +380,7 @@ fn an_avail_index_past_the_ring_breaks_the_queue_instead_of_spinning() {
     let mut q: Queue = queue.create_queue().unwrap();
     let (done, answer) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let _ = done.send(serve_queue(&image, &mem, &mut q).map_err(|e| e.to_string()));
+        let _ = done.send(serve_queue(&image, &mem, &mut q, &AtomicBool::new(false)).map_err(|e| e.to_string()));
     });
     let result = answer
         .recv_timeout(Duration::from_secs(10))
@@ -401,7 +403,7 @@ fn an_available_ring_the_queue_cannot_read_breaks_the_queue_instead_of_spinning(
     mem.write_obj(1u16, GuestAddress(2)).unwrap();
     let (done, answer) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let _ = done.send(serve_queue(&image, &mem, &mut q).map_err(|e| e.to_string()));
+        let _ = done.send(serve_queue(&image, &mem, &mut q, &AtomicBool::new(false)).map_err(|e| e.to_string()));
     });
     let result = answer
         .recv_timeout(Duration::from_secs(10))
@@ -577,6 +579,7 @@ fn saving_a_serving_disk_gives_its_queue_where_it_is_and_it_serves_on() {
     let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
     block
         .activate(Activation {
+            panics: crate::vcpu::PanicStop::new(crate::vcpu::VcpuControl::new(1).unwrap()),
             mem: mem.clone(),
             queues: vec![queue.create_queue().unwrap()],
             notify: vec![kick.try_clone().unwrap()],

@@ -45,14 +45,18 @@ impl Orphaned {
         self.queues.len()
     }
 
-    /// Answers every request available in queue `index`; says whether the driver is to
-    /// be interrupted.
-    pub(super) fn serve(&mut self, index: usize) -> Result<bool, virtio_queue::Error> {
+    /// Answers every request available in queue `index` (until `stopping`); says whether
+    /// the driver is to be interrupted.
+    pub(super) fn serve(
+        &mut self,
+        index: usize,
+        stopping: &std::sync::atomic::AtomicBool,
+    ) -> Result<bool, virtio_queue::Error> {
         let Some(queue) = self.queues.get_mut(index) else {
             return Ok(false);
         };
         let mem = &self.mem;
-        let used_any = super::super::serve_available(mem, queue, |chain| answer_eio(mem, chain))?;
+        let used_any = super::super::serve_available(mem, queue, stopping, |chain| answer_eio(mem, chain))?;
         Ok(used_any && queue.needs_notification(mem)?)
     }
 }

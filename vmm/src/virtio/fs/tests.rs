@@ -194,6 +194,7 @@ fn activation(interrupt: &Arc<Interrupt>) -> (Activation, Vec<EventFd>) {
     }
     let kept = notify.iter().map(|e| e.try_clone().unwrap()).collect();
     let activation = Activation {
+        panics: crate::vcpu::PanicStop::new(crate::vcpu::VcpuControl::new(1).unwrap()),
         mem: ram,
         queues,
         notify,
