@@ -481,6 +481,11 @@ pub struct ArmBenchArgs {
     /// restores the cached one (`snapshot create --cached`), made by one boot if missing.
     #[arg(long, value_name = "DIR")]
     pub snapshot: Option<PathBuf>,
+    /// Keep the guest under memory pressure meanwhile: a loop that fills MIB of a shell
+    /// variable over and over (page faults, allocation and reclaim while probes come and
+    /// go) beside the read loops.
+    #[arg(long, value_name = "MIB")]
+    pub memory_pressure: Option<u32>,
 }
 
 #[derive(Args)]

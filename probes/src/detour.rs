@@ -106,6 +106,11 @@ pub use relocate::{jump_bytes, relocate};
 pub const JMP_REL32_LEN: usize = 5;
 /// The opcode of `jmp rel32`.
 pub const JMP_REL32: u8 = 0xe9;
+/// The most bytes a region covers: whole instructions until [`JMP_REL32_LEN`] are
+/// covered, so the last starts within the jump's first four bytes and is at most
+/// [`MAX_INSN_LEN`](crate::insn::MAX_INSN_LEN) long. A region that covers an address
+/// starts less than this before it.
+pub const MAX_REGION_LEN: u64 = (JMP_REL32_LEN - 1 + crate::insn::MAX_INSN_LEN) as u64;
 const INT3: u8 = 0xcc;
 
 /// Code at an address: a function's bytes, or a part of it.
@@ -518,6 +523,7 @@ fn displaced_region(at: Gva, body: Code<'_>, decoded: &[Instruction]) -> Result<
             function_end: body.end(),
         });
     }
+    debug_assert!(covered as u64 <= MAX_REGION_LEN);
     Ok(DetourRegion {
         start: at,
         instructions,

@@ -217,6 +217,17 @@ pub(super) struct Registry {
 }
 
 impl Registry {
+    /// The sites whose optimized region has `at` inside it (past its first byte). Only
+    /// the sites less than [`MAX_REGION_LEN`](crate::detour::MAX_REGION_LEN) bytes before
+    /// `at` can: looked up there, not through every site below it (arming N probes in
+    /// address order was N²/2 steps).
+    pub(super) fn regions_covering(&self, at: Gva) -> impl Iterator<Item = Gva> + '_ {
+        self.sites
+            .range(Gva(at.0.saturating_sub(crate::detour::MAX_REGION_LEN))..at)
+            .filter(move |(_, s)| s.detour.as_ref().is_some_and(|d| d.region.is_interior(at)))
+            .map(|(a, _)| *a)
+    }
+
     pub fn new() -> Self {
         Registry {
             probes: BTreeMap::new(),
@@ -667,12 +678,7 @@ impl Tracer {
         if !reg.sites.contains_key(&placement.site) {
             // A new site inside an optimized region: the region goes back to its int3 (and
             // stays so while this probe lives), so the text here is the guest's again.
-            let covering: Vec<Gva> = reg
-                .sites
-                .range(..placement.site)
-                .filter(|(_, s)| s.detour.as_ref().is_some_and(|d| d.region.is_interior(placement.site)))
-                .map(|(a, _)| *a)
-                .collect();
+            let covering: Vec<Gva> = reg.regions_covering(placement.site).collect();
             for addr in covering {
                 if let Some(site) = reg.sites.get_mut(&addr) {
                     unoptimize(text, addr, site, &mut reg.detour_codes);

@@ -170,11 +170,7 @@ impl Tracer {
             // On a probe's int3, or inside an optimized probe's region (the guest runs the
             // relocated copy there, never the watched instruction).
             let at = bp.address();
-            let covered = reg.sites.contains_key(&at)
-                || reg
-                    .sites
-                    .range(..at)
-                    .any(|(_, s)| s.detour.as_ref().is_some_and(|d| d.region.is_interior(at)));
+            let covered = reg.sites.contains_key(&at) || reg.regions_covering(at).next().is_some();
             if covered {
                 return Err(ProbeError::WatchOnProbe {
                     what: placement.location.clone(),

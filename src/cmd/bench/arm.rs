@@ -75,10 +75,16 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
     let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), None);
     let control = vm.control();
-    let busy = (0..args.cpus)
+    let mut busy = (0..args.cpus)
         .map(|cpu| format!("taskset -c {cpu} sh -c 'while true; do read -r l < /proc/version; done' &"))
         .collect::<Vec<_>>()
         .join(" ");
+    if let Some(mib) = args.memory_pressure {
+        let bytes = u64::from(mib) << 20;
+        busy.push_str(&format!(
+            " sh -c 'while true; do v=$(head -c {bytes} /dev/zero | tr \\\\0 x); done' &"
+        ));
+    }
     vm.send_console_input(workload_message(&format!("{busy} wait")));
     let runner = std::thread::spawn(move || vm.run(handler));
     std::thread::sleep(std::time::Duration::from_secs(2));
@@ -123,8 +129,23 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
             if tracer.listing().is_empty() { "yes" } else { "NO" }
         );
     }
+    // Whatever hit the probes while they were armed was handled, not just counted: the
+    // guest must still be running when the host stops it.
     control.stop(StopReason::Stopped);
-    let _ = runner.join();
+    let outcome = runner.join().map_err(|_| "the VM's thread panicked")??;
+    let s = &tracer.stats;
+    use std::sync::atomic::Ordering::Relaxed;
+    println!(
+        "hits while armed {} (emulated {}, stepped out of line {}: {} interrupted by an exception or NMI, {} whose trap the backend lost)",
+        s.hits.load(Relaxed),
+        s.emulated.load(Relaxed),
+        s.stepped.load(Relaxed),
+        s.steps_interrupted.load(Relaxed),
+        s.step_traps_lost.load(Relaxed)
+    );
     result?;
+    if outcome.reason != StopReason::Stopped {
+        return Err(format!("the guest stopped during the benchmark: {}", outcome.reason).into());
+    }
     Ok(ExitCode::SUCCESS)
 }
