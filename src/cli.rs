@@ -481,9 +481,9 @@ pub struct ArmBenchArgs {
     /// restores the cached one (`snapshot create --cached`), made by one boot if missing.
     #[arg(long, value_name = "DIR")]
     pub snapshot: Option<PathBuf>,
-    /// Keep the guest under memory pressure meanwhile: a loop that fills MIB of a shell
-    /// variable over and over (page faults, allocation and reclaim while probes come and
-    /// go) beside the read loops.
+    /// Keep the guest allocating meanwhile: a loop that fills a shell variable of MIB
+    /// over and over (page faults and allocations while probes come and go) beside the
+    /// read loops. On kvm_pvm one 32 MiB fill takes minutes: the loop is busy throughout.
     #[arg(long, value_name = "MIB")]
     pub memory_pressure: Option<u32>,
 }

@@ -150,6 +150,7 @@ fn jobs() -> Vec<Job> {
         Job::suite("exit_loop_code_blobs_on_kvm_amd", "exit_loop", "", 4).taking(11),
         Job::suite("registers_through_the_sync_area_on_kvm_amd", "exit_regs", "", 1).taking(5),
         Job::suite("hardware_breakpoints_on_kvm_amd/debug_regs", "debug_regs", "", 2).taking(5),
+        Job::suite("single_steps_on_kvm_amd", "single_step", "", 1).taking(5),
         Job::suite(
             "hardware_breakpoints_on_kvm_amd/watches",
             "integration",
@@ -1164,6 +1165,13 @@ fn exit_loop_code_blobs_on_kvm_amd() {
 #[test]
 fn registers_through_the_sync_area_on_kvm_amd() {
     suite("registers_through_the_sync_area_on_kvm_amd");
+}
+
+/// Where the host's single-step ends after each kind of instruction the probe engine
+/// steps: right after it on hardware KVM (kvm_pvm's emulator runs one more after a few).
+#[test]
+fn single_steps_on_kvm_amd() {
+    suite("single_steps_on_kvm_amd");
 }
 
 /// Hardware breakpoints the host sets (`KVM_GUESTDBG_USE_HW_BP`) on hardware KVM: there,
