@@ -449,7 +449,7 @@ pub enum EngineFault {
     },
     #[error(
         "vCPU {cpu}: probe at {at}: exception vector {vector} during its out-of-line step, but its frame at \
-         {frame:#x} {found} (an engine bug)"
+         {frame:#x} {found}: the VM stops rather than resume the guest where it never was"
     )]
     StepGuard {
         cpu: usize,
