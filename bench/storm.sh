@@ -43,10 +43,11 @@ p:storm/mutex_unlock mutex_unlock lock=%di
 # timers
 p:storm/hrtimer_start hrtimer_start_range_ns timer=%di mode=%cx:u32
 p:storm/tick update_process_times user=%di:u32
-# the timer interrupt's path, stepped out of line: the fence at lapic_next_deadline+5 is
-# one of the instructions after which kvm_pvm loses the step's trap
+# the timer interrupt's path (the bundled guest has no high-resolution timers), stepped
+# out of line: the fence at lapic_next_deadline+5 is one of the instructions after which
+# kvm_pvm loses the step's trap
 p:storm/next_deadline lapic_next_deadline+5
-p:storm/hrtimer_irq hrtimer_interrupt
+p:storm/apic_timer __sysvec_apic_timer_interrupt
 # page faults
 r:storm/mm_fault handle_mm_fault ret=$retval
 p:storm/mm_fault_entry handle_mm_fault addr=%si flags=%dx:x32
