@@ -268,6 +268,13 @@ pub enum ProbeError {
     AmbiguousSymbol { name: String, count: usize },
     #[error("{0} is not in any kernel function (no text symbol covers it)")]
     NotInFunction(Gva),
+    #[error("{what}: {symbol} at {addr} plus {offset:#x} runs past the end of the address space")]
+    AddressWraps {
+        what: String,
+        symbol: String,
+        addr: Gva,
+        offset: u64,
+    },
     #[error("{what} is outside {function} ({size:#x} bytes)")]
     OffsetBeyondFunction { what: String, function: String, size: u64 },
     #[error("{what} is not an instruction boundary in {function} (instructions start at {before} and {after})")]

@@ -331,3 +331,30 @@ fn a_module_that_loads_while_its_probe_is_registered_gets_the_probe() {
     assert!(!listed.pending, "{listed:?}");
     assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [INT3]);
 }
+
+/// Issue 50, finding 5: a module symbol's address is the guest's. One at
+/// 0xffff_ffff_ffff_fff0 with an ELF size of 0x100 let `alpha:mod_fn_b+0x20` pass the
+/// offset check, and the address sum overflowed (a panic in a debug build, a wrapped
+/// address in a release one).
+#[test]
+fn a_module_symbol_at_the_top_of_the_address_space_is_an_error_not_a_panic() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    // mod_fn_b is the second symbol after the null one.
+    let sym = MODULE_BASE + 0x2200 + 2 * 24;
+    m.write_virt(Gva(sym + 8), &0xffff_ffff_ffff_fff0u64.to_le_bytes())
+        .unwrap();
+    m.write_virt(Gva(sym + 16), &0x100u64.to_le_bytes()).unwrap();
+    let point = ProbePoint::Module {
+        module: "alpha".into(),
+        name: "mod_fn_b".into(),
+        offset: 0x20,
+    };
+    let e = t.register(plain(point, "top")).unwrap_err();
+    assert!(matches!(e, ProbeError::AddressWraps { .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "alpha:mod_fn_b+0x20: mod_fn_b at 0xfffffffffffffff0 plus 0x20 runs past the end of the address space"
+    );
+}
