@@ -4,6 +4,7 @@
 
 use super::*;
 use hvprobe_introspection::modules::synthetic::{self, MODULES_HEAD, MODULE_BASE, STRUCT_MODULE};
+use hvprobe_introspection::modules::ModuleBudget;
 
 /// The loader's functions (ftrace NOP; push %rbp; mov %rsp,%rbp; pop %rbp; ret: room
 /// for a jump after the NOP), in the padding after `traced`.
@@ -357,4 +358,99 @@ fn a_module_symbol_at_the_top_of_the_address_space_is_an_error_not_a_panic() {
         e.to_string(),
         "alpha:mod_fn_b+0x20: mod_fn_b at 0xfffffffffffffff0 plus 0x20 runs past the end of the address space"
     );
+}
+
+/// Issue 50, finding 1: every `do_init_module` hit of a module with a new name and
+/// address added it to the engine's list, which nothing capped: a guest that kept
+/// "loading" forged modules grew the host without bound (and every stack frame's lookup
+/// scanned them all). The list keeps at most the budget's modules, the oldest going first,
+/// and a real module loaded after such a flood still gets its probes.
+#[test]
+fn forged_loads_do_not_grow_the_module_list_past_its_budget() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    let id = t
+        .register(plain(
+            ProbePoint::Module {
+                module: "beta".into(),
+                name: "mod_fn_b".into(),
+                offset: 0,
+            },
+            "work",
+        ))
+        .unwrap();
+    let template = m.bytes(MODULE_BASE + STRUCT_MODULE, 224);
+    let limit = ModuleBudget::for_memory(m.memory_size()).max_modules;
+    // Each forged module: alpha's struct module with a name and memory of its own.
+    let forged = |i: u64, name: &str, core: u64| {
+        let at = MODULE_BASE + 0x80_0000 + i * 0x100;
+        let mut bytes = template.clone();
+        let mut raw = name.as_bytes().to_vec();
+        raw.resize(56, 0);
+        bytes[24..80].copy_from_slice(&raw);
+        bytes[80..88].copy_from_slice(&core.to_le_bytes());
+        m.write_virt(Gva(at), &bytes).unwrap();
+        loader_hit(&t, DO_INIT_MODULE, at);
+    };
+    let flood = limit as u64 + 100;
+    for i in 0..flood {
+        forged(i, &format!("forged{i}"), MODULE_BASE + 0x100_0000 + i * 0x4000);
+    }
+    let kept = t.loaded_modules().modules().count();
+    assert!(kept <= limit, "{kept} modules kept");
+    // The newest are the ones kept.
+    let newest = MODULE_BASE + 0x100_0000 + (flood - 1) * 0x4000;
+    assert_eq!(
+        t.module_containing(Gva(newest + 0x10)).map(|m| m.name.clone()),
+        Some(format!("forged{}", flood - 1))
+    );
+    // beta, in alpha's memory (the symbols they share are there).
+    forged(flood, "beta", MODULE_BASE);
+    assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [INT3]);
+    assert!(!t.listing()[0].pending, "{:?}", t.listing()[0]);
+    t.unregister(id).unwrap();
+}
+
+/// The engine's list keeps the modules' decoded bytes within the budget too (the oldest
+/// go first), and a module whose memory overlaps one it holds replaces it: the module
+/// holding an address is then one lookup.
+#[test]
+fn the_module_list_keeps_its_decoded_bytes_within_budget_and_one_module_per_address() {
+    use super::super::modules::LoadedList;
+    use hvprobe_introspection::btf::Btf;
+    use hvprobe_introspection::modules::{read_module, ModuleLayout};
+    let mem = synthetic::memory(&["alpha"]);
+    let layout = ModuleLayout::from_btf(&Btf::parse(&synthetic::btf()).unwrap()).unwrap();
+    let budget = ModuleBudget::for_memory(1 << 30);
+    let alpha = read_module(&mem, &layout, Gva(MODULE_BASE + STRUCT_MODULE), &budget).unwrap();
+    let module = |name: &str, core: u64, decoded: u64| {
+        let mut m = alpha.clone();
+        m.name = name.into();
+        m.address = Gva(core + STRUCT_MODULE);
+        m.core = Gva(core)..Gva(core + 0x4000);
+        m.decoded_bytes = decoded;
+        Arc::new(m)
+    };
+    let small = ModuleBudget {
+        max_total_decoded: 1000,
+        ..budget
+    };
+    let mut list = LoadedList::default();
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        list.insert(module(name, MODULE_BASE + i as u64 * 0x10_0000, 400), &small);
+    }
+    let names = |list: &LoadedList| list.modules().map(|m| m.name.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&list), ["b", "c"], "a went to make room for c");
+    // d claims part of c's memory: c goes, and an address there is d's.
+    list.insert(module("d", MODULE_BASE + 2 * 0x10_0000 + 0x2000, 100), &small);
+    assert_eq!(names(&list), ["b", "d"]);
+    let at = |a: u64| list.containing(Gva(a)).map(|m| m.name.clone());
+    assert_eq!(at(MODULE_BASE + 2 * 0x10_0000 + 0x1000), None);
+    assert_eq!(at(MODULE_BASE + 2 * 0x10_0000 + 0x2000).as_deref(), Some("d"));
+    assert_eq!(at(MODULE_BASE + 0x10_0000 + 0x3fff).as_deref(), Some("b"));
+    assert_eq!(at(MODULE_BASE + 0x10_0000 + 0x4000), None);
+    // One over the whole budget on its own is not kept.
+    list.insert(module("e", MODULE_BASE + 5 * 0x10_0000, 1001), &small);
+    assert_eq!(names(&list), ["b", "d"]);
 }
