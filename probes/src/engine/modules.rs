@@ -36,15 +36,13 @@ use hvprobe_introspection::unwind::{OrcEntry, OrcLookup, OrcTable};
 
 use super::placement::Placement;
 use super::registry::{ModuleBinding, ModuleProbeState, Registry, Role};
+use super::text::MODULE_AREA;
 use super::{KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer};
 use crate::machine::{KernelMemory, PausedView, Vcpu};
 
 /// How often a stack walk that ran into module code no read module covers may read the
 /// module list again.
 const RELIST_INTERVAL: Duration = Duration::from_secs(1);
-/// Where Linux x86-64 maps module code (`MODULES_VADDR`..`MODULES_END` with KASLR's
-/// largest image).
-const MODULE_AREA: std::ops::Range<u64> = 0xffff_ffff_a000_0000..0xffff_ffff_ff00_0000;
 
 /// The modules the engine knows of: those of the list's last read, and those its load hook
 /// read since. Each load of a module with a new name and address adds one, and the guest

@@ -122,6 +122,14 @@ impl Tracer {
             ProbePoint::Module { module, name, offset } => {
                 let what = format!("{module}:{name}+{offset:#x}");
                 let loaded = self.loaded_module(module, &what)?;
+                // The load hook arms without a pause: only on text the module claims where
+                // modules are, away from the kernel's and the host's.
+                self.text_bounds
+                    .check_module(&loaded)
+                    .map_err(|source| ProbeError::OutsideText {
+                        what: what.clone(),
+                        source,
+                    })?;
                 let symbol = match resolve_symbol(&loaded.symbols, name, *offset) {
                     Err(ProbeError::UnknownSymbol(_)) => {
                         return Err(ProbeError::UnknownModuleSymbol {
@@ -233,6 +241,14 @@ impl Tracer {
             });
         }
         let bytes = &code[offset_in_code..(offset_in_code + 15).min(code.len())];
+        // What arming, optimizing and disarming will write starts at the site, within the
+        // instruction there (a jump's region is inside its function and checked as written).
+        self.text_bounds
+            .check(site, bytes.len() as u64)
+            .map_err(|source| ProbeError::OutsideText {
+                what: what.clone(),
+                source,
+            })?;
         let ex_table = module.as_ref().map_or(&self.view.ex_table, |m| &m.extable);
         Ok(Placement {
             address,

@@ -26,10 +26,16 @@ fn machine() -> (Arc<FakeMachine>, u64) {
 }
 
 fn module_tracer(m: &Arc<FakeMachine>, btf_len: u64) -> Tracer {
+    module_tracer_with(m, btf_len, OOL, "")
+}
+
+/// A tracer whose out-of-line area is at `ool` (zeroed here), with `more_symbols` (System.map
+/// lines) in its kernel's symbols: what a guest that lies in kallsyms mode may say.
+fn module_tracer_with(m: &Arc<FakeMachine>, btf_len: u64, ool: u64, more_symbols: &str) -> Tracer {
     let map = format!(
         "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{DO_INIT_MODULE:016x} T do_init_module\n\
          {MODULE_MEMFREE:016x} W module_memfree\n{:016x} T _etext\n{MODULES_HEAD:016x} D modules\n\
-         {BTF:016x} R __start_BTF\n{:016x} R __stop_BTF\n",
+         {BTF:016x} R __start_BTF\n{:016x} R __stop_BTF\n{more_symbols}",
         MODULE_MEMFREE + 0x10,
         BTF + btf_len
     );
@@ -39,10 +45,11 @@ fn module_tracer(m: &Arc<FakeMachine>, btf_len: u64) -> Tracer {
         ex_table: ExceptionTable::default(),
         patch_sites: PatchSites::default(),
     };
+    m.write_virt(Gva(ool), &[0u8; OOL_SIZE as usize]).unwrap();
     let ool = OutOfLineArea {
-        start: Gva(OOL),
+        start: Gva(ool),
         size: OOL_SIZE,
-        rings: Gva(OOL + OOL_SIZE),
+        rings: Gva(ool + OOL_SIZE),
         rings_size: 0,
     };
     Tracer::new(m.clone(), view, Some(ool), None)
@@ -453,4 +460,99 @@ fn the_module_list_keeps_its_decoded_bytes_within_budget_and_one_module_per_addr
     // One over the whole budget on its own is not kept.
     list.insert(module("e", MODULE_BASE + 5 * 0x10_0000, 1001), &small);
     assert_eq!(names(&list), ["b", "d"]);
+}
+
+/// Where a KASLR kernel's image mapping may put the out-of-line area: below 0xffffffffc0000000
+/// and above 0xffffffffa0000000, inside what the engine counts as the module area.
+const OOL_AMONG_MODULES: u64 = 0xffff_ffff_bfc0_0000;
+
+/// That the bytes at `at` are still `before` (naming the first that changed).
+fn assert_unchanged(m: &FakeMachine, at: u64, before: &[u8]) {
+    let now = m.bytes(at, before.len());
+    if let Some(i) = (0..before.len()).find(|&i| now[i] != before[i]) {
+        panic!(
+            "{:#x} changed from {:#04x} to {:#04x}",
+            at + i as u64,
+            before[i],
+            now[i]
+        );
+    }
+}
+
+/// alpha's struct module claims its core layout at `core`, and its mod_fn_b at `fn_b`
+/// (with an ELF size of 0x30).
+fn forge_alpha(m: &FakeMachine, core: u64, fn_b: u64) {
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    m.write_virt(Gva(MODULE_BASE + STRUCT_MODULE + 80), &core.to_le_bytes())
+        .unwrap();
+    let sym = MODULE_BASE + 0x2200 + 2 * 24;
+    m.write_virt(Gva(sym + 8), &fn_b.to_le_bytes()).unwrap();
+}
+
+/// Issue 50, finding 2: a forged `do_init_module` for a module a pending probe waits on,
+/// with the probed function in the out-of-line area (where a KASLR kernel's image mapping
+/// may put it, inside the module area), had the load hook write its int3 into hvprobe's
+/// own code — and `disarm` would write a stale "original" byte there later. A module's
+/// text must be in the module area, outside the kernel's text and the out-of-line area,
+/// or its probes stay pending.
+#[test]
+fn a_forged_module_in_the_out_of_line_area_gets_no_probe_writes() {
+    let (m, btf_len) = machine();
+    let t = module_tracer_with(&m, btf_len, OOL_AMONG_MODULES, "");
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    let area = m.bytes(OOL_AMONG_MODULES, OOL_SIZE as usize);
+    forge_alpha(&m, OOL_AMONG_MODULES, OOL_AMONG_MODULES + 0x800);
+    loader_hit(&t, DO_INIT_MODULE, MODULE_BASE + STRUCT_MODULE);
+    assert_unchanged(&m, OOL_AMONG_MODULES, &area);
+    assert!(t.listing()[0].pending, "{:?}", t.listing()[0]);
+    assert!(m
+        .text_writes_into(OOL_AMONG_MODULES..OOL_AMONG_MODULES + OOL_SIZE)
+        .is_empty());
+}
+
+/// Issue 50, finding 2: the load hook arms without a pause (a module's own text runs
+/// nowhere yet). A forged module whose text is the kernel's live text got its int3s there
+/// unpaused, racing every vCPU that runs it. Refused: the probe stays pending.
+#[test]
+fn a_forged_module_over_the_kernels_text_gets_no_unpaused_writes() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    let text = m.bytes(FUNC, 0x20);
+    let pauses = m.pauses.load(Ordering::Relaxed);
+    forge_alpha(&m, FUNC, FUNC);
+    loader_hit(&t, DO_INIT_MODULE, MODULE_BASE + STRUCT_MODULE);
+    assert_unchanged(&m, FUNC, &text);
+    assert_eq!(m.pauses.load(Ordering::Relaxed), pauses);
+    assert!(t.listing()[0].pending, "{:?}", t.listing()[0]);
+}
+
+/// Issue 50, finding 2: in kallsyms mode the kernel's symbols are the guest's too. A
+/// "function" in the out-of-line area, or outside the kernel's text and the module area,
+/// is refused with the reason, and nothing is written.
+#[test]
+fn a_core_symbol_in_the_out_of_line_area_or_outside_text_is_refused() {
+    let (m, btf_len) = machine();
+    let in_area = OOL_AMONG_MODULES + 0x800;
+    let outside = BTF + 0x10_0000;
+    m.write_virt(Gva(outside), &[0x55, 0xc3]).unwrap();
+    let t = module_tracer_with(
+        &m,
+        btf_len,
+        OOL_AMONG_MODULES,
+        &format!(
+            "{in_area:016x} T forged_in_area\n{:016x} T next_in_area\n\
+             {outside:016x} T forged_outside\n{:016x} T next_outside\n",
+            in_area + 0x30,
+            outside + 0x30
+        ),
+    );
+    let area = m.bytes(OOL_AMONG_MODULES, OOL_SIZE as usize);
+    let e = t.register(plain(at("forged_in_area", 0), "a")).unwrap_err();
+    assert!(e.to_string().contains("out-of-line area"), "{e}");
+    let e = t.register(plain(at("forged_outside", 0), "b")).unwrap_err();
+    assert!(e.to_string().contains("neither in the kernel's text"), "{e}");
+    assert_unchanged(&m, OOL_AMONG_MODULES, &area);
+    assert_eq!(m.bytes(outside, 2), [0x55, 0xc3]);
+    assert!(t.listing().is_empty());
 }
