@@ -558,8 +558,12 @@ impl Tracer {
         for addr in sites {
             let ids = self.detach_site(text, &mut reg, addr);
             for id in ids {
-                if let Some(b) = reg.probes.get_mut(&id).and_then(|p| p.module.as_mut()) {
-                    b.state = ModuleProbeState::Gone;
+                let Some(probe) = reg.probes.get_mut(&id) else { continue };
+                match probe.module.as_mut() {
+                    Some(b) => b.state = ModuleProbeState::Gone,
+                    // A kernel probe that shared the site (its symbol in the module's
+                    // memory): gone with it, and said so.
+                    None => probe.freed = true,
                 }
             }
         }

@@ -96,6 +96,9 @@ pub(super) struct Probe {
     pub trace_location: String,
     /// The module, for a probe on a module's symbol (its site is 0 while not armed).
     pub module: Option<ModuleBinding>,
+    /// A probe of no module that shared a module probe's site lost it when that module's
+    /// memory was freed: `[GONE]`, and never armed again (the memory is not its text).
+    pub freed: bool,
 }
 
 impl Probe {
@@ -128,6 +131,7 @@ impl Probe {
                 }),
                 _ => None,
             },
+            freed: false,
         }
     }
 }
@@ -523,6 +527,7 @@ impl Tracer {
                     location: p.location.clone(),
                     disabled: !p.enabled,
                     gone: site.is_some_and(|s| s.gone)
+                        || p.freed
                         || p.module.as_ref().is_some_and(|m| m.state == ModuleProbeState::Gone),
                     ftrace: false,
                     optimized: site.is_some_and(|s| s.detour.is_some()),
@@ -681,6 +686,12 @@ impl Tracer {
             }
             let site = self.new_site(text, placement)?;
             reg.sites.insert(placement.site, site);
+        } else if let Some(site) = reg.sites.get_mut(&placement.site) {
+            // A kernel probe's site in what is now a module's memory: the module's free must
+            // take it out too (its probes then go `[GONE]`), not leave our int3 there.
+            if site.module.is_none() {
+                site.module = placement.module.clone();
+            }
         }
         if let Some(probe) = reg.probes.get_mut(&id) {
             probe.address = placement.address;
@@ -752,6 +763,7 @@ impl Tracer {
                 counters: Arc::default(),
                 trace_location: watch.trace_location.clone(),
                 module: None,
+                freed: false,
             },
         );
         Ok(id)

@@ -556,3 +556,50 @@ fn a_core_symbol_in_the_out_of_line_area_or_outside_text_is_refused() {
     assert_eq!(m.bytes(outside, 2), [0x55, 0xc3]);
     assert!(t.listing().is_empty());
 }
+
+/// Issue 50, finding 2: a kernel probe (a core symbol the guest's kallsyms puts in module
+/// memory) that shared a module probe's site was left with no site when the module's
+/// memory was freed — listed neither armed nor `[GONE]`, silently dead. It is `[GONE]`
+/// now. And in the other order (the kernel probe's site first, the module loading under
+/// it), the free takes the int3 out too instead of leaving it in freed memory.
+#[test]
+fn a_kernel_probe_sharing_a_freed_module_site_is_reported_gone() {
+    let (m, btf_len) = machine();
+    let fn_b = MODULE_BASE + 0x40;
+    let t = module_tracer_with(
+        &m,
+        btf_len,
+        OOL,
+        &format!("{fn_b:016x} T core_in_module\n{:016x} T core_after\n", fn_b + 0x30),
+    );
+    t.register(plain(module_point("mod_fn_b"), "module")).unwrap();
+    load(&m, &t);
+    t.register(plain(at("core_in_module", 0), "kernel")).unwrap();
+    assert_eq!(m.bytes(fn_b, 1), [INT3]);
+    unload(&m, &t);
+    assert_eq!(m.bytes(fn_b, 1), [0x90]);
+    let listing = t.listing();
+    assert!(listing.iter().all(|l| l.gone), "{listing:?}");
+
+    // The kernel probe first, then the module loads under it.
+    let (m, btf_len) = machine();
+    let t = module_tracer_with(
+        &m,
+        btf_len,
+        OOL,
+        &format!("{fn_b:016x} T core_in_module\n{:016x} T core_after\n", fn_b + 0x30),
+    );
+    m.write_virt(Gva(MODULE_BASE), &[0x90; 0x100]).unwrap();
+    t.register(plain(module_point("mod_fn_b"), "module")).unwrap();
+    t.register(plain(at("core_in_module", 0), "kernel")).unwrap();
+    assert_eq!(m.bytes(fn_b, 1), [INT3]);
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    // (The loader's copy of the module's text left the byte under the int3 as it was.)
+    m.write_virt(Gva(fn_b), &[INT3]).unwrap();
+    loader_hit(&t, DO_INIT_MODULE, MODULE_BASE + STRUCT_MODULE);
+    assert!(!t.listing()[0].pending, "{:?}", t.listing()[0]);
+    loader_hit(&t, MODULE_MEMFREE, MODULE_BASE);
+    assert_eq!(m.bytes(fn_b, 1), [0x90], "our int3 left in freed memory");
+    let listing = t.listing();
+    assert!(listing.iter().all(|l| l.gone), "{listing:?}");
+}
