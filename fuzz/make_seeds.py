@@ -58,3 +58,39 @@ for name, code, flags in INSNS:
 for i, line in enumerate(SPEC):
     with open(f"corpus/spec_parser/seed-{i:02}", "wb") as f:
         f.write(line.encode())
+
+# guest_modules: patch records `[region u8] [offset u16 LE] [len u8] [bytes]` over the
+# synthetic guest's three modules (regions: 0 the list head, 1/3/5 each module's core
+# layout, 2/4/6 its struct module). They forge what reaches the decoded budget: many
+# symbols all naming one long string of unprintable bytes (escaped four to one on the
+# host), in one module (`seed-decoded-one`) or in a table the three share
+# (`seed-decoded-shared`).
+KALLSYMS, SYMTAB, STRTAB, TYPETAB = 0x2100, 0x3000, 0x3800, 0x3C00
+M_KALLSYMS = 152
+
+
+def patch(region, offset, data):
+    out = b""
+    for i in range(0, len(data), 255):
+        chunk = data[i:i + 255]
+        out += struct.pack("<BHB", region, offset + i, len(chunk)) + chunk
+    return out
+
+
+def decoded_seed(count, shared):
+    base = 0xFFFF_FFFF_C000_0000  # synthetic::MODULE_BASE (alpha's core layout)
+    out = patch(1, SYMTAB, b"".join(struct.pack("<IIQQ", 0, 0, base + 0x10 + i, 0) for i in range(count)))
+    out += patch(1, STRTAB, b"\x01" * 250 + b"\x00")
+    out += patch(1, TYPETAB, b"t" * count)
+    out += patch(1, KALLSYMS, struct.pack("<QI4xQQ", base + SYMTAB, count, base + STRTAB, base + TYPETAB))
+    if shared:
+        for region in (4, 6):
+            out += patch(region, M_KALLSYMS, struct.pack("<Q", base + KALLSYMS))
+    return out
+
+
+os.makedirs("corpus/guest_modules", exist_ok=True)
+with open("corpus/guest_modules/seed-decoded-one", "wb") as f:
+    f.write(decoded_seed(40, False))
+with open("corpus/guest_modules/seed-decoded-shared", "wb") as f:
+    f.write(decoded_seed(14, True))

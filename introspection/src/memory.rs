@@ -43,6 +43,11 @@ pub enum MemoryError {
     TextMoved { gva: Gva, gpa: Gpa, text: Gpa },
     #[error("a {len}-byte access at {gva} runs past the end of the host's out-of-line area")]
     PastHostArea { gva: Gva, len: usize },
+    #[error(
+        "a {len}-byte text write at {gva} reaches into memory the host keeps for itself (the out-of-line area): \
+         the host writes its own code there, never the guest's text"
+    )]
+    TextIntoHostArea { gva: Gva, len: usize },
 }
 
 /// Something that reads guest-virtual memory (a live guest through its page tables, or a

@@ -7,7 +7,10 @@
 //!
 //! Every byte is the guest's: a list that loops or runs long, a symbol count in the
 //! millions, a name without its NUL are refused by the budget ([`ModuleBudget`]) with an
-//! error naming what was over it, and names are kept escaped.
+//! error naming what was over it, and names are kept escaped. The budget counts both the
+//! bytes read and what they decode to on the host (charged before it is made): a few bytes
+//! of guest memory can become many more of host memory (a symbol entry shared by many
+//! symbols, a name of unprintable bytes escaped four to one).
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -15,7 +18,7 @@ use std::ops::Range;
 use hvprobe_arch::Gva;
 
 use crate::btf::{Btf, BtfError};
-use crate::facts::ExceptionTable;
+use crate::facts::{ExTableEntry, ExceptionTable};
 use crate::memory::{GuestVirtRead, MemoryError};
 use crate::symbols::{Symbol, SymbolSource, SymbolTable};
 use crate::unwind::{OrcError, OrcTable};
@@ -26,6 +29,11 @@ const KSYM_NAME_LEN: usize = 512;
 const ELF64_SYM_SIZE: u64 = 24;
 /// `sizeof(struct orc_entry)`.
 const ORC_ENTRY_SIZE: u64 = 6;
+/// What one kept symbol takes on the host besides its name's two copies (the symbol's and
+/// the table's by-name key): the `Symbol`, its by-name entry, and a margin for that entry's
+/// index list, the by-address indices and the map's spare room. On the high side: a guest
+/// with many symbols of short names must not slip under the budget.
+const SYMBOL_HOST_BYTES: u64 = (std::mem::size_of::<Symbol>() + std::mem::size_of::<(String, Vec<u32>)>()) as u64 + 64;
 
 /// How much a module list may make the host read: a real kernel needs a small fraction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,11 +50,23 @@ pub struct ModuleBudget {
     pub max_blacklist: u64,
     /// Bytes read for all modules together: at most the guest's memory.
     pub max_total_bytes: u64,
+    /// Host bytes one module's decoded tables may take (its name, its symbols with their
+    /// escaped names, its ORC, exception and blacklist tables): what the guest's bytes
+    /// become, not how many were read — a byte of a name that is not printable is four
+    /// escaped ones, kept twice, and a symbol of a few bytes read is a hundred and more.
+    pub max_decoded: u64,
+    /// Host bytes the decoded tables of all modules together may take: in one read of the
+    /// list, and in the list the probe engine keeps.
+    pub max_total_decoded: u64,
 }
 
 impl ModuleBudget {
     /// The budget for a guest with `memory_bytes` of RAM.
     pub fn for_memory(memory_bytes: u64) -> ModuleBudget {
+        // A quarter of the guest's memory, 256 MiB at most: a real kernel's modules decode
+        // to a few MiB (the largest module's symbols to ~15 MiB), and this is what a guest
+        // can make one read of its list cost the host.
+        let max_total_decoded = (memory_bytes / 4).min(256 << 20);
         ModuleBudget {
             max_modules: 4096,
             max_symbols: 1 << 18,
@@ -54,6 +74,8 @@ impl ModuleBudget {
             max_orc_entries: 1 << 20,
             max_blacklist: 1 << 16,
             max_total_bytes: memory_bytes.min(1 << 30),
+            max_decoded: max_total_decoded.min(64 << 20),
+            max_total_decoded,
         }
     }
 }
@@ -85,6 +107,13 @@ pub enum ModuleError {
     },
     #[error("the modules' tables would take more than {limit} bytes of host memory (hostile guest memory?)")]
     TotalOverBudget { limit: u64 },
+    #[error(
+        "module {module}: its decoded tables would take more than {limit} bytes of host memory (hostile guest \
+         memory?)"
+    )]
+    DecodedOverBudget { module: String, limit: u64 },
+    #[error("the modules' decoded tables would take more than {limit} bytes of host memory (hostile guest memory?)")]
+    TotalDecodedOverBudget { limit: u64 },
     #[error("module {module}: {what} at {at:#x}+{len:#x} wraps the address space")]
     Wraps {
         module: String,
@@ -284,6 +313,9 @@ pub struct LoadedModule {
     /// (8 bytes each): where the kernel rewrites the module's code itself.
     pub jump_table: Option<Range<Gva>>,
     pub static_call_table: Option<Range<Gva>>,
+    /// Host bytes its decoded tables take, as charged to the budget (the probe engine caps
+    /// its list of modules by their sum).
+    pub decoded_bytes: u64,
 }
 
 /// Why a module's code is off limits to kprobes.
@@ -327,11 +359,22 @@ impl LoadedModule {
     }
 }
 
+/// Whether a guest string's byte is kept as is (printable ASCII but the backslash).
+fn kept_as_is(b: u8) -> bool {
+    (0x21..0x7f).contains(&b) && b != b'\\'
+}
+
+/// The length of [`escaped`]`(bytes)`, without making it: what it will cost is charged
+/// first.
+fn escaped_len(bytes: &[u8]) -> u64 {
+    bytes.iter().map(|&b| if kept_as_is(b) { 1 } else { 4 }).sum()
+}
+
 /// A guest string's bytes as text: printable ASCII as is, every other byte `\xNN`.
 fn escaped(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(bytes.len());
+    let mut s = String::with_capacity(escaped_len(bytes) as usize);
     for &b in bytes {
-        if (0x21..0x7f).contains(&b) && b != b'\\' {
+        if kept_as_is(b) {
             s.push(b as char);
         } else {
             let _ = write!(s, "\\x{b:02x}");
@@ -349,7 +392,7 @@ pub fn read_modules(
     modules: Gva,
     budget: &ModuleBudget,
 ) -> Result<Vec<LoadedModule>, ModuleError> {
-    let mut spent = 0u64;
+    let mut spent = Spent::default();
     module_addresses(mem, layout, modules, budget)?
         .into_iter()
         .map(|at| read_module_charged(mem, layout, at, budget, &mut spent))
@@ -397,15 +440,25 @@ pub fn read_module(
     at: Gva,
     budget: &ModuleBudget,
 ) -> Result<LoadedModule, ModuleError> {
-    read_module_charged(mem, layout, at, budget, &mut 0)
+    read_module_charged(mem, layout, at, budget, &mut Spent::default())
 }
 
-/// Reads `len` bytes at `base + offset` of module `module`, charged to `spent`.
+/// What one read of the list has cost so far: guest bytes read, host bytes decoded.
+#[derive(Default)]
+struct Spent {
+    read: u64,
+    decoded: u64,
+}
+
+/// Reads `len` bytes at `base + offset` of module `module`, charged to `spent`, and
+/// charges what they decode to.
 struct Reader<'a, M: ?Sized> {
     mem: &'a M,
     module: String,
     budget: &'a ModuleBudget,
-    spent: &'a mut u64,
+    spent: &'a mut Spent,
+    /// Host bytes this module's decoded tables take so far.
+    decoded: u64,
 }
 
 impl<M: GuestVirtRead + ?Sized> Reader<'_, M> {
@@ -425,8 +478,8 @@ impl<M: GuestVirtRead + ?Sized> Reader<'_, M> {
             at: at.0,
             len,
         })?;
-        *self.spent = self.spent.saturating_add(len);
-        if *self.spent > self.budget.max_total_bytes {
+        self.spent.read = self.spent.read.saturating_add(len);
+        if self.spent.read > self.budget.max_total_bytes {
             return Err(ModuleError::TotalOverBudget {
                 limit: self.budget.max_total_bytes,
             });
@@ -439,6 +492,25 @@ impl<M: GuestVirtRead + ?Sized> Reader<'_, M> {
             source,
         })?;
         Ok(buf)
+    }
+
+    /// Charges `bytes` of host memory about to be allocated for what was read, to this
+    /// module and to the whole read; over either budget is an error before the allocation.
+    fn decode(&mut self, bytes: u64) -> Result<(), ModuleError> {
+        self.decoded = self.decoded.saturating_add(bytes);
+        if self.decoded > self.budget.max_decoded {
+            return Err(ModuleError::DecodedOverBudget {
+                module: self.module.clone(),
+                limit: self.budget.max_decoded,
+            });
+        }
+        self.spent.decoded = self.spent.decoded.saturating_add(bytes);
+        if self.spent.decoded > self.budget.max_total_decoded {
+            return Err(ModuleError::TotalDecodedOverBudget {
+                limit: self.budget.max_total_decoded,
+            });
+        }
+        Ok(())
     }
 
     fn u64(&mut self, base: Gva, offset: u64, what: &'static str) -> Result<u64, ModuleError> {
@@ -479,16 +551,18 @@ fn read_module_charged(
     layout: &ModuleLayout,
     at: Gva,
     budget: &ModuleBudget,
-    spent: &mut u64,
+    spent: &mut Spent,
 ) -> Result<LoadedModule, ModuleError> {
     let mut r = Reader {
         mem,
         module: format!("at {at}"),
         budget,
         spent,
+        decoded: 0,
     };
     let raw_name = r.bytes(r.at(at, layout.name, "name")?, layout.name_len, "name")?;
     let name_end = raw_name.iter().position(|&b| b == 0).unwrap_or(raw_name.len());
+    r.decode(escaped_len(&raw_name[..name_end]))?;
     let name = escaped(&raw_name[..name_end]);
     r.module = name.clone();
     let state = ModuleState::from_raw(r.u32(at, layout.state, "state")?);
@@ -521,6 +595,8 @@ fn read_module_charged(
             if count == 0 || ip_table.0 == 0 || entry_table.0 == 0 {
                 None
             } else {
+                let text_len = core_text.end.0 - core_text.start.0;
+                r.decode(OrcTable::host_bytes(count, text_len))?;
                 let ip_bytes = r.bytes(ip_table, count * 4, "ORC address table")?;
                 let orc_bytes = r.bytes(entry_table, count * ORC_ENTRY_SIZE, "ORC entry table")?;
                 let table =
@@ -541,6 +617,7 @@ fn read_module_charged(
         let count = r.limit("its kprobe blacklist", count, budget.max_blacklist)?;
         let list = Gva(r.u64(at, list, "kprobe blacklist")?);
         if count > 0 && list.0 != 0 {
+            r.decode(count * std::mem::size_of::<(Range<Gva>, ModuleBlacklistReason)>() as u64)?;
             let bytes = r.bytes(list, count * 8, "kprobe blacklist")?;
             for b in bytes.chunks_exact(8) {
                 let addr = Gva(u64::from_le_bytes(b.try_into().expect("8 bytes")));
@@ -580,6 +657,7 @@ fn read_module_charged(
         let count = r.limit("its exception table", count, budget.max_blacklist)?;
         let table = Gva(r.u64(at, table, "exception table")?);
         if count > 0 && table.0 != 0 {
+            r.decode(count * std::mem::size_of::<ExTableEntry>() as u64)?;
             extable = ExceptionTable::parse(table, &r.bytes(table, count * 12, "exception table")?);
         }
     }
@@ -599,6 +677,7 @@ fn read_module_charged(
     let static_call_table = table(layout.static_call_sites, 8, "its static call sites")?;
 
     Ok(LoadedModule {
+        decoded_bytes: r.decoded,
         jump_table,
         static_call_table,
         extable,
@@ -660,6 +739,7 @@ fn read_symbols<M: GuestVirtRead + ?Sized>(
         if len == 0 || value == 0 {
             continue;
         }
+        r.decode(2 * escaped_len(&rest[..len]) + SYMBOL_HOST_BYTES)?;
         symbols.push(Symbol {
             name: escaped(&rest[..len]),
             addr: Gva(value),

@@ -228,6 +228,19 @@ impl OrcTable {
         OrcTable::from_tables(ip_start, &ip_bytes, &orc_bytes, text, init_text)
     }
 
+    /// The host memory [`OrcTable::from_tables`] allocates for `entries` entries over a
+    /// text of `text_len` bytes (its addresses, its entries, a lookup block per
+    /// `LOOKUP_BLOCK` bytes of text): what a caller with a budget charges before it reads
+    /// the tables, since a guest that claims a large text with a small table makes the
+    /// blocks far outweigh the bytes read.
+    pub fn host_bytes(entries: u64, text_len: u64) -> u64 {
+        let per_entry = (std::mem::size_of::<u64>() + std::mem::size_of::<OrcEntry>()) as u64;
+        let blocks = text_len.div_ceil(LOOKUP_BLOCK).saturating_add(1);
+        entries
+            .saturating_mul(per_entry)
+            .saturating_add(blocks.saturating_mul(std::mem::size_of::<u32>() as u64))
+    }
+
     /// The table from the bytes of `.orc_unwind_ip` (which starts at `ip_table`) and
     /// `.orc_unwind`.
     pub fn from_tables(

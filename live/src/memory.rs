@@ -175,6 +175,11 @@ impl HostArea {
         }
     }
 
+    /// Whether any byte of `[gva, gva+len)` is in the area, by its guest-virtual address.
+    fn overlaps(&self, gva: Gva, len: usize) -> bool {
+        gva.0 < self.gva.0.saturating_add(self.size) && gva.0.saturating_add(len as u64) > self.gva.0
+    }
+
     fn holds(&self, gpa: Gpa, len: usize) -> bool {
         gpa.0 < self.gpa.0.saturating_add(self.size) && gpa.0.saturating_add(len as u64) > self.gpa.0
     }
@@ -262,6 +267,17 @@ impl GuestVirtRead for LiveKernel {
 }
 
 impl KernelMemory for LiveKernel {
+    /// Never into the host's area, by any address: the probe engine checks where it
+    /// writes text, and this is the second line should an address from the guest (a
+    /// forged module's "function") get past it. Elsewhere as any write through the tables.
+    fn write_text(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
+        if self.host_area.is_some_and(|area| area.overlaps(gva, bytes.len())) {
+            return Err(MemoryError::TextIntoHostArea { gva, len: bytes.len() });
+        }
+        self.memory
+            .write_virt_checked(gva, bytes, &|at, gpa, len| self.check_target(at, gpa, len))
+    }
+
     fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
         match self.in_host_area(gva, bytes.len())? {
             Some(gpa) => self
@@ -439,6 +455,26 @@ mod tests {
         // A text page the guest left where it was is written as before.
         kernel.write_virt(Gva(TEXT + 0x60_0000), &[0x55]).unwrap();
         assert_eq!(byte_at(&mem, 0x160_0000), 0x55);
+    }
+
+    /// Issue 50, finding 2: the out-of-line area is written by its physical address
+    /// whatever the guest's tables say, and so a text write the engine was steered to an
+    /// address there (a forged module's "function") landed in hvprobe's own code. The
+    /// text path refuses any byte there, whole; the area's own writes go on.
+    #[test]
+    fn a_text_write_never_reaches_the_out_of_line_area() {
+        use hvprobe_vmm::layout::OOL_AREA_START;
+        let (mem, kernel) = guarded_kernel();
+        kernel.write_virt(Gva(OOL_VA + 0x800), &[0x90, 0x90]).unwrap();
+        for (at, len) in [(OOL_VA + 0x800, 1), (OOL_VA - 1, 2), (OOL_VA + (4 << 20) - 1, 1)] {
+            let e = kernel.write_text(Gva(at), &vec![0xcc; len]).unwrap_err();
+            assert!(matches!(e, MemoryError::TextIntoHostArea { .. }), "{at:#x}: {e:?}");
+        }
+        assert_eq!(byte_at(&mem, OOL_AREA_START.0 + 0x800), 0x90);
+        assert_eq!(byte_at(&mem, OOL_AREA_START.0), 0);
+        // Text is written as before.
+        kernel.write_text(Gva(TEXT + 0x10), &[0xcc]).unwrap();
+        assert_eq!(byte_at(&mem, 0x100_0010), 0xcc);
     }
 
     #[test]

@@ -219,8 +219,13 @@ pub fn code_blob_tracer(vm: &hvprobe_vmm::Vm, len: u64) -> Result<Arc<Tracer>, T
     ))
     .with_host_area(host_area(&ool));
     let start = hvprobe_vmm::CODE_BLOB_START;
-    let symbols = SymbolTable::parse_system_map(&format!("{start:016x} T blob\n{:016x} T blob_end\n", start + len))
-        .map_err(TracerError::CodeBlobSymbols)?;
+    // The blob is the "kernel's" text (`_stext`..`_etext`): the engine writes text only
+    // inside it.
+    let end = start + len;
+    let symbols = SymbolTable::parse_system_map(&format!(
+        "{start:016x} T _stext\n{start:016x} T blob\n{end:016x} T blob_end\n{end:016x} T _etext\n"
+    ))
+    .map_err(TracerError::CodeBlobSymbols)?;
     let view = KernelView {
         symbols: Arc::new(symbols),
         blacklist: KprobeBlacklist::default(),

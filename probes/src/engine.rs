@@ -62,6 +62,7 @@ mod step;
 mod step_guard;
 #[cfg(test)]
 mod tests;
+mod text;
 mod watch;
 
 pub use event_rings::EventSetupError;
@@ -69,6 +70,7 @@ pub use optimize::WhyNotOptimized;
 pub use out_of_line::OutOfLinePlace;
 pub use placement::resolve_symbol;
 pub use sites::{PatchSite, PatchSiteKind, PatchSites, PatchSitesError, MAX_SITE_TABLE_BYTES};
+pub use text::TextBoundsError;
 
 /// The longest function the engine decodes to check an instruction boundary.
 const MAX_FUNCTION_BYTES: u64 = 256 << 10;
@@ -268,6 +270,13 @@ pub enum ProbeError {
     AmbiguousSymbol { name: String, count: usize },
     #[error("{0} is not in any kernel function (no text symbol covers it)")]
     NotInFunction(Gva),
+    #[error("{what}: {symbol} at {addr} plus {offset:#x} runs past the end of the address space")]
+    AddressWraps {
+        what: String,
+        symbol: String,
+        addr: Gva,
+        offset: u64,
+    },
     #[error("{what} is outside {function} ({size:#x} bytes)")]
     OffsetBeyondFunction { what: String, function: String, size: u64 },
     #[error("{what} is not an instruction boundary in {function} (instructions start at {before} and {after})")]
@@ -292,6 +301,10 @@ pub enum ProbeError {
     },
     #[error("{what} cannot be probed: {reason}")]
     Unprobeable { what: String, reason: String },
+    /// Where the probe would write is not text the engine may write (see
+    /// [`text`](self::text)).
+    #[error("{what} cannot be probed: {source}")]
+    OutsideText { what: String, source: TextBoundsError },
     #[error("{what}: {source}")]
     Decode { what: String, source: insn::InsnError },
     #[error("{what}: guest memory: {source}")]
@@ -538,6 +551,9 @@ pub struct Tracer {
     debug_registers: Mutex<DebugRegisters>,
     /// The guest's modules as last read, and the hooks that follow their loads and frees.
     modules: modules::ModuleTracker,
+    /// Where text may be written (the kernel's text and the module area, never the
+    /// out-of-line area), fixed at the start.
+    text_bounds: text::TextBounds,
     pub stats: EngineStats,
 }
 
@@ -558,6 +574,7 @@ impl Tracer {
         .iter()
         .find_map(|name| view.symbols.lookup(name).map(|s| s.addr));
         Tracer {
+            text_bounds: text::TextBounds::new(&view.symbols, ool),
             machine,
             view,
             ool,

@@ -15,6 +15,13 @@ use crate::regs::Regs;
 /// address space, the same in every process).
 pub trait KernelMemory: GuestVirtRead + Send + Sync {
     fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError>;
+
+    /// Writes the guest's own text (an int3, a jump, original bytes put back): as
+    /// `write_virt`, but refused whole where the bytes would reach memory the host keeps
+    /// for itself (the out-of-line area, which `write_virt` writes by its physical
+    /// address): whatever address the engine was given, the text path never writes the
+    /// host's own code.
+    fn write_text(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError>;
 }
 
 /// What the engine sees of the vCPUs while they are paused.

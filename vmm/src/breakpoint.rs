@@ -123,12 +123,18 @@ pub fn reinject_breakpoint(vcpu: &VcpuFd, mem: &GuestMemoryMmap, backend: Backen
         // kvm_pvm leaves RIP on the int3 and injects the exception as is: the guest's
         // handler expects RIP after the int3, as a trap would leave it.
         let mut regs = vcpu.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
-        regs.rip = at.0 + 1;
+        regs.rip = rip_after_int3(at);
         vcpu.set_regs(&regs).map_err(kvm_err("KVM_SET_REGS"))?;
     }
     // On hardware KVM the #BP is delivered as a software exception and KVM advances RIP
     // by the instruction length itself.
     queue_exception(vcpu, backend, BP_VECTOR, None)
+}
+
+/// Where a trap leaves RIP after the one-byte int3 at `at`: `at` is the guest's RIP, and
+/// an int3 in its last byte wraps RIP as the CPU's own increment does (not a host panic).
+fn rip_after_int3(at: Gva) -> u64 {
+    at.0.wrapping_add(1)
 }
 
 const DB_VECTOR: u8 = 1;
@@ -409,5 +415,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(d.frame[0], 0, "the return address wraps as the CPU's RIP would");
+    }
+
+    /// Issue 50, finding 5: the int3's address is the guest's RIP; kvm_pvm's reinjection
+    /// moved it past the int3 with an unchecked sum.
+    #[test]
+    fn an_int3_at_the_top_of_the_address_space_is_stepped_past_without_a_panic() {
+        assert_eq!(rip_after_int3(Gva(0xffff_ffff_8100_0000)), 0xffff_ffff_8100_0001);
+        assert_eq!(rip_after_int3(Gva(u64::MAX)), 0, "RIP wraps as the CPU's does");
     }
 }

@@ -173,3 +173,73 @@ fn unreadable_memory_names_the_module_and_what() {
         "{err}"
     );
 }
+
+/// Issue 50, finding 1: the budget counted the bytes read, not what they decode to. A
+/// module with 2^18 symbols all naming one 511-byte string of unprintable bytes is 6.5 MiB
+/// of guest memory; escaped (`\xNN`, 4 bytes a byte) and kept twice (the symbol and the
+/// table's by-name key) it was ~1 GiB of host memory, for one module, and modules can
+/// share one table. What the names decode to is charged before they are made.
+#[test]
+fn symbols_naming_one_long_unprintable_string_are_refused_by_what_they_decode_to() {
+    const COUNT: u64 = 1 << 18;
+    let symtab = MODULE_BASE + 0x100_0000;
+    let typetab = symtab + COUNT * 24;
+    let strtab = typetab + COUNT;
+    let mut mem = synthetic::memory(&["alpha"]);
+    let ks = MODULE_BASE + 0x2100;
+    mem.put_u64(ks, symtab);
+    mem.put_u32(ks + 8, COUNT as u32);
+    mem.put_u64(ks + 16, strtab);
+    mem.put_u64(ks + 24, typetab);
+    let mut syms = vec![0u8; (COUNT * 24) as usize];
+    for (i, sym) in syms.chunks_exact_mut(24).enumerate() {
+        // Every name at strtab+1; distinct addresses, as a symbol table has.
+        sym[0..4].copy_from_slice(&1u32.to_le_bytes());
+        sym[8..16].copy_from_slice(&(MODULE_BASE + i as u64).to_le_bytes());
+    }
+    mem.write(symtab, &syms);
+    mem.write(typetab, &vec![b't'; COUNT as usize]);
+    let mut name = vec![0u8; 513];
+    name[1..512].fill(0x01);
+    mem.write(strtab, &name);
+    let read = read_module(&mem, &layout(), Gva(MODULE_BASE + STRUCT_MODULE), &budget());
+    let kept: usize = read
+        .as_ref()
+        .map_or(0, |m| m.symbols.symbols().iter().map(|s| s.name.len()).sum());
+    assert_eq!(kept, 0, "{kept} bytes of names kept");
+    let err = read.unwrap_err();
+    assert!(
+        matches!(&err, ModuleError::DecodedOverBudget { module, limit: 0x400_0000 } if module == "alpha"),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .starts_with("module alpha: its decoded tables would take more than"),
+        "{err}"
+    );
+
+    // Modules that share one table, each within its own budget: the read of the list as a
+    // whole is over its own.
+    let mut mem = synthetic::memory(&["alpha", "beta", "gamma"]);
+    let one = read_module(&mem, &layout(), Gva(MODULE_BASE + STRUCT_MODULE), &budget())
+        .unwrap()
+        .decoded_bytes;
+    for i in 1..3 {
+        mem.put_u64(
+            MODULE_BASE + i * MODULE_STRIDE + STRUCT_MODULE + 152,
+            MODULE_BASE + 0x2100,
+        );
+    }
+    let shared = ModuleBudget {
+        max_decoded: one,
+        max_total_decoded: 2 * one + one / 2,
+        ..budget()
+    };
+    let err = read_modules(&mem, &layout(), Gva(MODULES_HEAD), &shared).unwrap_err();
+    assert!(matches!(err, ModuleError::TotalDecodedOverBudget { .. }), "{err}");
+    // What the budget is for a VM: a quarter of its memory, 256 MiB at most, 64 MiB a module.
+    let small = ModuleBudget::for_memory(128 << 20);
+    assert_eq!((small.max_decoded, small.max_total_decoded), (32 << 20, 32 << 20));
+    let large = ModuleBudget::for_memory(16 << 30);
+    assert_eq!((large.max_decoded, large.max_total_decoded), (64 << 20, 256 << 20));
+}

@@ -24,29 +24,180 @@
 //! (core or init layout) it is in, so that a free takes it out whatever the module list
 //! says by then.
 
+use std::collections::{BTreeMap, VecDeque};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::modules::{self, LoadedModule, ModuleBudget, ModuleLayout, ModuleState};
+use hvprobe_introspection::unwind::{OrcEntry, OrcLookup, OrcTable};
 
 use super::placement::Placement;
 use super::registry::{ModuleBinding, ModuleProbeState, Registry, Role};
+use super::text::MODULE_AREA;
 use super::{KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer};
 use crate::machine::{KernelMemory, PausedView, Vcpu};
 
 /// How often a stack walk that ran into module code no read module covers may read the
 /// module list again.
 const RELIST_INTERVAL: Duration = Duration::from_secs(1);
-/// Where Linux x86-64 maps module code (`MODULES_VADDR`..`MODULES_END` with KASLR's
-/// largest image).
-const MODULE_AREA: std::ops::Range<u64> = 0xffff_ffff_a000_0000..0xffff_ffff_ff00_0000;
+
+/// The modules the engine knows of: those of the list's last read, and those its load hook
+/// read since. Each load of a module with a new name and address adds one, and the guest
+/// chooses how many it "loads": the list stays within the module budget (its count of
+/// modules, and its decoded bytes together), the oldest read going first. No two share
+/// memory (a real kernel's modules never do; the newest read wins), so the module that
+/// holds an address is found in one lookup, not a scan (every frame of a stack asks).
+#[derive(Clone, Default)]
+pub(super) struct LoadedList {
+    /// Oldest read first.
+    order: VecDeque<Arc<LoadedModule>>,
+    /// Each module's memory (its core layout, and its init layout) by start, with its end.
+    by_start: BTreeMap<Gva, (Gva, Arc<LoadedModule>)>,
+    /// The modules' decoded bytes together.
+    decoded: u64,
+}
+
+impl LoadedList {
+    /// The list as one read of the guest's list gave it (newest first).
+    fn from_read(read: Vec<LoadedModule>, budget: &ModuleBudget) -> LoadedList {
+        let mut list = LoadedList::default();
+        for module in read.into_iter().rev() {
+            list.insert(Arc::new(module), budget);
+        }
+        list
+    }
+
+    /// The module whose memory holds `at`.
+    pub(super) fn containing(&self, at: Gva) -> Option<&Arc<LoadedModule>> {
+        let (_, (end, module)) = self.by_start.range(..=at).next_back()?;
+        (at < *end).then_some(module)
+    }
+
+    fn named(&self, name: &str) -> Option<&Arc<LoadedModule>> {
+        self.order.iter().find(|m| m.name == name)
+    }
+
+    pub(super) fn modules(&self) -> impl Iterator<Item = &Arc<LoadedModule>> {
+        self.order.iter()
+    }
+
+    /// A module's memory as the list keeps it: its core layout, and its init layout unless
+    /// that is empty or overlaps the core (a forged module's; the core is what it is found by).
+    fn memory(module: &LoadedModule) -> Vec<Range<Gva>> {
+        let mut ranges = vec![module.core.clone()];
+        if let Some(init) = &module.init {
+            if init.start >= module.core.end || init.end <= module.core.start {
+                ranges.push(init.clone());
+            }
+        }
+        ranges.retain(|r| r.start < r.end);
+        ranges
+    }
+
+    /// The modules whose memory overlaps `range` (the list's ranges are disjoint: the one
+    /// that starts below it and reaches in, and those that start inside it).
+    fn overlapping(&self, range: &Range<Gva>) -> Vec<Arc<LoadedModule>> {
+        let below = self
+            .by_start
+            .range(..range.start)
+            .next_back()
+            .filter(|(_, (end, _))| *end > range.start);
+        below
+            .into_iter()
+            .chain(self.by_start.range(range.start..range.end))
+            .map(|(_, (_, m))| m.clone())
+            .collect()
+    }
+
+    fn remove(&mut self, module: &Arc<LoadedModule>) {
+        let before = self.order.len();
+        self.order.retain(|m| !Arc::ptr_eq(m, module));
+        if self.order.len() == before {
+            return;
+        }
+        self.by_start.retain(|_, (_, m)| !Arc::ptr_eq(m, module));
+        self.decoded = self.decoded.saturating_sub(module.decoded_bytes);
+    }
+
+    /// Adds `module` (the newest read), in place of the same module read before (by name
+    /// or address) and of any whose memory it claims, making room within `budget` by
+    /// dropping the oldest. A module over the budget on its own is not kept.
+    pub(super) fn insert(&mut self, module: Arc<LoadedModule>, budget: &ModuleBudget) {
+        let mut stale: Vec<Arc<LoadedModule>> = self
+            .order
+            .iter()
+            .filter(|m| m.name == module.name || m.address == module.address)
+            .cloned()
+            .collect();
+        let memory = LoadedList::memory(&module);
+        for range in &memory {
+            stale.extend(self.overlapping(range));
+        }
+        for m in &stale {
+            self.remove(m);
+        }
+        if module.decoded_bytes > budget.max_total_decoded || budget.max_modules == 0 {
+            tracing::warn!(
+                "module {}: over the module budget on its own: not followed",
+                module.name
+            );
+            return;
+        }
+        while let Some(oldest) = self.order.front().cloned() {
+            let full = self.order.len() >= budget.max_modules
+                || self.decoded.saturating_add(module.decoded_bytes) > budget.max_total_decoded;
+            if !full {
+                break;
+            }
+            tracing::debug!(
+                "module {}: dropped from the engine's list to keep it within budget",
+                oldest.name
+            );
+            self.remove(&oldest);
+        }
+        for range in memory {
+            self.by_start.insert(range.start, (range.end, module.clone()));
+        }
+        self.decoded = self.decoded.saturating_add(module.decoded_bytes);
+        self.order.push_back(module);
+    }
+}
+
+/// The kernel's ORC table and those of the modules of a [`LoadedList`], as the guest's
+/// `orc_find` looks in them: a module's by the one lookup that finds the module.
+pub(super) struct KernelAndLoaded<'a> {
+    pub kernel: &'a OrcTable,
+    pub modules: &'a LoadedList,
+}
+
+impl KernelAndLoaded<'_> {
+    fn module_table(&self, ip: Gva) -> Option<&OrcTable> {
+        self.modules.containing(ip)?.orc.as_ref().filter(|orc| orc.is_text(ip))
+    }
+}
+
+impl OrcLookup for KernelAndLoaded<'_> {
+    fn is_text(&self, ip: Gva) -> bool {
+        self.kernel.is_text(ip) || self.module_table(ip).is_some()
+    }
+
+    fn find(&self, ip: Gva) -> Option<OrcEntry> {
+        if ip.0 == 0 || self.kernel.is_text(ip) {
+            return self.kernel.find(ip);
+        }
+        self.module_table(ip)?.find(ip)
+    }
+}
 
 /// The guest's modules as the engine last read them, and its hooks on the loader.
 #[derive(Default)]
 pub(super) struct ModuleTracker {
-    loaded: Mutex<Vec<Arc<LoadedModule>>>,
+    /// Replaced whole at each change (changes are rare: loads, frees, reads of the list),
+    /// so that a stack walk takes it without holding the lock.
+    loaded: Mutex<Arc<LoadedList>>,
     layout: Mutex<Option<ModuleLayout>>,
     last_listed: Mutex<Option<Instant>>,
     /// The sites of the hooks on `do_init_module` and `module_memfree` (0: none).
@@ -75,21 +226,24 @@ impl ModuleTracker {
         }
     }
 
+    /// The list as it is now.
+    pub(super) fn snapshot(&self) -> Arc<LoadedList> {
+        self.loaded.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     /// The read module whose memory holds `at`.
     pub(super) fn containing(&self, at: Gva) -> Option<Arc<LoadedModule>> {
-        let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
-        loaded.iter().find(|m| m.contains(at)).cloned()
+        self.snapshot().containing(at).cloned()
     }
 
     fn named(&self, name: &str) -> Option<Arc<LoadedModule>> {
-        let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
-        loaded.iter().find(|m| m.name == name).cloned()
+        self.snapshot().named(name).cloned()
     }
 
-    fn replace(&self, module: Arc<LoadedModule>) {
+    /// Changes the list (a copy of it, when a walk holds the one in place).
+    fn change(&self, edit: impl FnOnce(&mut LoadedList)) {
         let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
-        loaded.retain(|m| m.name != module.name && m.address != module.address);
-        loaded.push(module);
+        edit(Arc::make_mut(&mut loaded));
     }
 }
 
@@ -129,15 +283,15 @@ impl Tracer {
             reason: "the guest kernel has no symbol `modules` (built without CONFIG_MODULES?)".into(),
         })?;
         // Read and stored under the list's lock: a load noted meanwhile is not lost.
+        let budget = self.module_budget();
         let mut loaded = self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner());
-        let read =
-            modules::read_modules(self.machine.kernel(), &layout, head.addr, &self.module_budget()).map_err(|e| {
-                ProbeError::Modules {
-                    what: what.to_owned(),
-                    reason: e.to_string(),
-                }
-            })?;
-        *loaded = read.into_iter().map(Arc::new).collect();
+        let read = modules::read_modules(self.machine.kernel(), &layout, head.addr, &budget).map_err(|e| {
+            ProbeError::Modules {
+                what: what.to_owned(),
+                reason: e.to_string(),
+            }
+        })?;
+        *loaded = Arc::new(LoadedList::from_read(read, &budget));
         drop(loaded);
         *self.modules.last_listed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         Ok(())
@@ -166,8 +320,8 @@ impl Tracer {
     }
 
     /// The read modules (for stacks: their symbols and ORC tables).
-    pub(super) fn loaded_modules(&self) -> Vec<Arc<LoadedModule>> {
-        self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    pub(super) fn loaded_modules(&self) -> Arc<LoadedList> {
+        self.modules.snapshot()
     }
 
     pub(super) fn module_containing(&self, at: Gva) -> Option<Arc<LoadedModule>> {
@@ -298,7 +452,8 @@ impl Tracer {
             }
         };
         tracing::debug!("module {} loading ({} symbols)", module.name, module.symbols.len());
-        self.modules.replace(module.clone());
+        let budget = self.module_budget();
+        self.modules.change(|list| list.insert(module.clone(), &budget));
         self.arm_module_probes(&module.name);
     }
 
@@ -403,28 +558,36 @@ impl Tracer {
         for addr in sites {
             let ids = self.detach_site(text, &mut reg, addr);
             for id in ids {
-                if let Some(b) = reg.probes.get_mut(&id).and_then(|p| p.module.as_mut()) {
-                    b.state = ModuleProbeState::Gone;
+                let Some(probe) = reg.probes.get_mut(&id) else { continue };
+                match probe.module.as_mut() {
+                    Some(b) => b.state = ModuleProbeState::Gone,
+                    // A kernel probe that shared the site (its symbol in the module's
+                    // memory): gone with it, and said so.
+                    None => probe.freed = true,
                 }
             }
         }
         drop(reg);
         // The list as read: without the freed module (or its init layout).
-        let mut loaded = self.modules.loaded.lock().unwrap_or_else(|e| e.into_inner());
-        let mut kept = Vec::with_capacity(loaded.len());
-        for m in loaded.drain(..) {
-            if m.core.start == region {
-                tracing::debug!("module {} freed", m.name);
-            } else if m.init.as_ref().is_some_and(|i| i.start == region) {
-                let mut without_init = (*m).clone();
-                without_init.init = None;
-                without_init.init_text = None;
-                kept.push(Arc::new(without_init));
-            } else {
-                kept.push(m);
+        let budget = self.module_budget();
+        self.modules.change(|list| {
+            let freed: Vec<Arc<LoadedModule>> = list
+                .modules()
+                .filter(|m| m.core.start == region || m.init.as_ref().is_some_and(|i| i.start == region))
+                .cloned()
+                .collect();
+            for m in freed {
+                list.remove(&m);
+                if m.core.start == region {
+                    tracing::debug!("module {} freed", m.name);
+                } else {
+                    let mut without_init = (*m).clone();
+                    without_init.init = None;
+                    without_init.init_text = None;
+                    list.insert(Arc::new(without_init), &budget);
+                }
             }
-        }
-        *loaded = kept;
+        });
     }
 }
 

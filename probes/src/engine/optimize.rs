@@ -23,6 +23,7 @@ use hvprobe_arch::{Gva, INT3};
 
 use super::placement::compiler_bytes;
 use super::registry::{Counters, Registry, Role, Site};
+use super::text::{write_text, TextBounds};
 use super::{ProbeError, ProbeId, ProbeKind, Tracer, COUNT};
 use crate::detour::event::filter::RecordFilter;
 use crate::detour::event::{event_detour, EventDetourParams, EventLayout, ReturnDetourParams, DEFAULT_STRING_SIZE};
@@ -256,7 +257,7 @@ impl Tracer {
                     .is_some_and(|d| d.recorders != self.recorder_ids(reg, *addr));
             let Some(site) = reg.sites.get_mut(addr) else { continue };
             if stale {
-                unoptimize(view.text(), *addr, site, &mut reg.detour_codes);
+                unoptimize(view.text(), &self.text_bounds, *addr, site, &mut reg.detour_codes);
                 self.stats.gone.fetch_add(u64::from(site.gone), COUNT);
                 if site.gone {
                     continue;
@@ -264,7 +265,7 @@ impl Tracer {
             }
             match (&site.detour, blocked) {
                 (Some(_), Some(why)) => {
-                    unoptimize(view.text(), *addr, site, &mut reg.detour_codes);
+                    unoptimize(view.text(), &self.text_bounds, *addr, site, &mut reg.detour_codes);
                     self.stats.gone.fetch_add(u64::from(site.gone), COUNT);
                     site.not_optimized = Some(why);
                 }
@@ -511,8 +512,7 @@ impl Tracer {
                     super::hex(&now)
                 )));
             }
-            text.write_virt(addr, &jump)
-                .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+            write_text(text, &self.text_bounds, addr, &jump).map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
             let kind = match self.events.get() {
                 Some(setup) if !made.is_empty() => {
                     // Before the registry is released: no record of it is drained earlier.
@@ -845,7 +845,13 @@ impl Tracer {
 /// Puts the int3 and the original bytes back where the site's jump is (the probe stays
 /// armed), and retires its detour. A jump the guest rewrote makes the site gone; its bytes
 /// stay as the guest wrote them.
-pub(super) fn unoptimize(text: &dyn KernelMemory, addr: Gva, site: &mut Site, codes: &mut DetourCodes) {
+pub(super) fn unoptimize(
+    text: &dyn KernelMemory,
+    bounds: &TextBounds,
+    addr: Gva,
+    site: &mut Site,
+    codes: &mut DetourCodes,
+) {
     let Some(detour) = site.detour.take() else { return };
     if let Some(code) = codes.get_mut(&detour.code) {
         code.live = false;
@@ -853,7 +859,7 @@ pub(super) fn unoptimize(text: &dyn KernelMemory, addr: Gva, site: &mut Site, co
     let mut now = vec![0u8; detour.jump.len()];
     match text.read_virt(addr, &mut now) {
         Ok(()) if now == detour.jump => {
-            if let Err(e) = text.write_virt(addr, &armed_bytes(&detour.region)) {
+            if let Err(e) = write_text(text, bounds, addr, &armed_bytes(&detour.region)) {
                 // The jump stays, and so does its detour: hits still go through it.
                 tracing::error!("unoptimizing the probe at {addr}: {e}: the jump stays");
                 if let Some(code) = codes.get_mut(&detour.code) {

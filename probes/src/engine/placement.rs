@@ -46,6 +46,17 @@ pub fn resolve_symbol<'s>(symbols: &'s SymbolTable, name: &str, offset: u64) -> 
     Ok(symbol)
 }
 
+/// `symbol`'s address plus `offset`. Both are the guest's in kallsyms mode and for every
+/// module symbol, and its size (which bounds the offset) too: the sum may not wrap.
+fn symbol_address(symbol: &Symbol, offset: u64, what: &str) -> Result<Gva, ProbeError> {
+    symbol.addr.checked_add(offset).ok_or_else(|| ProbeError::AddressWraps {
+        what: what.to_owned(),
+        symbol: symbol.name.clone(),
+        addr: symbol.addr,
+        offset,
+    })
+}
+
 /// The one symbol called `name` that `kind` accepts.
 pub(super) fn unique_symbol<'s>(
     symbols: &'s SymbolTable,
@@ -87,7 +98,8 @@ impl Tracer {
             ProbePoint::Symbol { name, offset } => {
                 let symbol = resolve_symbol(&self.view.symbols, name, *offset)?;
                 let what = format!("{name}+{offset:#x}");
-                (Gva(symbol.addr.0 + offset), what.clone(), Some(what), None)
+                let address = symbol_address(symbol, *offset, &what)?;
+                (address, what.clone(), Some(what), None)
             }
             ProbePoint::Address(a) => {
                 if let Some(m) = self.module_containing(*a) {
@@ -110,6 +122,14 @@ impl Tracer {
             ProbePoint::Module { module, name, offset } => {
                 let what = format!("{module}:{name}+{offset:#x}");
                 let loaded = self.loaded_module(module, &what)?;
+                // The load hook arms without a pause: only on text the module claims where
+                // modules are, away from the kernel's and the host's.
+                self.text_bounds
+                    .check_module(&loaded)
+                    .map_err(|source| ProbeError::OutsideText {
+                        what: what.clone(),
+                        source,
+                    })?;
                 let symbol = match resolve_symbol(&loaded.symbols, name, *offset) {
                     Err(ProbeError::UnknownSymbol(_)) => {
                         return Err(ProbeError::UnknownModuleSymbol {
@@ -120,7 +140,7 @@ impl Tracer {
                     }
                     other => other?,
                 };
-                let address = Gva(symbol.addr.0 + offset);
+                let address = symbol_address(symbol, *offset, &what)?;
                 (address, what, Some(format!("{name}+{offset:#x}")), Some(loaded))
             }
         };
@@ -221,6 +241,14 @@ impl Tracer {
             });
         }
         let bytes = &code[offset_in_code..(offset_in_code + 15).min(code.len())];
+        // What arming, optimizing and disarming will write starts at the site, within the
+        // instruction there (a jump's region is inside its function and checked as written).
+        self.text_bounds
+            .check(site, bytes.len() as u64)
+            .map_err(|source| ProbeError::OutsideText {
+                what: what.clone(),
+                source,
+            })?;
         let ex_table = module.as_ref().map_or(&self.view.ex_table, |m| &m.extable);
         Ok(Placement {
             address,

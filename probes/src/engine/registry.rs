@@ -11,6 +11,7 @@ use hvprobe_arch::{Gva, INT3};
 
 use super::optimize::{jump_intact, unoptimize, Detour, DetourCodes, WhyNotOptimized};
 use super::placement::Placement;
+use super::text::{write_text, TextBounds};
 use super::watch::WatchPlacement;
 use super::{
     hex, EventShape, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT,
@@ -95,6 +96,9 @@ pub(super) struct Probe {
     pub trace_location: String,
     /// The module, for a probe on a module's symbol (its site is 0 while not armed).
     pub module: Option<ModuleBinding>,
+    /// A probe of no module that shared a module probe's site lost it when that module's
+    /// memory was freed: `[GONE]`, and never armed again (the memory is not its text).
+    pub freed: bool,
 }
 
 impl Probe {
@@ -127,6 +131,7 @@ impl Probe {
                 }),
                 _ => None,
             },
+            freed: false,
         }
     }
 }
@@ -533,6 +538,7 @@ impl Tracer {
                     location: p.location.clone(),
                     disabled: !p.enabled,
                     gone: site.is_some_and(|s| s.gone)
+                        || p.freed
                         || p.module.as_ref().is_some_and(|m| m.state == ModuleProbeState::Gone),
                     ftrace: false,
                     optimized: site.is_some_and(|s| s.detour.is_some()),
@@ -681,11 +687,17 @@ impl Tracer {
             let covering: Vec<Gva> = reg.regions_covering(placement.site).collect();
             for addr in covering {
                 if let Some(site) = reg.sites.get_mut(&addr) {
-                    unoptimize(text, addr, site, &mut reg.detour_codes);
+                    unoptimize(text, &self.text_bounds, addr, site, &mut reg.detour_codes);
                 }
             }
             let site = self.new_site(text, placement)?;
             reg.sites.insert(placement.site, site);
+        } else if let Some(site) = reg.sites.get_mut(&placement.site) {
+            // A kernel probe's site in what is now a module's memory: the module's free must
+            // take it out too (its probes then go `[GONE]`), not leave our int3 there.
+            if site.module.is_none() {
+                site.module = placement.module.clone();
+            }
         }
         if let Some(probe) = reg.probes.get_mut(&id) {
             probe.address = placement.address;
@@ -757,6 +769,7 @@ impl Tracer {
                 counters: Arc::default(),
                 trace_location: watch.trace_location.clone(),
                 module: None,
+                freed: false,
             },
         );
         Ok(id)
@@ -1016,13 +1029,14 @@ fn sync_site(tracer: &Tracer, text: &dyn KernelMemory, reg: &mut Registry, addr:
     let want = (reg.armed && enabled(None)) || enabled(Some(Role::ModuleLoad)) || enabled(Some(Role::ModuleFree));
     let Some(site) = reg.sites.get_mut(&addr) else { return };
     let was_gone = site.gone;
+    let bounds = &tracer.text_bounds;
     if want && !site.armed && !site.gone {
-        arm(text, addr, site);
+        arm(text, bounds, addr, site);
     } else if !want && site.armed {
         // Back to the int3 first (the optimization pass may put the jump in again).
-        unoptimize(text, addr, site, &mut reg.detour_codes);
+        unoptimize(text, bounds, addr, site, &mut reg.detour_codes);
         if site.armed {
-            site.armed = !site.shared_with_guest() && !restore_original(text, addr, site);
+            site.armed = !site.shared_with_guest() && !restore_original(text, bounds, addr, site);
         }
     }
     if site.gone && !was_gone {
@@ -1031,7 +1045,7 @@ fn sync_site(tracer: &Tracer, text: &dyn KernelMemory, reg: &mut Registry, addr:
 }
 
 /// Writes the int3, unless the guest changed the byte since we read it.
-fn arm(text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
+fn arm(text: &dyn KernelMemory, bounds: &TextBounds, addr: Gva, site: &mut Site) {
     if site.shared_with_guest() {
         // The guest's int3 is already there: nothing to write.
         site.armed = true;
@@ -1039,7 +1053,7 @@ fn arm(text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
     }
     let mut b = [0u8];
     match text.read_virt(addr, &mut b) {
-        Ok(()) if b[0] == site.original => match text.write_virt(addr, &[INT3]) {
+        Ok(()) if b[0] == site.original => match write_text(text, bounds, addr, &[INT3]) {
             Ok(()) => site.armed = true,
             Err(e) => tracing::error!("arming the probe at {addr}: {e}"),
         },
@@ -1057,10 +1071,10 @@ fn arm(text: &dyn KernelMemory, addr: Gva, site: &mut Site) {
 
 /// Puts the original byte back, unless the guest has overwritten our int3 (then writing
 /// our stale copy would corrupt its text). False when our int3 may still be there.
-fn restore_original(text: &dyn KernelMemory, addr: Gva, site: &mut Site) -> bool {
+fn restore_original(text: &dyn KernelMemory, bounds: &TextBounds, addr: Gva, site: &mut Site) -> bool {
     let mut b = [0u8];
     match text.read_virt(addr, &mut b) {
-        Ok(()) if b[0] == INT3 => match text.write_virt(addr, &[site.original]) {
+        Ok(()) if b[0] == INT3 => match write_text(text, bounds, addr, &[site.original]) {
             Ok(()) => true,
             Err(e) => {
                 tracing::error!("disarming the probe at {addr}: {e}: our int3 stays, and its hits still run");
@@ -1086,7 +1100,8 @@ fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site, 
     if !site.armed {
         return;
     }
-    unoptimize(text, addr, site, codes);
+    let bounds = &tracer.text_bounds;
+    unoptimize(text, bounds, addr, site, codes);
     if !site.armed {
         // The guest rewrote our jump.
         tracer.stats.gone.fetch_add(1, COUNT);
@@ -1097,7 +1112,7 @@ fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site, 
         return;
     }
     let was_gone = site.gone;
-    site.armed = !restore_original(text, addr, site);
+    site.armed = !restore_original(text, bounds, addr, site);
     if site.gone && !was_gone {
         tracer.stats.gone.fetch_add(1, COUNT);
     }

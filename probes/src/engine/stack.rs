@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hvprobe_arch::Gva;
-use hvprobe_introspection::unwind::{unwind, KernelAndModules, OrcTable, StartRegs, UnwindEnd};
+use hvprobe_introspection::unwind::{unwind, OrcTable, StartRegs, UnwindEnd};
 
 use super::{Tracer, COUNT};
 use crate::output::StackFrame;
@@ -110,9 +110,9 @@ impl Tracer {
             dx: regs.rdx,
         };
         let modules = self.loaded_modules();
-        let tables = KernelAndModules {
+        let tables = super::modules::KernelAndLoaded {
             kernel: orc,
-            modules: modules.iter().filter_map(|m| m.orc.as_ref()).collect(),
+            modules: &modules,
         };
         let walked = unwind(
             &tables,

@@ -94,6 +94,8 @@ struct FakeMachine {
     paused_now: AtomicBool,
     /// Where each vCPU left the guest once the VM stopped for good: (index, RIP).
     stopped: Mutex<Vec<(usize, u64)>>,
+    /// Every write of the guest's text the engine made: (address, length).
+    text_writes: Mutex<Vec<(u64, usize)>>,
 }
 
 /// Something the guest does to its memory.
@@ -127,6 +129,17 @@ impl FakeMachine {
         Arc::new(m)
     }
 
+    /// The engine's writes of text that touched `range`.
+    fn text_writes_into(&self, range: std::ops::Range<u64>) -> Vec<(u64, usize)> {
+        self.text_writes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(at, len)| *at < range.end && at + *len as u64 > range.start)
+            .copied()
+            .collect()
+    }
+
     fn bytes(&self, at: u64, len: usize) -> Vec<u8> {
         let mut b = vec![0u8; len];
         self.read_virt(Gva(at), &mut b).unwrap();
@@ -147,6 +160,13 @@ impl GuestVirtRead for FakeMachine {
 }
 
 impl KernelMemory for FakeMachine {
+    /// Every text write is noted (the engine's own checks are what the tests look at: this
+    /// machine refuses none).
+    fn write_text(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
+        self.text_writes.lock().unwrap().push((gva.0, bytes.len()));
+        self.write_virt(gva, bytes)
+    }
+
     fn write_virt(&self, gva: Gva, bytes: &[u8]) -> Result<(), MemoryError> {
         if self.unmapped.lock().unwrap().contains(&(gva.0 & !0xfff)) {
             return Err(MemoryError::Unmapped(gva));

@@ -4,6 +4,7 @@
 
 use super::*;
 use hvprobe_introspection::modules::synthetic::{self, MODULES_HEAD, MODULE_BASE, STRUCT_MODULE};
+use hvprobe_introspection::modules::ModuleBudget;
 
 /// The loader's functions (ftrace NOP; push %rbp; mov %rsp,%rbp; pop %rbp; ret: room
 /// for a jump after the NOP), in the padding after `traced`.
@@ -25,10 +26,16 @@ fn machine() -> (Arc<FakeMachine>, u64) {
 }
 
 fn module_tracer(m: &Arc<FakeMachine>, btf_len: u64) -> Tracer {
+    module_tracer_with(m, btf_len, OOL, "")
+}
+
+/// A tracer whose out-of-line area is at `ool` (zeroed here), with `more_symbols` (System.map
+/// lines) in its kernel's symbols: what a guest that lies in kallsyms mode may say.
+fn module_tracer_with(m: &Arc<FakeMachine>, btf_len: u64, ool: u64, more_symbols: &str) -> Tracer {
     let map = format!(
         "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{DO_INIT_MODULE:016x} T do_init_module\n\
          {MODULE_MEMFREE:016x} W module_memfree\n{:016x} T _etext\n{MODULES_HEAD:016x} D modules\n\
-         {BTF:016x} R __start_BTF\n{:016x} R __stop_BTF\n",
+         {BTF:016x} R __start_BTF\n{:016x} R __stop_BTF\n{more_symbols}",
         MODULE_MEMFREE + 0x10,
         BTF + btf_len
     );
@@ -38,10 +45,11 @@ fn module_tracer(m: &Arc<FakeMachine>, btf_len: u64) -> Tracer {
         ex_table: ExceptionTable::default(),
         patch_sites: PatchSites::default(),
     };
+    m.write_virt(Gva(ool), &[0u8; OOL_SIZE as usize]).unwrap();
     let ool = OutOfLineArea {
-        start: Gva(OOL),
+        start: Gva(ool),
         size: OOL_SIZE,
-        rings: Gva(OOL + OOL_SIZE),
+        rings: Gva(ool + OOL_SIZE),
         rings_size: 0,
     };
     Tracer::new(m.clone(), view, Some(ool), None)
@@ -330,4 +338,268 @@ fn a_module_that_loads_while_its_probe_is_registered_gets_the_probe() {
     let listed = &t.listing()[0];
     assert!(!listed.pending, "{listed:?}");
     assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [INT3]);
+}
+
+/// Issue 50, finding 5: a module symbol's address is the guest's. One at
+/// 0xffff_ffff_ffff_fff0 with an ELF size of 0x100 let `alpha:mod_fn_b+0x20` pass the
+/// offset check, and the address sum overflowed (a panic in a debug build, a wrapped
+/// address in a release one).
+#[test]
+fn a_module_symbol_at_the_top_of_the_address_space_is_an_error_not_a_panic() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    // mod_fn_b is the second symbol after the null one.
+    let sym = MODULE_BASE + 0x2200 + 2 * 24;
+    m.write_virt(Gva(sym + 8), &0xffff_ffff_ffff_fff0u64.to_le_bytes())
+        .unwrap();
+    m.write_virt(Gva(sym + 16), &0x100u64.to_le_bytes()).unwrap();
+    let point = ProbePoint::Module {
+        module: "alpha".into(),
+        name: "mod_fn_b".into(),
+        offset: 0x20,
+    };
+    let e = t.register(plain(point, "top")).unwrap_err();
+    assert!(matches!(e, ProbeError::AddressWraps { .. }), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "alpha:mod_fn_b+0x20: mod_fn_b at 0xfffffffffffffff0 plus 0x20 runs past the end of the address space"
+    );
+}
+
+/// Issue 50, finding 1: every `do_init_module` hit of a module with a new name and
+/// address added it to the engine's list, which nothing capped: a guest that kept
+/// "loading" forged modules grew the host without bound (and every stack frame's lookup
+/// scanned them all). The list keeps at most the budget's modules, the oldest going first,
+/// and a real module loaded after such a flood still gets its probes.
+#[test]
+fn forged_loads_do_not_grow_the_module_list_past_its_budget() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    let id = t
+        .register(plain(
+            ProbePoint::Module {
+                module: "beta".into(),
+                name: "mod_fn_b".into(),
+                offset: 0,
+            },
+            "work",
+        ))
+        .unwrap();
+    let template = m.bytes(MODULE_BASE + STRUCT_MODULE, 224);
+    let limit = ModuleBudget::for_memory(m.memory_size()).max_modules;
+    // Each forged module: alpha's struct module with a name and memory of its own.
+    let forged = |i: u64, name: &str, core: u64| {
+        let at = MODULE_BASE + 0x80_0000 + i * 0x100;
+        let mut bytes = template.clone();
+        let mut raw = name.as_bytes().to_vec();
+        raw.resize(56, 0);
+        bytes[24..80].copy_from_slice(&raw);
+        bytes[80..88].copy_from_slice(&core.to_le_bytes());
+        m.write_virt(Gva(at), &bytes).unwrap();
+        loader_hit(&t, DO_INIT_MODULE, at);
+    };
+    let flood = limit as u64 + 100;
+    for i in 0..flood {
+        forged(i, &format!("forged{i}"), MODULE_BASE + 0x100_0000 + i * 0x4000);
+    }
+    let kept = t.loaded_modules().modules().count();
+    assert!(kept <= limit, "{kept} modules kept");
+    // The newest are the ones kept.
+    let newest = MODULE_BASE + 0x100_0000 + (flood - 1) * 0x4000;
+    assert_eq!(
+        t.module_containing(Gva(newest + 0x10)).map(|m| m.name.clone()),
+        Some(format!("forged{}", flood - 1))
+    );
+    // beta, in alpha's memory (the symbols they share are there).
+    forged(flood, "beta", MODULE_BASE);
+    assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [INT3]);
+    assert!(!t.listing()[0].pending, "{:?}", t.listing()[0]);
+    t.unregister(id).unwrap();
+}
+
+/// The engine's list keeps the modules' decoded bytes within the budget too (the oldest
+/// go first), and a module whose memory overlaps one it holds replaces it: the module
+/// holding an address is then one lookup.
+#[test]
+fn the_module_list_keeps_its_decoded_bytes_within_budget_and_one_module_per_address() {
+    use super::super::modules::LoadedList;
+    use hvprobe_introspection::btf::Btf;
+    use hvprobe_introspection::modules::{read_module, ModuleLayout};
+    let mem = synthetic::memory(&["alpha"]);
+    let layout = ModuleLayout::from_btf(&Btf::parse(&synthetic::btf()).unwrap()).unwrap();
+    let budget = ModuleBudget::for_memory(1 << 30);
+    let alpha = read_module(&mem, &layout, Gva(MODULE_BASE + STRUCT_MODULE), &budget).unwrap();
+    let module = |name: &str, core: u64, decoded: u64| {
+        let mut m = alpha.clone();
+        m.name = name.into();
+        m.address = Gva(core + STRUCT_MODULE);
+        m.core = Gva(core)..Gva(core + 0x4000);
+        m.decoded_bytes = decoded;
+        Arc::new(m)
+    };
+    let small = ModuleBudget {
+        max_total_decoded: 1000,
+        ..budget
+    };
+    let mut list = LoadedList::default();
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        list.insert(module(name, MODULE_BASE + i as u64 * 0x10_0000, 400), &small);
+    }
+    let names = |list: &LoadedList| list.modules().map(|m| m.name.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&list), ["b", "c"], "a went to make room for c");
+    // d claims part of c's memory: c goes, and an address there is d's.
+    list.insert(module("d", MODULE_BASE + 2 * 0x10_0000 + 0x2000, 100), &small);
+    assert_eq!(names(&list), ["b", "d"]);
+    let at = |a: u64| list.containing(Gva(a)).map(|m| m.name.clone());
+    assert_eq!(at(MODULE_BASE + 2 * 0x10_0000 + 0x1000), None);
+    assert_eq!(at(MODULE_BASE + 2 * 0x10_0000 + 0x2000).as_deref(), Some("d"));
+    assert_eq!(at(MODULE_BASE + 0x10_0000 + 0x3fff).as_deref(), Some("b"));
+    assert_eq!(at(MODULE_BASE + 0x10_0000 + 0x4000), None);
+    // One over the whole budget on its own is not kept.
+    list.insert(module("e", MODULE_BASE + 5 * 0x10_0000, 1001), &small);
+    assert_eq!(names(&list), ["b", "d"]);
+}
+
+/// Where a KASLR kernel's image mapping may put the out-of-line area: below 0xffffffffc0000000
+/// and above 0xffffffffa0000000, inside what the engine counts as the module area.
+const OOL_AMONG_MODULES: u64 = 0xffff_ffff_bfc0_0000;
+
+/// That the bytes at `at` are still `before` (naming the first that changed).
+fn assert_unchanged(m: &FakeMachine, at: u64, before: &[u8]) {
+    let now = m.bytes(at, before.len());
+    if let Some(i) = (0..before.len()).find(|&i| now[i] != before[i]) {
+        panic!(
+            "{:#x} changed from {:#04x} to {:#04x}",
+            at + i as u64,
+            before[i],
+            now[i]
+        );
+    }
+}
+
+/// alpha's struct module claims its core layout at `core`, and its mod_fn_b at `fn_b`
+/// (with an ELF size of 0x30).
+fn forge_alpha(m: &FakeMachine, core: u64, fn_b: u64) {
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    m.write_virt(Gva(MODULE_BASE + STRUCT_MODULE + 80), &core.to_le_bytes())
+        .unwrap();
+    let sym = MODULE_BASE + 0x2200 + 2 * 24;
+    m.write_virt(Gva(sym + 8), &fn_b.to_le_bytes()).unwrap();
+}
+
+/// Issue 50, finding 2: a forged `do_init_module` for a module a pending probe waits on,
+/// with the probed function in the out-of-line area (where a KASLR kernel's image mapping
+/// may put it, inside the module area), had the load hook write its int3 into hvprobe's
+/// own code — and `disarm` would write a stale "original" byte there later. A module's
+/// text must be in the module area, outside the kernel's text and the out-of-line area,
+/// or its probes stay pending.
+#[test]
+fn a_forged_module_in_the_out_of_line_area_gets_no_probe_writes() {
+    let (m, btf_len) = machine();
+    let t = module_tracer_with(&m, btf_len, OOL_AMONG_MODULES, "");
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    let area = m.bytes(OOL_AMONG_MODULES, OOL_SIZE as usize);
+    forge_alpha(&m, OOL_AMONG_MODULES, OOL_AMONG_MODULES + 0x800);
+    loader_hit(&t, DO_INIT_MODULE, MODULE_BASE + STRUCT_MODULE);
+    assert_unchanged(&m, OOL_AMONG_MODULES, &area);
+    assert!(t.listing()[0].pending, "{:?}", t.listing()[0]);
+    assert!(m
+        .text_writes_into(OOL_AMONG_MODULES..OOL_AMONG_MODULES + OOL_SIZE)
+        .is_empty());
+}
+
+/// Issue 50, finding 2: the load hook arms without a pause (a module's own text runs
+/// nowhere yet). A forged module whose text is the kernel's live text got its int3s there
+/// unpaused, racing every vCPU that runs it. Refused: the probe stays pending.
+#[test]
+fn a_forged_module_over_the_kernels_text_gets_no_unpaused_writes() {
+    let (m, btf_len) = machine();
+    let t = module_tracer(&m, btf_len);
+    t.register(plain(module_point("mod_fn_b"), "work")).unwrap();
+    let text = m.bytes(FUNC, 0x20);
+    let pauses = m.pauses.load(Ordering::Relaxed);
+    forge_alpha(&m, FUNC, FUNC);
+    loader_hit(&t, DO_INIT_MODULE, MODULE_BASE + STRUCT_MODULE);
+    assert_unchanged(&m, FUNC, &text);
+    assert_eq!(m.pauses.load(Ordering::Relaxed), pauses);
+    assert!(t.listing()[0].pending, "{:?}", t.listing()[0]);
+}
+
+/// Issue 50, finding 2: in kallsyms mode the kernel's symbols are the guest's too. A
+/// "function" in the out-of-line area, or outside the kernel's text and the module area,
+/// is refused with the reason, and nothing is written.
+#[test]
+fn a_core_symbol_in_the_out_of_line_area_or_outside_text_is_refused() {
+    let (m, btf_len) = machine();
+    let in_area = OOL_AMONG_MODULES + 0x800;
+    let outside = BTF + 0x10_0000;
+    m.write_virt(Gva(outside), &[0x55, 0xc3]).unwrap();
+    let t = module_tracer_with(
+        &m,
+        btf_len,
+        OOL_AMONG_MODULES,
+        &format!(
+            "{in_area:016x} T forged_in_area\n{:016x} T next_in_area\n\
+             {outside:016x} T forged_outside\n{:016x} T next_outside\n",
+            in_area + 0x30,
+            outside + 0x30
+        ),
+    );
+    let area = m.bytes(OOL_AMONG_MODULES, OOL_SIZE as usize);
+    let e = t.register(plain(at("forged_in_area", 0), "a")).unwrap_err();
+    assert!(e.to_string().contains("out-of-line area"), "{e}");
+    let e = t.register(plain(at("forged_outside", 0), "b")).unwrap_err();
+    assert!(e.to_string().contains("neither in the kernel's text"), "{e}");
+    assert_unchanged(&m, OOL_AMONG_MODULES, &area);
+    assert_eq!(m.bytes(outside, 2), [0x55, 0xc3]);
+    assert!(t.listing().is_empty());
+}
+
+/// Issue 50, finding 2: a kernel probe (a core symbol the guest's kallsyms puts in module
+/// memory) that shared a module probe's site was left with no site when the module's
+/// memory was freed — listed neither armed nor `[GONE]`, silently dead. It is `[GONE]`
+/// now. And in the other order (the kernel probe's site first, the module loading under
+/// it), the free takes the int3 out too instead of leaving it in freed memory.
+#[test]
+fn a_kernel_probe_sharing_a_freed_module_site_is_reported_gone() {
+    let (m, btf_len) = machine();
+    let fn_b = MODULE_BASE + 0x40;
+    let t = module_tracer_with(
+        &m,
+        btf_len,
+        OOL,
+        &format!("{fn_b:016x} T core_in_module\n{:016x} T core_after\n", fn_b + 0x30),
+    );
+    t.register(plain(module_point("mod_fn_b"), "module")).unwrap();
+    load(&m, &t);
+    t.register(plain(at("core_in_module", 0), "kernel")).unwrap();
+    assert_eq!(m.bytes(fn_b, 1), [INT3]);
+    unload(&m, &t);
+    assert_eq!(m.bytes(fn_b, 1), [0x90]);
+    let listing = t.listing();
+    assert!(listing.iter().all(|l| l.gone), "{listing:?}");
+
+    // The kernel probe first, then the module loads under it.
+    let (m, btf_len) = machine();
+    let t = module_tracer_with(
+        &m,
+        btf_len,
+        OOL,
+        &format!("{fn_b:016x} T core_in_module\n{:016x} T core_after\n", fn_b + 0x30),
+    );
+    m.write_virt(Gva(MODULE_BASE), &[0x90; 0x100]).unwrap();
+    t.register(plain(module_point("mod_fn_b"), "module")).unwrap();
+    t.register(plain(at("core_in_module", 0), "kernel")).unwrap();
+    assert_eq!(m.bytes(fn_b, 1), [INT3]);
+    synthetic::lay_out(&["alpha"], &mut |at, bytes| m.write_virt(Gva(at), bytes).unwrap());
+    // (The loader's copy of the module's text left the byte under the int3 as it was.)
+    m.write_virt(Gva(fn_b), &[INT3]).unwrap();
+    loader_hit(&t, DO_INIT_MODULE, MODULE_BASE + STRUCT_MODULE);
+    assert!(!t.listing()[0].pending, "{:?}", t.listing()[0]);
+    loader_hit(&t, MODULE_MEMFREE, MODULE_BASE);
+    assert_eq!(m.bytes(fn_b, 1), [0x90], "our int3 left in freed memory");
+    let listing = t.listing();
+    assert!(listing.iter().all(|l| l.gone), "{listing:?}");
 }
