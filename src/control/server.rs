@@ -3,6 +3,7 @@
 //! that a slow or gone client never stalls a vCPU or another client.
 
 use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::ops::ControlFlow;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -53,19 +54,11 @@ impl ControlServer {
                 dir.join(format!("{}.sock", std::process::id()))
             }
         };
+        let listener = bind_socket(&path)?;
         let socket_err = |source| ControlError::Socket {
             path: path.clone(),
             source,
         };
-        if path.exists() {
-            // A socket nobody answers on is left over from a run that died: take it over.
-            if UnixStream::connect(&path).is_ok() {
-                return Err(ControlError::InUse { path });
-            }
-            std::fs::remove_file(&path).map_err(socket_err)?;
-        }
-        let listener = UnixListener::bind(&path).map_err(socket_err)?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(socket_err)?;
         let stopping = Arc::new(AtomicBool::new(false));
         let streams = Arc::new(Mutex::new(Vec::new()));
         let accept = {
@@ -115,6 +108,26 @@ impl ControlServer {
             let _ = thread.join();
         }
     }
+}
+
+/// Binds the control socket at `path`, mode 0600.
+fn bind_socket(path: &Path) -> Result<UnixListener, ControlError> {
+    let socket_err = |source| ControlError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    if path.exists() {
+        // A socket nobody answers on is left over from a run that died: take it over.
+        if UnixStream::connect(path).is_ok() {
+            return Err(ControlError::InUse {
+                path: path.to_path_buf(),
+            });
+        }
+        std::fs::remove_file(path).map_err(socket_err)?;
+    }
+    let listener = UnixListener::bind(path).map_err(socket_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(socket_err)?;
+    Ok(listener)
 }
 
 impl Drop for ControlServer {
@@ -204,28 +217,15 @@ fn serve_client(
 ) {
     let Ok(reader) = client.try_clone() else { return };
     let mut out = &client;
-    for line in BufReader::new(reader).lines() {
-        let Ok(line) = line else { return };
-        if line.trim().is_empty() {
-            continue;
-        }
-        let request = match serde_json::from_str::<Request>(&line) {
-            Ok(r) => r,
-            Err(e) => {
-                if send(&mut out, &Response::error(format!("malformed request: {e}"))).is_err() {
-                    return;
-                }
-                continue;
-            }
-        };
+    serve_requests(BufReader::new(reader), &mut out, |request, out| {
         if let Request::Trace { format, queue } = request {
             let subscription = session.subscribe(queue.clamp(1, MAX_STREAM_QUEUE));
-            if send(&mut out, &Response::ok(Vec::new())).is_err() {
-                return;
+            if send(out, &Response::ok(Vec::new())).is_err() {
+                return ControlFlow::Break(());
             }
             // The end of the run waits for this thread (see `ControlServer::finish`).
             let (Ok(socket), Ok(writer)) = (client.try_clone(), client.try_clone()) else {
-                return;
+                return ControlFlow::Break(());
             };
             let control = Arc::clone(control);
             let thread = std::thread::Builder::new()
@@ -234,9 +234,37 @@ fn serve_client(
             if let Ok(thread) = thread {
                 streams.lock().unwrap_or_else(|e| e.into_inner()).push((thread, socket));
             }
-            return;
+            return ControlFlow::Break(());
         }
-        if send(&mut out, &answer(session, request)).is_err() {
+        if send(out, &answer(session, request)).is_err() {
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    });
+}
+
+/// Reads requests from `reader`, one per line, answering the malformed ones itself and
+/// handing the others to `on_request`, until the client goes away or `on_request` stops.
+fn serve_requests<W: Write>(
+    reader: impl BufRead,
+    out: &mut W,
+    mut on_request: impl FnMut(Request, &mut W) -> ControlFlow<()>,
+) {
+    for line in reader.lines() {
+        let Ok(line) = line else { return };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let request = match serde_json::from_str::<Request>(&line) {
+            Ok(r) => r,
+            Err(e) => {
+                if send(out, &Response::error(format!("malformed request: {e}"))).is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        if on_request(request, out).is_break() {
             return;
         }
     }
