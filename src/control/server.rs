@@ -110,19 +110,16 @@ impl ControlServer {
     }
 }
 
-/// Binds the control socket at `path`, mode 0600.
+/// Binds the control socket at `path`, mode 0600, after [`super::check_socket_path`]: only a
+/// socket of ours left by a run that died is removed first.
 fn bind_socket(path: &Path) -> Result<UnixListener, ControlError> {
     let socket_err = |source| ControlError::Socket {
         path: path.to_path_buf(),
         source,
     };
-    if path.exists() {
-        // A socket nobody answers on is left over from a run that died: take it over.
-        if UnixStream::connect(path).is_ok() {
-            return Err(ControlError::InUse {
-                path: path.to_path_buf(),
-            });
-        }
+    if super::check_socket_path(path)? == super::SocketPath::Stale {
+        // (Another user cannot swap it for something else in between: it is ours, and a
+        // directory where others may replace our files lets them do anything anyway.)
         std::fs::remove_file(path).map_err(socket_err)?;
     }
     let listener = UnixListener::bind(path).map_err(socket_err)?;
@@ -369,4 +366,42 @@ fn stream_events(client: UnixStream, subscription: Subscription, format: StreamF
     };
     let line = serde_json::json!({ STREAM_END_KEY: end });
     let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileTypeExt;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("hvprobe-control-server-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// A file given as the socket's path is the user's: refused, not deleted.
+    #[test]
+    fn a_path_that_is_not_a_socket_is_refused_and_left_alone() {
+        let dir = scratch("not-a-socket");
+        let file = dir.join("notes.txt");
+        std::fs::write(&file, "keep me\n").unwrap();
+        let refused = bind_socket(&file).map(drop).unwrap_err().to_string();
+        assert!(refused.contains("a regular file is there, not a socket"), "{refused}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me\n");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A socket left by a run that died is taken over; one that answers is refused.
+    #[test]
+    fn a_dead_runs_socket_is_taken_over_and_a_live_one_refused() {
+        let dir = scratch("stale");
+        let path = dir.join("run.sock");
+        drop(UnixListener::bind(&path).unwrap());
+        let listener = bind_socket(&path).unwrap();
+        assert!(std::fs::symlink_metadata(&path).unwrap().file_type().is_socket());
+        assert!(matches!(bind_socket(&path), Err(ControlError::InUse { .. })));
+        drop(listener);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -450,6 +450,33 @@ fn a_bad_add_reports_every_problem_and_changes_nothing() {
     assert_eq!(run.code, Some(0), "{}", run.tail());
 }
 
+/// `--control PATH` naming what is not a socket (a file of the user's, a directory, a
+/// symlink) is refused before the boot, and what is there stays as it was.
+#[test]
+fn a_control_path_that_is_not_a_socket_is_refused_before_boot_and_left_alone() {
+    let dir = common::scratch("control", "not-a-socket");
+    let file = dir.join("notes.txt");
+    std::fs::write(&file, "keep me\n").unwrap();
+    let subdir = dir.join("subdir");
+    std::fs::create_dir(&subdir).unwrap();
+    let link = dir.join("link.sock");
+    std::os::unix::fs::symlink(&file, &link).unwrap();
+    for (path, what) in [
+        (&file, "a regular file"),
+        (&subdir, "a directory"),
+        (&link, "a symbolic link"),
+    ] {
+        common::assert_refused_before_boot(
+            &["--control", path.to_str().unwrap()],
+            &format!("control socket {}: {what} is there, not a socket", path.display()),
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me\n");
+    assert!(subdir.is_dir());
+    assert_eq!(std::fs::read_link(&link).unwrap(), file);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A vCPU blocked on the host, writing the guest's console to a stdout nobody reads, used
 /// to hold every operation that pauses the vCPUs for as long as it was blocked. Now the
 /// pause gives up at its deadline and the operation fails, naming the vCPU and what held
