@@ -4,7 +4,6 @@
 
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::ops::ControlFlow;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -122,9 +121,56 @@ fn bind_socket(path: &Path) -> Result<UnixListener, ControlError> {
         // directory where others may replace our files lets them do anything anyway.)
         std::fs::remove_file(path).map_err(socket_err)?;
     }
-    let listener = UnixListener::bind(path).map_err(socket_err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(socket_err)?;
-    Ok(listener)
+    bind_private(path).map_err(socket_err)
+}
+
+/// A listening Unix socket at `path` whose file is mode 0600 from its creation. Linux
+/// gives a socket's file the mode of the socket's own inode less the umask
+/// (`unix_bind_bsd`), so the mode is set on the descriptor before the bind: a chmod of the
+/// path after it would follow a symlink someone swapped in meanwhile.
+fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: an all-zero sockaddr_un is a valid value (family set below).
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "a socket's path must be shorter than {} bytes and hold no NUL",
+                addr.sun_path.len()
+            ),
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (slot, byte) in addr.sun_path.iter_mut().zip(bytes) {
+        *slot = *byte as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fchmod, bind and listen on the descriptor owned above; `addr` outlives the
+    // bind and `len` is within it.
+    unsafe {
+        if libc::fchmod(fd.as_raw_fd(), 0o600) != 0
+            || libc::bind(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len as libc::socklen_t,
+            ) != 0
+            || libc::listen(fd.as_raw_fd(), 128) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(UnixListener::from(fd))
 }
 
 impl Drop for ControlServer {
@@ -371,7 +417,7 @@ fn stream_events(client: UnixStream, subscription: Subscription, format: StreamF
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::FileTypeExt;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
     fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("hvprobe-control-server-{}-{name}", std::process::id()));
@@ -401,6 +447,45 @@ mod tests {
         let listener = bind_socket(&path).unwrap();
         assert!(std::fs::symlink_metadata(&path).unwrap().file_type().is_socket());
         assert!(matches!(bind_socket(&path), Err(ControlError::InUse { .. })));
+        drop(listener);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The socket is 0600 from its creation: nothing changes its mode by its path after
+    /// the bind (where a symlink swapped in would be followed). inotify reports every
+    /// change of attributes in the directory, so none may come.
+    #[test]
+    fn the_socket_is_private_from_its_bind_and_never_changed_by_path() {
+        let dir = scratch("mode");
+        let path = dir.join("run.sock");
+        let c_dir = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: plain system calls on a descriptor this test owns and closes.
+        let inotify = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        assert!(inotify >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: `c_dir` is a NUL-terminated path.
+        let watch = unsafe { libc::inotify_add_watch(inotify, c_dir.as_ptr(), libc::IN_ATTRIB | libc::IN_CREATE) };
+        assert!(watch >= 0, "{}", std::io::Error::last_os_error());
+        let listener = bind_socket(&path).unwrap();
+        let mut events = vec![0u8; 4096];
+        // SAFETY: `events` is valid for writes of its length.
+        let n = unsafe { libc::read(inotify, events.as_mut_ptr().cast(), events.len()) };
+        // SAFETY: closing the descriptor opened above.
+        unsafe { libc::close(inotify) };
+        assert!(n > 0, "no inotify event for the socket's creation");
+        let mut masks = Vec::new();
+        let mut at = 0;
+        while at + 16 <= n as usize {
+            let mask = u32::from_ne_bytes(events[at + 4..at + 8].try_into().unwrap());
+            let len = u32::from_ne_bytes(events[at + 12..at + 16].try_into().unwrap()) as usize;
+            masks.push(mask);
+            at += 16 + len;
+        }
+        assert!(
+            masks.iter().all(|m| m & libc::IN_ATTRIB == 0),
+            "attributes changed after the bind: {masks:x?}"
+        );
+        let mode = std::fs::symlink_metadata(&path).unwrap().mode();
+        assert_eq!(mode & 0o777, 0o600, "mode {mode:o}");
         drop(listener);
         std::fs::remove_dir_all(&dir).unwrap();
     }
