@@ -97,6 +97,9 @@ pub struct StreamEnd {
     pub sent: u64,
 }
 
+/// The longest request line the server reads (a spec file's text goes in one `add`).
+pub const MAX_REQUEST_BYTES: usize = 1 << 20;
+
 /// The key that starts a [`StreamEnd`] line, so that a client tells it from events.
 pub const STREAM_END_KEY: &str = "stream_end";
 
@@ -131,6 +134,11 @@ pub enum ControlError {
     NotASocket { path: PathBuf, what: &'static str },
     #[error("control socket {path}: the socket there belongs to uid {owner}, not to you; pick another path")]
     NotOurs { path: PathBuf, owner: u32 },
+    #[error(
+        "the request to {path} is {bytes} bytes, more than the {max} a control socket reads in one line \
+         (add the probes in several parts)"
+    )]
+    RequestTooLong { path: PathBuf, bytes: usize, max: usize },
     #[error("no running hvprobe found (no control socket in {dir}): start one with `hvprobe run`, or pass --control")]
     NoneRunning { dir: PathBuf },
     #[error("several hvprobe runs are running; pass --control with one of:\n{}", list(.sockets))]

@@ -2,7 +2,7 @@
 //! answers its requests, and a client that asked for `trace` gets its own event queue, so
 //! that a slow or gone client never stalls a vCPU or another client.
 
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::ops::ControlFlow;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -16,7 +16,7 @@ use hvprobe_vmm::VcpuControl;
 use hvprobe_probes::engine::HitEvent;
 
 use super::record::WireRecord;
-use super::{private_dir, ControlError, Request, Response, StreamEnd, StreamFormat, STREAM_END_KEY};
+use super::{private_dir, ControlError, Request, Response, StreamEnd, StreamFormat, MAX_REQUEST_BYTES, STREAM_END_KEY};
 use crate::cli::OutputFormat;
 use crate::trace::{event_line, Subscription, TraceSession};
 
@@ -288,17 +288,42 @@ fn serve_client(
 
 /// Reads requests from `reader`, one per line, answering the malformed ones itself and
 /// handing the others to `on_request`, until the client goes away or `on_request` stops.
+/// A line longer than [`MAX_REQUEST_BYTES`] is answered with the reason and ends the
+/// connection: the server never holds more than that of a client's line.
 fn serve_requests<W: Write>(
-    reader: impl BufRead,
+    mut reader: impl BufRead,
     out: &mut W,
     mut on_request: impl FnMut(Request, &mut W) -> ControlFlow<()>,
 ) {
-    for line in reader.lines() {
-        let Ok(line) = line else { return };
-        if line.trim().is_empty() {
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        // One byte over the limit tells a line at the limit from a longer one.
+        match (&mut reader)
+            .take(MAX_REQUEST_BYTES as u64 + 1)
+            .read_until(b'\n', &mut line)
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let text = match line.strip_suffix(b"\n") {
+            Some(text) => text,
+            None if line.len() > MAX_REQUEST_BYTES => {
+                let _ = send(
+                    out,
+                    &Response::error(format!(
+                        "request longer than {MAX_REQUEST_BYTES} bytes: the connection is closed"
+                    )),
+                );
+                return;
+            }
+            // The client's last line, without its newline.
+            None => &line[..],
+        };
+        if text.trim_ascii().is_empty() {
             continue;
         }
-        let request = match serde_json::from_str::<Request>(&line) {
+        let request = match serde_json::from_slice::<Request>(text) {
             Ok(r) => r,
             Err(e) => {
                 if send(out, &Response::error(format!("malformed request: {e}"))).is_err() {
@@ -488,5 +513,73 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600, "mode {mode:o}");
         drop(listener);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A reader that counts what was read of it.
+    struct Counted<R> {
+        inner: R,
+        read: usize,
+    }
+
+    impl<R: Read> Read for Counted<R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.read += n;
+            Ok(n)
+        }
+    }
+
+    /// A line past the limit gets one answer saying so and ends the connection: the
+    /// requests after it are not read, and neither is the rest of an endless line.
+    #[test]
+    fn a_request_line_past_the_limit_is_answered_and_ends_the_connection() {
+        let mut input = vec![b'x'; MAX_REQUEST_BYTES + 1];
+        input.extend_from_slice(b"\n{\"op\":\"list\"}\n");
+        let mut out = Vec::new();
+        let mut handed = 0;
+        serve_requests(BufReader::new(&input[..]), &mut out, |_, _| {
+            handed += 1;
+            ControlFlow::Continue(())
+        });
+        let out = String::from_utf8(out).unwrap();
+        assert_eq!(handed, 0, "{out}");
+        assert_eq!(out.lines().count(), 1, "{out}");
+        let answer: Response = serde_json::from_str(out.trim()).unwrap();
+        assert!(!answer.ok);
+        assert_eq!(
+            answer.errors,
+            [format!(
+                "request longer than {MAX_REQUEST_BYTES} bytes: the connection is closed"
+            )]
+        );
+
+        let mut endless = Counted {
+            inner: std::io::repeat(b'x').take(64 << 20),
+            read: 0,
+        };
+        let mut out = Vec::new();
+        serve_requests(BufReader::new(&mut endless), &mut out, |_, _| ControlFlow::Continue(()));
+        assert!(
+            endless.read <= MAX_REQUEST_BYTES + (64 << 10),
+            "read {} bytes of an endless line",
+            endless.read
+        );
+        assert!(String::from_utf8(out).unwrap().contains("request longer than"));
+    }
+
+    /// Requests within the limit are handed on in order; malformed ones answered.
+    #[test]
+    fn requests_are_handed_on_and_malformed_ones_answered() {
+        let input = b"{\"op\":\"list\"}\n\nnot json\n{\"op\":\"enable\",\"events\":[]}\n";
+        let mut out = Vec::new();
+        let mut handed = Vec::new();
+        serve_requests(BufReader::new(&input[..]), &mut out, |request, _| {
+            handed.push(request);
+            ControlFlow::Continue(())
+        });
+        assert_eq!(handed, [Request::List, Request::Enable { events: vec![] }]);
+        assert!(String::from_utf8(out)
+            .unwrap()
+            .starts_with("{\"ok\":false,\"errors\":[\"malformed request"));
     }
 }

@@ -441,6 +441,21 @@ fn a_bad_add_reports_every_problem_and_changes_nothing() {
             "{answer}"
         );
     }
+    // A request line past the limit is answered with the reason, and the server hangs up
+    // without reading (and keeping) the rest of it.
+    let mut raw = UnixStream::connect(&live.socket).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let long = vec![b'x'; hvprobe::control::MAX_REQUEST_BYTES + 1];
+    let _ = raw.write_all(&long);
+    let mut answer = String::new();
+    BufReader::new(&raw).read_line(&mut answer).unwrap();
+    assert!(
+        answer.contains(&format!(
+            "request longer than {} bytes",
+            hvprobe::control::MAX_REQUEST_BYTES
+        )),
+        "{answer}"
+    );
     let good = live.probe(&["add", "p:ok/a vfs_read"]);
     assert_eq!(good.code, Some(0), "{}", good.tail());
     assert!(good.stdout.contains("armed 1 probes in 1 pause(s)"), "{}", good.stdout);
