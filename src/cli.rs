@@ -156,6 +156,25 @@ pub struct MachineArgs {
     /// hvprobe's cache (guest/build-virtiofsd.sh, from crates.io)].
     #[arg(long, value_name = "PATH", requires = "shares")]
     pub virtiofsd: Option<PathBuf>,
+    /// How virtiofsd is isolated from the host [default: namespace].
+    ///
+    /// namespace: in new mount, PID and network namespaces with the shared directory as
+    /// its root, and its seccomp filter; where the host does not let hvprobe make those
+    /// namespaces the run is refused before the boot. none: virtiofsd runs in the host's
+    /// namespaces and sees every file its user can; only its own path checks keep the
+    /// guest inside the shared directory, so a bug in them, or a guest that takes the
+    /// daemon over, reaches all of those files.
+    #[arg(long, value_enum, value_name = "HOW", requires = "shares")]
+    pub share_sandbox: Option<ShareSandbox>,
+}
+
+/// How virtiofsd is isolated (`--share-sandbox`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShareSandbox {
+    /// New mount, PID and network namespaces, the shared directory as the daemon's root.
+    Namespace,
+    /// None: the daemon sees every host file its user can.
+    None,
 }
 
 /// A `--rwdir` argument: `[GUESTPATH=]HOSTDIR`, as the user wrote it.
@@ -218,6 +237,7 @@ impl MachineArgs {
             rwdirs: Vec::new(),
             modules: None,
             virtiofsd: None,
+            share_sandbox: None,
         }
     }
 }

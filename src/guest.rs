@@ -342,7 +342,8 @@ impl MachineFiles {
             true => None,
             false => {
                 let (path, from) = crate::shares::find_virtiofsd(machine.virtiofsd.as_deref())?;
-                let sandbox = crate::shares::check_virtiofsd(&path, from)?;
+                let refused = crate::shares::check_virtiofsd(&path, from)?;
+                let sandbox = crate::shares::choose_sandbox(machine.share_sandbox, refused)?;
                 Some((path, sandbox))
             }
         };

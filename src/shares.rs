@@ -22,11 +22,11 @@
 //!   [`Daemons`] stops each daemon (SIGTERM, then SIGKILL) and reaps it.
 //!
 //! Sandbox: `--sandbox namespace` (virtiofsd in new mount, PID and network namespaces,
-//! its root the shared directory) when the host lets hvprobe create them: always as root,
-//! and as another user when user namespaces are allowed. hvprobe tries the same
-//! `unshare(2)` virtiofsd would make before choosing it; when the host refuses, the
-//! daemon runs with `--sandbox none` and hvprobe says why (virtiofsd then sees the host's
-//! whole file system, and relies on its own path checks to stay in the shared directory).
+//! its root the shared directory). hvprobe tries the same `unshare(2)` virtiofsd would
+//! make; where the host refuses (as root it never does; as another user, where user
+//! namespaces are not allowed), the run is refused before the boot, unless the user gave
+//! the sandbox up with `--share-sandbox none` (virtiofsd then sees every host file its user
+//! can, and relies on its own path checks to stay in the shared directory).
 
 use std::collections::VecDeque;
 use std::io::{BufRead, Read};
@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use hvprobe_vmm::FsConfig;
 
-use crate::cli::RwDirArg;
+use crate::cli::{RwDirArg, ShareSandbox};
 
 /// The bundled init's option for the root share (`--rootfs`), and its tag.
 pub const ROOTFS_OPTION: &str = "hvprobe.rootfs";
@@ -85,6 +85,12 @@ pub enum ShareError {
     GuestPathTwice { path: String },
     #[error("{count} virtio devices (disks and shared directories): at most {max} are supported")]
     TooManyDevices { count: usize, max: usize },
+    #[error(
+        "virtiofsd's namespace sandbox cannot be made here: {reason}; pass --share-sandbox none to \
+         run virtiofsd without it (it then sees every host file its user can, and only its own path \
+         checks keep the guest in the shared directory)"
+    )]
+    NoSandbox { reason: NamespacesRefused },
     #[error("virtiofsd {path} (from {from}): {problem}")]
     Virtiofsd {
         path: PathBuf,
@@ -297,25 +303,40 @@ pub fn find_virtiofsd(flag: Option<&Path>) -> Result<(PathBuf, &'static str), Sh
     Ok((built, "hvprobe's cache (just built)"))
 }
 
-/// How virtiofsd is sandboxed, and why not when it is not.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// How virtiofsd is sandboxed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sandbox {
+    /// Its namespace sandbox.
     Namespace,
-    None { reason: String },
+    /// None, as the user asked (`--share-sandbox none`).
+    None,
 }
 
 impl Sandbox {
     fn arg(&self) -> &'static str {
         match self {
             Sandbox::Namespace => "--sandbox=namespace",
-            Sandbox::None { .. } => "--sandbox=none",
+            Sandbox::None => "--sandbox=none",
         }
     }
 }
 
-/// Checks that `virtiofsd` runs (`--version`) and chooses its sandbox: namespaces when
-/// the `unshare(2)` virtiofsd makes for them works here.
-pub fn check_virtiofsd(path: &Path, from: &'static str) -> Result<Sandbox, ShareError> {
+/// Why virtiofsd's namespaces cannot be made here (hvprobe's trial of them).
+#[derive(Debug, thiserror::Error)]
+pub enum NamespacesRefused {
+    #[error("virtiofsd --version in new namespaces ended with {0}")]
+    Exited(std::process::ExitStatus),
+    #[error("this host refuses to create the namespaces virtiofsd's sandbox needs{} ({source})", if *.root { "" } else { " as a user other than root" })]
+    Unshare {
+        root: bool,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Checks that `virtiofsd` runs (`--version`) and whether this host lets it make its
+/// namespace sandbox: the same `unshare(2)` virtiofsd makes, tried; `Some` says why not.
+pub fn check_virtiofsd(path: &Path, from: &'static str) -> Result<Option<NamespacesRefused>, ShareError> {
     let problem = |problem: String| ShareError::Virtiofsd {
         path: path.into(),
         from,
@@ -352,17 +373,20 @@ pub fn check_virtiofsd(path: &Path, from: &'static str) -> Result<Sandbox, Share
         });
     }
     Ok(match probe.status() {
-        Ok(status) if status.success() => Sandbox::Namespace,
-        Ok(status) => Sandbox::None {
-            reason: format!("virtiofsd --version in new namespaces ended with {status}"),
-        },
-        Err(e) => Sandbox::None {
-            reason: format!(
-                "this host refuses to create the namespaces virtiofsd's sandbox needs{} ({e})",
-                if root { "" } else { " as a user other than root" }
-            ),
-        },
+        Ok(status) if status.success() => None,
+        Ok(status) => Some(NamespacesRefused::Exited(status)),
+        Err(source) => Some(NamespacesRefused::Unshare { root, source }),
     })
+}
+
+/// The sandbox of the run's daemons: the one asked for (`--share-sandbox`, namespace by
+/// default) if this host can make it (`refused` says why not).
+pub fn choose_sandbox(asked: Option<ShareSandbox>, refused: Option<NamespacesRefused>) -> Result<Sandbox, ShareError> {
+    match (asked.unwrap_or(ShareSandbox::Namespace), refused) {
+        (ShareSandbox::Namespace, None) => Ok(Sandbox::Namespace),
+        (ShareSandbox::Namespace, Some(reason)) => Err(ShareError::NoSandbox { reason }),
+        (ShareSandbox::None, _) => Ok(Sandbox::None),
+    }
 }
 
 /// The arguments virtiofsd gets for `share`, its socket at `socket`.
@@ -469,8 +493,8 @@ impl Daemons {
         runtime_dir: &Path,
         deadline: Duration,
     ) -> Result<Daemons, ShareError> {
-        if let Sandbox::None { reason } = sandbox {
-            eprintln!("hvprobe: virtiofsd runs without its namespace sandbox (--sandbox=none): {reason}");
+        if *sandbox == Sandbox::None {
+            tracing::warn!("virtiofsd runs without its namespace sandbox, as --share-sandbox none asks");
         }
         let dir = private_dir(runtime_dir)?;
         let mut daemons = Daemons {

@@ -150,11 +150,36 @@ fn virtiofsd_gets_its_socket_the_directory_and_read_only_for_the_root() {
         tag: "hvprobe-rw0".into(),
         ..share
     };
-    let none = Sandbox::None { reason: "test".into() };
-    let args = virtiofsd_args(&rw, Path::new("/run/s.sock"), &none);
+    let args = virtiofsd_args(&rw, Path::new("/run/s.sock"), &Sandbox::None);
     assert!(args.iter().any(|a| a == "--sandbox=none"));
     assert!(!args.iter().any(|a| a == "--readonly"));
     assert!(!args.iter().any(|a| a == "--no-announce-submounts"));
+}
+
+#[test]
+fn a_refused_sandbox_is_an_error_unless_given_up() {
+    let refused = || {
+        Some(NamespacesRefused::Unshare {
+            root: false,
+            source: std::io::Error::from_raw_os_error(libc::EPERM),
+        })
+    };
+    let err = choose_sandbox(None, refused()).unwrap_err().to_string();
+    assert!(
+        err.starts_with(
+            "virtiofsd's namespace sandbox cannot be made here: this host refuses to create the \
+             namespaces virtiofsd's sandbox needs as a user other than root"
+        ),
+        "{err}"
+    );
+    assert!(err.contains("pass --share-sandbox none"), "{err}");
+    assert!(choose_sandbox(Some(ShareSandbox::Namespace), refused()).is_err());
+    assert_eq!(
+        choose_sandbox(Some(ShareSandbox::None), refused()).unwrap(),
+        Sandbox::None
+    );
+    assert_eq!(choose_sandbox(None, None).unwrap(), Sandbox::Namespace);
+    assert_eq!(choose_sandbox(Some(ShareSandbox::None), None).unwrap(), Sandbox::None);
 }
 
 #[test]

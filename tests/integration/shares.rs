@@ -528,3 +528,61 @@ c.commit(); print('SUM', c.execute('select sum(x) from t').fetchone()[0])\"; \
     assert!(!Path::new(&outside).exists(), "{outside} reached the host's root");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A host that will not let hvprobe make virtiofsd's namespaces (here a stand-in
+/// virtiofsd that fails in new ones, as on a host that refuses them) refuses the run
+/// before the boot, naming the flag that gives the sandbox up.
+#[test]
+fn a_share_without_its_namespace_sandbox_is_refused_unless_asked_for() {
+    let dir = scratch("nosandbox");
+    let fake = dir.join("virtiofsd");
+    let args = dir.join("args");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\n\
+             [ \"$(readlink /proc/self/ns/net)\" = \"$(readlink /proc/$PPID/ns/net)\" ] || exit 1\n\
+             [ \"$1\" = --version ] && {{ echo 'virtiofsd 1.14.0'; exit 0; }}\n\
+             echo \"$@\" > {}\n\
+             echo 'stand-in virtiofsd: stopping here' >&2; exit 1\n",
+            args.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let share = dir.join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    let (fake, share) = (fake.to_str().unwrap(), share.to_str().unwrap());
+    common::assert_refused_before_boot(
+        &["--rwdir", share, "--virtiofsd", fake],
+        "virtiofsd's namespace sandbox cannot be made here",
+    );
+    assert!(
+        !args.exists(),
+        "virtiofsd was started without its sandbox: {:?}",
+        std::fs::read_to_string(&args)
+    );
+    // Asked for, it runs without (and the stand-in stops there, before a boot).
+    let run = hvprobe(
+        &[
+            "run",
+            "--workload",
+            "true",
+            "--rwdir",
+            share,
+            "--virtiofsd",
+            fake,
+            "--share-sandbox",
+            "none",
+        ],
+        QUICK,
+    );
+    assert!(
+        run.stderr.contains("stand-in virtiofsd: stopping here"),
+        "{}",
+        run.tail()
+    );
+    let given = std::fs::read_to_string(&args).unwrap();
+    assert!(given.contains("--sandbox=none"), "{given}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
