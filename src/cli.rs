@@ -156,6 +156,68 @@ pub struct MachineArgs {
     /// hvprobe's cache (guest/build-virtiofsd.sh, from crates.io)].
     #[arg(long, value_name = "PATH", requires = "shares")]
     pub virtiofsd: Option<PathBuf>,
+    /// What of --rootfs DIR the guest does not see (repeatable): a path as the guest names
+    /// it (`/` being DIR), `default` for the default list, or `none` alone to hide nothing
+    /// [default: default].
+    ///
+    /// Each path that exists is covered, on the host side where the guest cannot undo it,
+    /// by an empty directory (or an empty file): the guest, even its root mounting the
+    /// share by hand, reads nothing of it. The default list is the usual secrets of a
+    /// host's root (DIR may be `/`, and virtiofsd reads as hvprobe's user):
+    /// /etc/shadow, /etc/shadow-, /etc/gshadow, /etc/gshadow-, /etc/security/opasswd,
+    /// /etc/ssh, /etc/ssl/private, /etc/krb5.keytab, /root, /home, /var/backups, /var/mail,
+    /// /var/spool, /tmp, /var/tmp, /run, and the host's /sys and /dev (the guest mounts its
+    /// own). It is not every secret a host can hold: name others with `--rootfs-hide
+    /// default --rootfs-hide PATH`. The host's /proc is hidden with any list but none.
+    #[arg(long = "rootfs-hide", value_name = "PATH|default|none", value_parser = parse_rootfs_hide, requires = "rootfs")]
+    pub rootfs_hide: Vec<RootfsHide>,
+    /// How virtiofsd is isolated from the host [default: namespace].
+    ///
+    /// namespace: in new mount, PID and network namespaces with the shared directory as
+    /// its root, and its seccomp filter; where the host does not let hvprobe make those
+    /// namespaces the run is refused before the boot. none: virtiofsd runs in the host's
+    /// namespaces and sees every file its user can; only its own path checks keep the
+    /// guest inside the shared directory, so a bug in them, or a guest that takes the
+    /// daemon over, reaches all of those files. hvprobe's own limits on the daemon (no
+    /// device nodes, setuid or setgid bits, the --rootfs-hide list) hold with either.
+    #[arg(long, value_enum, value_name = "HOW", requires = "shares")]
+    pub share_sandbox: Option<ShareSandbox>,
+}
+
+/// How virtiofsd is isolated (`--share-sandbox`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ShareSandbox {
+    /// New mount, PID and network namespaces, the shared directory as the daemon's root.
+    Namespace,
+    /// None: the daemon sees every host file its user can.
+    None,
+}
+
+/// A `--rootfs-hide` value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RootfsHide {
+    /// `default`: the default list.
+    Default,
+    /// `none`: hide nothing.
+    Nothing,
+    /// A path as the guest names it.
+    Path(PathBuf),
+}
+
+/// `PATH|default|none`: PATH absolute (the guest's), not `/` itself.
+fn parse_rootfs_hide(text: &str) -> Result<RootfsHide, String> {
+    match text {
+        "default" => Ok(RootfsHide::Default),
+        "none" => Ok(RootfsHide::Nothing),
+        _ if !text.starts_with('/') => Err(format!(
+            "{text:?} is not an absolute path (a path as the guest names it, / being --rootfs DIR), \
+             nor default or none"
+        )),
+        _ if text.trim_end_matches('/').is_empty() => {
+            Err("hiding / would hide all of --rootfs DIR: run without --rootfs instead".into())
+        }
+        _ => Ok(RootfsHide::Path(PathBuf::from(text))),
+    }
 }
 
 /// A `--rwdir` argument: `[GUESTPATH=]HOSTDIR`, as the user wrote it.
@@ -218,6 +280,8 @@ impl MachineArgs {
             rwdirs: Vec::new(),
             modules: None,
             virtiofsd: None,
+            rootfs_hide: Vec::new(),
+            share_sandbox: None,
         }
     }
 }

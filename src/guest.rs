@@ -328,7 +328,7 @@ impl MachineFiles {
             .map(|root| root_option(root, machine.disks.len()))
             .transpose()?;
         drop(hvprobe_vmm::virtio::block::DiskImage::open_all(&machine.disks)?);
-        let shares = crate::shares::shares(machine.rootfs.as_deref(), &machine.rwdirs)?;
+        let shares = crate::shares::shares(machine.rootfs.as_deref(), &machine.rootfs_hide, &machine.rwdirs)?;
         let devices = machine.disks.len() + shares.len();
         if devices > hvprobe_vmm::virtio::MAX_DEVICES {
             return Err(crate::shares::ShareError::TooManyDevices {
@@ -342,7 +342,11 @@ impl MachineFiles {
             true => None,
             false => {
                 let (path, from) = crate::shares::find_virtiofsd(machine.virtiofsd.as_deref())?;
-                let sandbox = crate::shares::check_virtiofsd(&path, from)?;
+                let refused = crate::shares::check_virtiofsd(&path, from)?;
+                let sandbox = crate::shares::choose_sandbox(machine.share_sandbox, refused, &shares)?;
+                for share in &shares {
+                    crate::shares::check_hidden(share)?;
+                }
                 Some((path, sandbox))
             }
         };

@@ -21,12 +21,20 @@
 //! - when the run ends, however it ends (the guest's exit, an error, SIGTERM), dropping
 //!   [`Daemons`] stops each daemon (SIGTERM, then SIGKILL) and reaps it.
 //!
-//! Sandbox: `--sandbox namespace` (virtiofsd in new mount, PID and network namespaces,
-//! its root the shared directory) when the host lets hvprobe create them: always as root,
-//! and as another user when user namespaces are allowed. hvprobe tries the same
-//! `unshare(2)` virtiofsd would make before choosing it; when the host refuses, the
-//! daemon runs with `--sandbox none` and hvprobe says why (virtiofsd then sees the host's
-//! whole file system, and relies on its own path checks to stay in the shared directory).
+//! What the guest can do through a daemon, which runs as hvprobe's user (root, often):
+//! - sandbox: `--sandbox namespace` (virtiofsd in new mount, PID and network namespaces,
+//!   its root the shared directory). hvprobe tries the same `unshare(2)` virtiofsd would
+//!   make; where the host refuses, the run is refused before the boot, unless the user
+//!   gave the sandbox up with `--share-sandbox none` (virtiofsd then sees every host file
+//!   its user can, and relies on its own path checks to stay in the shared directory);
+//! - ownership: every file the guest creates, or chowns, belongs to hvprobe's user and
+//!   group, and the guest's root sees that user's files as its own
+//!   (`--translate-uid`/`--translate-gid`): a guest cannot hand a file to another host user;
+//! - privileges: no device node, no setuid or setgid bit, no file capability, no open by
+//!   file handle (virtiofsd's `--modcaps`, `--inode-file-handles=never`, and hvprobe's own
+//!   seccomp filter under virtiofsd's, [`confine`]);
+//! - `--rootfs`: read-only, and the `--rootfs-hide` paths covered by empty ones in the
+//!   daemon's mount namespace, set up by hvprobe before the daemon starts ([`confine`]).
 
 use std::collections::VecDeque;
 use std::io::{BufRead, Read};
@@ -40,7 +48,10 @@ use std::time::{Duration, Instant};
 
 use hvprobe_vmm::FsConfig;
 
-use crate::cli::RwDirArg;
+use crate::cli::{RootfsHide, RwDirArg, ShareSandbox};
+
+mod confine;
+pub use confine::HideError;
 
 /// The bundled init's option for the root share (`--rootfs`), and its tag.
 pub const ROOTFS_OPTION: &str = "hvprobe.rootfs";
@@ -53,6 +64,35 @@ pub const SOCKET_DEADLINE: Duration = Duration::from_secs(10);
 pub const VIRTIOFSD_VERSION: &str = "1.14.0";
 /// Where distributions install virtiofsd (Debian's and Fedora's package, QEMU's older one).
 const SYSTEM_VIRTIOFSD: [&str; 2] = ["/usr/libexec/virtiofsd", "/usr/lib/qemu/virtiofsd"];
+/// What `--rootfs-hide default` hides of a `--rootfs` (each path that exists): the usual
+/// secrets of a host's root, and its kernel's file systems.
+pub const DEFAULT_HIDDEN: [&str; 18] = [
+    "/etc/shadow",
+    "/etc/shadow-",
+    "/etc/gshadow",
+    "/etc/gshadow-",
+    "/etc/security/opasswd",
+    // Host keys (and the rest of the host's ssh configuration).
+    "/etc/ssh",
+    "/etc/ssl/private",
+    "/etc/krb5.keytab",
+    "/root",
+    "/home",
+    // Debian keeps copies of the shadow files here.
+    "/var/backups",
+    "/var/mail",
+    "/var/spool",
+    // Other users' files, ticket caches, runtime secrets; the guest's init mounts its own
+    // /tmp and /run.
+    "/tmp",
+    "/var/tmp",
+    "/run",
+    // The host's sysfs (and what is mounted in it: debugfs, efivarfs, ...) and its devtmpfs
+    // (/dev/shm, /dev/mqueue hold other processes' files); the guest's init mounts its own.
+    // (/proc is hidden whatever the list: see `confine::Hiding`.)
+    "/sys",
+    "/dev",
+];
 /// Lines of a daemon's stderr kept for a report, and the bytes kept of each.
 const TAIL_LINES: usize = 20;
 const TAIL_LINE_BYTES: usize = 400;
@@ -85,6 +125,21 @@ pub enum ShareError {
     GuestPathTwice { path: String },
     #[error("{count} virtio devices (disks and shared directories): at most {max} are supported")]
     TooManyDevices { count: usize, max: usize },
+    #[error("--rootfs-hide none hides nothing, so it goes alone (not with {other})")]
+    HideNoneWithOthers { other: String },
+    #[error(transparent)]
+    Hide(#[from] HideError),
+    #[error(
+        "virtiofsd's namespace sandbox cannot be made here: {reason}; pass --share-sandbox none to \
+         run virtiofsd without it (it then sees every host file its user can, and only its own path \
+         checks keep the guest in the shared directory)"
+    )]
+    NoSandbox { reason: NamespacesRefused },
+    #[error(
+        "--rootfs-hide: hiding paths of --rootfs needs a mount namespace, which this host refuses: \
+         {reason}; pass --rootfs-hide none to share all of {dir}"
+    )]
+    HideNeedsNamespaces { dir: PathBuf, reason: NamespacesRefused },
     #[error("virtiofsd {path} (from {from}): {problem}")]
     Virtiofsd {
         path: PathBuf,
@@ -148,6 +203,8 @@ pub struct Share {
     pub guest_path: Option<String>,
     /// virtiofsd refuses every write (`--readonly`).
     pub read_only: bool,
+    /// Paths the guest does not see (`--rootfs-hide`, guest paths: `/` is `host_dir`).
+    pub hidden: Vec<PathBuf>,
 }
 
 impl Share {
@@ -205,9 +262,39 @@ fn unfit_for_cmdline(path: &str) -> Option<&'static str> {
     }
 }
 
+/// The paths `--rootfs-hide` names: the default list unless told otherwise, `default`
+/// standing for it among others, `none` alone for nothing.
+pub fn hidden_paths(hide: &[RootfsHide]) -> Result<Vec<PathBuf>, ShareError> {
+    let defaults = || DEFAULT_HIDDEN.iter().map(PathBuf::from);
+    if hide.is_empty() {
+        return Ok(defaults().collect());
+    }
+    let mut paths: Vec<PathBuf> = Vec::new();
+    for value in hide {
+        match value {
+            RootfsHide::Nothing if hide.len() == 1 => return Ok(Vec::new()),
+            RootfsHide::Nothing => {
+                let other = hide
+                    .iter()
+                    .find_map(|h| match h {
+                        RootfsHide::Default => Some("default".to_owned()),
+                        RootfsHide::Path(p) => Some(p.display().to_string()),
+                        RootfsHide::Nothing => None,
+                    })
+                    .unwrap_or_else(|| "none".into());
+                return Err(ShareError::HideNoneWithOthers { other });
+            }
+            RootfsHide::Default => paths.extend(defaults()),
+            RootfsHide::Path(p) => paths.push(p.clone()),
+        }
+    }
+    paths.dedup();
+    Ok(paths)
+}
+
 /// The shares of a run, checked: the directories exist, the guest paths fit on the
 /// kernel command line and differ. Tags: `hvprobe-rootfs`, then `hvprobe-rw0`, … in order.
-pub fn shares(rootfs: Option<&Path>, rwdirs: &[RwDirArg]) -> Result<Vec<Share>, ShareError> {
+pub fn shares(rootfs: Option<&Path>, hide: &[RootfsHide], rwdirs: &[RwDirArg]) -> Result<Vec<Share>, ShareError> {
     let mut shares = Vec::new();
     if let Some(dir) = rootfs {
         shares.push(Share {
@@ -217,6 +304,7 @@ pub fn shares(rootfs: Option<&Path>, rwdirs: &[RwDirArg]) -> Result<Vec<Share>, 
             // The guest puts an overlay with a tmpfs upper over it; read-only here too, so
             // that not even a guest that skips the overlay can change the host's files.
             read_only: true,
+            hidden: hidden_paths(hide)?,
         });
     }
     let mut guest_paths: Vec<String> = Vec::new();
@@ -252,9 +340,19 @@ pub fn shares(rootfs: Option<&Path>, rwdirs: &[RwDirArg]) -> Result<Vec<Share>, 
             tag: format!("hvprobe-rw{index}"),
             guest_path: Some(trimmed.into()),
             read_only: false,
+            hidden: Vec::new(),
         });
     }
     Ok(shares)
+}
+
+/// Checks, before the boot, that `share`'s hidden paths can be hidden (each resolved in its
+/// directory as the guest would name it).
+pub fn check_hidden(share: &Share) -> Result<(), ShareError> {
+    if !share.hidden.is_empty() {
+        confine::check(&share.host_dir, &share.hidden)?;
+    }
+    Ok(())
 }
 
 /// The virtiofsd to run and where it came from: `--virtiofsd PATH`, `$HVPROBE_VIRTIOFSD`,
@@ -297,25 +395,40 @@ pub fn find_virtiofsd(flag: Option<&Path>) -> Result<(PathBuf, &'static str), Sh
     Ok((built, "hvprobe's cache (just built)"))
 }
 
-/// How virtiofsd is sandboxed, and why not when it is not.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// How virtiofsd is sandboxed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sandbox {
+    /// Its namespace sandbox.
     Namespace,
-    None { reason: String },
+    /// None, as the user asked (`--share-sandbox none`).
+    None,
 }
 
 impl Sandbox {
     fn arg(&self) -> &'static str {
         match self {
             Sandbox::Namespace => "--sandbox=namespace",
-            Sandbox::None { .. } => "--sandbox=none",
+            Sandbox::None => "--sandbox=none",
         }
     }
 }
 
-/// Checks that `virtiofsd` runs (`--version`) and chooses its sandbox: namespaces when
-/// the `unshare(2)` virtiofsd makes for them works here.
-pub fn check_virtiofsd(path: &Path, from: &'static str) -> Result<Sandbox, ShareError> {
+/// Why virtiofsd's namespaces cannot be made here (hvprobe's trial of them).
+#[derive(Debug, thiserror::Error)]
+pub enum NamespacesRefused {
+    #[error("virtiofsd --version in new namespaces ended with {0}")]
+    Exited(std::process::ExitStatus),
+    #[error("this host refuses to create the namespaces virtiofsd's sandbox needs{} ({source})", if *.root { "" } else { " as a user other than root" })]
+    Unshare {
+        root: bool,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Checks that `virtiofsd` runs (`--version`) and whether this host lets it make its
+/// namespace sandbox: the same `unshare(2)` virtiofsd makes, tried; `Some` says why not.
+pub fn check_virtiofsd(path: &Path, from: &'static str) -> Result<Option<NamespacesRefused>, ShareError> {
     let problem = |problem: String| ShareError::Virtiofsd {
         path: path.into(),
         from,
@@ -352,26 +465,71 @@ pub fn check_virtiofsd(path: &Path, from: &'static str) -> Result<Sandbox, Share
         });
     }
     Ok(match probe.status() {
-        Ok(status) if status.success() => Sandbox::Namespace,
-        Ok(status) => Sandbox::None {
-            reason: format!("virtiofsd --version in new namespaces ended with {status}"),
-        },
-        Err(e) => Sandbox::None {
-            reason: format!(
-                "this host refuses to create the namespaces virtiofsd's sandbox needs{} ({e})",
-                if root { "" } else { " as a user other than root" }
-            ),
-        },
+        Ok(status) if status.success() => None,
+        Ok(status) => Some(NamespacesRefused::Exited(status)),
+        Err(source) => Some(NamespacesRefused::Unshare { root, source }),
     })
 }
 
-/// The arguments virtiofsd gets for `share`, its socket at `socket`.
-pub fn virtiofsd_args(share: &Share, socket: &Path, sandbox: &Sandbox) -> Vec<std::ffi::OsString> {
+/// The sandbox of the run's daemons: the one asked for (`--share-sandbox`, namespace by
+/// default) if this host can make it (`refused` says why not), and hidden paths only where
+/// hvprobe can make a mount namespace for them.
+pub fn choose_sandbox(
+    asked: Option<ShareSandbox>,
+    refused: Option<NamespacesRefused>,
+    shares: &[Share],
+) -> Result<Sandbox, ShareError> {
+    let sandbox = match asked.unwrap_or(ShareSandbox::Namespace) {
+        ShareSandbox::Namespace => Sandbox::Namespace,
+        ShareSandbox::None => Sandbox::None,
+    };
+    match (sandbox, refused) {
+        (_, None) => Ok(sandbox),
+        (Sandbox::Namespace, Some(reason)) => Err(ShareError::NoSandbox { reason }),
+        (Sandbox::None, Some(reason)) => match shares.iter().find(|s| !s.hidden.is_empty()) {
+            Some(share) => Err(ShareError::HideNeedsNamespaces {
+                dir: share.host_dir.clone(),
+                reason,
+            }),
+            None => Ok(sandbox),
+        },
+    }
+}
+
+/// Whose files the guest's are: the user and group hvprobe runs as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Owner {
+    /// hvprobe's effective user and group.
+    pub fn current() -> Owner {
+        // SAFETY: geteuid and getegid have no preconditions.
+        unsafe {
+            Owner {
+                uid: libc::geteuid(),
+                gid: libc::getegid(),
+            }
+        }
+    }
+}
+
+/// The arguments virtiofsd gets for `share` (the directory it shares: `shared`, the share's
+/// own or a view of it with paths hidden), its socket at `socket`, its files `owner`'s.
+pub fn virtiofsd_args(
+    share: &Share,
+    shared: &Path,
+    socket: &Path,
+    sandbox: &Sandbox,
+    owner: Owner,
+) -> Vec<std::ffi::OsString> {
     let mut args: Vec<std::ffi::OsString> = vec![
         "--socket-path".into(),
         socket.into(),
         "--shared-dir".into(),
-        share.host_dir.clone().into(),
+        shared.into(),
         sandbox.arg().into(),
         // The guest's page cache keeps what it read while the file is unchanged on the host.
         "--cache=auto".into(),
@@ -381,7 +539,24 @@ pub fn virtiofsd_args(share: &Share, socket: &Path, sandbox: &Sandbox) -> Vec<st
         // packaged one): when it dies, the device knows which requests it left unanswered
         // (`virtio::fs::orphan`).
         "--thread-pool-size=0".into(),
+        // As root, virtiofsd keeps CAP_MKNOD, CAP_SETFCAP and CAP_FSETID by default: device
+        // nodes, file capabilities, and set-group-ID bits kept where the kernel would clear
+        // them. hvprobe's seccomp filter refuses those too (confine.rs); this is the
+        // daemon's own half. (A daemon not running as root has none of these.)
+        "--modcaps=-mknod:-setfcap:-fsetid".into(),
+        // File handles need CAP_DAC_READ_SEARCH, with which a daemon the guest took over
+        // could open any file of the filesystem by handle, past its sandbox's root: an
+        // O_PATH descriptor per inode the guest knows instead (the open-file limit, which
+        // virtiofsd raises to the hard limit, bounds what a guest keeps looked up).
+        "--inode-file-handles=never".into(),
     ];
+    // Every guest uid and gid is hvprobe's user's and group's on the host, and the host's
+    // files of that user are the guest root's: a guest that chowns a file to another uid
+    // leaves it hvprobe's user's. ([0, 2^32 - 1): -1 is chown's "unchanged".)
+    for (flag, id) in [("--translate-uid", owner.uid), ("--translate-gid", owner.gid)] {
+        args.push(format!("{flag}=map:0:{id}:1").into());
+        args.push(format!("{flag}=squash-guest:1:{id}:4294967294").into());
+    }
     if share.read_only {
         args.push("--readonly".into());
     }
@@ -469,8 +644,8 @@ impl Daemons {
         runtime_dir: &Path,
         deadline: Duration,
     ) -> Result<Daemons, ShareError> {
-        if let Sandbox::None { reason } = sandbox {
-            eprintln!("hvprobe: virtiofsd runs without its namespace sandbox (--sandbox=none): {reason}");
+        if *sandbox == Sandbox::None {
+            tracing::warn!("virtiofsd runs without its namespace sandbox, as --share-sandbox none asks");
         }
         let dir = private_dir(runtime_dir)?;
         let mut daemons = Daemons {
@@ -481,7 +656,16 @@ impl Daemons {
         };
         for share in shares {
             let socket = daemons.dir.join(format!("{}.sock", share.tag));
-            let daemon = daemons.spawn(binary, sandbox, share, socket)?;
+            let hiding = match share.hidden.is_empty() {
+                true => None,
+                false => Some(confine::Hiding::new(
+                    &share.host_dir,
+                    &share.hidden,
+                    &daemons.dir,
+                    &share.tag,
+                )?),
+            };
+            let daemon = daemons.spawn(binary, sandbox, share, socket, confine::Confinement::new(hiding))?;
             daemons.daemons.push(daemon);
         }
         let started = Instant::now();
@@ -505,24 +689,33 @@ impl Daemons {
         Ok(daemons)
     }
 
-    fn spawn(&self, binary: &Path, sandbox: &Sandbox, share: &Share, socket: PathBuf) -> Result<Daemon, ShareError> {
+    fn spawn(
+        &self,
+        binary: &Path,
+        sandbox: &Sandbox,
+        share: &Share,
+        socket: PathBuf,
+        confinement: confine::Confinement,
+    ) -> Result<Daemon, ShareError> {
         let mut command = Command::new(binary);
+        let shared = confinement.shared_dir().unwrap_or(&share.host_dir);
         command
-            .args(virtiofsd_args(share, &socket, sandbox))
+            .args(virtiofsd_args(share, shared, &socket, sandbox, Owner::current()))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .process_group(0);
-        // SAFETY: the closure runs in the forked child before exec and only makes the
-        // prctl system call, which is async-signal-safe. The daemon gets SIGTERM when the
-        // thread that started it ends: hvprobe starts daemons on the thread that runs the
-        // whole run (its main thread), so that is when hvprobe ends, killed or not.
+        // SAFETY: the closure runs in the forked child before exec and makes system calls
+        // only (prctl, and `Confinement::apply`'s, which allocate nothing), all
+        // async-signal-safe. The daemon gets SIGTERM when the thread that started it ends:
+        // hvprobe starts daemons on the thread that runs the whole run (its main thread),
+        // so that is when hvprobe ends, killed or not.
         unsafe {
-            command.pre_exec(|| {
+            command.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                Ok(())
+                confinement.apply()
             });
         }
         let mut child = command.spawn().map_err(|source| ShareError::Spawn {

@@ -40,6 +40,10 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         // Set below, for a boot or a restore.
         symbols: SymbolRequest::default(),
     };
+    // A --control PATH that is not ours to bind fails now, not after a guest build and a boot.
+    if let ControlSocket::At(path) = &trace.control {
+        crate::control::check_socket_path(path)?;
+    }
     if let Some(dir) = &args.snapshot {
         // Source targets read the restored kernel's DWARF: --vmlinux's, or the bundled
         // guest's (what `snapshot create` saves by default).

@@ -64,6 +64,14 @@ impl Connection {
             path: self.path.clone(),
             source,
         })?;
+        // The server would answer only that it is too long, and hang up.
+        if line.len() > super::MAX_REQUEST_BYTES {
+            return Err(ControlError::RequestTooLong {
+                path: self.path.clone(),
+                bytes: line.len(),
+                max: super::MAX_REQUEST_BYTES,
+            });
+        }
         line.push('\n');
         self.writer.write_all(line.as_bytes()).map_err(io)?;
         let mut answer = String::new();

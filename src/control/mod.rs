@@ -11,7 +11,7 @@
 //! directory of that user's that nobody else can enter, and the server also checks each
 //! peer's uid (`SO_PEERCRED`).
 
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -97,6 +97,9 @@ pub struct StreamEnd {
     pub sent: u64,
 }
 
+/// The longest request line the server reads (a spec file's text goes in one `add`).
+pub const MAX_REQUEST_BYTES: usize = 1 << 20;
+
 /// The key that starts a [`StreamEnd`] line, so that a client tells it from events.
 pub const STREAM_END_KEY: &str = "stream_end";
 
@@ -124,6 +127,18 @@ pub enum ControlError {
     Socket { path: PathBuf, source: std::io::Error },
     #[error("control socket {path} is in use by a running hvprobe")]
     InUse { path: PathBuf },
+    #[error(
+        "control socket {path}: {what} is there, not a socket (hvprobe replaces only a socket \
+         left by a run that died; pick another path)"
+    )]
+    NotASocket { path: PathBuf, what: &'static str },
+    #[error("control socket {path}: the socket there belongs to uid {owner}, not to you; pick another path")]
+    NotOurs { path: PathBuf, owner: u32 },
+    #[error(
+        "the request to {path} is {bytes} bytes, more than the {max} a control socket reads in one line \
+         (add the probes in several parts)"
+    )]
+    RequestTooLong { path: PathBuf, bytes: usize, max: usize },
     #[error("no running hvprobe found (no control socket in {dir}): start one with `hvprobe run`, or pass --control")]
     NoneRunning { dir: PathBuf },
     #[error("several hvprobe runs are running; pass --control with one of:\n{}", list(.sockets))]
@@ -142,6 +157,67 @@ fn list(paths: &[PathBuf]) -> String {
         .map(|p| format!("  {}", p.display()))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// What is at a control socket's path before hvprobe binds it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SocketPath {
+    /// Nothing.
+    Free,
+    /// A socket of this user's that nobody answers on: left by a run that died, and taken over.
+    Stale,
+}
+
+/// Checks what is at `path`, where a run is to bind its control socket (`--control PATH`,
+/// checked before the boot and again at the bind): nothing, or a socket of this user's
+/// that nobody answers on. Anything else is refused, never removed: a file of the user's,
+/// or another user's socket. The path itself is looked at (lstat), not what a symlink
+/// there points to.
+pub fn check_socket_path(path: &Path) -> Result<SocketPath, ControlError> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(SocketPath::Free),
+        Err(source) => {
+            return Err(ControlError::Socket {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let kind = meta.file_type();
+    let what = if kind.is_socket() {
+        None
+    } else if kind.is_file() {
+        Some("a regular file")
+    } else if kind.is_dir() {
+        Some("a directory")
+    } else if kind.is_symlink() {
+        Some("a symbolic link")
+    } else if kind.is_fifo() {
+        Some("a FIFO")
+    } else {
+        Some("a device node")
+    };
+    if let Some(what) = what {
+        return Err(ControlError::NotASocket {
+            path: path.to_path_buf(),
+            what,
+        });
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(ControlError::NotOurs {
+            path: path.to_path_buf(),
+            owner: meta.uid(),
+        });
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(ControlError::InUse {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(SocketPath::Stale)
 }
 
 /// Creates `dir` (mode 0700) if it is missing, and checks that it belongs to us and is

@@ -2,8 +2,8 @@
 //! answers its requests, and a client that asked for `trace` gets its own event queue, so
 //! that a slow or gone client never stalls a vCPU or another client.
 
-use std::io::{BufRead, BufReader, BufWriter, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::io::{BufRead, BufReader, BufWriter, Read, Write};
+use std::ops::ControlFlow;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +16,7 @@ use hvprobe_vmm::VcpuControl;
 use hvprobe_probes::engine::HitEvent;
 
 use super::record::WireRecord;
-use super::{private_dir, ControlError, Request, Response, StreamEnd, StreamFormat, STREAM_END_KEY};
+use super::{private_dir, ControlError, Request, Response, StreamEnd, StreamFormat, MAX_REQUEST_BYTES, STREAM_END_KEY};
 use crate::cli::OutputFormat;
 use crate::trace::{event_line, Subscription, TraceSession};
 
@@ -53,19 +53,11 @@ impl ControlServer {
                 dir.join(format!("{}.sock", std::process::id()))
             }
         };
+        let listener = bind_socket(&path)?;
         let socket_err = |source| ControlError::Socket {
             path: path.clone(),
             source,
         };
-        if path.exists() {
-            // A socket nobody answers on is left over from a run that died: take it over.
-            if UnixStream::connect(&path).is_ok() {
-                return Err(ControlError::InUse { path });
-            }
-            std::fs::remove_file(&path).map_err(socket_err)?;
-        }
-        let listener = UnixListener::bind(&path).map_err(socket_err)?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(socket_err)?;
         let stopping = Arc::new(AtomicBool::new(false));
         let streams = Arc::new(Mutex::new(Vec::new()));
         let accept = {
@@ -115,6 +107,70 @@ impl ControlServer {
             let _ = thread.join();
         }
     }
+}
+
+/// Binds the control socket at `path`, mode 0600, after [`super::check_socket_path`]: only a
+/// socket of ours left by a run that died is removed first.
+fn bind_socket(path: &Path) -> Result<UnixListener, ControlError> {
+    let socket_err = |source| ControlError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    if super::check_socket_path(path)? == super::SocketPath::Stale {
+        // (Another user cannot swap it for something else in between: it is ours, and a
+        // directory where others may replace our files lets them do anything anyway.)
+        std::fs::remove_file(path).map_err(socket_err)?;
+    }
+    bind_private(path).map_err(socket_err)
+}
+
+/// A listening Unix socket at `path` whose file is mode 0600 from its creation. Linux
+/// gives a socket's file the mode of the socket's own inode less the umask
+/// (`unix_bind_bsd`), so the mode is set on the descriptor before the bind: a chmod of the
+/// path after it would follow a symlink someone swapped in meanwhile.
+fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: an all-zero sockaddr_un is a valid value (family set below).
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "a socket's path must be shorter than {} bytes and hold no NUL",
+                addr.sun_path.len()
+            ),
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (slot, byte) in addr.sun_path.iter_mut().zip(bytes) {
+        *slot = *byte as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fchmod, bind and listen on the descriptor owned above; `addr` outlives the
+    // bind and `len` is within it.
+    unsafe {
+        if libc::fchmod(fd.as_raw_fd(), 0o600) != 0
+            || libc::bind(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len as libc::socklen_t,
+            ) != 0
+            || libc::listen(fd.as_raw_fd(), 128) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(UnixListener::from(fd))
 }
 
 impl Drop for ControlServer {
@@ -204,28 +260,15 @@ fn serve_client(
 ) {
     let Ok(reader) = client.try_clone() else { return };
     let mut out = &client;
-    for line in BufReader::new(reader).lines() {
-        let Ok(line) = line else { return };
-        if line.trim().is_empty() {
-            continue;
-        }
-        let request = match serde_json::from_str::<Request>(&line) {
-            Ok(r) => r,
-            Err(e) => {
-                if send(&mut out, &Response::error(format!("malformed request: {e}"))).is_err() {
-                    return;
-                }
-                continue;
-            }
-        };
+    serve_requests(BufReader::new(reader), &mut out, |request, out| {
         if let Request::Trace { format, queue } = request {
             let subscription = session.subscribe(queue.clamp(1, MAX_STREAM_QUEUE));
-            if send(&mut out, &Response::ok(Vec::new())).is_err() {
-                return;
+            if send(out, &Response::ok(Vec::new())).is_err() {
+                return ControlFlow::Break(());
             }
             // The end of the run waits for this thread (see `ControlServer::finish`).
             let (Ok(socket), Ok(writer)) = (client.try_clone(), client.try_clone()) else {
-                return;
+                return ControlFlow::Break(());
             };
             let control = Arc::clone(control);
             let thread = std::thread::Builder::new()
@@ -234,9 +277,62 @@ fn serve_client(
             if let Ok(thread) = thread {
                 streams.lock().unwrap_or_else(|e| e.into_inner()).push((thread, socket));
             }
-            return;
+            return ControlFlow::Break(());
         }
-        if send(&mut out, &answer(session, request)).is_err() {
+        if send(out, &answer(session, request)).is_err() {
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    });
+}
+
+/// Reads requests from `reader`, one per line, answering the malformed ones itself and
+/// handing the others to `on_request`, until the client goes away or `on_request` stops.
+/// A line longer than [`MAX_REQUEST_BYTES`] is answered with the reason and ends the
+/// connection: the server never holds more than that of a client's line.
+fn serve_requests<W: Write>(
+    mut reader: impl BufRead,
+    out: &mut W,
+    mut on_request: impl FnMut(Request, &mut W) -> ControlFlow<()>,
+) {
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        // One byte over the limit tells a line at the limit from a longer one.
+        match (&mut reader)
+            .take(MAX_REQUEST_BYTES as u64 + 1)
+            .read_until(b'\n', &mut line)
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let text = match line.strip_suffix(b"\n") {
+            Some(text) => text,
+            None if line.len() > MAX_REQUEST_BYTES => {
+                let _ = send(
+                    out,
+                    &Response::error(format!(
+                        "request longer than {MAX_REQUEST_BYTES} bytes: the connection is closed"
+                    )),
+                );
+                return;
+            }
+            // The client's last line, without its newline.
+            None => &line[..],
+        };
+        if text.trim_ascii().is_empty() {
+            continue;
+        }
+        let request = match serde_json::from_slice::<Request>(text) {
+            Ok(r) => r,
+            Err(e) => {
+                if send(out, &Response::error(format!("malformed request: {e}"))).is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        if on_request(request, out).is_break() {
             return;
         }
     }
@@ -341,4 +437,149 @@ fn stream_events(client: UnixStream, subscription: Subscription, format: StreamF
     };
     let line = serde_json::json!({ STREAM_END_KEY: end });
     let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("hvprobe-control-server-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// A file given as the socket's path is the user's: refused, not deleted.
+    #[test]
+    fn a_path_that_is_not_a_socket_is_refused_and_left_alone() {
+        let dir = scratch("not-a-socket");
+        let file = dir.join("notes.txt");
+        std::fs::write(&file, "keep me\n").unwrap();
+        let refused = bind_socket(&file).map(drop).unwrap_err().to_string();
+        assert!(refused.contains("a regular file is there, not a socket"), "{refused}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me\n");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A socket left by a run that died is taken over; one that answers is refused.
+    #[test]
+    fn a_dead_runs_socket_is_taken_over_and_a_live_one_refused() {
+        let dir = scratch("stale");
+        let path = dir.join("run.sock");
+        drop(UnixListener::bind(&path).unwrap());
+        let listener = bind_socket(&path).unwrap();
+        assert!(std::fs::symlink_metadata(&path).unwrap().file_type().is_socket());
+        assert!(matches!(bind_socket(&path), Err(ControlError::InUse { .. })));
+        drop(listener);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The socket is 0600 from its creation: nothing changes its mode by its path after
+    /// the bind (where a symlink swapped in would be followed). inotify reports every
+    /// change of attributes in the directory, so none may come.
+    #[test]
+    fn the_socket_is_private_from_its_bind_and_never_changed_by_path() {
+        let dir = scratch("mode");
+        let path = dir.join("run.sock");
+        let c_dir = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: plain system calls on a descriptor this test owns and closes.
+        let inotify = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        assert!(inotify >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: `c_dir` is a NUL-terminated path.
+        let watch = unsafe { libc::inotify_add_watch(inotify, c_dir.as_ptr(), libc::IN_ATTRIB | libc::IN_CREATE) };
+        assert!(watch >= 0, "{}", std::io::Error::last_os_error());
+        let listener = bind_socket(&path).unwrap();
+        let mut events = vec![0u8; 4096];
+        // SAFETY: `events` is valid for writes of its length.
+        let n = unsafe { libc::read(inotify, events.as_mut_ptr().cast(), events.len()) };
+        // SAFETY: closing the descriptor opened above.
+        unsafe { libc::close(inotify) };
+        assert!(n > 0, "no inotify event for the socket's creation");
+        let mut masks = Vec::new();
+        let mut at = 0;
+        while at + 16 <= n as usize {
+            let mask = u32::from_ne_bytes(events[at + 4..at + 8].try_into().unwrap());
+            let len = u32::from_ne_bytes(events[at + 12..at + 16].try_into().unwrap()) as usize;
+            masks.push(mask);
+            at += 16 + len;
+        }
+        assert!(
+            masks.iter().all(|m| m & libc::IN_ATTRIB == 0),
+            "attributes changed after the bind: {masks:x?}"
+        );
+        let mode = std::fs::symlink_metadata(&path).unwrap().mode();
+        assert_eq!(mode & 0o777, 0o600, "mode {mode:o}");
+        drop(listener);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A reader that counts what was read of it.
+    struct Counted<R> {
+        inner: R,
+        read: usize,
+    }
+
+    impl<R: Read> Read for Counted<R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.read += n;
+            Ok(n)
+        }
+    }
+
+    /// A line past the limit gets one answer saying so and ends the connection: the
+    /// requests after it are not read, and neither is the rest of an endless line.
+    #[test]
+    fn a_request_line_past_the_limit_is_answered_and_ends_the_connection() {
+        let mut input = vec![b'x'; MAX_REQUEST_BYTES + 1];
+        input.extend_from_slice(b"\n{\"op\":\"list\"}\n");
+        let mut out = Vec::new();
+        let mut handed = 0;
+        serve_requests(BufReader::new(&input[..]), &mut out, |_, _| {
+            handed += 1;
+            ControlFlow::Continue(())
+        });
+        let out = String::from_utf8(out).unwrap();
+        assert_eq!(handed, 0, "{out}");
+        assert_eq!(out.lines().count(), 1, "{out}");
+        let answer: Response = serde_json::from_str(out.trim()).unwrap();
+        assert!(!answer.ok);
+        assert_eq!(
+            answer.errors,
+            [format!(
+                "request longer than {MAX_REQUEST_BYTES} bytes: the connection is closed"
+            )]
+        );
+
+        let mut endless = Counted {
+            inner: std::io::repeat(b'x').take(64 << 20),
+            read: 0,
+        };
+        let mut out = Vec::new();
+        serve_requests(BufReader::new(&mut endless), &mut out, |_, _| ControlFlow::Continue(()));
+        assert!(
+            endless.read <= MAX_REQUEST_BYTES + (64 << 10),
+            "read {} bytes of an endless line",
+            endless.read
+        );
+        assert!(String::from_utf8(out).unwrap().contains("request longer than"));
+    }
+
+    /// Requests within the limit are handed on in order; malformed ones answered.
+    #[test]
+    fn requests_are_handed_on_and_malformed_ones_answered() {
+        let input = b"{\"op\":\"list\"}\n\nnot json\n{\"op\":\"enable\",\"events\":[]}\n";
+        let mut out = Vec::new();
+        let mut handed = Vec::new();
+        serve_requests(BufReader::new(&input[..]), &mut out, |request, _| {
+            handed.push(request);
+            ControlFlow::Continue(())
+        });
+        assert_eq!(handed, [Request::List, Request::Enable { events: vec![] }]);
+        assert!(String::from_utf8(out)
+            .unwrap()
+            .starts_with("{\"ok\":false,\"errors\":[\"malformed request"));
+    }
 }

@@ -45,6 +45,7 @@ fn shares_get_their_tags_and_init_options_in_order() {
     let a_canon = std::fs::canonicalize(&a).unwrap();
     let shares = shares(
         Some(&dir),
+        &[],
         &[rwdir(&format!("/data={}", a.display())), rwdir(b.to_str().unwrap())],
     )
     .unwrap();
@@ -111,7 +112,7 @@ fn bad_shares_are_refused_with_their_reason() {
     ];
     for (rootfs, rwdirs, message) in cases {
         let args: Vec<RwDirArg> = rwdirs.iter().map(|r| rwdir(r)).collect();
-        let err = shares(rootfs, &args).expect_err("refused").to_string();
+        let err = shares(rootfs, &[], &args).expect_err("refused").to_string();
         assert!(err.contains(&message), "{rootfs:?} {rwdirs:?}: {err}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -124,11 +125,19 @@ fn virtiofsd_gets_its_socket_the_directory_and_read_only_for_the_root() {
         tag: ROOTFS_TAG.into(),
         guest_path: None,
         read_only: true,
+        hidden: hidden_paths(&[]).unwrap(),
     };
-    let args: Vec<String> = virtiofsd_args(&share, Path::new("/run/s.sock"), &Sandbox::Namespace)
-        .iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
+    let owner = Owner { uid: 1000, gid: 100 };
+    let args: Vec<String> = virtiofsd_args(
+        &share,
+        Path::new("/srv/root"),
+        Path::new("/run/s.sock"),
+        &Sandbox::Namespace,
+        owner,
+    )
+    .iter()
+    .map(|a| a.to_string_lossy().into_owned())
+    .collect();
     assert_eq!(
         args,
         [
@@ -140,6 +149,12 @@ fn virtiofsd_gets_its_socket_the_directory_and_read_only_for_the_root() {
             "--cache=auto",
             "--log-level=warn",
             "--thread-pool-size=0",
+            "--modcaps=-mknod:-setfcap:-fsetid",
+            "--inode-file-handles=never",
+            "--translate-uid=map:0:1000:1",
+            "--translate-uid=squash-guest:1:1000:4294967294",
+            "--translate-gid=map:0:100:1",
+            "--translate-gid=squash-guest:1:100:4294967294",
             "--readonly",
             "--no-announce-submounts"
         ]
@@ -148,13 +163,129 @@ fn virtiofsd_gets_its_socket_the_directory_and_read_only_for_the_root() {
         read_only: false,
         guest_path: Some("/data".into()),
         tag: "hvprobe-rw0".into(),
+        hidden: Vec::new(),
         ..share
     };
-    let none = Sandbox::None { reason: "test".into() };
-    let args = virtiofsd_args(&rw, Path::new("/run/s.sock"), &none);
+    let args = virtiofsd_args(&rw, &rw.host_dir, Path::new("/run/s.sock"), &Sandbox::None, owner);
     assert!(args.iter().any(|a| a == "--sandbox=none"));
     assert!(!args.iter().any(|a| a == "--readonly"));
     assert!(!args.iter().any(|a| a == "--no-announce-submounts"));
+    // Never extended attributes (security.capability), ACLs or security labels.
+    assert!(!args
+        .iter()
+        .any(|a| a.to_string_lossy().contains("xattr") || a.to_string_lossy().contains("acl")));
+}
+
+/// The real virtiofsd takes every argument hvprobe gives it (a typo would end it at its
+/// start, with its usage, in every run): it is started with them and creates its socket.
+#[test]
+fn the_real_virtiofsd_takes_the_arguments() {
+    let Ok((binary, _)) = find_virtiofsd(None) else {
+        panic!("this test runs virtiofsd: build it (guest/build-virtiofsd.sh) or set HVPROBE_VIRTIOFSD");
+    };
+    let dir = scratch("real");
+    let share = Share {
+        host_dir: dir.clone(),
+        tag: "hvprobe-rw0".into(),
+        guest_path: Some("/data".into()),
+        read_only: false,
+        hidden: Vec::new(),
+    };
+    let daemons = Daemons::start(&binary, &Sandbox::Namespace, &[share], &dir, SOCKET_DEADLINE).unwrap();
+    // It applies its capabilities after its socket exists: a vhost-user GET_FEATURES
+    // answered (request 1, version 1, no payload) says it got past them.
+    let socket = &daemons.fs_configs()[0].socket;
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    use std::io::{Read, Write};
+    stream.write_all(&[1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]).unwrap();
+    let mut reply = [0u8; 20];
+    stream.read_exact(&mut reply).unwrap_or_else(|e| {
+        panic!(
+            "virtiofsd did not answer ({e}): {:?}",
+            daemons.death().map(|d| d.to_string())
+        )
+    });
+    assert_eq!(&reply[..4], &[1, 0, 0, 0], "{reply:?}");
+    drop(stream);
+    drop(daemons);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_hide_list_is_the_default_unless_told_and_none_goes_alone() {
+    let defaults: Vec<PathBuf> = DEFAULT_HIDDEN.iter().map(PathBuf::from).collect();
+    assert_eq!(hidden_paths(&[]).unwrap(), defaults);
+    assert_eq!(hidden_paths(&[RootfsHide::Default]).unwrap(), defaults);
+    assert!(hidden_paths(&[RootfsHide::Nothing]).unwrap().is_empty());
+    let mine = RootfsHide::Path("/srv/keys".into());
+    assert_eq!(
+        hidden_paths(std::slice::from_ref(&mine)).unwrap(),
+        [PathBuf::from("/srv/keys")]
+    );
+    let both = hidden_paths(&[RootfsHide::Default, mine.clone()]).unwrap();
+    assert_eq!(both.len(), defaults.len() + 1);
+    assert!(both.contains(&PathBuf::from("/etc/shadow")) && both.contains(&PathBuf::from("/srv/keys")));
+    let err = hidden_paths(&[RootfsHide::Nothing, mine]).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "--rootfs-hide none hides nothing, so it goes alone (not with /srv/keys)"
+    );
+    // Only the root share hides.
+    let dir = scratch("hide-list");
+    let shares = shares(Some(&dir), &[], &[rwdir(&format!("/data={}", dir.display()))]).unwrap();
+    assert_eq!(shares[0].hidden, defaults);
+    assert!(shares[1].hidden.is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_refused_sandbox_is_an_error_unless_given_up_and_hiding_needs_namespaces() {
+    let refused = || {
+        Some(NamespacesRefused::Unshare {
+            root: false,
+            source: std::io::Error::from_raw_os_error(libc::EPERM),
+        })
+    };
+    let rw = Share {
+        host_dir: "/srv/data".into(),
+        tag: "hvprobe-rw0".into(),
+        guest_path: Some("/data".into()),
+        read_only: false,
+        hidden: Vec::new(),
+    };
+    let root = Share {
+        host_dir: "/".into(),
+        tag: ROOTFS_TAG.into(),
+        guest_path: None,
+        read_only: true,
+        hidden: vec!["/etc/shadow".into()],
+    };
+    let err = choose_sandbox(None, refused(), std::slice::from_ref(&rw))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("virtiofsd's namespace sandbox cannot be made here: this host refuses to create the namespaces virtiofsd's sandbox needs as a user other than root"),
+        "{err}"
+    );
+    assert!(err.contains("pass --share-sandbox none"), "{err}");
+    assert!(choose_sandbox(Some(ShareSandbox::Namespace), refused(), std::slice::from_ref(&rw)).is_err());
+    assert_eq!(
+        choose_sandbox(Some(ShareSandbox::None), refused(), std::slice::from_ref(&rw)).unwrap(),
+        Sandbox::None
+    );
+    let err = choose_sandbox(Some(ShareSandbox::None), refused(), &[root.clone(), rw])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pass --rootfs-hide none to share all of /"), "{err}");
+    assert_eq!(
+        choose_sandbox(None, None, std::slice::from_ref(&root)).unwrap(),
+        Sandbox::Namespace
+    );
+    assert_eq!(
+        choose_sandbox(Some(ShareSandbox::None), None, &[root]).unwrap(),
+        Sandbox::None
+    );
 }
 
 #[test]
@@ -179,6 +310,7 @@ fn one_share(dir: &Path) -> Vec<Share> {
         tag: "hvprobe-rw0".into(),
         guest_path: Some("/data".into()),
         read_only: false,
+        hidden: Vec::new(),
     }]
 }
 

@@ -441,6 +441,21 @@ fn a_bad_add_reports_every_problem_and_changes_nothing() {
             "{answer}"
         );
     }
+    // A request line past the limit is answered with the reason, and the server hangs up
+    // without reading (and keeping) the rest of it.
+    let mut raw = UnixStream::connect(&live.socket).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let long = vec![b'x'; hvprobe::control::MAX_REQUEST_BYTES + 1];
+    let _ = raw.write_all(&long);
+    let mut answer = String::new();
+    BufReader::new(&raw).read_line(&mut answer).unwrap();
+    assert!(
+        answer.contains(&format!(
+            "request longer than {} bytes",
+            hvprobe::control::MAX_REQUEST_BYTES
+        )),
+        "{answer}"
+    );
     let good = live.probe(&["add", "p:ok/a vfs_read"]);
     assert_eq!(good.code, Some(0), "{}", good.tail());
     assert!(good.stdout.contains("armed 1 probes in 1 pause(s)"), "{}", good.stdout);
@@ -448,6 +463,33 @@ fn a_bad_add_reports_every_problem_and_changes_nothing() {
     live.wait_for("DONE");
     let run = live.finish();
     assert_eq!(run.code, Some(0), "{}", run.tail());
+}
+
+/// `--control PATH` naming what is not a socket (a file of the user's, a directory, a
+/// symlink) is refused before the boot, and what is there stays as it was.
+#[test]
+fn a_control_path_that_is_not_a_socket_is_refused_before_boot_and_left_alone() {
+    let dir = common::scratch("control", "not-a-socket");
+    let file = dir.join("notes.txt");
+    std::fs::write(&file, "keep me\n").unwrap();
+    let subdir = dir.join("subdir");
+    std::fs::create_dir(&subdir).unwrap();
+    let link = dir.join("link.sock");
+    std::os::unix::fs::symlink(&file, &link).unwrap();
+    for (path, what) in [
+        (&file, "a regular file"),
+        (&subdir, "a directory"),
+        (&link, "a symbolic link"),
+    ] {
+        common::assert_refused_before_boot(
+            &["--control", path.to_str().unwrap()],
+            &format!("control socket {}: {what} is there, not a socket", path.display()),
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me\n");
+    assert!(subdir.is_dir());
+    assert_eq!(std::fs::read_link(&link).unwrap(), file);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A vCPU blocked on the host, writing the guest's console to a stdout nobody reads, used

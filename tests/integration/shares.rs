@@ -10,7 +10,7 @@
 use crate::common;
 
 use std::io::BufRead;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,17 +22,20 @@ fn scratch(name: &str) -> PathBuf {
     common::scratch("shares", name)
 }
 
-/// The PIDs of the virtiofsd processes serving `dir` (from /proc, as a user would find them).
+/// The PIDs of the virtiofsd processes serving `dir` (from /proc, as a user would find them:
+/// `--shared-dir DIR`, or the view of a --rootfs with hidden paths, `…/TAG-viewDIR`).
 fn virtiofsd_pids(dir: &Path) -> Vec<i32> {
-    let wanted = format!("--shared-dir\0{}\0", dir.display());
+    let (exact, view) = (dir.display().to_string(), format!("-view{}", dir.display()));
     let mut pids: Vec<i32> = std::fs::read_dir("/proc")
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
         .filter(|pid| {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let cmdline = String::from_utf8_lossy(&cmdline);
+            let args: Vec<&str> = cmdline.split('\0').collect();
+            let shared = args.windows(2).find(|w| w[0] == "--shared-dir").map(|w| w[1]);
             let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            comm.trim() == "virtiofsd" && cmdline.contains(&wanted)
+            comm.trim() == "virtiofsd" && shared.is_some_and(|s| s == exact || s.ends_with(&view))
         })
         .collect();
     pids.sort();
@@ -526,5 +529,344 @@ c.commit(); print('SUM', c.execute('select sum(x) from t').fetchone()[0])\"; \
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&query.stdout).trim(), "45");
     assert!(!Path::new(&outside).exists(), "{outside} reached the host's root");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// What in `dir` (recursively, symlinks not followed) a local user could use to gain the
+/// rights of another: device nodes and files with S_ISUID or S_ISGID; each with its mode.
+fn privileged_leftovers(dir: &Path) -> Vec<String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let mut found = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let kind = meta.file_type();
+            if kind.is_block_device() || kind.is_char_device() {
+                found.push(format!("{}: a device node ({:o})", path.display(), meta.mode()));
+            } else if meta.mode() & 0o6000 != 0 {
+                found.push(format!("{}: mode {:o}", path.display(), meta.mode()));
+            }
+            if kind.is_dir() {
+                todo.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Guest root tries every way busybox has to leave a device node or a setuid or setgid
+/// file in its --rwdir: mknod of a block and a char device, chmod 4755 and 2755, a copy
+/// that keeps a setuid bit, chown to another uid then chmod u+s and g+s. The host's
+/// directory holds none of them afterwards, and every file the guest made, even the one
+/// it gave to uid 1234, belongs to the user who ran hvprobe.
+#[test]
+fn guest_root_leaves_no_device_node_and_no_setuid_or_setgid_file_on_the_host() {
+    require_kvm();
+    let dir = scratch("setuid");
+    let workload = "cd /data || exit 1; \
+        mknod blk b 8 0; mknod chr c 1 1; mknod mem c 1 1; \
+        echo '#!/bin/sh' > suid; chmod 4755 suid; \
+        echo x > sgid; chmod 2755 sgid; \
+        echo x > both; chmod 6777 both; \
+        cp /bin/busybox /tmp/setuid-busybox && chmod 4755 /tmp/setuid-busybox && ls -l /tmp/setuid-busybox; \
+        cp -p /tmp/setuid-busybox copied-p; cp /tmp/setuid-busybox copied; \
+        echo x > given; chown 1234:1234 given; chmod u+s given; chmod g+s given; \
+        sync; ls -ln /data; echo WORKLOAD-DONE";
+    let rwdir = format!("/data={}", dir.display());
+    let run = hvprobe(&["run", "--rwdir", &rwdir, "--workload", workload], BOOT_TIMEOUT);
+    assert!(run.console_has_line("WORKLOAD-DONE"), "{}", run.tail());
+    // The guest could set the bits in its own tmpfs: the copies had a setuid source.
+    assert!(
+        run.stdout
+            .lines()
+            .any(|l| l.starts_with("-rwsr-xr-x") && l.ends_with("/tmp/setuid-busybox")),
+        "{}",
+        run.tail()
+    );
+    let leftovers = privileged_leftovers(&dir);
+    assert!(leftovers.is_empty(), "left on the host: {leftovers:#?}\n{}", run.tail());
+    // SAFETY: geteuid has no preconditions; hvprobe runs as this process's user.
+    let me = unsafe { libc::geteuid() };
+    for name in ["suid", "sgid", "both", "given"] {
+        let meta = std::fs::metadata(dir.join(name)).unwrap_or_else(|e| {
+            panic!(
+                "the guest could not make {name} ({e}): the share did not work\n{}",
+                run.tail()
+            )
+        });
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::uid(&meta),
+            me,
+            "{name} does not belong to hvprobe's user\n{}",
+            run.tail()
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A --rootfs root with the host's usual secrets (a shadow file, root's and the users'
+/// homes, ssh host keys): the default hide list keeps each one from the guest, even from a
+/// guest root that mounts the root's share again by hand to look under the init's
+/// overlay. The files beside them are read, so the share works.
+#[test]
+fn a_rootfs_hides_the_hosts_secrets_even_from_guest_root() {
+    require_kvm();
+    let dir = scratch("hide");
+    let root = dir.join("root");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    let busybox = Path::new("/bin/busybox");
+    assert!(
+        busybox.exists(),
+        "this test puts the host's static busybox in its root: install busybox-static (guest/install-deps.sh does)"
+    );
+    std::fs::copy(busybox, root.join("bin/busybox")).unwrap();
+    for applet in ["sh", "cat", "ls", "mount", "mkdir", "echo"] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+    }
+    let secrets = [
+        "etc/shadow",
+        "etc/gshadow",
+        "etc/ssh/ssh_host_ed25519_key",
+        "root/.bash_history",
+        "home/alice/.ssh/id_ed25519",
+    ];
+    for secret in secrets {
+        let path = root.join(secret);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, format!("SECRET {secret}\n")).unwrap();
+    }
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    let reads: String = secrets.iter().map(|s| format!("cat /{s}; cat /mnt/{s}; ")).collect();
+    let workload = format!(
+        "cat /etc/passwd; mkdir -p /mnt && mount -t virtiofs hvprobe-rootfs /mnt && cat /mnt/etc/passwd; \
+         {reads} ls -la /root /home /etc/ssh /mnt/home; echo WORKLOAD-DONE"
+    );
+    let run = hvprobe(
+        &["run", "--rootfs", root.to_str().unwrap(), "--workload", &workload],
+        BOOT_TIMEOUT,
+    );
+    assert!(run.console_has_line("WORKLOAD-DONE"), "{}", run.tail());
+    // The files beside the secrets are there, through the init's overlay and by hand.
+    let passwd = run
+        .stdout
+        .lines()
+        .filter(|l| *l == "root:x:0:0:root:/root:/bin/sh")
+        .count();
+    assert_eq!(passwd, 2, "{}", run.tail());
+    let all = format!("{}\n{}", run.stdout, run.stderr);
+    assert!(!all.contains("SECRET"), "the guest read a hidden file\n{}", run.tail());
+    // Nor are their names listed (the cat errors above name them, as the workload did).
+    for name in ["alice", "ssh_host_ed25519_key", ".bash_history"] {
+        assert!(
+            !run.stdout.lines().any(|l| l.ends_with(&format!(" {name}"))),
+            "{name} is listed\n{}",
+            run.tail()
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--rootfs /`, the host's own root: its shadow file reads empty to the guest, through
+/// the init's overlay and to a guest root that mounts the share by hand, and that share
+/// shows none of the host's processes (/proc) or root's files; its /etc is there.
+#[test]
+fn the_hosts_own_root_as_rootfs_hides_its_shadow_file_and_processes() {
+    require_kvm();
+    let shadow = std::fs::metadata("/etc/shadow");
+    assert!(
+        shadow.as_ref().is_ok_and(|m| m.len() > 0),
+        "this test needs the host's /etc/shadow, not empty, to hide: {shadow:?}"
+    );
+    // The host's own shell and tools run it.
+    let workload = "echo \"shadow:$(cat /etc/shadow | wc -c)\"; \
+        mkdir -p /mnt && mount -t virtiofs hvprobe-rootfs /mnt && \
+        echo \"raw-shadow:$(cat /mnt/etc/shadow | wc -c)\" && echo \"raw-proc:$(ls -A /mnt/proc | wc -l)\" && \
+        echo \"raw-root:$(ls -A /mnt/root | wc -l)\" && echo \"raw-passwd:$(grep -c '^root:' /mnt/etc/passwd)\"";
+    let run = hvprobe(&["run", "--rootfs", "/", "--workload", workload], BOOT_TIMEOUT);
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    for line in ["shadow:0", "raw-shadow:0", "raw-proc:0", "raw-root:0", "raw-passwd:1"] {
+        assert!(run.console_has_line(line), "wanted {line}\n{}", run.tail());
+    }
+}
+
+/// A host that will not let hvprobe make virtiofsd's namespaces (here a stand-in
+/// virtiofsd that fails in new ones, as on a host that refuses them) refuses the run
+/// before the boot, naming the flag that gives the sandbox up.
+#[test]
+fn a_share_without_its_namespace_sandbox_is_refused_unless_asked_for() {
+    let dir = scratch("nosandbox");
+    let fake = dir.join("virtiofsd");
+    let args = dir.join("args");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\n\
+             [ \"$(readlink /proc/self/ns/net)\" = \"$(readlink /proc/$PPID/ns/net)\" ] || exit 1\n\
+             [ \"$1\" = --version ] && {{ echo 'virtiofsd 1.14.0'; exit 0; }}\n\
+             echo \"$@\" > {}\n\
+             echo 'stand-in virtiofsd: stopping here' >&2; exit 1\n",
+            args.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let share = dir.join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    let (fake, share) = (fake.to_str().unwrap(), share.to_str().unwrap());
+    common::assert_refused_before_boot(
+        &["--rwdir", share, "--virtiofsd", fake],
+        "virtiofsd's namespace sandbox cannot be made here",
+    );
+    assert!(
+        !args.exists(),
+        "virtiofsd was started without its sandbox: {:?}",
+        std::fs::read_to_string(&args)
+    );
+    // Asked for, it runs without (and the stand-in stops there, before a boot).
+    let run = hvprobe(
+        &[
+            "run",
+            "--workload",
+            "true",
+            "--rwdir",
+            share,
+            "--virtiofsd",
+            fake,
+            "--share-sandbox",
+            "none",
+        ],
+        QUICK,
+    );
+    assert!(
+        run.stderr.contains("stand-in virtiofsd: stopping here"),
+        "{}",
+        run.tail()
+    );
+    let given = std::fs::read_to_string(&args).unwrap();
+    assert!(given.contains("--sandbox=none"), "{given}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// hvprobe run by a user other than root: every file the guest makes in its --rwdir, as
+/// its root or as another uid, and even one it chowns, belongs to that user on the host
+/// (and the guest's root sees them as its own); and --rootfs hides its secrets there too
+/// (hvprobe's mount namespace for them then lives in a user namespace). Run by root, the
+/// test runs hvprobe as uid 65534 in a private mount namespace that gives it /dev/kvm and
+/// the bundled guest's cache (the host's own stay as they are); run by another user, as
+/// that user.
+#[test]
+fn an_unprivileged_hvprobe_owns_what_the_guest_writes_and_hides_the_roots_secrets() {
+    require_kvm();
+    // The bundled guest, built (as this user) before a user who cannot write the cache runs.
+    common::bundled_guest_dir();
+    let dir = scratch("unprivileged");
+    // SAFETY: geteuid and getegid have no preconditions.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let root = uid == 0;
+    let owner = if root { (65534, 65534) } else { (uid, gid) };
+    let (share, rootfs) = (dir.join("share"), dir.join("root"));
+    std::fs::create_dir_all(rootfs.join("bin")).unwrap();
+    std::fs::create_dir_all(rootfs.join("etc")).unwrap();
+    let busybox = Path::new("/bin/busybox");
+    assert!(
+        busybox.exists(),
+        "this test puts the host's static busybox in its root: install busybox-static (guest/install-deps.sh does)"
+    );
+    std::fs::copy(busybox, rootfs.join("bin/busybox")).unwrap();
+    for applet in ["sh", "cat", "echo", "su", "chown", "stat"] {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(
+        rootfs.join("etc/passwd"),
+        "root:x:0:0::/:/bin/sh\nu:x:1000:1000::/:/bin/sh\n",
+    )
+    .unwrap();
+    std::fs::write(rootfs.join("etc/group"), "root:x:0:\nu:x:1000:\n").unwrap();
+    std::fs::write(rootfs.join("etc/shadow"), "SECRET\n").unwrap();
+    std::fs::set_permissions(rootfs.join("etc/shadow"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::write(rootfs.join("visible.txt"), "VISIBLE\n").unwrap();
+    std::fs::create_dir_all(&share).unwrap();
+    // (The guest's kernel checks its own permissions: uid 1000 writes in a directory open
+    // to all.)
+    let workload = "echo root > /out/by-root && mkdir /out/pub && chmod 777 /out/pub && \
+        su u -c 'echo u > /out/pub/by-1000' && echo x > /out/given && chown 1234:1234 /out/given && \
+        stat -c 'GUEST %n %u %g' /out/by-root /out/pub/by-1000 /out/given; \
+        cat /visible.txt /etc/shadow; echo WORKLOAD-DONE";
+    let rwdir = format!("/out={}", share.display());
+    let args = [
+        "run",
+        "--rootfs",
+        rootfs.to_str().unwrap(),
+        "--rwdir",
+        &rwdir,
+        "--workload",
+        workload,
+    ];
+    let run = if root {
+        let cache = dir.join("cache");
+        std::fs::create_dir_all(&cache).unwrap();
+        // Where 65534 can read it (a build tree may be in a home only its user enters).
+        let bin = dir.join("hvprobe");
+        std::fs::copy(common::hvprobe_bin(), &bin).unwrap();
+        std::os::unix::fs::chown(&share, Some(65534), Some(65534)).unwrap();
+        // The test's own /dev/kvm node, open to all, bound over the host's in its own
+        // mount namespace (in a directory only root enters: no one else reaches it by its
+        // own path, even if the test fails before removing it); the cache bound where
+        // 65534 can reach it.
+        let node_dir = dir.join("kvm");
+        std::fs::DirBuilder::new().mode(0o700).create(&node_dir).unwrap();
+        let script = format!(
+            "set -e; mknod {n}/kvm c 10 232; chmod 666 {n}/kvm; mount --bind {n}/kvm /dev/kvm; \
+             mount --bind {cache} {d}/cache; \
+             exec setpriv --reuid=65534 --regid=65534 --clear-groups \
+             env -i PATH=/usr/bin:/bin HOME={d} HVPROBE_CACHE={d}/cache \"$@\"",
+            d = dir.display(),
+            n = node_dir.display(),
+            cache = common::cache_dir().display(),
+        );
+        let mut all = vec![
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            &script,
+            "sh",
+            bin.to_str().unwrap(),
+        ];
+        all.extend(args);
+        let out = Command::new("unshare")
+            .args(&all)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        common::Run {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    } else {
+        hvprobe(&args, BOOT_TIMEOUT)
+    };
+    assert!(run.console_has_line("WORKLOAD-DONE"), "{}", run.tail());
+    // The guest's root sees every file as its own...
+    for name in ["by-root", "pub/by-1000", "given"] {
+        assert!(
+            run.console_has_line(&format!("GUEST /out/{name} 0 0")),
+            "{name}\n{}",
+            run.tail()
+        );
+    }
+    // ...which on the host are hvprobe's user's and group's.
+    use std::os::unix::fs::MetadataExt;
+    for name in ["by-root", "pub", "pub/by-1000", "given"] {
+        let meta = std::fs::metadata(share.join(name)).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), owner, "{name}");
+    }
+    assert!(run.console_has_line("VISIBLE"), "{}", run.tail());
+    assert!(!run.stdout.contains("SECRET"), "{}", run.tail());
     std::fs::remove_dir_all(&dir).unwrap();
 }
