@@ -55,6 +55,7 @@ fn a_single_step_ends_after_its_instruction_or_where_the_backend_is_known_to_run
         ("mfence", vec![0x0f, 0xae, 0xf0], true),
         ("lfence", vec![0x0f, 0xae, 0xe8], true),
         ("sfence", vec![0x0f, 0xae, 0xf8], true),
+        // Only where the CPU has it (QEMU's TCG CPUs in the lane do not: #UD).
         ("serialize", vec![0x0f, 0x01, 0xe8], true),
         ("swapgs", vec![0x0f, 0x01, 0xf8], true),
         ("out %al,$0x80", vec![0xe6, 0x80], true),
@@ -86,8 +87,14 @@ fn a_single_step_ends_after_its_instruction_or_where_the_backend_is_known_to_run
         ("ret", vec![0xc3], false),
     ];
     let backend = Backend::detect();
+    let has_serialize = std::fs::read_to_string("/proc/cpuinfo")
+        .map(|c| c.split_whitespace().any(|flag| flag == "serialize"))
+        .unwrap_or(false);
     let mut wrong = Vec::new();
     for (name, insn, runs_on) in cases {
+        if name == "serialize" && !has_serialize {
+            continue;
+        }
         // RSI/RDI at the data, ECX = 0x10 (rdmsr of the TSC), RDX = a branch's
         // target (the exit sequence after the nops), pushed for `ret`; then int3, the
         // instruction, four nops and the exit.
@@ -116,7 +123,10 @@ fn a_single_step_ends_after_its_instruction_or_where_the_backend_is_known_to_run
         let outcome = vm
             .run_for(Arc::clone(&stepper) as Arc<dyn DebugHandler>, Duration::from_secs(20))
             .expect("run");
-        assert_eq!(outcome.reason, StopReason::GuestExit(0x55), "{backend}: {name}");
+        if outcome.reason != StopReason::GuestExit(0x55) {
+            wrong.push(format!("{name}: the blob ended with {:?}", outcome.reason));
+            continue;
+        }
         let branches = matches!(insn[0], 0xff | 0xc3);
         let expected = match (branches, runs_on && backend.loses_step_trap_after_some_instructions()) {
             (true, _) => after + 4,
