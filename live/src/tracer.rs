@@ -160,14 +160,12 @@ fn enable_event_detours(
     }
     let capacity = tracer.event_rings().map_or(0, |r| r.geometry().capacity());
     let weak = Arc::downgrade(tracer);
-    let drain = std::thread::Builder::new().name("event-drain".into()).spawn(move || {
-        panics.run("event-drain", || {
-            while let Some(tracer) = weak.upgrade() {
-                let taken = tracer.drain_events();
-                drop(tracer);
-                std::thread::sleep(drain_pause(taken, capacity));
-            }
-        })
+    let drain = panics.spawn("event-drain", move || {
+        while let Some(tracer) = weak.upgrade() {
+            let taken = tracer.drain_events();
+            drop(tracer);
+            std::thread::sleep(drain_pause(taken, capacity));
+        }
     });
     if let Err(e) = drain {
         tracing::warn!("no thread to drain the event rings ({e}): optimized probes' events would be lost");

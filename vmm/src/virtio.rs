@@ -466,6 +466,40 @@ pub fn serve_available<M: GuestMemory>(
     }
 }
 
+/// How a device's thread is asked to stop: a flag it checks between requests (see
+/// [`serve_available`]) and an eventfd that wakes it from its epoll. One clone is the
+/// thread's, one its device's.
+#[derive(Clone)]
+pub(crate) struct StopSignal {
+    requested: Arc<AtomicBool>,
+    wake: Arc<EventFd>,
+}
+
+impl StopSignal {
+    pub(crate) fn new() -> std::io::Result<StopSignal> {
+        Ok(StopSignal {
+            requested: Arc::new(AtomicBool::new(false)),
+            wake: Arc::new(EventFd::new(libc::EFD_NONBLOCK)?),
+        })
+    }
+
+    /// The flag first: a thread the eventfd wakes, or one between two requests, finds it.
+    pub(crate) fn request(&self) {
+        self.requested.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+    }
+
+    /// What [`serve_available`] checks between requests.
+    pub(crate) fn requested(&self) -> &AtomicBool {
+        &self.requested
+    }
+
+    /// What the thread's epoll waits on.
+    pub(crate) fn wake_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&*self.wake)
+    }
+}
+
 /// `mem` without the out-of-line area: what devices may read and write.
 pub fn device_memory(mem: &GuestMemoryMmap) -> Result<GuestMemoryMmap, Error> {
     match mem.remove_region(GuestAddress(OOL_AREA_START.0), OOL_AREA_SIZE) {

@@ -366,11 +366,7 @@ impl Tracer {
             at: pending.site,
             source,
         };
-        let fixup = pending
-            .step
-            .fixup_after_step(&pending.insn, pending.slot, &mut regs, &mut super::KernelStack(kernel))
-            .and_then(|()| restore_pushed_if(kernel, &pending, regs.rsp));
-        if let Err(source) = fixup {
+        if let Err(source) = pending.put_back(&mut regs, kernel) {
             let _ = vcpu.set_single_step(false);
             let _ = vcpu.set_interrupt_table(pending.guest_idt);
             return StepOutcome::Fatal(EngineFault::Insn {
@@ -502,11 +498,7 @@ impl Tracer {
                     pending.slot
                 ));
             }
-            let fixup = pending
-                .step
-                .fixup_after_step(&pending.insn, pending.slot, &mut after, &mut super::KernelStack(kernel))
-                .and_then(|()| restore_pushed_if(kernel, &pending, after.rsp));
-            if let Err(e) = fixup {
+            if let Err(e) = pending.put_back(&mut after, kernel) {
                 return guard_fault(format!(
                     "says RIP {rip:#x}, after the copy at {}, but {e}",
                     pending.slot
@@ -545,22 +537,27 @@ impl Tracer {
     }
 }
 
-/// After a step of `pushf`: the pushed word at `rsp` gets the guest's IF back (the step ran
-/// with IF cleared). Other kinds push no flags.
-fn restore_pushed_if(kernel: &dyn KernelMemory, pending: &PendingStep, rsp: u64) -> Result<(), insn::InsnError> {
-    if pending.step.kind != insn::StepKind::PushFlags {
-        return Ok(());
+impl PendingStep {
+    /// `regs` as the completed copy left them (RIP after it, or at a branch's target), put
+    /// in the function's terms: RIP or a call's pushed return address the function's, and a
+    /// `pushf`'s word without our TF and with the guest's IF (the step ran with IF cleared).
+    fn put_back(&self, regs: &mut Regs, kernel: &dyn KernelMemory) -> Result<(), insn::InsnError> {
+        let mut stack = super::KernelStack(kernel);
+        self.step.fixup_after_step(&self.insn, self.slot, regs, &mut stack)?;
+        if self.step.kind != insn::StepKind::PushFlags {
+            return Ok(());
+        }
+        let at = Gva(regs.rsp);
+        insn::StackAccess::read_u64(&mut stack, at)
+            .map(|w| (w & !rflags::IF) | self.saved_if)
+            .and_then(|w| insn::StackAccess::write_u64(&mut stack, at, w))
+            .map_err(|source| insn::InsnError::Stack {
+                addr: self.insn.addr,
+                bytes: insn::HexBytes(self.insn.bytes.clone()),
+                at,
+                source,
+            })
     }
-    let mut stack = super::KernelStack(kernel);
-    insn::StackAccess::read_u64(&mut stack, Gva(rsp))
-        .map(|w| (w & !rflags::IF) | pending.saved_if)
-        .and_then(|w| insn::StackAccess::write_u64(&mut stack, Gva(rsp), w))
-        .map_err(|source| insn::InsnError::Stack {
-            addr: pending.insn.addr,
-            bytes: insn::HexBytes(pending.insn.bytes.clone()),
-            at: Gva(rsp),
-            source,
-        })
 }
 
 /// Why the step guard could not be armed.

@@ -73,21 +73,26 @@ impl PanicStop {
         PanicStop(control)
     }
 
-    /// Runs `work` (the body of the thread `thread`); if it panics, the run stops with
-    /// [`StopReason::ThreadPanicked`] and `None` is returned.
-    pub fn run<T>(&self, thread: &str, work: impl FnOnce() -> T) -> Option<T> {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) {
-            Ok(done) => Some(done),
-            Err(payload) => {
-                let message = panic_message(payload.as_ref());
-                tracing::error!("the host thread `{thread}` panicked: {message}; the run ends");
-                self.0.stop(StopReason::ThreadPanicked {
-                    thread: thread.to_owned(),
-                    message,
-                });
-                None
+    /// Starts the thread `name` running `work`; if `work` panics, the run stops with
+    /// [`StopReason::ThreadPanicked`] and the thread gives `None`.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        name: &str,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> std::io::Result<std::thread::JoinHandle<Option<T>>> {
+        let control = std::sync::Arc::clone(&self.0);
+        let thread = name.to_owned();
+        std::thread::Builder::new().name(name.to_owned()).spawn(move || {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) {
+                Ok(done) => Some(done),
+                Err(payload) => {
+                    let message = panic_message(payload.as_ref());
+                    tracing::error!("the host thread `{thread}` panicked: {message}; the run ends");
+                    control.stop(StopReason::ThreadPanicked { thread, message });
+                    None
+                }
             }
-        }
+        })
     }
 }
 
@@ -120,8 +125,9 @@ mod tests {
     fn a_guarded_thread_that_panics_ends_the_run_with_its_name_and_message() {
         let control = super::super::VcpuControl::new(1).unwrap();
         let panics = PanicStop::new(std::sync::Arc::clone(&control));
-        let worker =
-            std::thread::spawn(move || panics.run("virtio-blk", || -> u32 { panic!("a chain of 70000 descriptors") }));
+        let worker = panics
+            .spawn("virtio-blk", || -> u32 { panic!("a chain of 70000 descriptors") })
+            .unwrap();
         assert_eq!(
             worker.join().expect("the panic is caught, the thread ends normally"),
             None
@@ -139,7 +145,7 @@ mod tests {
     fn a_guarded_thread_that_ends_normally_gives_its_result_and_stops_nothing() {
         let control = super::super::VcpuControl::new(1).unwrap();
         let panics = PanicStop::new(std::sync::Arc::clone(&control));
-        assert_eq!(panics.run("event-drain", || 7), Some(7));
+        assert_eq!(panics.spawn("event-drain", || 7).unwrap().join().unwrap(), Some(7));
         assert_eq!(control.stop_reason(), None);
     }
 }

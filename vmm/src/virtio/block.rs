@@ -15,7 +15,6 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use sha2::{Digest, Sha256};
@@ -30,7 +29,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap, Permissions};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{ActivateError, Activation, DeviceSave, Interrupt, SaveError, SavedDevice, VirtioDevice};
+use super::{ActivateError, Activation, DeviceSave, Interrupt, SaveError, SavedDevice, StopSignal, VirtioDevice};
 use crate::vcpu::PanicStop;
 
 pub const SECTOR_SIZE: u64 = 512;
@@ -379,42 +378,33 @@ pub struct Block {
     worker: Option<Worker>,
     /// The worker's server and kick while a save holds it stopped (until `resume`).
     held: Option<(RequestServer, EventFd)>,
-    /// What the worker runs under (from the activation, for a restart at `resume`).
-    panics: Option<PanicStop>,
 }
 
 struct Worker {
-    stop: EventFd,
-    /// Set before `stop` is signalled: the server checks it between requests.
-    stopping: Arc<AtomicBool>,
+    stop: StopSignal,
     /// Gives back the server (image and queue) and its kick when it stops; `None` if it
     /// panicked (and ended the run).
     thread: JoinHandle<Option<(RequestServer, EventFd)>>,
 }
 
 impl Worker {
-    fn start(mut server: RequestServer, kick: EventFd, panics: PanicStop) -> Result<Worker, ActivateError> {
-        let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
-        let stop_worker = stop.try_clone().map_err(ActivateError::EventFd)?;
-        let stopping = Arc::new(AtomicBool::new(false));
-        let stopping_worker = Arc::clone(&stopping);
-        let thread = std::thread::Builder::new()
-            .name("virtio-blk".into())
-            .spawn(move || {
-                panics.run("virtio-blk", move || {
-                    server.run(&kick, &stop_worker, &stopping_worker);
-                    (server, kick)
-                })
+    fn start(mut server: RequestServer, kick: EventFd) -> Result<Worker, ActivateError> {
+        let stop = StopSignal::new().map_err(ActivateError::EventFd)?;
+        let stop_worker = stop.clone();
+        let panics = server.panics.clone();
+        let thread = panics
+            .spawn("virtio-blk", move || {
+                server.run(&kick, &stop_worker);
+                (server, kick)
             })
             .map_err(ActivateError::Thread)?;
-        Ok(Worker { stop, stopping, thread })
+        Ok(Worker { stop, thread })
     }
 
     /// Stops the thread after the request in hand; `None` if it panicked (the image is
     /// then gone with it).
     fn stop(self) -> Option<(RequestServer, EventFd)> {
-        self.stopping.store(true, std::sync::atomic::Ordering::Release);
-        let _ = self.stop.write(1);
+        self.stop.request();
         self.thread.join().ok().flatten()
     }
 }
@@ -438,7 +428,6 @@ impl Block {
             features,
             worker: None,
             held: None,
-            panics: None,
         }
     }
 }
@@ -486,10 +475,10 @@ impl VirtioDevice for Block {
             queue: queues.remove(0),
             interrupt,
             broken: false,
+            panics,
         };
         let kick = notify.remove(0);
-        self.worker = Some(Worker::start(server, kick, panics.clone())?);
-        self.panics = Some(panics);
+        self.worker = Some(Worker::start(server, kick)?);
         Ok(())
     }
 
@@ -525,8 +514,8 @@ impl VirtioDevice for Block {
 
     fn resume(&mut self) -> Result<(), SaveError> {
         // A kick that came while the worker was held is still pending on `kick`.
-        if let (Some((server, kick)), Some(panics)) = (self.held.take(), self.panics.clone()) {
-            self.worker = Some(Worker::start(server, kick, panics).map_err(SaveError::Restart)?);
+        if let Some((server, kick)) = self.held.take() {
+            self.worker = Some(Worker::start(server, kick).map_err(SaveError::Restart)?);
         }
         Ok(())
     }
@@ -554,13 +543,15 @@ struct RequestServer {
     /// The driver broke the queue itself (an avail index past the ring): nothing more is
     /// served until it resets the device.
     broken: bool,
+    /// What the worker serving it runs under (kept here for a restart at `resume`).
+    panics: PanicStop,
 }
 
 const KICK: u64 = 1;
 const STOP: u64 = 2;
 
 impl RequestServer {
-    fn run(&mut self, kick: &EventFd, stop: &EventFd, stopping: &AtomicBool) {
+    fn run(&mut self, kick: &EventFd, stop: &StopSignal) {
         let epoll = match Epoll::new() {
             Ok(e) => e,
             Err(e) => {
@@ -568,14 +559,14 @@ impl RequestServer {
                 return;
             }
         };
-        for (fd, data) in [(kick.as_raw_fd(), KICK), (stop.as_raw_fd(), STOP)] {
+        for (fd, data) in [(kick.as_raw_fd(), KICK), (stop.wake_fd(), STOP)] {
             if let Err(e) = epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, data)) {
                 tracing::error!("virtio-blk: epoll_ctl: {e}");
                 return;
             }
         }
         // A kick may have come before the thread was waiting.
-        self.serve(stopping);
+        self.serve(stop.requested());
         let mut events = [EpollEvent::default(); 2];
         loop {
             let n = match epoll.wait(-1, &mut events) {
@@ -591,7 +582,7 @@ impl RequestServer {
                     STOP => return,
                     _ => {
                         let _ = kick.read();
-                        self.serve(stopping);
+                        self.serve(stop.requested());
                     }
                 }
             }

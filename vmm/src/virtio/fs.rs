@@ -41,7 +41,7 @@ use vm_memory::{GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{ActivateError, Activation, Interrupt, VirtioDevice};
+use super::{ActivateError, Activation, Interrupt, StopSignal, VirtioDevice};
 
 pub mod orphan;
 
@@ -118,10 +118,8 @@ pub struct Fs {
 }
 
 struct Relay {
-    stop: EventFd,
-    /// Set before `stop` is signalled: an orphaned relay checks it between requests.
-    stopping: Arc<std::sync::atomic::AtomicBool>,
-    thread: JoinHandle<()>,
+    stop: StopSignal,
+    thread: JoinHandle<Option<()>>,
 }
 
 /// The connection to the backend, each exchange on it bounded in time. vhost's frontend
@@ -347,29 +345,16 @@ impl Fs {
         interrupt: Arc<Interrupt>,
         kit: OrphanKit,
     ) -> Result<(), ActivateError> {
-        let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(ActivateError::EventFd)?;
-        let stop_relay = stop.try_clone().map_err(ActivateError::EventFd)?;
-        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let stopping_relay = Arc::clone(&stopping);
+        let stop = StopSignal::new().map_err(ActivateError::EventFd)?;
+        let stop_relay = stop.clone();
         let tag = self.tag.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("virtio-fs-{}", self.tag))
-            .spawn(move || {
-                let panics = kit.panics.clone();
-                let thread = format!("virtio-fs-{tag}");
-                panics.run(&thread, || {
-                    relay(
-                        &tag,
-                        &calls,
-                        socket.as_ref(),
-                        (&stop_relay, &stopping_relay),
-                        &interrupt,
-                        kit,
-                    )
-                });
+        let panics = kit.panics.clone();
+        let thread = panics
+            .spawn(&format!("virtio-fs-{}", self.tag), move || {
+                relay(&tag, &calls, socket.as_ref(), &stop_relay, &interrupt, kit)
             })
             .map_err(ActivateError::Thread)?;
-        self.relay = Some(Relay { stop, stopping, thread });
+        self.relay = Some(Relay { stop, thread });
         Ok(())
     }
 
@@ -378,9 +363,8 @@ impl Fs {
     /// that is logged, and the device is reset all the same.
     fn stop(&mut self) {
         if let Some(relay) = self.relay.take() {
-            relay.stopping.store(true, std::sync::atomic::Ordering::Release);
-            let _ = relay.stop.write(1);
-            if relay.thread.join().is_err() {
+            relay.stop.request();
+            if !matches!(relay.thread.join(), Ok(Some(()))) {
                 tracing::error!("virtio-fs {}: the interrupt relay panicked", self.tag);
             }
         }
@@ -503,7 +487,7 @@ fn relay(
     tag: &str,
     calls: &[EventFd],
     socket: Option<&OwnedFd>,
-    (stop, stopping): (&EventFd, &std::sync::atomic::AtomicBool),
+    stop: &StopSignal,
     interrupt: &Interrupt,
     kit: OrphanKit,
 ) {
@@ -523,7 +507,7 @@ fn relay(
                 interrupt.signal_needs_reset();
             })
     };
-    let mut watched = vec![(stop.as_raw_fd(), EventSet::IN, STOP)];
+    let mut watched = vec![(stop.wake_fd(), EventSet::IN, STOP)];
     if let Some(socket) = socket {
         // Only the peer's hang-up: the socket's messages are the vCPU thread's to read.
         watched.push((socket.as_raw_fd(), EventSet::READ_HANG_UP, SOCKET));
@@ -566,7 +550,7 @@ fn relay(
                 if broken.get(index).copied().unwrap_or(true) {
                     continue;
                 }
-                match queues.serve(index, stopping) {
+                match queues.serve(index, stop.requested()) {
                     Ok(true) => interrupt.signal_used_queue(),
                     Ok(false) => {}
                     Err(e) => {
