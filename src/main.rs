@@ -8,6 +8,7 @@ use hvprobe::cli::Cli;
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(colour_on_stderr())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 // virtio-queue's own error lines come per request a guest breaks; the
@@ -25,6 +26,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Colour only on a terminal, and not there when `NO_COLOR` is set (no-color.org): a log
+/// redirected to a file or read by a pipe holds the text alone.
+fn colour_on_stderr() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
