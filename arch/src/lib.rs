@@ -2,14 +2,16 @@
 //!
 //! The typed addresses that every other crate uses, so that a guest virtual address can
 //! never be passed where a guest physical one is expected, and the page-table formats and
-//! walk ([`paging`]), IDT gates ([`idt`]), registers' bits ([`regs`]) and the TSC
-//! ([`tsc`]). Instruction decoding lives with the probes (`hvprobe-probes`' `insn`).
+//! walk ([`paging`]), IDT gates ([`idt`]), registers' bits ([`regs`]), the `struct pt_regs`
+//! frame a probe hit sees ([`pt_regs`]) and the TSC ([`tsc`]). Instruction decoding is
+//! `hvprobe-insn`.
 
 use std::fmt;
 
 pub mod debugreg;
 pub mod idt;
 pub mod paging;
+pub mod pt_regs;
 pub mod regs;
 pub mod tsc;
 

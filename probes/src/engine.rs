@@ -55,7 +55,6 @@ mod out_of_line;
 mod placement;
 mod registry;
 mod returns;
-mod sites;
 mod stack;
 mod stamps;
 mod step;
@@ -66,10 +65,10 @@ mod text;
 mod watch;
 
 pub use event_rings::EventSetupError;
+pub use hvprobe_detour::sites::{PatchSite, PatchSiteKind, PatchSites, PatchSitesError, MAX_SITE_TABLE_BYTES};
 pub use optimize::WhyNotOptimized;
 pub use out_of_line::OutOfLinePlace;
 pub use placement::resolve_symbol;
-pub use sites::{PatchSite, PatchSiteKind, PatchSites, PatchSitesError, MAX_SITE_TABLE_BYTES};
 pub use text::TextBoundsError;
 
 /// The longest function the engine decodes to check an instruction boundary.

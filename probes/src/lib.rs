@@ -1,19 +1,22 @@
 //! The probe engine: kprobes, kretprobes and jump-optimized probes written into the guest
-//! kernel's text by the host, the probe-spec parser (kprobe_events syntax), fetch-args,
-//! counters, the listing, and the sync and async handler APIs.
+//! kernel's text by the host; counters, the listing, and the sync and async handler APIs.
 //!
 //! The engine ([`engine`]) runs on an abstract machine ([`machine`]: the VMM side
 //! implements it over KVM, the tests over a fake), so that everything here is tested
-//! without KVM. Jump optimization's safety checks, the relocation of displaced
-//! instructions and the event detours (guest code that records hits into per-CPU rings
-//! the host drains) are [`detour`].
+//! without KVM. It stands on three crates, each with one job: the kprobe_events language
+//! (`hvprobe-spec`: specs, their checks, fetch-args, event lines), x86 instructions at a
+//! probe (`hvprobe-insn`: decoding, stepping, emulation) and the guest code we write
+//! (`hvprobe-detour`: jump optimization's safety checks, relocation, event detours and
+//! their rings).
 
 pub mod clock;
-pub mod detour;
 pub mod engine;
-pub mod fetch;
-pub mod insn;
 pub mod machine;
-pub mod output;
-pub mod regs;
-pub mod spec;
+
+// The layers below the engine, under the paths they had when they were modules of this
+// crate.
+pub use hvprobe_arch::pt_regs as regs;
+pub use hvprobe_detour as detour;
+pub use hvprobe_insn as insn;
+pub use hvprobe_spec as spec;
+pub use hvprobe_spec::{fetch, output};

@@ -178,11 +178,12 @@ struct SlotCounts {
     filtered: u64,
 }
 
-impl EventRings {
-    fn slot_counts(&self, mem: &dyn RingMemory, slot: u32) -> Result<SlotCounts, RingError> {
+impl SlotCounts {
+    /// The entries of `slot` in `rings`' tables.
+    fn read(rings: &EventRings, mem: &dyn RingMemory, slot: u32) -> Result<SlotCounts, RingError> {
         Ok(SlotCounts {
-            missed: self.probe_missed(mem, slot)?,
-            filtered: self.probe_filtered(mem, slot)?,
+            missed: rings.probe_missed(mem, slot)?,
+            filtered: rings.probe_filtered(mem, slot)?,
         })
     }
 }
@@ -315,10 +316,8 @@ impl Tracer {
             .ok_or(WhyNotOptimized::NoMissSlot {
                 slots: setup.rings.geometry().probe_slots(),
             })?;
-        let seen = setup
-            .rings
-            .slot_counts(mem, slot as u32)
-            .map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
+        let seen =
+            SlotCounts::read(&setup.rings, mem, slot as u32).map_err(|e| WhyNotOptimized::Memory(e.to_string()))?;
         owners[slot] = Some(MissOwner {
             counters: counters.clone(),
             seen,
@@ -335,7 +334,7 @@ impl Tracer {
         };
         let mut owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(owner) = owners.get_mut(slot as usize) {
-            if let (Some(o), Ok(now)) = (owner.as_mut(), setup.rings.slot_counts(mem, slot)) {
+            if let (Some(o), Ok(now)) = (owner.as_mut(), SlotCounts::read(&setup.rings, mem, slot)) {
                 let filtered = o.fold(now, setup.rings.geometry().cpus(), &self.stats.ring_rejected);
                 self.count_filtered_in_guest(filtered);
             }
@@ -350,7 +349,7 @@ impl Tracer {
         let mut owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
         for (slot, owner) in owners.iter_mut().enumerate() {
             let Some(owner) = owner else { continue };
-            match setup.rings.slot_counts(mem, slot as u32) {
+            match SlotCounts::read(&setup.rings, mem, slot as u32) {
                 Ok(now) => {
                     let filtered = owner.fold(now, setup.rings.geometry().cpus(), &self.stats.ring_rejected);
                     self.count_filtered_in_guest(filtered);

@@ -5,8 +5,8 @@ use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
 use hvprobe_introspection::symbols::SymbolTable;
 
 use super::*;
-use crate::regs::Regs;
-use crate::spec::{parse_line, ProbeSpec};
+use crate::{parse_line, ProbeSpec};
+use hvprobe_arch::pt_regs::Regs;
 
 /// Guest memory as a sparse map of 4 KiB pages; unmapped pages fail.
 #[derive(Default)]

@@ -21,9 +21,9 @@
 use iced_x86::code_asm::*;
 
 use super::{ArgKind, DetourCodeError, EventLayout, Gen, COMM_SIZE};
-use crate::detour::ring::{RECORD_CPU, RECORD_FAULTS};
-use crate::fetch::value_size;
-use crate::spec::ArgType;
+use crate::ring::{RECORD_CPU, RECORD_FAULTS};
+use hvprobe_spec::fetch::value_size;
+use hvprobe_spec::ArgType;
 
 /// An event filter in the form an event detour evaluates on its record.
 #[derive(Clone, Debug, PartialEq, Eq)]

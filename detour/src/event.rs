@@ -71,9 +71,9 @@ use super::ring::{
     RECORD_CPU, RECORD_FAULTS, RECORD_HEADER_SIZE, RECORD_PROBE, RECORD_TSC, TAIL,
 };
 use super::NotOptimizable;
-use crate::fetch::{convert, value_size, ArgValue};
-use crate::regs::NO_ORIG_AX;
-use crate::spec::{ArgType, FetchArg, FetchExpr, Register};
+use hvprobe_arch::pt_regs::NO_ORIG_AX;
+use hvprobe_spec::fetch::{convert, value_size, ArgValue};
+use hvprobe_spec::{ArgType, FetchArg, FetchExpr, Register};
 
 /// Most fetch-args an event detour records (one fault bit each in a `u64`).
 pub const MAX_EVENT_ARGS: usize = 64;
@@ -1019,7 +1019,7 @@ pub fn event_detour(p: &EventDetourParams<'_>) -> Result<EventDetour, DetourCode
             Some(_) => {}
         }
     }
-    let saved = p.returns.map(|_| crate::fetch::args_named(p.args));
+    let saved = p.returns.map(|_| hvprobe_spec::fetch::args_named(p.args));
     if let Some(saved) = &saved {
         if saved.len() > MAX_SAVED_ARGS {
             return Err(DetourCodeError::TooManySaved { count: saved.len() });

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 
 use super::relocate::verify;
 use super::*;
-use crate::engine::PatchSite;
+use crate::sites::PatchSite;
 
 const FUNC: u64 = 0xffff_ffff_8100_0000;
 /// Data a RIP-relative operand reads.

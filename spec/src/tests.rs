@@ -1069,7 +1069,7 @@ fn return_probes_take_entry_arguments_and_a_duration() {
 
 #[test]
 fn watch_lines_take_perfs_length_and_access_with_its_defaults() {
-    use crate::spec::Access;
+    use crate::Access;
     let watch = |line: &str| match ok(line) {
         ProbeSpec::Watch {
             group,

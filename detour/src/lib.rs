@@ -89,13 +89,14 @@ use iced_x86::{
     Decoder, DecoderOptions, FlowControl, Formatter, Instruction, IntelFormatter, Mnemonic, OpKind, Register,
 };
 
-use crate::engine::{PatchSiteKind, PatchSites};
-use crate::insn::{self, InsnError};
+use crate::sites::{PatchSiteKind, PatchSites};
+use hvprobe_insn::{self, InsnError};
 
 mod displace;
 pub mod event;
 mod relocate;
 pub mod ring;
+pub mod sites;
 #[cfg(test)]
 mod tests;
 
@@ -108,9 +109,9 @@ pub const JMP_REL32_LEN: usize = 5;
 pub const JMP_REL32: u8 = 0xe9;
 /// The most bytes a region covers: whole instructions until [`JMP_REL32_LEN`] are
 /// covered, so the last starts within the jump's first four bytes and is at most
-/// [`MAX_INSN_LEN`](crate::insn::MAX_INSN_LEN) long. A region that covers an address
+/// [`MAX_INSN_LEN`](hvprobe_insn::MAX_INSN_LEN) long. A region that covers an address
 /// starts less than this before it.
-pub const MAX_REGION_LEN: u64 = (JMP_REL32_LEN - 1 + crate::insn::MAX_INSN_LEN) as u64;
+pub const MAX_REGION_LEN: u64 = (JMP_REL32_LEN - 1 + hvprobe_insn::MAX_INSN_LEN) as u64;
 const INT3: u8 = 0xcc;
 
 /// Code at an address: a function's bytes, or a part of it.
@@ -462,7 +463,7 @@ fn decode_all(code: Code<'_>) -> Result<Vec<Instruction>, NotOptimizable> {
         decoder.decode_out(&mut instruction);
         if instruction.is_invalid() {
             let addr = Gva(code.start.0.wrapping_add(offset as u64));
-            return Err(NotOptimizable::Undecodable(insn::decode_error(
+            return Err(NotOptimizable::Undecodable(hvprobe_insn::decode_error(
                 &decoder,
                 &code.bytes[offset..],
                 addr,

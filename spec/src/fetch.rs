@@ -34,8 +34,8 @@ use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::GuestVirtRead;
 use hvprobe_introspection::symbols::SymbolTable;
 
-use crate::regs::Regs;
-use crate::spec::{ArgType, FetchArg, FetchExpr};
+use crate::{ArgType, FetchArg, FetchExpr};
+use hvprobe_arch::pt_regs::Regs;
 
 /// Longest string fetched, NUL included (the kernel's `MAX_STRING_SIZE`, `PATH_MAX`).
 pub const MAX_STRING_SIZE: usize = 4096;
@@ -416,7 +416,7 @@ fn read_string(ctx: &FetchContext, user: bool, addr: u64) -> ArgValue {
 
 /// Applies a non-string type to a raw value (`None`: the read faulted). Only the low
 /// bytes of the type's width count (the event detour records them with garbage above).
-pub(crate) fn convert(ty: ArgType, raw: Option<u64>, symbols: &SymbolTable) -> ArgValue {
+pub fn convert(ty: ArgType, raw: Option<u64>, symbols: &SymbolTable) -> ArgValue {
     let Some(raw) = raw else {
         return ArgValue::Fault;
     };
@@ -446,7 +446,7 @@ pub(crate) fn convert(ty: ArgType, raw: Option<u64>, symbols: &SymbolTable) -> A
 }
 
 /// Bytes of memory one value of a non-string type takes (`symstr` symbolizes a word).
-pub(crate) fn value_size(ty: ArgType) -> usize {
+pub fn value_size(ty: ArgType) -> usize {
     match ty {
         ArgType::Symbol | ArgType::SymStr => 8,
         ty => ty.record_size() as usize,

@@ -2,8 +2,8 @@ use hvprobe_introspection::memory::MemoryError;
 use hvprobe_introspection::symbols::SymbolSource;
 
 use super::*;
-use crate::spec::conformance::caret;
-use crate::spec::{parse_line, LinuxError, Register};
+use crate::conformance::caret;
+use crate::{parse_line, LinuxError, Register};
 
 /// Builds a BTF blob by hand: the introspection crate's builder, and the shapes these
 /// tests use.
@@ -233,7 +233,7 @@ fn the_refusals_that_need_the_kernel() {
 /// with its column (here, in the conformance tables, or for the two limits there).
 #[test]
 fn every_linux_code_has_a_refused_line() {
-    use crate::spec::conformance::{MORE_REFUSED, REFUSED};
+    use crate::conformance::{MORE_REFUSED, REFUSED};
     let limits = [LinuxError::TOO_MANY_ARGS, LinuxError::EVENT_TOO_BIG];
     for code in LinuxError::ALL {
         let tested = REFUSED.iter().chain(MORE_REFUSED).any(|(_, c)| *c == code)

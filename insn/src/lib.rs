@@ -21,7 +21,7 @@ use iced_x86::{
     Mnemonic, OpKind, Register,
 };
 
-use crate::regs::Regs;
+use hvprobe_arch::pt_regs::Regs;
 
 /// The longest x86 instruction.
 pub const MAX_INSN_LEN: usize = 15;
@@ -107,7 +107,9 @@ fn decoder_at(bytes: &[u8], addr: Gva) -> Decoder<'_> {
     Decoder::with_ip(64, bytes, addr.0, DecoderOptions::NONE)
 }
 
-pub(crate) fn decode_error(decoder: &Decoder<'_>, bytes: &[u8], addr: Gva) -> InsnError {
+/// Why `decoder` could not decode the instruction at `addr` (`bytes` from there on): cut short
+/// by the end of the bytes, or undecodable.
+pub fn decode_error(decoder: &Decoder<'_>, bytes: &[u8], addr: Gva) -> InsnError {
     // iced also reports "no more bytes" for an invalid opcode at the very end of the input
     // (a lone `ce`), so a cut-short instruction is one that decodes once bytes are added.
     let cut_short = decoder.last_error() == DecoderError::NoMoreBytes && {
@@ -809,7 +811,7 @@ fn has_operand_size_prefix(bytes: &[u8]) -> bool {
 /// Whether the legacy prefixes before the opcode include `prefix`. A REX byte that a legacy
 /// prefix follows is ignored by the CPU (`48 66 eb 00` is a 66-prefixed jmp), so the scan
 /// goes on past REX bytes too.
-pub(crate) fn has_legacy_prefix(bytes: &[u8], prefix: u8) -> bool {
+pub fn has_legacy_prefix(bytes: &[u8], prefix: u8) -> bool {
     bytes
         .iter()
         .take_while(|b| {

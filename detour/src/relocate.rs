@@ -13,7 +13,7 @@ use hvprobe_arch::Gva;
 use iced_x86::{BlockEncoder, BlockEncoderOptions, Decoder, DecoderOptions, Instruction, InstructionBlock};
 
 use super::{disassemble, near_branch_target, DetourRegion, DisplacedInsn, NotOptimizable, JMP_REL32, JMP_REL32_LEN};
-use crate::insn::{Execution, InsnError, OutOfLine, ProbedInsn, StepKind, MAX_INSN_LEN};
+use hvprobe_insn::{Execution, InsnError, OutOfLine, ProbedInsn, StepKind, MAX_INSN_LEN};
 
 /// `e9 rel32` at `from`, jumping to `to`; `None` when `to` is out of rel32 reach.
 pub fn jump_bytes(from: Gva, to: Gva) -> Option<[u8; JMP_REL32_LEN]> {

@@ -1,3 +1,7 @@
+//! The kprobe_events language: probe specs parsed as Linux parses them ([`check`] checks
+//! them against a kernel), the values their fetch-args read ([`fetch`]) and the event
+//! lines they print ([`output`]).
+//!
 //! The probe-spec parser: the kernel's `kprobe_events` syntax, one probe a line.
 //!
 //! Users paste what they already write into `/sys/kernel/tracing/kprobe_events`, so the
@@ -22,9 +26,12 @@
 use std::fmt;
 
 pub use hvprobe_arch::debugreg::Access;
+pub use hvprobe_arch::pt_regs::Register;
 use hvprobe_arch::Gva;
 
 pub mod check;
+pub mod fetch;
+pub mod output;
 pub mod source;
 
 /// The group of a probe whose spec names none, as in the kernel.
@@ -349,97 +356,6 @@ pub enum ArgType {
         offset: u8,
         container_bits: u8,
     },
-}
-
-/// The registers `%REG` may name on x86-64: exactly the `struct pt_regs` fields the
-/// kernel's `regs_query_register_offset` knows, spelled as it spells them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Register {
-    R15,
-    R14,
-    R13,
-    R12,
-    Bp,
-    Bx,
-    R11,
-    R10,
-    R9,
-    R8,
-    Ax,
-    Cx,
-    Dx,
-    Si,
-    Di,
-    OrigAx,
-    Ip,
-    Cs,
-    Flags,
-    Sp,
-    Ss,
-}
-
-impl Register {
-    /// Every register, in `struct pt_regs` order.
-    pub const ALL: [Register; 21] = [
-        Register::R15,
-        Register::R14,
-        Register::R13,
-        Register::R12,
-        Register::Bp,
-        Register::Bx,
-        Register::R11,
-        Register::R10,
-        Register::R9,
-        Register::R8,
-        Register::Ax,
-        Register::Cx,
-        Register::Dx,
-        Register::Si,
-        Register::Di,
-        Register::OrigAx,
-        Register::Ip,
-        Register::Cs,
-        Register::Flags,
-        Register::Sp,
-        Register::Ss,
-    ];
-
-    /// The name after `%`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Register::R15 => "r15",
-            Register::R14 => "r14",
-            Register::R13 => "r13",
-            Register::R12 => "r12",
-            Register::Bp => "bp",
-            Register::Bx => "bx",
-            Register::R11 => "r11",
-            Register::R10 => "r10",
-            Register::R9 => "r9",
-            Register::R8 => "r8",
-            Register::Ax => "ax",
-            Register::Cx => "cx",
-            Register::Dx => "dx",
-            Register::Si => "si",
-            Register::Di => "di",
-            Register::OrigAx => "orig_ax",
-            Register::Ip => "ip",
-            Register::Cs => "cs",
-            Register::Flags => "flags",
-            Register::Sp => "sp",
-            Register::Ss => "ss",
-        }
-    }
-
-    /// The byte offset of this register in the x86-64 `struct pt_regs`.
-    pub const fn pt_regs_offset(self) -> usize {
-        8 * self as usize
-    }
-
-    /// The register named `name` (without `%`), as the kernel matches it (case-sensitive).
-    pub fn from_name(name: &str) -> Option<Register> {
-        Register::ALL.into_iter().find(|r| r.name() == name)
-    }
 }
 
 impl ArgType {
@@ -2191,12 +2107,6 @@ impl fmt::Display for SignedNumber {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let sign = if self.0 < 0 { '-' } else { '+' };
         write!(f, "{sign}{}", Number(self.0.unsigned_abs()))
-    }
-}
-
-impl fmt::Display for Register {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }
 

@@ -54,7 +54,7 @@ use hvprobe_introspection::stacks::RethookLayout;
 use iced_x86::code_asm::*;
 
 use super::{assemble, count_path_from, DetourCodeError, EventDetourParams, Gen, HotPath, Record, ReturnFields, Tail};
-use crate::detour::jump_bytes;
+use crate::jump_bytes;
 
 /// Bytes of one slot of the calls-in-flight table.
 pub const RETURN_SLOT_SIZE: u32 = 128;

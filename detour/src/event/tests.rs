@@ -6,10 +6,10 @@ use hvprobe_introspection::facts::ExceptionTable;
 use iced_x86::{Code, Formatter, IntelFormatter, OpKind};
 
 use super::*;
-use crate::detour::ring::RingGeometry;
-use crate::detour::{plan_region, relocate, DetourFacts, FunctionText, IndirectThunks};
-use crate::engine::PatchSites;
-use crate::spec::{parse_line, ProbeSpec};
+use crate::ring::RingGeometry;
+use crate::sites::PatchSites;
+use crate::{plan_region, relocate, DetourFacts, FunctionText, IndirectThunks};
+use hvprobe_spec::{parse_line, ProbeSpec};
 
 const FUNC: u64 = 0xffff_ffff_8100_0000;
 pub(super) const DETOUR: u64 = 0xffff_ffff_8260_1000;
@@ -55,7 +55,7 @@ fn symbols() -> SymbolTable {
 /// (an unnamed `$argN` is then its register or stack slot).
 fn args(spec: &str) -> Vec<FetchArg> {
     match parse_line(&format!("p:g/e func {spec}")).unwrap() {
-        Some(ProbeSpec::Kprobe { args, .. }) => crate::spec::check::resolve_btf_args("func", &args, None).unwrap(),
+        Some(ProbeSpec::Kprobe { args, .. }) => hvprobe_spec::check::resolve_btf_args("func", &args, None).unwrap(),
         other => panic!("{other:?}"),
     }
 }
@@ -67,12 +67,12 @@ pub(super) fn rings(record_size: u32) -> EventRings {
 
 use hvprobe_arch::Gpa;
 
-fn region() -> crate::detour::DetourRegion {
+fn region() -> crate::DetourRegion {
     let ex = ExceptionTable::default();
     let sites = PatchSites::default();
     let thunks = IndirectThunks::default();
     let function = FunctionText {
-        body: crate::detour::Code {
+        body: crate::Code {
             start: Gva(FUNC),
             bytes: FUNCTION,
         },
@@ -362,7 +362,7 @@ fn each_miss_path_counts_the_probes_entry_with_a_locked_increment() {
             .iter()
             .map(|at| insns[at - 1].memory_displacement64())
             .collect();
-        let bad_cpu = RINGS + crate::detour::ring::GLOBAL_BAD_CPU;
+        let bad_cpu = RINGS + crate::ring::GLOBAL_BAD_CPU;
         assert_eq!(before, [bad_cpu, MISSED_NESTED, MISSED_FULL], "{spec}\n{text}");
         // The rings' own counters stay plain increments.
         assert!(probe_incs.iter().all(|at| !insns[at - 1].has_lock_prefix()), "{text}");
@@ -569,8 +569,8 @@ fn the_task_stamp_costs_seven_instructions_and_decodes() {
 /// An exit-free return probe's detour for `spec` (a `r:` line's fetch-args), probe 42's
 /// slots 8..18 of a 64-slot table, with or without the task stamp.
 fn generate_return(spec: &str, record_task: bool) -> Result<EventDetour, DetourCodeError> {
-    let args = match crate::spec::parse_line(&format!("r:g/e func {spec}")).unwrap() {
-        Some(crate::spec::ProbeSpec::Kretprobe { args, .. }) => args,
+    let args = match hvprobe_spec::parse_line(&format!("r:g/e func {spec}")).unwrap() {
+        Some(hvprobe_spec::ProbeSpec::Kretprobe { args, .. }) => args,
         other => panic!("{other:?}"),
     };
     let returns = ReturnDetourParams {
@@ -616,7 +616,7 @@ fn an_exit_free_return_with_retval_and_duration_costs_at_most_120_instructions()
         .filter(|&k| insns[k].mnemonic() == Mnemonic::Inc && insns[k].memory_displacement64() == entry)
         .collect();
     assert_eq!(entry_incs.len(), 4, "the entry's and the return code's three");
-    let bad_cpu = RINGS + crate::detour::ring::GLOBAL_BAD_CPU;
+    let bad_cpu = RINGS + crate::ring::GLOBAL_BAD_CPU;
     let after_ring: Vec<Gva> = entry_incs
         .iter()
         .filter(|&&k| {

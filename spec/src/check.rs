@@ -19,7 +19,6 @@ use super::{
     is_good_name, ArgType, BtfBase, BtfRef, FetchArg, FetchExpr, LineParser, ProbeSpec, SpecError, SpecErrorKind,
     SplitInstruction, Target, MAX_ARGS,
 };
-use crate::insn;
 
 /// The longest function decoded to check an instruction boundary (as the engine does).
 const MAX_FUNCTION_BYTES: u64 = 256 << 10;
@@ -217,7 +216,7 @@ fn check_boundary(
         return Ok(());
     }
     let address = Gva(symbol.addr.0 + offset);
-    let Ok(starts) = insn::instruction_starts_through(&code, symbol.addr, address) else {
+    let Ok(starts) = hvprobe_insn::instruction_starts_through(&code, symbol.addr, address) else {
         return Ok(());
     };
     if starts.binary_search(&address).is_err() {

@@ -16,7 +16,7 @@ use std::fmt;
 
 use iced_x86::{Code, EncodingKind, FlowControl, Instruction, Mnemonic, OpCodeTableKind, OpKind, Register};
 
-use crate::insn::has_legacy_prefix;
+use hvprobe_insn::has_legacy_prefix;
 
 /// Why an instruction cannot run displaced in a detour.
 #[derive(Clone, Debug, PartialEq, Eq)]
