@@ -3,8 +3,12 @@
 //!
 //! ```text
 //! cargo run --example async_events -- SNAPSHOT_DIR FUNCTION 'WORKLOAD'
-//! cargo run --example async_events -- ~/.cache/hvprobe/snapshots/<key>-1cpu-v1 __x64_sys_getppid 'hvprobe-loop 50'
+//! cargo run --example async_events -- "$(hvprobe snapshot create --cached)" __x64_sys_getppid 'hvprobe-loop 50'
 //! ```
+//!
+//! `hvprobe snapshot create --cached` prints the bundled guest's cached snapshot (made on
+//! first use): `~/.cache/hvprobe/snapshots/<key>-1cpu-v3-pvm` on kvm_pvm, `…-hardware` on
+//! hardware KVM.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
