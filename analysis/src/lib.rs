@@ -19,6 +19,8 @@
 //!   the host).
 //! - [`table`]: every event's filter and triggers, looked up per hit.
 
+#![forbid(unsafe_code)]
+
 pub mod fields;
 pub mod filter;
 pub mod hist;

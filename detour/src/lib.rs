@@ -79,6 +79,8 @@
 //! can reach them); the detour's entry must be within rel32 reach of the probe
 //! ([`jump_bytes`] says when it is not).
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 use std::ops::Range;
 

@@ -14,6 +14,8 @@
 //!
 //! No command line here: host tools, examples and tests build on this crate.
 
+#![forbid(unsafe_code)]
+
 pub mod clock;
 pub mod handler;
 pub mod kernel_up;

@@ -9,6 +9,8 @@
 //! (`hvprobe-detour`: jump optimization's safety checks, relocation, event detours and
 //! their rings).
 
+#![forbid(unsafe_code)]
+
 pub mod clock;
 pub mod engine;
 pub mod machine;

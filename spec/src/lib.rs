@@ -23,6 +23,8 @@
 //! -:[GRP/]EVENT
 //! ```
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 pub use hvprobe_arch::debugreg::Access;
