@@ -734,7 +734,7 @@ fn parse_types(sec: &[u8], str_len: usize) -> Result<Vec<BtfType>, BtfError> {
     Ok(types)
 }
 
-#[doc(hidden)]
+#[cfg(any(test, feature = "test-support"))]
 pub mod builder;
 
 #[cfg(test)]

@@ -784,7 +784,7 @@ fn read_up_to<M: GuestVirtRead + ?Sized>(
     }
 }
 
-#[doc(hidden)]
+#[cfg(any(test, feature = "test-support"))]
 pub mod synthetic;
 #[cfg(test)]
 mod tests;
