@@ -766,9 +766,11 @@ enum Cold {
     },
 }
 
-struct Gen<'p> {
-    a: CodeAssembler,
-    p: &'p EventDetourParams<'p>,
+/// An event detour's code being assembled: the assembler, what the detour is for, the
+/// frame its prologue built, and the cold paths emitted after the hot one.
+struct DetourAssembler<'p> {
+    asm: CodeAssembler,
+    params: &'p EventDetourParams<'p>,
     frame: Frame,
     cold: Vec<Cold>,
     thread_mask: u32,
@@ -789,11 +791,11 @@ fn rel32_reaches(from: Gva, to: Gva, span: u64) -> bool {
 /// a few hundred bytes, a few KiB with many arguments).
 const CODE_SPAN: u64 = 64 << 10;
 
-impl<'p> Gen<'p> {
+impl<'p> DetourAssembler<'p> {
     fn new(p: &'p EventDetourParams<'p>, frame: Frame, saved_area: Option<i32>) -> Result<Self, DetourCodeError> {
-        Ok(Gen {
-            a: CodeAssembler::new(64)?,
-            p,
+        Ok(DetourAssembler {
+            asm: CodeAssembler::new(64)?,
+            params: p,
             frame,
             cold: Vec::new(),
             thread_mask: p.kernel.thread_size - 1,
@@ -801,8 +803,8 @@ impl<'p> Gen<'p> {
         })
     }
 
-    fn a(&mut self) -> &mut CodeAssembler {
-        &mut self.a
+    fn asm(&mut self) -> &mut CodeAssembler {
+        &mut self.asm
     }
 
     /// `dst = ` the guest register `r` at the probe address.
@@ -812,26 +814,26 @@ impl<'p> Gen<'p> {
         match r {
             // At a return, where the call returns to (the prologue put it back in the slot)
             // and the stack pointer after the `ret`, as the host's trapped return shows them.
-            Register::Ip if at_return => self.a.mov(dst, qword_ptr(base + rsp0))?,
-            Register::Sp if at_return => self.a.lea(dst, qword_ptr(base + (rsp0 + 8)))?,
-            Register::Ip => self.a.mov(dst, self.p.probe_address.0)?,
-            Register::OrigAx => self.a.mov(dst, NO_ORIG_AX)?,
-            Register::Flags => self.a.mov(dst, qword_ptr(base + flags))?,
-            Register::Sp => self.a.lea(dst, qword_ptr(base + rsp0))?,
+            Register::Ip if at_return => self.asm.mov(dst, qword_ptr(base + rsp0))?,
+            Register::Sp if at_return => self.asm.lea(dst, qword_ptr(base + (rsp0 + 8)))?,
+            Register::Ip => self.asm.mov(dst, self.params.probe_address.0)?,
+            Register::OrigAx => self.asm.mov(dst, NO_ORIG_AX)?,
+            Register::Flags => self.asm.mov(dst, qword_ptr(base + flags))?,
+            Register::Sp => self.asm.lea(dst, qword_ptr(base + rsp0))?,
             Register::Cs | Register::Ss => {
                 let dst32 = low32(dst);
                 if r == Register::Cs {
-                    self.a.mov(dst32, cs)?
+                    self.asm.mov(dst32, cs)?
                 } else {
-                    self.a.mov(dst32, ss)?
+                    self.asm.mov(dst32, ss)?
                 }
             }
             r => match self.frame.saved_at(r) {
-                Some(off) => self.a.mov(dst, qword_ptr(base + off))?,
+                Some(off) => self.asm.mov(dst, qword_ptr(base + off))?,
                 None => {
                     let live = asm_register(r).ok_or_else(|| DetourCodeError::Assemble(format!("%{}", r.name())))?;
                     if live != dst {
-                        self.a.mov(dst, live)?
+                        self.asm.mov(dst, live)?
                     }
                 }
             },
@@ -849,21 +851,21 @@ impl<'p> Gen<'p> {
     ) -> Result<(), DetourCodeError> {
         let (base, rsp0) = (self.frame.base, self.frame.rsp0);
         let reach = 8 * u64::from(n);
-        if reach >= u64::from(self.p.kernel.thread_size) {
-            self.a.xor(low32(dst), low32(dst))?;
+        if reach >= u64::from(self.params.kernel.thread_size) {
+            self.asm.xor(low32(dst), low32(dst))?;
             return Ok(());
         }
-        let zero = self.a.create_label();
-        let mut done = self.a.create_label();
-        self.a.lea(scratch, ptr(base + rsp0))?;
-        self.a.and(scratch, self.thread_mask as i32)?;
-        self.a
-            .cmp(scratch, (u64::from(self.p.kernel.thread_size) - reach) as i32)?;
-        self.a.jae(zero)?;
-        self.a.mov(dst, qword_ptr(base + (rsp0 + reach as i32)))?;
+        let zero = self.asm.create_label();
+        let mut done = self.asm.create_label();
+        self.asm.lea(scratch, ptr(base + rsp0))?;
+        self.asm.and(scratch, self.thread_mask as i32)?;
+        self.asm
+            .cmp(scratch, (u64::from(self.params.kernel.thread_size) - reach) as i32)?;
+        self.asm.jae(zero)?;
+        self.asm.mov(dst, qword_ptr(base + (rsp0 + reach as i32)))?;
         // `done` labels the caller's next instruction (a zero-length one here).
-        self.a.set_label(&mut done)?;
-        self.a.zero_bytes()?;
+        self.asm.set_label(&mut done)?;
+        self.asm.zero_bytes()?;
         self.cold.push(Cold::Zero {
             label: zero,
             dst,
@@ -884,10 +886,10 @@ impl<'p> Gen<'p> {
     ) -> Result<(), DetourCodeError> {
         match v {
             Value::Reg(r) => self.read_register(dst, *r)?,
-            Value::Imm(x) => self.a.mov(dst, *x)?,
+            Value::Imm(x) => self.asm.mov(dst, *x)?,
             Value::StackPointer => {
                 let (base, rsp0) = (self.frame.base, self.frame.rsp0);
-                self.a.lea(dst, qword_ptr(base + rsp0))?
+                self.asm.lea(dst, qword_ptr(base + rsp0))?
             }
             Value::StackWord(n) => self.checked_stack_word(dst, eax, *n)?,
             Value::Saved(k) => {
@@ -895,16 +897,16 @@ impl<'p> Gen<'p> {
                     .saved_area
                     .ok_or_else(|| DetourCodeError::Assemble("a saved argument outside a return".into()))?;
                 let rec = self.frame.rec;
-                self.a.mov(dst, qword_ptr(rec + (area + 8 * *k as i32)))?
+                self.asm.mov(dst, qword_ptr(rec + (area + 8 * *k as i32)))?
             }
             Value::Add(inner, off) => {
                 self.emit_value(dst, inner, fault, arg, slot)?;
                 match i32::try_from(*off) {
                     Ok(0) => {}
-                    Ok(o) => self.a.add(dst, o)?,
+                    Ok(o) => self.asm.add(dst, o)?,
                     Err(_) => {
-                        self.a.mov(rax, *off as u64)?;
-                        self.a.add(dst, rax)?;
+                        self.asm.mov(rax, *off as u64)?;
+                        self.asm.add(dst, rax)?;
                     }
                 }
             }
@@ -912,12 +914,12 @@ impl<'p> Gen<'p> {
                 // Into the argument's own slot, then back into rsi.
                 self.emit_value(rsi, inner, fault, arg, slot)?;
                 let rec = self.frame.rec;
-                self.a.lea(rdi, qword_ptr(rec + slot))?;
-                self.a.mov(edx, 8)?;
+                self.asm.lea(rdi, qword_ptr(rec + slot))?;
+                self.asm.mov(edx, 8)?;
                 self.call_copy(arg, *user, false)?;
-                self.a.test(rax, rax)?;
-                self.a.jne(fault)?;
-                self.a.mov(dst, qword_ptr(rec + slot))?;
+                self.asm.test(rax, rax)?;
+                self.asm.jne(fault)?;
+                self.asm.mov(dst, qword_ptr(rec + slot))?;
             }
         }
         Ok(())
@@ -933,12 +935,12 @@ impl<'p> Gen<'p> {
         };
         let mut inc = Instruction::with1(iced_x86::Code::Inc_rm64, memory)?;
         inc.set_has_lock_prefix(locked);
-        self.a.add_instruction(inc)?;
+        self.asm.add_instruction(inc)?;
         Ok(())
     }
 
     fn call_copy(&mut self, arg: &FetchArg, user: bool, string: bool) -> Result<(), DetourCodeError> {
-        let k = self.p.kernel;
+        let k = self.params.kernel;
         let (target, fact) = match (user, string) {
             (false, false) => (k.copy_from_kernel_nofault, "copy_from_kernel_nofault"),
             (false, true) => (k.strncpy_from_kernel_nofault, "strncpy_from_kernel_nofault"),
@@ -949,14 +951,14 @@ impl<'p> Gen<'p> {
             arg: arg.name.clone(),
             fact,
         })?;
-        if !rel32_reaches(self.p.detour_ip, target, CODE_SPAN) {
+        if !rel32_reaches(self.params.detour_ip, target, CODE_SPAN) {
             return Err(DetourCodeError::OutOfReach {
                 what: fact,
-                from: self.p.detour_ip,
+                from: self.params.detour_ip,
                 target,
             });
         }
-        self.a.call(target.0)?;
+        self.asm.call(target.0)?;
         Ok(())
     }
 }
@@ -1237,91 +1239,91 @@ fn assemble(
     };
     let calls = plans.iter().any(Plan::needs_call);
     let frame = Frame::new(calls, at_return.is_some());
-    let mut g = Gen::new(p, frame, saved.map(|(_, at)| at as i32))?;
-    let mut no_call = g.a().create_label();
+    let mut code = DetourAssembler::new(p, frame, saved.map(|(_, at)| at as i32))?;
+    let mut no_call = code.asm().create_label();
     let geometry = p.rings.geometry();
-    let rec = g.frame.rec;
-    let mut bad_cpu = g.a().create_label();
-    let mut nested = g.a().create_label();
-    let mut full = g.a().create_label();
-    let mut unbusy = g.a().create_label();
-    let mut restore = g.a().create_label();
-    let mut displaced_label = g.a().create_label();
-    let mut filtered = g.a().create_label();
+    let rec = code.frame.rec;
+    let mut bad_cpu = code.asm().create_label();
+    let mut nested = code.asm().create_label();
+    let mut full = code.asm().create_label();
+    let mut unbusy = code.asm().create_label();
+    let mut restore = code.asm().create_label();
+    let mut displaced_label = code.asm().create_label();
+    let mut filtered = code.asm().create_label();
 
     // 1-2. Flags, interrupts, registers.
-    g.a().pushfq()?;
-    g.a().cli()?;
-    for r in g.frame.pushed() {
-        g.a.push(r)?;
+    code.asm().pushfq()?;
+    code.asm().cli()?;
+    for r in code.frame.pushed() {
+        code.asm.push(r)?;
     }
     if calls {
-        g.a().mov(rbp, rsp)?;
-        g.a().and(rsp, -16)?;
-        g.a().cld()?;
+        code.asm().mov(rbp, rsp)?;
+        code.asm().and(rsp, -16)?;
+        code.asm().cld()?;
     }
     if let Some(r) = at_return {
-        returns::take_call(&mut g, r, no_call)?;
+        returns::take_call(&mut code, r, no_call)?;
     }
     // 3. This CPU's ring.
-    g.a().mov(eax, dword_ptr(p.kernel.cpu_number as i64 as u64).gs())?;
-    g.a().cmp(eax, geometry.cpus() as i32)?;
-    g.a().jae(bad_cpu)?;
+    code.asm().mov(eax, dword_ptr(p.kernel.cpu_number as i64 as u64).gs())?;
+    code.asm().cmp(eax, geometry.cpus() as i32)?;
+    code.asm().jae(bad_cpu)?;
     let stride = i32::try_from(geometry.stride()).map_err(|_| DetourCodeError::Assemble("ring stride".into()))?;
-    g.a().imul_3(rbx, rax, stride)?;
+    code.asm().imul_3(rbx, rax, stride)?;
     let first_ring = p.rings.gva().0.wrapping_add(GLOBAL_HEADER_SIZE);
     match disp(first_ring) {
-        Some(d) => g.a().add(rbx, d)?,
+        Some(d) => code.asm().add(rbx, d)?,
         None if rel32_reaches(p.detour_ip, Gva(first_ring), CODE_SPAN) => {
             let lea = Instruction::with2(
                 iced_x86::Code::Lea_r64_m,
                 iced_x86::Register::RDX,
                 iced_x86::MemoryOperand::with_base_displ(iced_x86::Register::RIP, first_ring as i64),
             )?;
-            g.a().add_instruction(lea)?;
-            g.a().add(rbx, rdx)?;
+            code.asm().add_instruction(lea)?;
+            code.asm().add(rbx, rdx)?;
         }
         None => return Err(DetourCodeError::RingsOutOfReach(p.rings.gva())),
     }
     // 4. Re-entry, then room.
-    g.a().cmp(byte_ptr(rbx + BUSY as i32), 0)?;
-    g.a().jne(nested)?;
-    g.a().mov(byte_ptr(rbx + BUSY as i32), 1)?;
-    g.a().mov(rec, qword_ptr(rbx + HEAD as i32))?;
-    g.a().mov(rdx, rec)?;
-    g.a().sub(rdx, qword_ptr(rbx + TAIL as i32))?;
-    g.a().cmp(rdx, geometry.capacity() as i32)?;
-    g.a().jae(full)?;
+    code.asm().cmp(byte_ptr(rbx + BUSY as i32), 0)?;
+    code.asm().jne(nested)?;
+    code.asm().mov(byte_ptr(rbx + BUSY as i32), 1)?;
+    code.asm().mov(rec, qword_ptr(rbx + HEAD as i32))?;
+    code.asm().mov(rdx, rec)?;
+    code.asm().sub(rdx, qword_ptr(rbx + TAIL as i32))?;
+    code.asm().cmp(rdx, geometry.capacity() as i32)?;
+    code.asm().jae(full)?;
     // 5. The record.
     let rec32 = low32(rec);
-    g.a().and(rec32, (geometry.capacity() - 1) as i32)?;
-    g.a().imul_3(rec, rec, geometry.record_size() as i32)?;
-    g.a().lea(rec, qword_ptr(rbx + rec + CPU_HEADER_SIZE as i32))?;
-    g.a().mov(dword_ptr(rec + RECORD_PROBE as i32), p.probe_id)?;
-    g.a().mov(dword_ptr(rec + RECORD_CPU as i32), eax)?;
-    g.a().rdtsc()?;
-    g.a().mov(dword_ptr(rec + RECORD_TSC as i32), eax)?;
-    g.a().mov(dword_ptr(rec + (RECORD_TSC as i32 + 4)), edx)?;
+    code.asm().and(rec32, (geometry.capacity() - 1) as i32)?;
+    code.asm().imul_3(rec, rec, geometry.record_size() as i32)?;
+    code.asm().lea(rec, qword_ptr(rbx + rec + CPU_HEADER_SIZE as i32))?;
+    code.asm().mov(dword_ptr(rec + RECORD_PROBE as i32), p.probe_id)?;
+    code.asm().mov(dword_ptr(rec + RECORD_CPU as i32), eax)?;
+    code.asm().rdtsc()?;
+    code.asm().mov(dword_ptr(rec + RECORD_TSC as i32), eax)?;
+    code.asm().mov(dword_ptr(rec + (RECORD_TSC as i32 + 4)), edx)?;
     if fallible {
-        g.a().mov(qword_ptr(rec + RECORD_FAULTS as i32), 0)?;
+        code.asm().mov(qword_ptr(rec + RECORD_FAULTS as i32), 0)?;
     }
     if let (true, Some((current, pid, comm))) = (p.record_task, task_fields) {
         let at = RECORD_HEADER_SIZE as i32;
         let (pid, comm) = (pid as i32, comm as i32);
-        g.a().mov(rax, qword_ptr(current as i64 as u64).gs())?;
-        g.a().mov(edx, dword_ptr(rax + pid))?;
-        g.a().mov(dword_ptr(rec + at), edx)?;
-        g.a().mov(rdx, qword_ptr(rax + comm))?;
-        g.a().mov(qword_ptr(rec + (at + 8)), rdx)?;
-        g.a().mov(rdx, qword_ptr(rax + (comm + 8)))?;
-        g.a().mov(qword_ptr(rec + (at + 16)), rdx)?;
+        code.asm().mov(rax, qword_ptr(current as i64 as u64).gs())?;
+        code.asm().mov(edx, dword_ptr(rax + pid))?;
+        code.asm().mov(dword_ptr(rec + at), edx)?;
+        code.asm().mov(rdx, qword_ptr(rax + comm))?;
+        code.asm().mov(qword_ptr(rec + (at + 8)), rdx)?;
+        code.asm().mov(rdx, qword_ptr(rax + (comm + 8)))?;
+        code.asm().mov(qword_ptr(rec + (at + 16)), rdx)?;
     }
     if let (Some(fields), Some((saved, _))) = (layout.ret, saved) {
-        returns::copy_call(&mut g, fields, saved.len())?;
+        returns::copy_call(&mut code, fields, saved.len())?;
     }
     // A filter on no fetch-arg runs before any is fetched.
     if let Some((f, None)) = filter {
-        g.branch_on_filter(f, layout, filtered, false)?;
+        code.branch_on_filter(f, layout, filtered, false)?;
     }
 
     // Direct stack words first, under one check (rdx = the probe's rsp within its stack
@@ -1335,26 +1337,26 @@ fn assemble(
         })
         .collect();
     if let Some(max) = stack_args.iter().map(|(n, _)| *n).max() {
-        let (base, rsp0) = (g.frame.base, g.frame.rsp0);
-        let checked = g.a().create_label();
-        let mut after = g.a().create_label();
-        g.a().lea(edx, ptr(base + rsp0))?;
-        let mask = g.thread_mask as i32;
-        g.a().and(edx, mask)?;
+        let (base, rsp0) = (code.frame.base, code.frame.rsp0);
+        let checked = code.asm().create_label();
+        let mut after = code.asm().create_label();
+        code.asm().lea(edx, ptr(base + rsp0))?;
+        let mask = code.thread_mask as i32;
+        code.asm().and(edx, mask)?;
         let reach = 8 * u64::from(max);
         if reach < u64::from(p.kernel.thread_size) {
-            g.a().cmp(edx, (u64::from(p.kernel.thread_size) - reach) as i32)?;
-            g.a().jae(checked)?;
+            code.asm().cmp(edx, (u64::from(p.kernel.thread_size) - reach) as i32)?;
+            code.asm().jae(checked)?;
             for (n, slot) in &stack_args {
-                g.a().mov(rax, qword_ptr(base + (rsp0 + 8 * *n as i32)))?;
-                g.a().mov(qword_ptr(rec + *slot as i32), rax)?;
+                code.asm().mov(rax, qword_ptr(base + (rsp0 + 8 * *n as i32)))?;
+                code.asm().mov(qword_ptr(rec + *slot as i32), rax)?;
             }
         } else {
-            g.a().jmp(checked)?;
+            code.asm().jmp(checked)?;
         }
-        g.a().set_label(&mut after)?;
-        g.a().zero_bytes()?;
-        g.cold.push(Cold::StackChecked {
+        code.asm().set_label(&mut after)?;
+        code.asm().zero_bytes()?;
+        code.cold.push(Cold::StackChecked {
             label: checked,
             args: stack_args.clone(),
             back: after,
@@ -1364,103 +1366,103 @@ fn assemble(
     for (i, (plan, s)) in plans.iter().zip(slots).enumerate() {
         let arg = &p.args[i];
         let slot = s.slot as i32;
-        let mut next = g.a().create_label();
-        let fault = g.a().create_label();
+        let mut next = code.asm().create_label();
+        let fault = code.asm().create_label();
         match plan {
             Plan::Value(Value::StackWord(_)) => {}
-            Plan::Value(Value::Reg(r)) if g.frame.saved_at(*r).is_none() && asm_register(*r).is_some() => {
+            Plan::Value(Value::Reg(r)) if code.frame.saved_at(*r).is_none() && asm_register(*r).is_some() => {
                 let live = asm_register(*r).unwrap_or(rax);
-                g.a().mov(qword_ptr(rec + slot), live)?;
+                code.asm().mov(qword_ptr(rec + slot), live)?;
             }
             Plan::Value(Value::Imm(x)) if disp(*x).is_some() => {
-                g.a().mov(qword_ptr(rec + slot), disp(*x).unwrap_or(0))?;
+                code.asm().mov(qword_ptr(rec + slot), disp(*x).unwrap_or(0))?;
             }
             Plan::Value(v) => {
                 let dst = if calls { rsi } else { rax };
-                g.emit_value(dst, v, fault, arg, slot)?;
-                g.a().mov(qword_ptr(rec + slot), dst)?;
+                code.emit_value(dst, v, fault, arg, slot)?;
+                code.asm().mov(qword_ptr(rec + slot), dst)?;
             }
             Plan::Memory { addr, size, user } => {
-                g.emit_value(rsi, addr, fault, arg, slot)?;
-                g.a().lea(rdi, qword_ptr(rec + slot))?;
-                g.a().mov(edx, *size)?;
-                g.call_copy(arg, *user, false)?;
-                g.a().test(rax, rax)?;
-                g.a().jne(fault)?;
+                code.emit_value(rsi, addr, fault, arg, slot)?;
+                code.asm().lea(rdi, qword_ptr(rec + slot))?;
+                code.asm().mov(edx, *size)?;
+                code.call_copy(arg, *user, false)?;
+                code.asm().test(rax, rax)?;
+                code.asm().jne(fault)?;
             }
             Plan::Array { addr, total, user } => {
                 let at = s.area.unwrap_or(0) as i32;
-                g.emit_value(rsi, addr, fault, arg, slot)?;
-                g.a().lea(rdi, qword_ptr(rec + at))?;
-                g.a().mov(edx, *total)?;
-                g.call_copy(arg, *user, false)?;
-                g.a().test(rax, rax)?;
-                g.a().jne(fault)?;
+                code.emit_value(rsi, addr, fault, arg, slot)?;
+                code.asm().lea(rdi, qword_ptr(rec + at))?;
+                code.asm().mov(edx, *total)?;
+                code.call_copy(arg, *user, false)?;
+                code.asm().test(rax, rax)?;
+                code.asm().jne(fault)?;
             }
             Plan::String { addr, user } => {
                 let at = s.area.unwrap_or(0) as i32;
-                g.emit_value(rsi, addr, fault, arg, slot)?;
-                g.a().lea(rdi, qword_ptr(rec + at))?;
-                g.a().mov(edx, p.string_size)?;
-                g.call_copy(arg, *user, true)?;
-                g.a().mov(qword_ptr(rec + slot), rax)?;
-                g.a().test(rax, rax)?;
-                g.a().js(fault)?;
+                code.emit_value(rsi, addr, fault, arg, slot)?;
+                code.asm().lea(rdi, qword_ptr(rec + at))?;
+                code.asm().mov(edx, p.string_size)?;
+                code.call_copy(arg, *user, true)?;
+                code.asm().mov(qword_ptr(rec + slot), rax)?;
+                code.asm().test(rax, rax)?;
+                code.asm().js(fault)?;
             }
             Plan::Comm => {
                 let at = s.area.unwrap_or(0) as i32;
                 let current = p.kernel.current_task.unwrap_or(0);
                 let comm = p.kernel.comm_offset.unwrap_or(0) as i32;
-                g.a().mov(rax, qword_ptr(current as i64 as u64).gs())?;
-                g.a().mov(rdx, qword_ptr(rax + comm))?;
-                g.a().mov(qword_ptr(rec + at), rdx)?;
-                g.a().mov(rdx, qword_ptr(rax + (comm + 8)))?;
-                g.a().mov(qword_ptr(rec + (at + 8)), rdx)?;
+                code.asm().mov(rax, qword_ptr(current as i64 as u64).gs())?;
+                code.asm().mov(rdx, qword_ptr(rax + comm))?;
+                code.asm().mov(qword_ptr(rec + at), rdx)?;
+                code.asm().mov(rdx, qword_ptr(rax + (comm + 8)))?;
+                code.asm().mov(qword_ptr(rec + (at + 8)), rdx)?;
             }
-            Plan::Fault => g.a().jmp(fault)?,
+            Plan::Fault => code.asm().jmp(fault)?,
             Plan::Duration => {}
         }
-        g.a().set_label(&mut next)?;
-        g.a().zero_bytes()?;
+        code.asm().set_label(&mut next)?;
+        code.asm().zero_bytes()?;
         // The filter runs once the last fetch-arg it reads is in the record.
         if let Some((f, Some(last))) = filter {
             if last == i {
-                g.branch_on_filter(f, layout, filtered, false)?;
+                code.branch_on_filter(f, layout, filtered, false)?;
             }
         }
         if let Some(bit) = s.fault_bit {
-            g.cold.push(Cold::Fault {
+            code.cold.push(Cold::Fault {
                 label: fault,
                 bit,
                 back: next,
             });
         }
     }
-    g.a().inc(qword_ptr(rbx + HEAD as i32))?;
-    g.a().set_label(&mut unbusy)?;
-    g.a().mov(byte_ptr(rbx + BUSY as i32), 0)?;
+    code.asm().inc(qword_ptr(rbx + HEAD as i32))?;
+    code.asm().set_label(&mut unbusy)?;
+    code.asm().mov(byte_ptr(rbx + BUSY as i32), 0)?;
     // 6. Restore, displaced instructions, jump back.
-    g.a().set_label(&mut restore)?;
-    if let Some(slot) = g.frame.slot {
+    code.asm().set_label(&mut restore)?;
+    if let Some(slot) = code.frame.slot {
         // The call is over: its slot is free for the next (nothing reads it after this).
-        g.a().mov(qword_ptr(slot + returns::SLOT_OWNER), 0)?;
+        code.asm().mov(qword_ptr(slot + returns::SLOT_OWNER), 0)?;
     }
     if calls {
-        g.a().mov(rsp, rbp)?;
+        code.asm().mov(rsp, rbp)?;
     }
-    for r in g.frame.pushed().iter().rev() {
-        g.a.pop(*r)?;
+    for r in code.frame.pushed().iter().rev() {
+        code.asm.pop(*r)?;
     }
-    g.a().popfq()?;
-    g.a().set_label(&mut displaced_label)?;
+    code.asm().popfq()?;
+    code.asm().set_label(&mut displaced_label)?;
     match tail {
-        Tail::Displaced(displaced) => g.a().db(displaced)?,
-        Tail::Return(_) => g.a().ret()?,
+        Tail::Displaced(displaced) => code.asm().db(displaced)?,
+        Tail::Return(_) => code.asm().ret()?,
     }
     // A return with no call of ours on record in its slot: trap to the host, which stops
     // the VM with the reason rather than return anywhere.
-    g.a().set_label(&mut no_call)?;
-    g.a().int3()?;
+    code.asm().set_label(&mut no_call)?;
+    code.asm().int3()?;
 
     // Cold paths: each miss in its ring's (or the global) counter, then in the probe's.
     let probe_missed = p
@@ -1470,23 +1472,27 @@ fn assemble(
             slot: p.miss_slot,
             slots: geometry.probe_slots(),
         })?;
-    let mut ring_counted = [g.a().create_label(), g.a().create_label(), g.a().create_label()];
-    g.a().set_label(&mut bad_cpu)?;
+    let mut ring_counted = [
+        code.asm().create_label(),
+        code.asm().create_label(),
+        code.asm().create_label(),
+    ];
+    code.asm().set_label(&mut bad_cpu)?;
     let bad_cpu_counter = p.rings.gva().0.wrapping_add(GLOBAL_BAD_CPU);
-    g.inc_counter(bad_cpu_counter, false)?;
-    g.a().set_label(&mut ring_counted[0])?;
-    g.inc_counter(probe_missed.0, true)?;
-    g.a().jmp(restore)?;
-    g.a().set_label(&mut nested)?;
-    g.a().inc(qword_ptr(rbx + MISSED_NESTED as i32))?;
-    g.a().set_label(&mut ring_counted[1])?;
-    g.inc_counter(probe_missed.0, true)?;
-    g.a().jmp(restore)?;
-    g.a().set_label(&mut full)?;
-    g.a().inc(qword_ptr(rbx + MISSED_FULL as i32))?;
-    g.a().set_label(&mut ring_counted[2])?;
-    g.inc_counter(probe_missed.0, true)?;
-    g.a().jmp(unbusy)?;
+    code.inc_counter(bad_cpu_counter, false)?;
+    code.asm().set_label(&mut ring_counted[0])?;
+    code.inc_counter(probe_missed.0, true)?;
+    code.asm().jmp(restore)?;
+    code.asm().set_label(&mut nested)?;
+    code.asm().inc(qword_ptr(rbx + MISSED_NESTED as i32))?;
+    code.asm().set_label(&mut ring_counted[1])?;
+    code.inc_counter(probe_missed.0, true)?;
+    code.asm().jmp(restore)?;
+    code.asm().set_label(&mut full)?;
+    code.asm().inc(qword_ptr(rbx + MISSED_FULL as i32))?;
+    code.asm().set_label(&mut ring_counted[2])?;
+    code.inc_counter(probe_missed.0, true)?;
+    code.asm().jmp(unbusy)?;
     if filter.is_some() {
         let probe_filtered = p
             .rings
@@ -1495,48 +1501,49 @@ fn assemble(
                 slot: p.miss_slot,
                 slots: geometry.probe_slots(),
             })?;
-        g.a().set_label(&mut filtered)?;
-        g.inc_counter(probe_filtered.0, true)?;
-        g.a().jmp(unbusy)?;
+        code.asm().set_label(&mut filtered)?;
+        code.inc_counter(probe_filtered.0, true)?;
+        code.asm().jmp(unbusy)?;
     }
-    let cold = std::mem::take(&mut g.cold);
+    let cold = std::mem::take(&mut code.cold);
     for c in cold {
         match c {
             Cold::Fault { mut label, bit, back } => {
-                g.a().set_label(&mut label)?;
-                g.a().or(
+                code.asm().set_label(&mut label)?;
+                code.asm().or(
                     byte_ptr(rec + (RECORD_FAULTS as i32 + (bit / 8) as i32)),
                     1i32 << (bit % 8),
                 )?;
-                g.a().jmp(back)?;
+                code.asm().jmp(back)?;
             }
             Cold::Zero { mut label, dst, back } => {
-                g.a().set_label(&mut label)?;
-                g.a().xor(low32(dst), low32(dst))?;
-                g.a().jmp(back)?;
+                code.asm().set_label(&mut label)?;
+                code.asm().xor(low32(dst), low32(dst))?;
+                code.asm().jmp(back)?;
             }
             Cold::StackChecked { mut label, args, back } => {
-                g.a().set_label(&mut label)?;
+                code.asm().set_label(&mut label)?;
                 for (n, slot) in args {
                     // checked_stack_word pushes a Zero stub of its own: emitted below.
-                    g.checked_stack_word(rax, edx, n)?;
-                    g.a().mov(qword_ptr(rec + slot as i32), rax)?;
+                    code.checked_stack_word(rax, edx, n)?;
+                    code.asm().mov(qword_ptr(rec + slot as i32), rax)?;
                 }
-                g.a().jmp(back)?;
+                code.asm().jmp(back)?;
             }
         }
     }
     // Zero stubs made while emitting the cold stack path.
-    for c in std::mem::take(&mut g.cold) {
+    for c in std::mem::take(&mut code.cold) {
         if let Cold::Zero { mut label, dst, back } = c {
-            g.a().set_label(&mut label)?;
-            g.a().xor(low32(dst), low32(dst))?;
-            g.a().jmp(back)?;
+            code.asm().set_label(&mut label)?;
+            code.asm().xor(low32(dst), low32(dst))?;
+            code.asm().jmp(back)?;
         }
     }
 
-    let result =
-        g.a.assemble_options(ip.0, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+    let result = code
+        .asm
+        .assemble_options(ip.0, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
     let displaced_ip = result.label_ip(&displaced_label)?;
     let ring_counted_miss_ips = ring_counted
         .iter()

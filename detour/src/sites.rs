@@ -188,7 +188,7 @@ fn end_of(table: &'static str, site: Gva, len: u64) -> Result<Gva, PatchSitesErr
 
 #[cfg(test)]
 mod tests {
-    //! Tables as a hostile guest could lay them out (issue 24, finding 7).
+    //! Tables as a hostile guest could lay them out.
 
     use super::*;
     use hvprobe_introspection::memory::SparseMemory;

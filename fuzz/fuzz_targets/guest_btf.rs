@@ -6,7 +6,7 @@
 //! bitfields, typedefs, arrays, `cea_exception_stacks`, `rq`...) and the rest patches it:
 //! `[offset: u16 LE] [len: u8] [bytes]`, past its end appending. Checked: no panic, and the
 //! member searches, sizes and layouts stay within libFuzzer's `-timeout` and
-//! `-rss_limit_mb` (issue 24 found a 3^depth member search here).
+//! `-rss_limit_mb` (a 3^depth member search was found here once).
 #![no_main]
 
 #[path = "guest_common.rs"]

@@ -1003,7 +1003,7 @@ mod tests {
         assert_eq!(btf.type_size(a + 1), Err(BtfError::SizeOverflow(a + 1)));
     }
 
-    /// Issue 24, finding 1: anonymous members nest 30 levels deep, each level holding three
+    /// Anonymous members nest 30 levels deep, each level holding three
     /// anonymous members of the next, and `comm` comes after them. An unmemoized search
     /// visits 3^30 structs (months); the search must visit each struct once. Run on a
     /// thread so that a regression fails the test on the deadline instead of hanging it.

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use gimli::{AttributeValue, EndianArcSlice, Operation, Reader, RunTimeEndian, UnitOffset};
 use goblin::elf::Elf;
 
-type R = EndianArcSlice<RunTimeEndian>;
+type DwarfReader = EndianArcSlice<RunTimeEndian>;
 
 /// Deepest nesting of DIEs followed (lexical blocks and inlined calls inside a function).
 const MAX_DEPTH: usize = 64;
@@ -247,7 +247,7 @@ pub struct Member {
 }
 
 struct UnitEntry {
-    unit: gimli::Unit<R>,
+    unit: gimli::Unit<DwarfReader>,
     /// Where the unit's DIEs are in `.debug_info`, to resolve cross-unit references.
     section: Range<usize>,
     ranges: Vec<Range<u64>>,
@@ -255,7 +255,7 @@ struct UnitEntry {
 
 /// A vmlinux's DWARF (or a module's: a relocatable `.ko`), indexed by unit.
 pub struct DebugInfo {
-    dwarf: gimli::Dwarf<R>,
+    dwarf: gimli::Dwarf<DwarfReader>,
     units: Vec<UnitEntry>,
     /// For a relocatable object (a `.ko`): its functions and variables at the addresses
     /// its DWARF was relocated to (see [`DebugInfo::object_symbols`]).
@@ -309,7 +309,7 @@ impl DebugInfo {
             return Err(DwarfError::NoDwarf { path: name.to_owned() });
         }
         let object = (elf.header.e_type == goblin::elf::header::ET_REL).then(|| relocatable::Layout::of(&elf));
-        let load = |id: gimli::SectionId| -> Result<R, DwarfError> {
+        let load = |id: gimli::SectionId| -> Result<DwarfReader, DwarfError> {
             let Some(index) = index_of(id.name()) else {
                 return Ok(EndianArcSlice::new(Arc::from(&[][..]), endian));
             };
@@ -363,12 +363,12 @@ impl DebugInfo {
         self.units.iter().position(|u| u.section.contains(&offset))
     }
 
-    fn entry(&self, die: DieRef) -> Option<gimli::DebuggingInformationEntry<R>> {
+    fn entry(&self, die: DieRef) -> Option<gimli::DebuggingInformationEntry<DwarfReader>> {
         self.units.get(die.unit)?.unit.entry(die.offset).ok()
     }
 
     /// A reference attribute as a [`DieRef`].
-    fn reference(&self, unit: usize, value: AttributeValue<R>) -> Option<DieRef> {
+    fn reference(&self, unit: usize, value: AttributeValue<DwarfReader>) -> Option<DieRef> {
         match value {
             AttributeValue::UnitRef(offset) => Some(DieRef { unit, offset }),
             AttributeValue::DebugInfoRef(offset) => {
@@ -383,7 +383,7 @@ impl DebugInfo {
         }
     }
 
-    fn string(&self, unit: usize, value: AttributeValue<R>) -> Option<String> {
+    fn string(&self, unit: usize, value: AttributeValue<DwarfReader>) -> Option<String> {
         let entry = self.units.get(unit)?;
         let s = self.dwarf.attr_string(&entry.unit, value).ok()?;
         Some(s.to_string_lossy().ok()?.into_owned())
@@ -391,7 +391,7 @@ impl DebugInfo {
 
     /// An attribute of a DIE, or of what it is an instance or the definition of
     /// (`DW_AT_abstract_origin`, `DW_AT_specification`), with the unit it was found in.
-    fn inherited(&self, die: DieRef, at: gimli::DwAt) -> Option<(usize, AttributeValue<R>)> {
+    fn inherited(&self, die: DieRef, at: gimli::DwAt) -> Option<(usize, AttributeValue<DwarfReader>)> {
         let mut die = die;
         for _ in 0..MAX_CHAIN {
             let entry = self.entry(die)?;
@@ -507,7 +507,7 @@ impl DebugInfo {
         let mut tree = entry.unit.entries_tree(from).map_err(malformed(".debug_info"))?;
         let root = tree.root().map_err(malformed(".debug_info"))?;
         fn recurse(
-            node: gimli::EntriesTreeNode<'_, '_, R>,
+            node: gimli::EntriesTreeNode<'_, '_, DwarfReader>,
             unit: usize,
             depth: usize,
             visit: &mut dyn FnMut(DieRef, gimli::DwTag, usize) -> Walk,
@@ -1020,7 +1020,7 @@ pub fn path_ends_with(path: &str, tail: &str) -> bool {
 }
 
 /// A location expression's operations as a [`Location`].
-fn location_of(ops: &[Operation<R>], frame_base_is_cfa: bool) -> Result<Location, Unavailable> {
+fn location_of(ops: &[Operation<DwarfReader>], frame_base_is_cfa: bool) -> Result<Location, Unavailable> {
     use Operation::*;
     // One piece that covers the whole variable is the variable.
     let ops = match ops {
@@ -1068,7 +1068,7 @@ fn location_of(ops: &[Operation<R>], frame_base_is_cfa: bool) -> Result<Location
     }
 }
 
-fn describe_ops(ops: &[Operation<R>]) -> String {
+fn describe_ops(ops: &[Operation<DwarfReader>]) -> String {
     let names: Vec<String> = ops
         .iter()
         .map(|o| {

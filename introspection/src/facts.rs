@@ -623,7 +623,7 @@ mod tests {
         (mem, SymbolTable::from_symbols(SymbolSource::Kallsyms, syms))
     }
 
-    /// Issue 24, finding 6: every dotted symbol was checked against every blacklist entry
+    /// Every dotted symbol was checked against every blacklist entry
     /// (here 140k x 40k; a guest can have 64 Ki entries and millions of symbols). Lookups
     /// are logarithmic now: reading the list with the `.cold` parts costs a small multiple
     /// of reading it without them (timed in the same conditions, so that a loaded machine

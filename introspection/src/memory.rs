@@ -445,7 +445,7 @@ mod tests {
         assert_eq!(t.gpa, Gpa(0x5004));
     }
 
-    /// Issue 24, finding 11: a write whose check refuses one of its pages (the guest's
+    /// A write whose check refuses one of its pages (the guest's
     /// tables map it into memory the host keeps for itself) changes no byte, on any page.
     #[test]
     fn a_write_refused_for_one_page_changes_no_page() {

@@ -412,7 +412,7 @@ mod tests {
         mem.read_obj(GuestAddress(gpa)).unwrap()
     }
 
-    /// Issue 24, finding 11: the host's writes go where the host means them to, whatever
+    /// The host's writes go where the host means them to, whatever
     /// the guest's tables say: its own area by physical address, and never through a
     /// mapping the guest pointed into that area or away from the kernel's text.
     #[test]
@@ -457,7 +457,7 @@ mod tests {
         assert_eq!(byte_at(&mem, 0x160_0000), 0x55);
     }
 
-    /// Issue 50, finding 2: the out-of-line area is written by its physical address
+    /// The out-of-line area is written by its physical address
     /// whatever the guest's tables say, and so a text write the engine was steered to an
     /// address there (a forged module's "function") landed in hvprobe's own code. The
     /// text path refuses any byte there, whole; the area's own writes go on.

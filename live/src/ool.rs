@@ -230,7 +230,7 @@ mod tests {
         }
     }
 
-    /// Issue 24, finding 5: `_text`/`_end` are the guest's own symbols in kallsyms mode. An
+    /// `_text`/`_end` are the guest's own symbols in kallsyms mode. An
     /// `_end` near 2^64 overflowed the slot arithmetic (a panic in debug; in release a
     /// search from near 0 over the user half), a `_text` in the user half put the search
     /// there. Both are a clear error, with nothing written.

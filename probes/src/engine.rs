@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Instant;
 
@@ -653,9 +653,6 @@ impl Tracer {
         self.returns.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }
-
-/// `Ordering` for counters nobody synchronizes on.
-const COUNT: Ordering = Ordering::Relaxed;
 
 /// The kernel text range the engine may touch, for integrity checks.
 pub fn text_range(symbols: &SymbolTable) -> Option<Range<Gva>> {

@@ -577,7 +577,7 @@ fn bad_disks_are_refused_before_boot_with_their_reason() {
 /// A guest whose writes fail on the host (its image is a sparse 64 MiB file on a 1 MiB
 /// tmpfs, so each `pwritev` past the first MiB fails with ENOSPC) gets IOERR for each, and
 /// the host's warnings stay within the rate limit: ten per five seconds, then one line
-/// saying how many were left out, not one per failed request (issue 50: a guest filled
+/// saying how many were left out, not one per failed request (a guest filled
 /// the terminal that way). The tmpfs is mounted in a mount namespace of hvprobe's own
 /// (`unshare --mount --map-root-user`: no root needed, nothing left mounted).
 #[test]

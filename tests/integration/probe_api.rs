@@ -530,7 +530,7 @@ fn a_fault_in_a_stepped_copy_returns_to_the_probe_with_the_guests_flags() {
     assert_eq!(tracer.stats.steps_interrupted.load(Ordering::Relaxed), 1);
 }
 
-/// Issue 24, finding 11: the out-of-line area's code half is in a read-only memory slot.
+/// The out-of-line area's code half is in a read-only memory slot.
 /// A code blob (its page tables identity-map the area, as `/dev/mem` reaches it in a
 /// guest) writes into the code half and into the rings half, reading each back: the code
 /// write is refused, counted and the guest goes on; the rings take the write.

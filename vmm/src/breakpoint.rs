@@ -397,7 +397,7 @@ mod tests {
         assert_eq!(bp_gate_address(&sregs), Some(sregs.idt.base + 48));
     }
 
-    /// Issue 24, finding 8: the IDT and TSS bases and the int3's address are the guest's.
+    /// The IDT and TSS bases and the int3's address are the guest's.
     /// Near 2^64 they overflowed (a panic in a debug build of the VMM).
     #[test]
     fn guest_bases_near_the_top_of_the_address_space_do_not_panic() {
@@ -417,7 +417,7 @@ mod tests {
         assert_eq!(d.frame[0], 0, "the return address wraps as the CPU's RIP would");
     }
 
-    /// Issue 50, finding 5: the int3's address is the guest's RIP; kvm_pvm's reinjection
+    /// The int3's address is the guest's RIP; kvm_pvm's reinjection
     /// moved it past the int3 with an unchecked sum.
     #[test]
     fn an_int3_at_the_top_of_the_address_space_is_stepped_past_without_a_panic() {

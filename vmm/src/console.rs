@@ -358,7 +358,7 @@ mod tests {
         String::from_utf8(out).unwrap()
     }
 
-    /// Issue 24, finding 9: a guest program's ESC sequences, lone carriage returns and C1
+    /// A guest program's ESC sequences, lone carriage returns and C1
     /// controls reach the terminal escaped, byte by byte as the UART delivers them; text,
     /// newlines and the tty's `\r\n` do not change.
     #[test]

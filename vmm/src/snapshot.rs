@@ -236,9 +236,9 @@ fn pod_bytes<T: Pod>(v: &T) -> &[u8] {
 
 /// The state file being written.
 #[derive(Default)]
-struct Out(Vec<u8>);
+struct StateWriter(Vec<u8>);
 
-impl Out {
+impl StateWriter {
     fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
@@ -270,13 +270,13 @@ impl Out {
 }
 
 /// The state file's payload being parsed (its checksum has been verified).
-struct In<'a> {
+struct StateReader<'a> {
     buf: &'a [u8],
     pos: usize,
     path: &'a Path,
 }
 
-impl<'a> In<'a> {
+impl<'a> StateReader<'a> {
     fn malformed(&self, detail: String) -> SnapshotError {
         SnapshotError::Malformed {
             path: self.path.into(),
@@ -379,7 +379,7 @@ struct State {
 /// Queues a saved device may have (virtio-fs has the most here: 2).
 const MAX_SAVED_QUEUES: u32 = 16;
 
-fn encode_queues(p: &mut Out, queues: &[virtio_queue::QueueState]) {
+fn encode_queues(p: &mut StateWriter, queues: &[virtio_queue::QueueState]) {
     p.u32(queues.len() as u32);
     for q in queues {
         p.u16(q.max_size);
@@ -394,7 +394,7 @@ fn encode_queues(p: &mut Out, queues: &[virtio_queue::QueueState]) {
     }
 }
 
-fn decode_queues(r: &mut In<'_>) -> Result<Vec<virtio_queue::QueueState>, SnapshotError> {
+fn decode_queues(r: &mut StateReader<'_>) -> Result<Vec<virtio_queue::QueueState>, SnapshotError> {
     let n = r.u32("virtio queue count")?;
     if n > MAX_SAVED_QUEUES {
         return Err(r.malformed(format!("{n} virtio queues")));
@@ -418,7 +418,7 @@ fn decode_queues(r: &mut In<'_>) -> Result<Vec<virtio_queue::QueueState>, Snapsh
 
 const DEVICE_BLOCK: u8 = 1;
 
-fn encode_device(p: &mut Out, t: &TransportSave) {
+fn encode_device(p: &mut StateWriter, t: &TransportSave) {
     p.u32(t.device_type);
     p.u32(t.status);
     p.u64(t.driver_features);
@@ -446,7 +446,7 @@ fn encode_device(p: &mut Out, t: &TransportSave) {
     }
 }
 
-fn decode_device(r: &mut In<'_>) -> Result<TransportSave, SnapshotError> {
+fn decode_device(r: &mut StateReader<'_>) -> Result<TransportSave, SnapshotError> {
     let device_type = r.u32("virtio device type")?;
     let status = r.u32("virtio status")?;
     let driver_features = r.u64("virtio driver features")?;
@@ -501,7 +501,7 @@ fn backend_code(b: Backend) -> u8 {
 
 impl State {
     fn encode(&self) -> Vec<u8> {
-        let mut p = Out::default();
+        let mut p = StateWriter::default();
         p.u8(backend_code(self.backend));
         p.u64(self.cpuid_hash);
         p.u32(self.vcpu_count);
@@ -610,7 +610,7 @@ impl State {
         if fnv1a(payload, FNV_OFFSET) != quad(24) {
             return Err(SnapshotError::Corrupt { path: path.into() });
         }
-        let mut r = In {
+        let mut r = StateReader {
             buf: payload,
             pos: 0,
             path,

@@ -20,7 +20,7 @@
 
 use iced_x86::code_asm::*;
 
-use super::{ArgKind, DetourCodeError, EventLayout, Gen, COMM_SIZE};
+use super::{ArgKind, DetourAssembler, DetourCodeError, EventLayout, COMM_SIZE};
 use crate::ring::{RECORD_CPU, RECORD_FAULTS};
 use hvprobe_spec::fetch::value_size;
 use hvprobe_spec::ArgType;
@@ -302,9 +302,9 @@ impl Cond {
     }
 }
 
-impl Gen<'_> {
+impl DetourAssembler<'_> {
     fn jump_if(&mut self, cond: Cond, target: CodeLabel) -> Result<(), DetourCodeError> {
-        let a = &mut self.a;
+        let a = &mut self.asm;
         match cond {
             Cond::E => a.je(target)?,
             Cond::Ne => a.jne(target)?,
@@ -336,11 +336,11 @@ impl Gen<'_> {
                 self.branch_on_filter(b, layout, target, when)?;
             }
             (RecordFilter::And(a, b), true) | (RecordFilter::Or(a, b), false) => {
-                let mut skip = self.a.create_label();
+                let mut skip = self.asm.create_label();
                 self.branch_on_filter(a, layout, skip, !when)?;
                 self.branch_on_filter(b, layout, target, when)?;
-                self.a.set_label(&mut skip)?;
-                self.a.zero_bytes()?;
+                self.asm.set_label(&mut skip)?;
+                self.asm.zero_bytes()?;
             }
             (RecordFilter::Test(test), _) => self.branch_on_test(test, layout, target, when)?,
             (RecordFilter::HostOnly, _) => {
@@ -366,20 +366,20 @@ impl Gen<'_> {
         };
         let rec = self.frame.rec;
         // A test on a faulted fetch-arg is false.
-        let mut skip = self.a.create_label();
+        let mut skip = self.asm.create_label();
         let if_false = if when { skip } else { target };
         if let Storage::Fault = storage {
             if !when {
-                self.a.jmp(target)?;
+                self.asm.jmp(target)?;
             }
             return Ok(());
         }
         if let Some(bit) = fault_bit {
-            self.a.test(
+            self.asm.test(
                 byte_ptr(rec + (RECORD_FAULTS as i32 + (bit / 8) as i32)),
                 1i32 << (bit % 8),
             )?;
-            self.a.jne(if_false)?;
+            self.asm.jne(if_false)?;
         }
         match (&test.check, storage) {
             (
@@ -393,25 +393,25 @@ impl Gen<'_> {
             ) => {
                 let m = rec + at as i32;
                 match (size, signed) {
-                    (8, _) => self.a.mov(rax, qword_ptr(m))?,
-                    (4, true) => self.a.movsxd(rax, dword_ptr(m))?,
-                    (4, false) => self.a.mov(eax, dword_ptr(m))?,
-                    (2, true) => self.a.movsx(rax, word_ptr(m))?,
-                    (2, false) => self.a.movzx(eax, word_ptr(m))?,
-                    (_, true) => self.a.movsx(rax, byte_ptr(m))?,
-                    (_, false) => self.a.movzx(eax, byte_ptr(m))?,
+                    (8, _) => self.asm.mov(rax, qword_ptr(m))?,
+                    (4, true) => self.asm.movsxd(rax, dword_ptr(m))?,
+                    (4, false) => self.asm.mov(eax, dword_ptr(m))?,
+                    (2, true) => self.asm.movsx(rax, word_ptr(m))?,
+                    (2, false) => self.asm.movzx(eax, word_ptr(m))?,
+                    (_, true) => self.asm.movsx(rax, byte_ptr(m))?,
+                    (_, false) => self.asm.movzx(eax, byte_ptr(m))?,
                 }
                 let imm = i32::try_from(value as i64).ok();
                 match (op, imm) {
-                    (NumberOp::BitAnd, Some(v)) => self.a.test(rax, v)?,
+                    (NumberOp::BitAnd, Some(v)) => self.asm.test(rax, v)?,
                     (NumberOp::BitAnd, None) => {
-                        self.a.mov(rdx, value)?;
-                        self.a.test(rax, rdx)?;
+                        self.asm.mov(rdx, value)?;
+                        self.asm.test(rax, rdx)?;
                     }
-                    (_, Some(v)) => self.a.cmp(rax, v)?,
+                    (_, Some(v)) => self.asm.cmp(rax, v)?,
                     (_, None) => {
-                        self.a.mov(rdx, value)?;
-                        self.a.cmp(rax, rdx)?;
+                        self.asm.mov(rdx, value)?;
+                        self.asm.cmp(rax, rdx)?;
                     }
                 }
                 let cond = Cond::of(op, signed);
@@ -427,25 +427,25 @@ impl Gen<'_> {
                 let chunks = chunks(&bytes);
                 let last = chunks.len().wrapping_sub(1);
                 if chunks.is_empty() && jump_when_equal {
-                    self.a.jmp(target)?;
+                    self.asm.jmp(target)?;
                 }
                 for (i, (offset, len, value)) in chunks.into_iter().enumerate() {
                     let m = rec + (at + offset) as i32;
                     match len {
                         8 => {
-                            self.a.mov(rdx, value)?;
-                            self.a.cmp(qword_ptr(m), rdx)?;
+                            self.asm.mov(rdx, value)?;
+                            self.asm.cmp(qword_ptr(m), rdx)?;
                         }
-                        4 => self.a.cmp(dword_ptr(m), value as u32 as i32)?,
-                        2 => self.a.cmp(word_ptr(m), value as u16 as i32)?,
-                        _ => self.a.cmp(byte_ptr(m), value as u8 as i32)?,
+                        4 => self.asm.cmp(dword_ptr(m), value as u32 as i32)?,
+                        2 => self.asm.cmp(word_ptr(m), value as u16 as i32)?,
+                        _ => self.asm.cmp(byte_ptr(m), value as u8 as i32)?,
                     }
                     if !jump_when_equal {
-                        self.a.jne(target)?;
+                        self.asm.jne(target)?;
                     } else if i == last {
-                        self.a.je(target)?;
+                        self.asm.je(target)?;
                     } else {
-                        self.a.jne(skip)?;
+                        self.asm.jne(skip)?;
                     }
                 }
             }
@@ -455,8 +455,8 @@ impl Gen<'_> {
                 )))
             }
         }
-        self.a.set_label(&mut skip)?;
-        self.a.zero_bytes()?;
+        self.asm.set_label(&mut skip)?;
+        self.asm.zero_bytes()?;
         Ok(())
     }
 }

@@ -53,7 +53,9 @@ use hvprobe_arch::Gva;
 use hvprobe_introspection::stacks::RethookLayout;
 use iced_x86::code_asm::*;
 
-use super::{assemble, count_path_from, DetourCodeError, EventDetourParams, Gen, HotPath, Record, ReturnFields, Tail};
+use super::{
+    assemble, count_path_from, DetourAssembler, DetourCodeError, EventDetourParams, HotPath, Record, ReturnFields, Tail,
+};
 use crate::jump_bytes;
 
 /// Bytes of one slot of the calls-in-flight table.
@@ -119,37 +121,45 @@ pub fn stub_slot(stub: &[u8], table_slots: u32) -> Option<u32> {
 /// flight share one (a tail call's share it through two slots and two stubs); the owner
 /// is not compared with `current`, which a function such as `__switch_to` returns under
 /// another task than it was entered under.
-pub(super) fn take_call(g: &mut Gen<'_>, r: &ReturnDetourParams, no_call: CodeLabel) -> Result<(), DetourCodeError> {
-    let (base, rsp0) = (g.frame.base, g.frame.rsp0);
-    let slot = g
+pub(super) fn take_call(
+    code: &mut DetourAssembler<'_>,
+    r: &ReturnDetourParams,
+    no_call: CodeLabel,
+) -> Result<(), DetourCodeError> {
+    let (base, rsp0) = (code.frame.base, code.frame.rsp0);
+    let slot = code
         .frame
         .slot
         .ok_or_else(|| DetourCodeError::Assemble("a return's code without a slot register".into()))?;
-    g.a().mov(eax, dword_ptr(base + rsp0))?;
-    g.a().sub(eax, r.first_slot as i32)?;
-    g.a().cmp(eax, r.maxactive as i32)?;
-    g.a().jae(no_call)?;
-    g.a().shl(rax, SLOT_SHIFT)?;
-    g.a().mov(slot, r.slot(r.first_slot).0)?;
-    g.a().add(slot, rax)?;
-    g.a().cmp(qword_ptr(slot + SLOT_OWNER), 0)?;
-    g.a().je(no_call)?;
-    g.a().lea(rax, qword_ptr(base + rsp0))?;
-    g.a().cmp(qword_ptr(slot + SLOT_FRAME), rax)?;
-    g.a().jne(no_call)?;
-    g.a().mov(rax, qword_ptr(slot + SLOT_RET))?;
-    g.a().mov(qword_ptr(base + rsp0), rax)?;
+    code.asm().mov(eax, dword_ptr(base + rsp0))?;
+    code.asm().sub(eax, r.first_slot as i32)?;
+    code.asm().cmp(eax, r.maxactive as i32)?;
+    code.asm().jae(no_call)?;
+    code.asm().shl(rax, SLOT_SHIFT)?;
+    code.asm().mov(slot, r.slot(r.first_slot).0)?;
+    code.asm().add(slot, rax)?;
+    code.asm().cmp(qword_ptr(slot + SLOT_OWNER), 0)?;
+    code.asm().je(no_call)?;
+    code.asm().lea(rax, qword_ptr(base + rsp0))?;
+    code.asm().cmp(qword_ptr(slot + SLOT_FRAME), rax)?;
+    code.asm().jne(no_call)?;
+    code.asm().mov(rax, qword_ptr(slot + SLOT_RET))?;
+    code.asm().mov(qword_ptr(base + rsp0), rax)?;
     Ok(())
 }
 
 /// Copies the call's caller, entry TSC and saved arguments from its slot into the record.
-pub(super) fn copy_call(g: &mut Gen<'_>, fields: ReturnFields, saved: usize) -> Result<(), DetourCodeError> {
-    let (rec, slot) = (g.frame.rec, g.frame.slot.unwrap_or(rsi));
+pub(super) fn copy_call(
+    code: &mut DetourAssembler<'_>,
+    fields: ReturnFields,
+    saved: usize,
+) -> Result<(), DetourCodeError> {
+    let (rec, slot) = (code.frame.rec, code.frame.slot.unwrap_or(rsi));
     let mut moves = vec![(SLOT_CALLER, fields.caller as i32), (SLOT_TSC, fields.entry_tsc as i32)];
     moves.extend((0..saved as i32).map(|k| (SLOT_ARGS + 8 * k, fields.entry_tsc as i32 + 8 + 8 * k)));
     for (from, to) in moves {
-        g.a().mov(rax, qword_ptr(slot + from))?;
-        g.a().mov(qword_ptr(rec + to), rax)?;
+        code.asm().mov(rax, qword_ptr(slot + from))?;
+        code.asm().mov(qword_ptr(rec + to), rax)?;
     }
     Ok(())
 }
@@ -163,8 +173,8 @@ fn entry_code(
     stubs: Gva,
     displaced: &[u8],
 ) -> Result<(Vec<u8>, Gva), DetourCodeError> {
-    let mut g = Gen::new(p, super::Frame::new(false, false), None)?;
-    let (base, rsp0) = (g.frame.base, g.frame.rsp0);
+    let mut code = DetourAssembler::new(p, super::Frame::new(false, false), None)?;
+    let (base, rsp0) = (code.frame.base, code.frame.rsp0);
     let current = p.kernel.current_task.unwrap_or(0);
     let probe_missed = p
         .rings
@@ -173,99 +183,99 @@ fn entry_code(
             slot: p.miss_slot,
             slots: p.rings.geometry().probe_slots(),
         })?;
-    let mut take = g.a().create_label();
-    let mut busy = g.a().create_label();
-    let mut resolved = g.a().create_label();
-    let mut chained = g.a().create_label();
-    let mut guest_swapped = g.a().create_label();
-    let mut restore = g.a().create_label();
-    let mut displaced_label = g.a().create_label();
+    let mut take = code.asm().create_label();
+    let mut busy = code.asm().create_label();
+    let mut resolved = code.asm().create_label();
+    let mut chained = code.asm().create_label();
+    let mut guest_swapped = code.asm().create_label();
+    let mut restore = code.asm().create_label();
+    let mut displaced_label = code.asm().create_label();
 
-    g.a().pushfq()?;
-    g.a().cli()?;
-    for reg in g.frame.pushed() {
-        g.a.push(reg)?;
+    code.asm().pushfq()?;
+    code.asm().cli()?;
+    for reg in code.frame.pushed() {
+        code.asm.push(reg)?;
     }
     // A free slot of the probe's: owner 0 → current.
-    g.a().mov(rcx, qword_ptr(current as i64 as u64).gs())?;
-    g.a().mov(rbx, r.slot(r.first_slot).0)?;
-    g.a().mov(edx, r.maxactive)?;
-    g.a().set_label(&mut take)?;
-    g.a().xor(eax, eax)?;
-    g.a().lock().cmpxchg(qword_ptr(rbx + SLOT_OWNER), rcx)?;
-    g.a().jne(busy)?;
+    code.asm().mov(rcx, qword_ptr(current as i64 as u64).gs())?;
+    code.asm().mov(rbx, r.slot(r.first_slot).0)?;
+    code.asm().mov(edx, r.maxactive)?;
+    code.asm().set_label(&mut take)?;
+    code.asm().xor(eax, eax)?;
+    code.asm().lock().cmpxchg(qword_ptr(rbx + SLOT_OWNER), rcx)?;
+    code.asm().jne(busy)?;
     // The call: its stack slot, return address and caller.
-    g.a().lea(rax, qword_ptr(base + rsp0))?;
-    g.a().mov(qword_ptr(rbx + SLOT_FRAME), rax)?;
-    g.a().mov(rdx, qword_ptr(rax))?;
-    g.a().mov(qword_ptr(rbx + SLOT_RET), rdx)?;
-    g.a().mov(qword_ptr(rbx + SLOT_CALLER), rdx)?;
-    g.a().mov(rax, r.code_area.0 .0)?;
-    g.a().mov(rcx, rdx)?;
-    g.a().sub(rcx, rax)?;
-    g.a().mov(rax, r.code_area.1)?;
-    g.a().cmp(rcx, rax)?;
-    g.a().jb(chained)?;
+    code.asm().lea(rax, qword_ptr(base + rsp0))?;
+    code.asm().mov(qword_ptr(rbx + SLOT_FRAME), rax)?;
+    code.asm().mov(rdx, qword_ptr(rax))?;
+    code.asm().mov(qword_ptr(rbx + SLOT_RET), rdx)?;
+    code.asm().mov(qword_ptr(rbx + SLOT_CALLER), rdx)?;
+    code.asm().mov(rax, r.code_area.0 .0)?;
+    code.asm().mov(rcx, rdx)?;
+    code.asm().sub(rcx, rax)?;
+    code.asm().mov(rax, r.code_area.1)?;
+    code.asm().cmp(rcx, rax)?;
+    code.asm().jb(chained)?;
     if let Some(rethooks) = &r.rethooks {
-        g.a().mov(rax, rethooks.trampoline.0)?;
-        g.a().cmp(rdx, rax)?;
-        g.a().je(guest_swapped)?;
+        code.asm().mov(rax, rethooks.trampoline.0)?;
+        code.asm().cmp(rdx, rax)?;
+        code.asm().je(guest_swapped)?;
     }
-    g.a().set_label(&mut resolved)?;
-    g.a().rdtsc()?;
-    g.a().mov(dword_ptr(rbx + SLOT_TSC), eax)?;
-    g.a().mov(dword_ptr(rbx + (SLOT_TSC + 4)), edx)?;
+    code.asm().set_label(&mut resolved)?;
+    code.asm().rdtsc()?;
+    code.asm().mov(dword_ptr(rbx + SLOT_TSC), eax)?;
+    code.asm().mov(dword_ptr(rbx + (SLOT_TSC + 4)), edx)?;
     for (k, &n) in saved.iter().enumerate() {
         match n {
-            1..=6 => g.read_register(rax, super::ARG_REGISTERS[n as usize - 1])?,
-            n => g.checked_stack_word(rax, edx, n - 6)?,
+            1..=6 => code.read_register(rax, super::ARG_REGISTERS[n as usize - 1])?,
+            n => code.checked_stack_word(rax, edx, n - 6)?,
         }
-        g.a().mov(qword_ptr(rbx + (SLOT_ARGS + 8 * k as i32)), rax)?;
+        code.asm().mov(qword_ptr(rbx + (SLOT_ARGS + 8 * k as i32)), rax)?;
     }
     // Only now, with the slot complete, the return goes through its stub.
-    g.a().mov(rax, rbx)?;
-    g.a().mov(rdx, r.slot(r.first_slot).0)?;
-    g.a().sub(rax, rdx)?;
-    g.a().shr(rax, SLOT_TO_STUB_SHIFT as u32)?;
-    g.a().mov(rdx, stubs.0)?;
-    g.a().add(rax, rdx)?;
-    g.a().mov(rdx, qword_ptr(rbx + SLOT_FRAME))?;
-    g.a().mov(qword_ptr(rdx), rax)?;
-    g.a().set_label(&mut restore)?;
-    for reg in g.frame.pushed().iter().rev() {
-        g.a.pop(*reg)?;
+    code.asm().mov(rax, rbx)?;
+    code.asm().mov(rdx, r.slot(r.first_slot).0)?;
+    code.asm().sub(rax, rdx)?;
+    code.asm().shr(rax, SLOT_TO_STUB_SHIFT as u32)?;
+    code.asm().mov(rdx, stubs.0)?;
+    code.asm().add(rax, rdx)?;
+    code.asm().mov(rdx, qword_ptr(rbx + SLOT_FRAME))?;
+    code.asm().mov(qword_ptr(rdx), rax)?;
+    code.asm().set_label(&mut restore)?;
+    for reg in code.frame.pushed().iter().rev() {
+        code.asm.pop(*reg)?;
     }
-    g.a().popfq()?;
-    g.a().set_label(&mut displaced_label)?;
-    g.a().db(displaced)?;
+    code.asm().popfq()?;
+    code.asm().set_label(&mut displaced_label)?;
+    code.asm().db(displaced)?;
 
     // Cold: the next slot; none free.
-    g.a().set_label(&mut busy)?;
-    g.a().add(rbx, RETURN_SLOT_SIZE as i32)?;
-    g.a().dec(edx)?;
-    g.a().jne(take)?;
-    g.inc_counter(probe_missed.0, true)?;
-    g.a().jmp(restore)?;
+    code.asm().set_label(&mut busy)?;
+    code.asm().add(rbx, RETURN_SLOT_SIZE as i32)?;
+    code.asm().dec(edx)?;
+    code.asm().jne(take)?;
+    code.inc_counter(probe_missed.0, true)?;
+    code.asm().jmp(restore)?;
     // Cold: the return address is in our code: another probe's stub on this stack slot?
     // (rdx = the return address.)
-    g.a().set_label(&mut chained)?;
-    g.a().cmp(byte_ptr(rdx), STUB_OPCODE as i32)?;
-    g.a().jne(resolved)?;
-    g.a().mov(eax, dword_ptr(rdx + 1))?;
-    g.a().cmp(eax, r.table_slots as i32)?;
-    g.a().jae(resolved)?;
-    g.a().shl(rax, SLOT_SHIFT)?;
-    g.a().mov(rcx, r.table.0)?;
-    g.a().add(rax, rcx)?;
-    g.a().mov(rcx, qword_ptr(rax + SLOT_FRAME))?;
-    g.a().cmp(rcx, qword_ptr(rbx + SLOT_FRAME))?;
-    g.a().jne(resolved)?;
-    g.a().mov(rcx, qword_ptr(rax + SLOT_OWNER))?;
-    g.a().cmp(rcx, qword_ptr(rbx + SLOT_OWNER))?;
-    g.a().jne(resolved)?;
-    g.a().mov(rcx, qword_ptr(rax + SLOT_CALLER))?;
-    g.a().mov(qword_ptr(rbx + SLOT_CALLER), rcx)?;
-    g.a().jmp(resolved)?;
+    code.asm().set_label(&mut chained)?;
+    code.asm().cmp(byte_ptr(rdx), STUB_OPCODE as i32)?;
+    code.asm().jne(resolved)?;
+    code.asm().mov(eax, dword_ptr(rdx + 1))?;
+    code.asm().cmp(eax, r.table_slots as i32)?;
+    code.asm().jae(resolved)?;
+    code.asm().shl(rax, SLOT_SHIFT)?;
+    code.asm().mov(rcx, r.table.0)?;
+    code.asm().add(rax, rcx)?;
+    code.asm().mov(rcx, qword_ptr(rax + SLOT_FRAME))?;
+    code.asm().cmp(rcx, qword_ptr(rbx + SLOT_FRAME))?;
+    code.asm().jne(resolved)?;
+    code.asm().mov(rcx, qword_ptr(rax + SLOT_OWNER))?;
+    code.asm().cmp(rcx, qword_ptr(rbx + SLOT_OWNER))?;
+    code.asm().jne(resolved)?;
+    code.asm().mov(rcx, qword_ptr(rax + SLOT_CALLER))?;
+    code.asm().mov(qword_ptr(rbx + SLOT_CALLER), rcx)?;
+    code.asm().jmp(resolved)?;
     // Cold: the guest's kretprobe swapped first: its node for this stack slot.
     if let Some(rethooks) = &r.rethooks {
         let to = |off: u64| -> Result<i32, DetourCodeError> {
@@ -275,35 +285,35 @@ fn entry_code(
         let (frame, ret_addr) = (to(rethooks.node_frame)?, to(rethooks.node_ret_addr)?);
         let list = i32::try_from(rethooks.task_rethooks)
             .map_err(|_| DetourCodeError::Assemble("task_struct.rethooks offset".into()))?;
-        let mut walk = g.a().create_label();
-        let mut found = g.a().create_label();
-        g.a().set_label(&mut guest_swapped)?;
-        g.a().mov(rax, qword_ptr(current as i64 as u64).gs())?;
-        g.a().mov(rax, qword_ptr(rax + list))?;
-        g.a().mov(ecx, MAX_RETHOOK_WALK)?;
-        g.a().set_label(&mut walk)?;
-        g.a().test(rax, rax)?;
-        g.a().je(resolved)?;
-        g.a().mov(rdx, qword_ptr(rax + frame))?;
-        g.a().cmp(rdx, qword_ptr(rbx + SLOT_FRAME))?;
-        g.a().je(found)?;
-        g.a().mov(rax, qword_ptr(rax))?;
-        g.a().dec(ecx)?;
-        g.a().jne(walk)?;
-        g.a().jmp(resolved)?;
-        g.a().set_label(&mut found)?;
-        g.a().mov(rdx, qword_ptr(rax + ret_addr))?;
-        g.a().mov(qword_ptr(rbx + SLOT_CALLER), rdx)?;
-        g.a().jmp(resolved)?;
+        let mut walk = code.asm().create_label();
+        let mut found = code.asm().create_label();
+        code.asm().set_label(&mut guest_swapped)?;
+        code.asm().mov(rax, qword_ptr(current as i64 as u64).gs())?;
+        code.asm().mov(rax, qword_ptr(rax + list))?;
+        code.asm().mov(ecx, MAX_RETHOOK_WALK)?;
+        code.asm().set_label(&mut walk)?;
+        code.asm().test(rax, rax)?;
+        code.asm().je(resolved)?;
+        code.asm().mov(rdx, qword_ptr(rax + frame))?;
+        code.asm().cmp(rdx, qword_ptr(rbx + SLOT_FRAME))?;
+        code.asm().je(found)?;
+        code.asm().mov(rax, qword_ptr(rax))?;
+        code.asm().dec(ecx)?;
+        code.asm().jne(walk)?;
+        code.asm().jmp(resolved)?;
+        code.asm().set_label(&mut found)?;
+        code.asm().mov(rdx, qword_ptr(rax + ret_addr))?;
+        code.asm().mov(qword_ptr(rbx + SLOT_CALLER), rdx)?;
+        code.asm().jmp(resolved)?;
     }
-    for c in std::mem::take(&mut g.cold) {
+    for c in std::mem::take(&mut code.cold) {
         if let super::Cold::Zero { mut label, dst, back } = c {
-            g.a().set_label(&mut label)?;
-            g.a().xor(super::low32(dst), super::low32(dst))?;
-            g.a().jmp(back)?;
+            code.asm().set_label(&mut label)?;
+            code.asm().xor(super::low32(dst), super::low32(dst))?;
+            code.asm().jmp(back)?;
         }
     }
-    let result = g.a.assemble_options(
+    let result = code.asm.assemble_options(
         p.detour_ip.0,
         iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS,
     )?;

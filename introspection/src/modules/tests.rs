@@ -174,7 +174,7 @@ fn unreadable_memory_names_the_module_and_what() {
     );
 }
 
-/// Issue 50, finding 1: the budget counted the bytes read, not what they decode to. A
+/// The budget counted the bytes read, not what they decode to. A
 /// module with 2^18 symbols all naming one 511-byte string of unprintable bytes is 6.5 MiB
 /// of guest memory; escaped (`\xNN`, 4 bytes a byte) and kept twice (the symbol and the
 /// table's by-name key) it was ~1 GiB of host memory, for one module, and modules can

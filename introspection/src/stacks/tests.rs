@@ -769,7 +769,7 @@ fn a_paused_vcpus_registers_narrow_its_current_tasks_scan() {
     ));
 }
 
-/// Issue 24, finding 3: a guest claiming many CPUs (`nr_cpu_ids`, up to 8192; 500 here,
+/// A guest claiming many CPUs (`nr_cpu_ids`, up to 8192; 500 here,
 /// as many as this made-up guest has room for) whose per-CPU offsets all alias one area
 /// makes one CPU's IRQ, exception and entry stacks listed (and scanned at every pause) once
 /// per claimed CPU. The VM's vCPU count bounds the CPUs instead.

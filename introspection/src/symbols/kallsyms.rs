@@ -593,7 +593,7 @@ fn decode_with<M: GuestVirtRead + ?Sized>(
 #[cfg(test)]
 mod tests {
     //! Kallsyms tables built by hand in a sparse guest memory, as a hostile guest kernel
-    //! could lay them out (issue 24, finding 2).
+    //! could lay them out.
 
     use super::*;
     use crate::memory::SparseMemory;

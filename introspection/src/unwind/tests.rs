@@ -482,7 +482,7 @@ fn the_guests_own_kretprobe_trampoline_is_looked_up_in_the_tasks_rethook_list() 
     assert_eq!(u.end, UnwindEnd::NotText(Gva(0)));
 }
 
-/// Issue 24, finding 4: `_stext`/`_etext` come from guest symbols (kallsyms mode); a pair
+/// `_stext`/`_etext` come from guest symbols (kallsyms mode); a pair
 /// 2^64 apart sized the lookup blocks at 2^56 entries (a capacity overflow, or an abort on
 /// allocation). Text larger than the kernel image mapping is refused instead. Allocations
 /// on this thread are capped at 64 MiB, so the old code aborts the test.

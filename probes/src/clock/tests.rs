@@ -242,7 +242,7 @@ fn an_unchanged_version_reuses_the_last_read() {
     assert_eq!(clock.stale_stamps(), 0);
 }
 
-/// Issue 24, finding 8: `__sched_clock_offset` is the guest's. Describing the clock with an
+/// `__sched_clock_offset` is the guest's. Describing the clock with an
 /// offset near the top of the range overflowed the difference it prints (a panic in a
 /// debug build).
 #[test]

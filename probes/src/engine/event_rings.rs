@@ -28,7 +28,7 @@ use hvprobe_arch::{Gpa, Gva};
 use super::events::hit_record;
 use super::optimize::{WhyNotOptimized, DETOUR_BLOCK};
 use super::registry::Counters;
-use super::{HitEvent, ProbeId, Tracer, COUNT};
+use super::{HitEvent, ProbeId, Tracer};
 use crate::detour::event::returns::SLOT_OWNER;
 use crate::detour::event::{EventLayout, GuestKernelFacts, RETURN_SLOT_SIZE};
 use crate::detour::ring::{EventBatch, EventRings, RingError, RingGeometry, RingMemory, RingReader};
@@ -201,15 +201,15 @@ impl MissOwner {
         let elapsed = at.saturating_duration_since(self.seen_at);
         let grown = |now: u64, seen: u64| {
             plausible_step(now, seen, elapsed, cpus).unwrap_or_else(|| {
-                rejected.fetch_add(1, COUNT);
+                rejected.fetch_add(1, Ordering::Relaxed);
                 0
             })
         };
         let missed = grown(now.missed, self.seen.missed);
         let filtered = grown(now.filtered, self.seen.filtered);
-        self.counters.nmissed.fetch_add(missed, COUNT);
-        self.counters.hits.fetch_add(filtered, COUNT);
-        self.counters.filtered_in_guest.fetch_add(filtered, COUNT);
+        self.counters.nmissed.fetch_add(missed, Ordering::Relaxed);
+        self.counters.hits.fetch_add(filtered, Ordering::Relaxed);
+        self.counters.filtered_in_guest.fetch_add(filtered, Ordering::Relaxed);
         self.seen = now;
         self.seen_at = at;
         filtered
@@ -386,14 +386,14 @@ impl Tracer {
         let owners = setup.miss_owners.lock().unwrap_or_else(|e| e.into_inner());
         for slot in slots {
             if let Some(Some(owner)) = owners.get(slot as usize) {
-                owner.counters.nmissed.fetch_add(1, COUNT);
+                owner.counters.nmissed.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
 
     fn count_filtered_in_guest(&self, hits: u64) {
-        self.stats.hits.fetch_add(hits, COUNT);
-        self.stats.filtered_in_guest.fetch_add(hits, COUNT);
+        self.stats.hits.fetch_add(hits, Ordering::Relaxed);
+        self.stats.filtered_in_guest.fetch_add(hits, Ordering::Relaxed);
     }
 
     /// Takes every record the event detours wrote since the last drain and sends each as
@@ -422,10 +422,10 @@ impl Tracer {
             let elapsed = at.saturating_duration_since(seen.1);
             match plausible_step(total, seen.0, elapsed, setup.rings.geometry().cpus()) {
                 Some(step) => {
-                    self.stats.ring_missed.fetch_add(step, COUNT);
+                    self.stats.ring_missed.fetch_add(step, Ordering::Relaxed);
                 }
                 None => {
-                    self.stats.ring_rejected.fetch_add(1, COUNT);
+                    self.stats.ring_rejected.fetch_add(1, Ordering::Relaxed);
                 }
             }
             // A total that went down (written over) or jumped is the new starting point.
@@ -447,19 +447,19 @@ impl Tracer {
             // the guest rewrote: dropped, so that no CPU the VM does not have (a Perfetto
             // track, a `[NNN]` column) is ever reported.
             if raw.cpu != raw.ring {
-                self.stats.ring_rejected.fetch_add(1, COUNT);
+                self.stats.ring_rejected.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             let id = ProbeId(raw.probe);
             let (Some(layout), Some(probe)) = (layouts.get(&raw.probe), reg.probes.get(&id)) else {
                 // A record of a probe already gone (written before its detour was retired).
-                self.stats.stale.fetch_add(1, COUNT);
+                self.stats.stale.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
             taken += 1;
-            self.stats.hits.fetch_add(1, COUNT);
-            self.stats.optimized_events.fetch_add(1, COUNT);
-            probe.counters.hits.fetch_add(1, COUNT);
+            self.stats.hits.fetch_add(1, Ordering::Relaxed);
+            self.stats.optimized_events.fetch_add(1, Ordering::Relaxed);
+            probe.counters.hits.fetch_add(1, Ordering::Relaxed);
             let task = layout.task(raw.record);
             // An exit-free return's record: its caller and its entry's stamp.
             let call = layout.call(raw.record);

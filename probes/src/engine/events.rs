@@ -3,10 +3,11 @@
 //! waited for (a vCPU does not stall on a slow consumer).
 
 use hvprobe_introspection::task::TaskInfo;
+use std::sync::atomic::Ordering;
 
 use super::registry::{Probe, Registry, Site};
 use super::stamps::Stamp;
-use super::{HitEvent, ProbeId, ProbeKind, Tracer, COUNT};
+use super::{HitEvent, ProbeId, ProbeKind, Tracer};
 use crate::fetch::{evaluate, ArgValue, EntryValues, FetchContext};
 use crate::machine::Vcpu;
 use crate::output::HitRecord;
@@ -22,14 +23,14 @@ pub(super) struct CallEntry<'a> {
 impl Tracer {
     pub(super) fn send_event(&self, probe: &Probe, event: HitEvent) {
         if !self.sink.as_ref().is_some_and(|s| s.try_send(event)) {
-            probe.counters.nmissed.fetch_add(1, COUNT);
+            probe.counters.nmissed.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     pub(super) fn count_missed(&self, reg: &Registry, site: &Site) {
         for id in &site.probes {
             if let Some(p) = reg.probes.get(id).filter(|p| p.enabled) {
-                p.counters.nmissed.fetch_add(1, COUNT);
+                p.counters.nmissed.fetch_add(1, Ordering::Relaxed);
             }
         }
     }

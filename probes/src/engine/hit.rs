@@ -4,12 +4,13 @@
 //! a disarm — or the VM stops with the reason. An int3 is never answered with "handled"
 //! while it stays in the text unexecuted, which would loop on it forever.
 
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use hvprobe_arch::{Gva, INT3};
 
 use super::registry::{Registry, Role, Site};
-use super::{BreakpointOutcome, EngineFault, HitContext, PreAction, ProbeId, ProbeKind, StepOutcome, Tracer, COUNT};
+use super::{BreakpointOutcome, EngineFault, HitContext, PreAction, ProbeId, ProbeKind, StepOutcome, Tracer};
 use crate::insn::{Execution, InsnError};
 use crate::machine::Vcpu;
 use crate::regs::Regs;
@@ -21,7 +22,7 @@ impl Tracer {
         let outcome = self.handle_breakpoint(cpu, vcpu, at);
         self.stats
             .handling_ns
-            .fetch_add(started.elapsed().as_nanos() as u64, COUNT);
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         outcome
     }
 
@@ -31,7 +32,7 @@ impl Tracer {
         let outcome = self.handle_single_step(cpu, vcpu);
         self.stats
             .handling_ns
-            .fetch_add(started.elapsed().as_nanos() as u64, COUNT);
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         outcome
     }
 
@@ -78,7 +79,7 @@ impl Tracer {
         if !site.armed || site.gone {
             return self.unarmed_site(at, site);
         }
-        self.stats.hits.fetch_add(1, COUNT);
+        self.stats.hits.fetch_add(1, Ordering::Relaxed);
         let mut regs = match vcpu.regs() {
             Ok(r) => r,
             Err(source) => {
@@ -92,7 +93,7 @@ impl Tracer {
         if site.shared_with_guest() {
             // The guest's int3 handler expects RIP where it was; it executes the original
             // instruction itself.
-            self.stats.shared_with_guest.fetch_add(1, COUNT);
+            self.stats.shared_with_guest.fetch_add(1, Ordering::Relaxed);
             if regs != at_hit {
                 if let Err(source) = vcpu.set_regs(&regs) {
                     return BreakpointOutcome::Fatal(EngineFault::Vcpu { cpu, at, source });
@@ -109,7 +110,7 @@ impl Tracer {
             if regs.rip == at.0 {
                 return BreakpointOutcome::Fatal(EngineFault::SkipWithoutRip { cpu, at });
             }
-            self.stats.skipped.fetch_add(1, COUNT);
+            self.stats.skipped.fetch_add(1, Ordering::Relaxed);
             return match vcpu.set_regs(&regs) {
                 Ok(()) => BreakpointOutcome::Handled,
                 Err(source) => BreakpointOutcome::Fatal(EngineFault::Vcpu { cpu, at, source }),
@@ -133,7 +134,7 @@ impl Tracer {
                                 source: Box::new(source),
                             });
                         };
-                        self.stats.emulation_fallbacks.fetch_add(1, COUNT);
+                        self.stats.emulation_fallbacks.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!("vCPU {cpu}: {source}: stepping the instruction instead");
                         return match self.start_step(cpu, vcpu, &mut regs, insn, slot, at, posts) {
                             Ok(()) => BreakpointOutcome::Handled,
@@ -148,7 +149,7 @@ impl Tracer {
                         })
                     }
                 }
-                self.stats.emulated.fetch_add(1, COUNT);
+                self.stats.emulated.fetch_add(1, Ordering::Relaxed);
                 drop(reg);
                 self.run_posts(cpu, &posts, &mut regs);
                 match vcpu.set_regs(&regs) {
@@ -217,7 +218,7 @@ impl Tracer {
                 self.enter_return_probe(*id, probe, maxactive, cpu, regs);
                 continue;
             }
-            probe.counters.hits.fetch_add(1, COUNT);
+            probe.counters.hits.fetch_add(1, Ordering::Relaxed);
             // A probe moved past an ftrace NOP shows the registers of its own address
             // (the NOP changes nothing but RIP), as the guest's ftrace-based kprobe would.
             let moved = probe.address != at;
@@ -286,20 +287,20 @@ impl Tracer {
         let mut action = PreAction::Continue;
         match reg.sites.get(&site_addr).filter(|s| !s.gone) {
             Some(site) => {
-                self.stats.hits.fetch_add(1, COUNT);
-                self.stats.optimized.fetch_add(1, COUNT);
+                self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                self.stats.optimized.fetch_add(1, Ordering::Relaxed);
                 let (asked, posts) = self.run_pre_handlers(reg, site, site_addr, cpu, vcpu, &mut regs);
                 action = asked;
                 // Only a probe added while a vCPU was on its way into a retired detour
                 // can have one: its instruction is not stepped, so it cannot run.
                 for (id, _) in posts {
                     if let Some(probe) = reg.probes.get(&id) {
-                        probe.counters.nmissed.fetch_add(1, COUNT);
+                        probe.counters.nmissed.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             }
             None => {
-                self.stats.stale.fetch_add(1, COUNT);
+                self.stats.stale.fetch_add(1, Ordering::Relaxed);
             }
         }
         if action == PreAction::Skip && regs.rip == site_addr.0 {
@@ -308,7 +309,7 @@ impl Tracer {
         if regs.rip == site_addr.0 {
             regs.rip = resume.0;
         } else {
-            self.stats.skipped.fetch_add(1, COUNT);
+            self.stats.skipped.fetch_add(1, Ordering::Relaxed);
         }
         match vcpu.set_regs(&regs) {
             Ok(()) => BreakpointOutcome::Handled,
@@ -332,7 +333,7 @@ impl Tracer {
         let mut now = [0u8];
         match self.machine.kernel().read_virt(at, &mut now) {
             Ok(()) if now[0] != INT3 => {
-                self.stats.stale.fetch_add(1, COUNT);
+                self.stats.stale.fetch_add(1, Ordering::Relaxed);
                 BreakpointOutcome::Handled
             }
             Ok(()) => BreakpointOutcome::NotOurs,

@@ -17,6 +17,7 @@
 //! the region, a probe inside it) is tried again at the next pause.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use hvprobe_arch::{Gva, INT3};
@@ -24,7 +25,7 @@ use hvprobe_arch::{Gva, INT3};
 use super::placement::compiler_bytes;
 use super::registry::{Counters, Registry, Role, Site};
 use super::text::{write_text, TextBounds};
-use super::{ProbeError, ProbeId, ProbeKind, Tracer, COUNT};
+use super::{ProbeError, ProbeId, ProbeKind, Tracer};
 use crate::detour::event::filter::RecordFilter;
 use crate::detour::event::{event_detour, EventDetourParams, EventLayout, ReturnDetourParams, DEFAULT_STRING_SIZE};
 use crate::detour::{
@@ -186,7 +187,7 @@ struct Recorder {
 }
 
 /// What one recorder's event detour came with.
-struct Made {
+struct DetourMade {
     layout: EventLayout,
     stubs: Option<Gva>,
     ring_counted_miss_ips: Vec<Gva>,
@@ -258,7 +259,7 @@ impl Tracer {
             let Some(site) = reg.sites.get_mut(addr) else { continue };
             if stale {
                 unoptimize(view.text(), &self.text_bounds, *addr, site, &mut reg.detour_codes);
-                self.stats.gone.fetch_add(u64::from(site.gone), COUNT);
+                self.stats.gone.fetch_add(u64::from(site.gone), Ordering::Relaxed);
                 if site.gone {
                     continue;
                 }
@@ -266,7 +267,7 @@ impl Tracer {
             match (&site.detour, blocked) {
                 (Some(_), Some(why)) => {
                     unoptimize(view.text(), &self.text_bounds, *addr, site, &mut reg.detour_codes);
-                    self.stats.gone.fetch_add(u64::from(site.gone), COUNT);
+                    self.stats.gone.fetch_add(u64::from(site.gone), Ordering::Relaxed);
                     site.not_optimized = Some(why);
                 }
                 (Some(_), None) => {}
@@ -473,7 +474,7 @@ impl Tracer {
         area: super::OutOfLineArea,
     ) -> Result<(Detour, u64), WhyNotOptimized> {
         // The detour's code at `code`, and each recorder's record layout and stubs.
-        let make = |code: Gva| -> Result<(Vec<u8>, Vec<Made>), WhyNotOptimized> {
+        let make = |code: Gva| -> Result<(Vec<u8>, Vec<DetourMade>), WhyNotOptimized> {
             if recorders.is_empty() {
                 let relocated = relocate(&region, Gva(code.0 + 1), region.end())
                     .map_err(|e| WhyNotOptimized::Region(Arc::new(e)))?;
@@ -656,7 +657,7 @@ impl Tracer {
         recorders: &[Recorder],
         code: Gva,
         area: super::OutOfLineArea,
-    ) -> Result<(Vec<u8>, Vec<Made>), WhyNotOptimized> {
+    ) -> Result<(Vec<u8>, Vec<DetourMade>), WhyNotOptimized> {
         let mut starts: Vec<Gva> = vec![code; recorders.len()];
         for _ in 0..8 {
             let mut made = Vec::with_capacity(recorders.len());
@@ -669,7 +670,7 @@ impl Tracer {
                 let generated = self.event_code(region, r, next, at, area)?;
                 bytes.extend_from_slice(&generated.code);
                 bytes.resize(bytes.len().next_multiple_of(16), INT3);
-                made.push(Made {
+                made.push(DetourMade {
                     layout: generated.layout,
                     stubs: generated.stubs,
                     ring_counted_miss_ips: generated.ring_counted_miss_ips,

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use hvprobe_arch::{Gva, INT3};
@@ -14,7 +15,7 @@ use super::placement::Placement;
 use super::text::{write_text, TextBounds};
 use super::watch::WatchPlacement;
 use super::{
-    hex, EventShape, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT,
+    hex, EventShape, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer,
 };
 use crate::detour::event::filter::RecordFilter;
 use crate::insn::{self, Execution, ProbedInsn};
@@ -549,9 +550,9 @@ impl Tracer {
                     return_trapped: site
                         .filter(|s| s.detour.is_some())
                         .and_then(|s| self.why_return_traps(&reg, p, s)),
-                    hits: p.counters.hits.load(COUNT),
-                    nmissed: p.counters.nmissed.load(COUNT),
-                    filtered_in_guest: p.counters.filtered_in_guest.load(COUNT),
+                    hits: p.counters.hits.load(Ordering::Relaxed),
+                    nmissed: p.counters.nmissed.load(Ordering::Relaxed),
+                    filtered_in_guest: p.counters.filtered_in_guest.load(Ordering::Relaxed),
                     event: format!("{}/{}", p.group, p.event),
                     module: p.module.as_ref().map(|m| m.module.clone()),
                     pending: p.module.as_ref().is_some_and(|m| m.state == ModuleProbeState::Pending),
@@ -610,7 +611,7 @@ impl Tracer {
         site.gone = true;
         site.armed = false;
         site.detour = None;
-        self.stats.gone.fetch_add(1, COUNT);
+        self.stats.gone.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The user's probe ids, in registration order.
@@ -1040,7 +1041,7 @@ fn sync_site(tracer: &Tracer, text: &dyn KernelMemory, reg: &mut Registry, addr:
         }
     }
     if site.gone && !was_gone {
-        tracer.stats.gone.fetch_add(1, COUNT);
+        tracer.stats.gone.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -1104,7 +1105,7 @@ fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site, 
     unoptimize(text, bounds, addr, site, codes);
     if !site.armed {
         // The guest rewrote our jump.
-        tracer.stats.gone.fetch_add(1, COUNT);
+        tracer.stats.gone.fetch_add(1, Ordering::Relaxed);
         return;
     }
     if site.shared_with_guest() {
@@ -1114,6 +1115,6 @@ fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site, 
     let was_gone = site.gone;
     site.armed = !restore_original(text, bounds, addr, site);
     if site.gone && !was_gone {
-        tracer.stats.gone.fetch_add(1, COUNT);
+        tracer.stats.gone.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -24,12 +24,13 @@
 //!   stack's live calls, whose slots still hold the trampoline.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 
 use hvprobe_arch::Gva;
 
 use super::registry::Probe;
 use super::stamps::Stamp;
-use super::{BreakpointOutcome, EngineFault, HitContext, PreAction, ProbeId, Tracer, COUNT};
+use super::{BreakpointOutcome, EngineFault, HitContext, PreAction, ProbeId, Tracer};
 use crate::machine::Vcpu;
 use crate::regs::Regs;
 
@@ -294,7 +295,7 @@ impl Tracer {
         let kernel = self.machine.kernel();
         let slot = regs.rsp;
         let missed = || {
-            probe.counters.nmissed.fetch_add(1, COUNT);
+            probe.counters.nmissed.fetch_add(1, Ordering::Relaxed);
         };
         let found = match kernel.read_u64(Gva(slot)) {
             Ok(r) => r,
@@ -350,7 +351,9 @@ impl Tracer {
             reserved = returns.reserve(id, maxactive);
         }
         drop(returns);
-        self.stats.returns_abandoned.fetch_add(abandoned as u64, COUNT);
+        self.stats
+            .returns_abandoned
+            .fetch_add(abandoned as u64, Ordering::Relaxed);
         if !reserved {
             return missed();
         }
@@ -412,7 +415,7 @@ impl Tracer {
     /// `task_struct`) is known.
     pub(super) fn task_exits(&self, rsp: u64, task: Option<Gva>) {
         let freed = self.lock_returns().drop_stack(rsp);
-        self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
+        self.stats.returns_abandoned.fetch_add(freed as u64, Ordering::Relaxed);
         if let Some(task) = task {
             self.exit_free_calls_end(task);
         }
@@ -431,7 +434,7 @@ impl Tracer {
             self.machine.event_memory(),
         ) {
             let freed = table.free_owned_by(mem, task);
-            self.stats.returns_abandoned.fetch_add(freed as u64, COUNT);
+            self.stats.returns_abandoned.fetch_add(freed as u64, Ordering::Relaxed);
         }
     }
 
@@ -479,7 +482,9 @@ impl Tracer {
         let returning = {
             let mut returns = self.lock_returns();
             let abandoned = returns.prune_below(slot, |i| self.still_swapped(at, i));
-            self.stats.returns_abandoned.fetch_add(abandoned as u64, COUNT);
+            self.stats
+                .returns_abandoned
+                .fetch_add(abandoned as u64, Ordering::Relaxed);
             returns.pop_at(slot)
         };
         let Some(return_address) = returning.first().map(|i| i.return_address) else {
@@ -491,11 +496,11 @@ impl Tracer {
         let mut caller = None;
         let mut task = None;
         for mut instance in returning {
-            self.stats.hits.fetch_add(1, COUNT);
+            self.stats.hits.fetch_add(1, Ordering::Relaxed);
             let Some(probe) = reg.probes.get(&instance.probe).filter(|p| p.enabled) else {
                 continue;
             };
-            probe.counters.hits.fetch_add(1, COUNT);
+            probe.counters.hits.fetch_add(1, Ordering::Relaxed);
             if probe.emit_events {
                 let task = task.get_or_insert_with(|| vcpu.current_task());
                 let entry = super::events::CallEntry {

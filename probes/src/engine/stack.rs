@@ -2,13 +2,14 @@
 //! stopped, only within that CPU's own stacks, and a return probe's trampoline never
 //! stands for a caller: a slot that holds it is read as the return address it replaced.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use hvprobe_arch::Gva;
 use hvprobe_introspection::unwind::{unwind, OrcTable, StartRegs, UnwindEnd};
 
-use super::{Tracer, COUNT};
+use super::Tracer;
 use crate::output::StackFrame;
 use crate::regs::Regs;
 
@@ -66,10 +67,10 @@ impl Tracer {
                 })
                 .collect()
         };
-        self.stats.stacks_unwound.fetch_add(1, COUNT);
+        self.stats.stacks_unwound.fetch_add(1, Ordering::Relaxed);
         self.stats
             .unwind_ns
-            .fetch_add(started.elapsed().as_nanos() as u64, COUNT);
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         stack
     }
 

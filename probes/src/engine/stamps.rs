@@ -5,9 +5,10 @@
 //! stamp), a hit an event detour recorded at the guest TSC its record carries. A guest
 //! clock that cannot give a stamp gives host time, the reason logged once.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::{Tracer, COUNT};
+use super::Tracer;
 use crate::clock::{ClockError, GuestClock, TraceClock};
 
 /// The clocks [`Tracer::set_trace_clock`] chooses from, by index (the default first).
@@ -105,7 +106,7 @@ impl Tracer {
     /// The guest clock that stamps hits, and whether it is its `global` one.
     fn stamping_guest_clock(&self) -> Option<(&GuestClock, bool)> {
         let clock = self.guest_clock.get()?;
-        match TRACE_CLOCKS.get(usize::from(self.trace_clock.load(COUNT))) {
+        match TRACE_CLOCKS.get(usize::from(self.trace_clock.load(Ordering::Relaxed))) {
             Some(TraceClock::Local) => Some((clock, false)),
             Some(TraceClock::Global) => Some((clock, true)),
             _ => None,
@@ -115,7 +116,7 @@ impl Tracer {
     /// A stamp the guest's clock could not give (it never had a good read of a kvm-clock
     /// page): host time, the reason logged once.
     fn host_stamp_instead(&self, e: &ClockError) -> u64 {
-        if !self.warned_clock.swap(true, COUNT) {
+        if !self.warned_clock.swap(true, Ordering::Relaxed) {
             tracing::warn!("guest clock: {e}: stamping hits with host time instead (logged once)");
         }
         self.host_timestamp_ns()
@@ -154,7 +155,7 @@ impl Tracer {
             (TraceClock::Local, Some(_)) => {}
         }
         let index = TRACE_CLOCKS.iter().position(|c| *c == clock).unwrap_or(0);
-        self.trace_clock.store(index as u8, COUNT);
+        self.trace_clock.store(index as u8, Ordering::Relaxed);
         Ok(())
     }
 

@@ -13,13 +13,14 @@
 //!   into a slot was sent back to the probe address when the step ended.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 
 use hvprobe_arch::regs::rflags;
 use hvprobe_arch::{Gva, INT3};
 
 use super::optimize::DETOUR_BLOCK;
 use super::step_guard::{self, StepGuard, GUARD_BYTES, IDT_BYTES};
-use super::{EngineFault, HitContext, OutOfLineArea, ProbeError, ProbeId, StepOutcome, Tracer, COUNT, SLOT_SIZE};
+use super::{EngineFault, HitContext, OutOfLineArea, ProbeError, ProbeId, StepOutcome, Tracer, SLOT_SIZE};
 use crate::insn::{self, OutOfLine, ProbedInsn};
 use crate::machine::{InterruptTable, KernelMemory, PausedView, Vcpu, VcpuError};
 use crate::regs::Regs;
@@ -283,7 +284,7 @@ impl Tracer {
             }
             return Err(fault(e));
         }
-        self.stats.stepped.fetch_add(1, COUNT);
+        self.stats.stepped.fetch_add(1, Ordering::Relaxed);
         self.stepping.lock().unwrap_or_else(|e| e.into_inner()).insert(
             cpu,
             PendingStep {
@@ -348,7 +349,7 @@ impl Tracer {
         };
         // On the int3, unexecuted (kvm_pvm), or past it (a #BP trap): the copy's end either way.
         regs.rip = at.0;
-        self.stats.step_traps_lost.fetch_add(1, COUNT);
+        self.stats.step_traps_lost.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(
             "vCPU {cpu}: the step trap after the copy of {} never came; the step ends at the int3 after it",
             pending.site
@@ -529,7 +530,7 @@ impl Tracer {
         if let Err(e) = vcpu.set_regs(&regs) {
             return vcpu_fault(e);
         }
-        self.stats.steps_interrupted.fetch_add(1, COUNT);
+        self.stats.steps_interrupted.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(
             "vCPU {cpu}: vector {vector} during the out-of-line step of {at}: its handler returns to {resume_at:#x}"
         );

@@ -2,7 +2,7 @@
 //! vCPU. Every hit is driven by hand, as the exit loop would.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use super::*;
 use crate::insn::HexBytes;
@@ -2773,7 +2773,7 @@ fn a_trapped_call_behind_an_exit_free_stub_is_not_reclaimed() {
     m.write_virt(Gva(other.regs.rsp), &caller.to_le_bytes()).unwrap();
     t.on_breakpoint(1, &mut other, Gva(PUSH));
     assert_eq!(
-        t.stats.returns_abandoned.load(COUNT),
+        t.stats.returns_abandoned.load(Ordering::Relaxed),
         0,
         "the call behind the stub was freed"
     );
@@ -2786,7 +2786,7 @@ fn a_trapped_call_behind_an_exit_free_stub_is_not_reclaimed() {
     m.write_virt(Gva(third.regs.rsp), &caller.to_le_bytes()).unwrap();
     t.on_breakpoint(1, &mut third, Gva(PUSH));
     assert_eq!(
-        t.stats.returns_abandoned.load(COUNT),
+        t.stats.returns_abandoned.load(Ordering::Relaxed),
         0,
         "the call was freed while the stub's code returned"
     );
@@ -3217,7 +3217,7 @@ fn hits_an_event_detours_filter_discards_are_hits_counted_apart() {
     t.unregister(id).unwrap();
 }
 
-/// Issue 24, finding 8: RSP is the guest's. A guard stub hit with RSP near 2^64 overflowed
+/// RSP is the guest's. A guard stub hit with RSP near 2^64 overflowed
 /// the frame's address (a panic in a debug build); now the frame is unreadable, which is
 /// the guard's error, with the guest's IDT back.
 #[test]
@@ -3243,7 +3243,7 @@ fn a_guard_frame_at_the_top_of_the_address_space_is_an_error_not_a_panic() {
     );
 }
 
-/// Issue 24, finding 10: the event rings are the guest's to write. A record whose CPU
+/// The event rings are the guest's to write. A record whose CPU
 /// number is not its ring's (here CPU 4000 on the one vCPU's ring) would have become a
 /// `[4000]` column and a Perfetto track of its own; a loss counter set to 2^64 - 1 would
 /// have added that many misses. Both are refused and counted in `ring_rejected`; honest

@@ -11,9 +11,10 @@
 
 use hvprobe_arch::debugreg::{Access, DebugRegisters, HardwareBreakpoint, HARDWARE_BREAKPOINTS};
 use hvprobe_arch::Gva;
+use std::sync::atomic::Ordering;
 
 use super::registry::Registry;
-use super::{KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, COUNT, MAX_FUNCTION_BYTES};
+use super::{KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, MAX_FUNCTION_BYTES};
 use crate::insn;
 use crate::machine::Vcpu;
 
@@ -236,7 +237,7 @@ impl Tracer {
                 // Disabled while this exit was on its way: not a hit.
                 continue;
             };
-            probe.counters.hits.fetch_add(1, COUNT);
+            probe.counters.hits.fetch_add(1, Ordering::Relaxed);
             if !probe.emit_events {
                 continue;
             }
@@ -244,7 +245,7 @@ impl Tracer {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("vCPU {cpu}: watch {}/{}: {e}", probe.group, probe.event);
-                    probe.counters.nmissed.fetch_add(1, COUNT);
+                    probe.counters.nmissed.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
             };

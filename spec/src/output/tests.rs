@@ -272,7 +272,7 @@ fn listing_lines_append_the_counters() {
     assert_eq!(ListKind::Kretprobe.letter(), 'r');
 }
 
-/// Issue 24, finding 9: a guest task named `e<ESC>[2Jx` (run at daf5f30: the raw ESC
+/// A guest task named `e<ESC>[2Jx` (run at daf5f30: the raw ESC
 /// reached the terminal) or with a newline (a forged trace line) is escaped in text
 /// output, with the stack entry's context too; JSON encodes the same name itself.
 #[test]

@@ -55,7 +55,7 @@ pub struct ExitCounters {
     /// while the host's are loaded.
     pub guest_debug_registers_hidden: AtomicU64,
     /// Guest writes into the out-of-line area's code half, which its read-only memory slot
-    /// turned into MMIO exits: dropped (issue 24).
+    /// turned into MMIO exits: dropped.
     pub ool_writes_refused: AtomicU64,
 }
 

@@ -340,7 +340,7 @@ fn a_module_that_loads_while_its_probe_is_registered_gets_the_probe() {
     assert_eq!(m.bytes(MODULE_BASE + 0x40, 1), [INT3]);
 }
 
-/// Issue 50, finding 5: a module symbol's address is the guest's. One at
+/// A module symbol's address is the guest's. One at
 /// 0xffff_ffff_ffff_fff0 with an ELF size of 0x100 let `alpha:mod_fn_b+0x20` pass the
 /// offset check, and the address sum overflowed (a panic in a debug build, a wrapped
 /// address in a release one).
@@ -367,7 +367,7 @@ fn a_module_symbol_at_the_top_of_the_address_space_is_an_error_not_a_panic() {
     );
 }
 
-/// Issue 50, finding 1: every `do_init_module` hit of a module with a new name and
+/// Every `do_init_module` hit of a module with a new name and
 /// address added it to the engine's list, which nothing capped: a guest that kept
 /// "loading" forged modules grew the host without bound (and every stack frame's lookup
 /// scanned them all). The list keeps at most the budget's modules, the oldest going first,
@@ -489,7 +489,7 @@ fn forge_alpha(m: &FakeMachine, core: u64, fn_b: u64) {
     m.write_virt(Gva(sym + 8), &fn_b.to_le_bytes()).unwrap();
 }
 
-/// Issue 50, finding 2: a forged `do_init_module` for a module a pending probe waits on,
+/// A forged `do_init_module` for a module a pending probe waits on,
 /// with the probed function in the out-of-line area (where a KASLR kernel's image mapping
 /// may put it, inside the module area), had the load hook write its int3 into hvprobe's
 /// own code — and `disarm` would write a stale "original" byte there later. A module's
@@ -510,7 +510,7 @@ fn a_forged_module_in_the_out_of_line_area_gets_no_probe_writes() {
         .is_empty());
 }
 
-/// Issue 50, finding 2: the load hook arms without a pause (a module's own text runs
+/// The load hook arms without a pause (a module's own text runs
 /// nowhere yet). A forged module whose text is the kernel's live text got its int3s there
 /// unpaused, racing every vCPU that runs it. Refused: the probe stays pending.
 #[test]
@@ -527,7 +527,7 @@ fn a_forged_module_over_the_kernels_text_gets_no_unpaused_writes() {
     assert!(t.listing()[0].pending, "{:?}", t.listing()[0]);
 }
 
-/// Issue 50, finding 2: in kallsyms mode the kernel's symbols are the guest's too. A
+/// In kallsyms mode the kernel's symbols are the guest's too. A
 /// "function" in the out-of-line area, or outside the kernel's text and the module area,
 /// is refused with the reason, and nothing is written.
 #[test]
@@ -557,7 +557,7 @@ fn a_core_symbol_in_the_out_of_line_area_or_outside_text_is_refused() {
     assert!(t.listing().is_empty());
 }
 
-/// Issue 50, finding 2: a kernel probe (a core symbol the guest's kallsyms puts in module
+/// A kernel probe (a core symbol the guest's kallsyms puts in module
 /// memory) that shared a module probe's site was left with no site when the module's
 /// memory was freed — listed neither armed nor `[GONE]`, silently dead. It is `[GONE]`
 /// now. And in the other order (the kernel probe's site first, the module loading under
