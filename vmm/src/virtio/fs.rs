@@ -25,10 +25,10 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vhost::vhost_user::message::VhostUserHeaderFlag;
 use vhost::vhost_user::{Frontend, VhostUserFrontend, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -173,6 +173,21 @@ impl Watchdog {
     }
 }
 
+/// Connects to a backend's socket at `path`. Its file appears when the backend binds it,
+/// a moment before the backend listens on it: a connection refused then (a loaded host
+/// stretches that moment) is tried again until `deadline` has passed.
+pub fn connect_listening(path: &Path, deadline: Duration) -> std::io::Result<UnixStream> {
+    let started = Instant::now();
+    loop {
+        match UnixStream::connect(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && started.elapsed() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            result => return result,
+        }
+    }
+}
+
 impl Fs {
     /// Connects to the backend listening on `config.socket` and makes the vhost-user
     /// handshake (SET_OWNER, features, protocol features, queue count): a backend that
@@ -190,7 +205,7 @@ impl Fs {
             socket: config.socket.clone(),
             source,
         };
-        let stream = UnixStream::connect(&config.socket).map_err(connect_err)?;
+        let stream = connect_listening(&config.socket, timeout).map_err(connect_err)?;
         let mut link = Link {
             frontend: Frontend::from_stream(stream, NUM_QUEUES as u64),
             timeout,

@@ -481,3 +481,71 @@ fn a_legacy_backend_or_no_backend_is_refused_with_the_reason() {
         "{err}"
     );
 }
+
+/// A socket bound and not yet listening, at a fresh path: what a backend's socket is
+/// between its `bind` and its `listen`. `listen` turns it into a listener.
+struct BoundSocket {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+impl BoundSocket {
+    fn new(name: &str) -> BoundSocket {
+        let path = std::env::temp_dir().join(format!("hvprobe-fs-{}-{name}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        // SAFETY: socket(2) with constant arguments; the descriptor is owned at once.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` is a new descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
+        let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        address.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let bytes = path.as_os_str().as_encoded_bytes();
+        assert!(bytes.len() < address.sun_path.len());
+        for (to, from) in address.sun_path.iter_mut().zip(bytes) {
+            *to = *from as libc::c_char;
+        }
+        // SAFETY: `address` is a valid sockaddr_un of the size given; `fd` is a socket.
+        let bound = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                (&address as *const libc::sockaddr_un).cast(),
+                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(bound, 0, "bind: {}", std::io::Error::last_os_error());
+        BoundSocket { fd, path }
+    }
+
+    fn listen(self) -> UnixListener {
+        // SAFETY: listen(2) on a bound socket this value owns.
+        assert_eq!(unsafe { libc::listen(self.fd.as_raw_fd(), 1) }, 0);
+        UnixListener::from(self.fd)
+    }
+}
+
+#[test]
+fn a_backend_socket_bound_before_it_listens_is_connected_once_it_listens() {
+    let socket = BoundSocket::new("late-listen");
+    let path = socket.path.clone();
+    let listener = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        let listener = socket.listen();
+        listener.accept().map(|_| ())
+    });
+    let stream = connect_listening(&path, Duration::from_secs(10));
+    assert!(stream.is_ok(), "{stream:?}");
+    listener.join().unwrap().unwrap();
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn a_socket_that_never_listens_is_refused_at_the_deadline() {
+    let socket = BoundSocket::new("never-listens");
+    let started = Instant::now();
+    let err = connect_listening(&socket.path, Duration::from_millis(100)).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
+    assert!(started.elapsed() >= Duration::from_millis(100));
+    let _ = std::fs::remove_file(&socket.path);
+}
