@@ -13,6 +13,7 @@ pub mod filters_and_triggers;
 pub mod guest;
 pub mod introspect;
 pub mod perfetto;
+pub mod report;
 pub mod sampler;
 pub mod session;
 pub mod shares;

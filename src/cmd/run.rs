@@ -201,9 +201,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         outcome.reason,
         outcome.kernel_format.map(|f| f.to_string()).unwrap_or_default(),
         outcome.run_time.as_secs_f64(),
-        exit_summary(&outcome),
+        crate::report::exit_summary(&outcome),
     );
-    report_refused_ool_writes(&outcome);
+    crate::report::report_refused_ool_writes(&outcome);
     if crate::where_stopped::wanted(&outcome.reason) {
         let symbols = introspection.as_ref().ok().and_then(|k| k.first()).map(|k| &k.table);
         eprint!(
@@ -405,39 +405,6 @@ fn introspect_when_up(
         control.stop(StopReason::Stopped);
     }
     introspected
-}
-
-/// The run's exits for its last line: `N exits (I int3, S single-step, D debug-register),
-/// E instructions emulated, R guest int3 re-injected`.
-pub(crate) fn exit_summary(outcome: &hvprobe_vmm::VmOutcome) -> String {
-    let mut line = format!(
-        "{} exits ({} int3, {} single-step, {} debug-register), {} instructions emulated, {} guest int3 re-injected",
-        outcome.exits,
-        outcome.breakpoints,
-        outcome.single_steps,
-        outcome.hardware_breakpoints,
-        outcome.instructions_emulated,
-        outcome.breakpoints_reinjected
-    );
-    if outcome.guest_debug_registers_hidden > 0 {
-        line.push_str(&format!(
-            "; the guest's own debug registers were set while hvprobe's were loaded ({} loads): they did not fire",
-            outcome.guest_debug_registers_hidden
-        ));
-    }
-    line
-}
-
-/// Says so when the guest wrote into hvprobe's out-of-line code (refused: the code half of
-/// the area is a read-only memory slot). A guest kernel does not do that by accident.
-pub(crate) fn report_refused_ool_writes(outcome: &hvprobe_vmm::VmOutcome) {
-    if outcome.ool_writes_refused > 0 {
-        eprintln!(
-            "hvprobe: the guest wrote into hvprobe's out-of-line code {} times; refused (the writers' RIP and CR3 \
-             are in the log)",
-            outcome.ool_writes_refused
-        );
-    }
 }
 
 /// Where the guest's console goes: nowhere with `--no-console`; as it is for an

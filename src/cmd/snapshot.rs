@@ -329,9 +329,9 @@ pub fn run_restored(
             .map(|t| format!("{:.1} ms", t.as_secs_f64() * 1e3))
             .unwrap_or_else(|| "never".into()),
         r.outcome.run_time.as_secs_f64(),
-        crate::cmd::run::exit_summary(&r.outcome),
+        crate::report::exit_summary(&r.outcome),
     );
-    crate::cmd::run::report_refused_ool_writes(&r.outcome);
+    crate::report::report_refused_ool_writes(&r.outcome);
     if let Some(samples) = &r.samples {
         eprint!("{}", crate::sampler::summary(samples, r.symbols.as_ref()));
     }
