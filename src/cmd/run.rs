@@ -12,10 +12,11 @@ use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuCo
 use crate::cli::{RunArgs, SourceArg};
 use crate::filters_and_triggers::AnalysisFlags;
 use crate::guest::{initrd_with_workload, BundledGuest, MachineFiles};
-use crate::introspect::{introspect, ArmProbes, IntrospectionFailure, SymbolRequest};
-use crate::session::{exit_status_for_signal, ControlSocket, RunSession, TraceOptions};
+use crate::guest_kernel::{introspect, ArmProbes, IntrospectionFailure};
+use crate::kernel_source::KernelSourceFiles;
+use crate::options::{ControlSocket, SymbolRequest, TraceOptions};
+use crate::session::{exit_status_for_signal, RunSession};
 use crate::shares::{self, Daemons};
-use crate::trace::KernelSourceFiles;
 
 /// `hvprobe run`: boots the guest, or restores it with `--snapshot`.
 pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -111,7 +112,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             &trace.kernel_source,
             &trace.analysis,
         )?,
-        None if !trace.analysis.is_empty() => return Err(crate::trace::SessionError::AnalysisWithoutProbes.into()),
+        None if !trace.analysis.is_empty() => return Err(crate::error::SessionError::AnalysisWithoutProbes.into()),
         None => {}
     }
     // The shares' daemons, last before the VM: everything that can be refused has been.

@@ -20,8 +20,9 @@ use vm_memory::GuestMemoryMmap;
 
 use crate::cli::{CreateArgs, MachineArgs};
 use crate::guest::{cache_dir, initrd_with_workload, workload_message, BundledGuest, MachineFiles, WAIT_OPTION};
-use crate::introspect::{introspect, ArmProbes};
-use crate::session::{RunSession, TraceOptions};
+use crate::guest_kernel::{introspect, ArmProbes};
+use crate::options::TraceOptions;
+use crate::session::RunSession;
 
 use crate::cmd::CliResult;
 

@@ -11,7 +11,7 @@ use hvprobe_probes::spec::{parse_line, ProbeSpec, SourcePoint, Target};
 use super::CliResult;
 use crate::cli::{DwarfArgs, LinesArgs, VarsArgs};
 use crate::guest::BundledGuest;
-use crate::trace::KernelSourceFiles;
+use crate::kernel_source::KernelSourceFiles;
 
 /// The kernel's DWARF as the flags name it, the bundled guest's by default.
 fn kernel_source(args: &DwarfArgs) -> Result<KernelSourceFiles, Box<dyn std::error::Error>> {

@@ -366,7 +366,7 @@ fn answer(session: &TraceSession, request: Request) -> Response {
         Request::Enable { events } => toggle(session, &events, true),
         Request::Disable { events } => toggle(session, &events, false),
         Request::Optimize { on } => {
-            let on = on.unwrap_or_else(|| crate::session::optimize_by_default(hvprobe_vmm::Backend::detect()));
+            let on = on.unwrap_or_else(|| crate::options::optimize_by_default(hvprobe_vmm::Backend::detect()));
             match session.set_optimization(on) {
                 Ok(()) => Response::ok(vec![format!("optimization {}", if on { "on" } else { "off" })]),
                 Err(e) => Response::error(e),

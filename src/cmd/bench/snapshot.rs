@@ -10,7 +10,7 @@ use hvprobe_vmm::{ConsoleOutput, StopReason, VmConfig};
 use crate::cli::{CreateArgs, MachineArgs, SnapshotBenchArgs};
 use crate::cmd::snapshot::{boot_and_save, restore_and_run, wait_mode_config, SnapshotCliError};
 use crate::cmd::CliResult;
-use crate::session::TraceOptions;
+use crate::options::TraceOptions;
 
 /// `hvprobe bench snapshot`.
 pub fn bench(args: SnapshotBenchArgs) -> CliResult {

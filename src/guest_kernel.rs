@@ -7,37 +7,12 @@
 use std::sync::{Arc, OnceLock};
 
 use hvprobe_introspection::symbols::SymbolError;
-use hvprobe_live::{live_memory, load_symbols, KernelSymbols, SymbolsFrom, TaskContext};
+use hvprobe_live::{live_memory, load_symbols, KernelSymbols, TaskContext};
 use hvprobe_vmm::{VcpuControl, VcpuState};
 
+use crate::error::SessionError;
+use crate::options::SymbolRequest;
 use crate::session::RunSession;
-
-/// Where a run's symbols come from and which symbols it prints (`--symbols`, `--resolve`).
-#[derive(Clone, Debug)]
-pub struct SymbolRequest {
-    /// In the order asked for; the first one's table places the probes.
-    pub sources: Vec<SymbolsFrom>,
-    pub resolve: Vec<String>,
-}
-
-impl SymbolRequest {
-    /// Whether the user asked for anything beyond the default (a source of their choice, a
-    /// `--resolve`): a restore then introspects even when nothing else needs the kernel.
-    pub fn asked(&self) -> bool {
-        self.sources != [SymbolsFrom::Kallsyms] || !self.resolve.is_empty()
-    }
-}
-
-impl Default for SymbolRequest {
-    /// A restore's default: the restored kernel's own kallsyms, which no file has to
-    /// match, and nothing printed. (A boot's default is its files': `hvprobe run` says.)
-    fn default() -> SymbolRequest {
-        SymbolRequest {
-            sources: vec![SymbolsFrom::Kallsyms],
-            resolve: Vec::new(),
-        }
-    }
-}
 
 /// When the session arms its probes once it has the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,7 +34,7 @@ pub enum IntrospectionFailure {
     #[error("{source} (in {from})")]
     Resolve { from: String, source: SymbolError },
     #[error(transparent)]
-    Session(#[from] crate::trace::SessionError),
+    Session(#[from] SessionError),
     #[error("no kernel symbols: the probes cannot be placed")]
     NoSymbols,
 }
