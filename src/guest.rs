@@ -7,9 +7,12 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use crate::cache::inputs;
 use crate::cpio::{append_archive, CpioWriter};
 
-pub mod inputs;
+/// hvprobe's cache (where it was before it had a module of its own).
+pub use crate::cache::cache_dir;
+
 pub mod modules;
 pub mod progress;
 
@@ -91,12 +94,8 @@ pub enum GuestError {
     BuildFailed { status: std::process::ExitStatus },
     #[error("no cache directory for the bundled guest: set HVPROBE_CACHE or HOME")]
     NoCache,
-    #[error("cannot write the bundled guest's build inputs at {path}: {source}")]
-    Inputs {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Inputs(#[from] inputs::InputsError),
     #[error("the guest build printed no artefact directory")]
     NoOutput,
     #[error("the bundled guest in {dir} lacks {file}")]
@@ -140,16 +139,6 @@ pub struct BundledGuest {
     pub initramfs: PathBuf,
     /// Command-line options this kernel wants beyond [`BASE_CMDLINE`].
     pub cmdline: String,
-}
-
-/// hvprobe's cache, `${HVPROBE_CACHE:-$HOME/.cache/hvprobe}` as `guest/build.sh` reads it
-/// (an empty variable counts as unset there too).
-pub fn cache_dir() -> Option<PathBuf> {
-    let nonempty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
-    match nonempty("HVPROBE_CACHE") {
-        Some(dir) => Some(PathBuf::from(dir)),
-        None => Some(PathBuf::from(nonempty("HOME")?).join(".cache/hvprobe")),
-    }
 }
 
 impl BundledGuest {

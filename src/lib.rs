@@ -5,6 +5,7 @@
 //! (`hvprobe-probes`) runs on a VM (`hvprobe-vmm`) through `hvprobe-live`, which host tools
 //! use directly.
 
+pub mod cache;
 pub mod cli;
 pub mod cmd;
 pub mod control;

@@ -368,12 +368,12 @@ pub fn find_virtiofsd(flag: Option<&Path>) -> Result<(PathBuf, &'static str), Sh
     if let Some(path) = SYSTEM_VIRTIOFSD.iter().map(Path::new).find(|p| p.is_file()) {
         return Ok((path.into(), "the system's"));
     }
-    let cache = crate::guest::cache_dir().ok_or(ShareError::NoCache)?;
+    let cache = crate::cache::cache_dir().ok_or(ShareError::NoCache)?;
     let cached = cache.join(format!("virtiofsd-{VIRTIOFSD_VERSION}/bin/virtiofsd"));
     if cached.is_file() {
         return Ok((cached, "hvprobe's cache"));
     }
-    let inputs = crate::guest::inputs::ensure_written(&cache).map_err(|e| ShareError::BuildSpawn {
+    let inputs = crate::cache::inputs::ensure_written(&cache).map_err(|e| ShareError::BuildSpawn {
         script: cache.join("guest-inputs"),
         source: std::io::Error::other(e.to_string()),
     })?;

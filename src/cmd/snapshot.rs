@@ -19,7 +19,8 @@ use hvprobe_vmm::{ConsoleLog, ConsoleOutput, DiskConfig, StopReason, Vm, VmConfi
 use vm_memory::GuestMemoryMmap;
 
 use crate::cli::{CreateArgs, MachineArgs};
-use crate::guest::{cache_dir, initrd_with_workload, workload_message, BundledGuest, MachineFiles, WAIT_OPTION};
+use crate::cache::cache_dir;
+use crate::guest::{initrd_with_workload, workload_message, BundledGuest, MachineFiles, WAIT_OPTION};
 use crate::guest_kernel::{introspect, ArmProbes};
 use crate::options::TraceOptions;
 use crate::session::RunSession;

@@ -146,7 +146,7 @@ pub fn bench(args: IoBenchArgs) -> CliResult {
     }
     let dir = match &args.dir {
         Some(d) => d.clone(),
-        None => crate::guest::cache_dir()
+        None => crate::cache::cache_dir()
             .ok_or(crate::guest::GuestError::NoCache)?
             .join("bench-io"),
     };
