@@ -1,29 +1,32 @@
-//! `hvprobe run`: boot a guest (or restore one, see [`crate::snapshot`]), introspect its
-//! kernel once it is up, trace it, and exit with the workload's status.
+//! `hvprobe run`: boot a guest (or restore one, see [`hvprobe_session::snapshot`]),
+//! introspect its kernel once it is up, trace it, and exit with the workload's status.
 
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use hvprobe_introspection::symbols::{SymbolError, SymbolSource, SymbolTable};
 use hvprobe_live::{wait_for_kernel, KernelSymbols, SymbolsFrom, TaskContext};
-use hvprobe_vmm::{kernel_format, ConsoleOutput, KernelFormat, StopReason, VcpuControl, Vm, VmConfig};
+use hvprobe_session::guest::BundledGuest;
+use hvprobe_session::guest_kernel::{introspect, ArmProbes, IntrospectionFailure};
+use hvprobe_session::kernel_source::KernelSourceFiles;
+use hvprobe_session::machine::{initrd_with_workload, Machine, MachineFiles};
+use hvprobe_session::options::{AnalysisFlags, ControlSocket, SymbolRequest, TraceOptions};
+use hvprobe_session::session::{exit_status_for_signal, RunSession};
+use hvprobe_session::shares::{self, Daemons};
+use hvprobe_session::snapshot::{restore_and_run, SnapshotError};
+use hvprobe_vmm::{kernel_format, ConsoleOutput, DiskConfig, KernelFormat, StopReason, VcpuControl, Vm, VmConfig};
 
 use crate::cli::{RunArgs, SourceArg};
-use crate::filters_and_triggers::AnalysisFlags;
-use crate::guest::{initrd_with_workload, BundledGuest, MachineFiles};
-use crate::guest_kernel::{introspect, ArmProbes, IntrospectionFailure};
-use crate::kernel_source::KernelSourceFiles;
-use crate::options::{ControlSocket, SymbolRequest, TraceOptions};
-use crate::session::{exit_status_for_signal, RunSession};
-use crate::shares::{self, Daemons};
+use crate::cmd::CliResult;
 
 /// `hvprobe run`: boots the guest, or restores it with `--snapshot`.
 pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let mut trace = TraceOptions {
         probes: args.probes.clone(),
         kernel_source: Arc::new(KernelSourceFiles::none()),
-        output: args.output.clone(),
+        output: (&args.output).into(),
         sym_offset: args.sym_offset,
         text_hash: args.text_hash,
         control: match (&args.control, args.no_control) {
@@ -43,7 +46,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     // A --control PATH that is not ours to bind fails now, not after a guest build and a boot.
     if let ControlSocket::At(path) = &trace.control {
-        crate::control::check_socket_path(path)?;
+        hvprobe_session::control::check_socket_path(path)?;
     }
     if let Some(dir) = &args.snapshot {
         // Source targets read the restored kernel's DWARF: --vmlinux's, or the bundled
@@ -55,12 +58,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
             .with_modules(args.module_debuginfo.clone()),
         );
-        let workload = args
-            .workload
-            .as_deref()
-            .ok_or(crate::cmd::snapshot::SnapshotCliError::NoWorkload)?;
+        let workload = args.workload.as_deref().ok_or(SnapshotError::NoWorkload)?;
         trace.symbols = restored_symbols(&args)?;
-        return crate::cmd::snapshot::run_restored(
+        return run_restored(
             dir,
             args.machine.cpus,
             &args.machine.disks,
@@ -82,7 +82,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     for file in &args.module_debuginfo {
         std::fs::metadata(file).map_err(|e| format!("--module-debuginfo {}: {e}", file.display()))?;
     }
-    let files = MachineFiles::of(&args.machine, args.kaslr)?;
+    let files = MachineFiles::of(&Machine::from(&args.machine), args.kaslr)?;
     let bundled_kernel = files.bundled_kernel();
     trace.symbols = SymbolRequest {
         sources: symbol_sources(&args, bundled_kernel)?,
@@ -112,7 +112,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             &trace.kernel_source,
             &trace.analysis,
         )?,
-        None if !trace.analysis.is_empty() => return Err(crate::error::SessionError::AnalysisWithoutProbes.into()),
+        None if !trace.analysis.is_empty() => {
+            return Err(hvprobe_session::error::SessionError::AnalysisWithoutProbes.into())
+        }
         None => {}
     }
     // The shares' daemons, last before the VM: everything that can be refused has been.
@@ -178,11 +180,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let sampler = trace
         .sample_every
-        .map(|every| crate::sampler::Sampler::start(vm.control(), vm.memory().clone(), every, tasks));
+        .map(|every| hvprobe_session::sampler::Sampler::start(vm.control(), vm.memory().clone(), every, tasks));
     let memory = vm.memory().clone();
     let outcome = vm.run(session.handler())?;
     let introspection = introspection.join().map_err(|_| "the introspection thread panicked")?;
-    let hvprobe_code = crate::where_stopped::HvprobeCode::of(&outcome.vcpus_at_stop, |at| session.hvprobe_code_at(at));
+    let hvprobe_code =
+        hvprobe_session::where_stopped::HvprobeCode::of(&outcome.vcpus_at_stop, |at| session.hvprobe_code_at(at));
     let finish_failed = session.finish().err();
     if let Some(e) = &finish_failed {
         eprintln!("hvprobe: error: {e}");
@@ -190,7 +193,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let arming_failed = session.failure();
     if let Some(sampler) = sampler {
         let symbols = introspection.as_ref().ok().and_then(|k| k.first()).map(|k| &k.table);
-        eprint!("{}", crate::sampler::summary(&sampler.finish(), symbols));
+        eprint!("{}", hvprobe_session::sampler::summary(&sampler.finish(), symbols));
     }
 
     let boot = match outcome.boot_to_init {
@@ -202,14 +205,14 @@ pub fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         outcome.reason,
         outcome.kernel_format.map(|f| f.to_string()).unwrap_or_default(),
         outcome.run_time.as_secs_f64(),
-        crate::report::exit_summary(&outcome),
+        hvprobe_session::report::exit_summary(&outcome),
     );
-    crate::report::report_refused_ool_writes(&outcome);
-    if crate::where_stopped::wanted(&outcome.reason) {
+    hvprobe_session::report::report_refused_ool_writes(&outcome);
+    if hvprobe_session::where_stopped::wanted(&outcome.reason) {
         let symbols = introspection.as_ref().ok().and_then(|k| k.first()).map(|k| &k.table);
         eprint!(
             "{}",
-            crate::where_stopped::report(&outcome.vcpus_at_stop, &memory, symbols, &hvprobe_code)
+            hvprobe_session::where_stopped::report(&outcome.vcpus_at_stop, &memory, symbols, &hvprobe_code)
         );
     }
     let introspection_failed = match &introspection {
@@ -282,7 +285,7 @@ fn check_probes_before_boot(
             SymbolsFrom::Kallsyms => None,
         })
         .transpose()?;
-    crate::trace::check_before_boot(
+    hvprobe_session::trace::check_before_boot(
         file,
         usize::from(cpus),
         table.as_ref(),
@@ -419,5 +422,43 @@ pub fn console_output(workload: bool, console_input: bool, no_console: bool) -> 
         ConsoleOutput::Stdout
     } else {
         ConsoleOutput::StdoutEscaped
+    }
+}
+
+/// `hvprobe run --snapshot DIR`: restore, run the workload, exit with its status.
+pub fn run_restored(
+    dir: &Path,
+    cpus: u8,
+    disks: &[DiskConfig],
+    workload: &str,
+    output: ConsoleOutput,
+    console_input: bool,
+    trace: &TraceOptions,
+) -> CliResult {
+    let r = restore_and_run(dir, cpus, disks, workload, output, console_input, trace)?;
+    eprintln!(
+        "hvprobe: {}; restored and first guest instruction after {}, ran {:.2} s, {}",
+        r.outcome.reason,
+        r.to_first_entry
+            .map(|t| format!("{:.1} ms", t.as_secs_f64() * 1e3))
+            .unwrap_or_else(|| "never".into()),
+        r.outcome.run_time.as_secs_f64(),
+        hvprobe_session::report::exit_summary(&r.outcome),
+    );
+    hvprobe_session::report::report_refused_ool_writes(&r.outcome);
+    if let Some(samples) = &r.samples {
+        eprint!("{}", hvprobe_session::sampler::summary(samples, r.symbols.as_ref()));
+    }
+    if hvprobe_session::where_stopped::wanted(&r.outcome.reason) {
+        eprint!("{}", r.where_stopped());
+    }
+    match r.outcome.reason {
+        StopReason::GuestExit(status) => Ok(ExitCode::from(status)),
+        StopReason::Signal(sig) => Ok(ExitCode::from(exit_status_for_signal(sig))),
+        reason => Err(SnapshotError::WorkloadFailed {
+            reason,
+            tail: r.console.tail(30),
+        }
+        .into()),
     }
 }

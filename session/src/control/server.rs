@@ -17,7 +17,7 @@ use hvprobe_probes::engine::HitEvent;
 
 use super::record::WireRecord;
 use super::{private_dir, ControlError, Request, Response, StreamEnd, StreamFormat, MAX_REQUEST_BYTES, STREAM_END_KEY};
-use crate::cli::OutputFormat;
+use crate::options::OutputFormat;
 use crate::trace::{event_line, Subscription, TraceSession};
 
 /// How long the end of a run waits for the streams to send what they still hold, before

@@ -31,6 +31,8 @@ pub enum RunSessionError {
     },
     #[error("cannot hash the kernel text: {0}")]
     TextHash(#[from] TextHashError),
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
 }
 
 /// Why the kernel's text could not be hashed.
@@ -59,12 +61,10 @@ impl RunSession {
     /// Reads the probe file (a bad one fails here, before the guest runs), starts the hit
     /// printer, the listing on SIGUSR1 and the control socket. Nothing touches the guest
     /// yet.
-    pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, Box<dyn std::error::Error>> {
+    pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, RunSessionError> {
         stop_on_signals(vm.control())?;
         let probes = match (&options.probes, &options.control) {
-            (None, _) if !options.analysis.is_empty() => {
-                return Err(SessionError::AnalysisWithoutProbes.into())
-            }
+            (None, _) if !options.analysis.is_empty() => return Err(SessionError::AnalysisWithoutProbes.into()),
             (None, ControlSocket::Off) if options.output.perfetto.is_some() => {
                 return Err(SessionError::PerfettoWithoutProbes.into())
             }

@@ -1,13 +1,13 @@
-//! The bundled guest's build inputs, embedded in the binary by `build.rs` and written into
-//! the cache (`$HVPROBE_CACHE/guest-inputs/KEY/`, KEY a hash of them) where
-//! `guest/build.sh` runs from them: an installed or copied hvprobe builds its guest with no
-//! checkout. The script keys its artefacts by the inputs' contents and relative paths, so
-//! the guest it builds from here is the one a checkout's `guest/build.sh` builds.
+//! The bundled guest's build inputs, embedded by this crate's `build.rs` (and so in the
+//! `hvprobe` binary) and written into the cache (`$HVPROBE_CACHE/guest-inputs/KEY/`, KEY a
+//! hash of them) where `guest/build.sh` runs from them: an installed or copied hvprobe
+//! builds its guest with no checkout. The script keys its artefacts by the inputs' contents
+//! and relative paths, so the guest it builds from here is the one a checkout's
+//! `guest/build.sh` builds.
 
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
-
 
 include!(concat!(env!("OUT_DIR"), "/guest_inputs.rs"));
 
@@ -78,7 +78,7 @@ mod tests {
 
     #[test]
     fn the_embedded_inputs_are_the_checkouts_guest_files() {
-        let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
+        let guest = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("guest");
         let names: Vec<&str> = GUEST_INPUTS.iter().map(|(name, _)| *name).collect();
         for needed in [
             "build.sh",

@@ -35,11 +35,10 @@ use hvprobe_probes::spec::{
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
-use crate::cli::OutputFormat;
-use crate::filters_and_triggers::{error_line, hist_report, origin_line, take_request_lines, AnalysisFlags};
 use crate::error::SessionError;
+use crate::filters_and_triggers::{error_line, hist_report, origin_line, take_request_lines};
 use crate::kernel_source::KernelSourceFiles;
-use crate::options::TraceOptions;
+use crate::options::{AnalysisFlags, OutputFormat, TraceOptions};
 use crate::perfetto::PerfettoFile;
 
 mod fanout;
@@ -50,8 +49,8 @@ pub use fanout::Subscription;
 use fanout::*;
 pub use printer::event_line;
 use printer::*;
-use spec::*;
 pub use spec::check_before_boot;
+use spec::*;
 
 /// Events a slow printer has not taken yet; beyond this, hits count as missed.
 const EVENT_QUEUE: usize = 1 << 16;

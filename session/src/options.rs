@@ -1,15 +1,14 @@
 //! What a run's tracing side is asked to do, as the command line gives it: the probes and
-//! where their hits go, the control socket, where the kernel's symbols come from, and the
-//! backend's default for jump optimization.
+//! where their hits go, the filters and triggers, the control socket, where the kernel's
+//! symbols come from, and the backend's default for jump optimization.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use hvprobe_analysis::request::{self, Request, RequestError, RequestKind};
 use hvprobe_live::SymbolsFrom;
 use hvprobe_probes::clock::TraceClock;
 
-use crate::cli::HitOutputs;
-use crate::filters_and_triggers::AnalysisFlags;
 use crate::kernel_source::KernelSourceFiles;
 
 /// What a run traces and checks (`--probes`, `--format`, `--perfetto`, `--text-hash`, `--control`).
@@ -71,6 +70,70 @@ impl Default for SymbolRequest {
             sources: vec![SymbolsFrom::Kallsyms],
             resolve: Vec::new(),
         }
+    }
+}
+
+/// How hits are printed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OutputFormat {
+    /// ftrace's `trace` layout.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+    /// Not at all (hits still count, and stream to `hvprobe trace`).
+    None,
+}
+
+/// Where a run's hits go: a format on stdout (`--format`), a Perfetto trace file
+/// (`--perfetto`), or both.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HitOutputs {
+    /// The format asked for on stdout, if one was.
+    pub format: Option<OutputFormat>,
+    /// A Perfetto trace file that also gets the hits.
+    pub perfetto: Option<PathBuf>,
+}
+
+impl HitOutputs {
+    /// The format of stdout: the one asked for; else none when a trace file takes the
+    /// hits, text otherwise.
+    pub fn stdout(&self) -> OutputFormat {
+        match (self.format, &self.perfetto) {
+            (Some(format), _) => format,
+            (None, Some(_)) => OutputFormat::None,
+            (None, None) => OutputFormat::Text,
+        }
+    }
+}
+
+/// The `--filter` and `--trigger` values of a run, unparsed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AnalysisFlags {
+    pub filters: Vec<String>,
+    pub triggers: Vec<String>,
+}
+
+impl AnalysisFlags {
+    pub fn is_empty(&self) -> bool {
+        self.filters.is_empty() && self.triggers.is_empty()
+    }
+
+    /// Every flag parsed, or every flag's error.
+    pub fn parse(&self) -> (Vec<Request>, Vec<RequestError>) {
+        let flags = self
+            .filters
+            .iter()
+            .map(|f| (RequestKind::Filter, f))
+            .chain(self.triggers.iter().map(|t| (RequestKind::Trigger, t)));
+        let (mut requests, mut errors) = (Vec::new(), Vec::new());
+        for (kind, value) in flags {
+            match request::parse_flag(kind, value) {
+                Ok(r) => requests.push(r),
+                Err(e) => errors.push(e),
+            }
+        }
+        (requests, errors)
     }
 }
 
