@@ -9,6 +9,7 @@ use hvprobe_session::machine::Machine;
 use hvprobe_session::options::OutputFormat;
 use hvprobe_session::shares::{RootfsHide, RwDir, Sandbox};
 use hvprobe_session::snapshot::SnapshotOptions;
+use hvprobe_session::symbol_sources::SourceKind;
 
 #[derive(Parser)]
 #[command(
@@ -398,6 +399,16 @@ pub enum SourceArg {
     SystemMap,
     Vmlinux,
     Kallsyms,
+}
+
+impl From<SourceArg> for SourceKind {
+    fn from(arg: SourceArg) -> Self {
+        match arg {
+            SourceArg::SystemMap => SourceKind::SystemMap,
+            SourceArg::Vmlinux => SourceKind::Vmlinux,
+            SourceArg::Kallsyms => SourceKind::Kallsyms,
+        }
+    }
 }
 
 #[derive(Args)]

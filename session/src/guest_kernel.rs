@@ -5,10 +5,11 @@
 //! arms the probes.
 
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use hvprobe_introspection::symbols::SymbolError;
-use hvprobe_live::{live_memory, load_symbols, KernelSymbols, TaskContext};
-use hvprobe_vmm::{VcpuControl, VcpuState};
+use hvprobe_live::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, TaskContext};
+use hvprobe_vmm::{StopReason, VcpuControl, VcpuState};
 
 use crate::error::SessionError;
 use crate::options::SymbolRequest;
@@ -122,4 +123,28 @@ pub fn introspect(
         Some(failure) => Err(failure),
         None => Ok(kernels),
     }
+}
+
+/// A booted guest's way in: once its kernel is up (all vCPUs paused), [`introspect`] it,
+/// arming the probes at `/init` (or at once if the guest is past it). A failure stops the
+/// VM.
+pub fn introspect_when_up(
+    control: &Arc<VcpuControl>,
+    mem: &vm_memory::GuestMemoryMmap,
+    request: &SymbolRequest,
+    session: &RunSession,
+    tasks: &OnceLock<TaskContext>,
+) -> Result<Vec<KernelSymbols>, IntrospectionFailure> {
+    let (paused, state) =
+        wait_for_kernel(control, mem, Duration::from_millis(100)).ok_or(IntrospectionFailure::NotUp)?;
+    let arm = match control.boot_to_init() {
+        Some(_) => ArmProbes::Now,
+        None => ArmProbes::AtInit,
+    };
+    let introspected = introspect(control, mem, &state, request, session, tasks, arm);
+    drop(paused);
+    if introspected.is_err() {
+        control.stop(StopReason::Stopped);
+    }
+    introspected
 }

@@ -8,7 +8,7 @@
 //!   [`machine`] a command boots, the host directories [`shares`] it gets (virtiofsd found,
 //!   confined, supervised) and the initrd's [`cpio`] archives;
 //! - what a run is asked: the tracing [`options`], the kernel's DWARF on the host
-//!   ([`kernel_source`]);
+//!   ([`kernel_source`]) and where its symbols come from ([`symbol_sources`]);
 //! - the probes of a run ([`trace`]: spec files, live add and remove, the hit printer), its
 //!   event [`filters_and_triggers`], [`perfetto`] traces, and the [`error`] of it all;
 //! - the [`control`] socket (protocol, server, client, wire records) through which other
@@ -16,7 +16,8 @@
 //! - the [`session`] around a guest (probes, control socket, text hash), the
 //!   [`guest_kernel`] it introspects once up, the [`sampler`], and where vCPUs stopped
 //!   ([`where_stopped`]);
-//! - the runs: a [`snapshot`] made and restored, and the end-of-run lines ([`report`]).
+//! - the runs: a [`snapshot`] made and restored, a [`run`] (booted step by step, or
+//!   restored), and the lines of their end ([`report`]).
 
 pub mod cache;
 pub mod control;
@@ -30,9 +31,11 @@ pub mod machine;
 pub mod options;
 pub mod perfetto;
 pub mod report;
+pub mod run;
 pub mod sampler;
 pub mod session;
 pub mod shares;
 pub mod snapshot;
+pub mod symbol_sources;
 pub mod trace;
 pub mod where_stopped;

@@ -1,6 +1,6 @@
 //! What a run says about its VM at the end, the same after a boot (`hvprobe run`) and a
 //! restore (`hvprobe run --snapshot`): the exits it took and the guest's refused writes
-//! into hvprobe's code.
+//! into hvprobe's code, as lines for the caller to print.
 
 /// The run's exits for its last line: `N exits (I int3, S single-step, D debug-register),
 /// E instructions emulated, R guest int3 re-injected`.
@@ -23,14 +23,15 @@ pub fn exit_summary(outcome: &hvprobe_vmm::VmOutcome) -> String {
     line
 }
 
-/// Says so when the guest wrote into hvprobe's out-of-line code (refused: the code half of
-/// the area is a read-only memory slot). A guest kernel does not do that by accident.
-pub fn report_refused_ool_writes(outcome: &hvprobe_vmm::VmOutcome) {
-    if outcome.ool_writes_refused > 0 {
-        eprintln!(
+/// The line that says the guest wrote into hvprobe's out-of-line code (refused: the code
+/// half of the area is a read-only memory slot), when it did. A guest kernel does not do
+/// that by accident.
+pub fn refused_ool_writes(outcome: &hvprobe_vmm::VmOutcome) -> Option<String> {
+    (outcome.ool_writes_refused > 0).then(|| {
+        format!(
             "hvprobe: the guest wrote into hvprobe's out-of-line code {} times; refused (the writers' RIP and CR3 \
              are in the log)",
             outcome.ool_writes_refused
-        );
-    }
+        )
+    })
 }
