@@ -645,6 +645,9 @@ fn log_seconds(line: &str) -> f64 {
         .and_then(|t| t.strip_suffix('Z'))
         .unwrap_or_else(|| panic!("no time stamp on {line:?}"));
     time.split(':')
-        .map(|part| part.parse::<f64>().unwrap_or_else(|_| panic!("a bad time stamp on {line:?}")))
+        .map(|part| {
+            part.parse::<f64>()
+                .unwrap_or_else(|_| panic!("a bad time stamp on {line:?}"))
+        })
         .fold(0.0, |seconds, part| seconds * 60.0 + part)
 }
