@@ -5,7 +5,7 @@
 //! It lives here, in the run session, and not in the VMM: which virtiofsd to run (the
 //! user's, the distribution's, or one built into hvprobe's cache by
 //! `guest/build-virtiofsd.sh`), how it is sandboxed and what a dead one means for the run
-//! are the command's business. The VMM only gets each share's tag and socket
+//! are the session's business. The VMM only gets each share's tag and socket
 //! ([`hvprobe_vmm::FsConfig`]) and speaks vhost-user on it.
 //!
 //! A daemon's life:
