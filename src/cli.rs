@@ -1,9 +1,15 @@
 //! The command line: every clap argument type of `hvprobe` (and nothing else, so that the
-//! modules that act on them depend on this one and never on each other for their flags).
+//! modules that act on them depend on this one and never on each other for their flags),
+//! and how each becomes the options of `hvprobe-session`.
 
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+use hvprobe_session::machine::Machine;
+use hvprobe_session::options::OutputFormat;
+use hvprobe_session::shares::{RootfsHide, RwDir, Sandbox};
+use hvprobe_session::snapshot::SnapshotOptions;
+use hvprobe_session::symbol_sources::SourceKind;
 
 #[derive(Parser)]
 #[command(
@@ -100,7 +106,7 @@ pub struct MachineArgs {
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub cpus: u8,
     /// Guest memory in MiB.
-    #[arg(long, value_name = "MIB", default_value_t = MachineArgs::DEFAULT_MEM_MIB)]
+    #[arg(long, value_name = "MIB", default_value_t = Machine::DEFAULT_MEM_MIB)]
     pub mem: u64,
     /// A raw disk image for the guest, as a virtio-blk disk (repeatable: /dev/vda,
     /// /dev/vdb, … in order); `,ro` attaches it read-only.
@@ -138,7 +144,7 @@ pub struct MachineArgs {
     /// writes are the host's files, as they happen. GUESTPATH must be absolute, without
     /// spaces, commas, colons or quotes (it goes on the kernel command line).
     #[arg(long = "rwdir", value_name = "[GUESTPATH=]HOSTDIR", value_parser = parse_rwdir)]
-    pub rwdirs: Vec<RwDirArg>,
+    pub rwdirs: Vec<RwDir>,
     /// The --kernel's module tree, for the drivers --disk, --rootfs and --rwdir need when
     /// that kernel has them as modules [default: /lib/modules/RELEASE, RELEASE named by
     /// the --kernel image, when it exists].
@@ -193,17 +199,6 @@ pub enum ShareSandbox {
     None,
 }
 
-/// A `--rootfs-hide` value.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RootfsHide {
-    /// `default`: the default list.
-    Default,
-    /// `none`: hide nothing.
-    Nothing,
-    /// A path as the guest names it.
-    Path(PathBuf),
-}
-
 /// `PATH|default|none`: PATH absolute (the guest's), not `/` itself.
 fn parse_rootfs_hide(text: &str) -> Result<RootfsHide, String> {
     match text {
@@ -220,17 +215,9 @@ fn parse_rootfs_hide(text: &str) -> Result<RootfsHide, String> {
     }
 }
 
-/// A `--rwdir` argument: `[GUESTPATH=]HOSTDIR`, as the user wrote it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RwDirArg {
-    pub arg: String,
-    pub guest_path: Option<String>,
-    pub host_dir: PathBuf,
-}
-
 /// `[GUESTPATH=]HOSTDIR`: the first `=` ends GUESTPATH (a host path with an `=` in it
 /// needs a GUESTPATH= before it). The paths are checked later, with the other devices.
-fn parse_rwdir(text: &str) -> Result<RwDirArg, String> {
+fn parse_rwdir(text: &str) -> Result<RwDir, String> {
     let (guest_path, host_dir) = match text.split_once('=') {
         Some((guest, host)) => (Some(guest.to_owned()), host),
         None => (None, text),
@@ -241,7 +228,7 @@ fn parse_rwdir(text: &str) -> Result<RwDirArg, String> {
     if guest_path.as_deref() == Some("") {
         return Err("no guest path before the = (the form is [GUESTPATH=]HOSTDIR)".into());
     }
-    Ok(RwDirArg {
+    Ok(RwDir {
         arg: text.to_owned(),
         guest_path,
         host_dir: PathBuf::from(host_dir),
@@ -263,25 +250,31 @@ fn parse_disk(text: &str) -> Result<hvprobe_vmm::DiskConfig, String> {
     })
 }
 
-impl MachineArgs {
-    pub const DEFAULT_MEM_MIB: u64 = 128;
+impl From<ShareSandbox> for Sandbox {
+    fn from(arg: ShareSandbox) -> Self {
+        match arg {
+            ShareSandbox::Namespace => Sandbox::Namespace,
+            ShareSandbox::None => Sandbox::None,
+        }
+    }
+}
 
-    /// The bundled guest with `cpus` vCPUs and the default memory: the benchmarks' machine.
-    pub fn bundled_guest(cpus: u8) -> MachineArgs {
-        MachineArgs {
-            kernel: None,
-            initrd: None,
-            cmdline: String::new(),
-            cpus,
-            mem: MachineArgs::DEFAULT_MEM_MIB,
-            disks: Vec::new(),
-            root: None,
-            rootfs: None,
-            rwdirs: Vec::new(),
-            modules: None,
-            virtiofsd: None,
-            rootfs_hide: Vec::new(),
-            share_sandbox: None,
+impl From<&MachineArgs> for Machine {
+    fn from(args: &MachineArgs) -> Self {
+        Machine {
+            kernel: args.kernel.clone(),
+            initrd: args.initrd.clone(),
+            cmdline: args.cmdline.clone(),
+            cpus: args.cpus,
+            mem: args.mem,
+            disks: args.disks.clone(),
+            root: args.root.clone(),
+            rootfs: args.rootfs.clone(),
+            rwdirs: args.rwdirs.clone(),
+            modules: args.modules.clone(),
+            virtiofsd: args.virtiofsd.clone(),
+            rootfs_hide: args.rootfs_hide.clone(),
+            share_sandbox: args.share_sandbox.map(Sandbox::from),
         }
     }
 }
@@ -408,6 +401,16 @@ pub enum SourceArg {
     Kallsyms,
 }
 
+impl From<SourceArg> for SourceKind {
+    fn from(arg: SourceArg) -> Self {
+        match arg {
+            SourceArg::SystemMap => SourceKind::SystemMap,
+            SourceArg::Vmlinux => SourceKind::Vmlinux,
+            SourceArg::Kallsyms => SourceKind::Kallsyms,
+        }
+    }
+}
+
 #[derive(Args)]
 pub struct SymbolsArgs {
     /// The kernel's vmlinux ELF.
@@ -483,6 +486,15 @@ pub struct CreateArgs {
     /// most three times: the snapshot's kernel has moved.
     #[arg(long)]
     pub kaslr: bool,
+}
+
+impl From<&CreateArgs> for SnapshotOptions {
+    fn from(args: &CreateArgs) -> Self {
+        SnapshotOptions {
+            machine: Machine::from(&args.machine),
+            kaslr: args.kaslr,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -602,16 +614,25 @@ pub struct ProbeBenchArgs {
     pub snapshot: Option<PathBuf>,
 }
 
-/// How hits are printed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum OutputFormat {
+/// How hits are printed (`--format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FormatArg {
     /// ftrace's `trace` layout.
-    #[default]
     Text,
     /// One JSON object per line.
     Json,
     /// Not at all (hits still count, and stream to `hvprobe trace`).
     None,
+}
+
+impl From<FormatArg> for OutputFormat {
+    fn from(arg: FormatArg) -> Self {
+        match arg {
+            FormatArg::Text => OutputFormat::Text,
+            FormatArg::Json => OutputFormat::Json,
+            FormatArg::None => OutputFormat::None,
+        }
+    }
 }
 
 /// Which clock stamps hits (`--clock`), named as ftrace's `trace_clock` names them.
@@ -648,21 +669,18 @@ pub struct HitOutputs {
     /// none still counts hits and streams them to `hvprobe trace`. For `run` it is also
     /// the format of --trigger's histograms (json: one JSON line each, else the hist file).
     #[arg(long, value_enum, value_name = "FORMAT")]
-    pub format: Option<OutputFormat>,
+    pub format: Option<FormatArg>,
     /// Also write the hits as a Perfetto trace to FILE (a track per vCPU, return probes as
     /// slices, stacks as callstacks).
     #[arg(long, value_name = "FILE")]
     pub perfetto: Option<PathBuf>,
 }
 
-impl HitOutputs {
-    /// The format of stdout: the one asked for; else none when a trace file takes the
-    /// hits, text otherwise.
-    pub fn stdout(&self) -> OutputFormat {
-        match (self.format, &self.perfetto) {
-            (Some(format), _) => format,
-            (None, Some(_)) => OutputFormat::None,
-            (None, None) => OutputFormat::Text,
+impl From<&HitOutputs> for hvprobe_session::options::HitOutputs {
+    fn from(args: &HitOutputs) -> Self {
+        hvprobe_session::options::HitOutputs {
+            format: args.format.map(OutputFormat::from),
+            perfetto: args.perfetto.clone(),
         }
     }
 }
@@ -780,19 +798,20 @@ pub struct TraceArgs {
 mod tests {
     use super::*;
 
-    fn outputs(args: &[&str]) -> Result<HitOutputs, String> {
+    /// The hit outputs of `hvprobe run ARGS`, as the run session gets them.
+    fn outputs(args: &[&str]) -> Result<hvprobe_session::options::HitOutputs, String> {
         let mut argv = vec!["hvprobe", "run"];
         argv.extend_from_slice(args);
         let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
         match cli.command {
-            Commands::Run(run) => Ok(run.output),
+            Commands::Run(run) => Ok((&run.output).into()),
             _ => unreachable!(),
         }
     }
 
     #[test]
     fn hits_go_to_stdout_in_one_format_and_to_a_perfetto_file() {
-        let text = HitOutputs::default();
+        let text = hvprobe_session::options::HitOutputs::default();
         assert_eq!(outputs(&[]).map(|o| o.stdout()), Ok(OutputFormat::Text));
         assert_eq!(
             outputs(&["--format", "text"]).map(|o| o.stdout()),

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use clap::CommandFactory;
 
 use crate::cli::{BenchCommand, Cli, Commands, SnapshotCommand};
-use crate::guest::BundledGuest;
+use hvprobe_session::guest::BundledGuest;
 
 /// What a command ends with: its exit status, or the error `main` prints.
 pub type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;

@@ -6,8 +6,8 @@ use std::process::ExitCode;
 
 use crate::cli::{ProbeAddArgs, ProbeCommand};
 use crate::cmd::CliResult;
-use crate::control::client::Connection;
-use crate::control::{Request, Response};
+use hvprobe_session::control::client::Connection;
+use hvprobe_session::control::{Request, Response};
 
 /// Prints a response (lines on stdout, errors on stderr) and turns it into an exit status.
 pub(crate) fn report(response: Response) -> ExitCode {

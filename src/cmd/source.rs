@@ -7,11 +7,11 @@ use std::process::ExitCode;
 use hvprobe_introspection::dwarf::path_ends_with;
 use hvprobe_probes::spec::source::KernelSource;
 use hvprobe_probes::spec::{parse_line, ProbeSpec, SourcePoint, Target};
+use hvprobe_session::guest::BundledGuest;
+use hvprobe_session::kernel_source::KernelSourceFiles;
 
 use super::CliResult;
 use crate::cli::{DwarfArgs, LinesArgs, VarsArgs};
-use crate::guest::BundledGuest;
-use crate::trace::KernelSourceFiles;
 
 /// The kernel's DWARF as the flags name it, the bundled guest's by default.
 fn kernel_source(args: &DwarfArgs) -> Result<KernelSourceFiles, Box<dyn std::error::Error>> {

@@ -5,22 +5,24 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use hvprobe_probes::output::{ftrace_line, json_line, HitRecord};
+use hvprobe_session::control::client::Connection;
+use hvprobe_session::control::record::WireRecord;
+use hvprobe_session::control::{Request, StreamEnd, StreamFormat, STREAM_END_KEY};
+use hvprobe_session::options::{HitOutputs, OutputFormat};
+use hvprobe_session::perfetto::PerfettoFile;
 
-use crate::cli::{OutputFormat, TraceArgs};
+use crate::cli::TraceArgs;
 use crate::cmd::probe::report;
 use crate::cmd::CliResult;
-use crate::control::client::Connection;
-use crate::control::record::WireRecord;
-use crate::control::{Request, StreamEnd, StreamFormat, STREAM_END_KEY};
-use crate::perfetto::PerfettoFile;
 
 /// `hvprobe trace`: prints the run's hit events as they come, until it ends; then how
 /// many this client missed by reading too slowly (on stderr). With `--perfetto
 /// FILE` it asks for whole records and writes the trace itself (and prints them too, when
 /// a stdout format is also given); the file is created before anything is asked.
 pub fn trace(args: TraceArgs) -> CliResult {
-    let mut perfetto = args.output.perfetto.as_deref().map(PerfettoFile::create).transpose()?;
-    let stdout_format = args.output.stdout();
+    let output = HitOutputs::from(&args.output);
+    let mut perfetto = output.perfetto.as_deref().map(PerfettoFile::create).transpose()?;
+    let stdout_format = output.stdout();
     let format = match (&perfetto, stdout_format) {
         (None, OutputFormat::Text) => StreamFormat::Text,
         (None, OutputFormat::Json) => StreamFormat::Json,
@@ -93,7 +95,7 @@ pub fn trace(args: TraceArgs) -> CliResult {
     if let Some(file) = perfetto {
         let path = file.path().display().to_string();
         let summary = file.finish()?;
-        eprintln!("hvprobe: {}", crate::perfetto::summary_line(&path, &summary));
+        eprintln!("hvprobe: {}", hvprobe_session::perfetto::summary_line(&path, &summary));
     }
     Ok(status)
 }

@@ -10,7 +10,7 @@ use hvprobe_probes::engine::{KprobeRequest, ProbePoint};
 use hvprobe_vmm::{ConsoleOutput, StopReason, Vm};
 
 use crate::cli::ArmBenchArgs;
-use crate::guest::workload_message;
+use hvprobe_session::guest::workload_message;
 
 use crate::cmd::CliResult;
 

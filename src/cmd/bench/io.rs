@@ -19,14 +19,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use hvprobe_arch::Gva;
+use hvprobe_session::machine::{initrd_with_workload, Machine, MachineFiles};
 use hvprobe_vmm::{
     BreakpointDisposition, ConsoleOutput, DebugHandler, DiskConfig, GuestEvent, StopReason, VcpuControl, Vm, VmConfig,
 };
 use kvm_ioctls::VcpuFd;
 
-use crate::cli::{IoBenchArgs, MachineArgs};
+use crate::cli::IoBenchArgs;
 use crate::cmd::CliResult;
-use crate::guest::{initrd_with_workload, MachineFiles};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 4096;
@@ -146,8 +146,8 @@ pub fn bench(args: IoBenchArgs) -> CliResult {
     }
     let dir = match &args.dir {
         Some(d) => d.clone(),
-        None => crate::guest::cache_dir()
-            .ok_or(crate::guest::GuestError::NoCache)?
+        None => hvprobe_session::cache::cache_dir()
+            .ok_or(hvprobe_session::guest::GuestError::NoCache)?
             .join("bench-io"),
     };
     std::fs::create_dir_all(&dir).map_err(|source| IoBenchError::Image {
@@ -182,7 +182,7 @@ fn bench_on(image: &Path, args: &IoBenchArgs) -> CliResult {
         }
         file.sync_all().map_err(image_err)?;
     }
-    let mut machine = MachineArgs::bundled_guest(args.cpus);
+    let mut machine = Machine::bundled_guest(args.cpus);
     machine.disks = vec![DiskConfig {
         path: image.to_path_buf(),
         read_only: false,

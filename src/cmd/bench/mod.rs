@@ -16,6 +16,6 @@ pub(crate) fn bench_snapshot(
 ) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
     match given {
         Some(dir) => Ok(dir.to_path_buf()),
-        None => crate::cmd::snapshot::cached(cpus, false),
+        None => Ok(hvprobe_session::snapshot::cached(cpus, false)?),
     }
 }

@@ -19,7 +19,7 @@ use hvprobe_vmm::{BreakpointDisposition, CodeBlob, ConsoleOutput, DebugHandler, 
 use kvm_ioctls::VcpuFd;
 
 use crate::cli::ProbeBenchArgs;
-use crate::guest::workload_message;
+use hvprobe_session::guest::workload_message;
 
 use crate::cmd::CliResult;
 

@@ -5,12 +5,13 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use hvprobe_session::machine::Machine;
+use hvprobe_session::options::TraceOptions;
+use hvprobe_session::snapshot::{boot_and_save, restore_and_run, wait_mode_config, SnapshotError, SnapshotOptions};
 use hvprobe_vmm::{ConsoleOutput, StopReason, VmConfig};
 
-use crate::cli::{CreateArgs, MachineArgs, SnapshotBenchArgs};
-use crate::cmd::snapshot::{boot_and_save, restore_and_run, wait_mode_config, SnapshotCliError};
+use crate::cli::SnapshotBenchArgs;
 use crate::cmd::CliResult;
-use crate::session::TraceOptions;
 
 /// `hvprobe bench snapshot`.
 pub fn bench(args: SnapshotBenchArgs) -> CliResult {
@@ -18,10 +19,8 @@ pub fn bench(args: SnapshotBenchArgs) -> CliResult {
         return Err("--runs must be at least 1".into());
     }
     let out = std::env::temp_dir().join(format!("hvprobe-bench-snapshot-{}", std::process::id()));
-    let create = CreateArgs {
-        out: Some(out.clone()),
-        cached: false,
-        machine: MachineArgs::bundled_guest(args.cpus),
+    let create = SnapshotOptions {
+        machine: Machine::bundled_guest(args.cpus),
         kaslr: false,
     };
     let config = wait_mode_config(&create, ConsoleOutput::Discard)?;
@@ -50,7 +49,7 @@ fn bench_with(config: &VmConfig, dir: &Path, args: &SnapshotBenchArgs) -> CliRes
             &TraceOptions::default(),
         )?;
         if r.outcome.reason != StopReason::GuestExit(0) {
-            return Err(SnapshotCliError::WorkloadFailed {
+            return Err(SnapshotError::WorkloadFailed {
                 reason: r.outcome.reason,
                 tail: r.console.tail(30),
             }
@@ -75,7 +74,7 @@ fn bench_with(config: &VmConfig, dir: &Path, args: &SnapshotBenchArgs) -> CliRes
     println!(
         "snapshot benchmark, bundled guest, {} vCPU(s), {} MiB",
         args.cpus,
-        MachineArgs::DEFAULT_MEM_MIB
+        Machine::DEFAULT_MEM_MIB
     );
     println!(
         "restore = host time from the start of Vm::restore (reading the snapshot's state file) until vCPU 0 \

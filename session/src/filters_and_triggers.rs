@@ -3,41 +3,11 @@
 //! with the probe file, bound to its events before any probe is armed, applied by the
 //! trace session to every hit as it reaches the host, printed at the end and on SIGUSR1.
 
-use hvprobe_analysis::request::{self, Request, RequestError, RequestKind};
+use hvprobe_analysis::request::{self, Request, RequestError};
 use hvprobe_analysis::table::AnalysisTable;
 use hvprobe_introspection::symbols::SymbolTable;
 
-use crate::cli::OutputFormat;
-
-/// The `--filter` and `--trigger` values of a run, unparsed.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct AnalysisFlags {
-    pub filters: Vec<String>,
-    pub triggers: Vec<String>,
-}
-
-impl AnalysisFlags {
-    pub fn is_empty(&self) -> bool {
-        self.filters.is_empty() && self.triggers.is_empty()
-    }
-
-    /// Every flag parsed, or every flag's error.
-    pub fn parse(&self) -> (Vec<Request>, Vec<RequestError>) {
-        let flags = self
-            .filters
-            .iter()
-            .map(|f| (RequestKind::Filter, f))
-            .chain(self.triggers.iter().map(|t| (RequestKind::Trigger, t)));
-        let (mut requests, mut errors) = (Vec::new(), Vec::new());
-        for (kind, value) in flags {
-            match request::parse_flag(kind, value) {
-                Ok(r) => requests.push(r),
-                Err(e) => errors.push(e),
-            }
-        }
-        (requests, errors)
-    }
-}
+use crate::options::OutputFormat;
 
 /// A probe file's text with its `filter`/`trigger` lines blanked (so the kprobe_events
 /// parser's line numbers stay the file's), and those lines parsed.
@@ -85,6 +55,7 @@ pub fn hist_report(table: &AnalysisTable, format: OutputFormat, symbols: Option<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::options::AnalysisFlags;
 
     #[test]
     fn request_lines_leave_blank_lines_so_the_probes_keep_their_numbers() {

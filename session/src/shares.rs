@@ -2,10 +2,10 @@
 //! each is a virtio-fs device served by its own virtiofsd, which this module finds, starts,
 //! watches and stops.
 //!
-//! It lives here, in the binary's library, and not in the VMM: which virtiofsd to run (the
+//! It lives here, in the run session, and not in the VMM: which virtiofsd to run (the
 //! user's, the distribution's, or one built into hvprobe's cache by
 //! `guest/build-virtiofsd.sh`), how it is sandboxed and what a dead one means for the run
-//! are the command's business. The VMM only gets each share's tag and socket
+//! are the session's business. The VMM only gets each share's tag and socket
 //! ([`hvprobe_vmm::FsConfig`]) and speaks vhost-user on it.
 //!
 //! A daemon's life:
@@ -47,8 +47,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use hvprobe_vmm::FsConfig;
-
-use crate::cli::{RootfsHide, RwDirArg, ShareSandbox};
 
 mod confine;
 pub use confine::HideError;
@@ -93,6 +91,27 @@ pub const DEFAULT_HIDDEN: [&str; 18] = [
     "/sys",
     "/dev",
 ];
+/// What of a `--rootfs` the guest does not see: one `--rootfs-hide` value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RootfsHide {
+    /// `default`: the default list ([`DEFAULT_HIDDEN`]).
+    Default,
+    /// `none`: hide nothing.
+    Nothing,
+    /// A path as the guest names it.
+    Path(PathBuf),
+}
+
+/// A read-write share (`--rwdir [GUESTPATH=]HOSTDIR`), as the user wrote it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RwDir {
+    /// The argument itself, for messages.
+    pub arg: String,
+    /// Where the guest mounts it; the host's own path when `None`.
+    pub guest_path: Option<String>,
+    pub host_dir: PathBuf,
+}
+
 /// Lines of a daemon's stderr kept for a report, and the bytes kept of each.
 const TAIL_LINES: usize = 20;
 const TAIL_LINE_BYTES: usize = 400;
@@ -294,7 +313,7 @@ pub fn hidden_paths(hide: &[RootfsHide]) -> Result<Vec<PathBuf>, ShareError> {
 
 /// The shares of a run, checked: the directories exist, the guest paths fit on the
 /// kernel command line and differ. Tags: `hvprobe-rootfs`, then `hvprobe-rw0`, … in order.
-pub fn shares(rootfs: Option<&Path>, hide: &[RootfsHide], rwdirs: &[RwDirArg]) -> Result<Vec<Share>, ShareError> {
+pub fn shares(rootfs: Option<&Path>, hide: &[RootfsHide], rwdirs: &[RwDir]) -> Result<Vec<Share>, ShareError> {
     let mut shares = Vec::new();
     if let Some(dir) = rootfs {
         shares.push(Share {
@@ -368,12 +387,12 @@ pub fn find_virtiofsd(flag: Option<&Path>) -> Result<(PathBuf, &'static str), Sh
     if let Some(path) = SYSTEM_VIRTIOFSD.iter().map(Path::new).find(|p| p.is_file()) {
         return Ok((path.into(), "the system's"));
     }
-    let cache = crate::guest::cache_dir().ok_or(ShareError::NoCache)?;
+    let cache = crate::cache::cache_dir().ok_or(ShareError::NoCache)?;
     let cached = cache.join(format!("virtiofsd-{VIRTIOFSD_VERSION}/bin/virtiofsd"));
     if cached.is_file() {
         return Ok((cached, "hvprobe's cache"));
     }
-    let inputs = crate::guest::inputs::ensure_written(&cache).map_err(|e| ShareError::BuildSpawn {
+    let inputs = crate::cache::inputs::ensure_written(&cache).map_err(|e| ShareError::BuildSpawn {
         script: cache.join("guest-inputs"),
         source: std::io::Error::other(e.to_string()),
     })?;
@@ -475,14 +494,11 @@ pub fn check_virtiofsd(path: &Path, from: &'static str) -> Result<Option<Namespa
 /// default) if this host can make it (`refused` says why not), and hidden paths only where
 /// hvprobe can make a mount namespace for them.
 pub fn choose_sandbox(
-    asked: Option<ShareSandbox>,
+    asked: Option<Sandbox>,
     refused: Option<NamespacesRefused>,
     shares: &[Share],
 ) -> Result<Sandbox, ShareError> {
-    let sandbox = match asked.unwrap_or(ShareSandbox::Namespace) {
-        ShareSandbox::Namespace => Sandbox::Namespace,
-        ShareSandbox::None => Sandbox::None,
-    };
+    let sandbox = asked.unwrap_or(Sandbox::Namespace);
     match (sandbox, refused) {
         (_, None) => Ok(sandbox),
         (Sandbox::Namespace, Some(reason)) => Err(ShareError::NoSandbox { reason }),

@@ -1,6 +1,7 @@
-//! Embeds the bundled guest's build inputs (guest/build.sh and what it reads: the kernel
-//! config fragment, command line and patches, the init and workload sources) in the
-//! binary, so that an installed or copied `hvprobe` builds its guest without a checkout.
+//! Embeds the bundled guest's build inputs (the workspace's guest/build.sh and what it
+//! reads: the kernel config fragment, command line and patches, the init and workload
+//! sources) in the library, and so in the `hvprobe` binary, so that an installed or copied
+//! `hvprobe` builds its guest without a checkout.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -18,8 +19,9 @@ const INPUTS: &[&str] = &[
 ];
 
 fn main() {
-    let guest =
-        PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR")).join("guest");
+    // The workspace's guest/, beside this crate.
+    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let guest = manifest.parent().expect("the crate is in the workspace").join("guest");
     let mut files = Vec::new();
     for input in INPUTS {
         collect(&guest, &guest.join(input), &mut files);

@@ -5,39 +5,15 @@
 //! arms the probes.
 
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use hvprobe_introspection::symbols::SymbolError;
-use hvprobe_live::{live_memory, load_symbols, KernelSymbols, SymbolsFrom, TaskContext};
-use hvprobe_vmm::{VcpuControl, VcpuState};
+use hvprobe_live::{live_memory, load_symbols, wait_for_kernel, KernelSymbols, TaskContext};
+use hvprobe_vmm::{StopReason, VcpuControl, VcpuState};
 
+use crate::error::SessionError;
+use crate::options::SymbolRequest;
 use crate::session::RunSession;
-
-/// Where a run's symbols come from and which symbols it prints (`--symbols`, `--resolve`).
-#[derive(Clone, Debug)]
-pub struct SymbolRequest {
-    /// In the order asked for; the first one's table places the probes.
-    pub sources: Vec<SymbolsFrom>,
-    pub resolve: Vec<String>,
-}
-
-impl SymbolRequest {
-    /// Whether the user asked for anything beyond the default (a source of their choice, a
-    /// `--resolve`): a restore then introspects even when nothing else needs the kernel.
-    pub fn asked(&self) -> bool {
-        self.sources != [SymbolsFrom::Kallsyms] || !self.resolve.is_empty()
-    }
-}
-
-impl Default for SymbolRequest {
-    /// A restore's default: the restored kernel's own kallsyms, which no file has to
-    /// match, and nothing printed. (A boot's default is its files': `hvprobe run` says.)
-    fn default() -> SymbolRequest {
-        SymbolRequest {
-            sources: vec![SymbolsFrom::Kallsyms],
-            resolve: Vec::new(),
-        }
-    }
-}
 
 /// When the session arms its probes once it has the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,7 +35,7 @@ pub enum IntrospectionFailure {
     #[error("{source} (in {from})")]
     Resolve { from: String, source: SymbolError },
     #[error(transparent)]
-    Session(#[from] crate::trace::SessionError),
+    Session(#[from] SessionError),
     #[error("no kernel symbols: the probes cannot be placed")]
     NoSymbols,
 }
@@ -147,4 +123,28 @@ pub fn introspect(
         Some(failure) => Err(failure),
         None => Ok(kernels),
     }
+}
+
+/// A booted guest's way in: once its kernel is up (all vCPUs paused), [`introspect`] it,
+/// arming the probes at `/init` (or at once if the guest is past it). A failure stops the
+/// VM.
+pub fn introspect_when_up(
+    control: &Arc<VcpuControl>,
+    mem: &vm_memory::GuestMemoryMmap,
+    request: &SymbolRequest,
+    session: &RunSession,
+    tasks: &OnceLock<TaskContext>,
+) -> Result<Vec<KernelSymbols>, IntrospectionFailure> {
+    let (paused, state) =
+        wait_for_kernel(control, mem, Duration::from_millis(100)).ok_or(IntrospectionFailure::NotUp)?;
+    let arm = match control.boot_to_init() {
+        Some(_) => ArmProbes::Now,
+        None => ArmProbes::AtInit,
+    };
+    let introspected = introspect(control, mem, &state, request, session, tasks, arm);
+    drop(paused);
+    if introspected.is_err() {
+        control.stop(StopReason::Stopped);
+    }
+    introspected
 }

@@ -17,7 +17,7 @@ use hvprobe_probes::engine::HitEvent;
 
 use super::record::WireRecord;
 use super::{private_dir, ControlError, Request, Response, StreamEnd, StreamFormat, MAX_REQUEST_BYTES, STREAM_END_KEY};
-use crate::cli::OutputFormat;
+use crate::options::OutputFormat;
 use crate::trace::{event_line, Subscription, TraceSession};
 
 /// How long the end of a run waits for the streams to send what they still hold, before
@@ -366,7 +366,7 @@ fn answer(session: &TraceSession, request: Request) -> Response {
         Request::Enable { events } => toggle(session, &events, true),
         Request::Disable { events } => toggle(session, &events, false),
         Request::Optimize { on } => {
-            let on = on.unwrap_or_else(|| crate::session::optimize_by_default(hvprobe_vmm::Backend::detect()));
+            let on = on.unwrap_or_else(|| crate::options::optimize_by_default(hvprobe_vmm::Backend::detect()));
             match session.set_optimization(on) {
                 Ok(()) => Response::ok(vec![format!("optimization {}", if on { "on" } else { "off" })]),
                 Err(e) => Response::error(e),

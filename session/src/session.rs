@@ -4,7 +4,6 @@
 //! kernel is up (a booted guest: found by the introspection thread; a restored one: before
 //! it runs) and when the probes are armed (at `/init`, or at once).
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use hvprobe_arch::Gva;
@@ -15,46 +14,10 @@ use hvprobe_vmm::{DebugHandler, NoProbes, StopReason, VcpuControl, VcpuState, Vm
 use sha2::{Digest, Sha256};
 use vm_memory::GuestMemoryMmap;
 
-use crate::cli::HitOutputs;
 use crate::control::server::ControlServer;
-use crate::filters_and_triggers::AnalysisFlags;
-use crate::trace::{SessionError, TraceSession};
-use hvprobe_probes::clock::TraceClock;
-
-/// What a run traces and checks (`--probes`, `--format`, `--perfetto`, `--text-hash`, `--control`).
-#[derive(Clone, Debug, Default)]
-pub struct TraceOptions {
-    pub probes: Option<PathBuf>,
-    /// The kernel's DWARF, for probes on source lines.
-    pub kernel_source: Arc<crate::trace::KernelSourceFiles>,
-    pub output: HitOutputs,
-    /// Stack frames as `func+0xoff/0xsize` (`--sym-offset`).
-    pub sym_offset: bool,
-    /// Print the SHA-256 of the kernel's text at the end, after the probes are removed.
-    pub text_hash: bool,
-    pub control: ControlSocket,
-    /// Jump-optimize probes (`--optimize on|off`); `None`: the backend's default (`auto`).
-    pub optimize: Option<bool>,
-    /// `--filter` and `--trigger`.
-    pub analysis: AnalysisFlags,
-    /// The clock hits are stamped with (`--clock`).
-    pub clock: TraceClock,
-    /// Sample every vCPU's RIP and task this often (`--sample-ms`).
-    pub sample_every: Option<std::time::Duration>,
-    /// Where the kernel's symbols come from and which to print (`--symbols`, `--resolve`).
-    pub symbols: crate::introspect::SymbolRequest,
-}
-
-/// Whether a run has a control socket, and where.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum ControlSocket {
-    /// None (benchmarks, `--no-control`).
-    #[default]
-    Off,
-    /// In the default directory, named after the process.
-    Default,
-    At(PathBuf),
-}
+use crate::error::SessionError;
+use crate::options::{optimize_by_default, ControlSocket, TraceOptions};
+use crate::trace::TraceSession;
 
 /// Why the tracing side of a run failed.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +31,8 @@ pub enum RunSessionError {
     },
     #[error("cannot hash the kernel text: {0}")]
     TextHash(#[from] TextHashError),
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
 }
 
 /// Why the kernel's text could not be hashed.
@@ -96,14 +61,12 @@ impl RunSession {
     /// Reads the probe file (a bad one fails here, before the guest runs), starts the hit
     /// printer, the listing on SIGUSR1 and the control socket. Nothing touches the guest
     /// yet.
-    pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, Box<dyn std::error::Error>> {
+    pub fn start(options: &TraceOptions, vm: &Vm) -> Result<Arc<RunSession>, RunSessionError> {
         stop_on_signals(vm.control())?;
         let probes = match (&options.probes, &options.control) {
-            (None, _) if !options.analysis.is_empty() => {
-                return Err(crate::trace::SessionError::AnalysisWithoutProbes.into())
-            }
+            (None, _) if !options.analysis.is_empty() => return Err(SessionError::AnalysisWithoutProbes.into()),
             (None, ControlSocket::Off) if options.output.perfetto.is_some() => {
-                return Err(crate::trace::SessionError::PerfettoWithoutProbes.into())
+                return Err(SessionError::PerfettoWithoutProbes.into())
             }
             (None, ControlSocket::Off) => None,
             _ => {
@@ -241,16 +204,6 @@ impl RunSession {
         }
         Ok(())
     }
-}
-
-/// Whether probes are jump-optimized unless the user says (docs/optimized-probes.md has the
-/// measurements behind it): on hardware KVM the displaced instructions run
-/// natively in the detour, so a hit never costs more than one exit and a stepped one saves
-/// its second; on kvm_pvm they are emulated like all guest kernel code, and for the most
-/// common probe (`push %rbp` after a function's ftrace NOP, which the host emulates in the
-/// int3 exit) the detour costs more than it saves.
-pub fn optimize_by_default(backend: hvprobe_vmm::Backend) -> bool {
-    !matches!(backend, hvprobe_vmm::Backend::Pvm)
 }
 
 /// SIGINT, SIGTERM and SIGHUP stop the VM the way the guest's own end does: the vCPUs

@@ -10,12 +10,12 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn rwdir(text: &str) -> RwDirArg {
+fn rwdir(text: &str) -> RwDir {
     let (guest_path, host) = match text.split_once('=') {
         Some((g, h)) => (Some(g.to_owned()), h),
         None => (None, text),
     };
-    RwDirArg {
+    RwDir {
         arg: text.to_owned(),
         guest_path,
         host_dir: host.into(),
@@ -111,7 +111,7 @@ fn bad_shares_are_refused_with_their_reason() {
         ),
     ];
     for (rootfs, rwdirs, message) in cases {
-        let args: Vec<RwDirArg> = rwdirs.iter().map(|r| rwdir(r)).collect();
+        let args: Vec<RwDir> = rwdirs.iter().map(|r| rwdir(r)).collect();
         let err = shares(rootfs, &[], &args).expect_err("refused").to_string();
         assert!(err.contains(&message), "{rootfs:?} {rwdirs:?}: {err}");
     }
@@ -269,12 +269,12 @@ fn a_refused_sandbox_is_an_error_unless_given_up_and_hiding_needs_namespaces() {
         "{err}"
     );
     assert!(err.contains("pass --share-sandbox none"), "{err}");
-    assert!(choose_sandbox(Some(ShareSandbox::Namespace), refused(), std::slice::from_ref(&rw)).is_err());
+    assert!(choose_sandbox(Some(Sandbox::Namespace), refused(), std::slice::from_ref(&rw)).is_err());
     assert_eq!(
-        choose_sandbox(Some(ShareSandbox::None), refused(), std::slice::from_ref(&rw)).unwrap(),
+        choose_sandbox(Some(Sandbox::None), refused(), std::slice::from_ref(&rw)).unwrap(),
         Sandbox::None
     );
-    let err = choose_sandbox(Some(ShareSandbox::None), refused(), &[root.clone(), rw])
+    let err = choose_sandbox(Some(Sandbox::None), refused(), &[root.clone(), rw])
         .unwrap_err()
         .to_string();
     assert!(err.contains("pass --rootfs-hide none to share all of /"), "{err}");
@@ -283,7 +283,7 @@ fn a_refused_sandbox_is_an_error_unless_given_up_and_hiding_needs_namespaces() {
         Sandbox::Namespace
     );
     assert_eq!(
-        choose_sandbox(Some(ShareSandbox::None), None, &[root]).unwrap(),
+        choose_sandbox(Some(Sandbox::None), None, &[root]).unwrap(),
         Sandbox::None
     );
 }

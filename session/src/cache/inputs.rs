@@ -1,23 +1,31 @@
-//! The bundled guest's build inputs, embedded in the binary by `build.rs` and written into
-//! the cache (`$HVPROBE_CACHE/guest-inputs/KEY/`, KEY a hash of them) where
-//! `guest/build.sh` runs from them: an installed or copied hvprobe builds its guest with no
-//! checkout. The script keys its artefacts by the inputs' contents and relative paths, so
-//! the guest it builds from here is the one a checkout's `guest/build.sh` builds.
+//! The bundled guest's build inputs, embedded by this crate's `build.rs` (and so in the
+//! `hvprobe` binary) and written into the cache (`$HVPROBE_CACHE/guest-inputs/KEY/`, KEY a
+//! hash of them) where `guest/build.sh` runs from them: an installed or copied hvprobe
+//! builds its guest with no checkout. The script keys its artefacts by the inputs' contents
+//! and relative paths, so the guest it builds from here is the one a checkout's
+//! `guest/build.sh` builds.
 
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::GuestError;
-
 include!(concat!(env!("OUT_DIR"), "/guest_inputs.rs"));
+
+/// Why the inputs could not be written into the cache.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write the bundled guest's build inputs at {path}: {source}")]
+pub struct InputsError {
+    path: PathBuf,
+    #[source]
+    source: std::io::Error,
+}
 
 /// Marks a directory whose inputs were all written (they are written into a temporary
 /// directory that is then renamed, so a directory with it is whole).
 const COMPLETE: &str = ".complete";
 
 /// The directory under `cache` holding the embedded inputs, written if it is missing.
-pub fn ensure_written(cache: &Path) -> Result<PathBuf, GuestError> {
+pub fn ensure_written(cache: &Path) -> Result<PathBuf, InputsError> {
     let parent = cache.join("guest-inputs");
     let dir = parent.join(key());
     if dir.join(COMPLETE).exists() {
@@ -25,7 +33,7 @@ pub fn ensure_written(cache: &Path) -> Result<PathBuf, GuestError> {
     }
     let io = |path: &Path| {
         let path = path.to_path_buf();
-        move |source| GuestError::Inputs { path, source }
+        move |source| InputsError { path, source }
     };
     std::fs::create_dir_all(&parent).map_err(io(&parent))?;
     let tmp = parent.join(format!(".tmp-{}-{}", key(), std::process::id()));
@@ -47,7 +55,7 @@ pub fn ensure_written(cache: &Path) -> Result<PathBuf, GuestError> {
         }
         Err(source) => {
             let _ = std::fs::remove_dir_all(&tmp);
-            Err(GuestError::Inputs { path: dir, source })
+            Err(InputsError { path: dir, source })
         }
     }
 }
@@ -70,7 +78,7 @@ mod tests {
 
     #[test]
     fn the_embedded_inputs_are_the_checkouts_guest_files() {
-        let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
+        let guest = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("guest");
         let names: Vec<&str> = GUEST_INPUTS.iter().map(|(name, _)| *name).collect();
         for needed in [
             "build.sh",

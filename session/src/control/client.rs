@@ -1,5 +1,5 @@
 //! The client side of the control socket: finding a run's socket and talking to it (the
-//! commands that do are `cmd::probe` and `cmd::trace`).
+//! commands that do are `hvprobe probe` and `hvprobe trace`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;

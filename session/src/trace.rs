@@ -15,10 +15,8 @@ use std::time::{Duration, Instant};
 use hvprobe_analysis::request::Request;
 use hvprobe_analysis::table::{AnalysisTable, EventSchema};
 use hvprobe_introspection::btf::Btf;
-use hvprobe_introspection::dwarf::DebugInfo;
 use hvprobe_introspection::memory::{ElfImage, GuestVirtRead};
 use hvprobe_introspection::symbols::SymbolTable;
-use hvprobe_introspection::unwind::OrcTable;
 use hvprobe_live::{build_tracer, ProbeHandler, TaskContext};
 use hvprobe_probes::clock::TraceClock;
 use hvprobe_probes::engine::{
@@ -30,7 +28,6 @@ use hvprobe_probes::spec::check::{
     check_spec, has_btf_args, locate_btf_error, resolve_btf_args, unknown_fetch_symbol, void_retval, BtfKnowledge,
     Kernel,
 };
-use hvprobe_probes::spec::source::KernelSource;
 use hvprobe_probes::spec::{
     default_event_name, is_wildcard_pattern, parse_file_all_errors, parse_line, wildcard_matches, FetchExpr, ProbeSpec,
     SpecErrorKind, Target,
@@ -38,9 +35,11 @@ use hvprobe_probes::spec::{
 use hvprobe_vmm::{ConsoleLog, VcpuControl, VcpuState, Vm};
 use vm_memory::GuestMemoryMmap;
 
-use crate::cli::OutputFormat;
-use crate::filters_and_triggers::{error_line, hist_report, origin_line, take_request_lines, AnalysisFlags};
-use crate::perfetto::{PerfettoError, PerfettoFile};
+use crate::error::SessionError;
+use crate::filters_and_triggers::{error_line, hist_report, origin_line, take_request_lines};
+use crate::kernel_source::KernelSourceFiles;
+use crate::options::{AnalysisFlags, OutputFormat, TraceOptions};
+use crate::perfetto::PerfettoFile;
 
 mod fanout;
 mod printer;
@@ -50,73 +49,11 @@ pub use fanout::Subscription;
 use fanout::*;
 pub use printer::event_line;
 use printer::*;
+pub use spec::check_before_boot;
 use spec::*;
-pub use spec::{check_before_boot, KernelSourceFiles};
 
 /// Events a slow printer has not taken yet; beyond this, hits count as missed.
 const EVENT_QUEUE: usize = 1 << 16;
-
-/// What a request to the running session could not do.
-#[derive(Debug, thiserror::Error)]
-pub enum SessionError {
-    /// Every problem of a spec text (or of its probes against the kernel), one per line,
-    /// each `SOURCE:LINE:[COLUMN:] reason`.
-    #[error("{}", all_problems(origin, problems))]
-    Spec { origin: String, problems: Vec<String> },
-    #[error("the guest kernel is not up yet: probes can be added once it is")]
-    KernelNotUp,
-    #[error("the guest has not reached /init yet: probes go in once its boot-time text patching is over")]
-    NotReady,
-    #[error("no kernel symbols, so no probes can be placed: {0}")]
-    NoSymbols(String),
-    #[error("cannot start the probe engine: {0}")]
-    Engine(String),
-    #[error("the probe engine is not attached")]
-    NotAttached,
-    #[error("the probes were not checked against the kernel")]
-    NotChecked,
-    #[error("cannot start the {what} thread: {source}")]
-    Thread {
-        what: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("cannot watch {signal}: {source}")]
-    Signal {
-        signal: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("the run has ended")]
-    Finished,
-    #[error("no probe event matches {0:?}")]
-    NoSuchEvent(String),
-    #[error("{event}: {source}")]
-    Probe { event: String, source: Box<ProbeError> },
-    #[error("--filter and --trigger apply to the events of --probes FILE, and there is none")]
-    AnalysisWithoutProbes,
-    #[error("--perfetto records probe hits, and this run has no probes: give --probes FILE, or a control socket to add them")]
-    PerfettoWithoutProbes,
-    #[error(transparent)]
-    Perfetto(#[from] PerfettoError),
-    /// The vCPUs could not be paused for a change (one was held on the host past the
-    /// pause's deadline); nothing changed.
-    #[error(transparent)]
-    Pause(#[from] PauseFailed),
-}
-
-impl SessionError {
-    /// A change to every probe at once (the global switch, optimization) that failed.
-    fn of_all_probes(e: ProbeError) -> SessionError {
-        match e {
-            ProbeError::Pause(e) => SessionError::Pause(e),
-            e => SessionError::Probe {
-                event: "every probe".into(),
-                source: Box::new(e),
-            },
-        }
-    }
-}
 
 /// A probe from a spec text, with its line for error messages.
 #[derive(Clone)]
@@ -242,7 +179,7 @@ impl TraceSession {
 
     /// Parses the probe file (if any) and starts the printer. Nothing touches the guest yet.
     /// `optimize` is the run's choice (`options.optimize` or the backend's default).
-    pub fn new(options: &crate::session::TraceOptions, optimize: bool, vm: &Vm) -> Result<TraceSession, SessionError> {
+    pub fn new(options: &TraceOptions, optimize: bool, vm: &Vm) -> Result<TraceSession, SessionError> {
         let probes_file = options.probes.as_deref();
         let kernel_source = options.kernel_source.clone();
         let (outputs, sym_offset, clock, analysis) =
@@ -897,19 +834,5 @@ mod tests {
             "p:a/ok vfs_read @_sdata+8 count $arg*\nr:a/r vfs_write $retval\n",
         )
         .unwrap();
-    }
-
-    #[test]
-    fn several_problems_read_as_a_count_then_one_per_line() {
-        let e = SessionError::Spec {
-            origin: "f".into(),
-            problems: vec!["f:1: a".into(), "f:3: b".into()],
-        };
-        assert_eq!(e.to_string(), "2 problems in f:\nf:1: a\nf:3: b");
-        let e = SessionError::Spec {
-            origin: "f".into(),
-            problems: vec!["f:1: a".into()],
-        };
-        assert_eq!(e.to_string(), "f:1: a");
     }
 }

@@ -43,7 +43,7 @@ pub enum Request {
     Trace { format: StreamFormat, queue: usize },
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StreamFormat {
     /// ftrace's `trace` layout.
@@ -52,7 +52,6 @@ pub enum StreamFormat {
     Json,
     /// One [`record::WireRecord`] per line: every field of the hit, typed, for a client
     /// that writes the hits itself (`hvprobe trace --perfetto FILE`).
-    #[value(skip)]
     Record,
 }
 

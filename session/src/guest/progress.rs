@@ -154,7 +154,7 @@ pub fn progress_line(compiled: u64, total: Option<u64>, elapsed: Duration) -> St
 
 /// The guest cache `guest/build.sh` uses: `${HVPROBE_CACHE:-$HOME/.cache/hvprobe}/guest`.
 pub fn guest_cache_dir() -> Option<PathBuf> {
-    Some(super::cache_dir()?.join("guest"))
+    Some(crate::cache::cache_dir()?.join("guest"))
 }
 
 /// Follows a growing log file from its start; a file that shrank (the script empties it
