@@ -195,7 +195,9 @@ fn the_real_virtiofsd_takes_the_arguments() {
     // It applies its capabilities after its socket exists: a vhost-user GET_FEATURES
     // answered (request 1, version 1, no payload) says it got past them.
     let socket = &daemons.fs_configs()[0].socket;
-    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    // Its socket file exists from its bind, a moment before it listens (the VMM's
+    // connection waits the same way).
+    let mut stream = hvprobe_vmm::virtio::fs::connect_listening(socket, Duration::from_secs(10)).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     use std::io::{Read, Write};
     stream.write_all(&[1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]).unwrap();

@@ -184,16 +184,17 @@ mod tests {
 
     #[test]
     fn stdout_waits_for_a_console_line_that_grows_longer_than_the_quiet_time() {
-        // Ten pieces 30 ms apart: 300 ms for the line, three times the quiet time.
-        let mut parts = vec!["GUEST hvprobe-loop-23 [000] "; 9];
+        // Twenty pieces 50 ms apart: a second for the line, twice the quiet time, each
+        // gap a tenth of it (gaps of a third split the line on a loaded host).
+        let mut parts = vec!["GUEST hvprobe-loop-23 [000] "; 19];
         parts.push("gk: (x)\n");
-        let (console, writer) = slow_console(parts, Duration::from_millis(30));
+        let (console, writer) = slow_console(parts, Duration::from_millis(50));
         std::thread::sleep(Duration::from_millis(5));
         let started = Instant::now();
         let (out, at_line) = lock_stdout_at_line_within(
             &console,
             || console.at_line_start(),
-            Duration::from_millis(100),
+            Duration::from_millis(500),
             Duration::from_secs(5),
         );
         drop(out);
