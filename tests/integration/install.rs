@@ -1,6 +1,6 @@
 //! hvprobe outside its checkout: a copied binary (what `cargo install` puts on PATH) run
 //! from another directory builds and boots the bundled guest from the build inputs it
-//! carries (build.rs embeds them; `guest::inputs` writes them into the cache).
+//! carries (session/build.rs embeds them; `cache::inputs` writes them into the cache).
 
 use crate::common;
 
