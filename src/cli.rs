@@ -79,8 +79,12 @@ pub enum Commands {
     /// under a `man1` directory of `manpath`.
     Man {
         /// Write every command's page into this directory instead of the main page to stdout.
-        #[arg(long, value_name = "DIR")]
+        #[arg(long, value_name = "DIR", conflicts_with = "markdown")]
         out_dir: Option<PathBuf>,
+        /// Print the command-line reference in Markdown instead (every command and flag
+        /// with its help text; the project keeps it as `docs/cli.md`).
+        #[arg(long)]
+        markdown: bool,
     },
 }
 

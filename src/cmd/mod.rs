@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod probe;
+pub mod reference;
 pub mod run;
 pub mod snapshot;
 pub mod source;
@@ -53,11 +54,15 @@ pub fn dispatch(command: Commands) -> CliResult {
             clap_complete::generate(shell, &mut Cli::command(), "hvprobe", &mut std::io::stdout());
             Ok(ExitCode::SUCCESS)
         }
-        Commands::Man { out_dir: None } => clap_mangen::Man::new(Cli::command())
+        Commands::Man { markdown: true, .. } => {
+            print!("{}", reference::markdown(&Cli::command()));
+            Ok(ExitCode::SUCCESS)
+        }
+        Commands::Man { out_dir: None, .. } => clap_mangen::Man::new(Cli::command())
             .render(&mut std::io::stdout())
             .map(|()| ExitCode::SUCCESS)
             .map_err(Into::into),
-        Commands::Man { out_dir: Some(dir) } => clap_mangen::generate_to(Cli::command(), &dir)
+        Commands::Man { out_dir: Some(dir), .. } => clap_mangen::generate_to(Cli::command(), &dir)
             .map(|()| ExitCode::SUCCESS)
             .map_err(|e| format!("cannot write the manual pages to {}: {e}", dir.display()).into()),
         Commands::BuildGuest => BundledGuest::ensure_built()
