@@ -1,7 +1,7 @@
 //! Crafted functions, hand-assembled with the offsets in comments, against every check and
 //! the relocation. No KVM and no guest memory.
 
-use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
+use hvprobe_introspection::memory::BytesAt;
 use hvprobe_introspection::symbols::{Symbol, SymbolSource};
 use proptest::prelude::*;
 
@@ -125,24 +125,6 @@ fn rip_and_jcc() -> Vec<u8> {
         .done()
 }
 
-/// A bare-bones guest memory holding one exception table.
-struct TableMemory {
-    base: u64,
-    bytes: Vec<u8>,
-}
-
-impl GuestVirtRead for TableMemory {
-    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
-        let offset = gva.0.checked_sub(self.base).ok_or(MemoryError::Unmapped(gva))? as usize;
-        let src = self
-            .bytes
-            .get(offset..offset + buf.len())
-            .ok_or(MemoryError::Unmapped(gva))?;
-        buf.copy_from_slice(src);
-        Ok(())
-    }
-}
-
 /// An exception table with `(instruction, fixup)` entries, read as the guest lays it out.
 fn ex_table(entries: &[(u64, u64)]) -> ExceptionTable {
     let base = 0xffff_ffff_8280_0000u64;
@@ -166,7 +148,7 @@ fn ex_table(entries: &[(u64, u64)]) -> ExceptionTable {
             marker("__stop___ex_table", base + bytes.len() as u64),
         ],
     );
-    ExceptionTable::read(&TableMemory { base, bytes }, &symbols).unwrap()
+    ExceptionTable::read(&BytesAt { base, bytes }, &symbols).unwrap()
 }
 
 /// The guest facts of a test.

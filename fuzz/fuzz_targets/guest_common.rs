@@ -1,5 +1,5 @@
-//! Shared by the `guest_*` targets (included with `#[path]`, not a target itself): the
-//! input as a reader of numbers, and patches over a synthetic guest memory.
+//! Shared by the `guest_*` targets and `insn` (included with `#[path]`, not a target
+//! itself): the input as a reader of numbers, and patches over a synthetic guest memory.
 //!
 //! Each target first builds a *valid* guest structure in a [`SparseMemory`] (kallsyms
 //! tables, a task list with stacks, ORC tables, page tables...), as a well-behaved guest

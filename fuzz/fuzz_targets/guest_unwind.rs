@@ -1,9 +1,10 @@
 //! Fuzzes the guest's ORC tables and the stack walk over them
 //! (`hvprobe_introspection::unwind`): both are the guest's memory.
 //!
-//! A valid kernel is built: ORC tables for five functions (a leaf, a caller with a frame
-//! pointer, a kernel thread's first function, an interrupt entry with full `pt_regs`, a
-//! switch to the IRQ stack), a task stack holding three frames and an IRQ stack. The input
+//! A valid kernel is built (`unwind::synthetic`, the unit tests' kernel): ORC tables for
+//! six functions (a leaf, a caller with a frame pointer, a kernel thread's first function,
+//! an interrupt entry with full `pt_regs`, a switch to the IRQ stack, code with an
+//! undefined entry), a task stack holding three frames and an IRQ stack. The input
 //! gives `[text span selector: u8] [start registers: 8 x u64] [rethook count: u8]` and then
 //! patches (see `guest_common.rs`; regions: the ip table, the ORC entries, the task stack
 //! at its frames, the IRQ stack's top); patched tables are read back and parsed as the
@@ -18,58 +19,33 @@ use guest_common::Input;
 use hvprobe_arch::Gva;
 use hvprobe_introspection::memory::{GuestVirtRead, SparseMemory};
 use hvprobe_introspection::stacks::SwappedReturn;
-use hvprobe_introspection::unwind::{unwind, GuestRethooks, OrcTable, StackBounds, StartRegs, MAX_FRAMES};
+use hvprobe_introspection::unwind::synthetic::{
+    kernel_rows, stacks, tables, three_frames, IP_TABLE, IRQ_STACK, LEAF, MID, STACK_SIZE, TASK_STACK, TEXT, TOP,
+};
+use hvprobe_introspection::unwind::{unwind, GuestRethooks, OrcTable, StartRegs, MAX_FRAMES};
 use libfuzzer_sys::fuzz_target;
 
-const TEXT: u64 = 0xffff_ffff_8100_0000;
-const IP_TABLE: u64 = TEXT + 0x10_0000;
+/// Where the guest keeps `.orc_unwind` (`.orc_unwind_ip` is at `IP_TABLE`).
 const ORC_TABLE: u64 = TEXT + 0x11_0000;
-const TASK_STACK: u64 = 0xffff_c900_0001_0000;
-const IRQ_STACK: u64 = 0xffff_c900_0010_0000;
-const STACK_SIZE: u64 = 0x4000;
-const LEAF: u64 = TEXT + 0x100;
-const MID: u64 = TEXT + 0x200;
-const TOP: u64 = TEXT + 0x300;
-const IRQ_ENTRY: u64 = TEXT + 0x400;
-const SWITCHER: u64 = TEXT + 0x500;
 
-/// An ORC entry of Linux 6.1: sp_offset, bp_offset (s16 each), then type/regs/end bits.
-fn entry(sp_reg: u8, sp_offset: i16, bp_reg: u8, bp_offset: i16, kind: u16, end: bool) -> [u8; 6] {
-    let bits = u16::from(sp_reg) | (u16::from(bp_reg) << 4) | (kind << 8) | (u16::from(end) << 10);
-    let mut b = [0u8; 6];
-    b[0..2].copy_from_slice(&sp_offset.to_le_bytes());
-    b[2..4].copy_from_slice(&bp_offset.to_le_bytes());
-    b[4..6].copy_from_slice(&bits.to_le_bytes());
-    b
-}
-
-fn build(mem: &mut SparseMemory) -> usize {
-    // ORC_REG_*: 0 undefined, 1 prev_sp, 5 sp, 9 sp_indirect.
-    let rows = [
-        (LEAF, entry(5, 8, 0, 0, 0, false)),
-        (MID, entry(5, 16, 1, -16, 0, false)),
-        (TOP, entry(0, 0, 0, 0, 0, true)),
-        (IRQ_ENTRY, entry(5, 0, 0, 0, 1, false)),
-        (SWITCHER, entry(9, 8, 0, 0, 0, false)),
-    ];
-    for (i, (ip, e)) in rows.iter().enumerate() {
-        let at = IP_TABLE + 4 * i as u64;
-        mem.put_u32(at, (*ip as i64 - at as i64) as i32 as u32);
-        mem.write(ORC_TABLE + 6 * i as u64, e);
-    }
-    let sp = TASK_STACK + STACK_SIZE - 0x100;
-    mem.put_u64(sp, MID + 0x10);
-    mem.put_u64(sp + 8, 0x1234);
-    mem.put_u64(sp + 16, TOP + 0x20);
+/// The kernel (`unwind::synthetic`): its ORC tables and stacks in memory, three frames on
+/// the task stack whose top the IRQ stack's top points to. Returns the number of ORC rows
+/// and the stack pointer at the hit.
+fn build(mem: &mut SparseMemory) -> (usize, u64) {
+    let rows = kernel_rows();
+    let (ips, orcs) = tables(&rows);
+    mem.write(IP_TABLE, &ips);
+    mem.write(ORC_TABLE, &orcs);
     mem.write(TASK_STACK + STACK_SIZE - 0x1000, &[0; 0x1000]);
     mem.write(IRQ_STACK + STACK_SIZE - 0x1000, &[0; 0x1000]);
+    let sp = three_frames(&mut |at, v| mem.put_u64(at, v)).sp;
     mem.put_u64(IRQ_STACK + STACK_SIZE - 8, sp);
-    rows.len()
+    (rows.len(), sp)
 }
 
 fuzz_target!(|data: &[u8]| {
     let mut mem = SparseMemory::new();
-    let rows = build(&mut mem);
+    let (rows, sp) = build(&mut mem);
     let mut input = Input::new(data);
     let span = match input.u8() % 4 {
         0 => 0x1_0000,
@@ -83,7 +59,6 @@ fuzz_target!(|data: &[u8]| {
     for r in &mut regs {
         *r = input.u64();
     }
-    let sp = TASK_STACK + STACK_SIZE - 0x100;
     let start = StartRegs {
         ip: LEAF ^ regs[0],
         sp: sp ^ regs[1],
@@ -116,16 +91,7 @@ fuzz_target!(|data: &[u8]| {
     for probe in [0, LEAF, MID + 3, TEXT - 0x10_0000 + 8, start.ip] {
         let _ = orc.find(Gva(probe));
     }
-    let stacks = [
-        StackBounds {
-            name: "task".into(),
-            range: Gva(TASK_STACK)..Gva(TASK_STACK + STACK_SIZE),
-        },
-        StackBounds {
-            name: "irq".into(),
-            range: Gva(IRQ_STACK)..Gva(IRQ_STACK + STACK_SIZE),
-        },
-    ];
+    let stacks = stacks();
     let guest_rethooks = GuestRethooks {
         trampoline: Gva(MID + 0x10),
         returns: (0..rethooks as u64)

@@ -27,15 +27,20 @@
 //! stepped or refused) never runs natively.
 #![no_main]
 
+#[path = "guest_common.rs"]
+mod guest_common;
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use guest_common::Input;
 use hvprobe_arch::regs::rflags::{AF, CF, OF, PF, SF, ZF};
 use hvprobe_arch::Gva;
+use hvprobe_insn::test_support::ALL_GPRS;
 use hvprobe_introspection::memory::MemoryError;
 use hvprobe_probes::insn::{
-    analyze, instruction_starts, instruction_starts_through, internal_branches, Emulation, Execution, Gpr, InsnError,
+    analyze, instruction_starts, instruction_starts_through, internal_branches, Emulation, Execution, InsnError,
     OutOfLine, ProbedInsn, StackAccess, MAX_INSN_LEN,
 };
 use hvprobe_probes::regs::Regs;
@@ -49,53 +54,12 @@ fn unmapped(at: Gva) -> StackError {
     MemoryError::Unmapped(at)
 }
 
-const GPRS: [Gpr; 16] = [
-    Gpr::Rax,
-    Gpr::Rcx,
-    Gpr::Rdx,
-    Gpr::Rbx,
-    Gpr::Rsp,
-    Gpr::Rbp,
-    Gpr::Rsi,
-    Gpr::Rdi,
-    Gpr::R8,
-    Gpr::R9,
-    Gpr::R10,
-    Gpr::R11,
-    Gpr::R12,
-    Gpr::R13,
-    Gpr::R14,
-    Gpr::R15,
-];
 const RSP: usize = 4;
 
 /// The status flags, in the order the input's flags byte gives them (bits 0..6).
 const STATUS: [u64; 6] = [CF, PF, AF, ZF, SF, OF];
 /// IF and the always-one bit 1, as user mode runs.
 const BASE_FLAGS: u64 = 0x202;
-
-/// Reads the input front to back, zeros past its end.
-struct Input<'a>(&'a [u8]);
-
-impl<'a> Input<'a> {
-    fn bytes(&mut self, n: usize) -> &'a [u8] {
-        let n = n.min(self.0.len());
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        head
-    }
-
-    fn u8(&mut self) -> u8 {
-        self.bytes(1).first().copied().unwrap_or(0)
-    }
-
-    fn u64(&mut self) -> u64 {
-        let mut buf = [0u8; 8];
-        let b = self.bytes(8);
-        buf[..b.len()].copy_from_slice(b);
-        u64::from_le_bytes(buf)
-    }
-}
 
 /// A stack of 8-byte cells at any address: what was written, else a value made from the
 /// address. Never fails, so `execute` always gets to the end.
@@ -148,7 +112,7 @@ impl StackAccess for ByteStack {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let mut input = Input(data);
+    let mut input = Input::new(data);
     let code_len = usize::from(input.u8());
     let code = input.bytes(code_len);
     let addr = Gva(input.u64());
@@ -175,7 +139,7 @@ fuzz_target!(|data: &[u8]| {
         ss: 0x18,
         ..Regs::default()
     };
-    for (gpr, value) in GPRS.iter().zip(gprs) {
+    for (gpr, value) in ALL_GPRS.iter().zip(gprs) {
         gpr.set(&mut regs, value);
     }
 
@@ -630,7 +594,7 @@ fn compare_with_cpu(bytes: &[u8], emulation: &Emulation, mut regs: Regs, stack_o
             .execute(&insn, &mut emulated_regs, &mut emulated_stack)
             .expect("emulation within the scratch stack");
         let mut emulated = Outcome {
-            gprs: GPRS.map(|g| g.get(&emulated_regs)),
+            gprs: ALL_GPRS.map(|g| g.get(&emulated_regs)),
             rflags: emulated_regs.rflags,
             rip: emulated_regs.rip,
             stack: emulated_stack.bytes,
@@ -645,7 +609,7 @@ fn compare_with_cpu(bytes: &[u8], emulation: &Emulation, mut regs: Regs, stack_o
         // and RSP, and leaves DF clear (only status flags are loaded).
         let native_outcome = unsafe {
             std::ptr::copy_nonoverlapping(asm.code.as_ptr(), page, asm.code.len());
-            let gprs_in = GPRS.map(|g| g.get(&regs));
+            let gprs_in = ALL_GPRS.map(|g| g.get(&regs));
             std::ptr::copy_nonoverlapping(gprs_in.as_ptr().cast::<u8>(), page.add(D_IN), 128);
             page.add(D_FLAGS_IN).cast::<u64>().write(regs.rflags);
             std::ptr::copy_nonoverlapping(stack.as_ptr(), page.add(D_STACK), STACK_LEN);
@@ -706,7 +670,7 @@ fn compare_with_cpu(bytes: &[u8], emulation: &Emulation, mut regs: Regs, stack_o
 /// The fields in which the emulated and native outcomes differ, in hex.
 fn differences(emulated: &Outcome, native: &Outcome) -> String {
     let mut lines = Vec::new();
-    for (i, gpr) in GPRS.iter().enumerate() {
+    for (i, gpr) in ALL_GPRS.iter().enumerate() {
         if emulated.gprs[i] != native.gprs[i] {
             lines.push(format!(
                 "  {gpr:?}: emulated {:#x}, cpu {:#x}",

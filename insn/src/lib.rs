@@ -1056,5 +1056,7 @@ fn step_kind(instruction: &Instruction) -> StepKind {
     StepKind::Plain
 }
 
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support;
 #[cfg(test)]
 mod tests;

@@ -3,6 +3,7 @@ use std::collections::HashMap;
 use hvprobe_arch::regs::rflags::{AF, CF, OF, PF, SF, TF, ZF};
 
 use super::*;
+use crate::test_support::ALL_GPRS;
 
 const FUNC: Gva = Gva(0xffff_ffff_8123_4560);
 const SLOT: Gva = Gva(0xffff_ffff_8200_1000);
@@ -188,25 +189,6 @@ fn xchg_forms_that_are_not_nops() {
     assert_eq!(regs.rax, 0x0000_00a0);
     assert_eq!(regs.rip, next(2));
 }
-
-const ALL_GPRS: [Gpr; 16] = [
-    Gpr::Rax,
-    Gpr::Rcx,
-    Gpr::Rdx,
-    Gpr::Rbx,
-    Gpr::Rsp,
-    Gpr::Rbp,
-    Gpr::Rsi,
-    Gpr::Rdi,
-    Gpr::R8,
-    Gpr::R9,
-    Gpr::R10,
-    Gpr::R11,
-    Gpr::R12,
-    Gpr::R13,
-    Gpr::R14,
-    Gpr::R15,
-];
 
 #[test]
 fn push_every_register() {

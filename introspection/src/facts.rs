@@ -489,22 +489,8 @@ mod tests {
     //! On small synthetic tables; `tests/bundled_guest.rs` reads the bundled guest's.
 
     use super::*;
+    use crate::memory::BytesAt;
     use crate::symbols::SymbolSource;
-
-    /// Guest memory with bytes at one address; reads elsewhere fail.
-    struct FakeMem {
-        base: u64,
-        bytes: Vec<u8>,
-    }
-
-    impl GuestVirtRead for FakeMem {
-        fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
-            let off = gva.0.checked_sub(self.base).ok_or(MemoryError::Unmapped(gva))? as usize;
-            let src = self.bytes.get(off..off + buf.len()).ok_or(MemoryError::Unmapped(gva))?;
-            buf.copy_from_slice(src);
-            Ok(())
-        }
-    }
 
     fn data_symbol(name: &str, addr: u64) -> Symbol {
         Symbol {
@@ -528,7 +514,7 @@ mod tests {
         };
         let mut bytes = entry(table, 0xffff_ffff_8100_2000, 0xffff_ffff_8100_2100, 3);
         bytes.extend(entry(table + 12, 0xffff_ffff_8100_1000, 0xffff_ffff_8100_1100, 1));
-        let mem = FakeMem { base: table, bytes };
+        let mem = BytesAt { base: table, bytes };
         let syms = SymbolTable::from_symbols(
             SymbolSource::SystemMap,
             vec![
@@ -550,7 +536,7 @@ mod tests {
 
     #[test]
     fn missing_symbols_and_bad_tables_are_errors() {
-        let img = &FakeMem {
+        let img = &BytesAt {
             base: 0xffff_ffff_8100_0000,
             bytes: vec![0; 16],
         };

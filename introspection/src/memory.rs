@@ -354,7 +354,11 @@ impl GuestVirtRead for ElfImage {
 }
 
 #[cfg(any(test, feature = "test-support"))]
+mod bytes_at;
+#[cfg(any(test, feature = "test-support"))]
 mod sparse;
+#[cfg(any(test, feature = "test-support"))]
+pub use bytes_at::BytesAt;
 #[cfg(any(test, feature = "test-support"))]
 pub use sparse::SparseMemory;
 

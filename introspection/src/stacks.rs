@@ -1359,5 +1359,7 @@ fn read_stack(mem: &(impl GuestVirtRead + ?Sized), stack: &KernelStack, buf: &mu
     Ok(())
 }
 
+#[cfg(any(test, feature = "test-support"))]
+pub mod synthetic;
 #[cfg(test)]
 mod tests;

@@ -7,6 +7,8 @@
 //! guest already holds run-time addresses.
 
 mod kallsyms;
+#[cfg(any(test, feature = "test-support"))]
+pub mod synthetic;
 
 use std::collections::HashMap;
 use std::fmt;

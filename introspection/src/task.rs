@@ -228,21 +228,7 @@ pub fn task_info(reader: &impl GuestVirtRead, layout: &TaskLayout, task: Gva) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A few bytes of guest memory at one address.
-    struct FakeMem {
-        base: u64,
-        bytes: Vec<u8>,
-    }
-
-    impl GuestVirtRead for FakeMem {
-        fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
-            let off = gva.0.checked_sub(self.base).ok_or(MemoryError::Unmapped(gva))? as usize;
-            let src = self.bytes.get(off..off + buf.len()).ok_or(MemoryError::Unmapped(gva))?;
-            buf.copy_from_slice(src);
-            Ok(())
-        }
-    }
+    use crate::memory::BytesAt;
 
     #[test]
     fn comm_pid_tgid_from_memory() {
@@ -257,7 +243,7 @@ mod tests {
         bytes[8..12].copy_from_slice(&42i32.to_le_bytes());
         bytes[12..16].copy_from_slice(&(-7i32).to_le_bytes());
         bytes[32..48].copy_from_slice(b"hvprobe-loop\0xyz");
-        let mem = FakeMem {
+        let mem = BytesAt {
             base: 0xffff_8880_0000_0000,
             bytes,
         };
@@ -292,7 +278,7 @@ mod tests {
         let mut bytes = vec![0u8; 32];
         bytes[8..16].copy_from_slice(&0xffff_8880_0123_4000u64.to_le_bytes());
         bytes[16..24].copy_from_slice(&0x0000_7fff_0000_1000u64.to_le_bytes());
-        let mem = FakeMem { base, bytes };
+        let mem = BytesAt { base, bytes };
         assert_eq!(current_task(&mem, base, 8).unwrap(), Gva(0xffff_8880_0123_4000));
         assert_eq!(
             current_task(&mem, base, 0).unwrap_err(),

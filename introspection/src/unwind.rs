@@ -794,5 +794,7 @@ pub fn unwind(
     }
 }
 
+#[cfg(any(test, feature = "test-support"))]
+pub mod synthetic;
 #[cfg(test)]
 mod tests;

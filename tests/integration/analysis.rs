@@ -9,10 +9,9 @@
 
 use crate::common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{hvprobe, restore_with, snapshot, Run};
+use common::{hvprobe, probe_file, restore_with, snapshot, Run};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(300);
 /// A refusal comes before the guest boots.
@@ -54,12 +53,6 @@ fn console_complete(run: &Run) {
         "the guest's console output was cut before its end\n{}",
         run.tail()
     );
-}
-
-fn probe_file(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
-    std::fs::write(&path, text).unwrap();
-    path
 }
 
 fn guest_problems(run: &Run) {

@@ -28,10 +28,9 @@
 
 use crate::common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{restore_with, snapshot, Run};
+use common::{probe_file, restore_with, snapshot, Run};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(300);
 const PRINT_RESOLUTION_NS: i64 = 1_000;
@@ -147,12 +146,6 @@ fn after_the_kvm_clock_read() -> String {
             )
         });
     format!("kvm_sched_clock_read+{at:#x}")
-}
-
-fn probe_file(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
-    std::fs::write(&path, text).unwrap();
-    path
 }
 
 fn run_ok(run: &Run) {

@@ -3,18 +3,11 @@
 
 use crate::common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{restore_with, snapshot, Run};
+use common::{probe_file, restore_with, snapshot, Run};
 
 const TIMEOUT: Duration = Duration::from_secs(300);
-
-fn probe_file(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("hvprobe-hardening-{}-{name}.probes", std::process::id()));
-    std::fs::write(&path, text).unwrap();
-    path
-}
 
 /// `(event, ret)` of every hit line with a `ret=` on the console, in order (ftrace's
 /// layout names the event alone: `cat-30 [000] 1.23: krd: (ksys_read <- ...) ret=0x1`).
@@ -59,7 +52,7 @@ fn assert_sys_read_tail_calls_ksys_read() {
 fn return_probes_on_a_function_and_the_one_it_tail_calls_both_fire_with_one_return_value() {
     assert_sys_read_tail_calls_ksys_read();
     let dir = snapshot(1);
-    let probes = probe_file("tailcall", TAIL_CALL_PROBES);
+    let probes = probe_file("hardening-tailcall", TAIL_CALL_PROBES);
     let run = restore_with(
         &dir,
         1,
@@ -98,7 +91,7 @@ fn the_guests_own_return_probe_between_a_tail_call_and_ours_leaves_every_return_
     assert_sys_read_tail_calls_ksys_read();
     for optimize in ["--optimize=off", "--optimize=on"] {
         let dir = snapshot(1);
-        let probes = probe_file("guest-rethook", TAIL_CALL_PROBES);
+        let probes = probe_file("hardening-guest-rethook", TAIL_CALL_PROBES);
         let run = restore_with(
             &dir,
             1,
@@ -141,7 +134,7 @@ fn the_guests_own_return_probe_between_a_tail_call_and_ours_leaves_every_return_
 fn calls_of_exiting_tasks_never_use_up_maxactive() {
     let dir = snapshot(1);
     // `do_group_exit` never returns: each exiting process leaves its call behind.
-    let probes = probe_file("exits", "r3:x/ge do_group_exit\np:x/pe do_group_exit\n");
+    let probes = probe_file("hardening-exits", "r3:x/ge do_group_exit\np:x/pe do_group_exit\n");
     let run = restore_with(
         &dir,
         1,
@@ -260,7 +253,7 @@ fn a_guest_process_keeps_its_vector_registers_while_busybox_runs_beside_it() {
 #[test]
 fn no_console_keeps_the_guests_output_off_stdout_and_prints_the_hits() {
     let dir = snapshot(1);
-    let probes = probe_file("quiet", "p:q/gp __x64_sys_getppid\n");
+    let probes = probe_file("hardening-quiet", "p:q/gp __x64_sys_getppid\n");
     let run = restore_with(
         &dir,
         1,

@@ -7,22 +7,15 @@
 
 use crate::common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{parse_trace_line, snapshot, Run, TraceLine};
+use common::{parse_trace_line, probe_file, snapshot, Run, TraceLine};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(480);
 /// hvprobe_test_init calls hvprobe_test_work this many times (HVPROBE_TEST_INIT_CALLS).
 const INIT_CALLS: usize = 3;
 /// Each `read -r l < /proc/hvprobe_test` is two read() calls: one call each.
 const CALLS_PER_READ: usize = 2;
-
-fn probe_file(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
-    std::fs::write(&path, text).unwrap();
-    path
-}
 
 /// The guest's own event `gk` on `hvprobe_test:hvprobe_test_work` (defined and enabled
 /// before the module exists: Linux keeps it until the module comes), with a `stacktrace`

@@ -5,10 +5,10 @@
 use crate::common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use common::{hvprobe, parse_trace_line, snapshot, Run, TraceLine};
+use common::{hvprobe, parse_trace_line, probe_file, snapshot, Run, TraceLine};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(480);
 const LOOP_CALLS: usize = 30;
@@ -53,12 +53,6 @@ fn oracle_workload_with(loops: usize, guest_events: &[String]) -> String {
          while read l; do echo \"PROFILE $l\"; done < $T/kprobe_profile; \
          while read l; do case $l in *' g'*': ('*) echo \"GUEST $l\";; esac; done < $T/trace"
     )
-}
-
-fn probe_file(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
-    std::fs::write(&path, text).unwrap();
-    path
 }
 
 fn restore_with(dir: &Path, cpus: u8, workload: &str, extra: &[&str]) -> Run {

@@ -15,10 +15,9 @@
 use crate::common;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::Duration;
 
-use common::{restore_with, snapshot, Run};
+use common::{probe_file, restore_with, snapshot, Run};
 
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(420);
 
@@ -26,12 +25,6 @@ const HOST_PROBES: &str = "p:ana/write vfs_write\np:ana/tick update_process_time
 /// Guest stack traces of timer ticks to compare (each costs the guest a lot of emulated
 /// work and serial output).
 const TICKS: usize = 5;
-
-fn probe_file(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
-    std::fs::write(&path, text).unwrap();
-    path
-}
 
 /// The guest's own probes with `stacktrace` triggers (frames with offsets), the workload
 /// while they are on, then the guest's trace file, each line prefixed `GUEST `. A return

@@ -13,6 +13,8 @@
 pub mod block;
 pub mod fs;
 pub mod mmio;
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support;
 
 use std::num::Wrapping;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -527,12 +529,7 @@ mod tests {
         mem.write_obj(0x8000u64, desc).unwrap();
         mem.write_obj(16u32, GuestAddress(8)).unwrap();
         mem.write_obj(1u16, avail_idx).unwrap();
-        let mut queue = Queue::new(SIZE).unwrap();
-        queue.set_size(SIZE);
-        queue.set_desc_table_address(Some(desc.0 as u32), Some((desc.0 >> 32) as u32));
-        queue.set_avail_ring_address(Some(avail.0 as u32), Some(0));
-        queue.set_used_ring_address(Some(used.0 as u32), Some(0));
-        queue.set_ready(true);
+        let mut queue = test_support::driver_queue(SIZE, SIZE, desc.0 as u32, avail.0 as u32, used.0 as u32);
         assert!(queue.is_valid(&mem));
         let stop = AtomicBool::new(false);
         let mut served = 0u32;

@@ -4,13 +4,17 @@
 //! fires after the write where the backend checks data breakpoints (hardware KVM), and
 //! never on kvm_pvm, whose emulator checks only instruction breakpoints.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hvprobe_arch::debugreg::{Access, DebugRegisters, HardwareBreakpoint};
 use hvprobe_arch::Gva;
-use hvprobe_vmm::{BreakpointDisposition, CodeBlob, DebugHandler, StopReason, Vm, CODE_BLOB_START};
+use hvprobe_vmm::{BreakpointDisposition, DebugHandler, StopReason, CODE_BLOB_START};
 use kvm_ioctls::VcpuFd;
+
+use common::blob_vm;
 
 /// Three passes of: a write and a read of the quadword at 0x100800, then a `nop` at 0x19.
 const BLOB: &[u8] = &[
@@ -56,12 +60,7 @@ impl DebugHandler for Recorder {
 
 #[test]
 fn an_execution_breakpoint_fires_on_every_pass_and_a_write_watch_where_the_backend_checks_data() {
-    let vm = Vm::new_code_blob(&CodeBlob {
-        code: BLOB.to_vec(),
-        cpus: 1,
-        handlers: vec![],
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let vm = blob_vm(BLOB, 1, &[]);
     let backend = vm.backend();
     let bp = |offset: u64, access, len| HardwareBreakpoint::new(Gva(CODE_BLOB_START + offset), access, len).unwrap();
     let mut registers = DebugRegisters::default();
@@ -134,12 +133,7 @@ const TWO_CPU_BLOB: &[u8] = &[
 
 #[test]
 fn the_breakpoints_are_loaded_on_every_vcpu() {
-    let vm = Vm::new_code_blob(&CodeBlob {
-        code: TWO_CPU_BLOB.to_vec(),
-        cpus: 2,
-        handlers: vec![],
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let vm = blob_vm(TWO_CPU_BLOB, 2, &[]);
     let mut registers = DebugRegisters::default();
     registers
         .insert(HardwareBreakpoint::new(Gva(CODE_BLOB_START + 0x05), Access::Execute, 1).unwrap())
@@ -200,12 +194,7 @@ impl DebugHandler for Stepper {
 
 #[test]
 fn a_handlers_step_ends_where_it_should_when_a_data_watch_fires_on_the_same_instruction() {
-    let vm = Vm::new_code_blob(&CodeBlob {
-        code: STEP_OVER_A_WRITE_BLOB.to_vec(),
-        cpus: 1,
-        handlers: vec![],
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let vm = blob_vm(STEP_OVER_A_WRITE_BLOB, 1, &[]);
     let backend = vm.backend();
     let mut registers = DebugRegisters::default();
     registers
@@ -254,12 +243,7 @@ const GUEST_SINGLE_STEP_BLOB: &[u8] = &[
 #[test]
 fn the_guests_own_single_step_reaches_its_handler_while_hardware_breakpoints_are_loaded() {
     assert_eq!(GUEST_SINGLE_STEP_BLOB[0x20], 0x48, "the blob's layout moved");
-    let vm = Vm::new_code_blob(&CodeBlob {
-        code: GUEST_SINGLE_STEP_BLOB.to_vec(),
-        cpus: 1,
-        handlers: vec![(1, 0x20)],
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let vm = blob_vm(GUEST_SINGLE_STEP_BLOB, 1, &[(1, 0x20)]);
     let backend = vm.backend();
     let mut registers = DebugRegisters::default();
     // Somewhere the blob never runs: the breakpoints are loaded, none fires.

@@ -1,23 +1,18 @@
 //! The exit loop on real KVM, driven by tiny long-mode code blobs (no kernel): guest-owned
 //! #BP re-injection, and pause/resume of spinning vCPUs.
 
+mod common;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hvprobe_arch::Gva;
-use hvprobe_vmm::{BreakpointDisposition, CodeBlob, DebugHandler, NoProbes, StopReason, Vm, CODE_BLOB_START};
+use hvprobe_vmm::{BreakpointDisposition, DebugHandler, NoProbes, StopReason, CODE_BLOB_START};
 use kvm_ioctls::VcpuFd;
 use vm_memory::{Bytes, GuestAddress};
 
-fn blob_vm(code: &[u8], cpus: u8, handlers: &[(u8, u64)]) -> Vm {
-    Vm::new_code_blob(&CodeBlob {
-        code: code.to_vec(),
-        cpus,
-        handlers: handlers.to_vec(),
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"))
-}
+use common::blob_vm;
 
 /// `int3`, then report BL as the exit status. The guest's own #BP handler sets BL to 0x41
 /// when the return address it finds on its stack is the byte after the int3 (what a CPU

@@ -5,12 +5,16 @@
 //! (`Backend::loses_step_trap_after_some_instructions`). The probe engine follows every
 //! out-of-line copy with int3s because of this; if the backend changes, this test says so.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hvprobe_arch::Gva;
-use hvprobe_vmm::{Backend, BreakpointDisposition, CodeBlob, DebugHandler, StopReason, Vm, CODE_BLOB_START};
+use hvprobe_vmm::{Backend, BreakpointDisposition, DebugHandler, StopReason, CODE_BLOB_START};
 use kvm_ioctls::VcpuFd;
+
+use common::blob_vm;
 
 /// Turns single-stepping on at the blob's int3 and records where each step ended.
 #[derive(Default)]
@@ -113,12 +117,7 @@ fn a_single_step_ends_after_its_instruction_or_where_the_backend_is_known_to_run
         code.extend(&insn);
         code.extend([0x90; 4]);
         code.extend([0x66, 0xba, 0xf1, 0x0e, 0xb0, 0x55, 0xee, 0xf4]); // exit 0x55
-        let vm = Vm::new_code_blob(&CodeBlob {
-            code,
-            cpus: 1,
-            handlers: vec![],
-        })
-        .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+        let vm = blob_vm(&code, 1, &[]);
         let stepper = Arc::new(Stepper::default());
         let outcome = vm
             .run_for(Arc::clone(&stepper) as Arc<dyn DebugHandler>, Duration::from_secs(20))

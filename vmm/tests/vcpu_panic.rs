@@ -1,12 +1,16 @@
 //! A debug handler that panics in a vCPU thread stops the VM with that panic as the reason:
 //! the other vCPUs stop, and nothing touches the dead thread's `kvm_run` or signals it.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use hvprobe_arch::Gva;
-use hvprobe_vmm::{BreakpointDisposition, CodeBlob, DebugHandler, GuestEvent, StopReason, Vm, VmOutcome};
+use hvprobe_vmm::{BreakpointDisposition, DebugHandler, GuestEvent, StopReason, Vm, VmOutcome};
 use kvm_ioctls::VcpuFd;
+
+use common::blob_vm;
 
 /// vCPU 0 hits an int3; every other vCPU spins (a vCPU the panic must stop).
 const INT3_ON_VCPU0_BLOB: &[u8] = &[
@@ -64,12 +68,7 @@ fn run_with_limit(vm: Vm, limit: Duration) -> (VmOutcome, bool) {
 const LIMIT: Duration = Duration::from_secs(120);
 
 fn panicking_handler_stops_the_vm(blob: &[u8], cpus: u8, expected: &str) {
-    let vm = Vm::new_code_blob(&CodeBlob {
-        code: blob.to_vec(),
-        cpus,
-        handlers: Vec::new(),
-    })
-    .unwrap_or_else(|e| panic!("this test needs a usable /dev/kvm: {e}"));
+    let vm = blob_vm(blob, cpus, &[]);
     let (outcome, stopped_from_outside) = run_with_limit(vm, LIMIT);
     match &outcome.reason {
         StopReason::HandlerPanicked { cpu: 0, message } if message == expected => {}

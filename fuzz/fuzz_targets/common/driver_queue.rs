@@ -3,6 +3,7 @@
 //! input; descriptors at 0x3000, available ring at 0x1000 or, with bit 6 of `input[0]`,
 //! at 0; used ring at 0x2000; size `1 << (input[0] % 9)`, bit 7 turns on event indexes.
 
+use hvprobe_vmm::virtio::test_support;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -20,13 +21,8 @@ pub fn driver_queue(data: &[u8]) -> Option<(GuestMemoryMmap, Queue, u64)> {
     mem.write_slice(&second[..second.len().min(BLOCK)], GuestAddress(SECOND_BLOCK)).unwrap();
 
     let size = 1u16 << (size_bits % 9);
-    let mut queue = Queue::new(256).unwrap();
-    queue.set_size(size);
     let avail_at: u64 = if size_bits & 0x40 != 0 { 0 } else { 0x1000 };
-    queue.set_desc_table_address(Some(0x3000), Some(0));
-    queue.set_avail_ring_address(Some(avail_at as u32), Some(0));
-    queue.set_used_ring_address(Some(0x2000), Some(0));
+    let mut queue = test_support::driver_queue(256, size, 0x3000, avail_at as u32, 0x2000);
     queue.set_event_idx(size_bits & 0x80 != 0);
-    queue.set_ready(true);
     queue.is_valid(&mem).then_some((mem, queue, avail_at))
 }

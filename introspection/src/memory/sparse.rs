@@ -33,6 +33,20 @@ impl SparseMemory {
         }
     }
 
+    /// Creates the (zeroed) pages of `[start, start + len)` that do not exist yet; what is
+    /// already written stays.
+    pub fn map(&mut self, start: u64, len: u64) {
+        let end = start.saturating_add(len);
+        let mut page = start & !0xfff;
+        while page < end {
+            self.pages.entry(page).or_insert_with(|| Box::new([0; 4096]));
+            let Some(next) = page.checked_add(0x1000) else {
+                return;
+            };
+            page = next;
+        }
+    }
+
     pub fn put_u64(&mut self, at: u64, v: u64) {
         self.write(at, &v.to_le_bytes());
     }

@@ -1,314 +1,9 @@
-//! The stack walk against a made-up guest: a sparse memory with tasks, lists and per-CPU
-//! areas at addresses of our choosing, and a layout written by hand.
+//! The stack walk against a made-up guest (`synthetic`): a sparse memory with tasks,
+//! lists and per-CPU areas at addresses of our choosing, and a layout written by hand.
 
-use std::collections::HashMap;
-
+use super::synthetic::*;
 use super::*;
-
-/// Sparse guest-virtual memory: 4 KiB pages exist only once mapped or written.
-#[derive(Default)]
-struct FakeGuest {
-    pages: HashMap<u64, Box<[u8; 4096]>>,
-}
-
-impl FakeGuest {
-    fn map(&mut self, start: u64, len: u64) {
-        let mut page = start & !0xfff;
-        while page < start + len {
-            self.pages.entry(page).or_insert_with(|| Box::new([0; 4096]));
-            page += 0x1000;
-        }
-    }
-
-    fn write(&mut self, at: u64, bytes: &[u8]) {
-        self.map(at, bytes.len() as u64);
-        for (i, b) in bytes.iter().enumerate() {
-            let a = at + i as u64;
-            self.pages.get_mut(&(a & !0xfff)).unwrap()[(a & 0xfff) as usize] = *b;
-        }
-    }
-
-    fn put(&mut self, at: u64, v: u64) {
-        self.write(at, &v.to_le_bytes());
-    }
-
-    fn put_u32(&mut self, at: u64, v: u32) {
-        self.write(at, &v.to_le_bytes());
-    }
-}
-
-impl GuestVirtRead for FakeGuest {
-    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
-        let mut done = 0usize;
-        while done < buf.len() {
-            let a = gva
-                .0
-                .checked_add(done as u64)
-                .ok_or(MemoryError::Wraps { gva, len: buf.len() })?;
-            let page = self.pages.get(&(a & !0xfff)).ok_or(MemoryError::Unmapped(Gva(a)))?;
-            let off = (a & 0xfff) as usize;
-            let n = (0x1000 - off).min(buf.len() - done);
-            buf[done..done + n].copy_from_slice(&page[off..off + n]);
-            done += n;
-        }
-        Ok(())
-    }
-}
-
-// task_struct
-const PID: u64 = 0x10;
-const TGID: u64 = 0x14;
-const COMM: u64 = 0x20;
-const STACK: u64 = 0x40;
-const TASKS: u64 = 0x50;
-const THREAD_NODE: u64 = 0x60;
-const SIGNAL: u64 = 0x70;
-const THREAD_SP: u64 = 0x80;
-const ON_CPU: u64 = 0x88;
-const GROUP_NODE: u64 = 0x90;
-const TASK_SIZE: u64 = 0x100;
-// signal_struct
-const THREAD_HEAD: u64 = 0x10;
-const THREAD_SIZE: u64 = 0x4000;
-
-// per-CPU variables
-const CURRENT: u64 = 0x100;
-const RQ_IDLE: u64 = 0x200;
-const RQ_CFS: u64 = 0x300;
-const IRQ_PTR: u64 = 0x400;
-const IRQ_INUSE: u64 = 0x408;
-const ESTACKS_PTR: u64 = 0x500;
-const ENTRY: u64 = 0x1000;
-const IRQ_SIZE: u64 = 0x4000;
-
-const INIT_TASK: u64 = 0xffff_ffff_8200_0000;
-const INIT_SIGNAL: u64 = 0xffff_ffff_8200_1000;
-const PER_CPU_OFFSET: u64 = 0xffff_ffff_8210_0000;
-const NR_CPU_IDS: u64 = 0xffff_ffff_8210_1000;
-const TASKS_AT: u64 = 0xffff_8880_1000_0000;
-const SIGNALS_AT: u64 = 0xffff_8880_2000_0000;
-const STACKS_AT: u64 = 0xffff_c900_1000_0000;
-
-fn per_cpu_area(cpu: u32) -> u64 {
-    0xffff_8880_0100_0000 + u64::from(cpu) * 0x10_0000
-}
-fn irq_stack(cpu: u32) -> u64 {
-    0xffff_c900_0000_0000 + u64::from(cpu) * 0x1_0000
-}
-fn estacks(cpu: u32) -> u64 {
-    0xffff_fe00_0000_0000 + u64::from(cpu) * 0x2_0000
-}
-
-/// The value planted on stacks, and the range a scan looks for.
-const CODE: u64 = 0xffff_ffff_8100_1230;
-const RANGE: Range<Gva> = Gva(0xffff_ffff_8100_1200)..Gva(0xffff_ffff_8100_1240);
-
-fn layout() -> StacksLayout {
-    StacksLayout {
-        task: TaskLayout {
-            comm_offset: COMM,
-            comm_len: 16,
-            pid_offset: PID,
-            tgid_offset: TGID,
-            task_struct_size: TASK_SIZE,
-        },
-        task_stack: STACK,
-        task_tasks: TASKS,
-        threads: ThreadLinks::SignalThreadHead {
-            signal: SIGNAL,
-            thread_head: THREAD_HEAD,
-            thread_node: THREAD_NODE,
-        },
-        task_thread_sp: THREAD_SP,
-        task_on_cpu: Some(ON_CPU),
-        task_se_group_node: Some(GROUP_NODE),
-        thread_size: THREAD_SIZE,
-        init_task: Gva(INIT_TASK),
-        per_cpu_offset: Gva(PER_CPU_OFFSET),
-        cpu_count: CpuCount::Variable(Gva(NR_CPU_IDS)),
-        possible_mask: None,
-        current_task: CURRENT,
-        rq_idle: RQ_IDLE,
-        rq_cfs_tasks: Some(RQ_CFS),
-        irq: IrqStackLayout {
-            ptr: IRQ_PTR,
-            inuse: Some(IRQ_INUSE),
-            size: IRQ_SIZE,
-        },
-        exception: ExceptionStacksLayout {
-            ptr: ESTACKS_PTR,
-            stacks: vec![
-                ExceptionStackSlot {
-                    name: "NMI".into(),
-                    offset: 0x1000,
-                    size: 0x2000,
-                },
-                ExceptionStackSlot {
-                    name: "DB".into(),
-                    offset: 0x4000,
-                    size: 0x2000,
-                },
-                // Never mapped, as the VC stacks of a kernel without SEV.
-                ExceptionStackSlot {
-                    name: "VC".into(),
-                    offset: 0x7000,
-                    size: 0x2000,
-                },
-            ],
-        },
-        entry_stack: Some((ENTRY, 0x1000)),
-        max_list_steps: 1000,
-        max_cpus: MAX_CPUS,
-        max_stack_bytes: DEFAULT_MAX_STACK_BYTES,
-        rethooks: None,
-    }
-}
-
-/// A made-up guest: tasks are created, then [`World::link`] writes the lists.
-struct World {
-    mem: FakeGuest,
-    /// Processes in list order (leaders), init_task not included.
-    processes: Vec<u64>,
-    /// Threads of each signal_struct, leader first.
-    threads: Vec<(u64, Vec<u64>)>,
-    next: u64,
-}
-
-impl World {
-    fn new(ncpus: u32) -> World {
-        let mut w = World {
-            mem: FakeGuest::default(),
-            processes: Vec::new(),
-            threads: vec![(INIT_SIGNAL, vec![INIT_TASK])],
-            next: 0,
-        };
-        w.mem.put_u32(NR_CPU_IDS, ncpus);
-        let init_stack = 0xffff_ffff_81c0_0000;
-        w.write_task(INIT_TASK, 0, 0, "swapper/0", Some(init_stack), INIT_SIGNAL);
-        for cpu in 0..ncpus {
-            let base = per_cpu_area(cpu);
-            w.mem.put(PER_CPU_OFFSET + u64::from(cpu) * 8, base);
-            w.mem.map(base, 0x2000);
-            w.mem.put(base + CURRENT, INIT_TASK);
-            let idle = match cpu {
-                0 => INIT_TASK,
-                _ => {
-                    let t = w.alloc_task();
-                    let stack = w.alloc_stack(t);
-                    w.write_task(t, 0, 0, &format!("swapper/{cpu}"), Some(stack), INIT_SIGNAL);
-                    t
-                }
-            };
-            w.mem.put(base + RQ_IDLE, idle);
-            let cfs = base + RQ_CFS;
-            w.mem.put(cfs, cfs); // empty run queue
-            w.mem.map(irq_stack(cpu), IRQ_SIZE);
-            w.mem.put(base + IRQ_PTR, irq_stack(cpu) + IRQ_SIZE - 8);
-            w.mem.put(base + ESTACKS_PTR, estacks(cpu));
-            w.mem.map(estacks(cpu) + 0x1000, 0x2000);
-            w.mem.map(estacks(cpu) + 0x4000, 0x2000);
-        }
-        w
-    }
-
-    fn alloc_task(&mut self) -> u64 {
-        self.next += 1;
-        TASKS_AT + self.next * 0x1000
-    }
-
-    fn alloc_stack(&mut self, task: u64) -> u64 {
-        let stack = STACKS_AT + (task - TASKS_AT) / 0x1000 * THREAD_SIZE;
-        self.mem.map(stack, THREAD_SIZE);
-        stack
-    }
-
-    /// A sleeping task: on no CPU, saved stack pointer 0x100 below the top.
-    fn write_task(&mut self, t: u64, pid: i32, tgid: i32, comm: &str, stack: Option<u64>, signal: u64) {
-        self.mem.map(t, TASK_SIZE);
-        self.mem.put_u32(t + PID, pid as u32);
-        self.mem.put_u32(t + TGID, tgid as u32);
-        let mut c = [0u8; 16];
-        c[..comm.len()].copy_from_slice(comm.as_bytes());
-        self.mem.write(t + COMM, &c);
-        self.mem.put(t + STACK, stack.unwrap_or(0));
-        self.mem.put(t + SIGNAL, signal);
-        if let Some(s) = stack {
-            self.mem.map(s, THREAD_SIZE);
-            self.mem.put(t + THREAD_SP, s + THREAD_SIZE - 0x100);
-        }
-        // Links of their own, as INIT_LIST_HEAD leaves them, until link() runs.
-        self.mem.put(t + TASKS, t + TASKS);
-        self.mem.put(t + THREAD_NODE, t + THREAD_NODE);
-    }
-
-    /// A new process with one thread; returns its task.
-    fn process(&mut self, pid: i32, comm: &str) -> u64 {
-        let t = self.alloc_task();
-        let stack = self.alloc_stack(t);
-        let signal = SIGNALS_AT + self.next * 0x100;
-        self.mem.map(signal, 0x100);
-        self.write_task(t, pid, pid, comm, Some(stack), signal);
-        self.processes.push(t);
-        self.threads.push((signal, vec![t]));
-        t
-    }
-
-    /// Another thread of `leader`'s process.
-    fn thread(&mut self, leader: u64, pid: i32) -> u64 {
-        let t = self.alloc_task();
-        let stack = self.alloc_stack(t);
-        let (signal, _) = *self.threads.iter().find(|(_, ts)| ts[0] == leader).unwrap();
-        let (tgid, comm) = (self.read_u32(leader + TGID) as i32, "worker");
-        self.write_task(t, pid, tgid, comm, Some(stack), signal);
-        self.threads.iter_mut().find(|(s, _)| *s == signal).unwrap().1.push(t);
-        t
-    }
-
-    /// A task on no list at all (an exiting thread), with a stack.
-    fn unlisted(&mut self, pid: i32) -> u64 {
-        let t = self.alloc_task();
-        let stack = self.alloc_stack(t);
-        self.write_task(t, pid, pid, "exiting", Some(stack), INIT_SIGNAL);
-        t
-    }
-
-    fn read_u32(&self, at: u64) -> u32 {
-        self.mem.read_u32(Gva(at)).unwrap()
-    }
-
-    fn stack_of(&self, t: u64) -> u64 {
-        self.mem.read_u64(Gva(t + STACK)).unwrap()
-    }
-
-    /// Writes `next` pointers of a ring through `nodes` (addresses of list_heads) from `head`.
-    fn ring(&mut self, head: u64, nodes: &[u64]) {
-        let mut prev = head;
-        for &n in nodes {
-            self.mem.put(prev, n);
-            prev = n;
-        }
-        self.mem.put(prev, head);
-    }
-
-    fn link(&mut self) {
-        let procs: Vec<u64> = self.processes.iter().map(|p| p + TASKS).collect();
-        self.ring(INIT_TASK + TASKS, &procs);
-        for (signal, threads) in self.threads.clone() {
-            let nodes: Vec<u64> = threads.iter().map(|t| t + THREAD_NODE).collect();
-            self.mem.map(signal, 0x100);
-            self.ring(signal + THREAD_HEAD, &nodes);
-        }
-    }
-
-    fn run_on(&mut self, cpu: u32, t: u64) {
-        self.mem.put(per_cpu_area(cpu) + CURRENT, t);
-        self.mem.put_u32(t + ON_CPU, 1);
-    }
-
-    fn read(&self) -> Result<KernelStacks, StacksError> {
-        KernelStacks::read(&self.mem, &layout())
-    }
-}
+use crate::memory::SparseMemory;
 
 fn pid_of(owner: &StackOwner) -> Option<i32> {
     match owner {
@@ -329,8 +24,8 @@ fn every_stack_is_found_and_a_planted_word_only_where_it_is_live() {
     w.run_on(1, t11);
 
     let mut expected = Vec::new();
-    let mut plant = |mem: &mut FakeGuest, at: u64, hit: bool| {
-        mem.put(at, CODE);
+    let mut plant = |mem: &mut SparseMemory, at: u64, hit: bool| {
+        mem.put_u64(at, CODE);
         if hit {
             expected.push(Gva(at));
         }
@@ -358,9 +53,9 @@ fn every_stack_is_found_and_a_planted_word_only_where_it_is_live() {
     plant(&mut w.mem, estacks(1) + 0x4000 + 0x1ff8, true);
     plant(&mut w.mem, per_cpu_area(1) + ENTRY + 0x800, true);
     // Just outside the range, on a stack scanned whole.
-    w.mem.put(s11 + 0x48, RANGE.end.0);
-    w.mem.put(s11 + 0x50, RANGE.start.0 - 1);
-    w.mem.put(s11 + 0x58, RANGE.start.0);
+    w.mem.put_u64(s11 + 0x48, RANGE.end.0);
+    w.mem.put_u64(s11 + 0x50, RANGE.start.0 - 1);
+    w.mem.put_u64(s11 + 0x58, RANGE.start.0);
     expected.push(Gva(s11 + 0x58));
 
     let stacks = w.read().unwrap();
@@ -449,8 +144,8 @@ fn exiting_and_queued_tasks_off_the_lists_are_found() {
     // CPU 0's CFS run queue holds the preempted one.
     let head = per_cpu_area(0) + RQ_CFS;
     w.ring(head, &[preempted + GROUP_NODE]);
-    w.mem.put(w.stack_of(preempted) + THREAD_SIZE - 0x10, CODE);
-    w.mem.put(w.stack_of(exiting) + 0x10, CODE);
+    w.mem.put_u64(w.stack_of(preempted) + THREAD_SIZE - 0x10, CODE);
+    w.mem.put_u64(w.stack_of(exiting) + 0x10, CODE);
 
     let stacks = w.read().unwrap();
     let c = stacks.task_counts();
@@ -469,10 +164,10 @@ fn dead_tasks_and_bad_saved_stack_pointers() {
     let zombie = w.process(5, "zombie");
     let odd = w.process(6, "odd");
     w.link();
-    w.mem.put(zombie + STACK, 0);
-    w.mem.put(odd + THREAD_SP, 0x1234); // not on its stack
+    w.mem.put_u64(zombie + STACK, 0);
+    w.mem.put_u64(odd + THREAD_SP, 0x1234); // not on its stack
     let deep = w.stack_of(odd) + 0x18;
-    w.mem.put(deep, CODE);
+    w.mem.put_u64(deep, CODE);
 
     let stacks = w.read().unwrap();
     assert_eq!(stacks.task_counts().without_stack, 1);
@@ -509,7 +204,7 @@ fn cyclic_lists_are_errors() {
     let b = w.process(2, "b");
     let c = w.process(3, "c");
     w.link();
-    w.mem.put(c + TASKS, b + TASKS);
+    w.mem.put_u64(c + TASKS, b + TASKS);
     let err = w.read().unwrap_err();
     assert!(
         matches!(err, StacksError::ListCycle { list: "task_struct.tasks", node } if node == Gva(b + TASKS)),
@@ -521,7 +216,7 @@ fn cyclic_lists_are_errors() {
     let p = w.process(1, "p");
     let t = w.thread(p, 2);
     w.link();
-    w.mem.put(t + THREAD_NODE, t + THREAD_NODE);
+    w.mem.put_u64(t + THREAD_NODE, t + THREAD_NODE);
     let err = w.read().unwrap_err();
     assert!(
         matches!(
@@ -537,9 +232,9 @@ fn cyclic_lists_are_errors() {
     // A node pointing at itself as the first element.
     let mut w = World::new(1);
     w.link();
-    w.mem.put(INIT_TASK + TASKS, a + TASKS);
+    w.mem.put_u64(INIT_TASK + TASKS, a + TASKS);
     w.mem.map(a, TASK_SIZE);
-    w.mem.put(a + TASKS, a + TASKS);
+    w.mem.put_u64(a + TASKS, a + TASKS);
     assert!(matches!(w.read().unwrap_err(), StacksError::ListCycle { .. }));
 }
 
@@ -568,7 +263,7 @@ fn corrupt_pointers_are_errors() {
     };
     // A user-space pointer in a list.
     let (mut w, p) = fresh();
-    w.mem.put(p + TASKS, 0x7fff_0000_1000);
+    w.mem.put_u64(p + TASKS, 0x7fff_0000_1000);
     assert!(matches!(
         w.read().unwrap_err(),
         StacksError::BadPointer {
@@ -579,11 +274,11 @@ fn corrupt_pointers_are_errors() {
     ));
     // A list pointing into unmapped memory.
     let (mut w, p) = fresh();
-    w.mem.put(p + TASKS, 0xffff_8880_7000_0050);
+    w.mem.put_u64(p + TASKS, 0xffff_8880_7000_0050);
     assert!(matches!(w.read().unwrap_err(), StacksError::Memory { .. }));
     // A NULL next.
     let (mut w, p) = fresh();
-    w.mem.put(p + TASKS, 0);
+    w.mem.put_u64(p + TASKS, 0);
     assert!(matches!(
         w.read().unwrap_err(),
         StacksError::BadPointer { value: 0, .. }
@@ -591,11 +286,11 @@ fn corrupt_pointers_are_errors() {
     // A stack not aligned to THREAD_SIZE.
     let (mut w, p) = fresh();
     let s = w.stack_of(p);
-    w.mem.put(p + STACK, s + 0x1000);
+    w.mem.put_u64(p + STACK, s + 0x1000);
     assert!(matches!(w.read().unwrap_err(), StacksError::MisalignedStack { .. }));
     // An unmapped stack (task stacks are never skipped).
     let (mut w, p) = fresh();
-    w.mem.put(p + STACK, 0xffff_c900_7000_0000);
+    w.mem.put_u64(p + STACK, 0xffff_c900_7000_0000);
     let stacks = w.read().unwrap();
     assert!(matches!(
         stacks.saved_addresses_in(&w.mem, RANGE).unwrap_err(),
@@ -616,7 +311,7 @@ fn corrupt_pointers_are_errors() {
     w.mem.put_u32(NR_CPU_IDS, 1 << 20);
     assert!(matches!(w.read().unwrap_err(), StacksError::TooManyCpus(_)));
     let (mut w, _) = fresh();
-    w.mem.put(PER_CPU_OFFSET, 0x1000);
+    w.mem.put_u64(PER_CPU_OFFSET, 0x1000);
     assert!(matches!(
         w.read().unwrap_err(),
         StacksError::BadPointer {
@@ -632,9 +327,9 @@ fn impossible_cpus_are_skipped_and_missing_per_cpu_stacks_tolerated() {
     w.link();
     // CPU 1 is not possible; CPU 2 has no IRQ or exception stacks yet.
     let mask = 0xffff_ffff_8210_2000;
-    w.mem.put(mask, 0b101);
-    w.mem.put(per_cpu_area(2) + IRQ_PTR, 0);
-    w.mem.put(per_cpu_area(2) + ESTACKS_PTR, 0);
+    w.mem.put_u64(mask, 0b101);
+    w.mem.put_u64(per_cpu_area(2) + IRQ_PTR, 0);
+    w.mem.put_u64(per_cpu_area(2) + ESTACKS_PTR, 0);
     let mut l = layout();
     l.possible_mask = Some(Gva(mask));
     let stacks = KernelStacks::read(&w.mem, &l).unwrap();
@@ -676,8 +371,8 @@ fn a_paused_vcpus_registers_narrow_its_current_tasks_scan() {
     // Kernel mode on the task's stack: below rsp is dead.
     let (mut w, p, s) = fresh();
     let rsp = s + 0x3000;
-    w.mem.put(rsp - 8, CODE);
-    w.mem.put(rsp, CODE);
+    w.mem.put_u64(rsp - 8, CODE);
+    w.mem.put_u64(rsp, CODE);
     let mut stacks = w.read().unwrap();
     assert_eq!(stacks.task_stack(Gva(p)).unwrap().extent, Extent::Whole);
     assert_eq!(stacks.saved_addresses_in(&w.mem, RANGE).unwrap().len(), 2);
@@ -720,7 +415,7 @@ fn a_paused_vcpus_registers_narrow_its_current_tasks_scan() {
     let (mut w, p, s) = fresh();
     w.mem.write(base1 + IRQ_INUSE, &[1]);
     let top = irq_stack(1) + IRQ_SIZE;
-    w.mem.put(top - 8, s + 0x3800);
+    w.mem.put_u64(top - 8, s + 0x3800);
     let mut stacks = w.read().unwrap();
     stacks.narrow_to_vcpu(&w.mem, base1, 0, top - 0x200).unwrap();
     let t = stacks.task_stack(Gva(p)).unwrap();
@@ -780,7 +475,7 @@ fn the_vms_vcpu_count_bounds_the_guests_nr_cpu_ids() {
     const CLAIMED: u32 = 500;
     w.mem.put_u32(NR_CPU_IDS, CLAIMED);
     for cpu in 2..CLAIMED {
-        w.mem.put(PER_CPU_OFFSET + u64::from(cpu) * 8, per_cpu_area(1));
+        w.mem.put_u64(PER_CPU_OFFSET + u64::from(cpu) * 8, per_cpu_area(1));
     }
     // What the guest's own count gives: every alias listed.
     let unbounded = KernelStacks::read(&w.mem, &layout()).unwrap();

@@ -1,7 +1,8 @@
-//! The ORC walk against made-up text, ORC tables and stacks.
+//! The ORC walk against made-up text, ORC tables and stacks (`synthetic`).
 
 use std::collections::HashMap;
 
+use super::synthetic::*;
 use super::*;
 use crate::stacks::SwappedReturn;
 
@@ -28,85 +29,23 @@ impl GuestVirtRead for FakeGuest {
     }
 }
 
-const TEXT: u64 = 0xffff_ffff_8100_0000;
-const TASK_STACK: u64 = 0xffff_c900_0000_0000;
-const IRQ_STACK: u64 = 0xffff_c900_0010_0000;
-const STACK_SIZE: u64 = 0x4000;
-
-fn entry(sp_reg: u8, sp_offset: i16, bp_reg: u8, bp_offset: i16, kind: u16, end: bool) -> [u8; 6] {
-    let bits = u16::from(sp_reg) | (u16::from(bp_reg) << 4) | (kind << 8) | (u16::from(end) << 10);
-    let mut b = [0u8; 6];
-    b[0..2].copy_from_slice(&sp_offset.to_le_bytes());
-    b[2..4].copy_from_slice(&bp_offset.to_le_bytes());
-    b[4..6].copy_from_slice(&bits.to_le_bytes());
-    b
-}
-
-/// An ORC table from (address, entry) pairs, laid out as the kernel's sections are (the
-/// address table self-relative, at `ip_table`).
+/// An ORC table from (address, entry) rows, laid out as the kernel's sections are.
 fn table(rows: &[(u64, [u8; 6])]) -> OrcTable {
-    let ip_table = TEXT + 0x10_0000;
-    let mut ips = Vec::new();
-    let mut orcs = Vec::new();
-    for (i, (ip, e)) in rows.iter().enumerate() {
-        let rel = (*ip as i64) - (ip_table + 4 * i as u64) as i64;
-        ips.extend_from_slice(&(rel as i32).to_le_bytes());
-        orcs.extend_from_slice(e);
-    }
-    OrcTable::from_tables(Gva(ip_table), &ips, &orcs, Gva(TEXT)..Gva(TEXT + 0x10000), None).unwrap()
+    let (ips, orcs) = tables(rows);
+    OrcTable::from_tables(Gva(IP_TABLE), &ips, &orcs, Gva(TEXT)..Gva(TEXT + 0x10000), None).unwrap()
 }
-
-// Four functions: leaf (probed, at +0 the return address is at sp), mid (pushed rbp: the
-// caller's sp is 16 above), top (a kernel thread's first function: `end`), and an interrupt
-// entry that saved full pt_regs.
-const LEAF: u64 = TEXT + 0x100;
-const MID: u64 = TEXT + 0x200;
-const TOP: u64 = TEXT + 0x300;
-const IRQ_ENTRY: u64 = TEXT + 0x400;
-const SWITCHER: u64 = TEXT + 0x500;
-const UNDEFINED_AFTER: u64 = TEXT + 0x600;
 
 fn kernel_orc() -> OrcTable {
-    table(&[
-        (LEAF, entry(reg::SP, 8, reg::UNDEFINED, 0, 0, false)),
-        (MID, entry(reg::SP, 16, reg::PREV_SP, -16, 0, false)),
-        (TOP, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, true)),
-        (IRQ_ENTRY, entry(reg::SP, 0, reg::UNDEFINED, 0, 1, false)),
-        // Switched to the IRQ stack: the interrupted stack pointer is the word at sp.
-        (SWITCHER, entry(reg::SP_INDIRECT, 8, reg::UNDEFINED, 0, 0, false)),
-        (UNDEFINED_AFTER, entry(reg::UNDEFINED, 0, reg::UNDEFINED, 0, 0, false)),
-    ])
-}
-
-fn stacks() -> Vec<StackBounds> {
-    vec![
-        StackBounds {
-            name: "task".into(),
-            range: Gva(TASK_STACK)..Gva(TASK_STACK + STACK_SIZE),
-        },
-        StackBounds {
-            name: "irq".into(),
-            range: Gva(IRQ_STACK)..Gva(IRQ_STACK + STACK_SIZE),
-        },
-    ]
+    table(&kernel_rows())
 }
 
 fn no_recovery(ip: Gva, _slot: Gva) -> Gva {
     ip
 }
 
-/// leaf (hit at +0) <- mid+0x10 <- top+0x20, with mid's saved rbp below its return address.
+/// [`synthetic::three_frames`] in `g`.
 fn three_frames(g: &mut FakeGuest) -> StartRegs {
-    let sp = TASK_STACK + STACK_SIZE - 0x100;
-    g.put(sp, MID + 0x10); // leaf's return address
-    g.put(sp + 8, 0x1234); // mid's saved rbp
-    g.put(sp + 16, TOP + 0x20); // mid's return address
-    StartRegs {
-        ip: LEAF,
-        sp,
-        bp: 0x5555,
-        ..StartRegs::default()
-    }
+    super::synthetic::three_frames(&mut |at, v| g.put(at, v))
 }
 
 #[test]

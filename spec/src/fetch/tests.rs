@@ -1,43 +1,9 @@
-use std::collections::BTreeMap;
-
-use hvprobe_arch::Gva;
-use hvprobe_introspection::memory::{GuestVirtRead, MemoryError};
+use hvprobe_introspection::memory::SparseMemory;
 use hvprobe_introspection::symbols::SymbolTable;
 
 use super::*;
 use crate::{parse_line, ProbeSpec};
 use hvprobe_arch::pt_regs::Regs;
-
-/// Guest memory as a sparse map of 4 KiB pages; unmapped pages fail.
-#[derive(Default)]
-struct FakeMemory {
-    pages: BTreeMap<u64, Box<[u8; 4096]>>,
-}
-
-impl FakeMemory {
-    fn write(&mut self, addr: u64, bytes: &[u8]) {
-        for (i, b) in bytes.iter().enumerate() {
-            let a = addr + i as u64;
-            let page = self.pages.entry(a & !0xfff).or_insert_with(|| Box::new([0u8; 4096]));
-            page[(a & 0xfff) as usize] = *b;
-        }
-    }
-
-    fn write_u64(&mut self, addr: u64, v: u64) {
-        self.write(addr, &v.to_le_bytes());
-    }
-}
-
-impl GuestVirtRead for FakeMemory {
-    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), MemoryError> {
-        for (i, out) in buf.iter_mut().enumerate() {
-            let a = gva.0.checked_add(i as u64).ok_or(MemoryError::Wraps { gva, len: 0 })?;
-            let page = self.pages.get(&(a & !0xfff)).ok_or(MemoryError::Unmapped(Gva(a)))?;
-            *out = page[(a & 0xfff) as usize];
-        }
-        Ok(())
-    }
-}
 
 const STACK: u64 = 0xffff_c900_0001_3f00;
 const DATA: u64 = 0xffff_8880_0400_0000;
@@ -59,8 +25,8 @@ fn symbols() -> SymbolTable {
 
 struct World {
     regs: Regs,
-    kernel: FakeMemory,
-    user: FakeMemory,
+    kernel: SparseMemory,
+    user: SparseMemory,
     symbols: SymbolTable,
 }
 
@@ -78,16 +44,16 @@ impl World {
             rip: 0xffff_ffff_8123_4561,
             ..Regs::default()
         };
-        let mut kernel = FakeMemory::default();
+        let mut kernel = SparseMemory::default();
         // The stack at a function entry: return address, then arguments 7 and 8.
-        kernel.write_u64(STACK, 0xffff_ffff_8123_4600);
-        kernel.write_u64(STACK + 8, 77);
-        kernel.write_u64(STACK + 16, 88);
-        kernel.write_u64(0xffff_ffff_8200_0000, 0x1_0000_2a00); // jiffies
+        kernel.put_u64(STACK, 0xffff_ffff_8123_4600);
+        kernel.put_u64(STACK + 8, 77);
+        kernel.put_u64(STACK + 16, 88);
+        kernel.put_u64(0xffff_ffff_8200_0000, 0x1_0000_2a00); // jiffies
         World {
             regs,
             kernel,
-            user: FakeMemory::default(),
+            user: SparseMemory::default(),
             symbols: symbols(),
         }
     }
@@ -250,7 +216,7 @@ fn dereference_chains() {
     let mut w = World::new();
     // rdi -> struct { u64 pad; struct inner *p; }, inner at DATA + 0x100: { u32 a = 7; u32 b = -2 }
     w.regs.rdi = DATA;
-    w.kernel.write_u64(DATA + 8, DATA + 0x100);
+    w.kernel.put_u64(DATA + 8, DATA + 0x100);
     w.kernel.write(DATA + 0x100, &7u32.to_le_bytes());
     w.kernel.write(DATA + 0x104, &(-2i32).to_le_bytes());
     assert_eq!(w.show("+8(%di)"), format!("{:#x}", DATA + 0x100));
@@ -264,10 +230,10 @@ fn dereference_chains() {
     w.regs.rsi = DATA + 0x108;
     assert_eq!(w.show("-8(%si):u32"), "7");
     // A fault in the middle of the chain faults the argument.
-    w.kernel.write_u64(DATA + 16, UNMAPPED);
+    w.kernel.put_u64(DATA + 16, UNMAPPED);
     assert_eq!(w.eval("+0(+0(+16(%di))):u32"), ArgValue::Fault);
     // Three levels through the stack.
-    w.kernel.write_u64(STACK + 24, DATA);
+    w.kernel.put_u64(STACK + 24, DATA);
     assert_eq!(w.show("+0(+8(+24($stack))):u32"), "7");
     // $argN as a base.
     w.regs.rdx = DATA + 0x100;
@@ -302,7 +268,7 @@ fn strings_are_read_up_to_the_nul() {
     assert_eq!(w.show("@0xffff888004000000:string"), "\"hello\"");
     assert_eq!(w.show("\\0xffff888004000006:string"), "\"world\"");
     // The string type reads at the location, it does not dereference it once more.
-    w.kernel.write_u64(DATA + 0x200, DATA);
+    w.kernel.put_u64(DATA + 0x200, DATA);
     w.regs.rsi = DATA + 0x200;
     assert_eq!(w.show("+0(+0(%si)):string"), "\"hello\"");
 }
@@ -380,9 +346,9 @@ fn numeric_arrays_fault_per_element() {
 fn string_arrays_are_arrays_of_pointers() {
     let mut w = World::new();
     w.kernel.write(DATA + 0x100, b"first\0second\0");
-    w.kernel.write_u64(DATA, DATA + 0x100);
-    w.kernel.write_u64(DATA + 8, DATA + 0x106);
-    w.kernel.write_u64(DATA + 16, UNMAPPED);
+    w.kernel.put_u64(DATA, DATA + 0x100);
+    w.kernel.put_u64(DATA + 8, DATA + 0x106);
+    w.kernel.put_u64(DATA + 16, UNMAPPED);
     w.regs.rdi = DATA;
     assert_eq!(w.show("+0(%di):string[2]"), "{\"first\",\"second\"}");
     assert_eq!(w.show("+0(%di):string[3]"), "{\"first\",\"second\",(fault)}");
@@ -406,7 +372,7 @@ fn symbols_print_as_percent_ps() {
     w.regs.rdi = 0;
     assert_eq!(w.show("%di:symbol"), "0x0");
     // From memory: the 8-byte word there.
-    w.kernel.write_u64(DATA, 0xffff_ffff_8200_0014);
+    w.kernel.put_u64(DATA, 0xffff_ffff_8200_0014);
     w.regs.rsi = DATA;
     assert_eq!(w.show("+0(%si):symbol"), "some_table+0x4/0xf0");
     assert_eq!(w.show("+0(%si):symstr"), "\"some_table+0x4/0xf0\"");

@@ -156,6 +156,14 @@ pub fn scratch(suite: &str, name: &str) -> PathBuf {
     dir
 }
 
+/// A probe file holding `text` in the temporary directory, named after `name` and this
+/// process (a name each test of the binary keeps to itself).
+pub fn probe_file(name: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("hvprobe-test-{}-{name}.probes", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 /// `hvprobe run --workload true ARGS` fails with `message` on stderr, and boots nothing.
 pub fn assert_refused_before_boot(args: &[&str], message: &str) {
     let mut all = vec!["run", "--workload", "true"];

@@ -394,12 +394,7 @@ fn an_available_ring_the_queue_cannot_read_breaks_the_queue_instead_of_spinning(
     let image = open(&file, false);
     // virtio-queue refuses to iterate an available ring at guest-physical 0 (as not set
     // up) while its index there says one request is waiting.
-    let mut q = Queue::new(16).unwrap();
-    q.set_size(16);
-    q.set_desc_table_address(Some(0x4000), Some(0));
-    q.set_avail_ring_address(Some(0), Some(0));
-    q.set_used_ring_address(Some(0x8000), Some(0));
-    q.set_ready(true);
+    let mut q = crate::virtio::test_support::driver_queue(16, 16, 0x4000, 0, 0x8000);
     mem.write_obj(1u16, GuestAddress(2)).unwrap();
     let (done, answer) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use virtio_bindings::virtio_mmio::VIRTIO_MMIO_INT_VRING;
-use virtio_queue::Queue;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
@@ -180,14 +179,9 @@ fn activation(interrupt: &Arc<Interrupt>) -> (Activation, Vec<EventFd>) {
     let ram = super::super::device_memory(&mem).unwrap();
     let mut queues = Vec::new();
     let mut notify = Vec::new();
-    for index in 0..NUM_QUEUES as u64 {
-        let mut q = Queue::new(QUEUE_SIZE).unwrap();
+    for index in 0..NUM_QUEUES as u32 {
         let base = 0x10_0000 + index * 0x1_0000;
-        q.set_size(16);
-        q.set_desc_table_address(Some(base as u32), Some(0));
-        q.set_avail_ring_address(Some((base + 0x1000) as u32), Some(0));
-        q.set_used_ring_address(Some((base + 0x2000) as u32), Some(0));
-        q.set_ready(true);
+        let q = crate::virtio::test_support::driver_queue(QUEUE_SIZE, 16, base, base + 0x1000, base + 0x2000);
         assert!(q.is_valid(&ram));
         queues.push(q);
         notify.push(EventFd::new(libc::EFD_NONBLOCK).unwrap());
