@@ -9,7 +9,11 @@
 //!
 //! Each submodule owns one invariant:
 //! - [`registry`]: which probes exist, and the text holds our int3 exactly at the sites of
-//!   enabled probes while the global switch is on (and never writes a stale byte back);
+//!   enabled probes while the global switch is on (and never writes a stale byte back;
+//!   putting an optimized site's int3 back is its `unoptimize`);
+//! - [`placed`] and [`site_jump`]: the state the registry keeps per probe, watch and
+//!   site (what placement found; a site's jump and detour code), below everything that
+//!   makes or changes it, so that the engine's modules import one way;
 //! - [`placement`]: a probe goes only on an instruction boundary of one function, off the
 //!   guest's own patch sites;
 //! - [`hit`]: an int3 exit runs every enabled probe once and leaves the vCPU where the
@@ -52,9 +56,11 @@ mod hit;
 mod modules;
 mod optimize;
 mod out_of_line;
+mod placed;
 mod placement;
 mod registry;
 mod returns;
+mod site_jump;
 mod stack;
 mod stamps;
 mod step;
@@ -66,9 +72,9 @@ mod watch;
 
 pub use event_rings::EventSetupError;
 pub use hvprobe_detour::sites::{PatchSite, PatchSiteKind, PatchSites, PatchSitesError, MAX_SITE_TABLE_BYTES};
-pub use optimize::WhyNotOptimized;
 pub use out_of_line::OutOfLinePlace;
 pub use placement::resolve_symbol;
+pub use site_jump::WhyNotOptimized;
 pub use text::TextBoundsError;
 
 /// The longest function the engine decodes to check an instruction boundary.

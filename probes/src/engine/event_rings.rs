@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use hvprobe_arch::{Gpa, Gva};
 
 use super::events::hit_record;
-use super::optimize::{WhyNotOptimized, DETOUR_BLOCK};
 use super::registry::Counters;
+use super::site_jump::{WhyNotOptimized, DETOUR_BLOCK};
 use super::{HitEvent, ProbeId, Tracer};
 use crate::detour::event::returns::SLOT_OWNER;
 use crate::detour::event::{EventLayout, GuestKernelFacts, RETURN_SLOT_SIZE};

@@ -45,7 +45,7 @@ impl Tracer {
             if let Some(code) = reg
                 .detour_codes
                 .get(&at)
-                .filter(|c| c.kind == super::optimize::DetourKind::Sync)
+                .filter(|c| c.kind == super::site_jump::DetourKind::Sync)
             {
                 let site = code.site;
                 return self.detour_hit(cpu, vcpu, at, site, &reg);

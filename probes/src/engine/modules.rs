@@ -34,7 +34,7 @@ use hvprobe_arch::Gva;
 use hvprobe_introspection::modules::{self, LoadedModule, ModuleBudget, ModuleLayout, ModuleState};
 use hvprobe_introspection::unwind::{OrcEntry, OrcLookup, OrcTable};
 
-use super::placement::Placement;
+use super::placed::Placement;
 use super::registry::{ModuleBinding, ModuleProbeState, Registry, Role};
 use super::text::MODULE_AREA;
 use super::{KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer};

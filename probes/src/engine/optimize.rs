@@ -16,15 +16,15 @@
 //! its bytes change. A site refused for a reason that can go away (a vCPU or a task inside
 //! the region, a probe inside it) is tried again at the next pause.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use hvprobe_arch::{Gva, INT3};
 
 use super::placement::compiler_bytes;
-use super::registry::{Counters, Registry, Role, Site};
-use super::text::{write_text, TextBounds};
+use super::registry::{armed_bytes, unoptimize, Counters, Registry, Role, Site};
+use super::site_jump::{Detour, DetourCode, DetourKind, ReturnSlots, WhyNotOptimized, DETOUR_BLOCK};
+use super::text::write_text;
 use super::{ProbeError, ProbeId, ProbeKind, Tracer};
 use crate::detour::event::filter::RecordFilter;
 use crate::detour::event::{event_detour, EventDetourParams, EventLayout, ReturnDetourParams, DEFAULT_STRING_SIZE};
@@ -32,136 +32,12 @@ use crate::detour::{
     check_probe, jump_bytes, plan_region, relocate, Code, DetourFacts, DetourRegion, FunctionText, IndirectThunks,
     NotOptimizable, ProbeConditions, JMP_REL32_LEN,
 };
-use crate::machine::{KernelMemory, PausedView};
-
-/// Bytes of the out-of-line area one detour takes (its int3, the relocated region of at
-/// most 19 bytes grown by re-encoded branches, and the jump back).
-pub(super) const DETOUR_BLOCK: u64 = 64;
-
-/// Why an armed probe is not jump-optimized (the listing's and the API's reason).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum WhyNotOptimized {
-    #[error("optimization is off")]
-    Off,
-    #[error("{0}")]
-    Region(Arc<NotOptimizable>),
-    #[error("the guest's own int3 is at the probe address")]
-    SharedWithGuest,
-    #[error(
-        "the guest's own jump to {target} is at the probe address (its optimized kprobe: it \
-         writes its bytes back when it goes, over a jump of ours)"
-    )]
-    GuestJump { target: Gva },
-    #[error("it is in module {0} (module probes stay int3 probes: the module may unload under a detour)")]
-    InModule(String),
-    #[error("the engine follows module loads there (its hook must exit to the host at the probe address)")]
-    ModuleHook,
-    #[error("it is not armed (disabled, disarmed or gone)")]
-    NotArmed,
-    #[error("vCPU {cpu} is stopped inside the region at {rip} (tried again at the next pause)")]
-    VcpuInside { cpu: usize, rip: Gva },
-    #[error(
-        "a kernel stack holds {saved}, inside the region (a task interrupted or preempted there; tried again \
-         at the next pause)"
-    )]
-    TaskInside { saved: Gva },
-    #[error("the guest's kernel stacks cannot be checked for a task interrupted in the region: {0}")]
-    StacksUnreadable(String),
-    #[error("an execution watch at {watch} is inside the region")]
-    WatchInside { watch: Gva },
-    #[error("no out-of-line area")]
-    NoOutOfLineArea,
-    #[error("the out-of-line area has no room for another detour")]
-    NoRoom,
-    #[error("the detour at {detour} is out of rel32 reach of the probe")]
-    OutOfReach { detour: Gva },
-    #[error("the relocated region takes {len} bytes, more than a detour holds")]
-    TooLong { len: usize },
-    #[error("guest memory: {0}")]
-    Memory(String),
-    #[error("its event detour cannot be made: {0}")]
-    EventCode(String),
-    #[error("every entry of the event rings' miss table is taken ({slots} event detours at once)")]
-    NoMissSlot { slots: u32 },
-    #[error("the calls-in-flight table has no {maxactive} free slots for its exit-free return (maxactive)")]
-    NoReturnSlots { maxactive: u32 },
-}
-
-impl WhyNotOptimized {
-    /// Whether planning the site again cannot change the answer while its text and probes
-    /// stay as they are (a refusal of the region itself, not of a moment's state).
-    fn permanent(&self) -> bool {
-        match self {
-            WhyNotOptimized::Region(r) => !r.is_temporary(),
-            WhyNotOptimized::OutOfReach { .. }
-            | WhyNotOptimized::TooLong { .. }
-            | WhyNotOptimized::NoOutOfLineArea
-            | WhyNotOptimized::InModule(_) => true,
-            _ => false,
-        }
-    }
-}
+use crate::machine::PausedView;
 
 /// Whether a probe only records (no handler of any kind, the user's, no kernel stack to
 /// unwind at its hits): what an event detour can do for it.
 fn records_only(probe: &super::registry::Probe) -> bool {
     probe.role == Role::User && probe.pre.is_none() && probe.post.is_none() && probe.emit_events && !probe.stack_trace
-}
-
-/// The jump at an optimized site.
-#[derive(Clone, Debug)]
-pub(super) struct Detour {
-    pub region: DetourRegion,
-    /// The detour's first byte (a sync detour's int3).
-    pub code: Gva,
-    /// What we wrote over the region: the jump, then int3s to the region's end. Those are
-    /// never executed (nothing branches into the region's interior); they keep a decoder
-    /// that walks the function from its start — the guest's own `can_probe` does, before
-    /// it places a kprobe after ours — on the instruction boundaries after the region.
-    pub jump: Vec<u8>,
-    pub kind: DetourKind,
-    /// The probes its event detours record for, in order (none for a sync detour).
-    pub recorders: Vec<ProbeId>,
-    /// Its event detours' entries in the rings' miss table.
-    pub miss_slots: Vec<u32>,
-    /// Where a vCPU has counted a missed hit in its ring and not yet in the miss-table
-    /// entry beside it ([`crate::detour::event::EventDetour::ring_counted_miss_ips`]).
-    pub ring_counted_miss_ips: Vec<(Gva, u32)>,
-    /// Its exit-free return probes' slots.
-    pub returns: Vec<ReturnSlots>,
-}
-
-/// What a detour does before the displaced instructions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DetourKind {
-    /// Traps once to the host (an int3), whose handlers run.
-    Sync,
-    /// Writes the hit into its CPU's ring in the guest: no exit.
-    Event,
-}
-
-/// A detour's code in the out-of-line area, live or retired. An int3 exit at a sync
-/// detour's `code` is a hit of `site` (if it still exists) that goes on in the relocated
-/// region at `code + 1`.
-#[derive(Clone, Debug)]
-pub(super) struct DetourCode {
-    pub site: Gva,
-    /// Still the jump target of its site (else retired, waiting to be reused).
-    pub live: bool,
-    /// The guest rewrote the jump to it: the guest may hold a copy of the jump (its own
-    /// kprobe on that address copies the instruction there, a `jmp` it emulates and puts
-    /// back when its probe goes) and jump here at any time. Never reclaimed.
-    pub kept: bool,
-    /// Detour blocks it takes.
-    pub blocks: u64,
-    pub kind: DetourKind,
-    /// Its event detours' entries in the rings' miss table, given back with its blocks.
-    pub miss_slots: Vec<u32>,
-    /// [`Detour::ring_counted_miss_ips`].
-    pub ring_counted_miss_ips: Vec<(Gva, u32)>,
-    /// Its exit-free return probes' slots: given back with its blocks, once every one is
-    /// free (no call of them in flight).
-    pub returns: Vec<ReturnSlots>,
 }
 
 /// A probe that only records, for its event detour.
@@ -192,18 +68,6 @@ struct DetourMade {
     stubs: Option<Gva>,
     ring_counted_miss_ips: Vec<Gva>,
 }
-
-/// The calls-in-flight slots an exit-free return probe's code was given.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct ReturnSlots {
-    pub first: u32,
-    pub count: u32,
-    /// The first slot's stub.
-    pub stubs: Gva,
-}
-
-/// Every detour's code by its address.
-pub(super) type DetourCodes = BTreeMap<Gva, DetourCode>;
 
 impl Tracer {
     /// Linux's kprobes' `debug.kprobes_optimization`: on, every armed probe that can be is
@@ -843,71 +707,9 @@ impl Tracer {
     }
 }
 
-/// Puts the int3 and the original bytes back where the site's jump is (the probe stays
-/// armed), and retires its detour. A jump the guest rewrote makes the site gone; its bytes
-/// stay as the guest wrote them.
-pub(super) fn unoptimize(
-    text: &dyn KernelMemory,
-    bounds: &TextBounds,
-    addr: Gva,
-    site: &mut Site,
-    codes: &mut DetourCodes,
-) {
-    let Some(detour) = site.detour.take() else { return };
-    if let Some(code) = codes.get_mut(&detour.code) {
-        code.live = false;
-    }
-    let mut now = vec![0u8; detour.jump.len()];
-    match text.read_virt(addr, &mut now) {
-        Ok(()) if now == detour.jump => {
-            if let Err(e) = write_text(text, bounds, addr, &armed_bytes(&detour.region)) {
-                // The jump stays, and so does its detour: hits still go through it.
-                tracing::error!("unoptimizing the probe at {addr}: {e}: the jump stays");
-                if let Some(code) = codes.get_mut(&detour.code) {
-                    code.live = true;
-                }
-                site.detour = Some(detour);
-            }
-        }
-        Ok(()) => {
-            tracing::warn!(
-                "the guest rewrote our jump at {addr} (now {}): the probe is [GONE], the bytes stay, and so \
-                 does its detour (the guest may have copied the jump)",
-                super::hex(&now)
-            );
-            if let Some(code) = codes.get_mut(&detour.code) {
-                code.kept = true;
-            }
-            site.gone = true;
-            site.armed = false;
-        }
-        Err(e) => {
-            tracing::error!("unoptimizing the probe at {addr}: {e}: the jump stays");
-            if let Some(code) = codes.get_mut(&detour.code) {
-                code.live = true;
-            }
-            site.detour = Some(detour);
-        }
-    }
-}
-
-/// What an armed, unoptimized site holds where its jump goes: our int3, then the
-/// original bytes of the rest of the region.
-fn armed_bytes(region: &DetourRegion) -> Vec<u8> {
-    let mut bytes = region.original_bytes();
-    bytes[0] = INT3;
-    bytes
-}
-
 /// The jump, then int3s to the end of the region (see [`Detour::jump`]).
 fn padded_jump(jump: &[u8; JMP_REL32_LEN], region: &DetourRegion) -> Vec<u8> {
     let mut bytes = vec![INT3; region.original_bytes().len()];
     bytes[..JMP_REL32_LEN].copy_from_slice(jump);
     bytes
-}
-
-/// Whether the jump of an optimized site is still in the text as we wrote it.
-pub(super) fn jump_intact(text: &dyn KernelMemory, addr: Gva, detour: &Detour) -> bool {
-    let mut now = vec![0u8; detour.jump.len()];
-    text.read_virt(addr, &mut now).is_ok_and(|()| now == detour.jump)
 }

@@ -6,7 +6,7 @@ use std::fmt;
 
 use hvprobe_arch::Gva;
 
-use super::optimize::{DetourKind, DETOUR_BLOCK};
+use super::site_jump::{DetourKind, DETOUR_BLOCK};
 use super::step_guard::GUARD_BYTES;
 use super::{Tracer, SLOT_SIZE};
 

@@ -7,29 +7,10 @@
 use hvprobe_arch::Gva;
 use hvprobe_introspection::symbols::{Symbol, SymbolTable};
 
+use super::placed::Placement;
 use super::registry::Registry;
 use super::{ProbeError, ProbePoint, Tracer, ENDBR64, FTRACE_NOP, MAX_FUNCTION_BYTES};
 use crate::insn;
-
-/// Everything [`Tracer::place`] found out about a probe point.
-pub(super) struct Placement {
-    pub address: Gva,
-    /// The probe is at its function's first byte (a return probe must be).
-    pub at_function_entry: bool,
-    /// `sym+0xoff` for the listing: the symbol the user named, or the function that
-    /// contains an address.
-    pub location: String,
-    /// `sym+0xoff/0xsize` of `address`, for hit events.
-    pub trace_location: String,
-    pub site: Gva,
-    pub what: String,
-    /// The original bytes at `site` (up to 15, within the function).
-    pub bytes: Vec<u8>,
-    pub may_fault: bool,
-    /// The module the site is in, and the start of its memory (core or init layout)
-    /// that holds the site.
-    pub module: Option<(String, Gva)>,
-}
 
 /// The one text symbol `name` names, with `offset` inside it: what can be checked of a
 /// `SYM+OFFS` probe point from the symbols alone (also before the guest boots).

@@ -10,14 +10,15 @@ use std::sync::Arc;
 
 use hvprobe_arch::{Gva, INT3};
 
-use super::optimize::{jump_intact, unoptimize, Detour, DetourCodes, WhyNotOptimized};
-use super::placement::Placement;
+use super::placed::Placement;
+use super::placed::WatchPlacement;
+use super::site_jump::{jump_intact, Detour, DetourCodes, WhyNotOptimized};
 use super::text::{write_text, TextBounds};
-use super::watch::WatchPlacement;
 use super::{
     hex, EventShape, KprobeRequest, PostHandler, PreHandler, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer,
 };
 use crate::detour::event::filter::RecordFilter;
+use crate::detour::DetourRegion;
 use crate::insn::{self, Execution, ProbedInsn};
 use crate::machine::{KernelMemory, PausedView};
 use crate::output::{ListEntry, ListKind};
@@ -219,7 +220,7 @@ pub(super) struct Registry {
     /// Every detour's code, live or retired.
     pub detour_codes: DetourCodes,
     /// Which watch owns each debug register.
-    pub watch_slots: super::watch::WatchSlots,
+    pub watch_slots: super::placed::WatchSlots,
 }
 
 impl Registry {
@@ -1117,4 +1118,60 @@ fn disarm(tracer: &Tracer, text: &dyn KernelMemory, addr: Gva, site: &mut Site, 
     if site.gone && !was_gone {
         tracer.stats.gone.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Puts the int3 and the original bytes back where the site's jump is (the probe stays
+/// armed), and retires its detour. A jump the guest rewrote makes the site gone; its bytes
+/// stay as the guest wrote them.
+pub(super) fn unoptimize(
+    text: &dyn KernelMemory,
+    bounds: &TextBounds,
+    addr: Gva,
+    site: &mut Site,
+    codes: &mut DetourCodes,
+) {
+    let Some(detour) = site.detour.take() else { return };
+    if let Some(code) = codes.get_mut(&detour.code) {
+        code.live = false;
+    }
+    let mut now = vec![0u8; detour.jump.len()];
+    match text.read_virt(addr, &mut now) {
+        Ok(()) if now == detour.jump => {
+            if let Err(e) = write_text(text, bounds, addr, &armed_bytes(&detour.region)) {
+                // The jump stays, and so does its detour: hits still go through it.
+                tracing::error!("unoptimizing the probe at {addr}: {e}: the jump stays");
+                if let Some(code) = codes.get_mut(&detour.code) {
+                    code.live = true;
+                }
+                site.detour = Some(detour);
+            }
+        }
+        Ok(()) => {
+            tracing::warn!(
+                "the guest rewrote our jump at {addr} (now {}): the probe is [GONE], the bytes stay, and so \
+                 does its detour (the guest may have copied the jump)",
+                super::hex(&now)
+            );
+            if let Some(code) = codes.get_mut(&detour.code) {
+                code.kept = true;
+            }
+            site.gone = true;
+            site.armed = false;
+        }
+        Err(e) => {
+            tracing::error!("unoptimizing the probe at {addr}: {e}: the jump stays");
+            if let Some(code) = codes.get_mut(&detour.code) {
+                code.live = true;
+            }
+            site.detour = Some(detour);
+        }
+    }
+}
+
+/// What an armed, unoptimized site holds where its jump goes: our int3, then the
+/// original bytes of the rest of the region.
+pub(super) fn armed_bytes(region: &DetourRegion) -> Vec<u8> {
+    let mut bytes = region.original_bytes();
+    bytes[0] = INT3;
+    bytes
 }

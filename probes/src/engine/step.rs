@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 use hvprobe_arch::regs::rflags;
 use hvprobe_arch::{Gva, INT3};
 
-use super::optimize::DETOUR_BLOCK;
+use super::site_jump::DETOUR_BLOCK;
 use super::step_guard::{self, StepGuard, GUARD_BYTES, IDT_BYTES};
 use super::{EngineFault, HitContext, OutOfLineArea, ProbeError, ProbeId, StepOutcome, Tracer, SLOT_SIZE};
 use crate::insn::{self, OutOfLine, ProbedInsn};

@@ -1961,7 +1961,7 @@ fn every_refusal_of_a_batch_is_reported_at_once_and_nothing_is_armed() {
 // ---- jump optimization -------------------------------------------------------------------
 
 /// Where the first detour goes: the last block of the fake out-of-line area.
-const DETOUR: u64 = OOL + 0x1000 - optimize::DETOUR_BLOCK;
+const DETOUR: u64 = OOL + 0x1000 - site_jump::DETOUR_BLOCK;
 
 /// A tracer whose machine can search its (empty) kernel stacks, with optimization on.
 fn optimizing(m: &Arc<FakeMachine>) -> Tracer {
@@ -2194,7 +2194,7 @@ fn a_retired_detour_is_reused_only_when_no_vcpu_or_stack_is_in_it_and_still_work
     *m.stack_words.lock().unwrap() = Some(vec![DETOUR + 4]);
     t.set_optimization(true).unwrap();
     assert_eq!(m.bytes(PUSH, 1), [0xe9]);
-    let second = DETOUR - optimize::DETOUR_BLOCK;
+    let second = DETOUR - site_jump::DETOUR_BLOCK;
     assert_eq!(
         m.bytes(PUSH, 5),
         crate::detour::jump_bytes(Gva(PUSH), Gva(second)).unwrap(),
@@ -2240,7 +2240,7 @@ fn a_detour_the_guest_may_have_copied_is_kept_for_good() {
     let id = t.register(plain(at("func", 0), "opt")).unwrap();
     let jump = m.bytes(PUSH, 5);
     assert_eq!(jump[0], 0xe9);
-    let detour = m.bytes(DETOUR, optimize::DETOUR_BLOCK as usize);
+    let detour = m.bytes(DETOUR, site_jump::DETOUR_BLOCK as usize);
     m.write_virt(Gva(PUSH), &[INT3]).unwrap();
     t.check_gone();
     assert!(t.listing()[0].gone);
@@ -2701,7 +2701,7 @@ fn a_kprobe_and_a_return_probe_on_one_entry_share_one_jump_to_two_event_detours(
             .iter()
             .find(|(_, d)| d.live && !d.returns.is_empty())
             .expect("the function's live detour");
-        assert_eq!(d.kind, super::optimize::DetourKind::Event);
+        assert_eq!(d.kind, super::site_jump::DetourKind::Event);
         assert_eq!(d.miss_slots.len(), 2);
         assert_eq!(d.returns.len(), 1);
         (*at, d.blocks)
@@ -2709,7 +2709,7 @@ fn a_kprobe_and_a_return_probe_on_one_entry_share_one_jump_to_two_event_detours(
     let layouts = t.events.get().unwrap().layouts.read().unwrap().clone();
     assert!(layouts[&k.0].ret.is_none() && layouts[&r.0].ret.is_some());
     // The kprobe's detour ends with a jump to the return probe's, 16-byte aligned after it.
-    let bytes = m.bytes(code.0, (blocks * super::optimize::DETOUR_BLOCK) as usize);
+    let bytes = m.bytes(code.0, (blocks * super::site_jump::DETOUR_BLOCK) as usize);
     let jumps_on: Vec<u64> = iced_x86::Decoder::with_ip(64, &bytes, code.0, iced_x86::DecoderOptions::NONE)
         .into_iter()
         .filter(|i| i.mnemonic() == iced_x86::Mnemonic::Jmp && i.near_branch_target() > code.0)
@@ -2734,7 +2734,7 @@ fn a_kprobe_and_a_return_probe_on_one_entry_share_one_jump_to_two_event_detours(
     let reg = t.read_registry();
     let site = reg.sites.get(&Gva(PUSH)).expect("the function's site");
     let detour = site.detour.as_ref().expect("still optimized");
-    assert_eq!(detour.kind, super::optimize::DetourKind::Sync);
+    assert_eq!(detour.kind, super::site_jump::DetourKind::Sync);
     assert!(detour.miss_slots.is_empty() && detour.returns.is_empty());
 }
 

@@ -13,73 +13,11 @@ use hvprobe_arch::debugreg::{Access, DebugRegisters, HardwareBreakpoint, HARDWAR
 use hvprobe_arch::Gva;
 use std::sync::atomic::Ordering;
 
+use super::placed::WatchPlacement;
 use super::registry::Registry;
 use super::{KprobeRequest, ProbeError, ProbeId, ProbeKind, ProbePoint, Tracer, MAX_FUNCTION_BYTES};
 use crate::insn;
 use crate::machine::Vcpu;
-
-/// Everything [`Tracer::place_watch`] found out about a watch.
-pub(super) struct WatchPlacement {
-    pub breakpoint: HardwareBreakpoint,
-    /// `sym+0xoff`, for the listing.
-    pub location: String,
-    /// `sym+0xoff/0xsize`, for an execution watch's events.
-    pub trace_location: String,
-}
-
-/// The watches' slots: which watch owns each debug register.
-#[derive(Default)]
-pub(super) struct WatchSlots {
-    slots: [Option<(ProbeId, HardwareBreakpoint)>; HARDWARE_BREAKPOINTS],
-}
-
-impl WatchSlots {
-    pub fn owner(&self, slot: usize) -> Option<ProbeId> {
-        self.slots.get(slot).and_then(|s| s.map(|(id, _)| id))
-    }
-
-    pub fn of(&self, id: ProbeId) -> Option<HardwareBreakpoint> {
-        self.slots
-            .iter()
-            .flatten()
-            .find(|(owner, _)| *owner == id)
-            .map(|(_, bp)| *bp)
-    }
-
-    pub fn execute_at(&self, address: Gva) -> bool {
-        self.execute_in(address..Gva(address.0.saturating_add(1))).is_some()
-    }
-
-    /// The first execution watch in `range`.
-    pub fn execute_in(&self, range: std::ops::Range<Gva>) -> Option<Gva> {
-        self.slots
-            .iter()
-            .flatten()
-            .filter(|(_, bp)| bp.access() == Access::Execute && range.contains(&bp.address()))
-            .map(|(_, bp)| bp.address())
-            .min()
-    }
-
-    fn take(&mut self, id: ProbeId, bp: HardwareBreakpoint, in_use: &[String]) -> Result<(), ProbeError> {
-        let free = self
-            .slots
-            .iter()
-            .position(Option::is_none)
-            .ok_or_else(|| ProbeError::DebugRegistersFull {
-                in_use: in_use.join(", "),
-            })?;
-        self.slots[free] = Some((id, bp));
-        Ok(())
-    }
-
-    pub fn release(&mut self, id: ProbeId) {
-        for slot in &mut self.slots {
-            if slot.is_some_and(|(owner, _)| owner == id) {
-                *slot = None;
-            }
-        }
-    }
-}
 
 impl Tracer {
     /// Resolves a watch with every check that needs no paused vCPU.
