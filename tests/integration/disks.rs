@@ -614,12 +614,15 @@ fn a_guests_failing_writes_do_not_flood_the_hosts_log() {
     );
     let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("virtio-blk")).collect();
     assert!(
-        warnings.iter().any(|l| l.contains("more like it left out")),
-        "no line counted what was left out ({failed_requests} I/O errors in the guest):\n{stderr}"
+        !warnings.is_empty(),
+        "the failed writes left no warning ({failed_requests} I/O errors in the guest):\n{stderr}"
     );
     // Each message is limited on its own: per message, at most ten in each five-second
     // window, and a window starts at the first line written after the last one ended, so
-    // lines spanning S seconds fill at most S/5 + 1 windows.
+    // lines spanning S seconds fill at most S/5 + 1 windows. Whether any line is left out
+    // (and counted in the next one) depends on how fast this host lets the guest fail
+    // requests: a loaded host gave one every 3 s, under the limit. The counting itself is
+    // vmm's `log_limit` unit test.
     let mut by_message: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for line in &warnings {
         let message = if line.contains("fsync") { "fsync" } else { "transfer" };
