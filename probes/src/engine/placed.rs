@@ -40,10 +40,15 @@ pub(super) struct WatchPlacement {
 /// The watches' slots: which watch owns each debug register.
 #[derive(Default)]
 pub(super) struct WatchSlots {
-    pub slots: [Option<(ProbeId, HardwareBreakpoint)>; HARDWARE_BREAKPOINTS],
+    slots: [Option<(ProbeId, HardwareBreakpoint)>; HARDWARE_BREAKPOINTS],
 }
 
 impl WatchSlots {
+    /// Each debug register's watch and breakpoint, by slot.
+    pub fn assigned(&self) -> [Option<(ProbeId, HardwareBreakpoint)>; HARDWARE_BREAKPOINTS] {
+        self.slots
+    }
+
     pub fn owner(&self, slot: usize) -> Option<ProbeId> {
         self.slots.get(slot).and_then(|s| s.map(|(id, _)| id))
     }

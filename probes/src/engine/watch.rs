@@ -132,7 +132,7 @@ impl Tracer {
         if !reg.armed {
             return registers;
         }
-        let mut slots = reg.watch_slots.slots;
+        let mut slots = reg.watch_slots.assigned();
         for slot in &mut slots {
             if slot.is_some_and(|(id, _)| !reg.probes.get(&id).is_some_and(|p| p.enabled)) {
                 *slot = None;
