@@ -90,7 +90,7 @@ pub fn ftrace_line(hit: &HitRecord) -> String {
 
 /// `trace_print_context`: `%16s-%-7d [%03d]  %5lu.%06lu: `, the timestamp rounded to the
 /// nearest microsecond, as `ns2usecs` does.
-fn context(hit: &HitRecord) -> String {
+pub fn context(hit: &HitRecord) -> String {
     let micros = (u128::from(hit.timestamp_ns) + 500) / 1000;
     let (secs, usecs) = (micros / 1_000_000, micros % 1_000_000);
     format!(
