@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use hvprobe_session::machine::Machine;
-use hvprobe_session::options::OutputFormat;
+use hvprobe_session::options::{FunctionTracerKind, FunctionTracerOptions, OutputFormat};
 use hvprobe_session::shares::{RootfsHide, RwDir, Sandbox};
 use hvprobe_session::snapshot::SnapshotOptions;
 use hvprobe_session::symbol_sources::SourceKind;
@@ -31,6 +31,11 @@ pub enum Commands {
     BuildGuest,
     /// Resolve kernel symbols offline, at link-time addresses (no KASLR slide).
     Symbols(SymbolsArgs),
+    /// List what a kernel offers to trace, offline, from its vmlinux.
+    List {
+        #[command(subcommand)]
+        command: ListCommand,
+    },
     /// Show a function's source lines, numbered where a probe can go (perf probe's `-L`).
     ///
     /// Lines are numbered from the function's declaration (line 0), as a `FUNC:N` probe
@@ -331,6 +336,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     pub probes: Option<PathBuf>,
     #[command(flatten)]
+    pub functions: FunctionTracerArgs,
+    #[command(flatten)]
     pub output: HitOutputs,
     /// The clock hits are stamped with, as ftrace's trace_clock file chooses one: `local`
     /// (alias `guest`) is the guest's own trace clock (its `sched_clock()`, computed on the
@@ -461,6 +468,32 @@ pub struct VarsArgs {
     pub target: String,
     #[command(flatten)]
     pub dwarf: DwarfArgs,
+}
+
+#[derive(Subcommand)]
+pub enum ListCommand {
+    /// The kernel's traceable functions, as its ftrace `available_filter_functions` file
+    /// lists them: the same names, in the same order, as many.
+    ///
+    /// Read from the vmlinux's `__mcount_loc` table less what the kernel drops at boot (init
+    /// code); a replaced weak function's record is listed as the kernel lists it,
+    /// `__ftrace_invalid_address___OFFSET`, and is never traced. These are the functions
+    /// `run --tracer` can trace. Module functions are not listed.
+    Functions(ListFunctionsArgs),
+}
+
+#[derive(Args)]
+pub struct ListFunctionsArgs {
+    /// Only the functions whose name matches this glob (`*`, `?`, `{a,b}`, as
+    /// --ftrace-filter takes them).
+    pub glob: Option<String>,
+    /// The kernel's vmlinux ELF [default: the bundled guest's].
+    #[arg(long, value_name = "FILE")]
+    pub vmlinux: Option<PathBuf>,
+    /// Print `ADDRESS NAME` (the link-time address of each function's ftrace call site),
+    /// as `available_filter_functions_addrs` does.
+    #[arg(long)]
+    pub addresses: bool,
 }
 
 #[derive(Subcommand)]
@@ -732,6 +765,80 @@ pub struct OptimizeArgs {
     pub control: ControlArg,
     #[arg(value_enum, value_name = "WHEN")]
     pub mode: OptimizeMode,
+}
+
+/// ftrace's function tracers, run from the host (trace-cmd's and perf ftrace's flags).
+#[derive(Args, Clone, Debug)]
+pub struct FunctionTracerArgs {
+    /// Trace kernel functions as ftrace's tracer of that name does (trace-cmd's `-p`):
+    /// `function` prints a line per call (`comm-pid [cpu] stamp: func <-parent`),
+    /// `function_graph` calls and returns nested with their durations.
+    ///
+    /// An entry probe (function_graph: and a return probe) goes on each chosen function of
+    /// `hvprobe list functions`, all in the pause that arms --probes; a function that
+    /// cannot be probed is left out and counted with the reason, never failing the others.
+    /// Other probes' hits are printed among the calls (function_graph: as `/* … */`
+    /// comments). Needs the kernel's vmlinux. Tracing thousands of functions on kvm_pvm
+    /// slows the guest by orders of magnitude: narrow it with --ftrace-filter.
+    #[arg(long, value_enum, value_name = "TRACER")]
+    pub tracer: Option<TracerArg>,
+    /// Trace only these functions (`set_ftrace_filter`, trace-cmd's `-l`): a glob (`*`,
+    /// `?`, `{a,b}`); `!GLOB` takes out what the globs before it chose; repeatable
+    /// [default: every function].
+    #[arg(long, value_name = "GLOB", requires = "tracer", allow_hyphen_values = true)]
+    pub ftrace_filter: Vec<String>,
+    /// Never trace these functions (`set_ftrace_notrace`, trace-cmd's `-n`); repeatable.
+    #[arg(long, value_name = "GLOB", requires = "tracer")]
+    pub ftrace_notrace: Vec<String>,
+    /// function_graph: show only calls made inside these functions' calls, these included
+    /// (`set_graph_function`, trace-cmd's `-g`); repeatable.
+    #[arg(long, value_name = "GLOB", requires = "tracer")]
+    pub graph_function: Vec<String>,
+    /// function_graph: do not show these functions' calls, nor anything inside them
+    /// (`set_graph_notrace`); repeatable.
+    #[arg(long, value_name = "GLOB", requires = "tracer")]
+    pub graph_notrace: Vec<String>,
+    /// function_graph: do not show calls this deep or deeper (`max_graph_depth`; 0: no
+    /// limit).
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "tracer")]
+    pub max_graph_depth: usize,
+    /// function_graph's `funcgraph-*` options, comma-separated (trace-cmd's `-O`): `proc`,
+    /// `abstime`, `tail`, `overhead`, `duration`, `cpu`; `no` before one turns it off
+    /// (`nooverhead`). Default as ftrace's: cpu, duration and overhead on.
+    #[arg(long, value_name = "OPTS", requires = "tracer")]
+    pub funcgraph_opts: Vec<String>,
+    /// Show only these tasks' calls (`set_ftrace_pid`, trace-cmd's `-P`); repeatable.
+    #[arg(long, value_name = "PID", requires = "tracer")]
+    pub ftrace_pid: Vec<i32>,
+}
+
+/// `--tracer`'s values, ftrace's tracer names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TracerArg {
+    #[value(name = "function")]
+    Function,
+    #[value(name = "function_graph")]
+    FunctionGraph,
+}
+
+impl FunctionTracerArgs {
+    /// The session's options, when a tracer is asked for.
+    pub fn options(&self) -> Option<FunctionTracerOptions> {
+        let kind = match self.tracer? {
+            TracerArg::Function => FunctionTracerKind::Function,
+            TracerArg::FunctionGraph => FunctionTracerKind::FunctionGraph,
+        };
+        Some(FunctionTracerOptions {
+            kind,
+            filter: self.ftrace_filter.clone(),
+            notrace: self.ftrace_notrace.clone(),
+            graph_functions: self.graph_function.clone(),
+            graph_notrace: self.graph_notrace.clone(),
+            max_graph_depth: self.max_graph_depth,
+            graph_options: self.funcgraph_opts.clone(),
+            pids: self.ftrace_pid.clone(),
+        })
+    }
 }
 
 /// Whether probes are jump-optimized (`run --optimize`, `probe optimize`).

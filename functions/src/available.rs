@@ -2,7 +2,7 @@
 //!
 //! The compiler leaves a 5-byte call to `__fentry__` at the entry of every function it
 //! instruments, and the build records each such call's address in the vmlinux's
-//! `__mcount_loc` section. At boot the kernel makes one ftrace record per entry
+//! `__mcount_loc` table (`__start_mcount_loc`..`__stop_mcount_loc`, in `.init.data`). At boot the kernel makes one ftrace record per entry
 //! (`ftrace_process_locs`: zero entries skipped, sorted by address), and drops those of
 //! init code when it frees it (`ftrace_free_init_mem`: `__init_begin`..`__init_end`).
 //! `available_filter_functions` then prints every record in address order by the name
@@ -46,8 +46,9 @@ pub enum AvailableError {
     #[error("not an ELF file: {0}")]
     Elf(String),
     #[error(
-        "the kernel has no __mcount_loc section (built without CONFIG_FUNCTION_TRACER and \
-         CONFIG_DYNAMIC_FTRACE, or a stripped image): it has no traceable functions"
+        "the kernel has no __mcount_loc table (__start_mcount_loc..__stop_mcount_loc in a \
+         section of the file): built without CONFIG_FUNCTION_TRACER and CONFIG_DYNAMIC_FTRACE, \
+         or its symbols are stripped"
     )]
     NoMcountLoc,
     #[error("the __mcount_loc section ({offset:#x}, {size} bytes) lies outside the file ({file} bytes)")]
@@ -63,23 +64,33 @@ pub struct AvailableFunctions {
 }
 
 impl AvailableFunctions {
-    /// The `__mcount_loc` entries of a vmlinux image, in the file's order (zeros kept).
-    pub fn mcount_locations(vmlinux: &[u8]) -> Result<Vec<Gva>, AvailableError> {
+    /// The `__mcount_loc` entries of a vmlinux image, in the file's order (zeros kept):
+    /// the words between its `__start_mcount_loc` and `__stop_mcount_loc` symbols (the
+    /// linker script puts the table inside `.init.data`), read through the section that
+    /// holds them.
+    pub fn mcount_locations(vmlinux: &[u8], symbols: &SymbolTable) -> Result<Vec<Gva>, AvailableError> {
         let elf = Elf::parse(vmlinux).map_err(|e| AvailableError::Elf(e.to_string()))?;
+        let start = symbols.lookup("__start_mcount_loc").ok_or(AvailableError::NoMcountLoc)?.addr.0;
+        let stop = symbols.lookup("__stop_mcount_loc").ok_or(AvailableError::NoMcountLoc)?.addr.0;
+        let size = stop.checked_sub(start).ok_or(AvailableError::NoMcountLoc)?;
         let section = elf
             .section_headers
             .iter()
-            .find(|sh| elf.shdr_strtab.get_at(sh.sh_name) == Some("__mcount_loc"))
+            .find(|sh| {
+                sh.sh_type != goblin::elf::section_header::SHT_NOBITS
+                    && sh.sh_addr <= start
+                    && stop <= sh.sh_addr.saturating_add(sh.sh_size)
+            })
             .ok_or(AvailableError::NoMcountLoc)?;
         let outside = || AvailableError::SectionOutsideFile {
             offset: section.sh_offset,
-            size: section.sh_size,
+            size,
             file: vmlinux.len(),
         };
-        let start = usize::try_from(section.sh_offset).map_err(|_| outside())?;
-        let size = usize::try_from(section.sh_size).map_err(|_| outside())?;
-        let end = start.checked_add(size).ok_or_else(outside)?;
-        let bytes = vmlinux.get(start..end).ok_or_else(outside)?;
+        let offset = section.sh_offset.checked_add(start - section.sh_addr).ok_or_else(outside)?;
+        let from = usize::try_from(offset).map_err(|_| outside())?;
+        let to = from.checked_add(usize::try_from(size).map_err(|_| outside())?).ok_or_else(outside)?;
+        let bytes = vmlinux.get(from..to).ok_or_else(outside)?;
         Ok(bytes
             .chunks_exact(8)
             .map(|c| Gva(u64::from_le_bytes(c.try_into().expect("chunks of 8"))))
@@ -120,9 +131,9 @@ impl AvailableFunctions {
         Ok(AvailableFunctions { functions })
     }
 
-    /// The table of a vmlinux file, named by its own symbol table.
+    /// The table of a vmlinux image, named by its own symbol table.
     pub fn from_vmlinux(vmlinux: &[u8], symbols: &SymbolTable) -> Result<Self, AvailableError> {
-        Self::from_locations(&Self::mcount_locations(vmlinux)?, symbols)
+        Self::from_locations(&Self::mcount_locations(vmlinux, symbols)?, symbols)
     }
 
     /// The table of the vmlinux at `path`.
@@ -246,7 +257,7 @@ mod tests {
     #[test]
     fn an_image_that_is_not_elf_or_has_no_table_is_refused() {
         assert!(matches!(
-            AvailableFunctions::mcount_locations(b"not an elf"),
+            AvailableFunctions::mcount_locations(b"not an elf", &table()),
             Err(AvailableError::Elf(_))
         ));
     }

@@ -50,6 +50,16 @@ pub enum SessionError {
     PerfettoWithoutProbes,
     #[error(transparent)]
     Perfetto(#[from] PerfettoError),
+    #[error("--tracer: {0}")]
+    FunctionTable(#[from] hvprobe_functions::AvailableError),
+    #[error("--tracer: {0}")]
+    FunctionFilter(#[from] hvprobe_functions::FilterError),
+    #[error("--tracer needs the kernel's vmlinux (its __mcount_loc table names the traceable functions): give --vmlinux")]
+    FunctionsWithoutVmlinux,
+    #[error("--funcgraph-opts: unknown option {0:?} (proc, abstime, tail, overhead, duration, cpu; `no` before one turns it off)")]
+    GraphOption(String),
+    #[error("--tracer: no function to trace: {0}")]
+    NoFunctionTraced(String),
     /// The vCPUs could not be paused for a change (one was held on the host past the
     /// pause's deadline); nothing changed.
     #[error(transparent)]

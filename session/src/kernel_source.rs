@@ -66,6 +66,15 @@ impl KernelSourceFiles {
     }
 
     /// With these modules' `.ko` files (each with its DWARF), for `MOD:` source targets.
+    /// The vmlinux, when the run has one (the bundled guest's is built if need be).
+    pub fn vmlinux(&self) -> Option<PathBuf> {
+        match &self.files {
+            SourceFiles::Paths(vmlinux, _) => Some(vmlinux.clone()),
+            SourceFiles::Bundled => crate::guest::BundledGuest::ensure_built().ok().map(|g| g.vmlinux),
+            SourceFiles::None => None,
+        }
+    }
+
     pub fn with_modules(mut self, files: Vec<PathBuf>) -> KernelSourceFiles {
         self.module_files = files;
         self
@@ -127,11 +136,7 @@ impl KernelSourceFiles {
         })?;
         // A module of another build of the kernel has other code: its lines would be
         // somewhere else in the running module.
-        let kernel = match &self.files {
-            SourceFiles::Paths(vmlinux, _) => Some(vmlinux.clone()),
-            SourceFiles::Bundled => crate::guest::BundledGuest::ensure_built().ok().map(|g| g.vmlinux),
-            SourceFiles::None => None,
-        };
+        let kernel = self.vmlinux();
         let release = kernel.and_then(|k| crate::guest::modules::kernel_release_of(&k).ok().flatten());
         if let Some(release) = release {
             if let Some(built_for) = crate::guest::modules::built_for_another(&bytes, &release) {

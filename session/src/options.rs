@@ -33,6 +33,38 @@ pub struct TraceOptions {
     pub sample_every: Option<std::time::Duration>,
     /// Where the kernel's symbols come from and which to print (`--symbols`, `--resolve`).
     pub symbols: SymbolRequest,
+    /// ftrace's function or function_graph tracer (`--tracer`), if asked for.
+    pub functions: Option<FunctionTracerOptions>,
+}
+
+/// Which of ftrace's function tracers a run runs from the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FunctionTracerKind {
+    /// `function`: a line per call.
+    Function,
+    /// `function_graph`: calls and returns, nested, with durations.
+    FunctionGraph,
+}
+
+/// `--tracer` and its filters and options, as ftrace's files and trace-cmd take them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FunctionTracerOptions {
+    pub kind: FunctionTracerKind,
+    /// `set_ftrace_filter`'s globs.
+    pub filter: Vec<String>,
+    /// `set_ftrace_notrace`'s globs.
+    pub notrace: Vec<String>,
+    /// `set_graph_function`'s globs.
+    pub graph_functions: Vec<String>,
+    /// `set_graph_notrace`'s globs.
+    pub graph_notrace: Vec<String>,
+    /// `max_graph_depth` (0: no limit).
+    pub max_graph_depth: usize,
+    /// `funcgraph-*` options by name (`proc`, `abstime`, `tail`; `no` before one turns
+    /// it off: `nooverhead`, `noduration`, `nocpu`).
+    pub graph_options: Vec<String>,
+    /// `set_ftrace_pid`: only these tasks' calls (empty: every task's).
+    pub pids: Vec<i32>,
 }
 
 /// Whether a run has a control socket, and where.

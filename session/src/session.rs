@@ -65,10 +65,10 @@ impl RunSession {
         stop_on_signals(vm.control())?;
         let probes = match (&options.probes, &options.control) {
             (None, _) if !options.analysis.is_empty() => return Err(SessionError::AnalysisWithoutProbes.into()),
-            (None, ControlSocket::Off) if options.output.perfetto.is_some() => {
+            (None, ControlSocket::Off) if options.output.perfetto.is_some() && options.functions.is_none() => {
                 return Err(SessionError::PerfettoWithoutProbes.into())
             }
-            (None, ControlSocket::Off) => None,
+            (None, ControlSocket::Off) if options.functions.is_none() => None,
             _ => {
                 let optimize = options
                     .optimize

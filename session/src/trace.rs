@@ -42,11 +42,13 @@ use crate::options::{AnalysisFlags, OutputFormat, TraceOptions};
 use crate::perfetto::PerfettoFile;
 
 mod fanout;
+mod functions;
 mod printer;
 mod spec;
 
 pub use fanout::Subscription;
 use fanout::*;
+use functions::{FunctionPlan, PrintMode};
 pub use printer::event_line;
 use printer::*;
 pub use spec::check_before_boot;
@@ -134,6 +136,46 @@ pub struct TraceSession {
     /// `--sym-offset`: stack frames with their offsets.
     sym_offset: bool,
     console: ConsoleLog,
+    /// `--tracer`: the functions traced, when the run traces functions.
+    functions: Option<FunctionPlan>,
+}
+
+/// The function tracer's probes that the engine would place now, and the line that says
+/// how many, with every refusal counted by its reason (best effort per function).
+fn check_functions(
+    tracer: &Tracer,
+    functions: &FunctionPlan,
+    symbols: &SymbolTable,
+    cpus: usize,
+) -> (Vec<SpecProbe>, String) {
+    let probes = functions.probes(symbols, cpus);
+    let requests: Vec<KprobeRequest> = probes.iter().map(|p| p.request.clone()).collect();
+    let mut refused = vec![false; probes.len()];
+    let mut skipped: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for (i, e) in tracer.check_all(&requests) {
+        refused[i] = true;
+        // A function_graph function's return probe goes with its entry probe.
+        if !matches!(probes[i].request.kind, ProbeKind::Kretprobe { .. }) {
+            *skipped.entry(refusal_kind(&e)).or_default() += 1;
+        }
+    }
+    // Both probes of a function, or neither.
+    let site = |p: &SpecProbe| match p.request.point {
+        ProbePoint::Address(at) => Some(at),
+        _ => None,
+    };
+    let refused_sites: std::collections::BTreeSet<hvprobe_arch::Gva> = probes
+        .iter()
+        .zip(&refused)
+        .filter(|(_, r)| **r)
+        .filter_map(|(p, _)| site(p))
+        .collect();
+    for (p, r) in probes.iter().zip(refused.iter_mut()) {
+        *r |= site(p).is_some_and(|at| refused_sites.contains(&at));
+    }
+    let kept: Vec<SpecProbe> = probes.into_iter().zip(&refused).filter(|(_, r)| !**r).map(|(p, _)| p).collect();
+    let note = functions.summary(kept.len(), &skipped);
+    (kept, note)
 }
 
 /// What stamped the run's hits, for the log: the guest's clock as it stands at the end
@@ -198,6 +240,13 @@ impl TraceSession {
             });
         }
         requests.extend(flag_requests);
+        let functions = options
+            .functions
+            .as_ref()
+            .map(|f| FunctionPlan::new(f, &kernel_source, cpus))
+            .transpose()?;
+        let mode = functions.as_ref().map_or(PrintMode::Probes, FunctionPlan::print_mode);
+        let pids = functions.as_ref().map(|f| f.pids().to_vec()).unwrap_or_default();
         let format = outputs.stdout();
         // Created now, so that a file that cannot be written fails before the guest runs.
         let perfetto = outputs.perfetto.as_deref().map(PerfettoFile::create).transpose()?;
@@ -208,7 +257,7 @@ impl TraceSession {
                 let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
                 let printer = std::thread::Builder::new()
                     .name("trace-printer".into())
-                    .spawn(move || print_events(rx, format, sym_offset, console, perfetto))
+                    .spawn(move || print_events(rx, Layout { format, sym_offset, mode, pids }, console, perfetto))
                     .map_err(|source| SessionError::Thread {
                         what: "trace printer",
                         source,
@@ -242,12 +291,13 @@ impl TraceSession {
             format,
             sym_offset,
             console: vm.console_log(),
+            functions,
         })
     }
 
-    /// Whether a probe file was given.
+    /// Whether probes go in at the start: a probe file, or a function tracer.
     pub fn has_file(&self) -> bool {
-        self.file.is_some()
+        self.file.is_some() || self.functions.is_some()
     }
 
     fn source(&self) -> String {
@@ -272,7 +322,7 @@ impl TraceSession {
             symbols: symbols.clone(),
             tasks,
         });
-        if self.file.is_none() {
+        if !self.has_file() {
             return Ok(());
         }
         let _changes = self.changes.lock().unwrap_or_else(|e| e.into_inner());
@@ -280,6 +330,11 @@ impl TraceSession {
         let (mut armed, notes) = plan(&tracer, symbols, &self.source(), &self.initial)?;
         for note in notes {
             eprintln!("hvprobe: {note}");
+        }
+        if let Some(functions) = &self.functions {
+            let (probes, note) = check_functions(&tracer, functions, symbols, self.cpus);
+            eprintln!("hvprobe: {note}");
+            armed.extend(probes);
         }
         // Filters and triggers are in place before the first hit can come.
         let analysis = match bind_requests(&self.requests, &armed) {
@@ -361,15 +416,28 @@ impl TraceSession {
     /// probes should start counting (at `/init`, or before a restored guest runs); from
     /// then on the control socket can add probes too.
     pub fn arm(&self) -> Result<(), SessionError> {
-        if self.file.is_some() {
+        if self.has_file() {
             let tracer = self.handler.tracer().ok_or(SessionError::NotAttached)?;
-            let probes = self.planned.get().ok_or(SessionError::NotChecked)?;
-            let requests = probes.iter().map(|p| p.request.clone()).collect();
+            let mut probes: Vec<&SpecProbe> = self.planned.get().ok_or(SessionError::NotChecked)?.iter().collect();
             let source = self.source();
-            tracer.register_all(requests).map_err(|(i, e)| SessionError::Spec {
-                problems: vec![refusal(&source, &probes[i], &e)],
-                origin: source.clone(),
-            })?;
+            // A function tracer's probe refused now (the guest changed that text since the
+            // check) is left out and the rest armed again; a file's fails the run.
+            loop {
+                let requests = probes.iter().map(|p| p.request.clone()).collect();
+                match tracer.register_all(requests) {
+                    Ok(_) => break,
+                    Err((i, e)) if probes[i].line == 0 => {
+                        eprintln!("hvprobe: function tracer: {} left out: {e}", probes[i].text);
+                        probes.remove(i);
+                    }
+                    Err((i, e)) => {
+                        return Err(SessionError::Spec {
+                            problems: vec![refusal(&source, probes[i], &e)],
+                            origin: source.clone(),
+                        })
+                    }
+                }
+            }
             tracing::info!("{} probe(s) armed", probes.len());
         }
         self.ready.store(true, Ordering::Release);

@@ -2,6 +2,7 @@
 //! names.
 
 pub mod bench;
+pub mod list;
 pub mod probe;
 pub mod reference;
 pub mod run;
@@ -14,7 +15,7 @@ use std::process::ExitCode;
 
 use clap::CommandFactory;
 
-use crate::cli::{BenchCommand, Cli, Commands, SnapshotCommand};
+use crate::cli::{BenchCommand, Cli, Commands, ListCommand, SnapshotCommand};
 use hvprobe_session::guest::BundledGuest;
 
 /// What a command ends with: its exit status, or the error `main` prints.
@@ -25,6 +26,9 @@ pub fn dispatch(command: Commands) -> CliResult {
     match command {
         Commands::Run(args) => run::run(*args),
         Commands::Symbols(args) => symbols::symbols(args),
+        Commands::List {
+            command: ListCommand::Functions(args),
+        } => list::functions(args),
         Commands::Lines(args) => source::lines(args),
         Commands::Vars(args) => source::vars(args),
         Commands::Snapshot {

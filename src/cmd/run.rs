@@ -61,6 +61,7 @@ fn run_options(args: &RunArgs) -> RunOptions {
             clock: args.clock.into(),
             sample_every: args.sample_ms.map(|ms| Duration::from_millis(ms.max(1))),
             symbols: SymbolRequest::default(),
+            functions: args.functions.options(),
         },
         console_input: args.console_input,
         no_console: args.no_console,

@@ -17,6 +17,7 @@ mod clock;
 mod control;
 mod disks;
 mod docs;
+mod functions;
 mod fuzz_targets;
 mod hardening;
 mod install;

@@ -3,6 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use hvprobe_functions::layout::{function_line, FunctionHit, GraphPrinter, FUNCTION_HEADER};
+
 use super::*;
 
 /// One hit in `format`, without the last newline: a line, or for a text hit with a kernel
@@ -14,17 +16,43 @@ pub fn event_line(event: &HitEvent, format: OutputFormat, sym_offset: bool) -> S
     }
 }
 
+/// How the printer lays out hits on stdout.
+pub(super) struct Layout {
+    pub format: OutputFormat,
+    /// `--sym-offset`: stack frames (and a function tracer's parents) with their offsets.
+    pub sym_offset: bool,
+    pub mode: PrintMode,
+    /// A function tracer's `set_ftrace_pid`: its hits of other tasks are not printed.
+    pub pids: Vec<i32>,
+}
+
+/// How long the printer waits for the next hit before it prints a function_graph entry it
+/// holds back (to see whether the call is a leaf).
+const GRAPH_HOLD: Duration = Duration::from_millis(200);
+
 /// Prints events as they come, a batch of lines at a time, and writes them to the Perfetto
 /// trace (if any), which is finished when the queue ends (the run's end, however it ends).
 pub(super) fn print_events(
     rx: Receiver<HitEvent>,
-    format: OutputFormat,
-    sym_offset: bool,
+    layout: Layout,
     console: ConsoleLog,
     mut perfetto: Option<PerfettoFile>,
 ) {
-    let mut stdout = (format != OutputFormat::None).then(|| StdoutPrinter::new(format, sym_offset, console));
-    while let Ok(first) = rx.recv() {
+    let mut stdout = (layout.format != OutputFormat::None).then(|| StdoutPrinter::new(layout, console));
+    loop {
+        let first = match rx.recv_timeout(GRAPH_HOLD) {
+            Ok(first) => first,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if let Some(printer) = &mut stdout {
+                    printer.hold_no_longer();
+                    if !printer.flush() && perfetto.is_none() {
+                        return;
+                    }
+                }
+                continue;
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
         let mut next = Some(first);
         let mut taken = 0;
         while let Some(event) = next {
@@ -53,6 +81,10 @@ pub(super) fn print_events(
             file.flush();
         }
     }
+    if let Some(printer) = &mut stdout {
+        printer.hold_no_longer();
+        printer.flush();
+    }
     if let Some(file) = perfetto {
         let path = file.path().display().to_string();
         match file.finish() {
@@ -69,6 +101,9 @@ pub(super) struct StdoutPrinter {
     format: OutputFormat,
     /// `--sym-offset`: stack frames with their offsets.
     sym_offset: bool,
+    /// The function tracer's layout, when the run traces functions in text.
+    functions: Option<FunctionLines>,
+    pids: Vec<i32>,
     console: ConsoleLog,
     batch: String,
     /// The console's byte count when a batch of ours last broke one of its lines: as long
@@ -77,10 +112,17 @@ pub(super) struct StdoutPrinter {
 }
 
 impl StdoutPrinter {
-    fn new(format: OutputFormat, sym_offset: bool, console: ConsoleLog) -> Self {
+    fn new(layout: Layout, console: ConsoleLog) -> Self {
+        let functions = match (layout.format, layout.mode) {
+            (OutputFormat::Json, _) | (_, PrintMode::Probes) => None,
+            (_, PrintMode::Function) => Some(FunctionLines::Function { header_done: false }),
+            (_, PrintMode::Graph(options)) => Some(FunctionLines::Graph(Box::new(GraphPrinter::new(options)))),
+        };
         StdoutPrinter {
-            format,
-            sym_offset,
+            format: layout.format,
+            sym_offset: layout.sym_offset,
+            functions,
+            pids: layout.pids,
             console,
             batch: String::new(),
             broke_line_at: None,
@@ -88,8 +130,43 @@ impl StdoutPrinter {
     }
 
     fn push(&mut self, event: &HitEvent) {
-        self.batch.push_str(&event_line(event, self.format, self.sym_offset));
-        self.batch.push('\n');
+        let hit = &event.record;
+        let (format, sym_offset) = (self.format, self.sym_offset);
+        let is_function_hit = FunctionHit::of(hit).is_some();
+        if is_function_hit && !self.pids.is_empty() && !self.pids.contains(&hit.pid) {
+            return;
+        }
+        match &mut self.functions {
+            Some(FunctionLines::Function { header_done }) => {
+                if !*header_done {
+                    *header_done = true;
+                    self.batch.push_str(FUNCTION_HEADER);
+                    self.batch.push('\n');
+                }
+                if is_function_hit {
+                    self.batch.push_str(&function_line(hit, sym_offset));
+                } else {
+                    self.batch.push_str(&event_line(event, format, sym_offset));
+                }
+                self.batch.push('\n');
+            }
+            Some(FunctionLines::Graph(graph)) => {
+                let lines = graph.push(hit, |h| ftrace_text(h, sym_offset));
+                self.batch.push_str(&lines);
+            }
+            None => {
+                self.batch.push_str(&event_line(event, format, sym_offset));
+                self.batch.push('\n');
+            }
+        }
+    }
+
+    /// Prints the function_graph entries held back to see whether they are leaves.
+    fn hold_no_longer(&mut self) {
+        if let Some(FunctionLines::Graph(graph)) = &mut self.functions {
+            let lines = graph.flush();
+            self.batch.push_str(&lines);
+        }
     }
 
     /// Prints the batch; false when stdout cannot be written any more.
@@ -109,6 +186,12 @@ impl StdoutPrinter {
         self.batch.clear();
         written
     }
+}
+
+/// The function tracers' text layouts.
+enum FunctionLines {
+    Function { header_done: bool },
+    Graph(Box<GraphPrinter>),
 }
 
 /// How long stdout waits for the guest's console to finish its line after the console's

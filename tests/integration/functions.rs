@@ -1,0 +1,218 @@
+//! The function tracers from the host against the guest's own: `hvprobe list functions`
+//! against its `available_filter_functions`, `--tracer function` against its function
+//! tracer on the same calls (both on at once: the guest patches the ftrace call sites our
+//! probes sit after), `--tracer function_graph` against its function_graph tracer.
+
+use std::io::Write as _;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use crate::common::{self, hvprobe, restore_with, snapshot, Run};
+
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(300);
+
+fn run_ok(run: &Run) {
+    assert_eq!(run.code, Some(0), "{}", run.tail());
+    common::assert_guest_healthy(run, &["ftrace_bug", "ftrace failed", "WARNING:"]);
+    assert!(
+        run.console_has_line("CONSOLE-END"),
+        "the guest's console output was cut before its end\n{}",
+        run.tail()
+    );
+}
+
+/// `md5sum` of `text`, as the host's coreutils prints it (the hash alone).
+fn md5(text: &str) -> String {
+    let mut child = Command::new("md5sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("md5sum");
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_owned()
+}
+
+#[test]
+fn the_function_list_is_the_guests_available_filter_functions() {
+    let list = hvprobe(&["list", "functions"], Duration::from_secs(600));
+    assert_eq!(list.code, Some(0), "{}", list.tail());
+    let count = list.stdout.lines().count();
+    assert!(count > 10_000, "only {count} functions listed\n{}", list.tail());
+    let dir = snapshot(1);
+    let run = restore_with(
+        &dir,
+        1,
+        "T=/sys/kernel/tracing/available_filter_functions; echo \"GUEST-COUNT $(wc -l < $T)\"; \
+         echo \"GUEST-MD5 $(md5sum < $T)\"; echo CONSOLE-END",
+        &[],
+        RESTORE_TIMEOUT,
+    );
+    run_ok(&run);
+    let field = |key: &str| {
+        run.stdout
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no {key} line\n{}", run.tail()))
+            .to_owned()
+    };
+    assert_eq!(field("GUEST-COUNT "), count.to_string(), "the guest lists another number of functions");
+    assert_eq!(field("GUEST-MD5 "), md5(&list.stdout), "the guest lists other functions or another order");
+    // A glob narrows the list; one that matches nothing fails, naming it.
+    let vfs = hvprobe(&["list", "functions", "vfs_*"], Duration::from_secs(120));
+    assert!(vfs.stdout.lines().any(|l| l == "vfs_read"), "{}", vfs.tail());
+    assert!(vfs.stdout.lines().all(|l| l.starts_with("vfs_")), "{}", vfs.tail());
+    let none = hvprobe(&["list", "functions", "no_such_function_*"], Duration::from_secs(120));
+    assert_eq!(none.code, Some(1), "{}", none.tail());
+    assert!(none.stderr.contains("no traceable function matches"), "{}", none.tail());
+}
+
+/// One function tracer line: task, timestamp (ns), function, parent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Call {
+    task: String,
+    ns: i64,
+    function: String,
+    parent: String,
+}
+
+impl Call {
+    /// `TASK-PID [CPU] SECS.USECS: func <-parent` (with or without irq-info's column).
+    fn parse(line: &str) -> Option<Call> {
+        let (context, call) = line.rsplit_once(": ")?;
+        let (function, parent) = call.split_once(" <-")?;
+        let task = context.split_whitespace().next()?.to_owned();
+        let stamp = context.split_whitespace().last()?;
+        let (secs, usecs) = stamp.split_once('.')?;
+        Some(Call {
+            task,
+            ns: secs.parse::<i64>().ok()? * 1_000_000_000 + usecs.parse::<i64>().ok()? * 1000,
+            function: function.trim().to_owned(),
+            parent: parent.trim().to_owned(),
+        })
+    }
+}
+
+/// The workload: the guest's own tracer `tracer` on `filter`'s functions while the shell
+/// reads a file a byte at a time, then its trace lines, prefixed `GUEST `.
+fn with_the_guests_own_tracer(tracer: &str, setup: &str) -> String {
+    format!(
+        "T=/sys/kernel/tracing; {setup} echo {tracer} > $T/current_tracer; \
+         read -r l < /proc/version; read -r l < /proc/version; echo nop > $T/current_tracer; \
+         while read -r l; do echo \"GUEST $l\"; done < $T/trace; echo CONSOLE-END"
+    )
+}
+
+const FUNCTIONS: [&str; 3] = ["ksys_read", "vfs_read", "rw_verify_area"];
+
+#[test]
+fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
+    let dir = snapshot(1);
+    let workload = with_the_guests_own_tracer("function", &format!("echo '{}' > $T/set_ftrace_filter;", FUNCTIONS.join(" ")));
+    let mut args = vec!["--tracer", "function", "--no-control"];
+    for f in FUNCTIONS {
+        args.extend(["--ftrace-filter", f]);
+    }
+    let run = restore_with(&dir, 1, &workload, &args, RESTORE_TIMEOUT);
+    run_ok(&run);
+    assert!(
+        run.stderr.contains("function tracer: 3 of the kernel's") && run.stderr.contains(", 3 traced"),
+        "{}",
+        run.tail()
+    );
+    assert!(run.stdout.contains("# tracer: function"), "{}", run.tail());
+    let guest: Vec<Call> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("GUEST "))
+        .filter_map(Call::parse)
+        .collect();
+    let task = guest.first().map(|c| c.task.clone()).unwrap_or_else(|| panic!("no guest trace lines\n{}", run.tail()));
+    let guest: Vec<Call> = guest.into_iter().filter(|c| c.task == task).collect();
+    let host: Vec<Call> = run
+        .stdout
+        .lines()
+        .filter(|l| !l.starts_with("GUEST "))
+        .filter_map(Call::parse)
+        .filter(|c| c.task == task)
+        .collect();
+    // Two reads of a ~100-byte file a byte at a time: over a hundred calls of each.
+    assert!(guest.len() >= 300, "{} guest lines of {task}\n{}", guest.len(), run.tail());
+    let shape = |calls: &[Call]| -> Vec<(String, String)> {
+        calls.iter().map(|c| (c.function.clone(), c.parent.clone())).collect()
+    };
+    // The host's calls of that task from the guest's first: the same calls, in order.
+    let start = host
+        .iter()
+        .position(|c| c.ns >= guest[0].ns - 1_000_000)
+        .unwrap_or_else(|| panic!("no host line of {task} near the guest's first\n{}", run.tail()));
+    let window = host.get(start..start + guest.len()).unwrap_or_else(|| {
+        panic!(
+            "the host has {} lines of {task} from the guest's first, the guest {}\n{}",
+            host.len() - start,
+            guest.len(),
+            run.tail()
+        )
+    });
+    assert_eq!(shape(window), shape(&guest), "host and guest saw other calls");
+    for (h, g) in window.iter().zip(&guest) {
+        assert!(
+            (h.ns - g.ns).abs() < 2_000_000,
+            "host {h:?} and guest {g:?} are more than 2 ms apart"
+        );
+    }
+}
+
+/// The FUNCTION CALLS column of a function_graph line (`  vfs_read() {`), when it has one.
+fn graph_calls(line: &str) -> Option<&str> {
+    let (_, calls) = line.split_once("|  ")?;
+    let calls = calls.rsplit_once('|').map_or(calls, |(_, c)| c.strip_prefix("  ").unwrap_or(c));
+    (calls.contains("()") || calls.trim() == "}").then_some(calls.trim_end())
+}
+
+#[test]
+fn the_function_graph_tracer_nests_calls_as_the_guests_own_does() {
+    let dir = snapshot(1);
+    let setup = format!(
+        "echo '{}' > $T/set_ftrace_filter; echo ksys_read > $T/set_graph_function; echo 0 > $T/options/funcgraph-irqs;",
+        FUNCTIONS.join(" ")
+    );
+    let workload = with_the_guests_own_tracer("function_graph", &setup);
+    let mut args = vec!["--tracer", "function_graph", "--graph-function", "ksys_read", "--no-control"];
+    for f in FUNCTIONS {
+        args.extend(["--ftrace-filter", f]);
+    }
+    let run = restore_with(&dir, 1, &workload, &args, RESTORE_TIMEOUT);
+    run_ok(&run);
+    assert!(run.stdout.contains("# tracer: function_graph"), "{}", run.tail());
+    let guest: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("GUEST "))
+        .filter_map(graph_calls)
+        .collect();
+    let host: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter(|l| !l.starts_with("GUEST "))
+        .filter_map(graph_calls)
+        .collect();
+    assert!(guest.len() >= 300, "{} guest graph lines\n{}", guest.len(), run.tail());
+    let expected = ["ksys_read() {", "  vfs_read() {", "    rw_verify_area();", "  }", "}"];
+    assert_eq!(&guest[..5], expected, "the guest's own graph");
+    // The host's graph holds the guest's as one run of lines (it goes on past the guest's
+    // window: the shell's reads of the trace).
+    let start = host
+        .windows(guest.len())
+        .position(|w| w == guest.as_slice())
+        .map(Some)
+        .unwrap_or(None);
+    assert!(
+        start.is_some(),
+        "the host's graph ({} lines) does not hold the guest's ({} lines); host starts {:?}",
+        host.len(),
+        guest.len(),
+        &host[..host.len().min(12)]
+    );
+}
