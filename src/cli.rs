@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use hvprobe_session::machine::Machine;
+use hvprobe_functions::stats::LatencyUnit;
 use hvprobe_session::options::{FunctionTracerKind, FunctionTracerOptions, OutputFormat};
 use hvprobe_session::shares::{RootfsHide, RwDir, Sandbox};
 use hvprobe_session::snapshot::SnapshotOptions;
@@ -772,7 +773,8 @@ pub struct OptimizeArgs {
 pub struct FunctionTracerArgs {
     /// Trace kernel functions as ftrace's tracer of that name does (trace-cmd's `-p`):
     /// `function` prints a line per call (`comm-pid [cpu] stamp: func <-parent`),
-    /// `function_graph` calls and returns nested with their durations.
+    /// `function_graph` calls and returns nested with their durations; `funccount` and
+    /// `funclatency` print bcc's tools' table and histogram at the end.
     ///
     /// An entry probe (function_graph: and a return probe) goes on each chosen function of
     /// `hvprobe list functions`, all in the pause that arms --probes; a function that
@@ -810,6 +812,17 @@ pub struct FunctionTracerArgs {
     /// Show only these tasks' calls (`set_ftrace_pid`, trace-cmd's `-P`); repeatable.
     #[arg(long, value_name = "PID", requires = "tracer")]
     pub ftrace_pid: Vec<i32>,
+    /// funclatency: the histogram's unit (bcc's `-u`, `-m`).
+    #[arg(long, value_enum, value_name = "UNIT", default_value_t = LatencyUnitArg::Nsecs, requires = "tracer")]
+    pub funclatency_unit: LatencyUnitArg,
+}
+
+/// `--funclatency-unit`'s values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LatencyUnitArg {
+    Nsecs,
+    Usecs,
+    Msecs,
 }
 
 /// `--tracer`'s values, ftrace's tracer names.
@@ -819,6 +832,12 @@ pub enum TracerArg {
     Function,
     #[value(name = "function_graph")]
     FunctionGraph,
+    /// bcc's funccount: calls per function, a table at the end.
+    #[value(name = "funccount")]
+    FuncCount,
+    /// bcc's funclatency: a log2 histogram of the calls' durations at the end.
+    #[value(name = "funclatency")]
+    FuncLatency,
 }
 
 impl FunctionTracerArgs {
@@ -827,6 +846,12 @@ impl FunctionTracerArgs {
         let kind = match self.tracer? {
             TracerArg::Function => FunctionTracerKind::Function,
             TracerArg::FunctionGraph => FunctionTracerKind::FunctionGraph,
+            TracerArg::FuncCount => FunctionTracerKind::FuncCount,
+            TracerArg::FuncLatency => FunctionTracerKind::FuncLatency(match self.funclatency_unit {
+                LatencyUnitArg::Nsecs => LatencyUnit::Nsecs,
+                LatencyUnitArg::Usecs => LatencyUnit::Usecs,
+                LatencyUnitArg::Msecs => LatencyUnit::Msecs,
+            }),
         };
         Some(FunctionTracerOptions {
             kind,

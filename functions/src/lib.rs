@@ -13,6 +13,7 @@
 pub mod available;
 pub mod filter;
 pub mod layout;
+pub mod stats;
 
 pub use available::{AvailableError, AvailableFunctions, TraceableFunction};
 pub use filter::{FilterError, FunctionFilter, Selection};

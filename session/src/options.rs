@@ -44,6 +44,10 @@ pub enum FunctionTracerKind {
     Function,
     /// `function_graph`: calls and returns, nested, with durations.
     FunctionGraph,
+    /// bcc's `funccount`: calls per function, printed at the end.
+    FuncCount,
+    /// bcc's `funclatency`: a log2 histogram of the calls' durations, printed at the end.
+    FuncLatency(hvprobe_functions::stats::LatencyUnit),
 }
 
 /// `--tracer` and its filters and options, as ftrace's files and trace-cmd take them.

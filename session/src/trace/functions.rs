@@ -9,6 +9,7 @@ use hvprobe_functions::filter::GlobList;
 use hvprobe_functions::layout::{
     GraphOptions, FUNCTION_EVENT, GRAPH_ENTRY_EVENT, GRAPH_EXIT_EVENT, GROUP, PARENT_ARG,
 };
+use hvprobe_functions::stats::LatencyUnit;
 use hvprobe_functions::{AvailableFunctions, FunctionFilter, Selection};
 use hvprobe_probes::spec::{ArgType, FetchArg, FetchExpr};
 
@@ -24,6 +25,10 @@ pub(super) enum PrintMode {
     Function,
     /// function_graph's layout; other events as comments in it.
     Graph(GraphOptions),
+    /// Calls per function, printed at the end.
+    Count,
+    /// A histogram of the calls' durations, printed at the end.
+    Latency(LatencyUnit),
 }
 
 /// The functions a run traces and how.
@@ -102,10 +107,22 @@ impl FunctionPlan {
                 text: function.name.clone(),
                 request,
             };
+            let exit = |point: ProbePoint| KprobeRequest {
+                kind: ProbeKind::Kretprobe {
+                    maxactive: default_maxactive(cpus),
+                },
+                ..KprobeRequest::event(point, GROUP, GRAPH_EXIT_EVENT, Vec::new())
+            };
             match self.kind {
                 FunctionTracerKind::Function => {
                     probes.push(probe(KprobeRequest::event(point, GROUP, FUNCTION_EVENT, vec![parent.clone()])));
                 }
+                // Counting needs the calls, not their callers.
+                FunctionTracerKind::FuncCount => {
+                    probes.push(probe(KprobeRequest::event(point, GROUP, FUNCTION_EVENT, Vec::new())));
+                }
+                // A return's hit carries its call's entry time: the return probe alone.
+                FunctionTracerKind::FuncLatency(_) => probes.push(probe(exit(point))),
                 FunctionTracerKind::FunctionGraph => {
                     probes.push(probe(KprobeRequest::event(
                         point.clone(),
@@ -113,12 +130,7 @@ impl FunctionPlan {
                         GRAPH_ENTRY_EVENT,
                         vec![parent.clone()],
                     )));
-                    probes.push(probe(KprobeRequest {
-                        kind: ProbeKind::Kretprobe {
-                            maxactive: default_maxactive(cpus),
-                        },
-                        ..KprobeRequest::event(point, GROUP, GRAPH_EXIT_EVENT, Vec::new())
-                    }));
+                    probes.push(probe(exit(point)));
                 }
             }
         }
@@ -135,14 +147,16 @@ impl FunctionPlan {
         let refused = skipped.iter().map(|(r, n)| format!("{n} {r}"));
         let reasons: Vec<String> = denied.chain(refused).collect();
         let per_function = match self.kind {
-            FunctionTracerKind::Function => 1,
             FunctionTracerKind::FunctionGraph => 2,
+            _ => 1,
         };
         format!(
             "{} tracer: {} of the kernel's {} functions chosen, {} traced{}",
             match self.kind {
                 FunctionTracerKind::Function => "function",
                 FunctionTracerKind::FunctionGraph => "function_graph",
+                FunctionTracerKind::FuncCount => "funccount",
+                FunctionTracerKind::FuncLatency(_) => "funclatency",
             },
             self.selection.traced.len() + self.selection.denied.len(),
             self.available,
@@ -159,6 +173,8 @@ impl FunctionPlan {
         match self.kind {
             FunctionTracerKind::Function => PrintMode::Function,
             FunctionTracerKind::FunctionGraph => PrintMode::Graph(self.graph.clone()),
+            FunctionTracerKind::FuncCount => PrintMode::Count,
+            FunctionTracerKind::FuncLatency(unit) => PrintMode::Latency(unit),
         }
     }
 

@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use hvprobe_functions::layout::{function_line, FunctionHit, GraphPrinter, FUNCTION_HEADER};
+use hvprobe_functions::stats::{FunctionCounts, Log2Histogram};
 
 use super::*;
 
@@ -83,6 +84,7 @@ pub(super) fn print_events(
     }
     if let Some(printer) = &mut stdout {
         printer.hold_no_longer();
+        printer.aggregates();
         printer.flush();
     }
     if let Some(file) = perfetto {
@@ -117,6 +119,8 @@ impl StdoutPrinter {
             (OutputFormat::Json, _) | (_, PrintMode::Probes) => None,
             (_, PrintMode::Function) => Some(FunctionLines::Function { header_done: false }),
             (_, PrintMode::Graph(options)) => Some(FunctionLines::Graph(Box::new(GraphPrinter::new(options)))),
+            (_, PrintMode::Count) => Some(FunctionLines::Count(FunctionCounts::default())),
+            (_, PrintMode::Latency(unit)) => Some(FunctionLines::Latency(Log2Histogram::new(unit))),
         };
         StdoutPrinter {
             format: layout.format,
@@ -154,10 +158,37 @@ impl StdoutPrinter {
                 let lines = graph.push(hit, |h| ftrace_text(h, sym_offset));
                 self.batch.push_str(&lines);
             }
+            Some(FunctionLines::Count(counts)) if is_function_hit => {
+                counts.add(hit.location.split('+').next().unwrap_or(&hit.location));
+            }
+            Some(FunctionLines::Latency(histogram)) if is_function_hit => {
+                if let Some(entered) = hit.entry_timestamp_ns {
+                    histogram.add_ns(hit.timestamp_ns.saturating_sub(entered));
+                }
+            }
+            Some(FunctionLines::Count(_) | FunctionLines::Latency(_)) => {
+                self.batch.push_str(&event_line(event, format, sym_offset));
+                self.batch.push('\n');
+            }
             None => {
                 self.batch.push_str(&event_line(event, format, sym_offset));
                 self.batch.push('\n');
             }
+        }
+    }
+
+    /// funccount's table or funclatency's histogram, at the end of the run.
+    fn aggregates(&mut self) {
+        match &self.functions {
+            Some(FunctionLines::Count(counts)) => {
+                self.batch.push('\n');
+                self.batch.push_str(&counts.table());
+            }
+            Some(FunctionLines::Latency(histogram)) => {
+                self.batch.push('\n');
+                self.batch.push_str(&histogram.table());
+            }
+            _ => {}
         }
     }
 
@@ -192,6 +223,8 @@ impl StdoutPrinter {
 enum FunctionLines {
     Function { header_done: bool },
     Graph(Box<GraphPrinter>),
+    Count(FunctionCounts),
+    Latency(Log2Histogram),
 }
 
 /// How long stdout waits for the guest's console to finish its line after the console's
