@@ -533,6 +533,10 @@ pub struct Tracer {
     /// The guest's own return trampoline (`arch_rethook_trampoline`), which its kretprobes
     /// swap in: a slot holding it may hold a call we follow too.
     guest_return_trampoline: Option<Gva>,
+    /// The guest's function_graph tracer's return hook (`return_to_handler`), which its
+    /// ftrace call at a function's entry swaps in (keeping what was there, ours too, in the
+    /// task's return stack): the same for us as its return trampoline.
+    guest_graph_return: Option<Gva>,
     sink: Option<Arc<dyn EventSink>>,
     started: Instant,
     /// The guest's trace clock, once the machine could give one.
@@ -578,6 +582,7 @@ impl Tracer {
         ]
         .iter()
         .find_map(|name| view.symbols.lookup(name).map(|s| s.addr));
+        let guest_graph_return = view.symbols.lookup("return_to_handler").map(|s| s.addr);
         Tracer {
             text_bounds: text::TextBounds::new(&view.symbols, ool),
             machine,
@@ -591,6 +596,7 @@ impl Tracer {
             step_guard_built_from: Mutex::default(),
             returns: Mutex::default(),
             guest_return_trampoline,
+            guest_graph_return,
             sink,
             started: Instant::now(),
             guest_clock: OnceLock::new(),

@@ -13,7 +13,7 @@ const RESTORE_TIMEOUT: Duration = Duration::from_secs(300);
 
 fn run_ok(run: &Run) {
     assert_eq!(run.code, Some(0), "{}", run.tail());
-    common::assert_guest_healthy(run, &["ftrace_bug", "ftrace failed", "WARNING:"]);
+    common::assert_guest_healthy(run, &["ftrace_bug", "ftrace failed", "ftrace faulted", "ftrace record", "WARNING:"]);
     assert!(
         run.console_has_line("CONSOLE-END"),
         "the guest's console output was cut before its end\n{}",
@@ -94,17 +94,21 @@ impl Call {
     }
 }
 
-/// The workload: the guest's own tracer `tracer` on `filter`'s functions while the shell
-/// reads a file a byte at a time, then its trace lines, prefixed `GUEST `.
+/// The workload: the guest's own tracer `tracer` (set up by `setup`) while the shell reads
+/// a line of a file a byte at a time, then its trace lines, prefixed `GUEST ` (read before the
+/// tracer is switched off: that empties the buffer), then its kernel log's complaints.
 fn with_the_guests_own_tracer(tracer: &str, setup: &str) -> String {
     format!(
         "T=/sys/kernel/tracing; {setup} echo {tracer} > $T/current_tracer; \
-         read -r l < /proc/version; read -r l < /proc/version; echo nop > $T/current_tracer; \
-         while read -r l; do echo \"GUEST $l\"; done < $T/trace; echo CONSOLE-END"
+         read -r l < /proc/version; echo 0 > $T/tracing_on; \
+         sed 's/^/GUEST /' $T/trace; echo nop > $T/current_tracer; \
+         echo 1 > $T/tracing_on; dmesg | grep -i -e ftrace -e warning; echo CONSOLE-END"
     )
 }
 
-const FUNCTIONS: [&str; 3] = ["ksys_read", "vfs_read", "rw_verify_area"];
+/// What a shell's read of a proc file calls, each a traceable function of the bundled
+/// kernel: the syscall, the VFS, the proc file and its seq_file.
+const FUNCTIONS: [&str; 4] = ["ksys_read", "vfs_read", "proc_reg_read_iter", "seq_read_iter"];
 
 #[test]
 fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
@@ -117,7 +121,7 @@ fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
     let run = restore_with(&dir, 1, &workload, &args, RESTORE_TIMEOUT);
     run_ok(&run);
     assert!(
-        run.stderr.contains("function tracer: 3 of the kernel's") && run.stderr.contains(", 3 traced"),
+        run.stderr.contains("function tracer: 4 of the kernel's") && run.stderr.contains(", 4 traced"),
         "{}",
         run.tail()
     );
@@ -137,7 +141,7 @@ fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
         .filter_map(Call::parse)
         .filter(|c| c.task == task)
         .collect();
-    // Two reads of a ~100-byte file a byte at a time: over a hundred calls of each.
+    // A ~100-byte line read a byte at a time: a hundred calls of each function.
     assert!(guest.len() >= 300, "{} guest lines of {task}\n{}", guest.len(), run.tail());
     let shape = |calls: &[Call]| -> Vec<(String, String)> {
         calls.iter().map(|c| (c.function.clone(), c.parent.clone())).collect()
@@ -199,8 +203,11 @@ fn the_function_graph_tracer_nests_calls_as_the_guests_own_does() {
         .filter_map(graph_calls)
         .collect();
     assert!(guest.len() >= 300, "{} guest graph lines\n{}", guest.len(), run.tail());
-    let expected = ["ksys_read() {", "  vfs_read() {", "    rw_verify_area();", "  }", "}"];
-    assert_eq!(&guest[..5], expected, "the guest's own graph");
+    assert!(
+        guest.iter().any(|l| l.starts_with("    ")),
+        "the guest's own graph nests no call two deep: {:?}",
+        &guest[..guest.len().min(12)]
+    );
     // The host's graph holds the guest's as one run of lines (it goes on past the guest's
     // window: the shell's reads of the trace).
     let start = host

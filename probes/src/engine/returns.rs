@@ -197,7 +197,7 @@ impl Tracer {
     /// or the guest's own rethook trampoline (the guest's kretprobe on the same function
     /// swapped ours after us, and returns to ours when it is done).
     fn still_swapped(&self, trampoline: Gva, i: &Instance) -> bool {
-        let returns_to_us = |v: Gva| v == trampoline || self.guest_return_trampoline == Some(v);
+        let returns_to_us = |v: Gva| v == trampoline || self.is_guest_return_hook(v);
         match self.machine.kernel().read_u64(Gva(i.slot)) {
             Ok(v) if returns_to_us(self.through_exit_free_stubs(Gva(i.slot), Gva(v))) => true,
             // An exit-free return probe's call on the slot is returning (between the
@@ -280,6 +280,13 @@ impl Tracer {
         }
     }
 
+    /// Whether `at` is where the guest's own return hooks (its kretprobes' trampoline, its
+    /// function_graph tracer's `return_to_handler`) send a return whose address they
+    /// swapped out, to return to it later.
+    fn is_guest_return_hook(&self, at: Gva) -> bool {
+        Some(at) == self.guest_return_trampoline || Some(at) == self.guest_graph_return
+    }
+
     pub(super) fn return_address_at(&self, slot: Gva) -> Option<Gva> {
         self.lock_returns().top_at(slot.0).map(|i| Gva(i.return_address))
     }
@@ -309,9 +316,10 @@ impl Tracer {
         };
         let mut returns = self.lock_returns();
         let swapped_already = found == trampoline.0;
-        // The guest's kretprobe, or an exit-free return probe's entry (of a function a
-        // followed one tail-called), swapped our trampoline out: this call returns first.
-        let after_guest_swap = Some(found) == self.guest_return_trampoline.map(|g| g.0)
+        // The guest's kretprobe or function_graph tracer, or an exit-free return probe's
+        // entry (of a function a followed one tail-called), swapped our trampoline out:
+        // this call returns first.
+        let after_guest_swap = self.is_guest_return_hook(Gva(found))
             || (!swapped_already && self.through_exit_free_stubs(Gva(slot), Gva(found)) == trampoline);
         let mut abandoned = returns.prune_below(slot, |i| self.still_swapped(trampoline, i));
         let return_address = if swapped_already {
@@ -392,6 +400,11 @@ impl Tracer {
                 return;
             }
         }
+        tracing::trace!(
+            "vCPU {cpu}: return probe at {}: follows the call returning to {return_address:#x} from {slot:#x} \
+             (found {found:#x}; {abandoned} abandoned)",
+            probe.address
+        );
         if !swapped_already {
             if let Err(e) = kernel.write_virt(Gva(slot), &trampoline.0.to_le_bytes()) {
                 tracing::error!("vCPU {cpu}: return probe at {}: {e}", probe.address);
@@ -487,6 +500,7 @@ impl Tracer {
                 .fetch_add(abandoned as u64, Ordering::Relaxed);
             returns.pop_at(slot)
         };
+        tracing::trace!("vCPU {cpu}: return through the trampoline from {slot:#x}: {} call(s)", returning.len());
         let Some(return_address) = returning.first().map(|i| i.return_address) else {
             return BreakpointOutcome::Fatal(EngineFault::UnknownReturn { cpu, slot });
         };

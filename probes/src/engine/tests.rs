@@ -337,7 +337,8 @@ fn symbols() -> SymbolTable {
         "{FUNC:016x} T _stext\n{FUNC:016x} T func\n{OTHER:016x} T other\n{DO_EXIT:016x} T do_exit\n\
          {FREE_TASK:016x} T free_task\n\
          {LOOPING:016x} T looping\n{TRACED:016x} T traced\n{:016x} T _etext\n\
-         {GUEST_RETHOOK:016x} T arch_rethook_trampoline\n",
+         {GUEST_RETHOOK:016x} T arch_rethook_trampoline\n\
+         {GUEST_FGRAPH_RETURN:016x} T return_to_handler\n",
         TRACED + TRACED_CODE.len() as u64
     ))
     .unwrap()
@@ -346,6 +347,8 @@ fn symbols() -> SymbolTable {
 /// The guest's own return trampoline (its kretprobes swap it into return slots), outside
 /// the text the tests probe.
 const GUEST_RETHOOK: u64 = FUNC + 0xd0;
+/// The guest's function_graph tracer's return hook.
+const GUEST_FGRAPH_RETURN: u64 = FUNC + 0xe0;
 
 fn tracer_with(machine: &Arc<FakeMachine>, patch_sites: PatchSites, sink: Option<Arc<dyn EventSink>>) -> Tracer {
     let view = KernelView {
@@ -1011,6 +1014,56 @@ fn a_guest_return_probe_between_a_tail_call_and_ours_returns_through_both_trampo
             ("outer", 1, 7, caller)
         ]
     );
+    assert_eq!(t.returns_in_flight(), 0);
+}
+
+#[test]
+fn the_guests_function_graph_hook_between_a_tail_call_and_ours_returns_through_both_in_turn() {
+    // `proc_reg_read_iter` (ours) tail-calls `seq_read_iter` while the guest's own
+    // function_graph tracer traces it: its ftrace call (+0, before our int3) swaps our
+    // trampoline in the shared slot for `return_to_handler` (keeping ours in the task's
+    // return stack). The return goes: our trampoline (the inner probe) -> the guest's hook
+    // -> ours again (the outer probe) -> the caller. Before, the inner entry took the
+    // guest's hook for a new call's return address, dropped the outer call, and the second
+    // return through our trampoline found no call on record: the VM stopped.
+    let m = FakeMachine::with_code();
+    let t = tracer(&m);
+    let log = Returned::default();
+    t.register(recording_return_probe("func", "outer", 4, &log)).unwrap();
+    t.register(recording_return_probe("other", "inner", 4, &log)).unwrap();
+    let caller = 0xffff_ffff_8100_0abc_u64;
+    let mut cpu = FakeVcpu::at(PUSH);
+    let slot = STACK_TOP - 0x100;
+    call_func(&t, &m, &mut cpu, slot, caller, 1);
+    assert_eq!(m.read_u64(Gva(slot)).unwrap(), OOL);
+    m.write_virt(Gva(slot), &GUEST_FGRAPH_RETURN.to_le_bytes()).unwrap();
+    cpu.regs.rip = OTHER;
+    cpu.regs.rsp = slot;
+    cpu.regs.rdi = 2;
+    cpu.regs.rax = 7;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OTHER)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(t.returns_in_flight(), 2, "the outer call is still on record");
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OOL)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, GUEST_FGRAPH_RETURN, "then the guest's hook");
+    assert_eq!(t.returns_in_flight(), 1, "the outer call is still on record");
+    // The guest's hook returns to what it swapped out: ours.
+    m.write_virt(Gva(slot), &OOL.to_le_bytes()).unwrap();
+    cpu.regs.rip = OOL;
+    cpu.regs.rsp = slot + 8;
+    assert!(matches!(
+        t.on_breakpoint(0, &mut cpu, Gva(OOL)),
+        BreakpointOutcome::Handled
+    ));
+    assert_eq!(cpu.regs.rip, caller);
+    let log = log.lock().unwrap();
+    let names: Vec<&str> = log.iter().map(|(n, ..)| *n).collect();
+    assert_eq!(names, ["inner", "outer"]);
     assert_eq!(t.returns_in_flight(), 0);
 }
 
