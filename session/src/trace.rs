@@ -140,6 +140,37 @@ pub struct TraceSession {
     functions: Option<FunctionPlan>,
 }
 
+/// `ftrace/`: the group of the function tracers' events.
+const FUNCTION_EVENTS_PREFIX: &str = "ftrace/";
+
+/// The function tracers' probes in the listing: per event, how many, their hits and
+/// misses, how many are optimized and why the others are not.
+fn function_listing(entries: &[&hvprobe_probes::output::ListEntry]) -> String {
+    let mut events: BTreeMap<&str, (usize, u64, u64, usize, BTreeMap<&str, usize>)> = BTreeMap::new();
+    for e in entries {
+        let (probes, hits, nmissed, optimized, why) = events.entry(e.event.as_str()).or_default();
+        *probes += 1;
+        *hits += e.hits;
+        *nmissed += e.nmissed;
+        *optimized += usize::from(e.optimized);
+        if let Some(reason) = e.not_optimized.as_deref().or(e.return_trapped.as_deref()) {
+            *why.entry(reason).or_default() += 1;
+        }
+    }
+    events
+        .iter()
+        .map(|(event, (probes, hits, nmissed, optimized, why))| {
+            let why: Vec<String> = why.iter().map(|(r, n)| format!("{n}: {r}")).collect();
+            let why = if why.is_empty() {
+                String::new()
+            } else {
+                format!(" (not optimized or trapping: {})", why.join("; "))
+            };
+            format!("{event}: {probes} functions, hits={hits} nmissed={nmissed}, optimized {optimized}{why}\n")
+        })
+        .collect()
+}
+
 /// The function tracer's probes that the engine would place now, and the line that says
 /// how many, with every refusal counted by its reason (best effort per function).
 fn check_functions(
@@ -651,8 +682,13 @@ impl TraceSession {
             return String::new();
         };
         let analysis = self.events.analysis.get();
-        tracer
-            .listing()
+        let listing = tracer.listing();
+        // A function tracer's thousands of probes are summed up, a line per event.
+        let (functions, probes): (Vec<_>, Vec<_>) = listing
+            .iter()
+            .partition(|e| self.functions.is_some() && e.event.starts_with(FUNCTION_EVENTS_PREFIX));
+        let mut text = function_listing(&functions);
+        text += &probes
             .iter()
             .map(|e| {
                 // A filtered-out hit is a hit (as in kprobe_profile) that went no further,
@@ -664,7 +700,8 @@ impl TraceSession {
                     .unwrap_or_default();
                 format!("{}{filtered}\n", listing_line(e))
             })
-            .collect()
+            .collect::<String>();
+        text
     }
 
     /// The histograms of the hist triggers, as `--format` says (empty without any).
