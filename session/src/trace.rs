@@ -146,7 +146,7 @@ const FUNCTION_EVENTS_PREFIX: &str = "ftrace/";
 /// The function tracers' probes in the listing: per event, how many, their hits and
 /// misses, how many are optimized and why the others are not.
 fn function_listing(entries: &[&hvprobe_probes::output::ListEntry]) -> String {
-    let mut events: BTreeMap<&str, (usize, u64, u64, usize, BTreeMap<&str, usize>)> = BTreeMap::new();
+    let mut events: BTreeMap<&str, (usize, u64, u64, usize, BTreeMap<String, usize>)> = BTreeMap::new();
     for e in entries {
         let (probes, hits, nmissed, optimized, why) = events.entry(e.event.as_str()).or_default();
         *probes += 1;
@@ -154,7 +154,7 @@ fn function_listing(entries: &[&hvprobe_probes::output::ListEntry]) -> String {
         *nmissed += e.nmissed;
         *optimized += usize::from(e.optimized);
         if let Some(reason) = e.not_optimized.as_deref().or(e.return_trapped.as_deref()) {
-            *why.entry(reason).or_default() += 1;
+            *why.entry(reason_kind(reason)).or_default() += 1;
         }
     }
     events
@@ -169,6 +169,43 @@ fn function_listing(entries: &[&hvprobe_probes::output::ListEntry]) -> String {
             format!("{event}: {probes} functions, hits={hits} nmissed={nmissed}, optimized {optimized}{why}\n")
         })
         .collect()
+}
+
+/// A reason without what is particular to one site (its instruction, its addresses), so
+/// that the reasons of thousands of sites count up by kind.
+fn reason_kind(reason: &str) -> String {
+    // Instructions are quoted in backticks, addresses are `0x` numbers.
+    let mut unquoted = String::with_capacity(reason.len());
+    let mut rest = reason;
+    while let Some((before, after)) = rest.split_once('`') {
+        unquoted.push_str(before);
+        match after.split_once('`') {
+            Some((_, tail)) => {
+                unquoted.push_str("`…`");
+                rest = tail;
+            }
+            None => {
+                unquoted.push('`');
+                rest = after;
+            }
+        }
+    }
+    unquoted.push_str(rest);
+    let address = |w: &str| {
+        w.strip_prefix("0x")
+            .is_some_and(|hex| !hex.is_empty() && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    unquoted
+        .split(' ')
+        .map(|word| {
+            let bare = word.trim_end_matches([',', ':', ')', ';']);
+            match address(bare) {
+                true => format!("ADDR{}", &word[bare.len()..]),
+                false => word.to_owned(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The function tracer's probes that the engine would place now, and the line that says
@@ -820,6 +857,20 @@ impl TraceSession {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sites_reason_counts_by_kind_without_its_instruction_and_addresses() {
+        assert_eq!(
+            reason_kind(
+                "`btr qword ptr [rdi],17h` at 0xffffffff810293e5 cannot run displaced: opcode 0f ba is not one"
+            ),
+            "`…` at ADDR cannot run displaced: opcode 0f ba is not one"
+        );
+        assert_eq!(
+            reason_kind("vCPU 0 is stopped inside the region at 0xffffffff81000010 (tried again)"),
+            "vCPU 0 is stopped inside the region at ADDR (tried again)"
+        );
+    }
 
     #[test]
     fn event_patterns_name_an_event_a_group_or_a_glob_of_them() {

@@ -223,3 +223,65 @@ fn the_function_graph_tracer_nests_calls_as_the_guests_own_does() {
         &host[..host.len().min(12)]
     );
 }
+
+fn text_hash(run: &Run) -> String {
+    run.stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("hvprobe: kernel text sha256 "))
+        .unwrap_or_else(|| panic!("no text hash\n{}", run.tail()))
+        .to_owned()
+}
+
+/// The count funccount's table gives `function`.
+fn funccount_of(run: &Run, function: &str) -> u64 {
+    run.stdout
+        .lines()
+        .find_map(|l| {
+            let mut fields = l.split_whitespace();
+            (fields.next() == Some(function)).then(|| fields.next()?.parse().ok()).flatten()
+        })
+        .unwrap_or_else(|| panic!("no count of {function}\n{}", run.tail()))
+}
+
+#[test]
+fn every_function_at_once_leaves_the_guest_healthy_and_its_text_as_it_was() {
+    let dir = snapshot(1);
+    // A process, file reads and writes: the busy paths of a kernel, every function traced.
+    let workload = "for i in 1 2 3; do echo $i > /tmp/f; read -r l < /tmp/f; done; ls / > /dev/null; \
+                    echo CONSOLE-END";
+    for optimize in ["--optimize=off", "--optimize=on"] {
+        let run = restore_with(
+            &dir,
+            1,
+            workload,
+            &["--tracer", "funccount", "--text-hash", "--no-control", optimize],
+            RESTORE_TIMEOUT,
+        );
+        run_ok(&run);
+        let line = run
+            .stderr
+            .lines()
+            .find(|l| l.contains("funccount tracer: "))
+            .unwrap_or_else(|| panic!("no tracer line\n{}", run.tail()));
+        let traced: usize = line
+            .split(", ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        assert!(traced > 10_000, "{optimize}: only {traced} functions traced: {line}");
+        // Every read of the loop, at least, and the summary's counts agree with the table.
+        assert!(funccount_of(&run, "ksys_read") >= 6, "{}", run.tail());
+        assert!(funccount_of(&run, "ksys_write") >= 3, "{}", run.tail());
+        if optimize == "--optimize=on" {
+            assert!(
+                run.stderr.contains("ftrace/function: ") && !run.stderr.contains("optimized 0 "),
+                "{optimize}: no function's probe was optimized\n{}",
+                run.tail()
+            );
+        }
+        let plain = restore_with(&dir, 1, "true", &["--text-hash", "--no-control"], RESTORE_TIMEOUT);
+        assert_eq!(plain.code, Some(0), "{}", plain.tail());
+        assert_eq!(text_hash(&run), text_hash(&plain), "{optimize}: the text differs after the trace");
+    }
+}
