@@ -547,6 +547,11 @@ pub enum BenchCommand {
     Probes(ProbeBenchArgs),
     /// How long arming and disarming N probes takes on a running guest.
     Arm(ArmBenchArgs),
+    /// The function tracers: arming and removing N functions' probes (up to every
+    /// function) on a running guest, and what a traced call costs the guest (exits and
+    /// emulated instructions per call, entry only and entry + return) beside the guest's
+    /// own function_graph tracer on the same calls.
+    Functions(FunctionsBenchArgs),
     /// How fast the host drains the event rings, with a producer filling them as fast as
     /// it can.
     Drain(DrainBenchArgs),
@@ -578,6 +583,30 @@ pub struct FilterBenchArgs {
     /// Runs per variant (the median is reported, with the range).
     #[arg(long, default_value_t = 5)]
     pub runs: u32,
+}
+
+#[derive(Args)]
+pub struct FunctionsBenchArgs {
+    /// Function counts to arm, comma-separated (`all`: every function the tracer takes).
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,10000,all")]
+    pub counts: Vec<String>,
+    /// Rounds per count (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: u32,
+    /// Number of vCPUs (the snapshot's).
+    #[arg(long, default_value_t = 2)]
+    pub cpus: u8,
+    /// A snapshot of the bundled guest with that many vCPUs [default: the cached one].
+    #[arg(long, value_name = "DIR")]
+    pub snapshot: Option<PathBuf>,
+    /// getppid() calls per run of the per-call part (each configuration runs with N and
+    /// 2N calls: the difference, over N, is one call's cost without the fixed costs).
+    #[arg(long, value_name = "N", default_value_t = 2000)]
+    pub calls: u32,
+    /// Skip the per-call part (it restores the guest eight times; the guest's own tracer
+    /// takes about a minute a run on kvm_pvm).
+    #[arg(long)]
+    pub no_per_call: bool,
 }
 
 #[derive(Args)]

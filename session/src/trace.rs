@@ -48,6 +48,7 @@ mod spec;
 
 pub use fanout::Subscription;
 use fanout::*;
+pub use functions::function_requests;
 use functions::{FunctionPlan, PrintMode};
 pub use printer::event_line;
 use printer::*;

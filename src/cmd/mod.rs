@@ -49,6 +49,9 @@ pub fn dispatch(command: Commands) -> CliResult {
             command: BenchCommand::Arm(args),
         } => bench::arm::bench_arm(args),
         Commands::Bench {
+            command: BenchCommand::Functions(args),
+        } => bench::functions::bench_functions(args),
+        Commands::Bench {
             command: BenchCommand::Drain(args),
         } => bench::drain::bench_drain(args),
         Commands::Bench {

@@ -92,47 +92,14 @@ impl FunctionPlan {
         let slide = symbols
             .lookup("_text")
             .map_or(0, |s| s.addr.0.wrapping_sub(self.link_text.0) as i64);
-        let parent = FetchArg {
-            name: PARENT_ARG.to_owned(),
-            expr: FetchExpr::StackEntry(0),
-            ty: ArgType::Symbol,
-            array_len: None,
-            typed: false,
-        };
         let mut probes = Vec::with_capacity(self.selection.traced.len() * 2);
         for function in &self.selection.traced {
-            let point = ProbePoint::Address(Gva(function.site.0.wrapping_add_signed(slide)));
-            let probe = |request: KprobeRequest| SpecProbe {
+            let site = Gva(function.site.0.wrapping_add_signed(slide));
+            probes.extend(function_requests(self.kind, site, cpus).into_iter().map(|request| SpecProbe {
                 line: 0,
                 text: function.name.clone(),
                 request,
-            };
-            let exit = |point: ProbePoint| KprobeRequest {
-                kind: ProbeKind::Kretprobe {
-                    maxactive: default_maxactive(cpus),
-                },
-                ..KprobeRequest::event(point, GROUP, GRAPH_EXIT_EVENT, Vec::new())
-            };
-            match self.kind {
-                FunctionTracerKind::Function => {
-                    probes.push(probe(KprobeRequest::event(point, GROUP, FUNCTION_EVENT, vec![parent.clone()])));
-                }
-                // Counting needs the calls, not their callers.
-                FunctionTracerKind::FuncCount => {
-                    probes.push(probe(KprobeRequest::event(point, GROUP, FUNCTION_EVENT, Vec::new())));
-                }
-                // A return's hit carries its call's entry time: the return probe alone.
-                FunctionTracerKind::FuncLatency(_) => probes.push(probe(exit(point))),
-                FunctionTracerKind::FunctionGraph => {
-                    probes.push(probe(KprobeRequest::event(
-                        point.clone(),
-                        GROUP,
-                        GRAPH_ENTRY_EVENT,
-                        vec![parent.clone()],
-                    )));
-                    probes.push(probe(exit(point)));
-                }
-            }
+            }));
         }
         probes
     }
@@ -180,6 +147,37 @@ impl FunctionPlan {
 
     pub(super) fn pids(&self) -> &[i32] {
         &self.pids
+    }
+}
+
+/// The probes a tracer of `kind` puts on the function whose ftrace call is at `site`
+/// (run-time address): the entry's (recording the caller, `parent=$stack0`), the
+/// return's, or both.
+pub fn function_requests(kind: FunctionTracerKind, site: Gva, cpus: usize) -> Vec<KprobeRequest> {
+    let point = ProbePoint::Address(site);
+    let parent = || FetchArg {
+        name: PARENT_ARG.to_owned(),
+        expr: FetchExpr::StackEntry(0),
+        ty: ArgType::Symbol,
+        array_len: None,
+        typed: false,
+    };
+    let exit = |point: ProbePoint| KprobeRequest {
+        kind: ProbeKind::Kretprobe {
+            maxactive: default_maxactive(cpus),
+        },
+        ..KprobeRequest::event(point, GROUP, GRAPH_EXIT_EVENT, Vec::new())
+    };
+    match kind {
+        FunctionTracerKind::Function => vec![KprobeRequest::event(point, GROUP, FUNCTION_EVENT, vec![parent()])],
+        // Counting needs the calls, not their callers.
+        FunctionTracerKind::FuncCount => vec![KprobeRequest::event(point, GROUP, FUNCTION_EVENT, Vec::new())],
+        // A return's hit carries its call's entry time: the return probe alone.
+        FunctionTracerKind::FuncLatency(_) => vec![exit(point)],
+        FunctionTracerKind::FunctionGraph => vec![
+            KprobeRequest::event(point.clone(), GROUP, GRAPH_ENTRY_EVENT, vec![parent()]),
+            exit(point),
+        ],
     }
 }
 

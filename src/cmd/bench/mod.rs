@@ -4,6 +4,7 @@
 pub mod arm;
 pub mod drain;
 pub mod filter;
+pub mod functions;
 pub mod io;
 pub mod probes;
 pub mod snapshot;
