@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use hvprobe_session::machine::Machine;
 use hvprobe_functions::stats::LatencyUnit;
+use hvprobe_session::machine::Machine;
 use hvprobe_session::options::{FunctionTracerKind, FunctionTracerOptions, OutputFormat};
 use hvprobe_session::shares::{RootfsHide, RwDir, Sandbox};
 use hvprobe_session::snapshot::SnapshotOptions;

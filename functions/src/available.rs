@@ -70,8 +70,16 @@ impl AvailableFunctions {
     /// holds them.
     pub fn mcount_locations(vmlinux: &[u8], symbols: &SymbolTable) -> Result<Vec<Gva>, AvailableError> {
         let elf = Elf::parse(vmlinux).map_err(|e| AvailableError::Elf(e.to_string()))?;
-        let start = symbols.lookup("__start_mcount_loc").ok_or(AvailableError::NoMcountLoc)?.addr.0;
-        let stop = symbols.lookup("__stop_mcount_loc").ok_or(AvailableError::NoMcountLoc)?.addr.0;
+        let start = symbols
+            .lookup("__start_mcount_loc")
+            .ok_or(AvailableError::NoMcountLoc)?
+            .addr
+            .0;
+        let stop = symbols
+            .lookup("__stop_mcount_loc")
+            .ok_or(AvailableError::NoMcountLoc)?
+            .addr
+            .0;
         let size = stop.checked_sub(start).ok_or(AvailableError::NoMcountLoc)?;
         let section = elf
             .section_headers
@@ -87,9 +95,14 @@ impl AvailableFunctions {
             size,
             file: vmlinux.len(),
         };
-        let offset = section.sh_offset.checked_add(start - section.sh_addr).ok_or_else(outside)?;
+        let offset = section
+            .sh_offset
+            .checked_add(start - section.sh_addr)
+            .ok_or_else(outside)?;
         let from = usize::try_from(offset).map_err(|_| outside())?;
-        let to = from.checked_add(usize::try_from(size).map_err(|_| outside())?).ok_or_else(outside)?;
+        let to = from
+            .checked_add(usize::try_from(size).map_err(|_| outside())?)
+            .ok_or_else(outside)?;
         let bytes = vmlinux.get(from..to).ok_or_else(outside)?;
         Ok(bytes
             .chunks_exact(8)
@@ -100,7 +113,12 @@ impl AvailableFunctions {
     /// The records the kernel keeps of `locations` (a vmlinux's `__mcount_loc`), named
     /// by `symbols` (the same kernel's, at the same addresses).
     pub fn from_locations(locations: &[Gva], symbols: &SymbolTable) -> Result<Self, AvailableError> {
-        let bound = |name: &'static str| symbols.lookup(name).map(|s| s.addr).ok_or(AvailableError::NoInitBounds(name));
+        let bound = |name: &'static str| {
+            symbols
+                .lookup(name)
+                .map(|s| s.addr)
+                .ok_or(AvailableError::NoInitBounds(name))
+        };
         let init: Range<Gva> = bound("__init_begin")?..bound("__init_end")?;
         let mut sites: Vec<Gva> = locations
             .iter()
@@ -243,7 +261,10 @@ mod tests {
 
     #[test]
     fn a_kernel_without_init_bounds_is_refused_with_their_name() {
-        let symbols = SymbolTable::from_symbols(SymbolSource::SystemMap, vec![sym("f", 0xffff_ffff_8100_0000, 't', None)]);
+        let symbols = SymbolTable::from_symbols(
+            SymbolSource::SystemMap,
+            vec![sym("f", 0xffff_ffff_8100_0000, 't', None)],
+        );
         let err = AvailableFunctions::from_locations(&[], &symbols).unwrap_err();
         assert!(err.to_string().contains("__init_begin"), "{err}");
     }

@@ -88,7 +88,11 @@ pub struct GlobList(Vec<Glob>);
 impl GlobList {
     /// The globs, each checked.
     pub fn parse<S: AsRef<str>>(globs: &[S]) -> Result<Self, FilterError> {
-        globs.iter().map(|g| Glob::parse(g.as_ref())).collect::<Result<_, _>>().map(GlobList)
+        globs
+            .iter()
+            .map(|g| Glob::parse(g.as_ref()))
+            .collect::<Result<_, _>>()
+            .map(GlobList)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -153,8 +157,14 @@ impl FunctionFilter {
         let mut selection = Selection::default();
         for function in functions.valid() {
             let chosen = self.filter.chooses(&function.name)
-                || (!self.graph.is_empty() && self.graph.mentions(&function.name) && self.graph.chooses(&function.name));
-            if !chosen || (!self.notrace.is_empty() && self.notrace.mentions(&function.name) && self.notrace.chooses(&function.name)) {
+                || (!self.graph.is_empty()
+                    && self.graph.mentions(&function.name)
+                    && self.graph.chooses(&function.name));
+            if !chosen
+                || (!self.notrace.is_empty()
+                    && self.notrace.mentions(&function.name)
+                    && self.notrace.chooses(&function.name))
+            {
                 continue;
             }
             match denied_reason(&function.name) {
@@ -192,7 +202,10 @@ mod tests {
                 size: Some(0x100),
             })
             .collect();
-        for (name, addr) in [("__init_begin", 0xffff_ffff_8200_0000), ("__init_end", 0xffff_ffff_8300_0000)] {
+        for (name, addr) in [
+            ("__init_begin", 0xffff_ffff_8200_0000),
+            ("__init_end", 0xffff_ffff_8300_0000),
+        ] {
             symbols.push(Symbol {
                 name: name.to_owned(),
                 addr: Gva(addr),
@@ -201,7 +214,9 @@ mod tests {
             });
         }
         let table = SymbolTable::from_symbols(SymbolSource::SystemMap, symbols);
-        let sites: Vec<Gva> = (0..names.len()).map(|i| Gva(0xffff_ffff_8100_0000 + 0x100 * i as u64)).collect();
+        let sites: Vec<Gva> = (0..names.len())
+            .map(|i| Gva(0xffff_ffff_8100_0000 + 0x100 * i as u64))
+            .collect();
         AvailableFunctions::from_locations(&sites, &table).unwrap()
     }
 
@@ -215,7 +230,13 @@ mod tests {
             .collect()
     }
 
-    const NAMES: &[&str] = &["vfs_read", "vfs_write", "ksys_read", "copy_from_kernel_nofault", "text_poke_bp"];
+    const NAMES: &[&str] = &[
+        "vfs_read",
+        "vfs_write",
+        "ksys_read",
+        "copy_from_kernel_nofault",
+        "text_poke_bp",
+    ];
 
     #[test]
     fn no_filter_traces_every_function_but_the_denied_ones() {

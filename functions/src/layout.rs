@@ -58,7 +58,9 @@ impl<'a> FunctionHit<'a> {
         }
         let function = hit.location.split('+').next().unwrap_or(&hit.location);
         match hit.event.as_str() {
-            FUNCTION_EVENT | GRAPH_ENTRY_EVENT if hit.retprobe_caller.is_none() => Some(FunctionHit::Entry { function }),
+            FUNCTION_EVENT | GRAPH_ENTRY_EVENT if hit.retprobe_caller.is_none() => {
+                Some(FunctionHit::Entry { function })
+            }
             GRAPH_EXIT_EVENT if hit.retprobe_caller.is_some() => Some(FunctionHit::Exit { function }),
             _ => None,
         }
@@ -228,12 +230,20 @@ impl GraphPrinter {
                 if let Some(depth) = self.enter(hit, function) {
                     self.resolve_pending(&mut out, hit);
                     self.switch_if_new_task(&mut out, hit);
-                    self.pending.insert(hit.cpu, Pending { hit: hit.clone(), depth });
+                    self.pending.insert(
+                        hit.cpu,
+                        Pending {
+                            hit: hit.clone(),
+                            depth,
+                        },
+                    );
                 }
             }
             Some(FunctionHit::Exit { function }) => {
                 if let Some((depth, entered_ns)) = self.leave(hit, function) {
-                    let duration = hit.timestamp_ns.saturating_sub(hit.entry_timestamp_ns.unwrap_or(entered_ns));
+                    let duration = hit
+                        .timestamp_ns
+                        .saturating_sub(hit.entry_timestamp_ns.unwrap_or(entered_ns));
                     let leaf = self.pending.get(&hit.cpu).is_some_and(|p| {
                         p.hit.pid == hit.pid && p.depth == depth && p.hit.location.split('+').next() == Some(function)
                     });
@@ -343,7 +353,8 @@ impl GraphPrinter {
         self.duration(out, Some(duration_ns));
         out.push_str(&" ".repeat(pending.depth * INDENT));
         let _ = writeln!(out, "{function}();");
-        self.comment_depth.insert(pending.hit.cpu, pending.depth.saturating_sub(1));
+        self.comment_depth
+            .insert(pending.hit.cpu, pending.depth.saturating_sub(1));
     }
 
     fn nested(&mut self, out: &mut String, pending: &Pending) {
@@ -516,7 +527,10 @@ mod tests {
     #[test]
     fn the_function_line_is_ftraces() {
         let line = function_line(&hit(1, 42, 1_073_249_432_000, FUNCTION_EVENT, "vfs_read"), false);
-        assert_eq!(line, "              sh-42      [001]   1073.249432: vfs_read <-ksys_read");
+        assert_eq!(
+            line,
+            "              sh-42      [001]   1073.249432: vfs_read <-ksys_read"
+        );
         let with_offset = function_line(&hit(1, 42, 1_000, FUNCTION_EVENT, "vfs_read"), true);
         assert!(with_offset.ends_with("vfs_read <-ksys_read+0x6b/0xf0"), "{with_offset}");
     }
@@ -649,8 +663,17 @@ mod tests {
             hit(1, 7, 40, GRAPH_EXIT_EVENT, "inner"),
             hit(1, 7, 50, GRAPH_EXIT_EVENT, "outer"),
         ];
-        let out = graph(&events, GraphOptions { cpus: 2, ..Default::default() });
+        let out = graph(
+            &events,
+            GraphOptions {
+                cpus: 2,
+                ..Default::default()
+            },
+        );
         let shapes: Vec<&str> = out.lines().filter_map(|l| l.split('|').nth(1)).collect();
-        assert_eq!(shapes, ["  outer() {", "    inner() {", "      leaf();", "    }", "  }"]);
+        assert_eq!(
+            shapes,
+            ["  outer() {", "    inner() {", "      leaf();", "    }", "  }"]
+        );
     }
 }

@@ -171,10 +171,22 @@ mod tests {
         let table = hist.table();
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines[0], "     usecs               : count    distribution");
-        assert_eq!(lines[1], "         0 -> 1          : 2        |**************************              |");
-        assert_eq!(lines[2], "         2 -> 3          : 3        |****************************************|");
-        assert_eq!(lines[3], "         4 -> 7          : 1        |*************                           |");
-        assert_eq!(lines[10], "       512 -> 1023       : 1        |*************                           |");
+        assert_eq!(
+            lines[1],
+            "         0 -> 1          : 2        |**************************              |"
+        );
+        assert_eq!(
+            lines[2],
+            "         2 -> 3          : 3        |****************************************|"
+        );
+        assert_eq!(
+            lines[3],
+            "         4 -> 7          : 1        |*************                           |"
+        );
+        assert_eq!(
+            lines[10],
+            "       512 -> 1023       : 1        |*************                           |"
+        );
         assert_eq!(lines.len(), 13);
         assert_eq!(lines[12], "avg = 130 usecs, total: 914 usecs, count: 7");
         assert!(Log2Histogram::new(LatencyUnit::Nsecs).table().is_empty());

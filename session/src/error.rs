@@ -54,7 +54,9 @@ pub enum SessionError {
     FunctionTable(#[from] hvprobe_functions::AvailableError),
     #[error("--tracer: {0}")]
     FunctionFilter(#[from] hvprobe_functions::FilterError),
-    #[error("--tracer needs the kernel's vmlinux (its __mcount_loc table names the traceable functions): give --vmlinux")]
+    #[error(
+        "--tracer needs the kernel's vmlinux (its __mcount_loc table names the traceable functions): give --vmlinux"
+    )]
     FunctionsWithoutVmlinux,
     #[error("--funcgraph-opts: unknown option {0:?} (proc, abstime, tail, overhead, duration, cpu; `no` before one turns it off)")]
     GraphOption(String),

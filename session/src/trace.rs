@@ -147,20 +147,36 @@ const FUNCTION_EVENTS_PREFIX: &str = "ftrace/";
 /// The function tracers' probes in the listing: per event, how many, their hits and
 /// misses, how many are optimized and why the others are not.
 fn function_listing(entries: &[&hvprobe_probes::output::ListEntry]) -> String {
-    let mut events: BTreeMap<&str, (usize, u64, u64, usize, BTreeMap<String, usize>)> = BTreeMap::new();
+    /// One event's probes, summed.
+    #[derive(Default)]
+    struct Sum {
+        probes: usize,
+        hits: u64,
+        nmissed: u64,
+        optimized: usize,
+        why: BTreeMap<String, usize>,
+    }
+    let mut events: BTreeMap<&str, Sum> = BTreeMap::new();
     for e in entries {
-        let (probes, hits, nmissed, optimized, why) = events.entry(e.event.as_str()).or_default();
-        *probes += 1;
-        *hits += e.hits;
-        *nmissed += e.nmissed;
-        *optimized += usize::from(e.optimized);
+        let sum = events.entry(e.event.as_str()).or_default();
+        sum.probes += 1;
+        sum.hits += e.hits;
+        sum.nmissed += e.nmissed;
+        sum.optimized += usize::from(e.optimized);
         if let Some(reason) = e.not_optimized.as_deref().or(e.return_trapped.as_deref()) {
-            *why.entry(reason_kind(reason)).or_default() += 1;
+            *sum.why.entry(reason_kind(reason)).or_default() += 1;
         }
     }
     events
         .iter()
-        .map(|(event, (probes, hits, nmissed, optimized, why))| {
+        .map(|(event, sum)| {
+            let Sum {
+                probes,
+                hits,
+                nmissed,
+                optimized,
+                why,
+            } = sum;
             let why: Vec<String> = why.iter().map(|(r, n)| format!("{n}: {r}")).collect();
             let why = if why.is_empty() {
                 String::new()
@@ -242,7 +258,12 @@ fn check_functions(
     for (p, r) in probes.iter().zip(refused.iter_mut()) {
         *r |= site(p).is_some_and(|at| refused_sites.contains(&at));
     }
-    let kept: Vec<SpecProbe> = probes.into_iter().zip(&refused).filter(|(_, r)| !**r).map(|(p, _)| p).collect();
+    let kept: Vec<SpecProbe> = probes
+        .into_iter()
+        .zip(&refused)
+        .filter(|(_, r)| !**r)
+        .map(|(p, _)| p)
+        .collect();
     let note = functions.summary(kept.len(), &skipped);
     (kept, note)
 }
@@ -326,7 +347,19 @@ impl TraceSession {
                 let (tx, rx) = std::sync::mpsc::sync_channel(EVENT_QUEUE);
                 let printer = std::thread::Builder::new()
                     .name("trace-printer".into())
-                    .spawn(move || print_events(rx, Layout { format, sym_offset, mode, pids }, console, perfetto))
+                    .spawn(move || {
+                        print_events(
+                            rx,
+                            Layout {
+                                format,
+                                sym_offset,
+                                mode,
+                                pids,
+                            },
+                            console,
+                            perfetto,
+                        )
+                    })
                     .map_err(|source| SessionError::Thread {
                         what: "trace printer",
                         source,

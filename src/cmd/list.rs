@@ -20,7 +20,11 @@ pub fn functions(args: ListFunctionsArgs) -> CliResult {
     let mut out = std::io::stdout().lock();
     let mut listed = 0usize;
     for function in available.all() {
-        if args.glob.as_deref().is_some_and(|g| !wildcard_matches(g, &function.name)) {
+        if args
+            .glob
+            .as_deref()
+            .is_some_and(|g| !wildcard_matches(g, &function.name))
+        {
             continue;
         }
         listed += 1;

@@ -13,7 +13,16 @@ const RESTORE_TIMEOUT: Duration = Duration::from_secs(300);
 
 fn run_ok(run: &Run) {
     assert_eq!(run.code, Some(0), "{}", run.tail());
-    common::assert_guest_healthy(run, &["ftrace_bug", "ftrace failed", "ftrace faulted", "ftrace record", "WARNING:"]);
+    common::assert_guest_healthy(
+        run,
+        &[
+            "ftrace_bug",
+            "ftrace failed",
+            "ftrace faulted",
+            "ftrace record",
+            "WARNING:",
+        ],
+    );
     assert!(
         run.console_has_line("CONSOLE-END"),
         "the guest's console output was cut before its end\n{}",
@@ -30,7 +39,12 @@ fn md5(text: &str) -> String {
         .expect("md5sum");
     child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
-    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_owned()
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned()
 }
 
 #[test]
@@ -57,8 +71,16 @@ fn the_function_list_is_the_guests_available_filter_functions() {
             .unwrap_or_else(|| panic!("no {key} line\n{}", run.tail()))
             .to_owned()
     };
-    assert_eq!(field("GUEST-COUNT "), count.to_string(), "the guest lists another number of functions");
-    assert_eq!(field("GUEST-MD5 "), md5(&list.stdout), "the guest lists other functions or another order");
+    assert_eq!(
+        field("GUEST-COUNT "),
+        count.to_string(),
+        "the guest lists another number of functions"
+    );
+    assert_eq!(
+        field("GUEST-MD5 "),
+        md5(&list.stdout),
+        "the guest lists other functions or another order"
+    );
     // A glob narrows the list; one that matches nothing fails, naming it.
     let vfs = hvprobe(&["list", "functions", "vfs_*"], Duration::from_secs(120));
     assert!(vfs.stdout.lines().any(|l| l == "vfs_read"), "{}", vfs.tail());
@@ -106,6 +128,27 @@ fn with_the_guests_own_tracer(tracer: &str, setup: &str) -> String {
     )
 }
 
+/// `FUNCTIONS` as `set_ftrace_filter` takes them fastest: their indices in
+/// `available_filter_functions` (1-based), from `hvprobe list functions` — a glob makes
+/// the guest look every record's name up, about a minute of emulated kallsyms on kvm_pvm.
+/// The guest then traces the functions named only if the two lists are in the same order.
+fn filter_indices() -> String {
+    let list = hvprobe(&["list", "functions"], Duration::from_secs(600));
+    assert_eq!(list.code, Some(0), "{}", list.tail());
+    FUNCTIONS
+        .iter()
+        .map(|f| {
+            let at = list
+                .stdout
+                .lines()
+                .position(|l| l == *f)
+                .unwrap_or_else(|| panic!("{f} is not listed"));
+            (at + 1).to_string()
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// What a shell's read of a proc file calls, each a traceable function of the bundled
 /// kernel: the syscall, the VFS, the proc file and its seq_file.
 const FUNCTIONS: [&str; 4] = ["ksys_read", "vfs_read", "proc_reg_read_iter", "seq_read_iter"];
@@ -113,7 +156,10 @@ const FUNCTIONS: [&str; 4] = ["ksys_read", "vfs_read", "proc_reg_read_iter", "se
 #[test]
 fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
     let dir = snapshot(1);
-    let workload = with_the_guests_own_tracer("function", &format!("echo '{}' > $T/set_ftrace_filter;", FUNCTIONS.join(" ")));
+    let workload = with_the_guests_own_tracer(
+        "function",
+        &format!("echo '{}' > $T/set_ftrace_filter;", filter_indices()),
+    );
     let mut args = vec!["--tracer", "function", "--no-control"];
     for f in FUNCTIONS {
         args.extend(["--ftrace-filter", f]);
@@ -132,7 +178,10 @@ fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
         .filter_map(|l| l.strip_prefix("GUEST "))
         .filter_map(Call::parse)
         .collect();
-    let task = guest.first().map(|c| c.task.clone()).unwrap_or_else(|| panic!("no guest trace lines\n{}", run.tail()));
+    let task = guest
+        .first()
+        .map(|c| c.task.clone())
+        .unwrap_or_else(|| panic!("no guest trace lines\n{}", run.tail()));
     let guest: Vec<Call> = guest.into_iter().filter(|c| c.task == task).collect();
     let host: Vec<Call> = run
         .stdout
@@ -142,7 +191,12 @@ fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
         .filter(|c| c.task == task)
         .collect();
     // A ~100-byte line read a byte at a time: a hundred calls of each function.
-    assert!(guest.len() >= 300, "{} guest lines of {task}\n{}", guest.len(), run.tail());
+    assert!(
+        guest.len() >= 300,
+        "{} guest lines of {task}\n{}",
+        guest.len(),
+        run.tail()
+    );
     let shape = |calls: &[Call]| -> Vec<(String, String)> {
         calls.iter().map(|c| (c.function.clone(), c.parent.clone())).collect()
     };
@@ -160,10 +214,12 @@ fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
         )
     });
     assert_eq!(shape(window), shape(&guest), "host and guest saw other calls");
+    // The same clock: the host stamps an int3 hit when it handles its exit, a few emulated
+    // instructions after the guest's own stamp (more when the host is loaded).
     for (h, g) in window.iter().zip(&guest) {
         assert!(
-            (h.ns - g.ns).abs() < 2_000_000,
-            "host {h:?} and guest {g:?} are more than 2 ms apart"
+            (h.ns - g.ns).abs() < 20_000_000,
+            "host {h:?} and guest {g:?} are more than 20 ms apart"
         );
     }
 }
@@ -171,7 +227,9 @@ fn the_function_tracer_sees_the_calls_the_guests_own_function_tracer_sees() {
 /// The FUNCTION CALLS column of a function_graph line (`  vfs_read() {`), when it has one.
 fn graph_calls(line: &str) -> Option<&str> {
     let (_, calls) = line.split_once("|  ")?;
-    let calls = calls.rsplit_once('|').map_or(calls, |(_, c)| c.strip_prefix("  ").unwrap_or(c));
+    let calls = calls
+        .rsplit_once('|')
+        .map_or(calls, |(_, c)| c.strip_prefix("  ").unwrap_or(c));
     (calls.contains("()") || calls.trim() == "}").then_some(calls.trim_end())
 }
 
@@ -180,10 +238,16 @@ fn the_function_graph_tracer_nests_calls_as_the_guests_own_does() {
     let dir = snapshot(1);
     let setup = format!(
         "echo '{}' > $T/set_ftrace_filter; echo ksys_read > $T/set_graph_function; echo 0 > $T/options/funcgraph-irqs;",
-        FUNCTIONS.join(" ")
+        filter_indices()
     );
     let workload = with_the_guests_own_tracer("function_graph", &setup);
-    let mut args = vec!["--tracer", "function_graph", "--graph-function", "ksys_read", "--no-control"];
+    let mut args = vec![
+        "--tracer",
+        "function_graph",
+        "--graph-function",
+        "ksys_read",
+        "--no-control",
+    ];
     for f in FUNCTIONS {
         args.extend(["--ftrace-filter", f]);
     }
@@ -238,7 +302,9 @@ fn funccount_of(run: &Run, function: &str) -> u64 {
         .lines()
         .find_map(|l| {
             let mut fields = l.split_whitespace();
-            (fields.next() == Some(function)).then(|| fields.next()?.parse().ok()).flatten()
+            (fields.next() == Some(function))
+                .then(|| fields.next()?.parse().ok())
+                .flatten()
         })
         .unwrap_or_else(|| panic!("no count of {function}\n{}", run.tail()))
 }
@@ -246,22 +312,34 @@ fn funccount_of(run: &Run, function: &str) -> u64 {
 #[test]
 fn every_function_at_once_leaves_the_guest_healthy_and_its_text_as_it_was() {
     let dir = snapshot(1);
-    // A process, file reads and writes: the busy paths of a kernel, every function traced.
-    let workload = "for i in 1 2 3; do echo $i > /tmp/f; read -r l < /tmp/f; done; ls / > /dev/null; \
+    // File reads and writes, every function traced, while the guest's own ftrace-based
+    // kprobe event on a traced function comes and goes (the guest patches the ftrace call
+    // site our probe sits after, twice): it must count each read, and complain of nothing.
+    let workload = "T=/sys/kernel/tracing; echo 'p:gk ksys_read' > $T/kprobe_events; \
+                    echo 1 > $T/events/kprobes/gk/enable; \
+                    for i in 1 2 3; do echo $i > /tmp/f; read -r l < /tmp/f; done; \
+                    echo 0 > $T/events/kprobes/gk/enable; sed 's/^/PROFILE /' $T/kprobe_profile; \
+                    echo > $T/kprobe_events; dmesg | grep -i -e ftrace_bug -e 'ftrace failed' -e warning; \
                     echo CONSOLE-END";
-    for optimize in ["--optimize=off", "--optimize=on"] {
+    let plain = restore_with(&dir, 1, "true", &["--text-hash", "--no-control"], RESTORE_TIMEOUT);
+    assert_eq!(plain.code, Some(0), "{}", plain.tail());
+    for (tracer, optimize) in [
+        ("funccount", "--optimize=off"),
+        ("funccount", "--optimize=on"),
+        ("function_graph", "--optimize=on"),
+    ] {
         let run = restore_with(
             &dir,
             1,
             workload,
-            &["--tracer", "funccount", "--text-hash", "--no-control", optimize],
+            &["--tracer", tracer, "--text-hash", "--no-control", optimize],
             RESTORE_TIMEOUT,
         );
         run_ok(&run);
         let line = run
             .stderr
             .lines()
-            .find(|l| l.contains("funccount tracer: "))
+            .find(|l| l.contains(&format!("{tracer} tracer: ")))
             .unwrap_or_else(|| panic!("no tracer line\n{}", run.tail()));
         let traced: usize = line
             .split(", ")
@@ -269,19 +347,43 @@ fn every_function_at_once_leaves_the_guest_healthy_and_its_text_as_it_was() {
             .and_then(|t| t.split_whitespace().next())
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("{line}"));
-        assert!(traced > 10_000, "{optimize}: only {traced} functions traced: {line}");
-        // Every read of the loop, at least, and the summary's counts agree with the table.
-        assert!(funccount_of(&run, "ksys_read") >= 6, "{}", run.tail());
-        assert!(funccount_of(&run, "ksys_write") >= 3, "{}", run.tail());
+        assert!(
+            traced > 10_000,
+            "{tracer} {optimize}: only {traced} functions traced: {line}"
+        );
+        // Each `read` builtin reads "N\n" a byte at a time: two calls, three times.
+        let profile = run
+            .stdout
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("PROFILE "))
+            .unwrap_or_else(|| panic!("no kprobe_profile line\n{}", run.tail()));
+        assert_eq!(
+            profile.split_whitespace().nth(1),
+            Some("6"),
+            "{tracer} {optimize}: the guest's own kprobe counted otherwise: {profile}"
+        );
+        match tracer {
+            "funccount" => {
+                assert!(funccount_of(&run, "ksys_read") >= 6, "{}", run.tail());
+                assert!(funccount_of(&run, "ksys_write") >= 3, "{}", run.tail());
+            }
+            _ => assert!(
+                run.stdout.lines().any(|l| l.trim_end().ends_with(" ksys_read() {")),
+                "{tracer}: no ksys_read call in the graph\n{}",
+                run.tail()
+            ),
+        }
         if optimize == "--optimize=on" {
             assert!(
-                run.stderr.contains("ftrace/function: ") && !run.stderr.contains("optimized 0 "),
-                "{optimize}: no function's probe was optimized\n{}",
+                run.stderr.contains("ftrace/") && !run.stderr.contains("optimized 0 "),
+                "{tracer} {optimize}: no function's probe was optimized\n{}",
                 run.tail()
             );
         }
-        let plain = restore_with(&dir, 1, "true", &["--text-hash", "--no-control"], RESTORE_TIMEOUT);
-        assert_eq!(plain.code, Some(0), "{}", plain.tail());
-        assert_eq!(text_hash(&run), text_hash(&plain), "{optimize}: the text differs after the trace");
+        assert_eq!(
+            text_hash(&run),
+            text_hash(&plain),
+            "{tracer} {optimize}: the text differs after the trace"
+        );
     }
 }

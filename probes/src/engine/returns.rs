@@ -500,7 +500,10 @@ impl Tracer {
                 .fetch_add(abandoned as u64, Ordering::Relaxed);
             returns.pop_at(slot)
         };
-        tracing::trace!("vCPU {cpu}: return through the trampoline from {slot:#x}: {} call(s)", returning.len());
+        tracing::trace!(
+            "vCPU {cpu}: return through the trampoline from {slot:#x}: {} call(s)",
+            returning.len()
+        );
         let Some(return_address) = returning.first().map(|i| i.return_address) else {
             return BreakpointOutcome::Fatal(EngineFault::UnknownReturn { cpu, slot });
         };

@@ -6,9 +6,7 @@
 
 use hvprobe_arch::Gva;
 use hvprobe_functions::filter::GlobList;
-use hvprobe_functions::layout::{
-    GraphOptions, FUNCTION_EVENT, GRAPH_ENTRY_EVENT, GRAPH_EXIT_EVENT, GROUP, PARENT_ARG,
-};
+use hvprobe_functions::layout::{GraphOptions, FUNCTION_EVENT, GRAPH_ENTRY_EVENT, GRAPH_EXIT_EVENT, GROUP, PARENT_ARG};
 use hvprobe_functions::stats::LatencyUnit;
 use hvprobe_functions::{AvailableFunctions, FunctionFilter, Selection};
 use hvprobe_probes::spec::{ArgType, FetchArg, FetchExpr};
@@ -95,11 +93,15 @@ impl FunctionPlan {
         let mut probes = Vec::with_capacity(self.selection.traced.len() * 2);
         for function in &self.selection.traced {
             let site = Gva(function.site.0.wrapping_add_signed(slide));
-            probes.extend(function_requests(self.kind, site, cpus).into_iter().map(|request| SpecProbe {
-                line: 0,
-                text: function.name.clone(),
-                request,
-            }));
+            probes.extend(
+                function_requests(self.kind, site, cpus)
+                    .into_iter()
+                    .map(|request| SpecProbe {
+                        line: 0,
+                        text: function.name.clone(),
+                        request,
+                    }),
+            );
         }
         probes
     }

@@ -120,7 +120,7 @@ impl StdoutPrinter {
             (_, PrintMode::Function) => Some(FunctionLines::Function { header_done: false }),
             (_, PrintMode::Graph(options)) => Some(FunctionLines::Graph(Box::new(GraphPrinter::new(options)))),
             (_, PrintMode::Count) => Some(FunctionLines::Count(FunctionCounts::default())),
-            (_, PrintMode::Latency(unit)) => Some(FunctionLines::Latency(Log2Histogram::new(unit))),
+            (_, PrintMode::Latency(unit)) => Some(FunctionLines::Latency(Box::new(Log2Histogram::new(unit)))),
         };
         StdoutPrinter {
             format: layout.format,
@@ -224,7 +224,7 @@ enum FunctionLines {
     Function { header_done: bool },
     Graph(Box<GraphPrinter>),
     Count(FunctionCounts),
-    Latency(Log2Histogram),
+    Latency(Box<Log2Histogram>),
 }
 
 /// How long stdout waits for the guest's console to finish its line after the console's

@@ -106,8 +106,10 @@ pub fn bench_functions(args: FunctionsBenchArgs) -> CliResult {
                 tracer.set_optimization(optimize)?;
                 let (mut arm, mut remove, mut optimized) = (Vec::new(), Vec::new(), 0);
                 for _ in 0..args.runs {
-                    let requests: Vec<KprobeRequest> =
-                        sites[..n].iter().flat_map(|&s| function_requests(kind, s, cpus)).collect();
+                    let requests: Vec<KprobeRequest> = sites[..n]
+                        .iter()
+                        .flat_map(|&s| function_requests(kind, s, cpus))
+                        .collect();
                     let t = Instant::now();
                     if let Err((i, e)) = tracer.register_all(requests) {
                         result = Err(format!("arming {n} functions: probe {i}: {e}"));
@@ -151,7 +153,15 @@ fn run_costs(dir: &std::path::Path, cpus: u8, workload: &str, extra: &[&str]) ->
     let out = Command::new(exe)
         .args(["run", "--snapshot"])
         .arg(dir)
-        .args(["--cpus", &cpus.to_string(), "--no-control", "--format", "none", "--workload", workload])
+        .args([
+            "--cpus",
+            &cpus.to_string(),
+            "--no-control",
+            "--format",
+            "none",
+            "--workload",
+            workload,
+        ])
         .args(extra)
         .output()
         .map_err(|e| e.to_string())?;
@@ -173,17 +183,21 @@ fn run_costs(dir: &std::path::Path, cpus: u8, workload: &str, extra: &[&str]) ->
     }
 }
 
+/// The workload of a per-call run with N calls.
+type Workload = Box<dyn Fn(u32) -> String>;
+
 /// Exits and emulated instructions per traced call, per configuration.
 fn per_call(dir: &std::path::Path, cpus: u8, calls: u32) -> Result<(), Box<dyn std::error::Error>> {
-    let function = "__do_sys_getppid";
+    const FUNCTION: &str = "__do_sys_getppid";
+    let function = FUNCTION;
     let guest_graph = |n: u32| {
         format!(
-            "T=/sys/kernel/tracing; echo {function} > $T/set_ftrace_filter; echo function_graph > $T/current_tracer; \
+            "T=/sys/kernel/tracing; echo {FUNCTION} > $T/set_ftrace_filter; echo function_graph > $T/current_tracer; \
              taskset -c 0 hvprobe-loop {n}; echo nop > $T/current_tracer"
         )
     };
     let host = |n: u32| format!("taskset -c 0 hvprobe-loop {n}");
-    let configs: [(&str, Box<dyn Fn(u32) -> String>, Vec<&str>); 6] = [
+    let configs: [(&str, Workload, Vec<&str>); 6] = [
         ("untraced", Box::new(host), vec![]),
         (
             "host function, int3",
@@ -198,18 +212,35 @@ fn per_call(dir: &std::path::Path, cpus: u8, calls: u32) -> Result<(), Box<dyn s
         (
             "host function_graph, int3",
             Box::new(host),
-            vec!["--tracer", "function_graph", "--ftrace-filter", function, "--optimize", "off"],
+            vec![
+                "--tracer",
+                "function_graph",
+                "--ftrace-filter",
+                function,
+                "--optimize",
+                "off",
+            ],
         ),
         (
             "host function_graph, optimized",
             Box::new(host),
-            vec!["--tracer", "function_graph", "--ftrace-filter", function, "--optimize", "on"],
+            vec![
+                "--tracer",
+                "function_graph",
+                "--ftrace-filter",
+                function,
+                "--optimize",
+                "on",
+            ],
         ),
         ("guest's own function_graph", Box::new(guest_graph), vec![]),
     ];
     println!();
     println!("one getppid() call with {function} traced ({calls} and {} calls a run; per call: the difference over {calls}):", 2 * calls);
-    println!("{:<32}  {:>10}  {:>14}  {:>12}  {:>14}", "configuration", "exits", "instructions", "exits added", "insns added");
+    println!(
+        "{:<32}  {:>10}  {:>14}  {:>12}  {:>14}",
+        "configuration", "exits", "instructions", "exits added", "insns added"
+    );
     let mut base = None;
     for (name, workload, extra) in &configs {
         let (e1, i1) = run_costs(dir, cpus, &workload(calls), extra)?;
