@@ -387,3 +387,27 @@ fn every_function_at_once_leaves_the_guest_healthy_and_its_text_as_it_was() {
         );
     }
 }
+
+#[test]
+fn the_function_tracer_finds_its_functions_in_a_randomized_kernel() {
+    let dir = common::kaslr_snapshot(1);
+    let run = restore_with(
+        &dir,
+        1,
+        "read -r l < /proc/version; echo CONSOLE-END",
+        &["--tracer", "function", "--ftrace-filter", "vfs_read", "--ftrace-filter", "ksys_read", "--no-control"],
+        RESTORE_TIMEOUT,
+    );
+    run_ok(&run);
+    common::assert_randomized(&run);
+    let calls: Vec<Call> = run.stdout.lines().filter_map(Call::parse).filter(|c| c.task.starts_with("sh-")).collect();
+    // The line of /proc/version a byte at a time: each read is ksys_read, then vfs_read.
+    assert!(calls.len() >= 100, "{} calls\n{}", calls.len(), run.tail());
+    for pair in calls.chunks_exact(2).take(40) {
+        assert_eq!(
+            (pair[0].function.as_str(), pair[1].function.as_str(), pair[1].parent.as_str()),
+            ("ksys_read", "vfs_read", "ksys_read"),
+            "{pair:?}"
+        );
+    }
+}
