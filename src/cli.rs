@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+use hvprobe_functions::layout::ErrorReport;
 use hvprobe_functions::stats::LatencyUnit;
 use hvprobe_session::machine::Machine;
 use hvprobe_session::options::{FunctionTracerKind, FunctionTracerOptions, OutputFormat};
@@ -834,13 +835,24 @@ pub struct FunctionTracerArgs {
     #[arg(long, value_name = "N", default_value_t = 0, requires = "tracer")]
     pub max_graph_depth: usize,
     /// function_graph's `funcgraph-*` options, comma-separated (trace-cmd's `-O`): `proc`,
-    /// `abstime`, `tail`, `overhead`, `duration`, `cpu`; `no` before one turns it off
+    /// `abstime`, `tail`, `overhead`, `duration`, `cpu`, `retval` (Linux 6.5's: each
+    /// return's value, an error code in decimal); `no` before one turns it off
     /// (`nooverhead`). Default as ftrace's: cpu, duration and overhead on.
     #[arg(long, value_name = "OPTS", requires = "tracer")]
     pub funcgraph_opts: Vec<String>,
     /// Show only these tasks' calls (`set_ftrace_pid`, trace-cmd's `-P`); repeatable.
     #[arg(long, value_name = "PID", requires = "tracer")]
     pub ftrace_pid: Vec<i32>,
+    /// function_graph: show a call of a graph function (--graph-function; without one,
+    /// each task's outermost traced call) only when it returned an error: its whole call
+    /// tree with every return's value and the first failure in it marked (retsnoop's
+    /// default). An error is a value in -4095..-1, as a long or an int.
+    #[arg(long, requires = "tracer", conflicts_with = "graph_errors_only")]
+    pub graph_errors: bool,
+    /// function_graph: as --graph-errors, but only the returns that failed, nested as they
+    /// were (retsnoop's chain of errors).
+    #[arg(long, requires = "tracer")]
+    pub graph_errors_only: bool,
     /// funclatency: the histogram's unit (bcc's `-u`, `-m`).
     #[arg(long, value_enum, value_name = "UNIT", default_value_t = LatencyUnitArg::Nsecs, requires = "tracer")]
     pub funclatency_unit: LatencyUnitArg,
@@ -891,6 +903,11 @@ impl FunctionTracerArgs {
             max_graph_depth: self.max_graph_depth,
             graph_options: self.funcgraph_opts.clone(),
             pids: self.ftrace_pid.clone(),
+            errors: match (self.graph_errors, self.graph_errors_only) {
+                (_, true) => ErrorReport::Chain,
+                (true, false) => ErrorReport::Trees,
+                (false, false) => ErrorReport::Off,
+            },
         })
     }
 }

@@ -37,6 +37,8 @@ pub const GRAPH_ENTRY_EVENT: &str = "funcgraph_entry";
 pub const GRAPH_EXIT_EVENT: &str = "funcgraph_exit";
 /// The entry probes' one fetch-arg: the return address into the caller.
 pub const PARENT_ARG: &str = "parent";
+/// The return probes' fetch-arg with the return value (`$retval`), when asked for.
+pub const RETVAL_ARG: &str = "retval";
 
 /// `TRACE_GRAPH_INDENT`: spaces per level of nesting.
 const INDENT: usize = 2;
@@ -114,6 +116,46 @@ pub struct GraphOptions {
     pub graph_notrace: GlobList,
     /// How many vCPUs the guest has (the CPU column's width).
     pub cpus: usize,
+    /// Each return's value (`funcgraph-retval`, Linux 6.5+): `func(); /* = -22 */`,
+    /// `} /* func = 0x0 */`, an error code in decimal, anything else in hex.
+    pub retval: bool,
+    /// retsnoop's error chains: a graph function's call is shown only when it returned an
+    /// error.
+    pub errors: ErrorReport,
+}
+
+/// What of a graph function's call the error mode shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ErrorReport {
+    /// Every call (no error mode).
+    #[default]
+    Off,
+    /// The whole call tree, when the call failed; the first failure in it marked.
+    Trees,
+    /// Only the returns that failed, nested as they were (retsnoop's `--errors-only`'s
+    /// chain).
+    Chain,
+}
+
+/// A return probe's hit's `retval`, when it fetched one.
+fn returned_value(hit: &HitRecord) -> Option<u64> {
+    hit.args.iter().find(|(n, _)| n == RETVAL_ARG).map(|(_, v)| match v {
+        ArgValue::Unsigned(v) | ArgValue::Hex(v) => *v,
+        ArgValue::Signed(v) => *v as u64,
+        _ => 0,
+    })
+}
+
+/// The error code a function returned, as `funcgraph-retval` reads one from `rax`: a
+/// value in `-MAX_ERRNO..-1`, as a long or as an int (its upper half zero).
+pub fn error_code(retval: u64) -> Option<i64> {
+    const MAX_ERRNO: i64 = 4095;
+    let long = retval as i64;
+    if (-MAX_ERRNO..0).contains(&long) {
+        return Some(long);
+    }
+    let int = i64::from(retval as u32 as i32);
+    (retval >> 32 == 0 && (-MAX_ERRNO..0).contains(&int)).then_some(int)
 }
 
 impl Default for GraphOptions {
@@ -129,6 +171,8 @@ impl Default for GraphOptions {
             graph_functions: GlobList::default(),
             graph_notrace: GlobList::default(),
             cpus: 1,
+            retval: false,
+            errors: ErrorReport::Off,
         }
     }
 }
@@ -150,6 +194,10 @@ struct TaskCalls {
     graph_base: Option<usize>,
     /// The depth of the graph-notrace call it is inside.
     hidden_from: Option<usize>,
+    /// Error mode: the lines of its graph function's call so far, and whether a call in
+    /// it failed yet (the first failure is marked).
+    held_lines: String,
+    failed: bool,
 }
 
 /// An entry held back until the next hit of its CPU shows whether it is a leaf.
@@ -166,7 +214,7 @@ pub struct GraphPrinter {
     tasks: HashMap<i32, TaskCalls>,
     /// Per CPU: the last task seen, and its entry waiting for its next hit.
     last_pid: HashMap<usize, i32>,
-    pending: HashMap<usize, Pending>,
+    pending: HashMap<u64, Pending>,
     /// Per CPU: the depth comments are shown at (ftrace's `cpu_data->depth`).
     comment_depth: HashMap<usize, usize>,
     /// Each task's name as its last hit gave it (the context-switch block names both).
@@ -225,13 +273,16 @@ impl GraphPrinter {
         if self.comms.get(&hit.pid) != Some(&hit.comm) {
             self.comms.insert(hit.pid, hit.comm.clone());
         }
+        let mut lines = String::new();
+        let mut base_closed = false;
+        let key = self.pending_key(hit);
         match FunctionHit::of(hit) {
             Some(FunctionHit::Entry { function }) => {
                 if let Some(depth) = self.enter(hit, function) {
-                    self.resolve_pending(&mut out, hit);
-                    self.switch_if_new_task(&mut out, hit);
+                    self.resolve_pending(&mut lines, hit);
+                    self.switch_if_new_task(&mut lines, hit);
                     self.pending.insert(
-                        hit.cpu,
+                        key,
                         Pending {
                             hit: hit.clone(),
                             depth,
@@ -240,28 +291,84 @@ impl GraphPrinter {
                 }
             }
             Some(FunctionHit::Exit { function }) => {
-                if let Some((depth, entered_ns)) = self.leave(hit, function) {
+                let (shown, closed) = self.leave(hit, function);
+                base_closed = closed;
+                if let Some((depth, entered_ns)) = shown {
                     let duration = hit
                         .timestamp_ns
                         .saturating_sub(hit.entry_timestamp_ns.unwrap_or(entered_ns));
-                    let leaf = self.pending.get(&hit.cpu).is_some_and(|p| {
+                    let returned = self.returned(hit);
+                    let leaf = self.pending.get(&key).is_some_and(|p| {
                         p.hit.pid == hit.pid && p.depth == depth && p.hit.location.split('+').next() == Some(function)
                     });
                     if leaf {
-                        let pending = self.pending.remove(&hit.cpu).expect("checked above");
-                        self.leaf(&mut out, &pending, duration);
+                        let pending = self.pending.remove(&key).expect("checked above");
+                        self.leaf(&mut lines, &pending, duration, returned);
                     } else {
-                        self.resolve_pending(&mut out, hit);
-                        self.close(&mut out, hit, function, depth, duration);
+                        self.resolve_pending(&mut lines, hit);
+                        self.close(&mut lines, hit, function, depth, duration, returned);
                     }
                 }
             }
             None => {
                 self.resolve_pending(&mut out, hit);
                 self.comment(&mut out, hit, other_line(hit));
+                return out;
+            }
+        }
+        if self.options.errors == ErrorReport::Off {
+            out.push_str(&lines);
+            return out;
+        }
+        // Error mode: a task's lines wait for its graph function's return.
+        let errors = self.options.errors;
+        let task = self.tasks.entry(hit.pid).or_default();
+        task.held_lines.push_str(&lines);
+        if base_closed {
+            let held = std::mem::take(&mut task.held_lines);
+            task.failed = false;
+            // Shown when the graph function's own call failed, as retsnoop reports a
+            // failing entry function (a failure inside that it recovered from is not one).
+            if returned_value(hit).and_then(error_code).is_some() {
+                match errors {
+                    ErrorReport::Chain => {
+                        for line in held.lines().filter(|l| l.contains(" = -")) {
+                            out.push_str(line);
+                            out.push('\n');
+                        }
+                    }
+                    _ => out.push_str(&held),
+                }
             }
         }
         out
+    }
+
+    /// Where an entry waits to be found a leaf: its CPU's next hit, or in error mode its
+    /// task's (whose lines are kept apart).
+    fn pending_key(&self, hit: &HitRecord) -> u64 {
+        match self.options.errors {
+            ErrorReport::Off => hit.cpu as u64,
+            _ => (1 << 32) | u64::from(hit.pid as u32),
+        }
+    }
+
+    /// The return value's comment text, when the options show it (`= -22`, `= 0x0`),
+    /// and whether it is the first error of the task's graph call.
+    fn returned(&mut self, hit: &HitRecord) -> Option<String> {
+        if !self.options.retval && self.options.errors == ErrorReport::Off {
+            return None;
+        }
+        let value = returned_value(hit)?;
+        let code = error_code(value);
+        let task = self.tasks.entry(hit.pid).or_default();
+        let first = code.is_some() && !task.failed;
+        task.failed |= code.is_some();
+        Some(match (code, first && self.options.errors == ErrorReport::Trees) {
+            (Some(code), true) => format!("= {code}, the first error"),
+            (Some(code), false) => format!("= {code}"),
+            (None, _) => format!("= {value:#x}"),
+        })
     }
 
     /// Lines of entries still held (at the run's end, or when hits stop for a while).
@@ -278,15 +385,16 @@ impl GraphPrinter {
     /// Prints, as calls that go on, the entries held on `hit`'s CPU and those of its task
     /// held on other CPUs (it moved): a shown hit follows them.
     fn resolve_pending(&mut self, out: &mut String, hit: &HitRecord) {
-        let mut held: Vec<usize> = self
+        let key = self.pending_key(hit);
+        let mut held: Vec<u64> = self
             .pending
             .iter()
-            .filter(|(&cpu, p)| cpu == hit.cpu || p.hit.pid == hit.pid)
-            .map(|(&cpu, _)| cpu)
+            .filter(|(&k, p)| k == key || p.hit.pid == hit.pid)
+            .map(|(&k, _)| k)
             .collect();
         held.sort_unstable();
-        for cpu in held {
-            if let Some(pending) = self.pending.remove(&cpu) {
+        for k in held {
+            if let Some(pending) = self.pending.remove(&k) {
                 self.nested(out, &pending);
             }
         }
@@ -300,7 +408,7 @@ impl GraphPrinter {
         let in_graph = o.graph_functions.is_empty()
             || task.graph_base.is_some()
             || (o.graph_functions.mentions(function) && o.graph_functions.chooses(function));
-        if in_graph && task.graph_base.is_none() && !o.graph_functions.is_empty() {
+        if in_graph && task.graph_base.is_none() && (!o.graph_functions.is_empty() || o.errors != ErrorReport::Off) {
             task.graph_base = Some(depth);
         }
         if task.hidden_from.is_none() && o.graph_notrace.mentions(function) && o.graph_notrace.chooses(function) {
@@ -316,43 +424,66 @@ impl GraphPrinter {
         shown.then_some(shown_depth)
     }
 
-    /// The task returns from `function`: the call's depth as shown and its entry time, or
-    /// `None` when it was not shown (or its entry was never seen).
-    fn leave(&mut self, hit: &HitRecord, function: &str) -> Option<(usize, u64)> {
+    /// The task returns from `function`: the call's depth as shown and its entry time
+    /// (`None` when it was not shown, or its entry was never seen), and whether this
+    /// closed the graph function's call it was in.
+    fn leave(&mut self, hit: &HitRecord, function: &str) -> (Option<(usize, u64)>, bool) {
         let task = self.tasks.entry(hit.pid).or_default();
         // The innermost open call of this function: calls above it lost their returns.
-        let at = task.calls.iter().rposition(|c| c.function == function)?;
+        let Some(at) = task.calls.iter().rposition(|c| c.function == function) else {
+            return (None, false);
+        };
         let call = task.calls[at].clone();
         task.calls.truncate(at);
         let shown_depth = at - task.graph_base.unwrap_or(0).min(at);
-        if task.graph_base.is_some_and(|b| at <= b) {
+        let base_closed = task.graph_base.is_some_and(|b| at <= b);
+        if base_closed {
             task.graph_base = None;
         }
         if task.hidden_from.is_some_and(|h| at <= h) {
             task.hidden_from = None;
         }
-        call.shown.then_some((shown_depth, call.entered_ns))
+        (call.shown.then_some((shown_depth, call.entered_ns)), base_closed)
     }
 
-    fn close(&mut self, out: &mut String, hit: &HitRecord, function: &str, depth: usize, duration_ns: u64) {
+    fn close(
+        &mut self,
+        out: &mut String,
+        hit: &HitRecord,
+        function: &str,
+        depth: usize,
+        duration_ns: u64,
+        returned: Option<String>,
+    ) {
         self.switch_if_new_task(out, hit);
         self.prologue(out, hit);
         self.duration(out, Some(duration_ns));
         out.push_str(&" ".repeat(depth * INDENT));
-        if self.options.tail {
-            let _ = writeln!(out, "}} /* {function} */");
-        } else {
-            out.push_str("}\n");
+        match returned {
+            Some(value) => {
+                let _ = writeln!(out, "}} /* {function} {value} */");
+            }
+            None if self.options.tail => {
+                let _ = writeln!(out, "}} /* {function} */");
+            }
+            None => out.push_str("}\n"),
         }
         self.comment_depth.insert(hit.cpu, depth.saturating_sub(1));
     }
 
-    fn leaf(&mut self, out: &mut String, pending: &Pending, duration_ns: u64) {
+    fn leaf(&mut self, out: &mut String, pending: &Pending, duration_ns: u64, returned: Option<String>) {
         let function = pending.hit.location.split('+').next().unwrap_or(&pending.hit.location);
         self.prologue(out, &pending.hit);
         self.duration(out, Some(duration_ns));
         out.push_str(&" ".repeat(pending.depth * INDENT));
-        let _ = writeln!(out, "{function}();");
+        match returned {
+            Some(value) => {
+                let _ = writeln!(out, "{function}(); /* {value} */");
+            }
+            None => {
+                let _ = writeln!(out, "{function}();");
+            }
+        }
         self.comment_depth
             .insert(pending.hit.cpu, pending.depth.saturating_sub(1));
     }
@@ -382,6 +513,10 @@ impl GraphPrinter {
 
     /// `verif_pid`: the context-switch block when the CPU's task changed.
     fn switch_if_new_task(&mut self, out: &mut String, hit: &HitRecord) {
+        // Error mode prints a task's calls together, later: a CPU's switches mean nothing there.
+        if self.options.errors != ErrorReport::Off {
+            return;
+        }
         let previous = self.last_pid.insert(hit.cpu, hit.pid);
         let Some(previous) = previous.filter(|&p| p != hit.pid) else {
             return;
@@ -651,6 +786,90 @@ mod tests {
              \n \
              0)   0.900 us    |  }\n"
         );
+    }
+
+    fn exit_with(cpu: usize, pid: i32, ns: u64, function: &str, retval: u64) -> HitRecord {
+        let mut h = hit(cpu, pid, ns, GRAPH_EXIT_EVENT, function);
+        h.args = vec![(RETVAL_ARG.to_owned(), ArgValue::Hex(retval))];
+        h
+    }
+
+    #[test]
+    fn error_codes_are_longs_or_ints_in_the_errno_range() {
+        assert_eq!(error_code(-22i64 as u64), Some(-22));
+        assert_eq!(error_code(0xffff_ffea), Some(-22), "an int's -EINVAL, upper half zero");
+        assert_eq!(error_code(0), None);
+        assert_eq!(error_code(-4096i64 as u64), None);
+        assert_eq!(error_code(0xffff_8880_0000_1000), None, "a pointer");
+        assert_eq!(error_code(0x1234_ffff_ffea), None, "garbage above an int is no int");
+    }
+
+    #[test]
+    fn retval_is_printed_as_funcgraph_retval_does() {
+        let events = [
+            hit(0, 7, 0, GRAPH_ENTRY_EVENT, "outer"),
+            hit(0, 7, 10, GRAPH_ENTRY_EVENT, "leaf"),
+            exit_with(0, 7, 20, "leaf", 0),
+            exit_with(0, 7, 30, "outer", -2i64 as u64),
+        ];
+        let out = graph(
+            &events,
+            GraphOptions {
+                retval: true,
+                ..Default::default()
+            },
+        );
+        let shapes: Vec<&str> = out.lines().filter_map(|l| l.split('|').nth(1)).collect();
+        assert_eq!(
+            shapes,
+            ["  outer() {", "    leaf(); /* = 0x0 */", "  } /* outer = -2 */"]
+        );
+    }
+
+    #[test]
+    fn error_mode_shows_a_graph_call_only_when_a_call_in_it_failed() {
+        let calls = |pid: i32, failing: bool| {
+            vec![
+                hit(0, pid, 0, GRAPH_ENTRY_EVENT, "sys"),
+                hit(0, pid, 10, GRAPH_ENTRY_EVENT, "ok"),
+                exit_with(0, pid, 20, "ok", 0),
+                hit(0, pid, 30, GRAPH_ENTRY_EVENT, "check"),
+                exit_with(0, pid, 40, "check", if failing { 0xffff_ffea } else { 0 }),
+                exit_with(0, pid, 50, "sys", if failing { -22i64 as u64 } else { 3 }),
+            ]
+        };
+        let mut events = calls(7, false);
+        events.extend(calls(8, true));
+        // An inner failure the graph function recovered from is no error of it.
+        let mut recovered = calls(9, true);
+        recovered[5] = exit_with(0, 9, 50, "sys", 0);
+        events.extend(recovered);
+        let trees = graph(
+            &events,
+            GraphOptions {
+                errors: ErrorReport::Trees,
+                ..Default::default()
+            },
+        );
+        let shapes: Vec<&str> = trees.lines().filter_map(|l| l.split('|').nth(1)).collect();
+        assert_eq!(
+            shapes,
+            [
+                "  sys() {",
+                "    ok(); /* = 0x0 */",
+                "    check(); /* = -22, the first error */",
+                "  } /* sys = -22 */"
+            ]
+        );
+        let chain = graph(
+            &events,
+            GraphOptions {
+                errors: ErrorReport::Chain,
+                ..Default::default()
+            },
+        );
+        let shapes: Vec<&str> = chain.lines().filter_map(|l| l.split('|').nth(1)).collect();
+        assert_eq!(shapes, ["    check(); /* = -22 */", "  } /* sys = -22 */"]);
     }
 
     #[test]

@@ -58,7 +58,7 @@ pub enum SessionError {
         "--tracer needs the kernel's vmlinux (its __mcount_loc table names the traceable functions): give --vmlinux"
     )]
     FunctionsWithoutVmlinux,
-    #[error("--funcgraph-opts: unknown option {0:?} (proc, abstime, tail, overhead, duration, cpu; `no` before one turns it off)")]
+    #[error("--funcgraph-opts: unknown option {0:?} (proc, abstime, tail, overhead, duration, cpu, retval; `no` before one turns it off)")]
     GraphOption(String),
     #[error("--tracer: no function to trace: {0}")]
     NoFunctionTraced(String),

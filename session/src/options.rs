@@ -69,6 +69,9 @@ pub struct FunctionTracerOptions {
     pub graph_options: Vec<String>,
     /// `set_ftrace_pid`: only these tasks' calls (empty: every task's).
     pub pids: Vec<i32>,
+    /// function_graph: retsnoop's error chains (a graph function's call shown only when a
+    /// call in it failed).
+    pub errors: hvprobe_functions::layout::ErrorReport,
 }
 
 /// Whether a run has a control socket, and where.

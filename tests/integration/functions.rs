@@ -395,19 +395,87 @@ fn the_function_tracer_finds_its_functions_in_a_randomized_kernel() {
         &dir,
         1,
         "read -r l < /proc/version; echo CONSOLE-END",
-        &["--tracer", "function", "--ftrace-filter", "vfs_read", "--ftrace-filter", "ksys_read", "--no-control"],
+        &[
+            "--tracer",
+            "function",
+            "--ftrace-filter",
+            "vfs_read",
+            "--ftrace-filter",
+            "ksys_read",
+            "--no-control",
+        ],
         RESTORE_TIMEOUT,
     );
     run_ok(&run);
     common::assert_randomized(&run);
-    let calls: Vec<Call> = run.stdout.lines().filter_map(Call::parse).filter(|c| c.task.starts_with("sh-")).collect();
+    let calls: Vec<Call> = run
+        .stdout
+        .lines()
+        .filter_map(Call::parse)
+        .filter(|c| c.task.starts_with("sh-"))
+        .collect();
     // The line of /proc/version a byte at a time: each read is ksys_read, then vfs_read.
     assert!(calls.len() >= 100, "{} calls\n{}", calls.len(), run.tail());
     for pair in calls.chunks_exact(2).take(40) {
         assert_eq!(
-            (pair[0].function.as_str(), pair[1].function.as_str(), pair[1].parent.as_str()),
+            (
+                pair[0].function.as_str(),
+                pair[1].function.as_str(),
+                pair[1].parent.as_str()
+            ),
             ("ksys_read", "vfs_read", "ksys_read"),
             "{pair:?}"
         );
     }
+}
+
+#[test]
+fn error_chains_show_a_real_programs_failing_syscall_and_nothing_else() {
+    common::require_kvm();
+    // The host's own `cat`, from --rootfs /, opens a file that is not there: openat fails
+    // with -ENOENT deep in the path walk.
+    let mut args = vec![
+        "run",
+        "--cpus",
+        "1",
+        "--no-control",
+        "--rootfs",
+        "/",
+        "--tracer",
+        "function_graph",
+        "--graph-function",
+        "do_sys_openat2",
+        "--graph-errors",
+        "--workload",
+        "cat /no-such-file-here; echo CONSOLE-END",
+    ];
+    for f in [
+        "do_sys_openat2",
+        "do_filp_open",
+        "path_openat",
+        "*lookup*",
+        "walk_component",
+        "link_path_walk*",
+    ] {
+        args.extend(["--ftrace-filter", f]);
+    }
+    let run = hvprobe(&args, Duration::from_secs(600));
+    run_ok(&run);
+    let closes: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter_map(|l| l.split("} /* do_sys_openat2 = ").nth(1))
+        .collect();
+    assert!(!closes.is_empty(), "no failing openat shown\n{}", run.tail());
+    assert!(
+        closes.iter().all(|v| v.starts_with('-')),
+        "a call that did not fail was shown: {closes:?}"
+    );
+    assert!(closes.contains(&"-2 */"), "no -ENOENT: {closes:?}");
+    assert!(
+        run.stdout.lines().any(|l| l.contains(", the first error */")),
+        "the first failure is not marked\n{}",
+        run.tail()
+    );
+    assert!(run.stdout.contains("No such file or directory"), "{}", run.tail());
 }

@@ -6,7 +6,9 @@
 
 use hvprobe_arch::Gva;
 use hvprobe_functions::filter::GlobList;
-use hvprobe_functions::layout::{GraphOptions, FUNCTION_EVENT, GRAPH_ENTRY_EVENT, GRAPH_EXIT_EVENT, GROUP, PARENT_ARG};
+use hvprobe_functions::layout::{
+    ErrorReport, GraphOptions, FUNCTION_EVENT, GRAPH_ENTRY_EVENT, GRAPH_EXIT_EVENT, GROUP, PARENT_ARG, RETVAL_ARG,
+};
 use hvprobe_functions::stats::LatencyUnit;
 use hvprobe_functions::{AvailableFunctions, FunctionFilter, Selection};
 use hvprobe_probes::spec::{ArgType, FetchArg, FetchExpr};
@@ -91,10 +93,11 @@ impl FunctionPlan {
             .lookup("_text")
             .map_or(0, |s| s.addr.0.wrapping_sub(self.link_text.0) as i64);
         let mut probes = Vec::with_capacity(self.selection.traced.len() * 2);
+        let retval = self.graph.retval || self.graph.errors != ErrorReport::Off;
         for function in &self.selection.traced {
             let site = Gva(function.site.0.wrapping_add_signed(slide));
             probes.extend(
-                function_requests(self.kind, site, cpus)
+                function_requests(self.kind, site, cpus, retval)
                     .into_iter()
                     .map(|request| SpecProbe {
                         line: 0,
@@ -154,8 +157,8 @@ impl FunctionPlan {
 
 /// The probes a tracer of `kind` puts on the function whose ftrace call is at `site`
 /// (run-time address): the entry's (recording the caller, `parent=$stack0`), the
-/// return's, or both.
-pub fn function_requests(kind: FunctionTracerKind, site: Gva, cpus: usize) -> Vec<KprobeRequest> {
+/// return's (recording `retval=$retval` when asked), or both.
+pub fn function_requests(kind: FunctionTracerKind, site: Gva, cpus: usize, retval: bool) -> Vec<KprobeRequest> {
     let point = ProbePoint::Address(site);
     let parent = || FetchArg {
         name: PARENT_ARG.to_owned(),
@@ -164,11 +167,23 @@ pub fn function_requests(kind: FunctionTracerKind, site: Gva, cpus: usize) -> Ve
         array_len: None,
         typed: false,
     };
+    let returned = || FetchArg {
+        name: RETVAL_ARG.to_owned(),
+        expr: FetchExpr::Retval,
+        ty: ArgType::X64,
+        array_len: None,
+        typed: false,
+    };
     let exit = |point: ProbePoint| KprobeRequest {
         kind: ProbeKind::Kretprobe {
             maxactive: default_maxactive(cpus),
         },
-        ..KprobeRequest::event(point, GROUP, GRAPH_EXIT_EVENT, Vec::new())
+        ..KprobeRequest::event(
+            point,
+            GROUP,
+            GRAPH_EXIT_EVENT,
+            if retval { vec![returned()] } else { Vec::new() },
+        )
     };
     match kind {
         FunctionTracerKind::Function => vec![KprobeRequest::event(point, GROUP, FUNCTION_EVENT, vec![parent()])],
@@ -194,6 +209,7 @@ fn graph_options(
         graph_functions: filter.graph,
         graph_notrace: filter.graph_notrace,
         cpus,
+        errors: options.errors,
         ..GraphOptions::default()
     };
     for name in options.graph_options.iter().flat_map(|o| o.split(',')) {
@@ -209,6 +225,7 @@ fn graph_options(
             "overhead" => &mut graph.overhead,
             "duration" => &mut graph.duration,
             "cpu" => &mut graph.cpu,
+            "retval" => &mut graph.retval,
             _ => return Err(SessionError::GraphOption(name.to_owned())),
         };
         *flag = on;

@@ -50,7 +50,7 @@ pub fn bench_functions(args: FunctionsBenchArgs) -> CliResult {
         .map(|f| hvprobe_arch::Gva(f.site.0.wrapping_add_signed(slide)))
         .collect();
     let started = Instant::now();
-    let entry = |site| function_requests(FunctionTracerKind::Function, site, cpus);
+    let entry = |site| function_requests(FunctionTracerKind::Function, site, cpus, false);
     let checks: Vec<KprobeRequest> = candidates.iter().flat_map(|&s| entry(s)).collect();
     let refused: std::collections::BTreeSet<usize> = tracer.check_all(&checks).into_iter().map(|(i, _)| i).collect();
     let sites: Vec<hvprobe_arch::Gva> = candidates
@@ -108,7 +108,7 @@ pub fn bench_functions(args: FunctionsBenchArgs) -> CliResult {
                 for _ in 0..args.runs {
                     let requests: Vec<KprobeRequest> = sites[..n]
                         .iter()
-                        .flat_map(|&s| function_requests(kind, s, cpus))
+                        .flat_map(|&s| function_requests(kind, s, cpus, false))
                         .collect();
                     let t = Instant::now();
                     if let Err((i, e)) = tracer.register_all(requests) {
