@@ -895,4 +895,35 @@ mod tests {
             ["  outer() {", "    inner() {", "      leaf();", "    }", "  }"]
         );
     }
+
+    proptest::proptest! {
+        /// Hits come from the guest: any order of entries, returns (lost ones included),
+        /// tasks, CPUs and return values, in every mode, prints without a panic.
+        #[test]
+        fn any_sequence_of_hits_prints(
+            events in proptest::collection::vec((0usize..3, 1i32..4, 0usize..5, proptest::bool::ANY, proptest::num::u64::ANY), 0..200),
+            errors in 0u8..3,
+            max_depth in 0usize..4,
+        ) {
+            let names = ["a", "b", "c", "d", "e"];
+            let options = GraphOptions {
+                errors: [ErrorReport::Off, ErrorReport::Trees, ErrorReport::Chain][errors as usize],
+                max_depth,
+                graph_functions: if errors == 2 { GlobList::parse(&["a"]).unwrap() } else { GlobList::default() },
+                retval: true,
+                cpus: 3,
+                ..Default::default()
+            };
+            let mut printer = GraphPrinter::new(options);
+            for (i, (cpu, pid, f, entry, value)) in events.into_iter().enumerate() {
+                let hit = if entry {
+                    hit(cpu, pid, i as u64 * 10, GRAPH_ENTRY_EVENT, names[f])
+                } else {
+                    exit_with(cpu, pid, i as u64 * 10, names[f], value)
+                };
+                let _ = printer.push(&hit, |h| context(h));
+            }
+            let _ = printer.flush();
+        }
+    }
 }
