@@ -921,7 +921,7 @@ mod tests {
                 } else {
                     exit_with(cpu, pid, i as u64 * 10, names[f], value)
                 };
-                let _ = printer.push(&hit, |h| context(h));
+                let _ = printer.push(&hit, context);
             }
             let _ = printer.flush();
         }
