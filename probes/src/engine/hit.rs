@@ -206,7 +206,8 @@ impl Tracer {
                     continue;
                 }
                 Role::TaskFree => {
-                    // `free_task(tsk)`: nothing of that task runs any more.
+                    // `__put_task_struct(tsk)` or `free_task(tsk)`: nothing of that task runs
+                    // any more.
                     self.exit_free_calls_end(Gva(regs.rdi));
                     continue;
                 }

@@ -42,10 +42,10 @@ pub(super) enum Role {
     /// followed calls that will never return are freed (the host's equivalent of Linux
     /// freeing a task's kretprobe instances when the task goes).
     TaskExit,
-    /// The engine's own, hidden: on the guest's `free_task`, where the calls exit-free
-    /// return probes follow in the guest for the task being freed (its last ones never
-    /// returned: `do_exit`'s final schedule, or calls after `do_exit` began) are freed —
-    /// Linux's `rethook_flush_task` at the same moment.
+    /// The engine's own, hidden: on the guest's `__put_task_struct` (or `free_task`), where
+    /// the calls exit-free return probes follow in the guest for the task being freed (its
+    /// last ones never returned: `do_exit`'s final schedule, or calls after `do_exit`
+    /// began) are freed — Linux's `rethook_flush_task` at the same moment.
     TaskFree,
     /// The engine's own, hidden: on the guest's `do_init_module` and `module_memfree`,
     /// where module probes are armed and disarmed ([`super::modules`]).
@@ -818,24 +818,35 @@ impl Tracer {
     }
 
     /// Where the task hooks go: `do_exit` (the trapped path's calls of an exiting task) and
-    /// `free_task` (the exit-free path's), those the guest has and we can probe.
+    /// `__put_task_struct` (the exit-free path's: the task's last reference goes, and it
+    /// frees the task with `free_task`), those the guest has and we can probe; `free_task`
+    /// itself where `__put_task_struct` cannot be placed. `__put_task_struct` first: its
+    /// first instructions after the ftrace call take a jump, while a kernel with the
+    /// function_graph tracer calls out of `free_task` four bytes in, so a hook there is an
+    /// int3 (an exit and an emulation per task freed).
     fn task_hook_placements(&self) -> Vec<(Role, Placement)> {
-        [(Role::TaskExit, "do_exit"), (Role::TaskFree, "free_task")]
-            .into_iter()
-            .filter_map(|(role, name)| {
-                let point = ProbePoint::Symbol {
-                    name: name.into(),
-                    offset: 0,
-                };
-                match self.place(&point) {
-                    Ok(p) => Some((role, p)),
-                    Err(e) => {
-                        tracing::debug!("no {name} hook ({e}): its tasks' calls are freed when their stack is reused");
-                        None
-                    }
+        let mut hooks = Vec::new();
+        for (role, name) in [
+            (Role::TaskExit, "do_exit"),
+            (Role::TaskFree, "__put_task_struct"),
+            (Role::TaskFree, "free_task"),
+        ] {
+            // One hook per role: the first that is placed.
+            if hooks.iter().any(|(r, _)| *r == role) {
+                continue;
+            }
+            let point = ProbePoint::Symbol {
+                name: name.into(),
+                offset: 0,
+            };
+            match self.place(&point) {
+                Ok(p) => hooks.push((role, p)),
+                Err(e) => {
+                    tracing::debug!("no {name} hook ({e}): its tasks' calls are freed when their stack is reused");
                 }
-            })
-            .collect()
+            }
+        }
+        hooks
     }
 
     fn ensure_task_hooks(&self, text: &dyn KernelMemory, reg: &mut Registry, hooks: &[(Role, Placement)]) {
