@@ -45,7 +45,7 @@
 //!
 //! A slot whose task went without returning (`do_exit` never returns, nor its final
 //! schedule) is freed by the host when the task enters `do_exit` and when the guest frees
-//! it (hidden hooks on `do_exit` and `free_task`: every slot that task owns; Linux's
+//! it (hidden hooks on `do_exit` and `__put_task_struct`: every slot that task owns; Linux's
 //! `rethook_flush_task` runs at the second only); the host reads the table (guest memory,
 //! one bounded read per slot).
 
