@@ -55,12 +55,16 @@ pub enum AvailableError {
     SectionOutsideFile { offset: u64, size: u64, file: usize },
     #[error("the kernel's symbols have no {0} (needed to leave out the records of init code)")]
     NoInitBounds(&'static str),
+    #[error("the kernel's symbols have no _text (needed to find its records in the running kernel)")]
+    NoText,
 }
 
 /// The kernel's traceable functions in `available_filter_functions`' order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AvailableFunctions {
     functions: Vec<TraceableFunction>,
+    /// The kernel's `_text` where the records' addresses put it (link-time for a vmlinux).
+    text: Gva,
 }
 
 impl AvailableFunctions {
@@ -120,6 +124,7 @@ impl AvailableFunctions {
                 .ok_or(AvailableError::NoInitBounds(name))
         };
         let init: Range<Gva> = bound("__init_begin")?..bound("__init_end")?;
+        let text = symbols.lookup("_text").map(|s| s.addr).ok_or(AvailableError::NoText)?;
         let mut sites: Vec<Gva> = locations
             .iter()
             .copied()
@@ -146,7 +151,7 @@ impl AvailableFunctions {
                 },
             })
             .collect();
-        Ok(AvailableFunctions { functions })
+        Ok(AvailableFunctions { functions, text })
     }
 
     /// The table of a vmlinux image, named by its own symbol table.
@@ -165,18 +170,12 @@ impl AvailableFunctions {
         Self::from_vmlinux(&bytes, &symbols)
     }
 
-    /// The same records with every address moved by `slide` (run-time minus link-time).
-    pub fn relocated(&self, slide: i64) -> Self {
-        AvailableFunctions {
-            functions: self
-                .functions
-                .iter()
-                .map(|f| TraceableFunction {
-                    site: Gva(f.site.0.wrapping_add_signed(slide)),
-                    ..f.clone()
-                })
-                .collect(),
-        }
+    /// How far the running kernel whose symbols are `running` moved from where the
+    /// records say (its KASLR slide: run-time minus link-time); 0 when it has no `_text`.
+    pub fn slide_to(&self, running: &SymbolTable) -> i64 {
+        running
+            .lookup("_text")
+            .map_or(0, |s| s.addr.0.wrapping_sub(self.text.0) as i64)
     }
 
     /// Every record, in address order.
@@ -217,6 +216,7 @@ mod tests {
         SymbolTable::from_symbols(
             SymbolSource::SystemMap,
             vec![
+                sym("_text", 0xffff_ffff_8100_0000, 'T', None),
                 sym("_stext", 0xffff_ffff_8100_0000, 'T', None),
                 sym("plain", 0xffff_ffff_8100_0000, 't', None),
                 sym("with_endbr", 0xffff_ffff_8100_0040, 'T', None),
@@ -270,9 +270,11 @@ mod tests {
     }
 
     #[test]
-    fn relocation_moves_every_site_by_the_slide() {
+    fn the_slide_is_the_running_kernels_text_less_the_tables() {
         let available = AvailableFunctions::from_locations(&[Gva(0xffff_ffff_8100_0000)], &table()).unwrap();
-        assert_eq!(available.relocated(0x20_0000).all()[0].site, Gva(0xffff_ffff_8120_0000));
+        let moved = table().relocated(0x20_0000);
+        assert_eq!(available.slide_to(&moved), 0x20_0000);
+        assert_eq!(available.slide_to(&table()), 0);
     }
 
     #[test]

@@ -203,6 +203,7 @@ mod tests {
             })
             .collect();
         for (name, addr) in [
+            ("_text", 0xffff_ffff_8100_0000),
             ("__init_begin", 0xffff_ffff_8200_0000),
             ("__init_end", 0xffff_ffff_8300_0000),
         ] {

@@ -36,11 +36,10 @@ pub(super) enum PrintMode {
 pub(super) struct FunctionPlan {
     kind: FunctionTracerKind,
     selection: Selection,
-    /// The vmlinux's `_text`: the table's addresses are link-time ones.
-    link_text: Gva,
+    /// The kernel's table (link-time addresses), for the running kernel's slide.
+    available: AvailableFunctions,
     graph: GraphOptions,
     pids: Vec<i32>,
-    available: usize,
 }
 
 impl FunctionPlan {
@@ -52,17 +51,7 @@ impl FunctionPlan {
         cpus: usize,
     ) -> Result<Self, SessionError> {
         let vmlinux = kernel.vmlinux().ok_or(SessionError::FunctionsWithoutVmlinux)?;
-        let bytes = std::fs::read(&vmlinux).map_err(|source| hvprobe_functions::AvailableError::Io {
-            path: vmlinux.display().to_string(),
-            source,
-        })?;
-        let symbols = SymbolTable::parse_elf(&bytes)
-            .map_err(|e| hvprobe_functions::AvailableError::Elf(format!("{}: {e}", vmlinux.display())))?;
-        let link_text = symbols
-            .lookup("_text")
-            .map(|s| s.addr)
-            .ok_or(hvprobe_functions::AvailableError::NoInitBounds("_text"))?;
-        let available = AvailableFunctions::from_vmlinux(&bytes, &symbols)?;
+        let available = AvailableFunctions::from_vmlinux_file(&vmlinux)?;
         let filter = FunctionFilter {
             filter: GlobList::parse(&options.filter)?,
             notrace: GlobList::parse(&options.notrace)?,
@@ -80,18 +69,15 @@ impl FunctionPlan {
         Ok(FunctionPlan {
             kind: options.kind,
             selection,
-            link_text,
             graph,
             pids: options.pids.clone(),
-            available: available.len(),
+            available,
         })
     }
 
     /// The probes to arm on the running kernel, whose `_text` `symbols` give.
     pub(super) fn probes(&self, symbols: &SymbolTable, cpus: usize) -> Vec<SpecProbe> {
-        let slide = symbols
-            .lookup("_text")
-            .map_or(0, |s| s.addr.0.wrapping_sub(self.link_text.0) as i64);
+        let slide = self.available.slide_to(symbols);
         let mut probes = Vec::with_capacity(self.selection.traced.len() * 2);
         let retval = self.graph.retval || self.graph.errors != ErrorReport::Off;
         for function in &self.selection.traced {
@@ -131,7 +117,7 @@ impl FunctionPlan {
                 FunctionTracerKind::FuncLatency(_) => "funclatency",
             },
             self.selection.traced.len() + self.selection.denied.len(),
-            self.available,
+            self.available.len(),
             armed / per_function,
             if reasons.is_empty() {
                 String::new()

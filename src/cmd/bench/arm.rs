@@ -75,10 +75,7 @@ pub fn bench_arm(args: ArmBenchArgs) -> CliResult {
     let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), None);
     let control = vm.control();
-    let mut busy = (0..args.cpus)
-        .map(|cpu| format!("taskset -c {cpu} sh -c 'while true; do read -r l < /proc/version; done' &"))
-        .collect::<Vec<_>>()
-        .join(" ");
+    let mut busy = super::read_loops(args.cpus);
     if let Some(mib) = args.memory_pressure {
         let bytes = u64::from(mib) << 20;
         busy.push_str(&format!(

@@ -34,13 +34,7 @@ pub fn bench_functions(args: FunctionsBenchArgs) -> CliResult {
     let mut vm = Vm::restore(&dir, Some(args.cpus), ConsoleOutput::Discard, &[])?;
     let state = vm.vcpu_state(0)?;
     let symbols = load_symbols(&SymbolsFrom::Kallsyms, &live_memory(vm.memory(), &state), state.lstar)?.table;
-    let link_text = hvprobe_introspection::symbols::SymbolTable::from_elf_file(&guest.vmlinux)?
-        .lookup("_text")
-        .map(|s| s.addr.0)
-        .ok_or("the vmlinux has no _text")?;
-    let slide = symbols
-        .lookup("_text")
-        .map_or(0, |s| s.addr.0.wrapping_sub(link_text) as i64);
+    let slide = available.slide_to(&symbols);
     let tracer = build_tracer(vm.control(), vm.memory(), &state, &symbols, None)?;
     let cpus = usize::from(args.cpus);
     // The functions the tracer takes with no filter, those the engine places.
@@ -79,10 +73,7 @@ pub fn bench_functions(args: FunctionsBenchArgs) -> CliResult {
     let handler = ProbeHandler::new(&vm);
     handler.attach(tracer.clone(), None);
     let control = vm.control();
-    let busy = (0..args.cpus)
-        .map(|cpu| format!("taskset -c {cpu} sh -c 'while true; do read -r l < /proc/version; done' &"))
-        .collect::<Vec<_>>()
-        .join(" ");
+    let busy = super::read_loops(args.cpus);
     vm.send_console_input(workload_message(&format!("{busy} wait")));
     let runner = std::thread::spawn(move || vm.run(handler));
     std::thread::sleep(std::time::Duration::from_secs(2));
@@ -197,44 +188,17 @@ fn per_call(dir: &std::path::Path, cpus: u8, calls: u32) -> Result<(), Box<dyn s
         )
     };
     let host = |n: u32| format!("taskset -c 0 hvprobe-loop {n}");
-    let configs: [(&str, Workload, Vec<&str>); 6] = [
-        ("untraced", Box::new(host), vec![]),
-        (
-            "host function, int3",
-            Box::new(host),
-            vec!["--tracer", "function", "--ftrace-filter", function, "--optimize", "off"],
-        ),
-        (
-            "host function, optimized",
-            Box::new(host),
-            vec!["--tracer", "function", "--ftrace-filter", function, "--optimize", "on"],
-        ),
-        (
-            "host function_graph, int3",
-            Box::new(host),
-            vec![
-                "--tracer",
-                "function_graph",
-                "--ftrace-filter",
-                function,
-                "--optimize",
-                "off",
-            ],
-        ),
-        (
-            "host function_graph, optimized",
-            Box::new(host),
-            vec![
-                "--tracer",
-                "function_graph",
-                "--ftrace-filter",
-                function,
-                "--optimize",
-                "on",
-            ],
-        ),
-        ("guest's own function_graph", Box::new(guest_graph), vec![]),
-    ];
+    let mut configs: Vec<(String, Workload, Vec<&str>)> = vec![("untraced".to_owned(), Box::new(host), vec![])];
+    for tracer in ["function", "function_graph"] {
+        for (optimize, path) in [("off", "int3"), ("on", "optimized")] {
+            configs.push((
+                format!("host {tracer}, {path}"),
+                Box::new(host),
+                vec!["--tracer", tracer, "--ftrace-filter", FUNCTION, "--optimize", optimize],
+            ));
+        }
+    }
+    configs.push(("guest's own function_graph".to_owned(), Box::new(guest_graph), vec![]));
     println!();
     println!("one getppid() call with {function} traced ({calls} and {} calls a run; per call: the difference over {calls}):", 2 * calls);
     println!(

@@ -20,3 +20,12 @@ pub(crate) fn bench_snapshot(
         None => Ok(hvprobe_session::snapshot::cached(cpus, false)?),
     }
 }
+
+/// A shell loop reading `/proc/version` on each of `cpus` vCPUs, in the background: the
+/// guest busy on every vCPU, so that the pauses a benchmark measures are real.
+pub(crate) fn read_loops(cpus: u8) -> String {
+    (0..cpus)
+        .map(|cpu| format!("taskset -c {cpu} sh -c 'while true; do read -r l < /proc/version; done' &"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
